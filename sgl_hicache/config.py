@@ -1,0 +1,143 @@
+"""Frozen, validated configuration: the KV layout of a model and the tier capacities of a cache.
+
+Every value is checked when the object is built, so a bad flag or a bad config file fails at start
+with a message that names the field, never later inside the serving path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
+
+EVICTION_POLICIES = ("lru", "lfu")
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+DISK_WRITE_POLICIES = ("write_back", "write_through")
+PREDICTORS = ("none", "tree_walk")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the value."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of one token's KV cache: what a page holds and what the namespace fingerprints.
+
+    Two caches whose layouts differ in any field never share a page key (see `hashing.Namespace`).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "bfloat16"
+    architecture: str = "llama"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value > 0, f"KVLayout.{name} must be a positive integer, got {value!r}")
+        _require(self.dtype in _DTYPES, f"KVLayout.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        _require(bool(self.architecture), "KVLayout.architecture must not be empty")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of every layer for one token."""
+        elem = torch.empty((), dtype=self.torch_dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Capacities and policies of a tiered cache. Capacities are in tokens and rounded down to pages.
+
+    `host_tokens == 0` disables the host tier, `disk_tokens == 0` (or no `disk_dir`) the disk tier;
+    with both off the cache behaves like SGLang's plain radix cache (evicted means recomputed).
+    """
+
+    layout: KVLayout
+    device_tokens: int
+    host_tokens: int = 0
+    disk_tokens: int = 0
+    page_size: int = 16
+    disk_dir: Path | None = None
+    eviction_policy: str = "lru"
+    write_policy: str = "write_back"
+    write_through_threshold: int = 2
+    disk_write_policy: str = "write_back"
+    predictor: str = "none"
+    tenant_salt: str = ""
+    disk_fsync: bool = False
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.page_size, int) and self.page_size >= 1, f"page_size must be an integer >= 1, got {self.page_size!r}")
+        for name in ("device_tokens", "host_tokens", "disk_tokens"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 0, f"{name} must be a non-negative integer, got {value!r}")
+        _require(self.device_tokens >= self.page_size, f"device_tokens ({self.device_tokens}) must hold at least one page of {self.page_size} tokens")
+        _require(self.eviction_policy in EVICTION_POLICIES, f"unknown eviction policy {self.eviction_policy!r}; choose one of {', '.join(EVICTION_POLICIES)}")
+        _require(self.write_policy in WRITE_POLICIES, f"unknown write policy {self.write_policy!r}; choose one of {', '.join(WRITE_POLICIES)}")
+        _require(self.disk_write_policy in DISK_WRITE_POLICIES, f"unknown disk write policy {self.disk_write_policy!r}; choose one of {', '.join(DISK_WRITE_POLICIES)}")
+        _require(self.predictor in PREDICTORS, f"unknown predictor {self.predictor!r}; choose one of {', '.join(PREDICTORS)}")
+        _require(self.write_through_threshold >= 1, f"write_through_threshold must be >= 1, got {self.write_through_threshold}")
+        if self.disk_dir is not None:
+            object.__setattr__(self, "disk_dir", Path(self.disk_dir))
+            _require(not self.disk_dir.exists() or self.disk_dir.is_dir(), f"disk_dir {str(self.disk_dir)!r} exists and is not a directory")
+        if self.disk_tokens > 0:
+            _require(self.disk_dir is not None, "disk_tokens > 0 needs a disk_dir")
+
+    @property
+    def device_pages(self) -> int:
+        return self.device_tokens // self.page_size
+
+    @property
+    def host_pages(self) -> int:
+        return self.host_tokens // self.page_size
+
+    @property
+    def disk_pages(self) -> int:
+        return self.disk_tokens // self.page_size if self.disk_dir is not None else 0
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_size * self.layout.bytes_per_token
+
+    def replace(self, **changes: object) -> "CacheConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def default_disk_dir() -> Path:
+    """Where the disk tier lives when the user names no directory."""
+    base = os.environ.get("SGL_HICACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "sgl_hicache")
+    return Path(base)
+
+
+__all__ = [
+    "CacheConfig",
+    "ConfigError",
+    "DISK_WRITE_POLICIES",
+    "EVICTION_POLICIES",
+    "KVLayout",
+    "PREDICTORS",
+    "WRITE_POLICIES",
+    "default_disk_dir",
+]

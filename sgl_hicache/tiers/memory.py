@@ -1,0 +1,95 @@
+"""The two in-memory stores: the device KV pool and the host DRAM buffer."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..config import KVLayout
+from ..hashing import PageKey
+from .base import DEVICE, HOST, Handle, SlotAllocator, TierStore
+
+
+class _SlotStore(TierStore):
+    """Shared allocation for stores whose handles are integer page slots."""
+
+    def __init__(self, layout: KVLayout, page_size: int, capacity_pages: int) -> None:
+        super().__init__(layout, page_size, capacity_pages)
+        self._slots = SlotAllocator(capacity_pages)
+
+    @property
+    def free_pages(self) -> int:
+        return self._slots.free_count
+
+    def allocate(self, keys: Sequence[PageKey]) -> list[Handle] | None:
+        return self._slots.allocate(len(keys))
+
+    def free(self, handles: Sequence[Handle]) -> None:
+        self._slots.free(handles)  # type: ignore[arg-type]
+
+
+class DeviceKVPool(_SlotStore):
+    """The device tier for the embedded engine: a KV pool laid out as SGLang lays out its own,
+    `(layers, K/V, slots, kv heads, head dim)`, allocated a page at a time.
+
+    On a CUDA machine the pool lives on the GPU; on a CPU it is an ordinary tensor. The SGLang
+    backend wraps SGLang's own pool behind the same protocol instead (`sgl_hicache.sglang`).
+    """
+
+    name = DEVICE
+
+    def __init__(self, layout: KVLayout, page_size: int, capacity_pages: int, device: str | torch.device | None = None) -> None:
+        super().__init__(layout, page_size, capacity_pages)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.kv = torch.zeros(
+            (layout.num_layers, 2, capacity_pages * page_size, layout.num_kv_heads, layout.head_dim),
+            dtype=layout.torch_dtype,
+            device=self.device,
+        )
+
+    def token_slots(self, handles: Sequence[Handle]) -> torch.Tensor:
+        """Token indices of the pages, in order: what an attention kernel reads."""
+        pages = torch.as_tensor(list(handles), dtype=torch.int64, device=self.device)
+        offsets = torch.arange(self.page_size, device=self.device)
+        return (pages[:, None] * self.page_size + offsets[None, :]).reshape(-1)
+
+    def read(self, handles: Sequence[Handle]) -> torch.Tensor:
+        idx = self.token_slots(handles)
+        gathered = self.kv.index_select(2, idx)  # (L, 2, n*page, H, D)
+        n = len(handles)
+        gathered = gathered.view(self.layout.num_layers, 2, n, self.page_size, *self.page_shape[3:])
+        return gathered.permute(2, 0, 1, 3, 4, 5).contiguous()
+
+    def write(self, handles: Sequence[Handle], data: torch.Tensor) -> None:
+        self._check_data(handles, data)
+        idx = self.token_slots(handles)
+        src = data.to(self.device, non_blocking=True).permute(1, 2, 0, 3, 4, 5)
+        src = src.reshape(self.layout.num_layers, 2, len(handles) * self.page_size, *self.page_shape[3:])
+        self.kv.index_copy_(2, idx, src)
+
+
+class HostKVBuffer(_SlotStore):
+    """The host tier: one DRAM buffer laid out page-first, `(pages, layers, K/V, tokens, heads, dim)`,
+    so that a page is one contiguous run of bytes for disk I/O. Pinned when CUDA is present, so
+    host->device copies can run asynchronously on a stream.
+    """
+
+    name = HOST
+
+    def __init__(self, layout: KVLayout, page_size: int, capacity_pages: int, pin_memory: bool | None = None) -> None:
+        super().__init__(layout, page_size, capacity_pages)
+        pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.pinned = bool(pin)
+        self.buffer = torch.zeros((capacity_pages, *self.page_shape), dtype=layout.torch_dtype, pin_memory=self.pinned)
+
+    def read(self, handles: Sequence[Handle]) -> torch.Tensor:
+        return self.buffer[torch.as_tensor(list(handles), dtype=torch.int64)]
+
+    def page_view(self, handle: Handle) -> torch.Tensor:
+        """The page's bytes in place (no copy): what the disk tier writes from and reads into."""
+        return self.buffer[handle]  # type: ignore[index]
+
+    def write(self, handles: Sequence[Handle], data: torch.Tensor) -> None:
+        self._check_data(handles, data)
+        self.buffer[torch.as_tensor(list(handles), dtype=torch.int64)] = data.to("cpu")
