@@ -26,6 +26,12 @@ class _SlotStore(TierStore):
         return self._slots.allocate(len(keys))
 
     def free(self, handles: Sequence[Handle]) -> None:
+        # validate the whole batch first: a KeyError must leave the accounting untouched
+        if len(set(handles)) != len(handles):
+            raise KeyError(f"{self.name}: free got the same slot twice")
+        for h in handles:
+            if not self._slots.is_allocated(h):  # type: ignore[arg-type]
+                raise KeyError(f"{self.name}: slot {h!r} is not allocated")
         self._slots.free(handles)  # type: ignore[arg-type]
 
 

@@ -1,0 +1,559 @@
+"""The one composer: tree + tier stores + policies. The API the embedded engine and the SGLang
+backend both call.
+
+Moving a page between tiers is a two-phase transfer (`TransferOp`): *prepare* (under the cache
+lock) allocates the destination and pins the node so nothing evicts or splits it; *execute* copies
+the bytes (no lock needed: it touches only the op's own handles); *complete* (under the lock)
+records the new residency, or rolls the allocation back when the copy failed. The synchronous
+paths below run the three phases back to back; the asynchronous transfer engine runs *execute* on
+worker threads.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from .config import CacheConfig
+from .hashing import Namespace, chain_keys
+from .policy.eviction import eviction_policy
+from .stats import CacheStats
+from .tiers.base import DEVICE, DISK, HOST, TIERS, Handle, PageCorruptError, TierIOError, TierStore
+from .tiers.memory import DeviceKVPool, HostKVBuffer
+from .tree.node import TreeNode
+from .tree.radix import InvariantError, RadixTree
+
+log = logging.getLogger(__name__)
+
+_LINK = {(DEVICE, HOST): "device->host", (HOST, DEVICE): "host->device", (HOST, DISK): "host->disk", (DISK, HOST): "disk->host"}
+
+
+@dataclass
+class MatchResult:
+    """What of a prompt the tree holds, and in which tier.
+
+    `path` is the matched chain of nodes from the root; the first `device_tokens` tokens are on the
+    device, the next `host_tokens` only on host, the next `disk_tokens` only on disk (residency is
+    prefix-closed per tier, so the attribution is always in that order). `device_handles` are the
+    device pages of the device part, in order.
+    """
+
+    path: list[TreeNode]
+    device_tokens: int
+    host_tokens: int
+    disk_tokens: int
+    device_handles: list[Handle]
+    last_node: TreeNode
+    last_device_node: TreeNode
+
+    @property
+    def tokens(self) -> int:
+        return self.device_tokens + self.host_tokens + self.disk_tokens
+
+    @property
+    def lower_tier_tokens(self) -> int:
+        return self.host_tokens + self.disk_tokens
+
+
+@dataclass
+class InsertResult:
+    """`prefix_tokens` were already in the tree's device tier; `duplicates` are the caller's device
+    pages that the tree did not take (it already held those pages) and the caller must free."""
+
+    prefix_tokens: int
+    duplicates: list[Handle]
+    last_node: TreeNode
+
+
+@dataclass
+class TransferOp:
+    """One node's pages moving from tier `src` to tier `dst` (see the module docstring)."""
+
+    node: TreeNode
+    src: str
+    dst: str
+    src_handles: list[Handle]
+    dst_handles: list[Handle]
+    nbytes: int
+    kind: str  # "demand" | "prefetch" | "predict" | "demote" | "backup"
+    error: BaseException | None = None
+    seconds: float = 0.0
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def link(self) -> str:
+        return _LINK[(self.src, self.dst)]
+
+
+class TieredCache:
+    """A radix prefix cache whose nodes live in a device, a host and a disk tier.
+
+    Contract:
+    - `match(tokens)` never moves bytes; it may split a node and adopt disk pages left by an earlier
+      process (restart) into the tree.
+    - `promote(match)` brings the matched path to the device tier (disk -> host -> device), evicting
+      colder unlocked nodes as needed; what cannot be brought up stays a miss. Never raises on a
+      tier failure: a corrupt or unreadable page is a miss, counted in `stats.errors`.
+    - `insert(tokens, handles)` hands the caller's device pages (one per whole page of `tokens`) to
+      the tree; pages the tree already held come back in `InsertResult.duplicates`.
+    - `allocate_device(n)` returns `n` free device pages, evicting (demoting) as needed, or None.
+    - Eviction from a tier is leaf-first in that tier, ordered by the eviction policy, never touches
+      a locked or pinned node, and demotes (device -> host -> disk) instead of dropping where the
+      next tier can take the pages.
+    - `check()` verifies the tree's invariants and that every store's accounting equals the tree's.
+    All public methods are thread-safe (one re-entrant lock; byte copies of asynchronous transfers
+    run outside it).
+    """
+
+    def __init__(
+        self,
+        config: CacheConfig,
+        device: TierStore | None = None,
+        host: TierStore | None = None,
+        disk: TierStore | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.page_size = config.page_size
+        self.namespace = Namespace.for_model(config.layout, config.page_size, config.tenant_salt)
+        self.tree = RadixTree(config.page_size, self.namespace)
+        self.stores: dict[str, TierStore] = {}
+        self.stores[DEVICE] = device or DeviceKVPool(config.layout, config.page_size, config.device_pages)
+        if host is None and config.host_pages > 0:
+            host = HostKVBuffer(config.layout, config.page_size, config.host_pages)
+        if host is not None:
+            self.stores[HOST] = host
+        if disk is None and config.disk_pages > 0:
+            from .tiers.disk import DiskPageStore
+
+            disk = DiskPageStore(config.layout, config.page_size, config.disk_pages, config.disk_dir, self.namespace, fsync=config.disk_fsync)
+        if disk is not None:
+            self.stores[DISK] = disk
+        self.priority = eviction_policy(config.eviction_policy)
+        self.clock = clock
+        self.stats = CacheStats()
+        self._mutex = threading.RLock()
+        # device pages handed out by allocate_device and not yet inserted or freed
+        self.outstanding_device_pages = 0
+        if DISK in self.stores and getattr(self.stores[DISK], "overfull_pages", 0):
+            # restarted with a smaller disk capacity than the files found: trim to capacity
+            self._evict_disk_orphans(self.stores[DISK].overfull_pages)  # type: ignore[attr-defined]
+
+    # ---- queries ---------------------------------------------------------------------------
+    def has_tier(self, tier: str) -> bool:
+        return tier in self.stores
+
+    def match(self, tokens: Sequence[int], touch: bool = True) -> MatchResult:
+        with self._mutex:
+            path, matched = self.tree.walk(tokens)
+            if self.has_tier(DISK):
+                path.extend(self._adopt_disk_pages(path, tokens, matched))
+            if touch:
+                now = self.clock()
+                parent = self.tree.root
+                for node in path:
+                    node.last_access = now
+                    self._count_traffic(parent, node, now)
+                    parent = node
+            return self._describe(path)
+
+    def _describe(self, path: list[TreeNode]) -> MatchResult:
+        ps = self.page_size
+        dev = host = disk = 0
+        handles: list[Handle] = []
+        last_device = self.tree.root
+        for node in path:
+            tokens = node.num_pages * ps
+            if node.device is not None:
+                dev += tokens
+                handles.extend(node.device)
+                last_device = node
+            elif node.host is not None:
+                host += tokens
+            else:
+                disk += tokens
+        return MatchResult(path, dev, host, disk, handles, path[-1] if path else self.tree.root, last_device)
+
+    def _count_traffic(self, parent: TreeNode, child: TreeNode, now: float) -> None:
+        """Decayed count of matches going from `parent` into `child` (the predictor's signal)."""
+        half_life = 60.0
+        if parent.child_traffic and parent.traffic_stamp < now:
+            decay = 0.5 ** ((now - parent.traffic_stamp) / half_life)
+            for k in parent.child_traffic:
+                parent.child_traffic[k] *= decay
+        parent.traffic_stamp = now
+        first = child.tokens[: self.page_size]
+        parent.child_traffic[first] = parent.child_traffic.get(first, 0.0) + 1.0
+
+    def _adopt_disk_pages(self, path: list[TreeNode], tokens: Sequence[int], matched: int) -> list[TreeNode]:
+        """Pages of `tokens` past the tree's match that the disk store holds but the tree does not
+        know (written by an earlier process): adopt them as a disk-only node."""
+        disk = self.stores[DISK]
+        if disk.used_pages <= self.tree.pages[DISK]:
+            return []  # no orphan pages on disk: nothing to find
+        parent = path[-1] if path else self.tree.root
+        if not (parent.is_root or parent.on_disk):
+            return []  # a disk node must hang under a disk node (prefix closure)
+        limit = self.tree.page_aligned(tokens)
+        keys = chain_keys(self.tree.key_of(parent), tokens[matched:limit], self.page_size)
+        found = 0
+        for key in keys:
+            if not disk.contains(key):  # type: ignore[attr-defined]
+                break
+            found += 1
+        if found == 0 or tuple(tokens[matched : matched + self.page_size]) in parent.children:
+            return []
+        node = self.tree.add_child(parent, tokens[matched : matched + found * self.page_size])
+        self.tree.set_resident(node, DISK)
+        return [node]
+
+    # ---- locks -----------------------------------------------------------------------------
+    def lock(self, node: TreeNode) -> None:
+        with self._mutex:
+            self.tree.lock(node)
+
+    def unlock(self, node: TreeNode) -> None:
+        with self._mutex:
+            self.tree.unlock(node)
+
+    # ---- device pages for computed KV --------------------------------------------------------
+    def allocate_device(self, num_pages: int) -> list[Handle] | None:
+        with self._mutex:
+            store = self.stores[DEVICE]
+            if store.free_pages < num_pages:
+                self.evict(DEVICE, num_pages - store.free_pages)
+            handles = store.allocate([b""] * num_pages)
+            if handles is not None:
+                self.outstanding_device_pages += num_pages
+            return handles
+
+    def free_device(self, handles: Sequence[Handle]) -> None:
+        """Return device pages from `allocate_device` that were not inserted (or were duplicates)."""
+        with self._mutex:
+            self.stores[DEVICE].free(handles)
+            self.outstanding_device_pages -= len(handles)
+
+    def insert(self, tokens: Sequence[int], device_handles: Sequence[Handle]) -> InsertResult:
+        """Insert the whole pages of `tokens`, whose KV the caller holds in `device_handles` (one per
+        page, from `allocate_device` or from an earlier match)."""
+        with self._mutex:
+            ps = self.page_size
+            limit = self.tree.page_aligned(tokens)
+            if len(device_handles) != limit // ps:
+                raise ValueError(f"insert of {limit // ps} whole pages with {len(device_handles)} device handles")
+            path, matched = self.tree.walk(tokens)
+            duplicates: list[Handle] = []
+            prefix_tokens = 0
+            page = 0
+            adopted = 0
+            for node in path:
+                mine = list(device_handles[page : page + node.num_pages])
+                if node.device is not None:
+                    duplicates.extend(h for h, t in zip(mine, node.device) if h != t)
+                    if prefix_tokens == page * ps:
+                        prefix_tokens += node.num_pages * ps
+                elif node.pins == 0 and (node.parent.is_root or node.parent.device is not None):  # type: ignore[union-attr]
+                    # the caller recomputed pages the tree holds only in lower tiers: keep its copy
+                    self.tree.set_resident(node, DEVICE, mine)
+                    adopted += len(mine)
+                else:
+                    duplicates.extend(mine)
+                page += node.num_pages
+            new_nodes: list[TreeNode] = []
+            last = path[-1] if path else self.tree.root
+            if matched < limit:
+                if last.is_root or last.device is not None:
+                    node = self.tree.add_child(last, tokens[matched:limit])
+                    self.tree.set_resident(node, DEVICE, list(device_handles[page:]))
+                    adopted += node.num_pages
+                    new_nodes.append(node)
+                    last = node
+                else:
+                    duplicates.extend(device_handles[page:])
+            now = self.clock()
+            for node in new_nodes:
+                node.last_access = now
+            self.outstanding_device_pages -= adopted
+            self._after_insert(new_nodes)
+            return InsertResult(prefix_tokens, duplicates, last)
+
+    def _after_insert(self, new_nodes: list[TreeNode]) -> None:
+        if self.config.write_policy == "write_through" and self.has_tier(HOST):
+            for node in new_nodes:
+                self.ensure(node, HOST, kind="backup", may_evict=True)
+
+    # ---- promotion -------------------------------------------------------------------------
+    def promote(self, match: MatchResult, kind: str = "demand") -> MatchResult:
+        """Bring the matched path to the device tier, root first; stops at the first page that
+        cannot come up (no room, or a failed read). Returns the path described afresh."""
+        with self._mutex:
+            if not match.path:
+                return match
+            last = match.path[-1]
+            self.tree.lock(last)
+            try:
+                for node in match.path:
+                    if node.parent is None or not self.ensure(node, DEVICE, kind=kind, may_evict=True):
+                        break
+            finally:
+                self.tree.unlock(last)
+                self._prune(last)
+            return self._describe([n for n in match.path if n.parent is not None])
+
+    def ensure(self, node: TreeNode, tier: str, kind: str, may_evict: bool) -> bool:
+        """Make `node` (and, for prefix closure, its ancestors) resident in `tier`; synchronous.
+        Returns False when the pages could not be placed or read; the tree stays consistent."""
+        with self._mutex:
+            if tier not in self.stores:
+                return False
+            path = node.path_from_root()
+            for n in path:  # pinned, so evictions made to room for the chain cannot take its head
+                n.pins += 1
+            try:
+                for n in path:
+                    if n.in_tier(tier):
+                        continue
+                    if n.parent is None:
+                        return False  # removed meanwhile (a corrupt ancestor dropped its subtree)
+                    if tier == DISK and all(self.stores[DISK].contains(k) for k in n.keys):  # type: ignore[attr-defined]
+                        self.tree.set_resident(n, DISK)  # content-addressed: already written, by us or an earlier process
+                        continue
+                    op = self.prepare(n, tier, kind, may_evict)
+                    if op is None:
+                        return False
+                    self.execute(op)
+                    if not self.complete(op):
+                        return False
+                return True
+            finally:
+                for n in path:
+                    n.pins -= 1
+                self._prune(node)
+
+    def _source_for(self, node: TreeNode, dst: str, kind: str, may_evict: bool) -> str | None:
+        """Which tier to copy from into `dst`: the fastest other tier that holds the node, bringing it
+        through host first when disk is the only copy and the destination is the device."""
+        order = {DEVICE: (HOST,), HOST: (DEVICE, DISK), DISK: (HOST, DEVICE)}[dst]
+        for src in order:
+            if node.in_tier(src):
+                return src
+        if dst == DEVICE and node.on_disk and self.ensure(node, HOST, kind, may_evict):
+            return HOST
+        return None
+
+    def prepare(self, node: TreeNode, dst: str, kind: str, may_evict: bool) -> TransferOp | None:
+        """Phase one: pick a source, allocate in `dst`, pin the node. None if it cannot be done now."""
+        with self._mutex:
+            src = self._source_for(node, dst, kind, may_evict)
+            if src is None or node.parent is None or node.in_tier(dst):
+                return None
+            store = self.stores[dst]
+            if dst == DISK:  # pages an earlier process left under these keys are rewritten
+                stale = [k for k in node.keys if store.contains(k)]  # type: ignore[attr-defined]
+                if stale:
+                    store.free(stale)
+            node.pins += 1  # pinned before evicting, so the eviction cannot pick it
+            try:
+                if store.free_pages < node.num_pages and may_evict:
+                    self.evict(dst, node.num_pages - store.free_pages)
+                handles = store.allocate(node.keys) if store.free_pages >= node.num_pages else None
+            except BaseException:
+                node.pins -= 1
+                raise
+            if handles is None:
+                node.pins -= 1
+                return None
+            src_handles = list(node.keys) if src == DISK else list(getattr(node, src))
+            return TransferOp(node, src, dst, src_handles, list(handles), node.num_pages * self.config.page_bytes, kind)
+
+    def execute(self, op: TransferOp) -> None:
+        """Phase two: copy the bytes. Touches only the op's own pinned handles; records the error."""
+        start = time.perf_counter()
+        try:
+            data = self.stores[op.src].read(op.src_handles)
+            self.stores[op.dst].write(op.dst_handles, data)
+        except (TierIOError, OSError, ValueError, RuntimeError) as exc:
+            op.error = exc
+        op.seconds = time.perf_counter() - start
+
+    def complete(self, op: TransferOp) -> bool:
+        """Phase three: record the new copy (or undo the allocation if the copy failed)."""
+        with self._mutex:
+            node = op.node
+            node.pins -= 1
+            op.done.set()
+            if op.error is not None:
+                self.stores[op.dst].free(op.dst_handles)
+                self._on_transfer_error(op)
+                return False
+            self.tree.set_resident(node, op.dst, op.dst_handles)
+            tokens = node.num_pages * self.page_size
+            self.stats.add("bytes_moved", op.nbytes, op.link)
+            self.stats.add("transfer_seconds", op.seconds, op.link)
+            if op.kind == "demote":
+                self.stats.add("demoted_tokens", tokens, op.src)
+            elif op.kind != "backup":
+                self.stats.add("promoted_tokens", tokens, op.dst)
+                if op.kind in ("prefetch", "predict") and op.dst == DEVICE:
+                    node.prefetched = op.kind
+                    self.stats.add_prefetch(op.kind, "promoted_tokens", tokens)
+            if op.dst == HOST and self.config.disk_write_policy == "write_through" and not node.on_disk:
+                self.ensure(node, DISK, kind="backup", may_evict=True)
+            return True
+
+    def _on_transfer_error(self, op: TransferOp) -> None:
+        name = "corrupt_pages" if isinstance(op.error, PageCorruptError) else f"{op.link}_errors"
+        self.stats.errors[name] += 1
+        log.warning("tier transfer %s of %d pages failed: %s", op.link, op.node.num_pages, op.error)
+        if op.src == DISK and isinstance(op.error, PageCorruptError):
+            self._drop_disk_subtree(op.node)
+
+    def _drop_disk_subtree(self, node: TreeNode) -> None:
+        """A disk page is gone: the disk copies of the node and of everything below it are unusable
+        (their prefix cannot be read); forget them, and the nodes held nowhere else."""
+        stack = [node]
+        order: list[TreeNode] = []
+        while stack:
+            n = stack.pop()
+            order.append(n)
+            stack.extend(n.children.values())
+        for n in reversed(order):  # leaves first
+            if n.on_disk:
+                self._free_disk(self.tree.clear_resident(n, DISK))
+            self._prune(n)
+
+    def _prune(self, node: TreeNode) -> None:
+        """Remove `node` and its ancestors while they are resident nowhere, childless and unused
+        (a node that lost its only copy while a transfer or a request held it)."""
+        while node.parent is not None and not node.tiers() and not node.children and node.evictable:
+            parent = node.parent
+            self.tree.remove_leaf(node)
+            self.stats.add("dropped_tokens", node.num_pages * self.page_size)
+            node = parent
+
+    def _free_disk(self, keys: Sequence[Handle]) -> None:
+        store = self.stores[DISK]
+        for key in keys:
+            try:
+                store.free([key])
+            except KeyError:
+                pass  # the store already discarded it (corrupt file)
+
+    # ---- eviction --------------------------------------------------------------------------
+    def evict(self, tier: str, num_pages: int) -> int:
+        """Free at least `num_pages` pages of `tier` if possible, leaf-first, coldest first;
+        demote where the next tier can take the pages. Returns the pages freed."""
+        with self._mutex:
+            freed = self._evict_disk_orphans(num_pages) if tier == DISK else 0
+            heap = [(self.priority(n), n.id, n) for n in self.tree.tier_leaves(tier) if n.evictable]
+            heapq.heapify(heap)
+            while freed < num_pages and heap:
+                _, _, node = heapq.heappop(heap)
+                if not node.in_tier(tier) or not node.evictable or any(c.in_tier(tier) for c in node.children.values()):
+                    continue
+                parent = node.parent
+                freed += self._evict_node(node, tier)
+                if parent is not None and not parent.is_root and parent.in_tier(tier) and parent.evictable:
+                    if not any(c.in_tier(tier) for c in parent.children.values()):
+                        heapq.heappush(heap, (self.priority(parent), parent.id, parent))
+            return freed
+
+    def _evict_disk_orphans(self, num_pages: int) -> int:
+        """Free disk pages no tree node refers to (left by an earlier process and not matched since
+        the restart): by LRU they are the coldest pages there are."""
+        store = self.stores[DISK]
+        if store.used_pages <= self.tree.pages[DISK]:
+            return 0
+        referenced = {k for n in self.tree.resident[DISK] for k in n.keys}
+        freed = 0
+        for key in store.keys():  # type: ignore[attr-defined]
+            if freed >= num_pages:
+                break
+            if key not in referenced:
+                self._free_disk([key])
+                freed += 1
+        return freed
+
+    def _evict_node(self, node: TreeNode, tier: str) -> int:
+        tokens = node.num_pages * self.page_size
+        node.pins += 1  # keep it out of the nested evictions its demotion may cause
+        try:
+            if tier == DEVICE and not node.host and self.has_tier(HOST):
+                self.ensure(node, HOST, kind="demote", may_evict=True)
+            elif tier == HOST and node.device is None and not node.on_disk and self.has_tier(DISK):
+                self.ensure(node, DISK, kind="demote", may_evict=True)
+        finally:
+            node.pins -= 1
+        handles = self.tree.clear_resident(node, tier)
+        if tier == DISK:
+            self._free_disk(handles)
+        else:
+            self.stores[tier].free(handles)
+        self.stats.add("evicted_tokens", tokens, tier)
+        if tier == DEVICE and node.prefetched:
+            self.stats.add_prefetch(node.prefetched, "wasted_tokens", tokens)
+            node.prefetched = None
+        if not node.tiers():
+            self.tree.remove_leaf(node)
+            self.stats.add("dropped_tokens", tokens)
+        return node.num_pages
+
+    # ---- accounting --------------------------------------------------------------------------
+    def record_request(self, prompt_tokens: int, match: MatchResult, covered_by_prefetch: int = 0) -> None:
+        """Count one scheduled request's hits per tier (call once per request, with the match taken
+        before its promotion) and credit prefetches that it used."""
+        with self._mutex:
+            self.stats.record_request(prompt_tokens, match.device_tokens, match.host_tokens, match.disk_tokens, covered_by_prefetch)
+            for node in match.path:
+                node.hit_count += 1
+                if node.prefetched and node.device is not None:
+                    self.stats.add_prefetch(node.prefetched, "used_tokens", node.num_pages * self.page_size)
+                    node.prefetched = None
+                if (
+                    self.config.write_policy == "write_through_selective"
+                    and node.host is None
+                    and node.device is not None
+                    and node.hit_count >= self.config.write_through_threshold
+                    and self.has_tier(HOST)
+                ):
+                    self.ensure(node, HOST, kind="backup", may_evict=False)
+
+    def stored_pages(self) -> dict[str, int]:
+        return dict(self.tree.pages)
+
+    def snapshot(self) -> dict:
+        snap = self.stats.snapshot()
+        snap["stored_tokens"] = {t: self.tree.pages[t] * self.page_size for t in TIERS}
+        snap["capacity_tokens"] = {t: (self.stores[t].capacity_pages * self.page_size if t in self.stores else 0) for t in TIERS}
+        return snap
+
+    def check(self) -> None:
+        """Tree invariants plus store accounting: each store's used pages equal what the tree holds
+        there (the device also counts pages handed out by `allocate_device` and not yet returned)."""
+        with self._mutex:
+            self.tree.check()
+            dev = self.stores[DEVICE]
+            if dev.used_pages != self.tree.pages[DEVICE] + self.outstanding_device_pages:
+                raise InvariantError(
+                    f"device store uses {dev.used_pages} pages; tree holds {self.tree.pages[DEVICE]} and {self.outstanding_device_pages} are outstanding"
+                )
+            if HOST in self.stores and self.stores[HOST].used_pages != self.tree.pages[HOST]:
+                raise InvariantError(f"host store uses {self.stores[HOST].used_pages} pages; tree holds {self.tree.pages[HOST]}")
+            if DISK in self.stores and self.stores[DISK].used_pages < self.tree.pages[DISK]:
+                raise InvariantError(f"disk store holds {self.stores[DISK].used_pages} pages; tree claims {self.tree.pages[DISK]}")
+
+    def reset(self) -> None:
+        """Forget the tree's device and host copies (SGLang's flush); disk files stay for a restart."""
+        with self._mutex:
+            for node in list(self.tree.nodes()):
+                for tier in (DEVICE, HOST):
+                    if node.in_tier(tier):
+                        self.stores[tier].free(self.tree.clear_resident(node, tier))
+            self.tree = RadixTree(self.page_size, self.namespace)
+
+    def nodes_in(self, tier: str) -> Iterable[TreeNode]:
+        return iter(self.tree.resident[tier])

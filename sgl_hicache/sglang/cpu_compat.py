@@ -1,0 +1,73 @@
+"""CPU-only workarounds for SGLang 0.5.23 (not product code).
+
+Applied by :func:`sgl_hicache.sglang.plugin.register` in every SGLang process, and only when
+``torch.cuda.is_available()`` is false; on a GPU machine :func:`apply` does nothing.
+
+SGLang's own HiCache (``--enable-hierarchical-cache``) fails on CPU torch because
+  * ``mem_cache/pool_host/common.py:_cuda_host_register`` calls ``cudaHostRegister``;
+  * the host pool pins its buffer (``pin_memory=True``), which needs CUDA;
+  * the KV copy op ``transfer_kv_direct`` comes from the CUDA ``sgl_kernel`` build.
+With these three replaced (no registration, no pinning, a pure-torch copy) it runs with
+``--hicache-io-backend direct --hicache-mem-layout layer_first``, which is what lets the project
+measure SGLang's own HiCache as a baseline on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+_applied = False
+
+
+def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size) -> None:
+    """Pure-torch ``transfer_kv_direct``: copy token rows ``src_indices`` -> ``dst_indices`` per layer."""
+    import torch
+
+    src_idx = src_indices.to(torch.long)
+    dst_idx = dst_indices.to(torch.long)
+    for src, dst in zip(src_layers, dst_layers):
+        rows = src.index_select(0, src_idx.to(src.device))
+        dst.index_copy_(0, dst_idx.to(dst.device), rows.to(dst.device))
+
+
+def needed() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def apply() -> bool:
+    """Patch SGLang's host KV pool for CPU torch. Idempotent; returns True if patches are in place."""
+    global _applied
+    if _applied:
+        return True
+    if not needed():
+        return False
+    import torch
+
+    try:
+        from sglang.srt.mem_cache.pool_host import common, mha
+        from sglang.srt.mem_cache.pool_host.base import HostKVCache
+    except ImportError as e:  # a different SGLang layout: leave it alone rather than break start-up
+        logger.warning("sgl_hicache cpu_compat: SGLang host pool not found (%s); not patched", e)
+        return False
+
+    common._cuda_host_register = lambda *args, **kwargs: None
+    mha.transfer_kv_direct = transfer_kv_direct
+
+    original_init = HostKVCache.__init__
+
+    def init_without_pinning(self, *args, **kwargs):
+        if "pin_memory" in kwargs:
+            kwargs["pin_memory"] = False
+        original_init(self, *args, **kwargs)
+        self.pin_memory = False
+
+    HostKVCache.__init__ = init_without_pinning
+    if not hasattr(torch.cpu.Stream, "synchronize"):
+        torch.cpu.Stream.synchronize = lambda self: None
+    _applied = True
+    logger.info("sgl_hicache cpu_compat: SGLang HiCache host pool patched for CPU")
+    return True

@@ -1,0 +1,274 @@
+"""Start, wait for and stop a real SGLang server in its own process group.
+
+SGLang's launcher forks a scheduler and a detokenizer; stopping only the parent can orphan them. So
+the server is started as the leader of a new session (``start_new_session=True``) and stopped by
+signalling the whole process group: SIGTERM, then SIGKILL after a grace period.
+
+This module imports no sglang: it runs ``python -m sglang.launch_server`` in a subprocess, so it can be
+used from tests and the CLI with any interpreter that has SGLang installed (e.g. ``.venv-sglang``).
+
+    with SGLangServer.start(model_path, port=30001, extra_args=[...], log_path=...) as srv:
+        srv.generate(input_ids=[...], max_new_tokens=8)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+__all__ = [
+    "ServerStartError",
+    "SGLangServer",
+    "cpu_server_args",
+    "free_port",
+    "has_cuda",
+]
+
+
+class ServerStartError(RuntimeError):
+    """The server died or did not become healthy in time; the message ends with the log tail."""
+
+
+def has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the usual race applies)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def cpu_server_args(max_total_tokens: int = 16384, page_size: int | None = None) -> list[str]:
+    """SGLang flags a CPU-only machine needs (torch_native attention, no CUDA graphs, a bounded pool).
+
+    Always bound ``--max-total-tokens`` on CPU: without it SGLang sizes the KV pool from host memory
+    (32.5 M tokens / ~19 GB RSS was seen for the tiny model).
+    """
+    args = [
+        "--device", "cpu",
+        "--attention-backend", "torch_native",
+        "--disable-cuda-graph",
+        "--max-total-tokens", str(max_total_tokens),
+    ]
+    if page_size is not None:
+        args += ["--page-size", str(page_size)]
+    return args
+
+
+def _tail(path: Path | None, n_lines: int = 40) -> str:
+    if path is None or not path.exists():
+        return "(no log)"
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - 64 * 1024))
+        data = f.read().decode("utf-8", "replace")
+    return "\n".join(data.splitlines()[-n_lines:])
+
+
+@dataclass
+class SGLangServer:
+    """A running ``sglang.launch_server`` process group. Create with :meth:`start`."""
+
+    proc: subprocess.Popen
+    host: str
+    port: int
+    log_path: Path | None
+    argv: list[str]
+    started_at: float
+    ready_after_s: float | None = None
+    _log_file: Any = field(default=None, repr=False)
+
+    # ---------------------------------------------------------------- lifecycle
+    @classmethod
+    def start(
+        cls,
+        model_path: str | os.PathLike,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        python: str | None = None,
+        log_path: str | os.PathLike | None = None,
+        cpu: bool | None = None,
+        load_format: str | None = "dummy",
+        skip_tokenizer_init: bool = True,
+        wait: bool = True,
+        timeout_s: float = 300.0,
+    ) -> "SGLangServer":
+        """Launch the server in a new process group; by default wait until /health answers 200.
+
+        ``cpu=None`` means "CPU if torch has no CUDA"; on CPU ``SGLANG_USE_CPU_ENGINE=1`` is set and
+        :func:`cpu_server_args` are added unless ``extra_args`` already carries ``--device``.
+        ``python`` defaults to this interpreter. Output goes to ``log_path`` (a temp file if None).
+        If waiting fails the process group is stopped before :class:`ServerStartError` is raised.
+        """
+        if port is None:
+            port = free_port(host)
+        if cpu is None:
+            cpu = not has_cuda()
+        argv = [python or sys.executable, "-m", "sglang.launch_server",
+                "--model-path", str(model_path), "--host", host, "--port", str(port)]
+        if load_format:
+            argv += ["--load-format", load_format]
+        if skip_tokenizer_init:
+            argv += ["--skip-tokenizer-init"]
+        extra = list(extra_args)
+        if cpu and "--device" not in extra:
+            cpu_args = cpu_server_args()
+            if "--max-total-tokens" in extra:
+                i = cpu_args.index("--max-total-tokens")
+                del cpu_args[i:i + 2]
+            argv += cpu_args
+        argv += extra
+
+        full_env = dict(os.environ)
+        if cpu:
+            full_env["SGLANG_USE_CPU_ENGINE"] = "1"
+        full_env.setdefault("PYTHONUNBUFFERED", "1")
+        if env:
+            full_env.update(env)
+
+        if log_path is None:
+            import tempfile
+
+            fd, name = tempfile.mkstemp(prefix=f"sglang-{port}-", suffix=".log")
+            os.close(fd)
+            log_path = name
+        log_path = Path(log_path)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_file = open(log_path, "wb")
+        proc = subprocess.Popen(
+            argv, env=full_env, stdout=log_file, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        server = cls(proc=proc, host=host, port=port, log_path=log_path, argv=argv,
+                     started_at=time.monotonic(), _log_file=log_file)
+        if wait:
+            try:
+                server.wait_healthy(timeout_s)
+            except BaseException:
+                server.stop()
+                raise
+        return server
+
+    def wait_healthy(self, timeout_s: float = 300.0, poll_s: float = 0.5) -> float:
+        """Block until GET /health returns 200; return seconds since start.
+
+        Fails fast with :class:`ServerStartError` (log tail included) if the process exits.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            rc = self.proc.poll()
+            if rc is not None:
+                raise ServerStartError(
+                    f"SGLang server exited with code {rc} before becoming healthy "
+                    f"(log {self.log_path}):\n{_tail(self.log_path)}")
+            if self._health_ok():
+                self.ready_after_s = time.monotonic() - self.started_at
+                return self.ready_after_s
+            if time.monotonic() > deadline:
+                raise ServerStartError(
+                    f"SGLang server not healthy after {timeout_s:.0f}s "
+                    f"(log {self.log_path}):\n{_tail(self.log_path)}")
+            time.sleep(poll_s)
+
+    def _health_ok(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            return False
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, grace_s: float = 15.0) -> int | None:
+        """SIGTERM the process group, SIGKILL it after ``grace_s``; return the leader's exit code.
+
+        Safe to call twice and on a server that already died.
+        """
+        pgid = self.proc.pid  # the leader of a new session: its pid is the group id
+        try:
+            if self.proc.poll() is None:
+                _signal_group(pgid, signal.SIGTERM)
+                try:
+                    self.proc.wait(timeout=grace_s)
+                except subprocess.TimeoutExpired:
+                    _signal_group(pgid, signal.SIGKILL)
+                    self.proc.wait(timeout=10)
+            # Children (scheduler, detokenizer) may outlive the leader: reap the group in any case.
+            if _group_alive(pgid):
+                _signal_group(pgid, signal.SIGTERM)
+                end = time.monotonic() + grace_s
+                while _group_alive(pgid) and time.monotonic() < end:
+                    time.sleep(0.2)
+                if _group_alive(pgid):
+                    _signal_group(pgid, signal.SIGKILL)
+        finally:
+            if self._log_file is not None and not self._log_file.closed:
+                self._log_file.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> "SGLangServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---------------------------------------------------------------- requests
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def log_tail(self, n_lines: int = 40) -> str:
+        return _tail(self.log_path, n_lines)
+
+    def post(self, path: str, body: Mapping[str, Any], timeout_s: float = 120.0) -> Any:
+        data = json.dumps(body).encode()
+        req = urllib.request.Request(f"{self.url}{path}", data, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return json.loads(r.read())
+
+    def get(self, path: str, timeout_s: float = 30.0) -> str:
+        with urllib.request.urlopen(f"{self.url}{path}", timeout=timeout_s) as r:
+            return r.read().decode()
+
+    def generate(self, input_ids: Sequence[int], max_new_tokens: int = 8, **sampling: Any) -> dict:
+        """POST /generate with token ids, greedy by default; returns SGLang's JSON reply."""
+        params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, **sampling}
+        return self.post("/generate", {"input_ids": list(input_ids), "sampling_params": params})
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True

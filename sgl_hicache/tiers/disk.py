@@ -1,0 +1,596 @@
+"""The disk tier: content-addressed page files that survive a restart and never serve wrong KV.
+
+One file per page, named by the page key: `<dir>/<k0k1>/<32 hex of key>.page`. Because a page's
+name is its chained key (see `hashing.py`), splitting a tree node costs nothing on disk, and a
+process that restarts can find a prefix's pages again by recomputing the keys of the prompt.
+
+File format (version 1, little endian, 128-byte header then payload)::
+
+    offset size  field
+      0     8    magic b"SGLHPAGE"           \
+      8     2    format version (u16)         | stable across versions: a reader of any version
+     10     2    header size (u16)            | can tell "another namespace" from "corrupt"
+     12    16    namespace root               /
+     28    16    page key
+     44     8    payload length (u64)
+     52    16    dtype name (ASCII, NUL padded)
+     68     4    ndim (u32)
+     72    32    shape (8 x u32, unused dims 0)
+    104     8    xxh3_64 of the payload
+    112     8    xxh3_64 of header bytes 0..111
+    120     8    zero padding
+    128     -    payload: the page tensor's raw bytes, shape `page_shape(layout, page_size)`
+
+Crash safety: a page is written to a temp name (`.<hex>.<pid>.<n>.tmp`) in its final directory and
+then `os.replace`d, so a page file is either absent or complete. With `fsync=True` the file and its
+directory are fsynced too (survives power loss, not only a process crash). Temp files left by a
+crash are deleted when the next store opens the directory.
+
+Restart: the constructor scans the directory and indexes every page file whose header is valid for
+this namespace. Payload checksums are verified lazily, on read (or all at once by `verify_all`).
+
+- A file with our magic but another namespace belongs to another model sharing the directory: it
+  is ignored (not deleted, not counted against capacity, never served); `foreign_ignored` counts it.
+- A page-named file that is zero-length, truncated, garbage, of another format version, whose
+  header checksum fails, or whose key/shape/dtype/length disagree with its name or our layout, is
+  deleted and counted in `corrupt_removed`.
+- Files and directories whose names are not ours are ignored (`stray_ignored`).
+- Overfull policy: if more valid pages are found than `capacity_pages`, every one is indexed (so the
+  cache can see and evict them); `free_pages` is 0 and `overfull_pages` says how many must go
+  before allocation succeeds again. The store itself never picks what to evict.
+
+Errors:
+- `allocate(keys)`: None when fewer than `len(keys)` pages are free or while writes are disabled;
+  ValueError for a malformed key, a duplicate in `keys`, or a key that is already allocated/stored
+  (check `contains` first).
+- `free(keys)`: KeyError if any key is neither allocated nor stored (nothing is freed then).
+- `write`: KeyError for a key that was not allocated, ValueError for a wrong shape or dtype,
+  TierIOError for any OSError (pages before the failing one are stored; free the batch). An
+  OSError also disables writes: `write_disabled` is True, `allocate` returns None, and `write`
+  raises TierIOError at once, until a probe write succeeds after `retry_interval_s` (checked by
+  `allocate` or `try_enable_writes`, on the injectable `clock`). An obstacle specific to one key (a
+  directory where the page file should go) fails that write without disabling the tier.
+- `read` / `read_into`: KeyError for a key that is not stored; PageCorruptError (with `.key_hex`
+  and `.reason`) when the header, length or checksum fails or the file vanished -- the store has
+  already deleted the file and dropped the key from its index, so the caller must forget the key
+  and NOT free it.
+
+Thread safety: reads and writes of distinct keys may run concurrently from many threads; a lock
+guards only the index and the counters. The constructor starts no thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import itertools
+import logging
+import os
+import re
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import torch
+import xxhash
+
+from ..config import KVLayout
+from ..hashing import KEY_BYTES, Namespace, PageKey
+from .base import DISK, Handle, PageCorruptError, TierIOError, TierStore
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"SGLHPAGE"
+FORMAT_VERSION = 1
+HEADER_SIZE = 128
+PAGE_SUFFIX = ".page"
+_STABLE_PREFIX = struct.Struct("<8sHH16s")  # magic, version, header size, namespace: never changes
+_HEADER_BODY = struct.Struct("<8sHH16s16sQ16sI8IQ")  # ... payload checksum (112 bytes)
+_HEADER_SUM = struct.Struct("<Q")
+_MAX_DIMS = 8
+assert _HEADER_BODY.size + _HEADER_SUM.size <= HEADER_SIZE
+
+_PAGE_NAME = re.compile(r"^[0-9a-f]{32}\.page$")
+_TEMP_NAME = re.compile(r"^\.[0-9a-f]{32}\.[0-9]+\.[0-9]+\.tmp$")
+_PROBE_NAME = re.compile(r"^\.probe\.[0-9]+\.[0-9]+\.tmp$")
+_FANOUT_NAME = re.compile(r"^[0-9a-f]{2}$")
+
+_RESERVED, _STORED = 0, 1
+
+COUNTER_NAMES = (
+    "pages_written",
+    "pages_read",
+    "bytes_written",
+    "bytes_read",
+    "corrupt_removed",
+    "foreign_ignored",
+    "partial_removed",
+    "write_errors",
+    "pages_restored",
+    "stray_ignored",
+    "unlink_errors",
+)
+
+
+def check_key(key: object) -> PageKey:
+    """A page key is exactly KEY_BYTES `bytes`; anything else is refused before it names a path."""
+    if type(key) is not bytes or len(key) != KEY_BYTES:
+        shown = repr(key)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        raise ValueError(f"disk: a page key must be {KEY_BYTES} bytes, got {type(key).__name__} {shown}")
+    return key
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's storage, without a copy.
+
+    The view does not keep the tensor alive: the caller must hold the tensor while using it.
+    """
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("disk: tensor_bytes needs a contiguous CPU tensor")
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(t.data_ptr())).cast("B")
+
+
+class DiskPageStore(TierStore):
+    """Content-addressed page files under one directory; handles are the 16-byte page keys."""
+
+    name = DISK
+    persistent = True
+    content_addressed = True
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        page_size: int,
+        capacity_pages: int,
+        directory: str | os.PathLike[str],
+        namespace: Namespace,
+        fsync: bool = False,
+        *,
+        retry_interval_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(layout, page_size, capacity_pages)
+        if not isinstance(namespace, Namespace) or len(namespace.root) != KEY_BYTES:
+            raise ValueError(f"disk: namespace must be a hashing.Namespace, got {namespace!r}")
+        if retry_interval_s < 0:
+            raise ValueError(f"disk: retry_interval_s must be >= 0, got {retry_interval_s}")
+        self.directory = Path(directory)
+        self.namespace = namespace
+        self.fsync = bool(fsync)
+        self.retry_interval_s = float(retry_interval_s)
+        self._clock = clock
+        self.dtype = layout.torch_dtype
+        self._dtype_name = layout.dtype.encode("ascii")
+        if len(self._dtype_name) > 16 or len(self.page_shape) > _MAX_DIMS:
+            raise ValueError(f"disk: layout {layout!r} cannot be described by the page header")
+        self._payload_bytes = self.page_bytes
+
+        self._lock = threading.Lock()
+        self._index: dict[PageKey, int] = {}
+        self._n_reserved = 0
+        self.counters: dict[str, int] = {name: 0 for name in COUNTER_NAMES}
+        self._logged_reasons: set[str] = set()
+        self._tmp_seq = itertools.count()
+        self._made_dirs: set[str] = set()
+        self._write_disabled = False
+        self._next_probe_at = 0.0
+        self._disabled_reason = ""
+
+        try:
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TierIOError(f"disk: cannot create the disk tier directory {str(self.directory)!r}: {exc}") from exc
+        if not self.directory.is_dir():
+            raise TierIOError(f"disk: {str(self.directory)!r} is not a directory")
+        self._scan()
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def stored_pages(self) -> int:
+        """Pages written and readable (as far as the index knows)."""
+        return len(self._index) - self._n_reserved
+
+    @property
+    def free_pages(self) -> int:
+        return max(0, self.capacity_pages - len(self._index))
+
+    @property
+    def overfull_pages(self) -> int:
+        """Pages found on restart beyond capacity: the cache must free this many before allocating."""
+        return max(0, len(self._index) - self.capacity_pages)
+
+    @property
+    def write_disabled(self) -> bool:
+        return self._write_disabled
+
+    def contains(self, key: PageKey) -> bool:
+        """True when the page is stored (written and indexed). No I/O."""
+        return self._index.get(key) == _STORED
+
+    def keys(self) -> Iterator[PageKey]:
+        """The stored pages' keys (a snapshot)."""
+        with self._lock:
+            snapshot = [k for k, state in self._index.items() if state == _STORED]
+        return iter(snapshot)
+
+    def page_path(self, key: PageKey) -> Path:
+        hexkey = check_key(key).hex()
+        return self.directory / hexkey[:2] / (hexkey + PAGE_SUFFIX)
+
+    # ------------------------------------------------------------------ protocol
+    def allocate(self, keys: Sequence[PageKey]) -> list[Handle] | None:
+        keys = [check_key(k) for k in keys]
+        if len(set(keys)) != len(keys):
+            raise ValueError("disk: allocate got the same key twice")
+        if self._write_disabled and not self.try_enable_writes():
+            return None
+        with self._lock:
+            for k in keys:
+                if k in self._index:
+                    raise ValueError(f"disk: page {k.hex()} is already allocated or stored (check contains() first)")
+            if len(keys) > self.capacity_pages - len(self._index):
+                return None
+            for k in keys:
+                self._index[k] = _RESERVED
+            self._n_reserved += len(keys)
+        return list(keys)
+
+    def free(self, handles: Sequence[Handle]) -> None:
+        keys = [check_key(k) for k in handles]
+        with self._lock:
+            for k in keys:
+                if k not in self._index:
+                    raise KeyError(f"disk: page {k.hex()} is not allocated")
+            if len(set(keys)) != len(keys):
+                raise KeyError("disk: free got the same key twice")
+            states = [self._index.pop(k) for k in keys]
+            self._n_reserved -= sum(1 for s in states if s == _RESERVED)
+        for k in keys:
+            self._unlink(self.page_path(k))
+
+    def write(self, handles: Sequence[Handle], data: torch.Tensor) -> None:
+        keys = [check_key(k) for k in handles]
+        self._check_data(keys, data)
+        if data.dtype != self.dtype:
+            raise ValueError(f"disk: write of dtype {data.dtype}, expected {self.dtype}")
+        for k in keys:
+            if k not in self._index:
+                raise KeyError(f"disk: page {k.hex()} was not allocated")
+        if self._write_disabled:
+            raise TierIOError(f"disk: writes are disabled ({self._disabled_reason}); retrying after {self.retry_interval_s:g} s")
+        if data.device.type != "cpu":
+            data = data.to("cpu")
+        for i, k in enumerate(keys):
+            self._write_page(k, data[i].contiguous())
+
+    def read(self, handles: Sequence[Handle]) -> torch.Tensor:
+        keys = [check_key(k) for k in handles]
+        out = torch.empty((len(keys), *self.page_shape), dtype=self.dtype)
+        for i, k in enumerate(keys):
+            self.read_into(k, out[i])
+        return out
+
+    def read_into(self, key: PageKey, out: torch.Tensor) -> None:
+        """Read one page straight into `out` (contiguous CPU, `page_shape`, layout dtype), no copy.
+
+        On PageCorruptError the contents of `out` are undefined and must not be used.
+        """
+        key = check_key(key)
+        if tuple(out.shape) != self.page_shape or out.dtype != self.dtype:
+            raise ValueError(f"disk: read_into a tensor of shape {tuple(out.shape)} / {out.dtype}, expected {self.page_shape} / {self.dtype}")
+        if out.device.type != "cpu" or not out.is_contiguous():
+            raise ValueError("disk: read_into needs a contiguous CPU tensor")
+        if self._index.get(key) != _STORED:
+            raise KeyError(f"disk: page {key.hex()} is not stored")
+        path = self.page_path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            self._corrupt(key, path, "missing", "the page file vanished", delete=False)
+        except OSError as exc:
+            raise TierIOError(f"disk: cannot open page {key.hex()}: {exc}") from exc
+        try:
+            try:
+                size = os.fstat(fd).st_size
+                header = os.pread(fd, HEADER_SIZE, 0)
+            except OSError as exc:
+                raise TierIOError(f"disk: cannot read page {key.hex()}: {exc}") from exc
+            fields, reason = self._parse_header(header, size, key)
+            if fields is None:
+                self._corrupt(key, path, reason, f"bad header: {reason}")
+            view = tensor_bytes(out)
+            try:
+                got = self._pread_into(fd, view, HEADER_SIZE)
+            except OSError as exc:
+                raise TierIOError(f"disk: cannot read page {key.hex()}: {exc}") from exc
+            if got != self._payload_bytes:
+                self._corrupt(key, path, "truncated", f"payload is {got} bytes, expected {self._payload_bytes}")
+            if xxhash.xxh3_64_intdigest(view) != fields["checksum"]:
+                self._corrupt(key, path, "checksum", "payload checksum mismatch")
+        finally:
+            os.close(fd)
+        with self._lock:
+            self.counters["pages_read"] += 1
+            self.counters["bytes_read"] += self._payload_bytes
+
+    def verify_all(self) -> list[PageKey]:
+        """Read and checksum every stored page; delete the bad ones. Returns the keys removed."""
+        buf = torch.empty(self.page_shape, dtype=self.dtype)
+        bad: list[PageKey] = []
+        for key in self.keys():
+            try:
+                self.read_into(key, buf)
+            except PageCorruptError:
+                bad.append(key)
+            except KeyError:  # freed meanwhile
+                pass
+        return bad
+
+    def try_enable_writes(self) -> bool:
+        """Re-enable writes if the retry interval has passed and a probe write succeeds."""
+        if not self._write_disabled:
+            return True
+        now = self._clock()
+        if now < self._next_probe_at:
+            return False
+        probe = self.directory / f".probe.{os.getpid()}.{next(self._tmp_seq)}.tmp"
+        try:
+            self._write_file(probe, [b"probe"])
+        except OSError as exc:
+            self._unlink(probe, quiet=True)
+            self._next_probe_at = now + self.retry_interval_s
+            log.debug("disk tier: probe write into %s still fails: %s", self.directory, exc)
+            return False
+        self._unlink(probe, quiet=True)
+        self._write_disabled = False
+        self._disabled_reason = ""
+        log.warning("disk tier: writes into %s work again; re-enabled", self.directory)
+        return True
+
+    # ------------------------------------------------------------------ internals
+    def _header(self, key: PageKey, checksum: int) -> bytes:
+        shape = list(self.page_shape) + [0] * (_MAX_DIMS - len(self.page_shape))
+        body = _HEADER_BODY.pack(
+            MAGIC, FORMAT_VERSION, HEADER_SIZE, self.namespace.root, key, self._payload_bytes,
+            self._dtype_name, len(self.page_shape), *shape, checksum,
+        )
+        return (body + _HEADER_SUM.pack(xxhash.xxh3_64_intdigest(body))).ljust(HEADER_SIZE, b"\0")
+
+    def _parse_header(self, header: bytes, size: int, key: PageKey) -> tuple[dict | None, str]:
+        """(fields, "") for a valid header of ours; (None, reason) otherwise.
+
+        reason "foreign" means: our magic, another namespace (not ours to judge or delete).
+        """
+        if len(header) < _STABLE_PREFIX.size:
+            return None, "zero-length" if size == 0 else "truncated header"
+        magic, version, header_size, ns = _STABLE_PREFIX.unpack_from(header)
+        if magic != MAGIC:
+            return None, "bad magic"
+        if ns != self.namespace.root:
+            return None, "foreign"
+        if version != FORMAT_VERSION:
+            return None, f"format version {version}"
+        if header_size != HEADER_SIZE or len(header) < HEADER_SIZE:
+            return None, "truncated header"
+        body = header[: _HEADER_BODY.size]
+        (stored_sum,) = _HEADER_SUM.unpack_from(header, _HEADER_BODY.size)
+        if xxhash.xxh3_64_intdigest(body) != stored_sum:
+            return None, "header checksum"
+        f = _HEADER_BODY.unpack(body)
+        file_key, length, dtype_name, ndim, shape, checksum = f[4], f[5], f[6].rstrip(b"\0"), f[7], f[8 : 8 + _MAX_DIMS], f[-1]
+        if file_key != key:
+            return None, "key does not match file name"
+        if dtype_name != self._dtype_name or tuple(shape[:ndim]) != self.page_shape or length != self._payload_bytes:
+            return None, "layout mismatch"
+        if size != HEADER_SIZE + length:
+            return None, "truncated" if size < HEADER_SIZE + length else "trailing bytes"
+        return {"checksum": checksum}, ""
+
+    @staticmethod
+    def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+        got = 0
+        while got < len(view):
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if n == 0:
+                break
+            got += n
+        return got
+
+    def _write_fd(self, fd: int, buffers: list) -> None:
+        """The one low-level write (tests inject ENOSPC here)."""
+        total = sum(len(b) for b in buffers)
+        done = 0
+        views = [memoryview(b).cast("B") for b in buffers]
+        while done < total:
+            n = os.writev(fd, views)
+            if n <= 0:
+                raise OSError(errno.EIO, "writev wrote nothing")
+            done += n
+            while n > 0 and views:
+                if n >= len(views[0]):
+                    n -= len(views[0])
+                    views.pop(0)
+                else:
+                    views[0] = views[0][n:]
+                    n = 0
+
+    def _write_file(self, path: Path, buffers: list) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            self._write_fd(fd, buffers)
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _ensure_dir(self, sub: Path) -> None:
+        name = sub.name
+        if name in self._made_dirs:
+            return
+        try:
+            os.mkdir(sub, 0o700)
+        except FileExistsError:
+            if not sub.is_dir() or sub.is_symlink():
+                raise NotADirectoryError(errno.ENOTDIR, "fan-out entry is not a directory", str(sub))
+        self._made_dirs.add(name)
+        if self.fsync:
+            self._fsync_dir(self.directory)
+
+    @staticmethod
+    def _fsync_dir(path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _write_page(self, key: PageKey, page: torch.Tensor) -> None:
+        final = self.page_path(key)
+        tmp = final.parent / f".{key.hex()}.{os.getpid()}.{next(self._tmp_seq)}.tmp"
+        payload = tensor_bytes(page)
+        header = self._header(key, xxhash.xxh3_64_intdigest(payload))
+        try:
+            self._ensure_dir(final.parent)
+            self._write_file(tmp, [header, payload])
+            os.replace(tmp, final)
+            if self.fsync:
+                self._fsync_dir(final.parent)
+        except OSError as exc:
+            self._unlink(tmp, quiet=True)
+            with self._lock:
+                self.counters["write_errors"] += 1
+            if isinstance(exc, IsADirectoryError):  # one key's path is blocked; the medium is fine
+                raise TierIOError(f"disk: cannot write page {key.hex()}: {exc}") from exc
+            self._disable(exc)
+            raise TierIOError(f"disk: cannot write page {key.hex()}: {exc}") from exc
+        with self._lock:
+            if key in self._index:
+                if self._index[key] == _RESERVED:
+                    self._n_reserved -= 1
+                self._index[key] = _STORED
+                stale = False
+            else:  # freed while being written: do not leave an unaccounted file behind
+                stale = True
+            self.counters["pages_written"] += 1
+            self.counters["bytes_written"] += len(payload)
+        if stale:
+            self._unlink(final, quiet=True)
+
+    def _disable(self, exc: OSError) -> None:
+        with self._lock:
+            was = self._write_disabled
+            self._write_disabled = True
+            self._disabled_reason = f"{type(exc).__name__}: {exc}"
+            self._next_probe_at = self._clock() + self.retry_interval_s
+        if not was:
+            log.error(
+                "disk tier: write into %s failed (%s); disk writes disabled, retrying every %g s",
+                self.directory, self._disabled_reason, self.retry_interval_s,
+            )
+
+    def _corrupt(self, key: PageKey, path: Path, reason: str, detail: str, delete: bool = True) -> None:
+        """Discard a page that failed verification and raise PageCorruptError."""
+        if delete:
+            self._unlink(path, quiet=True)
+        with self._lock:
+            state = self._index.pop(key, None)
+            if state == _RESERVED:
+                self._n_reserved -= 1
+            self.counters["corrupt_removed"] += 1
+            first = reason not in self._logged_reasons
+            self._logged_reasons.add(reason)
+        (log.warning if first else log.debug)("disk tier: page %s discarded (%s): %s", key.hex(), reason, detail)
+        err = PageCorruptError(f"disk: page {key.hex()} is corrupt ({reason}): {detail}")
+        err.key_hex = key.hex()  # type: ignore[attr-defined]
+        err.reason = reason  # type: ignore[attr-defined]
+        raise err
+
+    def _unlink(self, path: Path, quiet: bool = False) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            with self._lock:
+                self.counters["unlink_errors"] += 1
+            if not quiet:
+                log.warning("disk tier: cannot delete %s: %s", path, exc)
+
+    def _scan(self) -> None:
+        """Rebuild the index from the directory (see the module docstring for the rules)."""
+        c = self.counters
+        try:
+            top = list(os.scandir(self.directory))
+        except OSError as exc:
+            raise TierIOError(f"disk: cannot list {str(self.directory)!r}: {exc}") from exc
+        reasons: dict[str, int] = {}
+        for sub in top:
+            if _PROBE_NAME.match(sub.name) and sub.is_file(follow_symlinks=False):
+                self._unlink(Path(sub.path), quiet=True)
+                continue
+            if not (_FANOUT_NAME.match(sub.name) and sub.is_dir(follow_symlinks=False)):
+                c["stray_ignored"] += 1
+                continue
+            self._made_dirs.add(sub.name)
+            try:
+                entries = list(os.scandir(sub.path))
+            except OSError as exc:
+                log.warning("disk tier: cannot list %s: %s", sub.path, exc)
+                continue
+            for entry in entries:
+                name = entry.name
+                if _TEMP_NAME.match(name) and entry.is_file(follow_symlinks=False):
+                    self._unlink(Path(entry.path), quiet=True)
+                    c["partial_removed"] += 1
+                    continue
+                if not (_PAGE_NAME.match(name) and name.startswith(sub.name) and entry.is_file(follow_symlinks=False)):
+                    c["stray_ignored"] += 1
+                    continue
+                key = bytes.fromhex(name[: 2 * KEY_BYTES])
+                reason = self._scan_file(entry.path, key)
+                if reason == "":
+                    self._index[key] = _STORED
+                    c["pages_restored"] += 1
+                elif reason == "foreign":
+                    c["foreign_ignored"] += 1
+                elif reason != "unreadable":
+                    self._unlink(Path(entry.path), quiet=True)
+                    c["corrupt_removed"] += 1
+                    reasons[reason] = reasons.get(reason, 0) + 1
+        if reasons:
+            log.warning("disk tier: removed %d bad page files from %s at start: %s", sum(reasons.values()), self.directory, reasons)
+        if c["partial_removed"]:
+            log.info("disk tier: removed %d temp files left by an interrupted write in %s", c["partial_removed"], self.directory)
+        if self.overfull_pages:
+            log.warning(
+                "disk tier: %s holds %d pages, capacity is %d; %d must be evicted before new pages fit",
+                self.directory, len(self._index), self.capacity_pages, self.overfull_pages,
+            )
+
+    def _scan_file(self, path: str, key: PageKey) -> str:
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            log.warning("disk tier: cannot open %s: %s", path, exc)
+            return "unreadable"
+        try:
+            size = os.fstat(fd).st_size
+            header = os.pread(fd, HEADER_SIZE, 0)
+        except OSError as exc:
+            log.warning("disk tier: cannot read %s: %s", path, exc)
+            return "unreadable"
+        finally:
+            os.close(fd)
+        _, reason = self._parse_header(header, size, key)
+        return reason
+
+
+__all__ = ["COUNTER_NAMES", "DiskPageStore", "FORMAT_VERSION", "HEADER_SIZE", "MAGIC", "check_key", "tensor_bytes"]

@@ -1,0 +1,104 @@
+"""A node of the tiered radix tree: a run of whole pages and where copies of them live."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from ..hashing import PageKey
+from ..tiers.base import DEVICE, DISK, HOST, Handle
+
+_ids = itertools.count()
+
+
+class TreeNode:
+    """One edge of the radix tree: `tokens` (a whole number of pages), their chained `keys`, and the
+    tiers that hold a copy: `device` / `host` are per-page handles (None when absent), `on_disk` says
+    the disk store holds a file per key.
+
+    Counters the policies read: `lock_ref` (requests using the node; a locked node is never evicted
+    from any tier), `pins` (transfers reading or writing it; a pinned node is never evicted or
+    split), `hit_count`, `last_access`, and `child_traffic` (decayed counts of how often a match went
+    on from this node into each child, keyed by the child's first page; read by the predictor).
+    """
+
+    __slots__ = (
+        "id",
+        "parent",
+        "children",
+        "tokens",
+        "keys",
+        "device",
+        "host",
+        "on_disk",
+        "lock_ref",
+        "pins",
+        "hit_count",
+        "last_access",
+        "child_traffic",
+        "traffic_stamp",
+        "prefetched",
+    )
+
+    def __init__(self, parent: "TreeNode | None", tokens: tuple[int, ...], keys: list[PageKey]) -> None:
+        self.id = next(_ids)
+        self.parent = parent
+        self.children: dict[tuple[int, ...], TreeNode] = {}
+        self.tokens = tokens
+        self.keys = keys
+        self.device: list[Handle] | None = None
+        self.host: list[Handle] | None = None
+        self.on_disk = False
+        self.lock_ref = 0
+        self.pins = 0
+        self.hit_count = 0
+        self.last_access = 0.0
+        self.child_traffic: dict[tuple[int, ...], float] = {}
+        self.traffic_stamp = 0.0
+        # set by a prefetch or a prediction until a request uses the node: "prefetch" | "predict" | None
+        self.prefetched: str | None = None
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.keys)
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    @property
+    def last_key(self) -> PageKey:
+        return self.keys[-1]
+
+    def in_tier(self, tier: str) -> bool:
+        if tier == DEVICE:
+            return self.device is not None
+        if tier == HOST:
+            return self.host is not None
+        return self.on_disk
+
+    def tiers(self) -> tuple[str, ...]:
+        return tuple(t for t in (DEVICE, HOST, DISK) if self.in_tier(t))
+
+    @property
+    def evictable(self) -> bool:
+        return self.lock_ref == 0 and self.pins == 0 and not self.is_root
+
+    def path_from_root(self) -> list["TreeNode"]:
+        """Ancestors then self, root excluded."""
+        path: list[TreeNode] = []
+        node: TreeNode | None = self
+        while node is not None and not node.is_root:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        return path
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, pages={self.num_pages}, tiers={self.tiers()}, lock={self.lock_ref}, pins={self.pins})"
+
+
+def split_handles(handles: Sequence[Handle] | None, at: int) -> tuple[list[Handle] | None, list[Handle] | None]:
+    if handles is None:
+        return None, None
+    return list(handles[:at]), list(handles[at:])

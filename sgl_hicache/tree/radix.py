@@ -1,0 +1,230 @@
+"""The paged radix tree: match / insert / split / remove, with per-tier residency bookkeeping.
+
+The tree moves no bytes and decides nothing: it knows which tiers hold each node and keeps the
+invariants that `check()` verifies. The cache (`sgl_hicache.cache`) decides and moves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from ..hashing import Namespace, PageKey, chain_keys
+from ..tiers.base import DEVICE, DISK, HOST, TIERS, Handle
+from .node import TreeNode, split_handles
+
+
+class InvariantError(AssertionError):
+    """`RadixTree.check()` found the tree in a state it must never be in."""
+
+
+class RadixTree:
+    """A radix tree over whole pages of token ids.
+
+    Invariants (all verified by `check()`):
+    - every non-root node holds a positive whole number of pages, with one chained key per page;
+    - every non-root node is resident in at least one tier;
+    - residency is prefix-closed in every tier: a node resident in a tier has its parent resident in
+      that tier too (or the parent is the root), so what a tier keeps is always usable from the root;
+    - `pages[tier]` equals the sum of the pages of the nodes resident in that tier;
+    - lock and pin counts are never negative; a node's lock count is at least the sum of its children's
+      (locks are taken on a whole path).
+    """
+
+    def __init__(self, page_size: int, namespace: Namespace) -> None:
+        self.page_size = page_size
+        self.namespace = namespace
+        self.root = TreeNode(None, (), [])
+        self.root.lock_ref = 1  # the root is never evicted
+        self.resident: dict[str, set[TreeNode]] = {tier: set() for tier in TIERS}
+        self.pages: dict[str, int] = {tier: 0 for tier in TIERS}
+        self.node_count = 0
+
+    # ---- structure -------------------------------------------------------------------------
+    def page_aligned(self, tokens: Sequence[int]) -> int:
+        return len(tokens) - len(tokens) % self.page_size
+
+    def key_of(self, node: TreeNode) -> PageKey:
+        return self.namespace.root if node.is_root else node.last_key
+
+    def walk(self, tokens: Sequence[int], split: bool = True) -> tuple[list[TreeNode], int]:
+        """Longest whole-page prefix of `tokens` in the tree, whatever tier holds it.
+
+        Returns the path (root excluded) and the matched token count. With `split`, a match that
+        ends inside a node splits it there so the path ends exactly at the match; a pinned node is
+        never split (the match then stops before it).
+        """
+        ps = self.page_size
+        limit = self.page_aligned(tokens)
+        node, pos, path = self.root, 0, []
+        while pos < limit:
+            child = node.children.get(tuple(tokens[pos : pos + ps]))
+            if child is None:
+                break
+            n = self._common_pages(child.tokens, tokens, pos, limit)
+            if n < child.num_pages:
+                if not split or child.pins:
+                    break
+                child = self.split(child, n)
+            path.append(child)
+            pos += child.num_pages * ps
+            node = child
+        return path, pos
+
+    def _common_pages(self, edge: tuple[int, ...], tokens: Sequence[int], pos: int, limit: int) -> int:
+        ps = self.page_size
+        n = 0
+        while n * ps < len(edge) and pos + (n + 1) * ps <= limit:
+            a = n * ps
+            if tuple(tokens[pos + a : pos + a + ps]) != edge[a : a + ps]:
+                break
+            n += 1
+        return n
+
+    def split(self, node: TreeNode, pages: int) -> TreeNode:
+        """Split `node` after `pages` pages; returns the new upper node (the old node keeps the rest)."""
+        assert 0 < pages < node.num_pages and node.pins == 0, (node, pages)
+        cut = pages * self.page_size
+        upper = TreeNode(node.parent, node.tokens[:cut], node.keys[:pages])
+        upper.device, node.device = split_handles(node.device, pages)
+        upper.host, node.host = split_handles(node.host, pages)
+        upper.on_disk = node.on_disk
+        for attr in ("lock_ref", "hit_count", "last_access", "prefetched"):
+            setattr(upper, attr, getattr(node, attr))
+        upper.child_traffic = {node.tokens[cut : cut + self.page_size]: 1.0}
+        upper.traffic_stamp = node.traffic_stamp
+        assert node.parent is not None
+        node.parent.children[upper.tokens[: self.page_size]] = upper
+        node.tokens = node.tokens[cut:]
+        node.keys = node.keys[pages:]
+        node.parent = upper
+        upper.children[node.tokens[: self.page_size]] = node
+        for tier in TIERS:
+            if node in self.resident[tier]:
+                self.resident[tier].add(upper)
+        self.node_count += 1
+        return upper
+
+    def add_child(self, parent: TreeNode, tokens: Sequence[int]) -> TreeNode:
+        """A new, not yet resident node under `parent` for whole pages `tokens`; the caller sets its
+        residency at once (a node resident nowhere breaks the invariants)."""
+        tokens = tuple(tokens)
+        assert tokens and len(tokens) % self.page_size == 0
+        first = tokens[: self.page_size]
+        assert first not in parent.children, "add_child over an existing edge"
+        node = TreeNode(parent, tokens, chain_keys(self.key_of(parent), tokens, self.page_size))
+        parent.children[first] = node
+        self.node_count += 1
+        return node
+
+    def remove_leaf(self, node: TreeNode) -> None:
+        assert not node.children and not node.is_root and node.evictable, node
+        assert not node.tiers(), f"removing {node} that is still resident"
+        assert node.parent is not None
+        del node.parent.children[node.tokens[: self.page_size]]
+        node.parent = None
+        self.node_count -= 1
+
+    # ---- residency -------------------------------------------------------------------------
+    def set_resident(self, node: TreeNode, tier: str, handles: Sequence[Handle] | None = None) -> None:
+        assert not node.in_tier(tier), f"{node} already in {tier}"
+        if tier == DISK:
+            node.on_disk = True
+        else:
+            assert handles is not None and len(handles) == node.num_pages
+            setattr(node, tier, list(handles))
+        self.resident[tier].add(node)
+        self.pages[tier] += node.num_pages
+
+    def clear_resident(self, node: TreeNode, tier: str) -> list[Handle]:
+        """Forget `node`'s copy in `tier`; returns the handles the store must free."""
+        assert node.in_tier(tier), f"{node} not in {tier}"
+        if tier == DISK:
+            handles: list[Handle] = list(node.keys)
+            node.on_disk = False
+        else:
+            handles = getattr(node, tier)
+            setattr(node, tier, None)
+        self.resident[tier].discard(node)
+        self.pages[tier] -= node.num_pages
+        return handles
+
+    def tier_leaves(self, tier: str) -> Iterator[TreeNode]:
+        """Nodes resident in `tier` with no child resident there: the only ones a tier may evict."""
+        for node in self.resident[tier]:
+            if not any(child.in_tier(tier) for child in node.children.values()):
+                yield node
+
+    def handles_of(self, path: Sequence[TreeNode], tier: str) -> list[Handle]:
+        out: list[Handle] = []
+        for node in path:
+            out.extend(node.keys if tier == DISK else getattr(node, tier))
+        return out
+
+    # ---- locks -----------------------------------------------------------------------------
+    def lock(self, node: TreeNode) -> None:
+        while node is not None and not node.is_root:
+            node.lock_ref += 1
+            node = node.parent  # type: ignore[assignment]
+
+    def unlock(self, node: TreeNode) -> None:
+        while node is not None and not node.is_root:
+            if node.lock_ref <= 0:
+                raise InvariantError(f"unlock of {node} with lock_ref {node.lock_ref}")
+            node.lock_ref -= 1
+            node = node.parent  # type: ignore[assignment]
+
+    # ---- walking ---------------------------------------------------------------------------
+    def nodes(self) -> Iterator[TreeNode]:
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def subtree_pages(self, node: TreeNode) -> dict[str, int]:
+        totals = {tier: 0 for tier in TIERS}
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            for tier in n.tiers():
+                totals[tier] += n.num_pages
+            stack.extend(n.children.values())
+        return totals
+
+    # ---- invariants ------------------------------------------------------------------------
+    def check(self) -> None:
+        """Verify every invariant in the class docstring; raise InvariantError naming the first broken one."""
+        pages = {tier: 0 for tier in TIERS}
+        members = {tier: set() for tier in TIERS}
+        count = 0
+        for node in self.nodes():
+            count += 1
+            parent = node.parent
+            if parent is None or parent.children.get(node.tokens[: self.page_size]) is not node:
+                raise InvariantError(f"{node} is not linked under its parent")
+            if node.num_pages == 0 or len(node.tokens) != node.num_pages * self.page_size:
+                raise InvariantError(f"{node} holds {len(node.tokens)} tokens for {node.num_pages} keys")
+            if node.keys[0] != chain_keys(self.key_of(parent), node.tokens[: self.page_size], self.page_size)[0]:
+                raise InvariantError(f"{node}'s first key is not chained from its parent")
+            tiers = node.tiers()
+            if not tiers:
+                raise InvariantError(f"{node} is resident in no tier")
+            for tier in tiers:
+                if tier != DISK and len(getattr(node, tier)) != node.num_pages:
+                    raise InvariantError(f"{node} has {len(getattr(node, tier))} {tier} handles for {node.num_pages} pages")
+                if not parent.is_root and not parent.in_tier(tier):
+                    raise InvariantError(f"{tier} residency not prefix-closed: {node} is in {tier}, its parent {parent} is not")
+                pages[tier] += node.num_pages
+                members[tier].add(node)
+            if node.lock_ref < 0 or node.pins < 0:
+                raise InvariantError(f"{node} has a negative lock or pin count")
+            child_locks = sum(c.lock_ref for c in node.children.values())
+            if node.lock_ref < child_locks:
+                raise InvariantError(f"{node} lock_ref {node.lock_ref} < its children's {child_locks}")
+        if count != self.node_count:
+            raise InvariantError(f"node_count {self.node_count} but {count} nodes reachable")
+        for tier in TIERS:
+            if pages[tier] != self.pages[tier]:
+                raise InvariantError(f"{tier} page count {self.pages[tier]} but nodes hold {pages[tier]}")
+            if members[tier] != self.resident[tier]:
+                raise InvariantError(f"{tier} resident set out of sync with the nodes")

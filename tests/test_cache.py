@@ -1,0 +1,171 @@
+"""The composed cache: demotion down the tiers, promotion back up, restart, corruption, policies."""
+
+from __future__ import annotations
+
+import torch
+
+from conftest import kv_for, make_cache, serve
+from sgl_hicache.cache import TieredCache
+from sgl_hicache.tiers.base import DEVICE, DISK, HOST
+
+
+def seq(start: int, pages: int, page_size: int = 4) -> list[int]:
+    return list(range(start, start + pages * page_size))
+
+
+def fill(cache: TieredCache, prompts):
+    for p in prompts:
+        serve(cache, p)
+        cache.check()
+
+
+def test_device_eviction_demotes_to_host_then_disk(tmp_path):
+    cache = make_cache(tmp_path, device=4, host=4, disk=32)
+    prompts = [seq(1000 * i, 4) for i in range(6)]
+    fill(cache, prompts)
+    m = cache.match(prompts[0], touch=False)
+    assert m.tokens == 16 and m.disk_tokens == 16  # oldest went device -> host -> disk
+    m = cache.match(prompts[4], touch=False)
+    assert m.host_tokens == 16
+    m = cache.match(prompts[5], touch=False)
+    assert m.device_tokens == 16
+    snap = cache.snapshot()
+    assert snap["demoted_tokens"][DEVICE] >= 16 and snap["demoted_tokens"][HOST] >= 16
+    assert snap["bytes_moved"]["host->disk"] > 0
+
+
+def test_promotion_brings_pages_back_bit_identical(tmp_path):
+    cache = make_cache(tmp_path, device=4, host=4, disk=32)
+    prompts = [seq(1000 * i, 4) for i in range(6)]
+    fill(cache, prompts)
+    assert cache.match(prompts[0], touch=False).disk_tokens == 16
+    m = cache.promote(cache.match(prompts[0]))
+    assert m.device_tokens == 16
+    got = cache.stores[DEVICE].read(m.device_handles)
+    assert torch.equal(got.view(torch.int16), kv_for(cache, prompts[0]).view(torch.int16))
+    snap = cache.snapshot()
+    assert snap["promoted_tokens"][HOST] >= 16 and snap["promoted_tokens"][DEVICE] >= 16
+    cache.check()
+
+
+def test_without_lower_tiers_eviction_drops(tmp_path):
+    cache = make_cache(None, device=4, host=0)
+    prompts = [seq(1000 * i, 4) for i in range(3)]
+    fill(cache, prompts)
+    assert cache.match(prompts[0], touch=False).tokens == 0
+    assert cache.snapshot()["dropped_tokens"] == 32
+
+
+def test_locked_nodes_are_never_evicted(tmp_path):
+    cache = make_cache(None, device=4, host=0)
+    a = seq(0, 2)
+    serve(cache, a)
+    m = cache.match(a)
+    cache.lock(m.last_node)
+    assert cache.allocate_device(3) is None  # only 2 free pages; a's 2 are locked
+    fresh = cache.allocate_device(2)
+    assert fresh is not None
+    cache.free_device(fresh)
+    assert cache.match(a, touch=False).device_tokens == 8
+    cache.unlock(m.last_node)
+    assert cache.allocate_device(4) is not None
+
+
+def test_lru_and_lfu_pick_different_victims():
+    def run(policy):
+        clock = iter(range(10**6))
+        cache = make_cache(None, device=4, host=0, eviction_policy=policy)
+        cache.clock = lambda: next(clock)
+        a, b, c = seq(0, 2), seq(100, 2), seq(200, 2)
+        serve(cache, a)
+        serve(cache, a)
+        serve(cache, a)  # a: frequent but older
+        serve(cache, b)  # b: recent, once
+        serve(cache, c)  # needs 2 pages: evicts a (LRU) or b (LFU)
+        return cache.match(a, touch=False).tokens, cache.match(b, touch=False).tokens
+
+    assert run("lru") == (0, 8)
+    assert run("lfu") == (8, 0)
+
+
+def test_restart_gets_disk_hits_with_the_same_bytes(tmp_path):
+    # write-through on both links: every inserted page reaches disk (the persistent configuration)
+    cache = make_cache(tmp_path, device=4, host=4, disk=64, write_policy="write_through", disk_write_policy="write_through")
+    prompts = [seq(1000 * i, 4) for i in range(8)]
+    fill(cache, prompts)
+    del cache
+    fresh = make_cache(tmp_path, device=4, host=4, disk=64)
+    for p in prompts:
+        m = fresh.match(p)
+        assert m.disk_tokens == 16, p[:2]
+        m = fresh.promote(m)
+        assert m.device_tokens == 16
+        got = fresh.stores[DEVICE].read(m.device_handles)
+        assert torch.equal(got.view(torch.int16), kv_for(fresh, p).view(torch.int16))
+        fresh.check()
+
+
+def test_restart_extends_a_shared_prefix_from_disk(tmp_path):
+    cache = make_cache(tmp_path, device=8, host=8, disk=64, write_policy="write_through", disk_write_policy="write_through")
+    fill(cache, [seq(0, 2) + seq(500, 2), seq(0, 2) + seq(900, 2)])
+    fresh = make_cache(tmp_path, device=8, host=8, disk=64)
+    assert fresh.match(seq(0, 2) + seq(500, 2)).disk_tokens == 16
+    assert fresh.match(seq(0, 2) + seq(900, 2)).disk_tokens == 16  # sibling adopted under the shared prefix
+    fresh.check()
+
+
+def test_corrupt_disk_page_is_a_miss_counted_and_removed(tmp_path):
+    cache = make_cache(tmp_path, device=4, host=4, disk=64, write_policy="write_through", disk_write_policy="write_through")
+    a, b = seq(0, 4), seq(5000, 4)
+    fill(cache, [a, b])
+    del cache
+    fresh = make_cache(tmp_path, device=4, host=4, disk=64)
+    disk = fresh.stores[DISK]
+    second_key = fresh.match(a).path[0].keys[1]
+    path = disk.page_path(second_key)
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    m = fresh.promote(fresh.match(a))
+    # a transfer moves a whole node: the corrupt page makes the node (and all below it) a miss
+    assert m.device_tokens == 0
+    assert fresh.snapshot()["errors"].get("corrupt_pages") == 1
+    assert not path.exists()
+    fresh.check()
+    assert fresh.match(a, touch=False).tokens == 0
+    # the other prompt is untouched and still served from disk, bit-identical
+    m = fresh.promote(fresh.match(b))
+    assert m.device_tokens == 16
+    got = fresh.stores[DEVICE].read(m.device_handles)
+    assert torch.equal(got.view(torch.int16), kv_for(fresh, b).view(torch.int16))
+
+
+def test_write_through_backs_up_inserts_to_host():
+    cache = make_cache(None, device=8, host=8, write_policy="write_through")
+    serve(cache, seq(0, 3))
+    node = cache.match(seq(0, 3), touch=False).last_node
+    assert node.host is not None and node.device is not None
+    cache.check()
+
+
+def test_selective_write_through_after_threshold_hits():
+    cache = make_cache(None, device=8, host=8, write_policy="write_through_selective", write_through_threshold=2)
+    a = seq(0, 2)
+    serve(cache, a)
+    serve(cache, a)
+    assert cache.match(a, touch=False).last_node.host is None
+    serve(cache, a)
+    assert cache.match(a, touch=False).last_node.host is not None
+
+
+def test_hit_accounting_per_tier(tmp_path):
+    cache = make_cache(tmp_path, device=5, host=4, disk=32)
+    prompts = [seq(1000 * i, 4) for i in range(6)]
+    fill(cache, prompts)
+    assert cache.match(prompts[4], touch=False).host_tokens == 16
+    serve(cache, prompts[4] + seq(77, 1))  # host hit of 16 + 4 new
+    assert cache.match(prompts[0], touch=False).disk_tokens == 16
+    serve(cache, prompts[0])  # disk hit
+    hits = cache.snapshot()["hit_tokens"]
+    assert hits[DISK] == 16 and hits[HOST] == 16 and hits[DEVICE] == 0
+    assert cache.snapshot()["miss_tokens"] == 6 * 16 + 4

@@ -1,0 +1,97 @@
+"""The radix tree alone: match, insert, split, residency bookkeeping and check()."""
+
+from __future__ import annotations
+
+import pytest
+
+from sgl_hicache.config import KVLayout
+from sgl_hicache.hashing import Namespace, chain_keys, page_key
+from sgl_hicache.tree.radix import InvariantError, RadixTree
+
+NS = Namespace.for_model(KVLayout(2, 2, 8), 2)
+
+
+def tree_with(*seqs, page_size=2):
+    t = RadixTree(page_size, NS)
+    for seq in seqs:
+        path, matched = t.walk(seq)
+        parent = path[-1] if path else t.root
+        limit = t.page_aligned(seq)
+        if matched < limit:
+            node = t.add_child(parent, seq[matched:limit])
+            t.set_resident(node, "device", list(range(100 + matched, 100 + matched + (limit - matched) // page_size)))
+    return t
+
+
+def test_walk_matches_whole_pages_only():
+    t = tree_with([1, 2, 3, 4, 5, 6])
+    path, matched = t.walk([1, 2, 3, 4, 5])  # the trailing 5 is a partial page
+    assert matched == 4 and len(path) == 1 and path[0].tokens == (1, 2, 3, 4)
+    t.check()
+
+
+def test_walk_splits_at_page_boundary_and_keeps_handles():
+    t = tree_with([1, 2, 3, 4, 5, 6])
+    node = t.root.children[(1, 2)]
+    handles = list(node.device)
+    path, matched = t.walk([1, 2, 3, 4, 9, 9])
+    assert matched == 4 and path[-1].tokens == (1, 2, 3, 4)
+    assert path[-1].device + path[-1].children[(5, 6)].device == handles
+    assert t.node_count == 2
+    t.check()
+
+
+def test_page_size_one():
+    t = tree_with([1, 2, 3], [1, 2, 4], page_size=1)
+    assert t.walk([1, 2, 4])[1] == 3
+    assert t.walk([1, 5])[1] == 1
+    t.check()
+
+
+def test_keys_are_chained_and_namespaced():
+    other = Namespace.for_model(KVLayout(2, 2, 8), 2, tenant_salt="tenant-b")
+    a = chain_keys(NS.root, [1, 2, 3, 4], 2)
+    b = chain_keys(other.root, [1, 2, 3, 4], 2)
+    assert a[1] == page_key(a[0], [3, 4])
+    assert not set(a) & set(b)
+    assert chain_keys(NS.root, [9, 9, 3, 4], 2)[1] != a[1]  # same page tokens, other prefix
+
+
+def test_tier_leaves_are_leaf_first_per_tier():
+    t = tree_with([1, 2, 3, 4])
+    t.walk([1, 2, 5, 6])
+    upper = t.root.children[(1, 2)]
+    t.check()
+    assert set(t.tier_leaves("device")) == set(upper.children.values())
+
+
+def test_check_catches_broken_prefix_closure():
+    t = tree_with([1, 2, 3, 4])
+    t.walk([1, 2, 5, 6])  # split: upper (1,2) + lower (3,4)
+    upper = t.root.children[(1, 2)]
+    lower = upper.children[(3, 4)]
+    t.set_resident(lower, "host", [7])
+    with pytest.raises(InvariantError, match="prefix-closed"):
+        t.check()
+
+
+def test_check_catches_page_count_drift_and_negative_locks():
+    t = tree_with([1, 2, 3, 4])
+    t.pages["device"] += 1
+    with pytest.raises(InvariantError, match="page count"):
+        t.check()
+    t.pages["device"] -= 1
+    node = t.root.children[(1, 2)]
+    with pytest.raises(InvariantError):
+        t.unlock(node)
+
+
+def test_locks_cover_the_whole_path():
+    t = tree_with([1, 2, 3, 4])
+    t.walk([1, 2, 5, 6])
+    lower = t.root.children[(1, 2)].children[(3, 4)]
+    t.lock(lower)
+    assert lower.lock_ref == 1 and lower.parent.lock_ref == 1
+    assert not lower.evictable
+    t.unlock(lower)
+    t.check()
