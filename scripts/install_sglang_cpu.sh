@@ -34,7 +34,7 @@ t0=$(date +%s)
 lap() { echo "[install_sglang_cpu $(( $(date +%s) - t0 ))s] $*"; }
 # pip's noise on these machines (local index locations it skips, resolver warnings about sglang's own
 # CUDA pins, which are intentional here); anything else is shown.
-quiet_pip() { grep -v -E "WARNING: Location .* is ignored|^(Requirement already satisfied|  Using cached|Looking in|  Downloading|Collecting)|requires .*, but you have|dependency resolver does not currently" || true; }
+quiet_pip() { grep -v -E "WARNING: Location .* is ignored|^(Requirement already satisfied|  Using cached|Looking in|  Downloading|Collecting)|requires .*, (but you have|which is not installed)|dependency resolver does not currently" || true; }
 
 stamp_inputs() {
     { cat "$ROOT/scripts/install_sglang_cpu.sh" "$ROOT/pyproject.toml";

@@ -24,6 +24,8 @@ from .policy.eviction import eviction_policy
 from .stats import CacheStats
 from .tiers.base import DEVICE, DISK, HOST, TIERS, Handle, PageCorruptError, TierIOError, TierStore
 from .tiers.memory import DeviceKVPool, HostKVBuffer
+from .transfer.bandwidth import BandwidthMeter
+from .transfer.handlers import default_handlers
 from .tree.node import TreeNode
 from .tree.radix import InvariantError, RadixTree
 
@@ -69,9 +71,17 @@ class InsertResult:
     last_node: TreeNode
 
 
-@dataclass
+class Cancelled(Exception):
+    """A transfer was cancelled before its bytes were used (not an I/O error)."""
+
+
+@dataclass(eq=False)
 class TransferOp:
-    """One node's pages moving from tier `src` to tier `dst` (see the module docstring)."""
+    """One node's pages moving from tier `src` to tier `dst` (see the module docstring).
+
+    `executed` is set when the bytes have been copied (or the copy failed, see `error`);
+    `applied` once the cache has recorded the outcome in the tree.
+    """
 
     node: TreeNode
     src: str
@@ -82,11 +92,70 @@ class TransferOp:
     kind: str  # "demand" | "prefetch" | "predict" | "demote" | "backup"
     error: BaseException | None = None
     seconds: float = 0.0
-    done: threading.Event = field(default_factory=threading.Event)
+    executed: threading.Event = field(default_factory=threading.Event)
+    applied: bool = False
+    cancelled: bool = False
+    submitted: bool = False  # handed to a transfer engine, which will set `executed`
 
     @property
     def link(self) -> str:
         return _LINK[(self.src, self.dst)]
+
+
+@dataclass(eq=False)
+class NodeStage:
+    """The ops that bring one node of a promotion up (disk->host then host->device, or just
+    host->device), or, when another job is already bringing the node up, that job's op to wait for."""
+
+    node: TreeNode
+    ops: list[TransferOp]
+    waits_for: TransferOp | None = None
+
+
+@dataclass(eq=False)
+class PromotionJob:
+    """An asynchronous promotion of a matched path to the device tier, root first.
+
+    Made by `TieredCache.plan_promotion` (destinations allocated, path locked), executed by anyone
+    (the transfer engine's workers, or inline), advanced by `TieredCache.advance` which applies the
+    stages in path order (device residency stays prefix-closed), and ended by `release`.
+    """
+
+    kind: str
+    anchor: TreeNode
+    stages: list[NodeStage]
+    page_size: int
+    applied: int = 0
+    failed: bool = False
+    released: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.failed or self.applied == len(self.stages)
+
+    def ops(self) -> list[TransferOp]:
+        return [op for st in self.stages for op in st.ops]
+
+    def runnable(self) -> list[TransferOp]:
+        """Ops whose predecessor in their stage has executed and that have not executed themselves."""
+        out = []
+        for st in self.stages:
+            for i, op in enumerate(st.ops):
+                if not op.executed.is_set() and (i == 0 or st.ops[i - 1].executed.is_set()):
+                    out.append(op)
+        return out
+
+    @property
+    def tokens(self) -> int:
+        return sum(st.node.num_pages for st in self.stages) * self.page_size
+
+    def remaining_bytes(self) -> dict[str, int]:
+        """Bytes still to copy, per link."""
+        out: dict[str, int] = {}
+        for op in self.ops():
+            if not op.executed.is_set():
+                out[op.link] = out.get(op.link, 0) + op.nbytes
+        return out
 
 
 class TieredCache:
@@ -134,6 +203,8 @@ class TieredCache:
         if disk is not None:
             self.stores[DISK] = disk
         self.priority = eviction_policy(config.eviction_policy)
+        self.handlers = default_handlers(self.stores)
+        self.meter = BandwidthMeter()
         self.clock = clock
         self.stats = CacheStats()
         self._mutex = threading.RLock()
@@ -193,7 +264,7 @@ class TieredCache:
         """Pages of `tokens` past the tree's match that the disk store holds but the tree does not
         know (written by an earlier process): adopt them as a disk-only node."""
         disk = self.stores[DISK]
-        if disk.used_pages <= self.tree.pages[DISK]:
+        if disk.stored_pages <= self.tree.pages[DISK]:  # type: ignore[attr-defined]
             return []  # no orphan pages on disk: nothing to find
         parent = path[-1] if path else self.tree.root
         if not (parent.is_root or parent.on_disk):
@@ -288,20 +359,17 @@ class TieredCache:
 
     # ---- promotion -------------------------------------------------------------------------
     def promote(self, match: MatchResult, kind: str = "demand") -> MatchResult:
-        """Bring the matched path to the device tier, root first; stops at the first page that
-        cannot come up (no room, or a failed read). Returns the path described afresh."""
+        """Bring the matched path to the device tier now (disk -> host -> device), root first; stops at
+        the first page that cannot come up (no room, or a failed read). Returns the path described
+        afresh. The synchronous form of `plan_promotion` + execute + `advance`."""
         with self._mutex:
-            if not match.path:
-                return match
-            last = match.path[-1]
-            self.tree.lock(last)
-            try:
-                for node in match.path:
-                    if node.parent is None or not self.ensure(node, DEVICE, kind=kind, may_evict=True):
-                        break
-            finally:
-                self.tree.unlock(last)
-                self._prune(last)
+            job = self.plan_promotion(match, kind)
+            if job is not None:
+                for st in job.stages:
+                    for op in st.ops:
+                        self.execute(op)
+                self.advance(job)
+                self.release(job)
             return self._describe([n for n in match.path if n.parent is not None])
 
     def ensure(self, node: TreeNode, tier: str, kind: str, may_evict: bool) -> bool:
@@ -345,12 +413,19 @@ class TieredCache:
             return HOST
         return None
 
-    def prepare(self, node: TreeNode, dst: str, kind: str, may_evict: bool) -> TransferOp | None:
-        """Phase one: pick a source, allocate in `dst`, pin the node. None if it cannot be done now."""
+    def prepare(
+        self, node: TreeNode, dst: str, kind: str, may_evict: bool, src: str | None = None, src_handles: list[Handle] | None = None
+    ) -> TransferOp | None:
+        """Phase one: pick a source (or take the given one), allocate in `dst`, pin the node.
+        None if it cannot be done now (no room, no source, or a transfer into `dst` is pending)."""
         with self._mutex:
-            src = self._source_for(node, dst, kind, may_evict)
-            if src is None or node.parent is None or node.in_tier(dst):
+            if node.parent is None or node.in_tier(dst) or dst in node.incoming:
                 return None
+            if src is None:
+                src = self._source_for(node, dst, kind, may_evict)
+                if src is None:
+                    return None
+                src_handles = list(node.keys) if src == DISK else list(getattr(node, src))
             store = self.stores[dst]
             if dst == DISK:  # pages an earlier process left under these keys are rewritten
                 stale = [k for k in node.keys if store.contains(k)]  # type: ignore[attr-defined]
@@ -367,49 +442,174 @@ class TieredCache:
             if handles is None:
                 node.pins -= 1
                 return None
-            src_handles = list(node.keys) if src == DISK else list(getattr(node, src))
-            return TransferOp(node, src, dst, src_handles, list(handles), node.num_pages * self.config.page_bytes, kind)
+            op = TransferOp(node, src, dst, list(src_handles or []), list(handles), node.num_pages * self.config.page_bytes, kind)
+            node.incoming[dst] = op
+            return op
 
     def execute(self, op: TransferOp) -> None:
-        """Phase two: copy the bytes. Touches only the op's own pinned handles; records the error."""
+        """Phase two, inline: copy the bytes with the link's handler; records the error, never raises."""
         start = time.perf_counter()
-        try:
-            data = self.stores[op.src].read(op.src_handles)
-            self.stores[op.dst].write(op.dst_handles, data)
-        except (TierIOError, OSError, ValueError, RuntimeError) as exc:
-            op.error = exc
+        if op.cancelled:
+            op.error = Cancelled()
+        else:
+            try:
+                self.handlers[(op.src, op.dst)](op, 0, len(op.dst_handles))
+            except (TierIOError, OSError, KeyError, ValueError, RuntimeError) as exc:
+                op.error = exc
         op.seconds = time.perf_counter() - start
+        op.executed.set()
 
     def complete(self, op: TransferOp) -> bool:
-        """Phase three: record the new copy (or undo the allocation if the copy failed)."""
+        """Phase three: record the new copy (or undo the allocation if the copy failed or was cancelled)."""
         with self._mutex:
             node = op.node
             node.pins -= 1
-            op.done.set()
+            node.incoming.pop(op.dst, None)
+            op.applied = True
+            if op.error is None and op.cancelled:
+                op.error = Cancelled()
             if op.error is not None:
                 self.stores[op.dst].free(op.dst_handles)
-                self._on_transfer_error(op)
+                if not isinstance(op.error, Cancelled):
+                    self._on_transfer_error(op)
                 return False
             self.tree.set_resident(node, op.dst, op.dst_handles)
             tokens = node.num_pages * self.page_size
             self.stats.add("bytes_moved", op.nbytes, op.link)
             self.stats.add("transfer_seconds", op.seconds, op.link)
+            self.meter.record(op.link, op.nbytes, op.seconds)
             if op.kind == "demote":
                 self.stats.add("demoted_tokens", tokens, op.src)
             elif op.kind != "backup":
                 self.stats.add("promoted_tokens", tokens, op.dst)
-                if op.kind in ("prefetch", "predict") and op.dst == DEVICE:
+                # a speculative copy counts once per node, until a request uses it
+                if op.kind in ("prefetch", "predict") and not node.prefetched:
                     node.prefetched = op.kind
                     self.stats.add_prefetch(op.kind, "promoted_tokens", tokens)
             if op.dst == HOST and self.config.disk_write_policy == "write_through" and not node.on_disk:
                 self.ensure(node, DISK, kind="backup", may_evict=True)
             return True
 
+    # ---- asynchronous promotion ------------------------------------------------------------
+    def plan_promotion(
+        self,
+        match: MatchResult | Sequence[TreeNode],
+        kind: str = "demand",
+        target: str = DEVICE,
+        evict: bool = True,
+    ) -> PromotionJob | None:
+        """Phase one for a whole path (a match, or nodes from the root down): lock it, allocate every
+        destination page, and return the job; None when nothing needs to move or nothing could be
+        placed. `target=HOST` brings disk-only nodes to host only. With `evict=False` the copies only
+        fill free pages and never push anything out (what a prediction may do). The caller must `release`
+        the job once it is finished or cancelled."""
+        with self._mutex:
+            path = list(match.path if isinstance(match, MatchResult) else match)
+            todo = [n for n in path if not n.in_tier(target) and n.parent is not None and (target == DEVICE or n.device is None)]
+            if not todo:
+                return None
+            anchor = path[-1]
+            self.tree.lock(anchor)
+            stages: list[NodeStage] = []
+            staged_host: set[TreeNode] = set()
+            for node in todo:
+                pending = node.incoming.get(target)
+                if pending is not None:
+                    stages.append(NodeStage(node, [], waits_for=pending))  # type: ignore[arg-type]
+                    staged_host.add(node)
+                    continue
+                ops: list[TransferOp] = []
+                if node.host is None:
+                    parent = node.parent
+                    if not (parent.is_root or parent.host is not None or parent in staged_host):  # type: ignore[union-attr]
+                        if not self.ensure(parent, HOST, kind, may_evict=evict):  # type: ignore[arg-type]
+                            break
+                    up = self.prepare(node, HOST, kind, may_evict=evict)
+                    if up is None:
+                        break
+                    ops.append(up)
+                if target == DEVICE:
+                    if ops:
+                        down = self.prepare(node, DEVICE, kind, evict, src=HOST, src_handles=ops[0].dst_handles)
+                    else:
+                        down = self.prepare(node, DEVICE, kind, evict)
+                    if down is None:
+                        for op in ops:
+                            op.cancelled = True
+                            op.executed.set()
+                            self.complete(op)
+                        break
+                    ops.append(down)
+                stages.append(NodeStage(node, ops))
+                staged_host.add(node)
+            if not stages:
+                self.tree.unlock(anchor)
+                self._prune(anchor)
+                return None
+            return PromotionJob(kind, anchor, stages, self.page_size)
+
+    def advance(self, job: PromotionJob) -> bool:
+        """Apply, in path order, the stages whose bytes have arrived. Returns True when the job is
+        finished (every stage applied, or a stage failed and the rest was cancelled)."""
+        with self._mutex:
+            while not job.failed and job.applied < len(job.stages):
+                st = job.stages[job.applied]
+                if st.waits_for is not None:
+                    if st.node.device is not None:
+                        job.applied += 1
+                        continue
+                    if st.waits_for.applied or st.node.parent is None:
+                        self._fail(job)  # the other job's transfer failed
+                        break
+                    return False
+                for op in st.ops:
+                    if op.applied:
+                        continue
+                    if not op.executed.is_set():
+                        return False
+                    if not self.complete(op):
+                        self._fail(job)
+                        return True
+                job.applied += 1
+            return True
+
+    def cancel(self, job: PromotionJob) -> None:
+        """Give up the stages not applied yet (the caller recomputes them). Waits for copies already
+        running, since their destination pages cannot be reused before they finish."""
+        with self._mutex:
+            self.advance(job)
+            if not job.finished:
+                self._fail(job)
+
+    def _fail(self, job: PromotionJob) -> None:
+        job.failed = True
+        for st in job.stages[job.applied :]:
+            for op in st.ops:
+                if op.applied:
+                    continue
+                op.cancelled = True
+                if not op.submitted:
+                    op.executed.set()  # nobody else will run it
+                if not op.executed.wait(timeout=60):
+                    raise RuntimeError(f"transfer {op.link} did not finish within 60 s; cannot free its pages")
+                self.complete(op)
+
+    def release(self, job: PromotionJob) -> None:
+        """End a finished job: unlock its path."""
+        with self._mutex:
+            if job.released:
+                return
+            if not job.finished:
+                self.cancel(job)
+            job.released = True
+            self.tree.unlock(job.anchor)
+            self._prune(job.anchor)
+
     def _on_transfer_error(self, op: TransferOp) -> None:
         name = "corrupt_pages" if isinstance(op.error, PageCorruptError) else f"{op.link}_errors"
         self.stats.errors[name] += 1
         log.warning("tier transfer %s of %d pages failed: %s", op.link, op.node.num_pages, op.error)
-        if op.src == DISK and isinstance(op.error, PageCorruptError):
+        if op.src == DISK and isinstance(op.error, (PageCorruptError, KeyError)):
             self._drop_disk_subtree(op.node)
 
     def _drop_disk_subtree(self, node: TreeNode) -> None:
@@ -466,7 +666,7 @@ class TieredCache:
         """Free disk pages no tree node refers to (left by an earlier process and not matched since
         the restart): by LRU they are the coldest pages there are."""
         store = self.stores[DISK]
-        if store.used_pages <= self.tree.pages[DISK]:
+        if store.stored_pages <= self.tree.pages[DISK]:  # type: ignore[attr-defined]
             return 0
         referenced = {k for n in self.tree.resident[DISK] for k in n.keys}
         freed = 0
@@ -494,7 +694,7 @@ class TieredCache:
         else:
             self.stores[tier].free(handles)
         self.stats.add("evicted_tokens", tokens, tier)
-        if tier == DEVICE and node.prefetched:
+        if node.prefetched and (tier == DEVICE or (tier == HOST and node.device is None)):
             self.stats.add_prefetch(node.prefetched, "wasted_tokens", tokens)
             node.prefetched = None
         if not node.tiers():
@@ -510,7 +710,7 @@ class TieredCache:
             self.stats.record_request(prompt_tokens, match.device_tokens, match.host_tokens, match.disk_tokens, covered_by_prefetch)
             for node in match.path:
                 node.hit_count += 1
-                if node.prefetched and node.device is not None:
+                if node.prefetched:
                     self.stats.add_prefetch(node.prefetched, "used_tokens", node.num_pages * self.page_size)
                     node.prefetched = None
                 if (

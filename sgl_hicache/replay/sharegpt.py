@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 from array import array
-from bisect import bisect_right
 from pathlib import Path
 
 from .trace import (
@@ -52,10 +51,15 @@ def _iter_conversations(path: Path, text: str):
     stripped = text.lstrip()
     if not stripped:
         raise TraceError(path, 1, "empty trace: no conversations in the file")
-    newlines = [i for i, ch in enumerate(text) if ch == "\n"]
+    cursor = [0, 1]  # (position, line at that position): positions mostly grow, so count incrementally
 
     def line_of(pos: int) -> int:
-        return bisect_right(newlines, pos - 1) + 1
+        at, line = cursor
+        if pos < at:
+            at, line = 0, 1
+        line += text.count("\n", at, pos)
+        cursor[:] = [pos, line]
+        return line
 
     if stripped[0] != "[":  # JSONL
         for number, raw in enumerate(text.split("\n"), start=1):

@@ -38,6 +38,7 @@ class TreeNode:
         "child_traffic",
         "traffic_stamp",
         "prefetched",
+        "incoming",
     )
 
     def __init__(self, parent: "TreeNode | None", tokens: tuple[int, ...], keys: list[PageKey]) -> None:
@@ -57,6 +58,8 @@ class TreeNode:
         self.traffic_stamp = 0.0
         # set by a prefetch or a prediction until a request uses the node: "prefetch" | "predict" | None
         self.prefetched: str | None = None
+        # transfers prepared into a tier and not yet completed, by destination tier
+        self.incoming: dict[str, object] = {}
 
     @property
     def num_pages(self) -> int:

@@ -1,0 +1,401 @@
+"""The embedded engine: an in-process stand-in for an SGLang server, on a virtual clock.
+
+It drives the same `TieredCache` the SGLang backend drives. Real bytes move through the real host
+and disk stores (in a scaled-down KV layout, `EngineConfig.storage_layout`, so a production trace
+fits this machine); time is charged from the cost model at the preset's full KV size:
+
+- a request arrives (trace clock scaled by `time_scale`, or closed-loop at `concurrency`), is
+  matched, and waits in a FIFO queue. Under `prefetch`/`predict` the demoted part of its match starts
+  moving up at once: each link (disk->host, host->device) is a FIFO pipe at the preset bandwidth,
+  and a stage's bytes are really copied when its virtual finish time is reached;
+- a continuous-batching scheduler admits waiting requests while the step's prefill budget
+  (`max_batch_tokens`, the first request of a step may exceed it) and free device pages allow. A
+  request whose prefetch is still in flight is admitted only once waiting for the rest is
+  estimated to be faster than recomputing it; otherwise the rest is cancelled and recomputed
+  (`loads_waited` / `loads_recomputed`);
+- under `demote` (SGLang HiCache's behaviour) the lower-tier part is loaded when the request is
+  scheduled; the load overlaps the step's compute layer by layer: step = max(compute, load) +
+  load / num_layers;
+- one step = one batched prefill of the admitted prompts' uncached tokens plus one decode token for
+  every running request; a request's first token comes at the end of its prefill step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..cache import MatchResult, PromotionJob, TieredCache
+from ..config import CacheConfig, KVLayout
+from ..policy.predictor import make_predictor
+from ..replay.trace import Request
+from ..tiers.base import DEVICE, DISK, HOST
+from . import cost
+from .presets import HardwarePreset, ModelPreset
+
+POLICIES = ("recompute", "demote", "prefetch", "predict")
+_LINK_TIERS = {"disk->host": (DISK, HOST), "host->device": (HOST, DEVICE), "device->host": (DEVICE, HOST), "host->disk": (HOST, DISK)}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One replay's settings. Capacities are in tokens of the trace."""
+
+    policy: str
+    model: ModelPreset
+    hardware: HardwarePreset
+    device_tokens: int
+    host_tokens: int = 0
+    disk_tokens: int = 0
+    page_size: int = 256
+    disk_dir: Path | None = None
+    concurrency: int | None = 16
+    time_scale: float = 1.0
+    max_batch_tokens: int = 16384
+    max_running: int = 64
+    eviction_policy: str = "lru"
+    write_policy: str = "write_back"
+    predictor_budget_tokens: int = 8192
+    storage_layout: KVLayout = field(default_factory=lambda: KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="bfloat16"))
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        if self.time_scale <= 0:
+            raise ValueError(f"time_scale must be > 0, got {self.time_scale}")
+        if self.max_batch_tokens < 1 or self.max_running < 1:
+            raise ValueError("max_batch_tokens and max_running must be >= 1")
+
+    def cache_config(self, disk_dir: Path | None) -> CacheConfig:
+        tiered = self.policy != "recompute"
+        return CacheConfig(
+            layout=self.storage_layout,
+            device_tokens=self.device_tokens,
+            host_tokens=self.host_tokens if tiered else 0,
+            disk_tokens=self.disk_tokens if tiered and disk_dir is not None else 0,
+            page_size=self.page_size,
+            disk_dir=disk_dir if tiered else None,
+            eviction_policy=self.eviction_policy,
+            write_policy=self.write_policy,
+            predictor="tree_walk" if self.policy == "predict" else "none",
+        )
+
+
+@dataclass(eq=False)
+class _Flight:
+    req: Request
+    arrival: float
+    enqueue_lower_tokens: int = 0
+    job: PromotionJob | None = None
+    stage_finish: list[float] = field(default_factory=list)
+    first_token: float | None = None
+    remaining: int = 0
+    context: int = 0
+    anchor: object = None
+    output_pages: list = field(default_factory=list)
+    waited: bool = False
+
+
+@dataclass
+class RequestRecord:
+    """What the report keeps of each request."""
+
+    request_id: str
+    arrival_s: float
+    ttft_s: float
+    finish_s: float
+    prompt_tokens: int
+    output_tokens: int
+    hit_device: int
+    hit_host: int
+    hit_disk: int
+
+
+def _scratch_dir() -> str | None:
+    """Where a replay's throw-away disk tier goes: RAM-backed /dev/shm when there is one, so that a
+    replay measures the cache rather than this machine's file-creation rate (its time is virtual
+    anyway); `EngineConfig.disk_dir` puts the tier on a real disk instead."""
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+
+
+class VirtualLinks:
+    """Each tier link is a FIFO pipe at the hardware preset's bandwidth, in virtual time."""
+
+    def __init__(self, model: ModelPreset, hw: HardwarePreset) -> None:
+        self.model = model
+        self.hw = hw
+        self.busy_until: dict[str, float] = {}
+
+    def seconds(self, link: str, tokens: int) -> float:
+        src, dst = _LINK_TIERS[link]
+        return cost.kv_transfer_seconds(self.model, self.hw, tokens, src, dst)
+
+    def schedule(self, link: str, tokens: int, earliest: float) -> float:
+        start = max(earliest, self.busy_until.get(link, 0.0))
+        finish = start + self.seconds(link, tokens)
+        self.busy_until[link] = finish
+        return finish
+
+
+class EmbeddedEngine:
+    """Replays requests through a `TieredCache` on a virtual clock; see the module docstring.
+
+    `run(requests)` returns the per-request records; `cache` holds the tier statistics. The same
+    inputs give the same records and statistics (nothing depends on wall time).
+    """
+
+    def __init__(self, config: EngineConfig, progress: Callable[[int, int], None] | None = None) -> None:
+        self.config = config
+        self._tmp = None
+        disk_dir = config.disk_dir
+        if disk_dir is None and config.disk_tokens > 0 and config.policy != "recompute":
+            self._tmp = tempfile.TemporaryDirectory(prefix="sgl-hicache-replay-", dir=_scratch_dir())
+            disk_dir = Path(self._tmp.name)
+        self.now = 0.0
+        self.cache = TieredCache(config.cache_config(disk_dir), clock=lambda: self.now)
+        self.links = VirtualLinks(config.model, config.hardware)
+        self.predictor = make_predictor(self.cache.config.predictor, config.page_size, config.predictor_budget_tokens)
+        self.predicted_jobs: list[tuple[PromotionJob, list[float]]] = []
+        self.progress = progress
+        self.records: list[RequestRecord] = []
+        self.steps = 0
+
+    def close(self) -> None:
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    # ---- transfers on the virtual clock ----------------------------------------------------
+    def _schedule_job(self, job: PromotionJob, start: float) -> list[float]:
+        """Virtual finish time of each stage: its ops go through their links in order."""
+        finishes: list[float] = []
+        for st in job.stages:
+            t = start
+            for op in st.ops:
+                t = self.links.schedule(op.link, op.node.num_pages * self.config.page_size, t)
+            if st.waits_for is not None:
+                t = start
+            finishes.append(max(t, finishes[-1] if finishes else t))
+        return finishes
+
+    def _run_due(self, job: PromotionJob, finishes: Sequence[float], upto: float) -> None:
+        """Really copy the bytes of every stage due by `upto`, then let the cache apply them."""
+        for st, fin in zip(job.stages, finishes):
+            if fin > upto:
+                break
+            for op in st.ops:
+                if not op.executed.is_set():
+                    self.cache.execute(op)
+        self.cache.advance(job)
+
+    # ---- request lifecycle -----------------------------------------------------------------
+    def _arrive(self, flight: _Flight, waiting: deque) -> None:
+        m = self.cache.match(flight.req.input_ids)
+        flight.enqueue_lower_tokens = m.lower_tier_tokens
+        if self.config.policy in ("prefetch", "predict") and m.disk_tokens:
+            # disk -> host while the request waits; host -> device when it is scheduled, since device
+            # pages are the scarce resource and a queue of prefetched paths would crowd running requests out
+            job = self.cache.plan_promotion(m, "prefetch", target=HOST)
+            if job is not None:
+                flight.job = job
+                flight.stage_finish = self._schedule_job(job, self.now)
+        if self.config.policy == "predict":
+            self._predict(m)
+        waiting.append(flight)
+
+    def _predict(self, m: MatchResult) -> None:
+        for pred in self.predictor.predict(m.last_node, self.now):
+            node = pred.node
+            if node.parent is None:
+                continue
+            target = DEVICE if self.cache.stores[DEVICE].free_pages >= node.num_pages else HOST
+            if target == HOST and (node.host is not None or not self.cache.has_tier(HOST)):
+                continue
+            job = self.cache.plan_promotion(node.path_from_root(), kind="predict", target=target, evict=False)
+            if job is not None:
+                # speculative copies use the links' idle time only: they do not delay demand transfers
+                saved = dict(self.links.busy_until)
+                finishes = self._schedule_job(job, self.now)
+                self.links.busy_until = saved
+                self.predicted_jobs.append((job, finishes))
+
+    def _advance_predictions(self) -> None:
+        keep = []
+        for job, finishes in self.predicted_jobs:
+            self._run_due(job, finishes, self.now)
+            if job.finished:
+                self.cache.release(job)
+            else:
+                keep.append((job, finishes))
+        self.predicted_jobs = keep
+
+    def _try_admit(self, flight: _Flight, budget_left: int, first: bool) -> tuple[bool, int, float]:
+        """Admit `flight` into this step if it fits. Returns (admitted, new tokens, load seconds)."""
+        cfg = self.config
+        cache = self.cache
+        ps = cfg.page_size
+        tokens = flight.req.input_ids
+        job = flight.job
+        prefetched = {HOST: 0, DISK: 0}
+        if job is not None:
+            self._run_due(job, flight.stage_finish, self.now)
+            if not job.finished:
+                pending = [(st, fin) for st, fin in zip(job.stages[job.applied :], flight.stage_finish[job.applied :])]
+                wait_s = max(fin for _, fin in pending) - self.now
+                pending_tokens = sum(st.node.num_pages for st, _ in pending) * ps
+                recompute_s = cost.prefill_seconds(cfg.model, cfg.hardware, pending_tokens, len(tokens) - pending_tokens)
+                if wait_s <= recompute_s:
+                    flight.waited = True
+                    return False, 0, 0.0
+                cache.cancel(job)
+                cache.stats.add("loads_recomputed")
+            elif flight.waited:
+                cache.stats.add("loads_waited")
+            for st in job.stages[: job.applied]:
+                if st.ops and st.ops[0].src == DISK and st.node.device is None:
+                    prefetched[DISK] += st.node.num_pages * ps
+        m = cache.match(tokens)
+        new_tokens = len(tokens) - m.tokens
+        if not first and new_tokens > budget_left:
+            return False, 0, 0.0
+        out_pages = math.ceil((flight.req.output_length + len(tokens) % ps) / ps)
+        need_pages = len(tokens) // ps - m.device_tokens // ps
+        if need_pages + out_pages > cache.stores[DEVICE].free_pages + self._evictable_device_pages(m):
+            return False, 0, 0.0
+        # count the hits, attributing what this request's own prefetch brought up to where it came from
+        from_prefetch = min(prefetched[DISK], m.host_tokens)
+        counted = MatchResult(m.path, m.device_tokens, m.host_tokens - from_prefetch, m.disk_tokens + from_prefetch,
+                              m.device_handles, m.last_node, m.last_device_node)
+        cache.record_request(len(tokens), counted, covered_by_prefetch=from_prefetch)
+        if job is not None:
+            cache.release(job)
+            flight.job = None
+        load_s = 0.0
+        if m.lower_tier_tokens:
+            load_job = cache.plan_promotion(m, "demand")
+            if load_job is not None:
+                finishes = self._schedule_job(load_job, self.now)
+                load_s = max(finishes) - self.now
+                for st in load_job.stages:
+                    for op in st.ops:
+                        cache.execute(op)
+                cache.advance(load_job)
+                cache.release(load_job)
+            m = cache.match(tokens)
+        cache.lock(m.last_node)
+        fresh = cache.allocate_device(len(tokens) // ps - len(m.device_handles))
+        outs = cache.allocate_device(out_pages) if fresh is not None else None
+        if fresh is None or outs is None:
+            if fresh is not None:
+                cache.free_device(fresh)
+            cache.unlock(m.last_node)
+            return False, 0, 0.0
+        result = cache.insert(tokens, m.device_handles + fresh)
+        cache.free_device(result.duplicates)
+        cache.unlock(m.last_node)
+        cache.lock(result.last_node)
+        flight.anchor = result.last_node
+        flight.output_pages = outs
+        flight.context = len(tokens)
+        flight.remaining = max(0, flight.req.output_length - 1)
+        self._hits = (counted.device_tokens, counted.host_tokens, counted.disk_tokens)
+        flight.hits = self._hits  # type: ignore[attr-defined]
+        return True, len(tokens) - m.device_tokens, load_s
+
+    def _evictable_device_pages(self, m: MatchResult) -> int:
+        tree = self.cache.tree
+        return sum(n.num_pages for n in tree.resident[DEVICE] if n.lock_ref == 0 and n.pins == 0)
+
+    def _finish(self, flight: _Flight) -> None:
+        self.cache.free_device(flight.output_pages)
+        self.cache.unlock(flight.anchor)  # type: ignore[arg-type]
+        hd, hh, hk = flight.hits  # type: ignore[attr-defined]
+        self.records.append(RequestRecord(flight.req.request_id, flight.arrival, (flight.first_token or 0) - flight.arrival, self.now,
+                                          len(flight.req.input_ids), flight.req.output_length, hd, hh, hk))
+        if self.progress:
+            self.progress(len(self.records), self._total)
+
+    # ---- the loop --------------------------------------------------------------------------
+    def run(self, requests: Sequence[Request]) -> list[RequestRecord]:
+        cfg = self.config
+        self._total = len(requests)
+        pending = deque(sorted(requests, key=lambda r: r.arrival_s))
+        waiting: deque[_Flight] = deque()
+        running: list[_Flight] = []
+        closed_loop = cfg.concurrency is not None
+        while pending or waiting or running:
+            # arrivals
+            if closed_loop:
+                while pending and len(waiting) + len(running) < cfg.concurrency:  # type: ignore[operator]
+                    self._arrive(_Flight(pending.popleft(), self.now), waiting)
+            else:
+                while pending and pending[0].arrival_s * cfg.time_scale <= self.now:
+                    req = pending.popleft()
+                    self._arrive(_Flight(req, req.arrival_s * cfg.time_scale), waiting)
+            self._advance_predictions()
+            # admission
+            batch: list[tuple[_Flight, int]] = []
+            budget = cfg.max_batch_tokens
+            load_s = 0.0
+            for flight in list(waiting):
+                if len(running) + len(batch) >= cfg.max_running or budget <= 0:
+                    break
+                ok, new_tokens, load = self._try_admit(flight, budget, first=not batch)
+                if ok:
+                    waiting.remove(flight)
+                    batch.append((flight, new_tokens))
+                    budget -= new_tokens
+                    load_s = max(load_s, load)
+                elif not flight.waited:
+                    break  # FIFO: a request that does not fit blocks the ones behind it
+            if not batch and not running:
+                nxt = self._next_event_time(pending, waiting)
+                if nxt is None:
+                    if waiting:
+                        raise RuntimeError(f"{len(waiting)} requests cannot be admitted: the device tier ({cfg.device_tokens} tokens) is too small for them")
+                    break
+                self.now = max(self.now, nxt)
+                continue
+            compute = cost.batch_prefill_seconds(cfg.model, cfg.hardware, [(n, f.context - n) for f, n in batch])
+            compute += cost.decode_step_seconds(cfg.model, cfg.hardware, sum(f.context for f in running), len(running))
+            step = max(compute, load_s) + (load_s / cfg.model.num_layers if load_s else 0.0)
+            self.now += step
+            self.steps += 1
+            still: list[_Flight] = []
+            for flight in running:
+                flight.remaining -= 1
+                flight.context += 1
+                if flight.remaining <= 0:
+                    self._finish(flight)
+                else:
+                    still.append(flight)
+            for flight, _ in batch:
+                flight.first_token = self.now
+                if flight.remaining <= 0:
+                    self._finish(flight)
+                else:
+                    still.append(flight)
+            running = still
+        for job, _ in self.predicted_jobs:
+            self.cache.release(job)
+        self.predicted_jobs = []
+        return self.records
+
+    def _next_event_time(self, pending: deque, waiting: deque) -> float | None:
+        times = []
+        if pending and self.config.concurrency is None:
+            times.append(pending[0].arrival_s * self.config.time_scale)
+        for flight in waiting:
+            if flight.job is not None and not flight.job.finished:
+                times.extend(t for t in flight.stage_finish if t > self.now)
+        for _, finishes in self.predicted_jobs:
+            times.extend(t for t in finishes if t > self.now)
+        return min(times) if times else None

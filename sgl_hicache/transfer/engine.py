@@ -1,0 +1,217 @@
+"""The asynchronous transfer engine: worker threads that execute prepared transfers by priority.
+
+Mechanism only: the cache plans jobs (allocations, pins, locks) and applies their results; the engine
+moves bytes. Large ops are cut into page chunks so that the pages of one promotion are read from
+disk by several workers at once (parallel reads are what turn a cold restore from a latency problem
+into a bandwidth one).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..tiers.base import TierIOError
+
+if TYPE_CHECKING:
+    from ..cache import PromotionJob, TieredCache, TransferOp
+
+# lower runs first: what a waiting request needs, then predictions, then backups and demotions
+DEMAND, PREFETCH, PREDICT, BACKUP = 0, 0, 1, 2
+PRIORITY = {"demand": DEMAND, "prefetch": PREFETCH, "predict": PREDICT, "backup": BACKUP, "demote": BACKUP}
+
+
+@dataclass(eq=False)
+class _OpState:
+    op: "TransferOp"
+    priority: int
+    chunks_left: int
+    started: float = 0.0
+    successors: list["TransferOp"] = field(default_factory=list)
+
+
+class TransferEngine:
+    """Executes the ops of `PromotionJob`s on `workers` threads, in priority order.
+
+    Contract:
+    - `start()` / `stop()` are explicit; the constructor starts nothing. `stop()` finishes the copy
+      each worker is in and cancels the rest (their ops end with `Cancelled`).
+    - `submit(job)` queues the job's runnable ops; an op whose predecessor (disk->host before
+      host->device) is still running is queued when the predecessor finishes.
+    - Speculative work (`predict`) runs only while no demand or prefetch chunk is queued, and at most
+      `max_speculative_inflight` chunks at a time, so prediction never delays a waiting request.
+    - `wait(job, timeout)` blocks until every op of the job has executed, then advances it in the
+      cache; returns whether the job finished.
+    - Handler failures are recorded on the op (`op.error`) and reported by the cache as a miss.
+    """
+
+    def __init__(self, cache: "TieredCache", workers: int = 4, chunk_pages: int = 4, max_speculative_inflight: int = 1) -> None:
+        if workers < 1 or chunk_pages < 1:
+            raise ValueError(f"TransferEngine needs workers >= 1 and chunk_pages >= 1, got {workers}, {chunk_pages}")
+        self.cache = cache
+        self.workers = workers
+        self.chunk_pages = chunk_pages
+        self.max_speculative_inflight = max_speculative_inflight
+        self._queue: list[tuple[int, int, _OpState, int, int]] = []
+        self._seq = itertools.count()
+        self._cv = threading.Condition()
+        self._threads: list[threading.Thread] = []
+        self._running = False
+        self._urgent_queued = 0
+        self._speculative_inflight = 0
+        self._states: dict[int, _OpState] = {}
+        self.chunks_done = 0
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def start(self) -> "TransferEngine":
+        with self._cv:
+            if self._running:
+                return self
+            self._running = True
+        for i in range(self.workers):
+            t = threading.Thread(target=self._work, name=f"sgl-hicache-transfer-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def stop(self) -> None:
+        with self._cv:
+            self._running = False
+            pending = self._queue
+            self._queue = []
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join()
+        self._threads.clear()
+        for _, _, state, _, _ in pending:
+            self._cancel_state(state)
+
+    def __enter__(self) -> "TransferEngine":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---- submission ----------------------------------------------------------------------
+    def submit(self, job: "PromotionJob") -> "PromotionJob":
+        priority = PRIORITY.get(job.kind, DEMAND)
+        runnable = set(map(id, job.runnable()))
+        with self._cv:
+            for st in job.stages:
+                states = [_OpState(op, priority, 0) for op in st.ops]
+                for a, b in zip(states, states[1:]):
+                    a.successors.append(b.op)
+                for state in states:
+                    state.op.submitted = True
+                    self._states[id(state.op)] = state
+                for state in states:
+                    if id(state.op) in runnable:
+                        self._enqueue(state)
+            self._cv.notify_all()
+        return job
+
+    def submit_ops(self, ops: Iterable["TransferOp"], kind: str = "backup") -> None:
+        """Queue independent prepared ops (backups, demotions); the caller completes them."""
+        with self._cv:
+            for op in ops:
+                state = _OpState(op, PRIORITY.get(kind, BACKUP), 0)
+                op.submitted = True
+                self._states[id(op)] = state
+                self._enqueue(state)
+            self._cv.notify_all()
+
+    def _enqueue(self, state: _OpState) -> None:
+        n = len(state.op.dst_handles)
+        chunks = [(i, min(n, i + self.chunk_pages)) for i in range(0, n, self.chunk_pages)] or [(0, 0)]
+        state.chunks_left = len(chunks)
+        for start, stop in chunks:
+            heapq.heappush(self._queue, (state.priority, next(self._seq), state, start, stop))
+            if state.priority <= PREFETCH:
+                self._urgent_queued += 1
+
+    def wait(self, job: "PromotionJob", timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for op in job.ops():
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not op.executed.wait(remaining):
+                return self.cache.advance(job)
+        return self.cache.advance(job)
+
+    def queued(self) -> int:
+        with self._cv:
+            return len(self._queue)
+
+    # ---- workers -------------------------------------------------------------------------
+    def _next(self) -> tuple[_OpState, int, int] | None:
+        with self._cv:
+            while True:
+                if not self._running:
+                    return None
+                if self._queue:
+                    priority = self._queue[0][0]
+                    speculative = priority == PREDICT
+                    if not speculative or (self._urgent_queued == 0 and self._speculative_inflight < self.max_speculative_inflight):
+                        _, _, state, start, stop = heapq.heappop(self._queue)
+                        if state.priority <= PREFETCH:
+                            self._urgent_queued -= 1
+                        if speculative:
+                            self._speculative_inflight += 1
+                        return state, start, stop
+                self._cv.wait(0.05)
+
+    def _work(self) -> None:
+        while True:
+            item = self._next()
+            if item is None:
+                return
+            state, start, stop = item
+            op = state.op
+            t0 = time.perf_counter()
+            if not op.cancelled and op.error is None and stop > start:
+                try:
+                    self.cache.handlers[(op.src, op.dst)](op, start, stop)
+                except (TierIOError, OSError, KeyError, ValueError, RuntimeError) as exc:
+                    op.error = exc
+            elapsed = time.perf_counter() - t0
+            with self._cv:
+                op.seconds += elapsed
+                if state.priority == PREDICT:
+                    self._speculative_inflight -= 1
+                self.chunks_done += 1
+                state.chunks_left -= 1
+                if state.chunks_left > 0:
+                    continue
+                self._states.pop(id(op), None)
+                if op.cancelled and op.error is None:
+                    from ..cache import Cancelled
+
+                    op.error = Cancelled()
+                op.executed.set()
+                for succ in state.successors:
+                    succ_state = self._states.get(id(succ))
+                    if succ_state is None:
+                        continue
+                    if op.error is not None:
+                        self._cancel_state(succ_state, locked=True)
+                    else:
+                        self._enqueue(succ_state)
+                self._cv.notify_all()
+
+    def _cancel_state(self, state: _OpState, locked: bool = False) -> None:
+        from ..cache import Cancelled
+
+        op = state.op
+        op.cancelled = True
+        if op.error is None:
+            op.error = Cancelled()
+        self._states.pop(id(op), None)
+        op.executed.set()
+        for succ in state.successors:
+            succ_state = self._states.get(id(succ))
+            if succ_state is not None:
+                self._cancel_state(succ_state, locked)
