@@ -1,0 +1,114 @@
+"""The replay report: a stable, documented JSON interface (see docs/report-format.md).
+
+Both replayers (the embedded engine and the HTTP replayer against a real server) produce it, so a
+report can be compared, plotted and inspected the same way whatever produced it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from ..tiers.base import DEVICE, DISK, HOST
+
+REPORT_VERSION = 1
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of an ascending sequence (q in [0, 100]); 0.0 when empty."""
+    if not sorted_values:
+        return 0.0
+    rank = max(1, math.ceil(q / 100 * len(sorted_values)))
+    return float(sorted_values[min(rank, len(sorted_values)) - 1])
+
+
+def latency_summary(values: Sequence[float]) -> dict[str, float]:
+    v = sorted(values)
+    return {
+        "mean": (sum(v) / len(v)) if v else 0.0,
+        "p50": percentile(v, 50),
+        "p90": percentile(v, 90),
+        "p99": percentile(v, 99),
+        "max": v[-1] if v else 0.0,
+    }
+
+
+def policy_report(
+    *,
+    records: Sequence[Any],
+    snapshot: dict[str, Any],
+    duration_s: float,
+    settings: dict[str, Any],
+    timeline_points: int = 50,
+) -> dict[str, Any]:
+    """One policy's report from per-request records (attributes: arrival_s, ttft_s, finish_s,
+    prompt_tokens, output_tokens, hit_device, hit_host, hit_disk) and a cache snapshot."""
+    prompt = sum(r.prompt_tokens for r in records)
+    hits = {
+        DEVICE: sum(r.hit_device for r in records),
+        HOST: sum(r.hit_host for r in records),
+        DISK: sum(r.hit_disk for r in records),
+    }
+    hit_total = sum(hits.values())
+    output = sum(r.output_tokens for r in records)
+    pf = snapshot.get("prefetch", {})
+    pre, pred = pf.get("prefetch", {}), pf.get("predict", {})
+    return {
+        "requests": len(records),
+        "prompt_tokens": prompt,
+        "output_tokens": output,
+        "hit_tokens": hits,
+        "miss_tokens": prompt - hit_total,
+        "hit_rate": hit_total / prompt if prompt else 0.0,
+        "hit_rate_by_tier": {t: (hits[t] / prompt if prompt else 0.0) for t in hits},
+        "ttft_s": latency_summary([r.ttft_s for r in records]),
+        "latency_s": latency_summary([r.finish_s - r.arrival_s for r in records]),
+        "duration_s": duration_s,
+        "throughput_tok_s": (prompt + output) / duration_s if duration_s > 0 else 0.0,
+        "output_throughput_tok_s": output / duration_s if duration_s > 0 else 0.0,
+        "prefetch": {
+            "promoted_tokens": pre.get("promoted_tokens", 0),
+            "used_tokens": pre.get("used_tokens", 0),
+            "wasted_tokens": pre.get("wasted_tokens", 0),
+            "precision": pre.get("precision"),
+            "coverage": snapshot.get("coverage"),
+            "loads_waited": snapshot.get("loads_waited", 0),
+            "loads_recomputed": snapshot.get("loads_recomputed", 0),
+        },
+        "predict": {
+            "promoted_tokens": pred.get("promoted_tokens", 0),
+            "used_tokens": pred.get("used_tokens", 0),
+            "wasted_tokens": pred.get("wasted_tokens", 0),
+            "precision": pred.get("precision"),
+        },
+        "bytes_moved": snapshot.get("bytes_moved", {}),
+        "stored_tokens": snapshot.get("stored_tokens", {}),
+        "capacity_tokens": snapshot.get("capacity_tokens", {}),
+        "errors": snapshot.get("errors", {}),
+        "settings": settings,
+        "timeline": timeline(records, timeline_points),
+        "ttft_samples_s": [round(r.ttft_s, 6) for r in records],
+    }
+
+
+def timeline(records: Sequence[Any], points: int) -> list[dict[str, float]]:
+    """Per-tier hit rate over the replay, in `points` buckets of consecutive requests (by arrival)."""
+    ordered = sorted(records, key=lambda r: r.arrival_s)
+    if not ordered:
+        return []
+    size = max(1, math.ceil(len(ordered) / points))
+    out = []
+    for i in range(0, len(ordered), size):
+        chunk = ordered[i : i + size]
+        prompt = sum(r.prompt_tokens for r in chunk) or 1
+        out.append(
+            {
+                "request": i + len(chunk),
+                "time_s": chunk[-1].arrival_s,
+                DEVICE: sum(r.hit_device for r in chunk) / prompt,
+                HOST: sum(r.hit_host for r in chunk) / prompt,
+                DISK: sum(r.hit_disk for r in chunk) / prompt,
+            }
+        )
+    return out
