@@ -5,19 +5,22 @@ and disk stores (in a scaled-down KV layout, `EngineConfig.storage_layout`, so a
 fits this machine); time is charged from the cost model at the preset's full KV size:
 
 - a request arrives (trace clock scaled by `time_scale`, or closed-loop at `concurrency`), is
-  matched, and waits in a FIFO queue. Under `prefetch`/`predict` the demoted part of its match starts
-  moving up at once: each link (disk->host, host->device) is a FIFO pipe at the preset bandwidth,
+  matched, and waits in a FIFO queue. Under `prefetch`/`predict` the disk part of its match starts
+  moving up to host as soon as it is among the first `prefetch_window` waiting requests (at once,
+  unless the queue is long): each link (disk->host, host->device) is a FIFO pipe at the preset bandwidth,
   and a stage's bytes are really copied when its virtual finish time is reached;
-- a continuous-batching scheduler admits waiting requests while the step's prefill budget
-  (`max_batch_tokens`, the first request of a step may exceed it) and free device pages allow. A
-  request whose prefetch is still in flight is admitted only once waiting for the rest is
+- a continuous-batching scheduler with chunked prefill: each step's prefill budget
+  (`max_batch_tokens`) goes first to prompts being prefilled, then to waiting requests (FIFO),
+  admitted while device pages allow; a long prompt is prefilled over several steps. When a
+  request whose prefetch is still in flight is admitted, the step waits for the rest if that is
   estimated to be faster than recomputing it; otherwise the rest is cancelled and recomputed
   (`loads_waited` / `loads_recomputed`);
 - under `demote` (SGLang HiCache's behaviour) the lower-tier part is loaded when the request is
-  scheduled; the load overlaps the step's compute layer by layer: step = max(compute, load) +
-  load / num_layers;
-- one step = one batched prefill of the admitted prompts' uncached tokens plus one decode token for
-  every running request; a request's first token comes at the end of its prefill step.
+  scheduled. Disk reads must land in host memory first, so they block the step; host->device
+  copies overlap the forward pass layer by layer:
+  step = disk_load + max(compute, host_to_device) + host_to_device / num_layers;
+- one step = one batched prefill of the step's chunks plus one decode token for every running
+  request; a request's first token comes at the end of the step that computes its last chunk.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class EngineConfig:
     eviction_policy: str = "lru"
     write_policy: str = "write_back"
     predictor_budget_tokens: int = 8192
+    prefetch_window: int = 16
     storage_layout: KVLayout = field(default_factory=lambda: KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="bfloat16"))
 
     def __post_init__(self) -> None:
@@ -100,7 +104,9 @@ class _Flight:
     context: int = 0
     anchor: object = None
     output_pages: list = field(default_factory=list)
-    waited: bool = False
+    prefill_left: int = 0
+    prefetch_tried: bool = False
+    hits: tuple[int, int, int] = (0, 0, 0)
 
 
 @dataclass
@@ -200,16 +206,29 @@ class EmbeddedEngine:
     def _arrive(self, flight: _Flight, waiting: deque) -> None:
         m = self.cache.match(flight.req.input_ids)
         flight.enqueue_lower_tokens = m.lower_tier_tokens
-        if self.config.policy in ("prefetch", "predict") and m.disk_tokens:
-            # disk -> host while the request waits; host -> device when it is scheduled, since device
-            # pages are the scarce resource and a queue of prefetched paths would crowd running requests out
+        if self.config.policy == "predict":
+            self._predict(m)
+        waiting.append(flight)
+
+    def _issue_prefetches(self, waiting: deque) -> None:
+        """Start the disk -> host prefetch of the first `prefetch_window` waiting requests. Host ->
+        device waits until the request is scheduled: device pages are the scarcest, and a queue of
+        prefetched paths would crowd running requests out. The window paces prefetch under
+        overload: pages fetched for a request far back in the queue would only push out pages
+        needed sooner (and hold their locks for as long as it waits)."""
+        for i, flight in enumerate(waiting):
+            if i >= self.config.prefetch_window:
+                break
+            if flight.prefetch_tried:
+                continue
+            flight.prefetch_tried = True
+            m = self.cache.match(flight.req.input_ids, touch=False)
+            if not m.disk_tokens:
+                continue
             job = self.cache.plan_promotion(m, "prefetch", target=HOST)
             if job is not None:
                 flight.job = job
                 flight.stage_finish = self._schedule_job(job, self.now)
-        if self.config.policy == "predict":
-            self._predict(m)
-        waiting.append(flight)
 
     def _predict(self, m: MatchResult) -> None:
         for pred in self.predictor.predict(m.last_node, self.now):
@@ -237,39 +256,41 @@ class EmbeddedEngine:
                 keep.append((job, finishes))
         self.predicted_jobs = keep
 
-    def _try_admit(self, flight: _Flight, budget_left: int, first: bool) -> tuple[bool, int, float]:
-        """Admit `flight` into this step if it fits. Returns (admitted, new tokens, load seconds)."""
+    def _try_admit(self, flight: _Flight) -> tuple[bool, int, tuple[float, float]]:
+        """Admit `flight` into this step if it fits. Returns (admitted, new tokens, load seconds as
+        (blocking, overlapped))."""
         cfg = self.config
         cache = self.cache
         ps = cfg.page_size
         tokens = flight.req.input_ids
         job = flight.job
         prefetched = {HOST: 0, DISK: 0}
+        waited_s = 0.0
         if job is not None:
             self._run_due(job, flight.stage_finish, self.now)
             if not job.finished:
+                # the part still in flight: wait for it inside this step, or recompute it, whichever
+                # the estimate says is faster
                 pending = [(st, fin) for st, fin in zip(job.stages[job.applied :], flight.stage_finish[job.applied :])]
                 wait_s = max(fin for _, fin in pending) - self.now
                 pending_tokens = sum(st.node.num_pages for st, _ in pending) * ps
                 recompute_s = cost.prefill_seconds(cfg.model, cfg.hardware, pending_tokens, len(tokens) - pending_tokens)
                 if wait_s <= recompute_s:
-                    flight.waited = True
-                    return False, 0, 0.0
-                cache.cancel(job)
-                cache.stats.add("loads_recomputed")
-            elif flight.waited:
-                cache.stats.add("loads_waited")
+                    self._run_due(job, flight.stage_finish, math.inf)
+                    waited_s = wait_s
+                    cache.stats.add("loads_waited")
+                    cache.stats.add("load_wait_seconds", wait_s)
+                else:
+                    cache.cancel(job)
+                    cache.stats.add("loads_recomputed")
             for st in job.stages[: job.applied]:
                 if st.ops and st.ops[0].src == DISK and st.node.device is None:
                     prefetched[DISK] += st.node.num_pages * ps
         m = cache.match(tokens)
-        new_tokens = len(tokens) - m.tokens
-        if not first and new_tokens > budget_left:
-            return False, 0, 0.0
         out_pages = math.ceil((flight.req.output_length + len(tokens) % ps) / ps)
         need_pages = len(tokens) // ps - m.device_tokens // ps
         if need_pages + out_pages > cache.stores[DEVICE].free_pages + self._evictable_device_pages(m):
-            return False, 0, 0.0
+            return False, 0, (0.0, 0.0)
         # count the hits, attributing what this request's own prefetch brought up to where it came from
         from_prefetch = min(prefetched[DISK], m.host_tokens)
         counted = MatchResult(m.path, m.device_tokens, m.host_tokens - from_prefetch, m.disk_tokens + from_prefetch,
@@ -278,12 +299,12 @@ class EmbeddedEngine:
         if job is not None:
             cache.release(job)
             flight.job = None
-        load_s = 0.0
+        load_s = (waited_s, 0.0)
         if m.lower_tier_tokens:
             load_job = cache.plan_promotion(m, "demand")
             if load_job is not None:
-                finishes = self._schedule_job(load_job, self.now)
-                load_s = max(finishes) - self.now
+                load_s = self._load_seconds(load_job)
+                load_s = (max(load_s[0], waited_s), load_s[1])
                 for st in load_job.stages:
                     for op in st.ops:
                         cache.execute(op)
@@ -297,7 +318,7 @@ class EmbeddedEngine:
             if fresh is not None:
                 cache.free_device(fresh)
             cache.unlock(m.last_node)
-            return False, 0, 0.0
+            return False, 0, (0.0, 0.0)
         result = cache.insert(tokens, m.device_handles + fresh)
         cache.free_device(result.duplicates)
         cache.unlock(m.last_node)
@@ -306,9 +327,23 @@ class EmbeddedEngine:
         flight.output_pages = outs
         flight.context = len(tokens)
         flight.remaining = max(0, flight.req.output_length - 1)
-        self._hits = (counted.device_tokens, counted.host_tokens, counted.disk_tokens)
-        flight.hits = self._hits  # type: ignore[attr-defined]
+        flight.hits = (counted.device_tokens, counted.host_tokens, counted.disk_tokens)
         return True, len(tokens) - m.device_tokens, load_s
+
+    def _load_seconds(self, job: PromotionJob) -> tuple[float, float]:
+        """(blocking, overlapped) seconds of a load at schedule time: disk reads must land in host
+        before the forward pass can use them (they block the step); host->device copies overlap
+        the forward pass layer by layer."""
+        blocking = 0.0
+        overlapped = 0.0
+        for st in job.stages:
+            for op in st.ops:
+                tokens = op.node.num_pages * self.config.page_size
+                if op.src == DISK:
+                    blocking = max(blocking, self.links.schedule(op.link, tokens, self.now) - self.now)
+                else:
+                    overlapped += self.links.seconds(op.link, tokens)
+        return blocking, overlapped
 
     def _evictable_device_pages(self, m: MatchResult) -> int:
         tree = self.cache.tree
@@ -317,7 +352,7 @@ class EmbeddedEngine:
     def _finish(self, flight: _Flight) -> None:
         self.cache.free_device(flight.output_pages)
         self.cache.unlock(flight.anchor)  # type: ignore[arg-type]
-        hd, hh, hk = flight.hits  # type: ignore[attr-defined]
+        hd, hh, hk = flight.hits
         self.records.append(RequestRecord(flight.req.request_id, flight.arrival, (flight.first_token or 0) - flight.arrival, self.now,
                                           len(flight.req.input_ids), flight.req.output_length, hd, hh, hk))
         if self.progress:
@@ -329,34 +364,47 @@ class EmbeddedEngine:
         self._total = len(requests)
         pending = deque(sorted(requests, key=lambda r: r.arrival_s))
         waiting: deque[_Flight] = deque()
-        running: list[_Flight] = []
+        prefilling: list[_Flight] = []  # admitted, prompt not fully computed yet (chunked prefill)
+        running: list[_Flight] = []  # decoding
         closed_loop = cfg.concurrency is not None
-        while pending or waiting or running:
+        while pending or waiting or prefilling or running:
             # arrivals
             if closed_loop:
-                while pending and len(waiting) + len(running) < cfg.concurrency:  # type: ignore[operator]
+                while pending and len(waiting) + len(prefilling) + len(running) < cfg.concurrency:  # type: ignore[operator]
                     self._arrive(_Flight(pending.popleft(), self.now), waiting)
             else:
                 while pending and pending[0].arrival_s * cfg.time_scale <= self.now:
                     req = pending.popleft()
                     self._arrive(_Flight(req, req.arrival_s * cfg.time_scale), waiting)
+            if cfg.policy in ("prefetch", "predict"):
+                self._issue_prefetches(waiting)
             self._advance_predictions()
-            # admission
-            batch: list[tuple[_Flight, int]] = []
+            # the step's prefill budget goes to prompts already being prefilled first, then to new ones
             budget = cfg.max_batch_tokens
-            load_s = 0.0
-            for flight in list(waiting):
-                if len(running) + len(batch) >= cfg.max_running or budget <= 0:
+            chunks: list[tuple[_Flight, int]] = []
+            for flight in prefilling:
+                if budget <= 0:
                     break
-                ok, new_tokens, load = self._try_admit(flight, budget, first=not batch)
+                n = min(flight.prefill_left, budget)
+                chunks.append((flight, n))
+                budget -= n
+            blocking_s = overlapped_s = 0.0
+            for flight in list(waiting):
+                if len(running) + len(prefilling) >= cfg.max_running or budget <= 0:
+                    break
+                ok, new_tokens, load = self._try_admit(flight)
                 if ok:
                     waiting.remove(flight)
-                    batch.append((flight, new_tokens))
-                    budget -= new_tokens
-                    load_s = max(load_s, load)
-                elif not flight.waited:
+                    prefilling.append(flight)
+                    flight.prefill_left = new_tokens
+                    n = min(new_tokens, budget)
+                    chunks.append((flight, n))
+                    budget -= n
+                    blocking_s = max(blocking_s, load[0])
+                    overlapped_s += load[1]
+                else:
                     break  # FIFO: a request that does not fit blocks the ones behind it
-            if not batch and not running:
+            if not chunks and not running:
                 nxt = self._next_event_time(pending, waiting)
                 if nxt is None:
                     if waiting:
@@ -364,9 +412,9 @@ class EmbeddedEngine:
                     break
                 self.now = max(self.now, nxt)
                 continue
-            compute = cost.batch_prefill_seconds(cfg.model, cfg.hardware, [(n, f.context - n) for f, n in batch])
+            compute = cost.batch_prefill_seconds(cfg.model, cfg.hardware, [(n, f.context - f.prefill_left) for f, n in chunks])
             compute += cost.decode_step_seconds(cfg.model, cfg.hardware, sum(f.context for f in running), len(running))
-            step = max(compute, load_s) + (load_s / cfg.model.num_layers if load_s else 0.0)
+            step = blocking_s + max(compute, overlapped_s) + overlapped_s / cfg.model.num_layers
             self.now += step
             self.steps += 1
             still: list[_Flight] = []
@@ -377,7 +425,11 @@ class EmbeddedEngine:
                     self._finish(flight)
                 else:
                     still.append(flight)
-            for flight, _ in batch:
+            for flight, n in chunks:
+                flight.prefill_left -= n
+                if flight.prefill_left > 0:
+                    continue
+                prefilling.remove(flight)
                 flight.first_token = self.now
                 if flight.remaining <= 0:
                     self._finish(flight)

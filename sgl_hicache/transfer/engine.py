@@ -88,6 +88,12 @@ class TransferEngine:
         for t in self._threads:
             t.join()
         self._threads.clear()
+        with self._cv:
+            # a worker that finished an op while stopping queued its successor after the swap above
+            pending += self._queue
+            self._queue = []
+            self._urgent_queued = 0
+            self._speculative_inflight = 0
         for _, _, state, _, _ in pending:
             self._cancel_state(state)
 

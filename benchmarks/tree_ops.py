@@ -1,0 +1,219 @@
+"""Tree operations, side by side: sgl_hicache's tree against SGLang's own RadixCache, same token stream.
+
+    .venv-sglang/bin/python benchmarks/tree_ops.py --json tree_ops.json          # ~1-2 min here
+    .venv-sglang/bin/python benchmarks/tree_ops.py --quick --json tree_ops.json  # seconds
+
+Token stream: the prompts of the first `--requests` lines of the Mooncake conversation trace,
+synthesised by `sgl_hicache.replay.load_trace(path, limit=N, scale=S)` (every 512-token block becomes
+S tokens), identical for both sides.
+
+What is timed, per page size (1, 16, 64), for each side, in one process, interleaved
+(ours, SGLang, ours, SGLang, ... for `--repeats` rounds, order alternating between rounds):
+- `insert`: a fresh tree; every prompt inserted in trace order. Ours: `TieredCache.insert` (host and
+  disk tiers off, a device pool large enough that nothing is evicted) with device pages allocated
+  before the clock starts; SGLang: `RadixCache.insert(InsertParams(key, value))` with the key and value
+  tensor built before the clock starts. Duplicate pages are freed after the clock stops (ours).
+- `match`: on the filled tree, every prompt matched once in trace order. Ours: `TieredCache.match`
+  (touch=True: the full product path, which also counts the predictor's traffic and refreshes
+  recency); SGLang: `RadixCache.match_prefix`.
+- `evict`: the filled tree emptied in 10 equal `evict` calls. Ours: `TieredCache.evict("device", n)`
+  (with no lower tier an evicted page is dropped, as in SGLang); SGLang: `RadixCache.evict`.
+Figures are medians over rounds of prompts/s (and tokens/s); the ratio is ours / SGLang (> 1: ours
+faster). Run it with the interpreter that has SGLang (`.venv-sglang`); without SGLang the JSON says
+so and only our side is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from array import array
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from sgl_hicache.cache import TieredCache  # noqa: E402
+from sgl_hicache.config import CacheConfig, KVLayout  # noqa: E402
+from sgl_hicache.replay import load_trace  # noqa: E402
+
+DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+TINY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1)  # the tree does not care about KV bytes
+OPS = ("insert", "match", "evict")
+
+try:  # the only import of sglang, and only to measure against it
+    import torch
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+
+    SGLANG = True
+    SGLANG_ERROR = None
+except Exception as exc:  # noqa: BLE001 - any import failure means: measure ours only
+    SGLANG = False
+    SGLANG_ERROR = f"{type(exc).__name__}: {exc}"
+
+
+class MockAllocator:
+    """What RadixCache.create_simulated needs from a KV allocator: nothing is really freed."""
+
+    device = "cpu"
+
+    def free(self, idx) -> None:
+        pass
+
+    def free_segment(self, idx, start_pos: int = 0) -> None:
+        pass
+
+
+def _timed(fn) -> float:
+    gc.collect()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def run_ours(prompts: list[list[int]], page_size: int) -> dict[str, float]:
+    total_pages = sum(len(p) // page_size for p in prompts)
+    cache = TieredCache(CacheConfig(TINY, device_tokens=max(total_pages, 1) * page_size, page_size=page_size))
+    handles = [cache.allocate_device(len(p) // page_size) for p in prompts]
+    dups: list = []
+
+    def insert() -> None:
+        for p, h in zip(prompts, handles):
+            dups.extend(cache.insert(p, h).duplicates)
+
+    def match() -> None:
+        for p in prompts:
+            cache.match(p)
+
+    out = {"insert": _timed(insert)}
+    cache.free_device(dups)
+    out["match"] = _timed(match)
+    held = cache.tree.pages["device"]
+    chunk = max(1, -(-held // 10))
+
+    def evict() -> None:
+        for _ in range(10):
+            cache.evict("device", chunk)
+
+    out["evict"] = _timed(evict)
+    assert cache.tree.pages["device"] == 0, "ours: eviction left pages behind"
+    out["tree_tokens"] = held * page_size
+    return out
+
+
+def run_sglang(prompts: list[list[int]], page_size: int) -> dict[str, float]:
+    cache = RadixCache.create_simulated(mock_allocator=MockAllocator(), page_size=page_size)
+    keys = [RadixKey(array("q", p)) for p in prompts]
+    values = [torch.arange(len(p), dtype=torch.int64) for p in prompts]
+    match_keys = [RadixKey(array("q", p)) for p in prompts]
+
+    def insert() -> None:
+        for k, v in zip(keys, values):
+            cache.insert(InsertParams(key=k, value=v))
+
+    def match() -> None:
+        for k in match_keys:
+            cache.match_prefix(MatchPrefixParams(key=k))
+
+    out = {"insert": _timed(insert)}
+    out["match"] = _timed(match)
+    held = cache.evictable_size()
+    chunk = max(page_size, -(-held // 10))
+
+    def evict() -> None:
+        for _ in range(10):
+            cache.evict(EvictParams(num_tokens=chunk))
+
+    out["evict"] = _timed(evict)
+    assert cache.evictable_size() == 0, "sglang: eviction left tokens behind"
+    out["tree_tokens"] = held
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    ap.add_argument("--requests", type=int, default=1000, help="first N lines of the trace (default 1000)")
+    ap.add_argument("--scale", type=int, default=32, help="tokens per 512-token trace block (default 32)")
+    ap.add_argument("--page-sizes", default="1,16,64")
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds; figures are medians (default 5)")
+    ap.add_argument("--quick", action="store_true", help="smallest size: 40 requests, 2 rounds")
+    ap.add_argument("--no-sglang", action="store_true", help="measure ours only")
+    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.requests, args.repeats = 40, 2
+    page_sizes = [int(x) for x in args.page_sizes.split(",")]
+    with_sglang = SGLANG and not args.no_sglang
+
+    reqs = load_trace(args.trace, limit=args.requests, scale=args.scale)
+    prompts = [list(r.input_ids) for r in reqs]
+    n_tokens = sum(len(p) for p in prompts)
+    gc.collect()
+    gc.freeze()  # SGLang's import leaves a large heap: keep it out of every collection below
+
+    sides = ["sgl_hicache"] + (["sglang"] if with_sglang else [])
+    runners = {"sgl_hicache": run_ours, "sglang": run_sglang}
+    samples: dict[int, dict[str, dict[str, list[float]]]] = {ps: {s: {op: [] for op in OPS} for s in sides} for ps in page_sizes}
+    tree_tokens: dict[int, dict[str, int]] = {ps: {} for ps in page_sizes}
+    t_start = time.perf_counter()
+    for rnd in range(args.repeats):
+        for ps in page_sizes:
+            order = sides if rnd % 2 == 0 else list(reversed(sides))
+            for side in order:
+                res = runners[side](prompts, ps)
+                for op in OPS:
+                    samples[ps][side][op].append(res[op])
+                tree_tokens[ps][side] = int(res["tree_tokens"])
+
+    results: dict[str, dict] = {}
+    for ps in page_sizes:
+        entry: dict[str, dict] = {"seconds_median": {}, "prompts_per_s": {}, "tokens_per_s": {}, "tree_tokens": tree_tokens[ps]}
+        for side in sides:
+            med = {op: statistics.median(samples[ps][side][op]) for op in OPS}
+            entry["seconds_median"][side] = {op: round(v, 6) for op, v in med.items()}
+            entry["prompts_per_s"][side] = {op: round(len(prompts) / v, 1) if v else None for op, v in med.items() if op != "evict"}
+            entry["tokens_per_s"][side] = {op: round((tree_tokens[ps][side] if op == "evict" else n_tokens) / v, 1) if v else None for op, v in med.items()}
+        if with_sglang:
+            entry["ratio_ours_over_sglang"] = {
+                op: round(statistics.median(samples[ps]["sglang"][op]) / statistics.median(samples[ps]["sgl_hicache"][op]), 3) for op in OPS
+            }
+        entry["samples_s"] = {side: {op: [round(x, 6) for x in samples[ps][side][op]] for op in OPS} for side in sides}
+        results[str(ps)] = entry
+
+    out = {
+        "benchmark": "tree_ops",
+        "config": {
+            "trace": str(args.trace),
+            "requests": len(prompts),
+            "prompt_tokens": n_tokens,
+            "scale": args.scale,
+            "page_sizes": page_sizes,
+            "repeats": args.repeats,
+            "quick": args.quick,
+        },
+        "sglang": {"available": SGLANG, "used": with_sglang, "error": SGLANG_ERROR},
+        "machine": {"python": platform.python_version(), "platform": platform.platform(), "processor": platform.processor()},
+        "ours_path": "TieredCache (host and disk tiers off): insert / match(touch=True) / evict('device')",
+        "sglang_path": "RadixCache.create_simulated(mock_allocator): insert / match_prefix / evict",
+        "note": "ratio_ours_over_sglang = SGLang seconds / ours seconds (> 1: ours faster), medians of interleaved rounds"
+        + ("" if with_sglang else "; SGLang not importable in this interpreter: ours only"),
+        "results": results,
+        "wall_s": round(time.perf_counter() - t_start, 2),
+    }
+    text = json.dumps(out, indent=2)
+    if args.json:
+        args.json.write_text(text + "\n")
+    summary = {ps: {"prompts_per_s": r["prompts_per_s"], "ratio": r.get("ratio_ours_over_sglang")} for ps, r in results.items()}
+    print(json.dumps({"sglang": out["sglang"], "results": summary, "wall_s": out["wall_s"]}, indent=2))
+    return out
+
+
+if __name__ == "__main__":
+    main()

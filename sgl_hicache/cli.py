@@ -1,0 +1,317 @@
+"""`sgl-hicache serve | replay | stats`: the command line.
+
+Errors a user can cause (a bad flag, a malformed trace, a bad capacity, an unreachable server) end
+the process with a one-line message naming the problem and a non-zero status, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .config import ConfigError, EVICTION_POLICIES, WRITE_POLICIES
+from .replay.trace import TraceError
+
+DEFAULT_TRACE_HINT = "../shared/traces/mooncake_conversation_trace.jsonl"
+
+
+class UserError(Exception):
+    """A problem with what the user asked for; printed as `error: ...`, exit status 2."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(float(text)) if text.lower().endswith(("e3", "e6", "e9")) else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
+    return value
+
+
+# ---- replay ----------------------------------------------------------------------------------
+def _add_replay(sub: argparse._SubParsersAction) -> None:
+    from .engine.presets import HARDWARE, MODELS
+    from .engine.simulator import POLICIES
+
+    p = sub.add_parser("replay", help="replay a trace through the embedded engine (default) or a server (--url)",
+                       description="Replay a multi-turn trace and report per-tier hits, TTFT and throughput.")
+    p.add_argument("trace", help="trace file: Mooncake JSONL, ShareGPT JSON or plain JSONL (docs/trace-formats.md)")
+    p.add_argument("--format", default="auto", choices=["auto", "mooncake", "sharegpt", "plain"])
+    p.add_argument("--limit", type=_positive_int, help="replay only the first N requests")
+    p.add_argument("--block-size", type=_positive_int, default=512, help="Mooncake: tokens per hash id (default 512)")
+    p.add_argument("--scale", type=_positive_int, help="Mooncake: synthesise each block as this many tokens (shrinks the trace)")
+    p.add_argument("--tokenizer", help="ShareGPT/plain text: a folder with tokenizer.json (default: byte-level)")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--policy", choices=POLICIES, default="predict", help="cache policy (default: predict)")
+    group.add_argument("--compare", action="store_true", help="run every policy on the same trace and capacities")
+    p.add_argument("--model", default="llama3-8b", choices=sorted(MODELS), help="model preset for the cost model")
+    p.add_argument("--hardware", default="h200", choices=sorted(HARDWARE) + ["cpu-measured"], help="hardware preset")
+    p.add_argument("--device-tokens", type=_positive_int, default=500_000, help="device (GPU) tier capacity in tokens")
+    p.add_argument("--host-tokens", type=_non_negative_int, default=2_000_000, help="host DRAM tier capacity in tokens (0: off)")
+    p.add_argument("--disk-tokens", type=_non_negative_int, default=16_000_000, help="disk tier capacity in tokens (0: off)")
+    p.add_argument("--disk-dir", type=Path, help="disk tier directory (default: a temporary one, removed after the run)")
+    p.add_argument("--page-size", type=_positive_int, default=256, help="tokens per page (default 256)")
+    p.add_argument("--concurrency", type=_positive_int, default=16, help="closed-loop concurrency (default 16)")
+    p.add_argument("--trace-clock", action="store_true", help="send requests at the trace's timestamps instead of at a fixed concurrency")
+    p.add_argument("--time-scale", type=_positive_float, default=1.0, help="with --trace-clock: multiply the trace's timestamps")
+    p.add_argument("--max-batch-tokens", type=_positive_int, default=16384, help="prefill tokens per scheduler step")
+    p.add_argument("--eviction", default="lru", choices=EVICTION_POLICIES)
+    p.add_argument("--write-policy", default="write_back", choices=WRITE_POLICIES)
+    p.add_argument("--predictor-budget", type=_non_negative_int, default=8192, help="tokens the predictor may promote per request")
+    p.add_argument("--url", help="replay against a running SGLang server (http://HOST:PORT) instead of the embedded engine")
+    p.add_argument("--max-new-tokens", type=_positive_int, help="with --url: cap each request's output length")
+    p.add_argument("--report", type=Path, help="write the JSON report here")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_replay)
+
+
+def _load_requests(args: argparse.Namespace) -> list:
+    from .replay import detect_format, load_trace
+
+    path = Path(args.trace)
+    if not path.exists():
+        raise UserError(f"trace file {str(path)!r} does not exist" + (f" (the shipped trace is {DEFAULT_TRACE_HINT})" if "mooncake" in str(path) else ""))
+    if path.is_dir():
+        raise UserError(f"trace {str(path)!r} is a directory, not a file")
+    fmt = args.format if args.format != "auto" else detect_format(path)
+    opts: dict[str, Any] = {"limit": args.limit}
+    if fmt == "mooncake":
+        opts.update(block_size=args.block_size, scale=args.scale)
+    elif args.tokenizer:
+        opts["tokenizer"] = args.tokenizer
+    return load_trace(path, fmt=fmt, **opts)
+
+
+class _Progress:
+    """A one-line progress bar on stderr (only when stderr is a terminal or forced)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.last = 0.0
+
+    def __call__(self, label: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if done < total and now - self.last < 0.2:
+            return
+        self.last = now
+        width = 30
+        filled = int(width * done / max(total, 1))
+        sys.stderr.write(f"\r{label:<10} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    requests = _load_requests(args)
+    if not requests:
+        raise UserError(f"trace {args.trace!r} holds no requests")
+    progress = _Progress(not args.quiet)
+    if args.url:
+        try:
+            from .replay.http import replay_http
+        except ImportError as exc:  # pragma: no cover - depends on the backend module
+            raise UserError(f"the HTTP replayer is not available: {exc}") from None
+        report = replay_http(requests, args.url, concurrency=args.concurrency, max_new_tokens=args.max_new_tokens,
+                             trace_clock=args.trace_clock, time_scale=args.time_scale,
+                             progress=(lambda d, t: progress("server", d, t)) if not args.quiet else None)
+        report.setdefault("version", 1)
+        report.setdefault("kind", "http")
+        result = {"version": 1, "kind": "http", "policies": {"server": report}}
+    else:
+        from .engine.presets import get_hardware, get_model
+        from .engine.run import compare, run_policy
+        from .engine.simulator import POLICIES, EngineConfig
+
+        if args.disk_dir is not None and args.disk_dir.exists() and not args.disk_dir.is_dir():
+            raise UserError(f"--disk-dir {str(args.disk_dir)!r} exists and is not a directory")
+        base = EngineConfig(
+            policy=args.policy, model=get_model(args.model), hardware=get_hardware(args.hardware),
+            device_tokens=args.device_tokens, host_tokens=args.host_tokens, disk_tokens=args.disk_tokens,
+            page_size=args.page_size, disk_dir=args.disk_dir, concurrency=None if args.trace_clock else args.concurrency,
+            time_scale=args.time_scale, max_batch_tokens=args.max_batch_tokens, eviction_policy=args.eviction,
+            write_policy=args.write_policy, predictor_budget_tokens=args.predictor_budget,
+        )
+        if args.compare:
+            if args.disk_dir is not None:
+                raise UserError("--compare runs every policy on a fresh disk tier; leave --disk-dir out")
+            result = compare(requests, base, POLICIES, progress=progress)
+        else:
+            rep = run_policy(requests, base, lambda d, t: progress(args.policy, d, t))
+            result = {"version": 1, "kind": "replay", "policies": {args.policy: rep}}
+    result["trace"] = {"path": str(args.trace), "requests": len(requests), "limit": args.limit}
+    print(format_report(result))
+    if args.report:
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.report.with_suffix(args.report.suffix + ".tmp")
+        tmp.write_text(json.dumps(result, indent=2, sort_keys=True))
+        os.replace(tmp, args.report)
+        print(f"report written to {args.report}")
+    return 0
+
+
+# ---- stats -----------------------------------------------------------------------------------
+def format_report(result: dict[str, Any]) -> str:
+    """The per-tier table of a replay or compare report."""
+    rows = [("policy", "requests", "hit%", "device", "host", "disk", "miss", "ttft mean", "p50", "p90", "p99", "tok/s", "pf prec", "pf cov")]
+    for name, rep in result.get("policies", {}).items():
+        h = rep["hit_tokens"]
+        pf = rep.get("prefetch") or {}
+        rows.append((
+            name, str(rep["requests"]), f"{100 * rep['hit_rate']:.1f}", str(h.get("device", 0)), str(h.get("host", 0)),
+            str(h.get("disk", 0)), str(rep["miss_tokens"]), f"{rep['ttft_s']['mean']:.3f}", f"{rep['ttft_s']['p50']:.3f}",
+            f"{rep['ttft_s']['p90']:.3f}", f"{rep['ttft_s']['p99']:.3f}", f"{rep['throughput_tok_s']:.0f}",
+            _fmt(pf.get("precision")), _fmt(pf.get("coverage")),
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    for key, r in (result.get("ratios") or {}).items():
+        lines.append(f"{key:<22} ttft mean x{_fmt(r['ttft_mean'])}  p90 x{_fmt(r['ttft_p90'])}  throughput x{_fmt(r['throughput'])}")
+    return "\n".join(lines)
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def _add_stats(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("stats", help="show the per-tier table of a report file or a running server",
+                       description="Per-tier hit table, prefetch figures and tree view of a replay report or a running server.")
+    p.add_argument("source", help="a report JSON written by `replay --report`, or http://HOST:PORT of a server")
+    p.add_argument("--plot", type=Path, help="write a PNG: hit rate per tier over time and the TTFT distribution per policy")
+    p.add_argument("--json", action="store_true", help="print the raw JSON")
+    p.add_argument("--prometheus", action="store_true", help="print Prometheus text (server stats only)")
+    p.set_defaults(func=cmd_stats)
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from .tree.view import format_tree
+
+    if args.source.startswith(("http://", "https://")):
+        try:
+            from .sglang.stats_client import fetch_stats
+        except ImportError as exc:  # pragma: no cover
+            raise UserError(f"server stats are not available: {exc}") from None
+        stats = fetch_stats(args.source)
+        if args.prometheus:
+            from .stats import prometheus_text
+
+            print(prometheus_text(stats), end="")
+            return 0
+        if args.json:
+            print(json.dumps(stats, indent=2, sort_keys=True))
+            return 0
+        print(format_snapshot(stats))
+        if stats.get("tree"):
+            print("\nlargest subtrees (tokens per tier):")
+            print(format_tree(stats["tree"]))
+        return 0
+    path = Path(args.source)
+    if not path.is_file():
+        raise UserError(f"report {args.source!r} is not a file (give a report JSON or http://HOST:PORT)")
+    try:
+        result = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"report {args.source!r} is not valid JSON: {exc}") from None
+    if not isinstance(result, dict) or "policies" not in result:
+        raise UserError(f"{args.source!r} is not an sgl-hicache report (no 'policies' key)")
+    if args.json:
+        print(json.dumps(result, indent=2, sort_keys=True))
+        return 0
+    print(format_report(result))
+    for name, rep in result["policies"].items():
+        if rep.get("tree"):
+            print(f"\n[{name}] largest subtrees at the end of the replay (tokens per tier):")
+            print(format_tree(rep["tree"]))
+    if args.plot:
+        from .plot import plot_report
+
+        plot_report(result, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def format_snapshot(snap: dict[str, Any]) -> str:
+    h = snap.get("hit_tokens", {})
+    lines = [
+        f"requests {snap.get('requests', 0)}   prompt tokens {snap.get('prompt_tokens', 0)}   hit rate {100 * snap.get('hit_rate', 0):.1f}%",
+        f"{'tier':<8}{'hit tokens':>12}{'stored':>12}{'capacity':>12}{'evicted':>12}{'promoted':>12}",
+    ]
+    for t in ("device", "host", "disk"):
+        lines.append(f"{t:<8}{h.get(t, 0):>12}{snap.get('stored_tokens', {}).get(t, 0):>12}{snap.get('capacity_tokens', {}).get(t, 0):>12}"
+                     f"{snap.get('evicted_tokens', {}).get(t, 0):>12}{snap.get('promoted_tokens', {}).get(t, 0):>12}")
+    for kind, d in (snap.get("prefetch") or {}).items():
+        lines.append(f"{kind:<8} promoted {d.get('promoted_tokens', 0)}  used {d.get('used_tokens', 0)}  wasted {d.get('wasted_tokens', 0)}  precision {_fmt(d.get('precision'))}")
+    lines.append(f"coverage {_fmt(snap.get('coverage'))}   bytes moved " + ", ".join(f"{k} {v}" for k, v in (snap.get("bytes_moved") or {}).items()))
+    if snap.get("errors"):
+        lines.append("errors " + ", ".join(f"{k}={v}" for k, v in snap["errors"].items()))
+    return "\n".join(lines)
+
+
+# ---- serve -----------------------------------------------------------------------------------
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="launch SGLang with sgl_hicache tiering (flags after -- go to SGLang)", add_help=False)
+    p.set_defaults(func=None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "serve":
+        try:
+            from .sglang.launch import main as serve_main
+        except ImportError as exc:
+            print(f"sgl-hicache serve: SGLang is not installed ({exc}); run scripts/install_sglang_cpu.sh", file=sys.stderr)
+            return 2
+        return serve_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="sgl-hicache", description="A memory hierarchy for SGLang's radix prefix cache.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    _add_replay(sub)
+    _add_stats(sub)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (UserError, TraceError, ConfigError) as exc:
+        print(f"sgl-hicache {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"sgl-hicache {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"sgl-hicache {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

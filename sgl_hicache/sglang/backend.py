@@ -1,0 +1,812 @@
+"""`TieredRadixCache`: SGLang 0.5.23's tree cache, backed by `sgl_hicache.cache.TieredCache`.
+
+Selected with `--radix-cache-backend sgl_hicache` (registered by `plugin.register`). One tree core: every
+method here translates SGLang's calls (docs/sglang-integration.md) into `TieredCache` calls; the tree,
+the tier residency, eviction and promotion all live in `TieredCache`.
+
+Tiers: device = SGLang's own KV pool and allocator (`device_pool.SGLangDevicePool`), host = our DRAM
+buffer, disk = our content-addressed page files (they survive a restart).
+
+Request path:
+- `match_prefix`: matches the whole prompt across tiers. SGLang gets the device part as its prefix and
+  the host + disk part as `host_hit_length` (anchor `best_match_node`). On the request's first match,
+  the disk-only part starts moving disk -> host on the transfer engine's threads while the request
+  waits in the queue.
+- `init_load_back` (admission): waits for that prefetch (returns None, "retry next round", while it is
+  in flight, up to `load_timeout_s`), then copies host -> device synchronously, so the KV is in the
+  device slots before the function returns: no request can read a slot whose data has not arrived
+  (on a GPU the copy is queued on the same stream as the forward, which orders it before the read).
+  It loads all promised tokens or none (SGLang's contract); none means the request recomputes them.
+  It also fills `req.storage_hit_length/start` so SGLang's `cached_tokens_details` reports the part
+  that came from disk as `storage`.
+- `checkpoint`: inserts the request's whole pages into the tree (the tree adopts the request's device
+  pages), frees the request's duplicates of pages the tree already held, repoints the request's row onto
+  the tree's pages and moves its lock.
+- `evict`: `TieredCache.evict(DEVICE)`: leaf-first, coldest first, and demotes (device -> host ->
+  disk) instead of dropping.
+
+Not supported (the factory refuses them with a clear error): TP/PP/DP attention > 1 (no collectives
+run inside tree methods; a multi-rank tree would need one), `--enable-hierarchical-cache` (SGLang's
+own HiCache), hybrid SWA/Mamba/DSA models, MLA / quantised KV pools, EAGLE (bigram keys).
+Requests with a LoRA `extra_key` or a `cache_salt` are served without the cache (a miss, never stored).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from sglang.srt.mem_cache.base_prefix_cache import (
+    BasePrefixCache,
+    CacheRequestHandle,
+    DecLockRefParams,
+    DecLockRefResult,
+    EvictParams,
+    EvictResult,
+    IncLockRefResult,
+    InitLoadBackParams,
+    InsertParams,
+    InsertResult,
+    MatchPrefixParams,
+    MatchResult,
+)
+
+from ..cache import PromotionJob, TieredCache
+from ..config import CacheConfig, default_disk_dir
+from ..hashing import Namespace
+from ..policy.predictor import make_predictor
+from ..stats import prometheus_text
+from ..tiers.base import DEVICE, DISK, HOST, TIERS
+from ..transfer.engine import TransferEngine
+from .device_pool import SGLangDevicePool
+from .settings import BackendSettings, load_settings, unknown_env
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "sgl_hicache"
+_MAX_REQ_STATES = 65536
+
+
+@dataclass(eq=False)
+class _ReqState:
+    """What the backend remembers of a waiting request between scheduling rounds."""
+
+    created: float
+    disk_start: int = 0  # absolute token range that was disk-only at the first match
+    disk_end: int = 0
+    job: PromotionJob | None = None  # its disk -> host prefetch, while in flight
+    job_started: float = 0.0
+    waited: bool = False
+
+
+@dataclass
+class BackendCounters:
+    """Figures of the SGLang path that `CacheStats` does not keep."""
+
+    matches: int = 0
+    prefetch_jobs: int = 0
+    prefetch_tokens: int = 0
+    load_backs: int = 0
+    load_back_tokens: int = 0
+    load_back_declined: int = 0  # promised tokens could not all be brought up: recomputed
+    load_back_retries: int = 0  # init_load_back answered "not yet" (prefetch in flight)
+    load_back_timeouts: int = 0
+    load_back_seconds: float = 0.0
+    checkpoints: int = 0
+    duplicate_pages_freed: int = 0
+    evict_calls: int = 0
+    evicted_tokens: int = 0
+    uncacheable_requests: int = 0  # extra_key / cache_salt / bigram: served without the cache
+    extra: dict = field(default_factory=dict)
+
+
+class TieredRadixCache(BasePrefixCache):
+    """SGLang `BasePrefixCache` over one `TieredCache` (see the module docstring)."""
+
+    def __init__(self, params, settings: BackendSettings | None = None, *, architecture: str = "llama", model_salt: str = "", server_port: int | None = None) -> None:
+        self.settings = settings or load_settings()
+        self.disable = bool(params.disable)
+        self.req_to_token_pool = params.req_to_token_pool
+        self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
+        self.page_size = int(params.page_size)
+        self.is_eagle = bool(getattr(params, "is_eagle", False))
+        self.sliding_window_size = getattr(params, "sliding_window_size", None)
+        self.kv_events = None
+        if self.is_eagle:
+            raise ValueError("sgl_hicache: EAGLE speculative decoding (bigram radix keys) is not supported")
+        self.device_pool = SGLangDevicePool(self.token_to_kv_pool_allocator, architecture=architecture)
+        self.device = self.device_pool.device
+        layout = self.device_pool.layout
+        s = self.settings
+        device_tokens = self.device_pool.pool_pages * self.page_size
+        host_tokens = s.host_tokens_for(device_tokens)
+        salt = ";".join(x for x in (model_salt, s.tenant_salt) if x)
+        namespace = Namespace.for_model(layout, self.page_size, salt)
+        disk_tokens = s.disk_tokens_for(layout.bytes_per_token) if host_tokens >= self.page_size else 0
+        disk_dir = None
+        if disk_tokens >= self.page_size:
+            disk_dir = Path(s.disk_dir).expanduser() if s.disk_dir else default_disk_dir() / namespace.root.hex()[:16]
+        else:
+            disk_tokens = 0
+        eviction = s.eviction_policy or (params.eviction_policy.lower() if getattr(params, "eviction_policy", "lru").lower() in ("lru", "lfu") else "lru")
+        self.config = CacheConfig(
+            layout=layout,
+            device_tokens=device_tokens,
+            host_tokens=host_tokens,
+            disk_tokens=disk_tokens,
+            page_size=self.page_size,
+            disk_dir=disk_dir,
+            eviction_policy=eviction,
+            write_policy=s.write_policy,
+            write_through_threshold=s.write_through_threshold,
+            disk_write_policy=s.disk_write_policy,
+            predictor=s.predictor,
+            tenant_salt=salt,
+            disk_fsync=s.disk_fsync,
+        )
+        self.cache = TieredCache(self.config, device=self.device_pool)
+        self.engine = TransferEngine(self.cache, workers=s.transfer_workers)  # started on first use
+        self.predictor = make_predictor(s.predictor, self.page_size, s.predictor_budget_tokens)
+        self.counters = BackendCounters()
+        self.server_port = server_port
+        self._states: OrderedDict[str, _ReqState] = OrderedDict()
+        self._predicted: list[PromotionJob] = []
+        self._dirty = True
+        self._evictable = 0
+        self._protected = 0
+        self._empty_indices = torch.empty((0,), dtype=torch.int64, device=self.device)
+        self._publisher: _StatsPublisher | None = None
+        self._metrics_enabled = bool(getattr(params, "enable_metrics", False))
+        if self._metrics_enabled:
+            self.init_metrics_collector()
+        logger.info(
+            "sgl_hicache: device %d tokens (SGLang pool), host %d tokens, disk %d tokens at %s, page %d, write %s, disk write %s, eviction %s, predictor %s, prefetch %s",
+            device_tokens, host_tokens, disk_tokens, disk_dir, self.page_size, s.write_policy, s.disk_write_policy, eviction, s.predictor, s.prefetch,
+        )
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    @property
+    def root_node(self):
+        return self.cache.tree.root
+
+    def start(self) -> "TieredRadixCache":
+        """Start the stats publisher (the transfer engine starts on first use)."""
+        if self._publisher is None and (self.settings.stats_file or self._metrics_enabled):
+            self._publisher = _StatsPublisher(self, self.settings.stats_file, self.settings.stats_interval_s, prometheus=self._metrics_enabled)
+            self._publisher.start()
+        return self
+
+    def shutdown(self) -> None:
+        """Stop the publisher and the transfer engine; in-flight promotions are cancelled."""
+        if self._publisher is not None:
+            self._publisher.stop()
+            self._publisher = None
+        self._drop_all_jobs()
+        self.engine.stop()
+
+    def _engine(self) -> TransferEngine:
+        return self.engine.start()  # idempotent
+
+    def _drop_all_jobs(self) -> None:
+        for st in list(self._states.values()):
+            self._drop_job(st)
+        self._states.clear()
+        for job in self._predicted:
+            self.cache.release(job)
+        self._predicted = []
+
+    def _drop_job(self, st: _ReqState) -> None:
+        if st.job is not None:
+            self.cache.release(st.job)  # cancels what has not arrived; waits for running copies
+            st.job = None
+            self._dirty = True
+
+    # ---- BasePrefixCache: abstract -------------------------------------------------------
+    def reset(self) -> None:
+        """SGLang's flush: forget the device and host copies (disk files stay, for a restart)."""
+        self._drop_all_jobs()
+        self.engine.stop()
+        self.cache.reset()
+        self.device_pool.reset_accounting()
+        self._dirty = True
+
+    def _empty_match(self) -> MatchResult:
+        root = self.cache.tree.root
+        return MatchResult(device_prefix_len=0, last_device_node=root, last_host_node=root, best_match_node=root)
+
+    @staticmethod
+    def _cacheable(key) -> bool:
+        return not (getattr(key, "is_bigram", False) or key.extra_key or key.cache_salt)
+
+    def _state(self, req) -> _ReqState | None:
+        if req is None:
+            return None
+        rid = req.rid
+        st = self._states.get(rid)
+        if st is None:
+            st = _ReqState(created=time.monotonic())
+            self._states[rid] = st
+            if len(self._states) > _MAX_REQ_STATES:  # requests SGLang never released: forget the oldest
+                _, old = self._states.popitem(last=False)
+                self._drop_job(old)
+            st.waited = False
+            st.disk_end = -1  # marks "first match not seen yet"
+        return st
+
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        key = params.key
+        if self.disable or len(key) == 0:
+            return self._empty_match()
+        if not self._cacheable(key):
+            return self._empty_match()
+        tokens = key.raw_token_ids()
+        aligned = len(tokens) - len(tokens) % self.page_size
+        if aligned == 0:
+            return self._empty_match()
+        st = self._state(params.req)
+        first = st is not None and st.disk_end < 0
+        m = self.cache.match(tokens[:aligned], touch=first or st is None)
+        self.counters.matches += 1
+        self._dirty = True  # a match may split nodes and adopt disk pages
+        if st is not None:
+            if first:
+                st.disk_start = m.device_tokens + m.host_tokens
+                st.disk_end = m.tokens
+                if self.predictor.name != "none":
+                    self._predict(m)
+            if st.job is not None:
+                self._poll(st)
+            if st.job is None and m.disk_tokens and self.settings.prefetch and first:
+                job = self.cache.plan_promotion(m, "prefetch", target=HOST)
+                if job is not None:
+                    st.job = job
+                    st.job_started = time.monotonic()
+                    self.counters.prefetch_jobs += 1
+                    self.counters.prefetch_tokens += job.tokens
+                    self._engine().submit(job)
+        self._maybe_check()
+        return MatchResult(
+            device_prefix_len=m.device_tokens,
+            last_device_node=m.last_device_node,
+            last_host_node=m.last_node,
+            best_match_node=m.last_node,
+            host_hit_length=m.lower_tier_tokens,
+        )
+
+    def _poll(self, st: _ReqState) -> bool:
+        """Apply what has arrived of the request's prefetch; True once it is over (and released)."""
+        job = st.job
+        if job is None:
+            return True
+        if self.cache.advance(job):
+            self.cache.release(job)
+            st.job = None
+            self._dirty = True
+            return True
+        return False
+
+    def _predict(self, m) -> None:
+        """Tree-walk prediction: bring likely descendants disk -> host in idle transfer time."""
+        keep = []
+        for job in self._predicted:
+            if self.cache.advance(job):
+                self.cache.release(job)
+            else:
+                keep.append(job)
+        self._predicted = keep
+        if len(self._predicted) >= 8:
+            return
+        for pred in self.predictor.predict(m.last_node, time.monotonic()):
+            node = pred.node
+            if node.parent is None or node.host is not None or node.device is not None:
+                continue
+            job = self.cache.plan_promotion(node.path_from_root(), kind="predict", target=HOST, evict=False)
+            if job is not None:
+                self._engine().submit(job)
+                self._predicted.append(job)
+
+    def init_load_back(self, params: InitLoadBackParams) -> Optional[tuple[int, Any]]:
+        req = params.req
+        promised = int(params.host_hit_length)
+        node = params.best_match_node
+        st = self._states.get(req.rid) if req is not None else None
+        fallback = (0, req.last_node if req is not None else self.cache.tree.root)
+        if self.disable or promised <= 0 or req is None:
+            return fallback
+        t0 = time.perf_counter()
+        if st is not None and st.job is not None and not self._poll(st):
+            if time.monotonic() - st.job_started < self.settings.load_timeout_s:
+                st.waited = True
+                self.counters.load_back_retries += 1
+                return None  # the disk pages are still coming: SGLang retries next round
+            self.counters.load_back_timeouts += 1
+            self.cache.stats.add("loads_recomputed")
+            self._drop_job(st)
+            return fallback
+        if st is not None and st.waited:
+            self.cache.stats.add("loads_waited")
+            st.waited = False
+        prefix = int(req.prefix_len)
+        target = prefix + promised
+        tokens = req.full_untruncated_fill_ids[:target]
+        m = self.cache.match(tokens, touch=False)
+        self._dirty = True
+        if m.tokens != target or m.last_node is not node or m.device_tokens != prefix:
+            # the tree changed since the match (a page went missing on disk): recompute
+            self.counters.load_back_declined += 1
+            return fallback
+        m2 = self.cache.promote(m, "demand")
+        self.counters.load_back_seconds += time.perf_counter() - t0
+        if m2.device_tokens != target:
+            self.counters.load_back_declined += 1
+            self.cache.stats.add("loads_recomputed")
+            return fallback
+        self.counters.load_backs += 1
+        self.counters.load_back_tokens += promised
+        # the part that was on disk at the first match is reported as SGLang's "storage" tier
+        if st is not None and st.disk_end > st.disk_start:
+            lo, hi = max(prefix, st.disk_start), min(target, st.disk_end)
+            if hi > lo:
+                req.storage_hit_start = lo
+                req.storage_hit_length = hi - lo
+        self._maybe_check()
+        return promised, m2.last_node
+
+    def load_back_is_cache_owned(self) -> bool:
+        return True
+
+    def checkpoint(self, req, *, up_to: int, **kwargs) -> None:
+        if self.disable or req.skip_radix_cache_insert:
+            return
+        if req.extra_key or req.cache_salt:
+            self.counters.uncacheable_requests += 1
+            return
+        ps = self.page_size
+        token_ids = req.full_untruncated_fill_ids[:up_to]
+        aligned = len(token_ids) - len(token_ids) % ps
+        protected = int(req.kv.cache_protected_len)
+        if aligned <= protected:
+            return
+        self.counters.checkpoints += 1
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :aligned].to(torch.int64)
+        mine = self.device_pool.pages_of(row)
+        tokens = token_ids[:aligned]
+        before = self.cache.outstanding_device_pages
+        self.cache.insert(tokens, mine)
+        # the request's pages the tree adopted are the cache's now (TieredCache counts them against
+        # its own outstanding allocations; here they came from SGLang's allocator instead)
+        adopted = before - self.cache.outstanding_device_pages
+        self.cache.outstanding_device_pages = before
+        self.device_pool.adopt(adopted)
+        m = self.cache.match(tokens, touch=False)
+        d = m.device_tokens
+        if d < protected:  # cannot happen while the request holds its lock
+            logger.error("sgl_hicache: request %s: tree device path %d shorter than its protected prefix %d", req.rid, d, protected)
+            return
+        p0, p1 = protected // ps, d // ps
+        theirs = list(m.device_handles[p0:p1])
+        dups = [a for a, b in zip(mine[p0:p1], theirs) if a != b]
+        if dups:
+            self.token_to_kv_pool_allocator.free(self.device_pool.token_slots(dups))
+            self.counters.duplicate_pages_freed += len(dups)
+            self.req_to_token_pool.write(
+                (req.kv.req_pool_idx, slice(protected, d)),
+                self.device_pool.token_slots(theirs),
+            )
+        req.kv.cache_protected_len = d
+        req.kv.cache_inserted_len = max(req.kv.cache_inserted_len, aligned)
+        new_last = m.last_device_node
+        self.unlock(req.lock)
+        req.lock = self.lock(new_last)
+        req.last_node = new_last
+        self._dirty = True
+        self._maybe_check()
+
+    def insert(self, params: InsertParams) -> InsertResult:
+        """Direct insert (SGLang 0.5.23's scheduler does not call it; `checkpoint` is the path).
+        The caller keeps the pages the tree did not take, as with SGLang's RadixCache: it frees
+        `value[:prefix_len]` (duplicates) and the tree owns the rest it adopted."""
+        if self.disable or params.key is None or not self._cacheable(params.key):
+            return InsertResult(prefix_len=0)
+        tokens = params.key.raw_token_ids()
+        aligned = len(tokens) - len(tokens) % self.page_size
+        if aligned == 0 or params.value is None:
+            return InsertResult(prefix_len=0)
+        pages = self.device_pool.pages_of(params.value[:aligned].to(torch.int64))
+        before = self.cache.outstanding_device_pages
+        r = self.cache.insert(tokens[:aligned], pages)
+        adopted = before - self.cache.outstanding_device_pages
+        self.cache.outstanding_device_pages = before
+        self.device_pool.adopt(adopted)
+        self._dirty = True
+        return InsertResult(prefix_len=r.prefix_tokens, total_len=aligned, last_device_node=r.last_node)
+
+    def evict(self, params: EvictParams) -> EvictResult:
+        if self.disable or params.num_tokens <= 0:
+            return EvictResult()
+        t0 = time.perf_counter()
+        pages = -(-int(params.num_tokens) // self.page_size)
+        freed = self.cache.evict(DEVICE, pages) * self.page_size
+        self.counters.evict_calls += 1
+        self.counters.evicted_tokens += freed
+        self._dirty = True
+        self.update_eviction_metrics(freed, t0)
+        self._maybe_check()
+        return EvictResult(num_tokens_evicted=freed)
+
+    def inc_lock_ref(self, node) -> IncLockRefResult:
+        if self.disable or node is None:
+            return IncLockRefResult(delta=0)
+        delta = 0
+        n = node
+        while n is not None and not n.is_root:
+            if n.lock_ref == 0 and n.device is not None:
+                delta -= n.num_pages * self.page_size
+            n = n.parent
+        self.cache.lock(node)
+        self._dirty = True
+        return IncLockRefResult(delta=delta)
+
+    def dec_lock_ref(self, node, params: Optional[DecLockRefParams] = None) -> DecLockRefResult:
+        if self.disable or node is None:
+            return DecLockRefResult(delta=0)
+        delta = 0
+        n = node
+        while n is not None and not n.is_root:
+            if n.lock_ref == 1 and n.device is not None:
+                delta += n.num_pages * self.page_size
+            n = n.parent
+        self.cache.unlock(node)
+        self._dirty = True
+        return DecLockRefResult(delta=delta)
+
+    # ---- BasePrefixCache: the rest the scheduler uses --------------------------------------
+    def path_device_indices(self, node) -> torch.Tensor:
+        pages: list[int] = []
+        if node is not None:
+            for n in node.path_from_root():
+                if n.device is None:
+                    break
+                pages.extend(n.device)
+        if not pages:
+            return self._empty_indices
+        return self.device_pool.token_slots(pages)
+
+    def touch_prefix(self, key) -> None:
+        if self.disable or len(key) == 0 or not self._cacheable(key):
+            return
+        tokens = key.raw_token_ids()
+        aligned = len(tokens) - len(tokens) % self.page_size
+        if aligned:
+            self.cache.match(tokens[:aligned], touch=True)
+            self._dirty = True
+
+    def _sizes(self) -> None:
+        if not self._dirty:
+            return
+        evictable = protected = 0
+        for n in self.cache.tree.resident[DEVICE]:
+            if n.lock_ref > 0:
+                protected += n.num_pages
+            elif n.pins == 0:
+                evictable += n.num_pages
+        self._evictable = evictable * self.page_size
+        self._protected = protected * self.page_size
+        self._dirty = False
+
+    def evictable_size(self) -> int:
+        """Device tokens the tree could free now. Recomputed only after a call that changed the tree
+        (the scheduler polls this thousands of times per second; almost every poll is a cached read)."""
+        self._sizes()
+        return self._evictable
+
+    def protected_size(self) -> int:
+        self._sizes()
+        return self._protected
+
+    full_evictable_size = evictable_size
+    full_protected_size = protected_size
+
+    def total_size(self) -> int:
+        return self.cache.tree.pages[DEVICE] * self.page_size
+
+    def supports_prefix_sharing(self) -> bool:
+        return not self.disable
+
+    def on_release(self, req, *, checkpointed: bool) -> None:
+        st = self._states.pop(req.rid, None)
+        if st is not None:
+            self._drop_job(st)
+        if getattr(req, "_sgl_hicache_recorded", False) or not getattr(req, "_cache_breakdown_computed", False):
+            return
+        try:
+            req._sgl_hicache_recorded = True
+        except AttributeError:
+            pass
+        self._record(req)
+
+    def _record(self, req) -> None:
+        prompt = req.origin_input_ids
+        dev = int(getattr(req, "cached_tokens_device", 0) or 0)
+        host = int(getattr(req, "cached_tokens_host", 0) or 0)
+        disk = int(getattr(req, "cached_tokens_storage", 0) or 0)
+        aligned = len(prompt) - len(prompt) % self.page_size
+        m = self.cache.match(prompt[:aligned], touch=False) if aligned and not (req.extra_key or req.cache_salt) else None
+        if m is None:
+            self.cache.stats.record_request(len(prompt), dev, host, disk)
+            return
+        from ..cache import MatchResult as _Match
+
+        hit, path, covered = dev + host + disk, [], 0
+        for node in m.path:  # the nodes the hit covered (not the ones the request computed itself)
+            if covered + node.num_pages * self.page_size > hit:
+                break
+            path.append(node)
+            covered += node.num_pages * self.page_size
+        counted = _Match(path, dev, host, disk, [], m.last_node, m.last_device_node)
+        self.cache.record_request(len(prompt), counted, covered_by_prefetch=disk if self.settings.prefetch else 0)
+
+    def release_aborted_request(self, handle: CacheRequestHandle) -> None:
+        st = self._states.pop(handle.rid, None)
+        if st is not None:
+            self._drop_job(st)
+
+    def pretty_print(self) -> None:
+        print(self.tree_text())
+
+    def tree_text(self, max_nodes: int = 200) -> str:
+        """The tree, one node a line: tiers ([DHK] = device, host, disk), tokens, locks, hits."""
+        lines = []
+        stack = [(c, 1) for c in reversed(list(self.cache.tree.root.children.values()))]
+        while stack and len(lines) < max_nodes:
+            node, depth = stack.pop()
+            tiers = "".join(c if node.in_tier(t) else "-" for t, c in zip(TIERS, "DHK"))
+            lines.append(f"{'  ' * depth}[{tiers}] {node.num_pages * self.page_size} tok lock={node.lock_ref} hits={node.hit_count}")
+            stack.extend((c, depth + 1) for c in reversed(list(node.children.values())))
+        if stack:
+            lines.append(f"... ({self.cache.tree.node_count - len(lines)} more nodes)")
+        lines.append(f"#tokens device={self.cache.tree.pages[DEVICE] * self.page_size} host={self.cache.tree.pages[HOST] * self.page_size} disk={self.cache.tree.pages[DISK] * self.page_size}")
+        return "\n".join(lines)
+
+    # ---- checks and stats ----------------------------------------------------------------
+    def _inflight(self) -> bool:
+        return bool(self._predicted) or any(s.job is not None for s in self._states.values())
+
+    def _maybe_check(self) -> None:
+        """With `check_invariants`, verify the tree and every store's accounting (skipped while a
+        prefetch is in flight: its destination pages are allocated but not yet in the tree)."""
+        if self.settings.check_invariants and not self._inflight():
+            self.cache.check()
+
+    def pool_accounting(self) -> dict:
+        """The pools' free counts against the tree's (in the scheduler thread, for exact figures).
+
+        `request_held_tokens` are the device tokens neither free nor the cache's: the KV of running
+        requests. Once the server is idle it must be 0, and `ok` says every tier's accounting holds."""
+        ps = self.page_size
+        alloc_free = int(self.token_to_kv_pool_allocator.available_size())
+        pool = self.device_pool.pool_pages * ps
+        owned = self.device_pool.used_pages * ps
+        out = {
+            "page_size": ps,
+            "device_pool_tokens": pool,
+            "device_free_tokens": alloc_free,
+            "device_cache_owned_tokens": owned,
+            "device_tree_tokens": self.cache.tree.pages[DEVICE] * ps,
+            "request_held_tokens": pool - alloc_free - owned,
+            "host_used_tokens": self.cache.stores[HOST].used_pages * ps if HOST in self.cache.stores else 0,
+            "host_tree_tokens": self.cache.tree.pages[HOST] * ps,
+            "disk_stored_tokens": getattr(self.cache.stores.get(DISK), "stored_pages", 0) * ps,
+            "disk_tree_tokens": self.cache.tree.pages[DISK] * ps,
+            "evictable_tokens": self.evictable_size(),
+            "protected_tokens": self.protected_size(),
+            "waiting_states": len(self._states),
+            "inflight_prefetch_jobs": sum(1 for s in self._states.values() if s.job is not None),
+        }
+        if self._inflight():
+            out["check"] = "skipped: transfers in flight"
+        else:
+            try:
+                self.cache.check()
+                out["check"] = "ok"
+            except AssertionError as e:
+                out["check"] = f"failed: {e}"
+        return out
+
+    def stats(self, exact: bool = False) -> dict:
+        """Everything `sgl-hicache stats` shows: the cache snapshot, backend counters, config,
+        and (with `exact`, only from the scheduler thread) the pool accounting and the tree view."""
+        snap = self.cache.snapshot()
+        snap["backend"] = {k: v for k, v in vars(self.counters).items() if k != "extra"}
+        snap["config"] = {
+            "page_size": self.page_size,
+            "device_tokens": self.device_pool.pool_pages * self.page_size,
+            "host_tokens": self.config.host_tokens,
+            "disk_tokens": self.config.disk_tokens,
+            "disk_dir": str(self.config.disk_dir) if self.config.disk_dir else None,
+            "write_policy": self.config.write_policy,
+            "disk_write_policy": self.config.disk_write_policy,
+            "eviction_policy": self.config.eviction_policy,
+            "predictor": self.config.predictor,
+            "prefetch": self.settings.prefetch,
+            "namespace": self.cache.namespace.description,
+        }
+        snap["bandwidth_bytes_per_s"] = self.cache.meter.snapshot()
+        snap["time"] = time.time()
+        snap["pid"] = os.getpid()
+        if exact:
+            snap["pool"] = self.pool_accounting()
+            snap["tree_text"] = self.tree_text()
+            try:
+                from ..tree.view import largest_subtrees
+
+                snap["tree"] = largest_subtrees(self.cache.tree, self.config.page_bytes)
+            except ImportError:
+                pass
+        return snap
+
+    def prometheus(self) -> str:
+        snap = self.cache.snapshot()
+        return prometheus_text(snap, self.cache.stored_pages(), self.page_size)
+
+
+class _StatsPublisher:
+    """A daemon thread of the scheduler process: every `interval` seconds it writes the stats JSON
+    (plus Prometheus text next to it, `<file>.prom`) atomically, and, with `--enable-metrics`,
+    publishes our figures through SGLang's Prometheus registry (multiprocess mode), so they appear on
+    SGLang's own `/metrics`. Started by the factory, stopped by `TieredRadixCache.shutdown`."""
+
+    def __init__(self, cache: TieredRadixCache, path: str | None, interval: float, prometheus: bool) -> None:
+        self.cache = cache
+        self.path = Path(path).expanduser() if path else None
+        self.interval = interval
+        self.prom = _PromExport(cache.config.page_size) if prometheus else None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="sgl-hicache-stats", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.publish()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.publish()
+
+    def publish(self) -> None:
+        try:
+            snap = self.cache.stats(exact=False)
+            if self.path is not None:
+                write_atomic(self.path, json.dumps(snap, indent=1, sort_keys=True))
+                write_atomic(self.path.with_suffix(self.path.suffix + ".prom"), prometheus_text(snap, None) + _stored_gauge(snap))
+            if self.prom is not None:
+                self.prom.update(snap)
+        except Exception:  # stats must never take the scheduler down
+            logger.exception("sgl_hicache: publishing stats failed")
+
+
+def _stored_gauge(snap: dict) -> str:
+    lines = ["# HELP sgl_hicache_stored_tokens Tokens resident per tier", "# TYPE sgl_hicache_stored_tokens gauge"]
+    lines += [f'sgl_hicache_stored_tokens{{tier="{t}"}} {snap["stored_tokens"][t]}' for t in TIERS]
+    return "\n".join(lines) + "\n"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+class _PromExport:
+    """Our counters and gauges in SGLang's Prometheus registry (the scheduler process writes them to
+    SGLang's multiprocess directory; SGLang's HTTP `/metrics` exports them). Counters are fed by the
+    difference to the last snapshot. SGLang's own `sglang:cached_tokens_total{cache_source}` is not
+    duplicated: SGLang already counts it from `cached_tokens_details`."""
+
+    def __init__(self, page_size: int) -> None:
+        from prometheus_client import Counter, Gauge
+
+        self.page_size = page_size
+        self.last: dict[tuple, float] = {}
+        self.counters = {
+            "hit_tokens": Counter("sgl_hicache_hit_tokens", "Prompt tokens served per tier (sgl_hicache)", ["tier"]),
+            "miss_tokens": Counter("sgl_hicache_miss_tokens", "Prompt tokens computed (sgl_hicache)"),
+            "requests": Counter("sgl_hicache_requests", "Requests recorded by sgl_hicache"),
+            "evicted_tokens": Counter("sgl_hicache_evicted_tokens", "Tokens that left a tier", ["tier"]),
+            "demoted_tokens": Counter("sgl_hicache_demoted_tokens", "Tokens copied down from a tier on eviction", ["tier"]),
+            "promoted_tokens": Counter("sgl_hicache_promoted_tokens", "Tokens copied up into a tier", ["tier"]),
+            "bytes_moved": Counter("sgl_hicache_bytes_moved", "Bytes copied per link", ["link"]),
+            "prefetch": Counter("sgl_hicache_prefetch_tokens", "Prefetch / prediction tokens by outcome", ["kind", "outcome"]),
+        }
+        self.gauges = {
+            "stored_tokens": Gauge("sgl_hicache_stored_tokens", "Tokens resident per tier", ["tier"], multiprocess_mode="mostrecent"),
+            "capacity_tokens": Gauge("sgl_hicache_capacity_tokens", "Capacity per tier", ["tier"], multiprocess_mode="mostrecent"),
+        }
+
+    def _inc(self, name: str, value: float, **labels: str) -> None:
+        key = (name, tuple(sorted(labels.items())))
+        delta = value - self.last.get(key, 0.0)
+        if delta > 0:
+            c = self.counters[name]
+            (c.labels(**labels) if labels else c).inc(delta)
+        self.last[key] = value
+
+    def update(self, snap: dict) -> None:
+        for t in TIERS:
+            for name in ("hit_tokens", "evicted_tokens", "demoted_tokens", "promoted_tokens"):
+                self._inc(name, snap[name][t], tier=t)
+            self.gauges["stored_tokens"].labels(tier=t).set(snap["stored_tokens"][t])
+            self.gauges["capacity_tokens"].labels(tier=t).set(snap["capacity_tokens"][t])
+        self._inc("miss_tokens", snap["miss_tokens"])
+        self._inc("requests", snap["requests"])
+        for link, v in snap["bytes_moved"].items():
+            self._inc("bytes_moved", v, link=link)
+        for kind, d in snap["prefetch"].items():
+            for outcome in ("promoted_tokens", "used_tokens", "wasted_tokens"):
+                self._inc("prefetch", d[outcome], kind=kind, outcome=outcome.replace("_tokens", ""))
+
+
+# ---- factory -----------------------------------------------------------------------------
+def _model_salt(server_args) -> str:
+    path = str(getattr(server_args, "model_path", "") or "")
+    if path and os.path.isdir(path):
+        path = os.path.realpath(path)
+    parts = [f"model={path}"]
+    for name in ("revision", "load_format", "quantization", "kv_cache_dtype"):
+        v = getattr(server_args, name, None)
+        if v not in (None, "", "auto"):
+            parts.append(f"{name}={v}")
+    return ";".join(parts)
+
+
+def factory(ctx) -> TieredRadixCache:
+    """`register_radix_cache_backend` factory: validates what we support and builds the cache."""
+    problems = []
+    if ctx.enable_hierarchical_cache:
+        problems.append("--enable-hierarchical-cache (SGLang's own HiCache) cannot be combined with it; drop that flag")
+    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or getattr(ctx, "is_dsa", False):
+        problems.append("hybrid SWA / Mamba / DSA models are not supported")
+    if (ctx.tp_size or 1) > 1:
+        problems.append(f"tensor parallelism (tp_size={ctx.tp_size}) is not supported: run with --tp 1")
+    sa = ctx.server_args
+    for name in ("pp_size", "dp_size"):
+        if (getattr(sa, name, 1) or 1) > 1:
+            problems.append(f"{name}={getattr(sa, name)} is not supported")
+    if problems:
+        raise ValueError("--radix-cache-backend sgl_hicache: " + "; ".join(problems))
+    settings = load_settings()
+    for var in unknown_env():
+        logger.warning("sgl_hicache: ignoring unknown environment variable %s", var)
+    arch = "llama"
+    try:
+        archs = getattr(ctx.model_config.hf_config, "architectures", None) or []
+        if archs:
+            arch = str(archs[0])
+    except Exception:
+        pass
+    cache = TieredRadixCache(ctx.params, settings, architecture=arch, model_salt=_model_salt(sa), server_port=getattr(sa, "port", None))
+    return cache.start()

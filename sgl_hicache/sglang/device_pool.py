@@ -1,0 +1,164 @@
+"""The device tier of the SGLang backend: SGLang's own KV pool and allocator behind `TierStore`.
+
+Handles are SGLang page indices (token slot // page_size; with page size 1 a handle is a token slot).
+Pages move in the canonical page shape `(layers, 2, page_size, kv_heads, head_dim)`, so the host and
+disk stores of `sgl_hicache.tiers` work unchanged.
+
+Accounting. SGLang's pool is shared: the tree owns some pages, running requests own the rest of the
+used ones (allocated by SGLang's scheduler, not through this store). So:
+- `free_pages` is the allocator's real free count;
+- `used_pages` counts only the pages the cache owns: pages it allocated here (promotion destinations)
+  plus pages it took over from requests (`adopt`), minus what it freed here;
+- `capacity_pages` is therefore `free_pages + used_pages`: what the cache could hold if no request
+  held KV. `pool_pages` is the pool's full size. When no request runs,
+  `pool_pages == free_pages + used_pages` must hold (checked by the backend's `pool_accounting`).
+
+Supported pools: SGLang's `MHATokenToKVPool` with the default NHD layout (`k_buffer[layer]` /
+`v_buffer[layer]` of shape `[slots, kv_heads, head_dim]`, K and V of one head dim), unquantised.
+Anything else raises `UnsupportedPool` at start, naming what was found.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..config import _DTYPES, KVLayout
+from ..hashing import PageKey
+from ..tiers.base import DEVICE, Handle, TierStore, page_shape
+
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+class UnsupportedPool(ValueError):
+    """SGLang's KV pool is of a kind this device tier cannot address (the message says which)."""
+
+
+def layout_of(kvcache, architecture: str = "llama") -> KVLayout:
+    """The `KVLayout` of an SGLang MHA KV pool, validated."""
+    k_buf = getattr(kvcache, "k_buffer", None)
+    v_buf = getattr(kvcache, "v_buffer", None)
+    kind = type(kvcache).__name__
+    if not isinstance(k_buf, (list, tuple)) or not isinstance(v_buf, (list, tuple)) or not k_buf:
+        raise UnsupportedPool(f"KV pool {kind} has no per-layer k_buffer/v_buffer lists (MLA, hybrid and quantised pools are not supported)")
+    layout_name = getattr(kvcache, "kv_cache_layout", "nhd")
+    if layout_name not in ("nhd", None):
+        raise UnsupportedPool(f"KV pool {kind} uses kv_cache_layout={layout_name!r}; only 'nhd' is supported")
+    if getattr(kvcache, "is_quantized_kv_cache", False):
+        raise UnsupportedPool(f"KV pool {kind} is quantised; not supported")
+    k0, v0 = k_buf[0], v_buf[0]
+    if k0.dim() != 3 or tuple(k0.shape) != tuple(v0.shape):
+        raise UnsupportedPool(f"KV pool {kind}: k_buffer[0] {tuple(k0.shape)} / v_buffer[0] {tuple(v0.shape)}; expected equal [slots, kv_heads, head_dim]")
+    dtype = getattr(kvcache, "dtype", k0.dtype)
+    if dtype not in _DTYPE_NAMES:
+        raise UnsupportedPool(f"KV pool {kind} has dtype {dtype}; supported: {sorted(_DTYPES)}")
+    return KVLayout(num_layers=len(k_buf), num_kv_heads=int(k0.shape[1]), head_dim=int(k0.shape[2]), dtype=_DTYPE_NAMES[dtype], architecture=architecture)
+
+
+class SGLangDevicePool(TierStore):
+    """`TierStore` over SGLang's `token_to_kv_pool_allocator` and its KV pool (see module docstring)."""
+
+    name = DEVICE
+
+    def __init__(self, allocator, architecture: str = "llama") -> None:
+        # TierStore.__init__ would set capacity_pages, which is derived here: set the fields directly.
+        self.allocator = allocator
+        self.kvcache = allocator.get_kvcache()
+        self.layout = layout_of(self.kvcache, architecture)
+        self.page_size = int(allocator.page_size)
+        self.page_shape = page_shape(self.layout, self.page_size)
+        self.pool_pages = int(allocator.size) // self.page_size
+        self.device = self.kvcache.k_buffer[0].device
+        self._dtype = self.layout.torch_dtype
+        self._owned = 0
+        self._offsets = torch.arange(self.page_size, dtype=torch.int64, device=self.device)
+
+    # ---- accounting --------------------------------------------------------------------
+    @property
+    def free_pages(self) -> int:  # type: ignore[override]
+        return int(self.allocator.available_size()) // self.page_size
+
+    @property
+    def used_pages(self) -> int:  # type: ignore[override]
+        return self._owned
+
+    @property
+    def capacity_pages(self) -> int:  # type: ignore[override]
+        return self.free_pages + self._owned
+
+    def adopt(self, num_pages: int) -> None:
+        """The cache took over `num_pages` pages a request had allocated (an insert adopted them)."""
+        self._owned += num_pages
+
+    def disown(self, num_pages: int) -> None:
+        """Pages the cache owned were handed to a request (or freed by SGLang itself)."""
+        self._owned -= num_pages
+
+    def reset_accounting(self) -> None:
+        self._owned = 0
+
+    # ---- pages <-> token slots ---------------------------------------------------------
+    def token_slots(self, handles: Sequence[Handle]) -> torch.Tensor:
+        pages = torch.as_tensor(list(handles), dtype=torch.int64, device=self.device)
+        if self.page_size == 1:
+            return pages
+        return (pages[:, None] * self.page_size + self._offsets[None, :]).reshape(-1)
+
+    def pages_of(self, slots: torch.Tensor) -> list[int]:
+        """Page handles of a page-aligned run of token slots (one per page)."""
+        if self.page_size == 1:
+            return slots.tolist()
+        return (slots[:: self.page_size] // self.page_size).tolist()
+
+    # ---- TierStore -------------------------------------------------------------------
+    def allocate(self, keys: Sequence[PageKey]) -> list[Handle] | None:
+        n = len(keys)
+        if n == 0:
+            return []
+        slots = self.allocator.alloc(n * self.page_size)
+        if slots is None:
+            return None
+        self._owned += n
+        return self.pages_of(slots)
+
+    def free(self, handles: Sequence[Handle]) -> None:
+        if not handles:
+            return
+        if len(set(handles)) != len(handles):
+            raise KeyError("device: free got the same page twice")
+        self.allocator.free(self.token_slots(handles))
+        self._owned -= len(handles)
+
+    def _k(self, layer: int) -> torch.Tensor:
+        buf = self.kvcache.k_buffer[layer]
+        return buf if buf.dtype == self._dtype else buf.view(self._dtype)
+
+    def _v(self, layer: int) -> torch.Tensor:
+        buf = self.kvcache.v_buffer[layer]
+        return buf if buf.dtype == self._dtype else buf.view(self._dtype)
+
+    def read(self, handles: Sequence[Handle]) -> torch.Tensor:
+        n = len(handles)
+        idx = self.token_slots(handles)
+        L, ps = self.layout.num_layers, self.page_size
+        H, D = self.layout.num_kv_heads, self.layout.head_dim
+        out = torch.empty((L, 2, n * ps, H, D), dtype=self._dtype, device=self.device)
+        for layer in range(L):
+            torch.index_select(self._k(layer), 0, idx, out=out[layer, 0])
+            torch.index_select(self._v(layer), 0, idx, out=out[layer, 1])
+        # (L, 2, n, ps, H, D) -> (n, L, 2, ps, H, D)
+        return out.view(L, 2, n, ps, H, D).permute(2, 0, 1, 3, 4, 5).contiguous()
+
+    def write(self, handles: Sequence[Handle], data: torch.Tensor) -> None:
+        self._check_data(handles, data)
+        n = len(handles)
+        idx = self.token_slots(handles)
+        L, ps = self.layout.num_layers, self.page_size
+        H, D = self.layout.num_kv_heads, self.layout.head_dim
+        src = data.to(self.device, non_blocking=True).permute(1, 2, 0, 3, 4, 5).reshape(L, 2, n * ps, H, D)
+        if src.dtype != self._dtype:
+            raise ValueError(f"device: write of dtype {src.dtype}, pool holds {self._dtype}")
+        for layer in range(L):
+            self._k(layer).index_copy_(0, idx, src[layer, 0])
+            self._v(layer).index_copy_(0, idx, src[layer, 1])

@@ -1,0 +1,193 @@
+"""Tiering settings of the SGLang backend: from a JSON file and/or `SGL_HICACHE_*` environment variables.
+
+SGLang's own flags cannot carry our options (its argument parser rejects unknown flags), so a plain
+`python -m sglang.launch_server ... --radix-cache-backend sgl_hicache` reads them here, in the scheduler
+process, when the backend is built:
+
+1. `SGL_HICACHE_CONFIG=/path/to/config.json`: a JSON object whose keys are the field names below;
+2. then every `SGL_HICACHE_<FIELD>` variable (upper case) overrides the file's value.
+
+Unknown keys, bad types and bad values raise `SettingsError` naming the key and the source.
+This module imports no sglang (the launcher uses it to write the config it passes on).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..config import DISK_WRITE_POLICIES, EVICTION_POLICIES, PREDICTORS, WRITE_POLICIES
+
+ENV_PREFIX = "SGL_HICACHE_"
+CONFIG_ENV = "SGL_HICACHE_CONFIG"
+
+
+class SettingsError(ValueError):
+    """A tiering setting is invalid; the message names the key, the value and where it came from."""
+
+
+@dataclass(frozen=True)
+class BackendSettings:
+    """Options of the `sgl_hicache` radix-cache backend (all have working defaults).
+
+    Capacities are in tokens. `host_tokens=None` means `host_ratio` x the device pool; `disk_tokens=None`
+    means as many tokens as fit in `disk_gb` GiB. `disk_dir=None` means
+    `~/.cache/sgl_hicache/<namespace>` (or `$SGL_HICACHE_DIR/<namespace>`), where the namespace
+    fingerprints the model, its KV layout and the page size, so two models never share pages.
+    `disk_tokens=0` turns the disk tier off, `host_tokens=0` the host tier (and with it the disk tier).
+    """
+
+    host_tokens: int | None = None
+    host_ratio: float = 4.0
+    disk_dir: str | None = None
+    disk_tokens: int | None = None
+    disk_gb: float = 16.0
+    disk_fsync: bool = False
+    write_policy: str = "write_back"  # device -> host: write_back (on eviction) | write_through | write_through_selective
+    write_through_threshold: int = 2
+    disk_write_policy: str = "write_back"  # host -> disk: write_back (on host eviction) | write_through
+    eviction_policy: str | None = None  # lru | lfu; None: SGLang's --radix-eviction-policy when we support it, else lru
+    predictor: str = "none"  # none | tree_walk (promotes likely descendants disk -> host)
+    predictor_budget_tokens: int = 4096
+    prefetch: bool = True  # start disk -> host promotion when a request is matched (while it waits)
+    transfer_workers: int = 2
+    load_timeout_s: float = 30.0  # how long a request may wait for its disk pages before it recomputes them
+    tenant_salt: str = ""  # extra namespace salt (isolates caches of tenants sharing one disk directory)
+    stats_file: str | None = None  # the scheduler writes JSON stats here every stats_interval_s (atomic rename)
+    stats_interval_s: float = 2.0
+    check_invariants: bool = False  # run the tree's invariant check after every scheduler call (slow; tests)
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise SettingsError(msg)
+
+        for name in ("host_tokens", "disk_tokens"):
+            v = getattr(self, name)
+            need(v is None or (isinstance(v, int) and v >= 0), f"{name} must be a non-negative integer or null, got {v!r}")
+        need(self.host_ratio >= 0, f"host_ratio must be >= 0, got {self.host_ratio!r}")
+        need(self.disk_gb >= 0, f"disk_gb must be >= 0, got {self.disk_gb!r}")
+        need(self.write_policy in WRITE_POLICIES, f"write_policy must be one of {', '.join(WRITE_POLICIES)}, got {self.write_policy!r}")
+        need(self.disk_write_policy in DISK_WRITE_POLICIES, f"disk_write_policy must be one of {', '.join(DISK_WRITE_POLICIES)}, got {self.disk_write_policy!r}")
+        need(self.eviction_policy is None or self.eviction_policy in EVICTION_POLICIES,
+             f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, got {self.eviction_policy!r}")
+        need(self.predictor in PREDICTORS, f"predictor must be one of {', '.join(PREDICTORS)}, got {self.predictor!r}")
+        need(self.write_through_threshold >= 1, f"write_through_threshold must be >= 1, got {self.write_through_threshold!r}")
+        need(self.predictor_budget_tokens >= 0, f"predictor_budget_tokens must be >= 0, got {self.predictor_budget_tokens!r}")
+        need(isinstance(self.transfer_workers, int) and self.transfer_workers >= 1, f"transfer_workers must be an integer >= 1, got {self.transfer_workers!r}")
+        need(self.load_timeout_s >= 0, f"load_timeout_s must be >= 0, got {self.load_timeout_s!r}")
+        need(self.stats_interval_s > 0, f"stats_interval_s must be > 0, got {self.stats_interval_s!r}")
+
+    def host_tokens_for(self, device_tokens: int) -> int:
+        return self.host_tokens if self.host_tokens is not None else int(device_tokens * self.host_ratio)
+
+    def disk_tokens_for(self, bytes_per_token: int) -> int:
+        if self.disk_tokens is not None:
+            return self.disk_tokens
+        return int(self.disk_gb * (1 << 30)) // max(1, bytes_per_token)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    def replace(self, **changes: Any) -> "BackendSettings":
+        return dataclasses.replace(self, **changes)
+
+
+_FIELDS = {f.name: f for f in fields(BackendSettings)}
+_BOOL_TRUE = {"1", "true", "yes", "on"}
+_BOOL_FALSE = {"0", "false", "no", "off"}
+
+
+def _coerce(name: str, raw: Any, source: str) -> Any:
+    """Turn a JSON value or an environment string into the field's type."""
+    default = _FIELDS[name].default
+    kind = type(default) if default is not None else None
+    optional_int = name in ("host_tokens", "disk_tokens")
+    optional_str = name in ("disk_dir", "eviction_policy", "stats_file")
+    if isinstance(raw, str) and source.startswith("env"):
+        text = raw.strip()
+        if (optional_int or optional_str) and text.lower() in ("", "none", "null", "auto"):
+            return None
+        try:
+            if kind is bool:
+                if text.lower() in _BOOL_TRUE:
+                    return True
+                if text.lower() in _BOOL_FALSE:
+                    return False
+                raise ValueError
+            if optional_int or kind is int:
+                return int(text)
+            if kind is float:
+                return float(text)
+        except ValueError:
+            raise SettingsError(f"{source}: {name}={raw!r} is not a valid {('boolean' if kind is bool else 'integer' if optional_int or kind is int else 'number')}") from None
+        return text
+    if raw is None:
+        if optional_int or optional_str:
+            return None
+        raise SettingsError(f"{source}: {name} must not be null")
+    if kind is bool and not isinstance(raw, bool):
+        raise SettingsError(f"{source}: {name} must be true or false, got {raw!r}")
+    if (optional_int or kind is int) and (isinstance(raw, bool) or not isinstance(raw, int)):
+        raise SettingsError(f"{source}: {name} must be an integer, got {raw!r}")
+    if kind is float and (isinstance(raw, bool) or not isinstance(raw, (int, float))):
+        raise SettingsError(f"{source}: {name} must be a number, got {raw!r}")
+    if (optional_str or kind is str) and not isinstance(raw, str):
+        raise SettingsError(f"{source}: {name} must be a string, got {raw!r}")
+    return float(raw) if kind is float else raw
+
+
+def load_settings(env: Mapping[str, str] | None = None) -> BackendSettings:
+    """Settings from `$SGL_HICACHE_CONFIG` (JSON) then `SGL_HICACHE_<FIELD>` overrides."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    path = env.get(CONFIG_ENV)
+    if path:
+        p = Path(path)
+        try:
+            obj = json.loads(p.read_text())
+        except FileNotFoundError:
+            raise SettingsError(f"{CONFIG_ENV}={path!r}: no such file") from None
+        except (OSError, ValueError) as e:
+            raise SettingsError(f"{CONFIG_ENV}={path!r}: cannot read JSON: {e}") from None
+        if not isinstance(obj, dict):
+            raise SettingsError(f"{path}: the config must be a JSON object, got {type(obj).__name__}")
+        for key, raw in obj.items():
+            if key not in _FIELDS:
+                raise SettingsError(f"{path}: unknown key {key!r}; known keys: {', '.join(sorted(_FIELDS))}")
+            values[key] = _coerce(key, raw, f"{path}")
+    for name in _FIELDS:
+        var = ENV_PREFIX + name.upper()
+        if var in env:
+            values[name] = _coerce(name, env[var], f"env {var}")
+    return BackendSettings(**values)
+
+
+def unknown_env(env: Mapping[str, str] | None = None) -> list[str]:
+    """`SGL_HICACHE_*` variables that name no setting (likely typos; the backend logs them)."""
+    env = os.environ if env is None else env
+    known = {ENV_PREFIX + n.upper() for n in _FIELDS} | {CONFIG_ENV, "SGL_HICACHE_DIR"}
+    return sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known)
+
+
+def settings_env(settings: BackendSettings) -> dict[str, str]:
+    """Environment variables that reproduce `settings` in another process (only non-default fields)."""
+    out: dict[str, str] = {}
+    for f in fields(BackendSettings):
+        v = getattr(settings, f.name)
+        if v == f.default:
+            continue
+        if v is None:
+            out[ENV_PREFIX + f.name.upper()] = "none"
+        elif isinstance(v, bool):
+            out[ENV_PREFIX + f.name.upper()] = "1" if v else "0"
+        else:
+            out[ENV_PREFIX + f.name.upper()] = str(v)
+    return out
+
+
+__all__ = ["BackendSettings", "CONFIG_ENV", "ENV_PREFIX", "SettingsError", "load_settings", "settings_env", "unknown_env"]

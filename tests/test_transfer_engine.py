@@ -1,0 +1,440 @@
+"""The asynchronous transfer engine: concurrency, cancellation, failing handlers, priorities, parallel reads.
+
+Every test ends with the engine stopped, every job released and `cache.check()` holding (tree
+invariants plus every store's used pages equal to what the tree holds: nothing leaked).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import kv_for, make_cache, serve
+from sgl_hicache.cache import Cancelled, TieredCache
+from sgl_hicache.tiers.base import DEVICE, DISK, HOST
+from sgl_hicache.transfer.engine import TransferEngine
+
+
+def seq(start: int, pages: int, page_size: int = 4) -> list[int]:
+    return list(range(start, start + pages * page_size))
+
+
+def assert_device_kv(cache: TieredCache, tokens) -> int:
+    """The device pages the tree holds for `tokens` carry exactly the KV computed for them.
+    Locks the path while reading, so a concurrent eviction cannot reuse the pages. Returns the tokens checked."""
+    with cache._mutex:  # match and lock as one step: between them another thread could evict the pages
+        m = cache.match(tokens, touch=False)
+        cache.lock(m.last_node)
+    try:
+        n = len(m.device_handles)
+        if n:
+            got = cache.stores[DEVICE].read(m.device_handles)
+            want = kv_for(cache, tokens)[:n]
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"device KV differs for prompt {tokens[:2]}"
+        return n * cache.page_size
+    finally:
+        cache.unlock(m.last_node)
+
+
+def finish(engine: TransferEngine, job, timeout: float = 30.0) -> bool:
+    """Wait for a job; a stage that waits on another job's copy finishes once that job applies it."""
+    deadline = time.monotonic() + timeout
+    while not engine.wait(job, timeout=max(0.0, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+    return True
+
+
+def serve_locked(cache: TieredCache, tokens) -> None:
+    """conftest.serve for several threads at once: the match, its promotion and the lock of the
+    promoted path are one step (`promote` returns an unlocked description whose device handles another
+    thread's eviction may free before the caller locks them)."""
+    with cache._mutex:
+        m = cache.match(tokens)
+        cache.record_request(len(tokens), m)
+        m2 = cache.promote(m)
+        cache.lock(m2.last_node)
+    try:
+        need = len(tokens) // cache.page_size - len(m2.device_handles)
+        fresh = cache.allocate_device(need)
+        assert fresh is not None, "device full of locked pages"
+        if fresh:
+            cache.stores[DEVICE].write(fresh, kv_for(cache, tokens)[len(m2.device_handles):])
+        r = cache.insert(tokens, m2.device_handles + fresh)
+        cache.free_device(r.duplicates)
+    finally:
+        cache.unlock(m2.last_node)
+
+
+def assert_quiescent(cache: TieredCache) -> None:
+    """No lock, no pin and no transfer left anywhere; accounting exact."""
+    cache.check()
+    for node in cache.tree.nodes():
+        assert node.lock_ref == 0 and node.pins == 0 and not node.incoming, node
+    assert cache.outstanding_device_pages == 0
+
+
+def to_disk(cache: TieredCache, prompt, fillers) -> None:
+    """Serve `prompt`, then enough `fillers` to push it down to the disk tier."""
+    serve(cache, prompt)
+    for f in fillers:
+        serve(cache, f)
+    m = cache.match(prompt, touch=False)
+    assert m.disk_tokens == len(prompt) and m.device_tokens == m.host_tokens == 0, m
+
+
+class Gate:
+    """Wraps every handler: records (thread, kind, link) of each call an engine worker makes, and holds
+    those calls while closed."""
+
+    def __init__(self, cache: TieredCache, closed: bool = False, delay: float = 0.0) -> None:
+        self.calls: list[tuple[str, str, str]] = []
+        self.open = threading.Event()
+        self.entered = threading.Event()
+        if not closed:
+            self.open.set()
+        self.delay = delay
+        self._lock = threading.Lock()
+        for pair, h in list(cache.handlers.items()):
+            cache.handlers[pair] = self._wrap(h)
+
+    def _wrap(self, inner):
+        def handler(op, start, stop):
+            if not threading.current_thread().name.startswith("sgl-hicache-transfer"):
+                return inner(op, start, stop)  # inline copies (synchronous demotions) pass untouched
+            with self._lock:
+                self.calls.append((threading.current_thread().name, op.kind, op.link))
+            self.entered.set()
+            assert self.open.wait(30), "gate never opened"
+            if self.delay:
+                threading.Event().wait(self.delay)
+            inner(op, start, stop)
+
+        return handler
+
+
+# ---- concurrency ----------------------------------------------------------------------------
+
+
+def test_concurrent_promotions_serving_and_eviction(tmp_path):
+    ps = 4
+    cache = make_cache(tmp_path, device=16, host=12, disk=64, page_size=ps)
+    rng = random.Random(7)
+    shared = seq(90_000, 1)
+    # 20 prompts, some sharing a first page: more than device + host hold, so they spill to disk
+    prompts = [(shared if i % 3 == 0 else []) + seq(1000 * (i + 1), rng.randint(1, 3)) for i in range(20)]
+    for p in prompts:
+        serve(cache, p)
+    cache.check()
+    assert cache.tree.pages[DISK] > 0
+
+    engine = TransferEngine(cache, workers=3, chunk_pages=1).start()
+    errors: list[BaseException] = []
+    promoted = {"tokens": 0, "jobs": 0}
+    count_lock = threading.Lock()
+
+    def promoter(seed: int, kind: str, target: str) -> None:
+        r = random.Random(seed)
+        try:
+            for _ in range(40):
+                p = r.choice(prompts)
+                job = cache.plan_promotion(cache.match(p), kind, target=target)
+                if job is None:
+                    continue
+                engine.submit(job)
+                assert finish(engine, job)
+                # the path stays locked until release: what was promoted is on its tier, bit-identical
+                if target == DEVICE:
+                    checked = assert_device_kv(cache, p)
+                    with count_lock:
+                        promoted["tokens"] += checked
+                with count_lock:
+                    promoted["jobs"] += 1
+                cache.release(job)
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    def server(seed: int) -> None:
+        r = random.Random(seed)
+        try:
+            for i in range(40):
+                if r.random() < 0.5:
+                    serve_locked(cache, r.choice(prompts))  # synchronous promotion + insert
+                else:
+                    serve_locked(cache, seq(200_000 + 1000 * (seed * 100 + i), r.randint(1, 3)))  # new prompt: evicts, demotes
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [
+        threading.Thread(target=promoter, args=(1, "demand", DEVICE)),
+        threading.Thread(target=promoter, args=(2, "prefetch", DEVICE)),
+        threading.Thread(target=promoter, args=(3, "prefetch", HOST)),
+        threading.Thread(target=server, args=(4,)),
+        threading.Thread(target=server, args=(5,)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+        assert not t.is_alive(), "a worker thread hung"
+    engine.stop()
+    assert not errors, errors[0]
+    assert promoted["jobs"] > 0 and promoted["tokens"] > 0
+    assert not cache.stats.errors
+    assert_quiescent(cache)
+    # everything the tree still holds comes back bit-identical, whatever tier it was left in
+    for p in prompts:
+        m = cache.promote(cache.match(p))
+        assert_device_kv(cache, p)
+        assert m.device_tokens == m.tokens
+    assert_quiescent(cache)
+
+
+def test_predicted_promotions_concurrent_with_demand(tmp_path):
+    cache = make_cache(tmp_path, device=12, host=8, disk=64)
+    prompts = [seq(1000 * (i + 1), 2) for i in range(12)]
+    for p in prompts:
+        serve(cache, p)
+    engine = TransferEngine(cache, workers=2, chunk_pages=1).start()
+    jobs = []
+    for i, p in enumerate(prompts):
+        kind = "predict" if i % 2 else "demand"
+        job = cache.plan_promotion(cache.match(p), kind, target=DEVICE if kind == "demand" else HOST, evict=kind != "predict")
+        if job is not None:
+            jobs.append(engine.submit(job))
+    for job in jobs:
+        engine.wait(job, timeout=30)
+        cache.release(job)
+    engine.stop()
+    assert_quiescent(cache)
+
+
+# ---- cancellation -----------------------------------------------------------------------
+
+
+def test_cancel_a_job_whose_ops_are_queued(tmp_path):
+    cache = make_cache(tmp_path, device=8, host=4, disk=64)
+    a, b = seq(0, 2), seq(500, 2)
+    serve(cache, b)
+    to_disk(cache, a, [seq(1000 * i, 2) for i in range(1, 7)])
+    assert cache.match(a, touch=False).disk_tokens == 8
+    assert cache.match(b, touch=False).disk_tokens == 8
+    gate = Gate(cache, closed=True)
+    engine = TransferEngine(cache, workers=1, chunk_pages=1).start()
+    job_a = engine.submit(cache.plan_promotion(cache.match(a), "demand"))
+    assert gate.entered.wait(10)  # the only worker is inside job a's first copy
+    job_b = engine.submit(cache.plan_promotion(cache.match(b), "demand"))
+    assert engine.queued() > 0
+    # cancel waits for copies already started; job b's have not: open the gate a little later
+    threading.Timer(0.2, gate.open.set).start()
+    cache.cancel(job_b)
+    assert job_b.failed and job_b.finished
+    for op in job_b.ops():
+        assert op.executed.is_set() and op.applied and isinstance(op.error, Cancelled)
+    assert all(kind == "demand" for _, kind, _ in gate.calls)
+    assert engine.wait(job_a, timeout=30) and not job_a.failed
+    cache.release(job_b)
+    cache.release(job_a)
+    engine.stop()
+    assert cache.match(a, touch=False).device_tokens == 8  # a came up
+    assert cache.match(b, touch=False).disk_tokens == 8  # b stays where it was
+    assert_device_kv(cache, a)
+    assert not cache.stats.errors  # a cancellation is not an error
+    assert_quiescent(cache)
+
+
+def test_stop_with_queued_ops_cancels_them(tmp_path):
+    cache = make_cache(tmp_path, device=8, host=8, disk=64)
+    a, b = seq(0, 2), seq(500, 2)
+    fillers = [seq(1000 * i, 2) for i in range(1, 9)]
+    serve(cache, b)
+    to_disk(cache, a, fillers)
+    assert cache.match(b, touch=False).disk_tokens == 8
+    gate = Gate(cache, closed=True)
+    engine = TransferEngine(cache, workers=1, chunk_pages=4).start()
+    # a: disk->host (one chunk) then host->device; the worker is held inside the disk->host copy, so
+    # when it ends stop() has already begun: its successor must still end (cancelled), not hang
+    job_a = engine.submit(cache.plan_promotion(cache.match(a), "demand"))
+    assert gate.entered.wait(10)
+    job_b = engine.submit(cache.plan_promotion(cache.match(b), "prefetch"))
+    stopper = threading.Thread(target=engine.stop)
+    stopper.start()
+    threading.Event().wait(0.1)  # stop() is now waiting for the worker
+    gate.open.set()
+    stopper.join(30)
+    assert not stopper.is_alive()
+    for job in (job_a, job_b):
+        # every op ended: executed, and those that did not run carry Cancelled
+        for op in job.ops():
+            assert op.executed.wait(5), f"{op.link} never ended after stop()"
+    assert any(isinstance(op.error, Cancelled) for op in job_a.ops())
+    assert all(isinstance(op.error, Cancelled) for op in job_b.ops())
+    assert len(gate.calls) == 1
+    for job in (job_a, job_b):
+        cache.advance(job)
+        cache.release(job)
+        assert job.failed
+    assert not cache.stats.errors
+    assert_quiescent(cache)
+    assert cache.match(a, touch=False).device_tokens == 0
+    # the cache still works synchronously after the engine is gone, and the bytes are intact
+    assert cache.promote(cache.match(a)).device_tokens == 8
+    assert_device_kv(cache, a)
+    assert_quiescent(cache)
+
+
+def test_engine_restarts_after_stop(tmp_path):
+    cache = make_cache(tmp_path, device=8, host=8, disk=64)
+    a = seq(0, 2)
+    to_disk(cache, a, [seq(1000 * i, 2) for i in range(1, 9)])
+    cache.evict(HOST, 8)  # room on host: a prediction only fills free pages
+    engine = TransferEngine(cache, workers=2, chunk_pages=1)
+    engine.start()
+    engine.stop()
+    engine.start()
+    job = engine.submit(cache.plan_promotion(cache.match(a), "predict", target=HOST, evict=False))
+    assert engine.wait(job, timeout=10) and not job.failed  # a predicted op still runs after a restart
+    cache.release(job)
+    engine.stop()
+    assert cache.match(a, touch=False).host_tokens == 8
+    assert_quiescent(cache)
+
+
+# ---- failing handler --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("use_engine", [True, False])
+def test_failing_disk_read_is_a_counted_miss(tmp_path, use_engine):
+    cache = make_cache(tmp_path, device=8, host=8, disk=64)
+    a = seq(0, 2) + seq(300, 2)
+    serve(cache, seq(0, 2))  # a's first node is its own node
+    to_disk(cache, a, [seq(1000 * i, 2) for i in range(1, 9)])
+    calls = []
+
+    def broken(op, start, stop):
+        calls.append(op.node)
+        raise OSError(5, "injected I/O error")
+
+    cache.handlers[(DISK, HOST)] = broken
+    m = cache.match(a)
+    assert m.disk_tokens == 16
+    if use_engine:
+        engine = TransferEngine(cache, workers=2, chunk_pages=1).start()
+        job = engine.submit(cache.plan_promotion(m, "demand"))
+        assert engine.wait(job, timeout=10)
+        assert job.failed
+        cache.release(job)
+        engine.stop()
+        m2 = cache.match(a)
+    else:
+        m2 = cache.promote(m)
+    assert calls
+    assert m2.device_tokens < len(a)  # the request sees a miss, not wrong KV
+    assert m2.device_tokens == 0
+    assert sum(cache.stats.errors.values()) >= 1
+    assert cache.stats.errors.get("disk->host_errors", 0) >= 1
+    assert cache.snapshot()["errors"]
+    assert_quiescent(cache)
+    # an I/O error is not corruption: the disk copy stays and serves once the medium recovers
+    assert cache.match(a, touch=False).disk_tokens == 16
+    from sgl_hicache.transfer.handlers import default_handlers
+
+    cache.handlers = default_handlers(cache.stores)
+    assert cache.promote(cache.match(a)).device_tokens == 16
+    assert_device_kv(cache, a)
+    assert_quiescent(cache)
+
+
+def test_failing_host_to_device_is_a_miss(tmp_path):
+    cache = make_cache(None, device=8, host=8)
+    a = seq(0, 2)
+    serve(cache, a)
+    for i in range(1, 5):
+        serve(cache, seq(1000 * i, 2))
+    assert cache.match(a, touch=False).host_tokens == 8
+
+    def broken(op, start, stop):
+        raise OSError("injected")
+
+    cache.handlers[(HOST, DEVICE)] = broken
+    engine = TransferEngine(cache, workers=1).start()
+    job = engine.submit(cache.plan_promotion(cache.match(a), "demand"))
+    engine.wait(job, timeout=10)
+    cache.release(job)
+    engine.stop()
+    assert job.failed
+    assert cache.stats.errors["host->device_errors"] == 1
+    assert cache.match(a, touch=False).host_tokens == 8 and cache.match(a, touch=False).device_tokens == 0
+    assert_quiescent(cache)
+
+
+# ---- priorities and parallel reads ---------------------------------------------------------
+
+
+def test_predicted_ops_wait_while_demand_ops_are_queued(tmp_path):
+    cache = make_cache(tmp_path, device=16, host=16, disk=64)
+    blocker = seq(0, 1)
+    preds = [seq(100 * (i + 1), 2) for i in range(3)]
+    demands = [seq(50_000 + 100 * (i + 1), 2) for i in range(3)]
+    for p in [blocker, *preds, *demands]:
+        serve(cache, p)
+    # push everything off the device and host tiers
+    for i in range(1, 17):
+        serve(cache, seq(900_000 + 1000 * i, 2))
+    for p in [blocker, *preds, *demands]:
+        assert cache.match(p, touch=False).disk_tokens == len(p)
+    cache.evict(HOST, 16)  # free host pages: predictions only fill free space
+    gate = Gate(cache, closed=True)
+    engine = TransferEngine(cache, workers=1, chunk_pages=1).start()
+    jobs = [engine.submit(cache.plan_promotion(cache.match(blocker), "demand", target=HOST))]
+    assert gate.entered.wait(10)
+    # predictions are submitted first, demands after: demands must still run first
+    for p in preds:
+        jobs.append(engine.submit(cache.plan_promotion(cache.match(p), "predict", target=HOST, evict=False)))
+    for p in demands:
+        jobs.append(engine.submit(cache.plan_promotion(cache.match(p), "demand", target=HOST)))
+    gate.open.set()
+    for job in jobs:
+        assert engine.wait(job, timeout=30) and not job.failed
+        cache.release(job)
+    engine.stop()
+    kinds = [kind for _, kind, _ in gate.calls]
+    assert kinds[0] == "demand"
+    last_demand = max(i for i, k in enumerate(kinds) if k == "demand")
+    first_predict = min(i for i, k in enumerate(kinds) if k == "predict")
+    assert last_demand < first_predict, kinds
+    assert kinds.count("predict") == 6 and kinds.count("demand") == 1 + 6
+    assert_quiescent(cache)
+
+
+def test_one_big_disk_read_is_spread_over_workers(tmp_path):
+    cache = make_cache(tmp_path, device=16, host=16, disk=64)
+    big = seq(0, 12)
+    to_disk(cache, big, [seq(1000 * (i + 1), 4) for i in range(8)])
+    assert len(cache.match(big, touch=False).path) == 1  # one node, one disk->host op of 12 pages
+    gate = Gate(cache, delay=0.02)
+    engine = TransferEngine(cache, workers=4, chunk_pages=1).start()
+    job = engine.submit(cache.plan_promotion(cache.match(big), "demand"))
+    assert len(job.ops()) == 2 and job.ops()[0].link == "disk->host"
+    assert engine.wait(job, timeout=30) and not job.failed
+    cache.release(job)
+    engine.stop()
+    readers = {name for name, _, link in gate.calls if link == "disk->host"}
+    assert sum(1 for *_, link in gate.calls if link == "disk->host") == 12  # one call per chunk
+    assert len(readers) >= 2, readers
+    assert cache.match(big, touch=False).device_tokens == len(big)
+    assert_device_kv(cache, big)
+    assert_quiescent(cache)
+
+
+def test_engine_rejects_bad_arguments():
+    cache = make_cache(None)
+    with pytest.raises(ValueError, match="workers"):
+        TransferEngine(cache, workers=0)
+    with pytest.raises(ValueError, match="chunk_pages"):
+        TransferEngine(cache, chunk_pages=0)
