@@ -30,3 +30,69 @@ def test_disk_bandwidth_smoke(tmp_path: Path) -> None:
     assert "cold_reads_page_cache_warm" in result["cache"] and result["cache"]["cold_method"]
     assert result["store_counters"]["corrupt_removed"] == 0
     assert not any((tmp_path / "bw").iterdir())  # the benchmark cleans up after itself
+
+
+def _sglang_importable() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("sglang") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _run(script: str, out: Path, *extra: str) -> dict:
+    cmd = [sys.executable, str(REPO / "benchmarks" / script), "--quick", "--json", str(out), *extra]
+    subprocess.run(cmd, check=True, cwd=REPO, capture_output=True, timeout=300)
+    return json.loads(out.read_text())
+
+
+def test_tree_ops_smoke(tmp_path: Path) -> None:
+    # without SGLang in this interpreter the benchmark measures ours only and says so
+    result = _run("tree_ops.py", tmp_path / "tree.json")
+    assert result["benchmark"] == "tree_ops"
+    assert result["config"]["quick"] and result["config"]["page_sizes"] == [1, 16, 64]
+    assert result["sglang"]["used"] == _sglang_importable()
+    for ps in ("1", "16", "64"):
+        r = result["results"][ps]
+        for op in ("insert", "match", "evict"):
+            assert r["seconds_median"]["sgl_hicache"][op] > 0
+            assert r["tokens_per_s"]["sgl_hicache"][op] > 0
+        if result["sglang"]["used"]:
+            assert set(r["ratio_ours_over_sglang"]) == {"insert", "match", "evict"}
+            assert r["tree_tokens"]["sgl_hicache"] == r["tree_tokens"]["sglang"]  # same stream, same tree
+        else:
+            assert "ratio_ours_over_sglang" not in r and "ours only" in result["note"]
+
+
+def test_tree_ops_smoke_without_sglang(tmp_path: Path) -> None:
+    result = _run("tree_ops.py", tmp_path / "tree.json", "--no-sglang", "--page-sizes", "16")
+    assert not result["sglang"]["used"] and "ours only" in result["note"]
+    assert list(result["results"]) == ["16"]
+
+
+def test_host_bandwidth_smoke(tmp_path: Path) -> None:
+    result = _run("host_bandwidth.py", tmp_path / "host.json")
+    assert result["benchmark"] == "host_bandwidth"
+    assert isinstance(result["cuda"], bool) and result["note"]
+    pairs = ("host_write", "host_read", "device_to_host", "host_to_device", "device_to_host_chunked", "host_to_device_chunked")
+    for name in pairs:
+        assert result["gbps_median"][name]["ours"] >= 0 and result["gbps_median"][name]["plain"] >= 0
+        assert name in result["ratio_ours_over_plain"]
+        assert len(result["samples_s"][name]["ours"]) == result["config"]["repeats"]
+    assert any(k.startswith("cuda_") for k in result["gbps_median"]) == result["cuda"]
+
+
+def test_overhead_smoke(tmp_path: Path) -> None:
+    result = _run("overhead.py", tmp_path / "overhead.json")
+    assert result["benchmark"] == "overhead"
+    ours = result["us_per_request"]["sgl_hicache"]
+    assert ours["cpu_us"] > 0 and ours["alloc_us"] >= 0
+    assert result["sglang"]["used"] == _sglang_importable()
+    if result["sglang"]["used"]:
+        assert result["us_per_request"]["sglang"]["cpu_us"] > 0
+        assert set(result["ratio_ours_over_sglang"]) == {"cpu", "cpu_without_alloc", "wall"}
+        hits = result["device_hit_tokens"]
+        assert hits["sgl_hicache"] == hits["sglang"]  # both trees served the same prefixes
+    else:
+        assert "ratio_ours_over_sglang" not in result

@@ -406,6 +406,8 @@ class EmbeddedEngine:
                     break  # FIFO: a request that does not fit blocks the ones behind it
             if not chunks and not running:
                 nxt = self._next_event_time(pending, waiting)
+                if nxt is None and waiting and self._drop_prefetch_locks(waiting):
+                    continue  # prefetched paths held the pages the head of the queue needs
                 if nxt is None:
                     if waiting:
                         raise RuntimeError(f"{len(waiting)} requests cannot be admitted: the device tier ({cfg.device_tokens} tokens) is too small for them")
@@ -440,6 +442,18 @@ class EmbeddedEngine:
             self.cache.release(job)
         self.predicted_jobs = []
         return self.records
+
+    def _drop_prefetch_locks(self, waiting: deque) -> bool:
+        """Release the prefetch jobs of waiting requests (their pages stay cached, unlocked).
+        Returns whether there was any to release."""
+        released = False
+        for flight in waiting:
+            if flight.job is not None:
+                self._run_due(flight.job, flight.stage_finish, math.inf)
+                self.cache.release(flight.job)
+                flight.job = None
+                released = True
+        return released
 
     def _next_event_time(self, pending: deque, waiting: deque) -> float | None:
         times = []

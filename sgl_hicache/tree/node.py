@@ -41,8 +41,8 @@ class TreeNode:
         "incoming",
     )
 
-    def __init__(self, parent: "TreeNode | None", tokens: tuple[int, ...], keys: list[PageKey]) -> None:
-        self.id = next(_ids)
+    def __init__(self, parent: "TreeNode | None", tokens: tuple[int, ...], keys: list[PageKey], node_id: int | None = None) -> None:
+        self.id = next(_ids) if node_id is None else node_id
         self.parent = parent
         self.children: dict[tuple[int, ...], TreeNode] = {}
         self.tokens = tokens

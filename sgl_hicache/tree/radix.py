@@ -6,6 +6,7 @@ invariants that `check()` verifies. The cache (`sgl_hicache.cache`) decides and 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 
 from ..hashing import Namespace, PageKey, chain_keys
@@ -33,7 +34,8 @@ class RadixTree:
     def __init__(self, page_size: int, namespace: Namespace) -> None:
         self.page_size = page_size
         self.namespace = namespace
-        self.root = TreeNode(None, (), [])
+        self._ids = itertools.count()  # per tree, so a replay's node ids are repeatable
+        self.root = TreeNode(None, (), [], next(self._ids))
         self.root.lock_ref = 1  # the root is never evicted
         self.resident: dict[str, set[TreeNode]] = {tier: set() for tier in TIERS}
         self.pages: dict[str, int] = {tier: 0 for tier in TIERS}
@@ -84,7 +86,7 @@ class RadixTree:
         """Split `node` after `pages` pages; returns the new upper node (the old node keeps the rest)."""
         assert 0 < pages < node.num_pages and node.pins == 0, (node, pages)
         cut = pages * self.page_size
-        upper = TreeNode(node.parent, node.tokens[:cut], node.keys[:pages])
+        upper = TreeNode(node.parent, node.tokens[:cut], node.keys[:pages], next(self._ids))
         upper.device, node.device = split_handles(node.device, pages)
         upper.host, node.host = split_handles(node.host, pages)
         upper.on_disk = node.on_disk
@@ -111,7 +113,7 @@ class RadixTree:
         assert tokens and len(tokens) % self.page_size == 0
         first = tokens[: self.page_size]
         assert first not in parent.children, "add_child over an existing edge"
-        node = TreeNode(parent, tokens, chain_keys(self.key_of(parent), tokens, self.page_size))
+        node = TreeNode(parent, tokens, chain_keys(self.key_of(parent), tokens, self.page_size), next(self._ids))
         parent.children[first] = node
         self.node_count += 1
         return node

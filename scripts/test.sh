@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The project's test command (what CI runs, what the README gives).
+#
+#   scripts/test.sh [pytest args]
+#
+# 1. the core suite in a venv with NO SGLang installed (.venv): proves the core needs only torch and
+#    xxhash; tests marked `sglang` are skipped there;
+# 2. the SGLang suite (tests marked `sglang`: the real SGLang 0.5.23 server on CPU with sgl_hicache as
+#    its radix cache) in .venv-sglang, installed by scripts/install_sglang_cpu.sh.
+# SKIP_SGLANG=1 runs part 1 only. Both venvs are created when missing and reused when present.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+PY=${PYTHON:-python3}
+CORE=${CORE_VENV:-$ROOT/.venv}
+SGL=${SGLANG_VENV:-$ROOT/.venv-sglang}
+quiet_pip() { grep -v -E "WARNING: Location .* is ignored|^(Requirement already satisfied|  Using cached|Looking in|  Downloading|Collecting)" || true; }
+
+t0=$(date +%s)
+[ -x "$CORE/bin/python" ] || "$PY" -m venv "$CORE"
+"$CORE/bin/pip" install -q -e ".[dev]" 2>&1 | quiet_pip
+if "$CORE/bin/python" -c "import sglang" 2>/dev/null; then
+    echo "error: $CORE has sglang installed; the core suite must run without it" >&2
+    exit 1
+fi
+echo "== core suite (no sglang) =="
+"$CORE/bin/python" -m pytest -q -m "not sglang" "$@"
+echo "[test.sh] core suite done after $(( $(date +%s) - t0 )) s"
+
+if [ "${SKIP_SGLANG:-0}" = 1 ]; then
+    echo "[test.sh] SKIP_SGLANG=1: the SGLang suite was not run"
+    exit 0
+fi
+echo "== SGLang suite (real server on CPU) =="
+"$ROOT/scripts/install_sglang_cpu.sh" "$SGL"
+# -p no:cacheprovider: no .pytest_cache writes racing the core run's
+"$SGL/bin/python" -m pytest -q -m sglang -p no:cacheprovider -rs "$@"
+echo "[test.sh] all done after $(( $(date +%s) - t0 )) s"

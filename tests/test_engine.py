@@ -1,0 +1,105 @@
+"""The embedded engine: determinism, policies on hand-checkable traces, and the report."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from array import array
+from pathlib import Path
+
+import pytest
+
+from sgl_hicache.engine.presets import get_hardware, get_model
+from sgl_hicache.engine.run import compare, run_policy
+from sgl_hicache.engine.simulator import EmbeddedEngine, EngineConfig
+from sgl_hicache.replay import load_trace
+from sgl_hicache.replay.trace import Request
+
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+
+
+def req(i: int, tokens: list[int], out: int = 4, t: float = 0.0) -> Request:
+    return Request(f"r{i}", None, t, array("q", tokens), out, i + 1)
+
+
+def config(policy: str, device: int = 64, host: int = 256, disk: int = 1024, **kw) -> EngineConfig:
+    return EngineConfig(policy, get_model("tiny-llama"), get_hardware("cpu-local"), device_tokens=device, host_tokens=host,
+                        disk_tokens=disk, page_size=4, concurrency=1, **kw)
+
+
+def test_same_trace_same_report():
+    reqs = load_trace(TRACE, limit=60, scale=16)
+    base = EngineConfig("prefetch", get_model("llama3-8b"), get_hardware("h200"), device_tokens=4096, host_tokens=8192,
+                        disk_tokens=65536, page_size=16, concurrency=4)
+    a, b = run_policy(reqs, base), run_policy(reqs, base)
+    for r in (a, b):
+        r.pop("engine")
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+def test_hand_checked_revisit_after_eviction():
+    """A is served, B pushes A out of the 16-token device tier, then A comes back."""
+    a = list(range(100, 116))  # 4 pages
+    b = list(range(200, 216))
+    reqs = [req(0, a), req(1, b), req(2, a)]
+    recompute = run_policy(reqs, config("recompute", device=24, host=0, disk=0))
+    demote = run_policy(reqs, config("demote", device=24, host=64, disk=0))
+    # recompute: A's second visit finds nothing (B needed the pages); demote: all 16 tokens from host
+    assert recompute["hit_tokens"] == {"device": 0, "host": 0, "disk": 0}
+    assert demote["hit_tokens"] == {"device": 0, "host": 16, "disk": 0}
+    assert demote["miss_tokens"] == 32
+
+
+def test_disk_hits_when_host_is_small():
+    seqs = [list(range(1000 * k, 1000 * k + 16)) for k in range(4)]
+    reqs = [req(i, s) for i, s in enumerate(seqs)] + [req(10, seqs[0])]
+    rep = run_policy(reqs, config("demote", device=24, host=16, disk=256))
+    assert rep["hit_tokens"]["disk"] == 16
+    assert rep["bytes_moved"]["host->disk"] > 0 and rep["bytes_moved"]["disk->host"] > 0
+
+
+def test_demote_never_fewer_hits_than_recompute_on_the_real_trace():
+    reqs = load_trace(TRACE, limit=300, scale=16)
+    base = EngineConfig("recompute", get_model("llama3-8b"), get_hardware("h200"), device_tokens=6144, host_tokens=16384,
+                        disk_tokens=131072, page_size=16, concurrency=4)
+    out = compare(reqs, base)
+    hits = {p: sum(r["hit_tokens"].values()) for p, r in out["policies"].items()}
+    assert hits["demote"] >= hits["recompute"]
+    assert hits["prefetch"] >= hits["recompute"] and hits["predict"] >= hits["recompute"]
+    assert hits["demote"] > hits["recompute"], "tiers added no hit on a trace with reuse beyond the device tier"
+    for rep in out["policies"].values():
+        assert rep["requests"] == 300
+        assert rep["prompt_tokens"] == sum(len(r.input_ids) for r in reqs)
+        assert rep["miss_tokens"] == rep["prompt_tokens"] - sum(rep["hit_tokens"].values())
+        assert 0 < rep["ttft_s"]["p50"] <= rep["ttft_s"]["p90"] <= rep["ttft_s"]["p99"]
+        assert set(rep["prefetch"]) >= {"promoted_tokens", "used_tokens", "precision", "coverage"}
+    assert "demote/recompute" in out["ratios"]
+
+
+def test_prefetch_moves_disk_reads_off_the_critical_path():
+    """Disk-resident prompts revisited while others compute: prefetch waits less than demote."""
+    reqs = load_trace(TRACE, limit=200, scale=16)
+    base = EngineConfig("demote", get_model("llama3-8b"), get_hardware("h200"), device_tokens=8192, host_tokens=2048,
+                        disk_tokens=262144, page_size=16, concurrency=8)
+    demote = run_policy(reqs, base)
+    prefetch = run_policy(reqs, dataclasses.replace(base, policy="prefetch"))
+    assert prefetch["hit_tokens"]["disk"] > 0
+    assert prefetch["prefetch"]["promoted_tokens"] > 0 and prefetch["prefetch"]["coverage"] > 0
+    assert prefetch["ttft_s"]["mean"] <= demote["ttft_s"]["mean"]
+
+
+def test_prefill_cost_is_charged_from_the_cost_model():
+    """One request on an empty engine: TTFT is exactly one prefill of the whole prompt."""
+    from sgl_hicache.engine import cost
+
+    cfg = config("recompute", device=64, host=0, disk=0)
+    engine = EmbeddedEngine(cfg)
+    records = engine.run([req(0, list(range(40)), out=1)])
+    expected = cost.batch_prefill_seconds(cfg.model, cfg.hardware, [(40, 0)])
+    assert records[0].ttft_s == pytest.approx(expected)
+
+
+def test_device_too_small_is_a_clear_error():
+    cfg = config("recompute", device=8, host=0, disk=0)
+    with pytest.raises(RuntimeError, match="too small"):
+        EmbeddedEngine(cfg).run([req(0, list(range(40)))])

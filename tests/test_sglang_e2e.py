@@ -1,0 +1,258 @@
+"""End to end: the real SGLang 0.5.23 server on CPU with `--radix-cache-backend sgl_hicache`.
+
+A device pool far smaller than the workload (1,024 tokens, page 16), host 4,096 tokens, disk on:
+- replay a slice of the shipped Mooncake trace (multi-turn sessions of its first 400 lines, blocks scaled
+  512 -> 16 tokens, prompts <= 700 tokens) through the HTTP replayer at concurrency 4: host and disk hits
+  happen, every request completes;
+- KV correctness: a prompt served from promoted KV (host, and disk) gives the same greedy output tokens
+  as the same prompt computed from scratch, while a one-token change early in the prompt changes them
+  (so the outputs really depend on the cached KV);
+- after the replay drains, the pools' free counts are back to their accounting (allocator free + tree
+  pages == pool, host store == tree, invariants hold);
+- Prometheus: SGLang's `sglang:cached_tokens_total{cache_source="storage"}` and our `sgl_hicache_*`;
+- restart on the same disk directory: the same prompts get `storage` hits and the same outputs.
+
+The model is the repo's tiny Llama config with random weights of a realistic scale written as a
+safetensors file (SGLang's `--load-format dummy` draws weights in +-1e-3, with which the output hardly
+depends on the context, which would make the KV check vacuous). The weights are the same files in both
+server processes, so outputs compare across the restart too.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+sglang_missing = None
+try:
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        sglang_missing = "sglang is not installed (scripts/install_sglang_cpu.sh installs it into .venv-sglang)"
+except Exception as e:  # pragma: no cover
+    sglang_missing = f"sglang not importable: {e}"
+
+pytestmark = [pytest.mark.sglang, pytest.mark.skipif(sglang_missing is not None, reason=sglang_missing or "")]
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "scripts" / "cpu" / "tiny-llama"
+TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
+if not TRACE.exists():
+    TRACE = REPO / "traces" / "mooncake_conversation_trace.jsonl"
+
+PAGE = 16
+DEVICE_TOKENS = 1024
+HOST_TOKENS = 4096
+VOCAB = 1024
+
+
+def make_model(dst: Path, seed: int = 0) -> Path:
+    """The tiny Llama config with N(0, ~1/sqrt(fan_in)) weights in bf16 safetensors."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((TINY / "config.json").read_text())
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    g = torch.Generator().manual_seed(seed)
+    h, inter, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    nh, nkv, hd, V = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["vocab_size"]
+
+    def w(out_f, in_f, gain=1.0):
+        return (torch.randn(out_f, in_f, generator=g) * gain / in_f**0.5).to(torch.bfloat16)
+
+    t = {"model.embed_tokens.weight": torch.randn(V, h, generator=g).to(torch.bfloat16),
+         "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+         "lm_head.weight": w(V, h)}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        t[p + "self_attn.q_proj.weight"] = w(nh * hd, h, 2.0)
+        t[p + "self_attn.k_proj.weight"] = w(nkv * hd, h, 2.0)
+        t[p + "self_attn.v_proj.weight"] = w(nkv * hd, h)
+        t[p + "self_attn.o_proj.weight"] = w(h, nh * hd)
+        t[p + "mlp.gate_proj.weight"] = w(inter, h)
+        t[p + "mlp.up_proj.weight"] = w(inter, h)
+        t[p + "mlp.down_proj.weight"] = w(h, inter)
+        t[p + "input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        t[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    save_file(t, str(dst / "model.safetensors"))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sglang_e2e")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(workdir):
+    return make_model(workdir / "model")
+
+
+@pytest.fixture(scope="module")
+def shared():
+    """Results the restart test compares against (filled by the first test)."""
+    return {}
+
+
+@pytest.fixture
+def start_server(workdir, model_dir, request):
+    """Starts servers; every one is stopped (its whole process group) when the test ends, pass or fail."""
+    from sgl_hicache.sglang.server import SGLangServer
+
+    started = []
+
+    def start(name: str, disk_dir: Path, **env_extra: str) -> SGLangServer:
+        env = {
+            "SGL_HICACHE_HOST_TOKENS": str(HOST_TOKENS),
+            "SGL_HICACHE_DISK_DIR": str(disk_dir),
+            "SGL_HICACHE_DISK_TOKENS": str(64 * 1024),
+            "SGL_HICACHE_STATS_FILE": str(workdir / f"{name}-stats.json"),
+            "SGL_HICACHE_STATS_INTERVAL_S": "0.5",
+            "SGL_HICACHE_CHECK_INVARIANTS": "1",
+            **env_extra,
+        }
+        srv = SGLangServer.start(
+            model_dir, load_format=None, log_path=workdir / f"{name}.log", env=env, timeout_s=300,
+            extra_args=["--max-total-tokens", str(DEVICE_TOKENS), "--page-size", str(PAGE),
+                        "--radix-cache-backend", "sgl_hicache", "--enable-metrics", "--log-level", "warning"],
+        )
+        started.append(srv)
+        return srv
+
+    yield start
+    for srv in started:
+        srv.stop()
+        assert not srv.alive()
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(16, VOCAB) for _ in range(n)]
+
+
+def _gen(srv, ids, n=8) -> tuple[list[int], dict]:
+    r = srv.generate(ids, max_new_tokens=n, ignore_eos=True)
+    details = r["meta_info"].get("cached_tokens_details") or {}
+    return r["output_ids"], {k: details.get(k, 0) for k in ("device", "host", "storage")}
+
+
+def _flood(srv, seed: int, count: int, n: int = 300) -> None:
+    for i in range(count):
+        _gen(srv, _prompt(seed * 1000 + i, n), 2)
+
+
+def _pool(srv) -> dict:
+    info = json.loads(srv.get("/server_info"))
+    st = info["internal_states"][0]["sgl_hicache"]
+    return st
+
+
+def _trace_slice():
+    from sgl_hicache.replay import load_trace
+
+    reqs = load_trace(TRACE, scale=PAGE, limit=400, vocab_size=VOCAB)
+    sessions: dict = {}
+    for r in reqs:
+        sessions[r.session] = sessions.get(r.session, 0) + 1
+    return [r for r in reqs if sessions[r.session] > 1 and len(r.input_ids) <= 700]
+
+
+def test_e2e_replay_hits_and_kv_correctness(start_server, workdir, shared):
+    from sgl_hicache.replay.http import replay_http
+    from sgl_hicache.sglang.stats_client import fetch_metrics, fetch_stats, render
+
+    t0 = time.monotonic()
+    disk = workdir / "disk"
+    srv = start_server("first", disk)
+    shared["disk"] = disk
+    shared["start_s"] = time.monotonic() - t0
+
+    # 1. the trace slice at concurrency 4
+    reqs = _trace_slice()
+    assert 40 <= len(reqs) <= 100
+    report = replay_http(reqs, srv.url, concurrency=4, max_new_tokens=8)
+    shared["report"] = report
+    assert report["requests_failed"] == 0, report["errors"]
+    assert report["requests"] == len(reqs)
+    assert report["output_tokens"] == sum(min(8, r.output_length) for r in reqs)
+    hits = report["hit_tokens"]
+    assert hits["host"] > 0 and hits["disk"] > 0, hits
+    assert report["bytes_moved"].get("disk->host", 0) > 0, report["bytes_moved"]
+
+    # 2. KV correctness: from scratch vs. device hit vs. host hit vs. disk hit
+    P = _prompt(1, 320)
+    out_scratch, d0 = _gen(srv, P)
+    assert sum(d0.values()) == 0, d0
+    out_dev, d1 = _gen(srv, P)
+    assert d1["device"] == 304, d1
+    _flood(srv, 2, 4)  # 1,200 tokens: P leaves the device, stays on host
+    out_host, d2 = _gen(srv, P)
+    assert d2["host"] + d2["storage"] == 304 and d2["host"] > 0, d2
+    _flood(srv, 3, 20)  # 6,000 tokens: P leaves device and host, stays on disk
+    out_disk, d3 = _gen(srv, P)
+    assert d3["storage"] > 0 and d3["device"] + d3["host"] + d3["storage"] == 304, d3
+    assert out_host == out_dev == out_disk, (out_dev, out_host, out_disk)
+    assert out_disk == out_scratch, (out_scratch, out_disk)
+    # the outputs depend on the cached context, so equal outputs mean equal KV
+    changed = []
+    for k in (2, 40, 150):
+        P2 = list(P)
+        P2[k] = (P[k] - 16 + 1) % (VOCAB - 16) + 16
+        changed.append(_gen(srv, P2)[0])
+    assert any(o != out_scratch for o in changed), changed
+    shared["P"] = (P, out_scratch)
+
+    # 3. drained: pool free counts back to their accounting
+    st = _pool(srv)
+    pool = st["pool"]
+    assert pool["request_held_tokens"] == 0, pool
+    assert pool["device_free_tokens"] + pool["device_cache_owned_tokens"] == pool["device_pool_tokens"], pool
+    assert pool["device_cache_owned_tokens"] == pool["device_tree_tokens"], pool
+    assert pool["host_used_tokens"] == pool["host_tree_tokens"], pool
+    assert pool["check"] == "ok", pool
+    assert st["hit_tokens"]["disk"] > 0 and st["backend"]["load_back_declined"] == 0, st["backend"]
+    assert "device" in render(st)
+
+    # 4. stats surfaces: /server_info (above), the stats file, Prometheus
+    time.sleep(1.2)
+    f = fetch_stats(str(workdir / "first-stats.json"))
+    assert f["hit_tokens"]["disk"] > 0
+    lines = fetch_metrics(srv.url)
+    storage = [ln for ln in lines if ln.startswith("sglang:cached_tokens_total") and 'cache_source="storage"' in ln]
+    assert storage and float(storage[0].rsplit(" ", 1)[1]) > 0, lines[:20]
+    assert any(ln.startswith("sgl_hicache_stored_tokens") for ln in lines), lines[:40]
+    shared["stats_first"] = st
+    shared["wall_s"] = time.monotonic() - t0
+
+
+def test_e2e_restart_serves_disk_hits(start_server, workdir, shared):
+    if "P" not in shared:
+        pytest.skip("the first e2e test did not get far enough")
+    from sgl_hicache.replay.http import replay_http
+
+    t0 = time.monotonic()
+    srv = start_server("restart", shared["disk"])
+    P, out_scratch = shared["P"]
+    out, d = _gen(srv, P)
+    assert d["storage"] > 0 and d["device"] == 0, d
+    assert out == out_scratch, (out, out_scratch)
+    # the replayed sessions find their pages on disk again
+    report = replay_http(_trace_slice()[:30], srv.url, concurrency=4, max_new_tokens=4)
+    assert report["requests_failed"] == 0, report["errors"]
+    assert report["hit_tokens"]["disk"] > 0, report["hit_tokens"]
+    pool = _pool(srv)["pool"]
+    assert pool["request_held_tokens"] == 0 and pool["check"] == "ok", pool
+    shared["restart_report"] = report
+    shared["restart_wall_s"] = time.monotonic() - t0
+    out_path = workdir.parent / "sglang_e2e_figures.json"
+    out_path.write_text(json.dumps({k: shared.get(k) for k in ("report", "restart_report", "wall_s", "restart_wall_s", "start_s")}, indent=1, default=str))
+    print(f"\nE2E figures written to {out_path}")
