@@ -210,6 +210,8 @@ class TieredCache:
         self._mutex = threading.RLock()
         # device pages handed out by allocate_device and not yet inserted or freed
         self.outstanding_device_pages = 0
+        # (error name, reason) pairs already logged at WARNING: the rest go to DEBUG (one line per reason)
+        self._logged_errors: set[tuple[str, str]] = set()
         if DISK in self.stores and getattr(self.stores[DISK], "overfull_pages", 0):
             # restarted with a smaller disk capacity than the files found: trim to capacity
             self._evict_disk_orphans(self.stores[DISK].overfull_pages)  # type: ignore[attr-defined]
@@ -616,7 +618,10 @@ class TieredCache:
     def _on_transfer_error(self, op: TransferOp) -> None:
         name = "corrupt_pages" if isinstance(op.error, PageCorruptError) else f"{op.link}_errors"
         self.stats.errors[name] += 1
-        log.warning("tier transfer %s of %d pages failed: %s", op.link, op.node.num_pages, op.error)
+        reason = getattr(op.error, "reason", None) or str(getattr(op.error.__cause__, "errno", None) or type(op.error).__name__)
+        first = (name, reason) not in self._logged_errors
+        self._logged_errors.add((name, reason))
+        (log.warning if first else log.debug)("tier transfer %s of %d pages failed: %s", op.link, op.node.num_pages, op.error)
         if op.src == DISK and isinstance(op.error, (PageCorruptError, KeyError)):
             self._drop_disk_subtree(op.node)
 

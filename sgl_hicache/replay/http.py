@@ -228,7 +228,7 @@ def replay_http(
         snapshot = {"bytes_moved": delta.get("bytes_moved", {}), "prefetch": delta.get("prefetch", {}),
                     "loads_waited": delta.get("loads_waited", 0), "loads_recomputed": delta.get("loads_recomputed", 0),
                     "stored_tokens": after.get("stored_tokens", {}), "capacity_tokens": after.get("capacity_tokens", {}),
-                    "errors": delta.get("errors", {})}
+                    "errors": delta.get("errors", {}), "coverage": after.get("coverage")}
         for d in snapshot["prefetch"].values():
             if isinstance(d, dict):
                 d["precision"] = (d.get("used_tokens", 0) / d["promoted_tokens"]) if d.get("promoted_tokens") else None

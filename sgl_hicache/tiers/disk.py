@@ -67,6 +67,7 @@ import itertools
 import logging
 import os
 import re
+import stat
 import struct
 import threading
 import time
@@ -252,8 +253,11 @@ class DiskPageStore(TierStore):
                 raise KeyError("disk: free got the same key twice")
             states = [self._index.pop(k) for k in keys]
             self._n_reserved -= sum(1 for s in states if s == _RESERVED)
-        for k in keys:
-            self._unlink(self.page_path(k))
+        for k, state in zip(keys, states):
+            # a reserved page has no file of ours (a write racing this free removes its own file);
+            # whatever sits at its path is not ours to delete
+            if state == _STORED:
+                self._unlink(self.page_path(k))
 
     def write(self, handles: Sequence[Handle], data: torch.Tensor) -> None:
         keys = [check_key(k) for k in handles]
@@ -291,17 +295,21 @@ class DiskPageStore(TierStore):
             raise KeyError(f"disk: page {key.hex()} is not stored")
         path = self.page_path(key)
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+            # O_NONBLOCK: a FIFO planted at the path must not block the reader (no effect on files)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
             self._corrupt(key, path, "missing", "the page file vanished", delete=False)
         except OSError as exc:
             raise TierIOError(f"disk: cannot open page {key.hex()}: {exc}") from exc
         try:
             try:
-                size = os.fstat(fd).st_size
-                header = os.pread(fd, HEADER_SIZE, 0)
+                st = os.fstat(fd)
+                header = os.pread(fd, HEADER_SIZE, 0) if stat.S_ISREG(st.st_mode) else b""
             except OSError as exc:
                 raise TierIOError(f"disk: cannot read page {key.hex()}: {exc}") from exc
+            if not stat.S_ISREG(st.st_mode):  # a directory or FIFO took the file's place: not ours
+                self._corrupt(key, path, "not a file", "the page path is not a regular file", delete=False)
+            size = st.st_size
             fields, reason = self._parse_header(header, size, key)
             if fields is None:
                 self._corrupt(key, path, reason, f"bad header: {reason}")
@@ -467,7 +475,9 @@ class DiskPageStore(TierStore):
             self._unlink(tmp, quiet=True)
             with self._lock:
                 self.counters["write_errors"] += 1
-            if isinstance(exc, IsADirectoryError):  # one key's path is blocked; the medium is fine
+            if isinstance(exc, IsADirectoryError) or (isinstance(exc, NotADirectoryError) and self.directory.is_dir()):
+                # one key's path is blocked (a directory on the page's name, a file on its fan-out
+                # directory's); the medium is fine
                 raise TierIOError(f"disk: cannot write page {key.hex()}: {exc}") from exc
             self._disable(exc)
             raise TierIOError(f"disk: cannot write page {key.hex()}: {exc}") from exc
