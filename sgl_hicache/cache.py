@@ -69,6 +69,7 @@ class InsertResult:
     prefix_tokens: int
     duplicates: list[Handle]
     last_node: TreeNode
+    adopted_pages: int = 0  # caller's pages the tree took ownership of
 
 
 class Cancelled(Exception):
@@ -125,6 +126,7 @@ class PromotionJob:
     anchor: TreeNode
     stages: list[NodeStage]
     page_size: int
+    target: str = DEVICE
     applied: int = 0
     failed: bool = False
     released: bool = False
@@ -289,6 +291,7 @@ class TieredCache:
         if found == 0 or tuple(tokens[matched : matched + self.page_size]) in parent.children:
             return []
         node = self.tree.add_child(parent, tokens[matched : matched + found * self.page_size])
+        node.set_keys(keys[:found])
         self.tree.set_resident(node, DISK)
         return [node]
 
@@ -360,7 +363,7 @@ class TieredCache:
                 node.last_access = now
             self.outstanding_device_pages -= adopted
             self._after_insert(new_nodes)
-            return InsertResult(prefix_tokens, duplicates, last)
+            return InsertResult(prefix_tokens, duplicates, last, adopted)
 
     def _after_insert(self, new_nodes: list[TreeNode]) -> None:
         if self.config.write_policy == "write_through" and self.has_tier(HOST):
@@ -368,10 +371,12 @@ class TieredCache:
                 self.ensure(node, HOST, kind="backup", may_evict=True)
 
     # ---- promotion -------------------------------------------------------------------------
-    def promote(self, match: MatchResult, kind: str = "demand") -> MatchResult:
+    def promote(self, match: MatchResult, kind: str = "demand", lock: bool = False) -> MatchResult:
         """Bring the matched path to the device tier now (disk -> host -> device), root first; stops at
         the first page that cannot come up (no room, or a failed read). Returns the path described
-        afresh. The synchronous form of `plan_promotion` + execute + `advance`."""
+        afresh. With `lock`, the returned path is locked for the caller (who must `unlock` its
+        `last_node`), atomically, so no other thread can evict the device pages it reports.
+        The synchronous form of `plan_promotion` + execute + `advance`."""
         with self._mutex:
             job = self.plan_promotion(match, kind)
             if job is not None:
@@ -380,7 +385,10 @@ class TieredCache:
                         self.execute(op)
                 self.advance(job)
                 self.release(job)
-            return self._describe([n for n in match.path if n.parent is not None])
+            result = self._describe([n for n in match.path if n.parent is not None])
+            if lock:
+                self.tree.lock(result.last_node)
+            return result
 
     def ensure(self, node: TreeNode, tier: str, kind: str, may_evict: bool) -> bool:
         """Make `node` (and, for prefix closure, its ancestors) resident in `tier`; synchronous.
@@ -556,7 +564,7 @@ class TieredCache:
                 self.tree.unlock(anchor)
                 self._prune(anchor)
                 return None
-            return PromotionJob(kind, anchor, stages, self.page_size)
+            return PromotionJob(kind, anchor, stages, self.page_size, target)
 
     def advance(self, job: PromotionJob) -> bool:
         """Apply, in path order, the stages whose bytes have arrived. Returns True when the job is
@@ -565,7 +573,7 @@ class TieredCache:
             while not job.failed and job.applied < len(job.stages):
                 st = job.stages[job.applied]
                 if st.waits_for is not None:
-                    if st.node.device is not None:
+                    if st.node.in_tier(job.target):
                         job.applied += 1
                         continue
                     if st.waits_for.applied or st.node.parent is None:

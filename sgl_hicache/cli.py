@@ -99,6 +99,8 @@ def _load_requests(args: argparse.Namespace) -> list:
         raise UserError(f"trace file {str(path)!r} does not exist" + (f" (the shipped trace is {DEFAULT_TRACE_HINT})" if "mooncake" in str(path) else ""))
     if path.is_dir():
         raise UserError(f"trace {str(path)!r} is a directory, not a file")
+    if args.scale is not None and args.scale > args.block_size:  # it would synthesise prompts larger than the trace's
+        raise UserError(f"--scale {args.scale} must be <= --block-size {args.block_size} (it shrinks each block to that many tokens)")
     fmt = args.format if args.format != "auto" else detect_format(path)
     opts: dict[str, Any] = {"limit": args.limit}
     if fmt == "mooncake":
@@ -160,6 +162,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
             time_scale=args.time_scale, max_batch_tokens=args.max_batch_tokens, eviction_policy=args.eviction,
             write_policy=args.write_policy, predictor_budget_tokens=args.predictor_budget,
         )
+        # the embedded engine holds the device and host tiers in RAM: refuse sizes that cannot fit
+        # (a MemoryError traceback at best, the machine swapping or OOM-killed at worst)
+        need = (args.device_tokens + args.host_tokens) * base.storage_layout.bytes_per_token
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if need > ram // 2:
+            raise UserError(f"--device-tokens {args.device_tokens} and --host-tokens {args.host_tokens} need {need / 2**30:.1f} GiB "
+                            f"of RAM for the embedded engine's tiers; this machine has {ram / 2**30:.1f} GiB")
         if args.compare:
             if args.disk_dir is not None:
                 raise UserError("--compare runs every policy on a fresh disk tier; leave --disk-dir out")

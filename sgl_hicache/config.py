@@ -98,7 +98,8 @@ class CacheConfig:
         _require(self.write_policy in WRITE_POLICIES, f"unknown write policy {self.write_policy!r}; choose one of {', '.join(WRITE_POLICIES)}")
         _require(self.disk_write_policy in DISK_WRITE_POLICIES, f"unknown disk write policy {self.disk_write_policy!r}; choose one of {', '.join(DISK_WRITE_POLICIES)}")
         _require(self.predictor in PREDICTORS, f"unknown predictor {self.predictor!r}; choose one of {', '.join(PREDICTORS)}")
-        _require(self.write_through_threshold >= 1, f"write_through_threshold must be >= 1, got {self.write_through_threshold}")
+        _require(isinstance(self.write_through_threshold, int) and self.write_through_threshold >= 1,
+                 f"write_through_threshold must be an integer >= 1, got {self.write_through_threshold!r}")
         if self.disk_dir is not None:
             object.__setattr__(self, "disk_dir", Path(self.disk_dir))
             _require(not self.disk_dir.exists() or self.disk_dir.is_dir(), f"disk_dir {str(self.disk_dir)!r} exists and is not a directory")

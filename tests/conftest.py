@@ -40,8 +40,7 @@ def serve(cache: TieredCache, tokens, write_kv: bool = True):
     Returns (match before promotion, device handles of the whole-page prompt)."""
     m = cache.match(tokens)
     cache.record_request(len(tokens), m)
-    m2 = cache.promote(m)
-    cache.lock(m2.last_node)
+    m2 = cache.promote(m, lock=True)
     try:
         need = len(tokens) // cache.page_size - len(m2.device_handles)
         fresh = cache.allocate_device(need)

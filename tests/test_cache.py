@@ -169,3 +169,23 @@ def test_hit_accounting_per_tier(tmp_path):
     hits = cache.snapshot()["hit_tokens"]
     assert hits[DISK] == 16 and hits[HOST] == 16 and hits[DEVICE] == 0
     assert cache.snapshot()["miss_tokens"] == 6 * 16 + 4
+
+
+def test_a_job_waiting_on_another_jobs_host_copy_succeeds(tmp_path):
+    cache = make_cache(tmp_path, device=4, host=8, disk=32)
+    prompts = [seq(1000 * i, 4) for i in range(5)]
+    fill(cache, prompts)
+    m = cache.match(prompts[0])
+    assert m.disk_tokens == 16
+    first = cache.plan_promotion(m, "prefetch", target=HOST)
+    second = cache.plan_promotion(cache.match(prompts[0]), "prefetch", target=HOST)
+    assert first is not None and second is not None
+    assert all(st.waits_for is not None for st in second.stages)  # nothing copied twice
+    for op in first.ops():
+        cache.execute(op)
+    assert cache.advance(first) and not first.failed
+    assert cache.advance(second) and not second.failed
+    cache.release(first)
+    cache.release(second)
+    assert cache.match(prompts[0], touch=False).host_tokens == 16
+    cache.check()

@@ -108,16 +108,23 @@ class SlotAllocator:
     def allocate(self, n: int) -> list[int] | None:
         if n > len(self._free):
             return None
-        out = [self._free.pop() for _ in range(n)]
+        if n == 0:
+            return []
+        out = self._free[-n:]
+        del self._free[-n:]
+        out.reverse()
         self._used.update(out)
         return out
 
     def free(self, slots: Sequence[int]) -> None:
-        for slot in slots:
-            if slot not in self._used:
-                raise KeyError(f"slot {slot} is not allocated")
-            self._used.remove(slot)
-            self._free.append(slot)
+        """Free all of `slots` or, when one is not allocated (or appears twice), none of them."""
+        batch = set(slots)
+        if len(batch) != len(slots):
+            raise KeyError("free got the same slot twice")
+        if not batch <= self._used:
+            raise KeyError(f"slot {min(batch - self._used)} is not allocated")
+        self._used -= batch
+        self._free.extend(slots)
 
     def is_allocated(self, slot: int) -> bool:
         return slot in self._used

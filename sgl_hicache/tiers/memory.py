@@ -26,13 +26,10 @@ class _SlotStore(TierStore):
         return self._slots.allocate(len(keys))
 
     def free(self, handles: Sequence[Handle]) -> None:
-        # validate the whole batch first: a KeyError must leave the accounting untouched
-        if len(set(handles)) != len(handles):
-            raise KeyError(f"{self.name}: free got the same slot twice")
-        for h in handles:
-            if not self._slots.is_allocated(h):  # type: ignore[arg-type]
-                raise KeyError(f"{self.name}: slot {h!r} is not allocated")
-        self._slots.free(handles)  # type: ignore[arg-type]
+        try:  # all or nothing: a KeyError leaves the accounting untouched
+            self._slots.free(handles)  # type: ignore[arg-type]
+        except KeyError as exc:
+            raise KeyError(f"{self.name}: {exc.args[0]}") from None
 
 
 class DeviceKVPool(_SlotStore):
@@ -60,19 +57,28 @@ class DeviceKVPool(_SlotStore):
         offsets = torch.arange(self.page_size, device=self.device)
         return (pages[:, None] * self.page_size + offsets[None, :]).reshape(-1)
 
+    @property
+    def pages(self) -> torch.Tensor:
+        """The pool viewed page by page: `(layers, K/V, pages, page tokens, heads, dim)`, no copy."""
+        return self.kv.view(self.layout.num_layers, 2, self.capacity_pages, self.page_size, *self.page_shape[3:])
+
+    def page_view(self, handle: Handle) -> torch.Tensor:
+        """One page in place, in the canonical page shape (strided: one run per layer and K/V)."""
+        return self.pages[:, :, handle]  # type: ignore[index]
+
     def read(self, handles: Sequence[Handle]) -> torch.Tensor:
-        idx = self.token_slots(handles)
-        gathered = self.kv.index_select(2, idx)  # (L, 2, n*page, H, D)
-        n = len(handles)
-        gathered = gathered.view(self.layout.num_layers, 2, n, self.page_size, *self.page_shape[3:])
-        return gathered.permute(2, 0, 1, 3, 4, 5).contiguous()
+        # one strided copy per page into the output: no gathered intermediate, no second permute pass
+        out = torch.empty((len(handles), *self.page_shape), dtype=self.kv.dtype, device=self.device)
+        pages = self.pages
+        for i, h in enumerate(handles):
+            out[i].copy_(pages[:, :, h])
+        return out
 
     def write(self, handles: Sequence[Handle], data: torch.Tensor) -> None:
         self._check_data(handles, data)
-        idx = self.token_slots(handles)
-        src = data.to(self.device, non_blocking=True).permute(1, 2, 0, 3, 4, 5)
-        src = src.reshape(self.layout.num_layers, 2, len(handles) * self.page_size, *self.page_shape[3:])
-        self.kv.index_copy_(2, idx, src)
+        pages = self.pages
+        for i, h in enumerate(handles):
+            pages[:, :, h].copy_(data[i], non_blocking=True)
 
 
 class HostKVBuffer(_SlotStore):
@@ -98,4 +104,4 @@ class HostKVBuffer(_SlotStore):
 
     def write(self, handles: Sequence[Handle], data: torch.Tensor) -> None:
         self._check_data(handles, data)
-        self.buffer[torch.as_tensor(list(handles), dtype=torch.int64)] = data.to("cpu")
+        self.buffer.index_copy_(0, torch.as_tensor(list(handles), dtype=torch.int64), data.to("cpu"))

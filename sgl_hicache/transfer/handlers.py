@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
+import torch
+
 from ..tiers.base import DEVICE, DISK, HOST, TierStore
 
 if TYPE_CHECKING:
@@ -40,6 +42,22 @@ def disk_into_host(stores: dict[str, TierStore]) -> Handler:
     return handler
 
 
+def page_to_page(stores: dict[str, TierStore], src: str, dst: str) -> Handler:
+    """Device <-> host page by page, view to view: one (strided) copy per page, no intermediate
+    tensor. On CUDA the copies are asynchronous on the current stream and synchronised at the end."""
+    a, b = stores[src], stores[dst]
+    if not hasattr(a, "page_view") or not hasattr(b, "page_view"):
+        return copy_via_tensor(stores)
+
+    def handler(op: "TransferOp", start: int, stop: int) -> None:
+        for s_h, d_h in zip(op.src_handles[start:stop], op.dst_handles[start:stop]):
+            b.page_view(d_h).copy_(a.page_view(s_h), non_blocking=True)  # type: ignore[attr-defined]
+        if torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()
+
+    return handler
+
+
 def default_handlers(stores: dict[str, TierStore]) -> dict[tuple[str, str], Handler]:
     handlers: dict[tuple[str, str], Handler] = {}
     generic = copy_via_tensor(stores)
@@ -48,4 +66,7 @@ def default_handlers(stores: dict[str, TierStore]) -> dict[tuple[str, str], Hand
             handlers[(src, dst)] = generic
     if DISK in stores and HOST in stores:
         handlers[(DISK, HOST)] = disk_into_host(stores)
+    if DEVICE in stores and HOST in stores:
+        handlers[(DEVICE, HOST)] = page_to_page(stores, DEVICE, HOST)
+        handlers[(HOST, DEVICE)] = page_to_page(stores, HOST, DEVICE)
     return handlers

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from ..hashing import PageKey
+from ..hashing import PageKey, chain_keys
 from ..tiers.base import DEVICE, DISK, HOST, Handle
 
 _ids = itertools.count()
@@ -27,7 +27,8 @@ class TreeNode:
         "parent",
         "children",
         "tokens",
-        "keys",
+        "_keys",
+        "num_pages",
         "device",
         "host",
         "on_disk",
@@ -41,12 +42,16 @@ class TreeNode:
         "incoming",
     )
 
-    def __init__(self, parent: "TreeNode | None", tokens: tuple[int, ...], keys: list[PageKey], node_id: int | None = None) -> None:
+    def __init__(self, parent: "TreeNode | None", tokens: tuple[int, ...], keys: list[PageKey] | None, num_pages: int,
+                 node_id: int | None = None) -> None:
         self.id = next(_ids) if node_id is None else node_id
         self.parent = parent
         self.children: dict[tuple[int, ...], TreeNode] = {}
         self.tokens = tokens
-        self.keys = keys
+        # computed on first use (disk I/O, restart lookups): hashing every page of every insert
+        # would cost more than the tree walk itself when pages never reach the disk tier
+        self._keys = keys
+        self.num_pages = num_pages
         self.device: list[Handle] | None = None
         self.host: list[Handle] | None = None
         self.on_disk = False
@@ -62,8 +67,21 @@ class TreeNode:
         self.incoming: dict[str, object] = {}
 
     @property
-    def num_pages(self) -> int:
-        return len(self.keys)
+    def keys(self) -> list[PageKey]:
+        """One chained key per page (the root holds the namespace root as its only key)."""
+        if self._keys is None:
+            assert self.parent is not None, "a detached node has no key chain"
+            self._keys = chain_keys(self.parent.last_key, self.tokens, len(self.tokens) // self.num_pages)
+        return self._keys
+
+    def split_keys(self, pages: int) -> tuple[list[PageKey] | None, list[PageKey] | None]:
+        """Keys of the first `pages` pages and of the rest, without computing uncomputed keys."""
+        if self._keys is None:
+            return None, None
+        return self._keys[:pages], self._keys[pages:]
+
+    def set_keys(self, keys: list[PageKey] | None) -> None:
+        self._keys = keys
 
     @property
     def is_root(self) -> bool:

@@ -35,7 +35,7 @@ class RadixTree:
         self.page_size = page_size
         self.namespace = namespace
         self._ids = itertools.count()  # per tree, so a replay's node ids are repeatable
-        self.root = TreeNode(None, (), [], next(self._ids))
+        self.root = TreeNode(None, (), [namespace.root], 0, next(self._ids))
         self.root.lock_ref = 1  # the root is never evicted
         self.resident: dict[str, set[TreeNode]] = {tier: set() for tier in TIERS}
         self.pages: dict[str, int] = {tier: 0 for tier in TIERS}
@@ -74,6 +74,9 @@ class RadixTree:
 
     def _common_pages(self, edge: tuple[int, ...], tokens: Sequence[int], pos: int, limit: int) -> int:
         ps = self.page_size
+        end = pos + len(edge)
+        if end <= limit and tuple(tokens[pos:end]) == edge:  # the common case: the whole edge matches
+            return len(edge) // ps
         n = 0
         while n * ps < len(edge) and pos + (n + 1) * ps <= limit:
             a = n * ps
@@ -86,7 +89,8 @@ class RadixTree:
         """Split `node` after `pages` pages; returns the new upper node (the old node keeps the rest)."""
         assert 0 < pages < node.num_pages and node.pins == 0, (node, pages)
         cut = pages * self.page_size
-        upper = TreeNode(node.parent, node.tokens[:cut], node.keys[:pages], next(self._ids))
+        upper_keys, lower_keys = node.split_keys(pages)
+        upper = TreeNode(node.parent, node.tokens[:cut], upper_keys, pages, next(self._ids))
         upper.device, node.device = split_handles(node.device, pages)
         upper.host, node.host = split_handles(node.host, pages)
         upper.on_disk = node.on_disk
@@ -97,7 +101,8 @@ class RadixTree:
         assert node.parent is not None
         node.parent.children[upper.tokens[: self.page_size]] = upper
         node.tokens = node.tokens[cut:]
-        node.keys = node.keys[pages:]
+        node.set_keys(lower_keys)
+        node.num_pages -= pages
         node.parent = upper
         upper.children[node.tokens[: self.page_size]] = node
         for tier in TIERS:
@@ -113,7 +118,7 @@ class RadixTree:
         assert tokens and len(tokens) % self.page_size == 0
         first = tokens[: self.page_size]
         assert first not in parent.children, "add_child over an existing edge"
-        node = TreeNode(parent, tokens, chain_keys(self.key_of(parent), tokens, self.page_size), next(self._ids))
+        node = TreeNode(parent, tokens, None, len(tokens) // self.page_size, next(self._ids))
         parent.children[first] = node
         self.node_count += 1
         return node
@@ -206,8 +211,8 @@ class RadixTree:
                 raise InvariantError(f"{node} is not linked under its parent")
             if node.num_pages == 0 or len(node.tokens) != node.num_pages * self.page_size:
                 raise InvariantError(f"{node} holds {len(node.tokens)} tokens for {node.num_pages} keys")
-            if node.keys[0] != chain_keys(self.key_of(parent), node.tokens[: self.page_size], self.page_size)[0]:
-                raise InvariantError(f"{node}'s first key is not chained from its parent")
+            if len(node.keys) != node.num_pages or node.keys[0] != chain_keys(self.key_of(parent), node.tokens[: self.page_size], self.page_size)[0]:
+                raise InvariantError(f"{node}'s keys are not chained from its parent")
             tiers = node.tiers()
             if not tiers:
                 raise InvariantError(f"{node} is resident in no tier")
