@@ -230,7 +230,8 @@ def run(args: argparse.Namespace) -> dict:
             check()
         pool.shutdown()
 
-        gbps = {k: round(statistics.median(v), 4) for k, v in samples.items()}
+        # significant figures, not decimals: a smoke run of a few tiny pages must not round to 0
+        gbps = {k: float(f"{statistics.median(v):.4g}") for k, v in samples.items()}
 
         def ratio(a: str, b: str) -> float:
             return round(gbps[a] / gbps[b], 3) if gbps[b] else float("nan")
@@ -256,7 +257,7 @@ def run(args: argparse.Namespace) -> dict:
                 "torch": torch.__version__,
             },
             "gbps_median": gbps,
-            "gbps_samples": {k: [round(x, 4) for x in v] for k, v in samples.items()},
+            "gbps_samples": {k: [float(f"{x:.4g}") for x in v] for k, v in samples.items()},
             "ratios": ratios,
             "cache": {
                 "cold_method": sorted(methods),

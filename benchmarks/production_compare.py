@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--limit", type=int, default=2000)
     ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--device-fraction", type=float, default=0.25, help="share of the GPUs' free memory given to the prefix cache")
+    ap.add_argument("--device-fraction", type=float, default=0.9, help="share of the GPUs' free memory given to the prefix cache")
     ap.add_argument("--host-gb", type=float, default=256)
     ap.add_argument("--disk-tb", type=float, default=4)
     ap.add_argument("--quick", action="store_true", help="smallest size: 60 requests, llama3-8b only")
