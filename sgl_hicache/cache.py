@@ -321,9 +321,11 @@ class TieredCache:
             self.stores[DEVICE].free(handles)
             self.outstanding_device_pages -= len(handles)
 
-    def insert(self, tokens: Sequence[int], device_handles: Sequence[Handle]) -> InsertResult:
+    def insert(self, tokens: Sequence[int], device_handles: Sequence[Handle], from_allocate_device: bool = True) -> InsertResult:
         """Insert the whole pages of `tokens`, whose KV the caller holds in `device_handles` (one per
-        page, from `allocate_device` or from an earlier match)."""
+        page, from `allocate_device` or from an earlier match). With `from_allocate_device=False`
+        the new pages came from the device store's own allocator (SGLang's), not from
+        `allocate_device`, so they are not counted against its outstanding pages."""
         with self._mutex:
             ps = self.page_size
             limit = self.tree.page_aligned(tokens)
@@ -361,7 +363,8 @@ class TieredCache:
             now = self.clock()
             for node in new_nodes:
                 node.last_access = now
-            self.outstanding_device_pages -= adopted
+            if from_allocate_device:
+                self.outstanding_device_pages -= adopted
             self._after_insert(new_nodes)
             return InsertResult(prefix_tokens, duplicates, last, adopted)
 

@@ -181,7 +181,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.report:
         args.report.parent.mkdir(parents=True, exist_ok=True)
         tmp = args.report.with_suffix(args.report.suffix + ".tmp")
-        tmp.write_text(json.dumps(result, indent=2, sort_keys=True))
+        tmp.write_text(json.dumps(result, indent=2))  # policy order kept: recompute, demote, prefetch, predict
         os.replace(tmp, args.report)
         print(f"report written to {args.report}")
     return 0

@@ -381,13 +381,9 @@ class TieredRadixCache(BasePrefixCache):
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :aligned].to(torch.int64)
         mine = self.device_pool.pages_of(row)
         tokens = token_ids[:aligned]
-        before = self.cache.outstanding_device_pages
-        self.cache.insert(tokens, mine)
-        # the request's pages the tree adopted are the cache's now (TieredCache counts them against
-        # its own outstanding allocations; here they came from SGLang's allocator instead)
-        adopted = before - self.cache.outstanding_device_pages
-        self.cache.outstanding_device_pages = before
-        self.device_pool.adopt(adopted)
+        # the request's pages the tree adopted are the cache's now; they came from SGLang's allocator
+        result = self.cache.insert(tokens, mine, from_allocate_device=False)
+        self.device_pool.adopt(result.adopted_pages)
         m = self.cache.match(tokens, touch=False)
         d = m.device_tokens
         if d < protected:  # cannot happen while the request holds its lock
@@ -423,11 +419,8 @@ class TieredRadixCache(BasePrefixCache):
         if aligned == 0 or params.value is None:
             return InsertResult(prefix_len=0)
         pages = self.device_pool.pages_of(params.value[:aligned].to(torch.int64))
-        before = self.cache.outstanding_device_pages
-        r = self.cache.insert(tokens[:aligned], pages)
-        adopted = before - self.cache.outstanding_device_pages
-        self.cache.outstanding_device_pages = before
-        self.device_pool.adopt(adopted)
+        r = self.cache.insert(tokens[:aligned], pages, from_allocate_device=False)
+        self.device_pool.adopt(r.adopted_pages)
         self._dirty = True
         return InsertResult(prefix_len=r.prefix_tokens, total_len=aligned, last_device_node=r.last_node)
 
