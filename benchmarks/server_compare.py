@@ -45,6 +45,7 @@ import math
 import os
 import platform
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -310,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
           f"(ideal hit rate {1 - ws / prompt_tokens:.1%}), longest {longest:,}; pools "
           + ", ".join(f"{f:g}: {t:,}" for f, t in pool_of.items()), flush=True)
 
+    def _terminate(signum, _frame):  # SIGTERM -> unwind, so every `finally` stops its server
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _terminate)
     samples: list[dict[str, Any]] = []
     t_start = time.monotonic()
     for r in range(a.repeats):

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -96,3 +98,30 @@ def test_overhead_smoke(tmp_path: Path) -> None:
         assert hits["sgl_hicache"] == hits["sglang"]  # both trees served the same prefixes
     else:
         assert "ratio_ours_over_sglang" not in result
+
+
+@pytest.mark.sglang
+@pytest.mark.skipif(not _sglang_importable(), reason="sglang is not installed (scripts/install_sglang_cpu.sh installs it into .venv-sglang)")
+def test_server_compare_smoke(tmp_path: Path) -> None:
+    # three real servers (default cache, SGLang HiCache, sgl_hicache) one after the other: ~4 min here
+    out = tmp_path / "server.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "server_compare.py"), "--quick", "--json", str(out),
+           "--workdir", str(tmp_path / "runs")]
+    subprocess.run(cmd, check=True, cwd=REPO, capture_output=True, timeout=1500)
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "server_compare"
+    cfg = result["config"]
+    assert cfg["quick"] and cfg["requests"] == 20 and cfg["repeats"] == 1 and cfg["pools"] == [0.1]
+    assert [s["config"] for s in result["samples"]] == ["default", "hicache", "sgl_hicache"]
+    for s in result["samples"]:
+        assert "error" not in s, s.get("error")
+        assert s["requests"] == 20 and s["requests_failed"] == 0
+        assert s["ttft_mean_s"] > 0 and s["throughput_tok_s"] > 0
+        assert set(s["hit_tokens"]) == {"device", "host", "disk"}
+        assert s["max_total_tokens"] == result["workload"]["max_total_tokens"]["0.1"]
+    assert result["samples"][2]["server_info"].get("radix_cache_backend") == "sgl_hicache"
+    summary = result["summary"]["0.1"]
+    assert set(summary["ratios"]) == {"sgl_hicache / default", "sgl_hicache / hicache"}
+    for r in summary["ratios"].values():
+        assert r["ttft_mean_s"] > 0 and r["throughput_tok_s"] > 0
+    assert not any((tmp_path / "runs").iterdir())  # every run's temp dir (HiCache files, our disk tier) removed
