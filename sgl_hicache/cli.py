@@ -24,24 +24,23 @@ class UserError(Exception):
     """A problem with what the user asked for; printed as `error: ...`, exit status 2."""
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
+def _int_at_least(minimum: int):
+    """An argparse type: an integer >= `minimum` (1e6-style values accepted)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(float(text)) if text.lower().endswith(("e3", "e6", "e9")) else int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(float(text)) if text.lower().endswith(("e3", "e6", "e9")) else int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+_positive_int = _int_at_least(1)
+_non_negative_int = _int_at_least(0)
 
 
 def _positive_float(text: str) -> float:
@@ -133,6 +132,8 @@ class _Progress:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    if args.report is not None and args.report.is_dir():  # refuse before a long replay, not after
+        raise UserError(f"--report {str(args.report)!r} is a directory; give a file path")
     requests = _load_requests(args)
     if not requests:
         raise UserError(f"trace {args.trace!r} holds no requests")

@@ -8,11 +8,28 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..tiers.base import DEVICE, DISK, HOST
 
 REPORT_VERSION = 1
+
+
+@dataclass
+class RequestRecord:
+    """What a report keeps of each request: times in seconds (virtual for the embedded engine,
+    wall clock for the HTTP replayer) and the prompt tokens served from each tier."""
+
+    request_id: str
+    arrival_s: float
+    ttft_s: float
+    finish_s: float
+    prompt_tokens: int
+    output_tokens: int
+    hit_device: int = 0
+    hit_host: int = 0
+    hit_disk: int = 0
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:

@@ -39,6 +39,7 @@ from ..policy.predictor import make_predictor
 from ..replay.trace import Request
 from ..tiers.base import DEVICE, DISK, HOST
 from . import cost
+from .report import RequestRecord
 from .presets import HardwarePreset, ModelPreset
 
 POLICIES = ("recompute", "demote", "prefetch", "predict")
@@ -107,21 +108,6 @@ class _Flight:
     prefill_left: int = 0
     prefetch_tried: bool = False
     hits: tuple[int, int, int] = (0, 0, 0)
-
-
-@dataclass
-class RequestRecord:
-    """What the report keeps of each request."""
-
-    request_id: str
-    arrival_s: float
-    ttft_s: float
-    finish_s: float
-    prompt_tokens: int
-    output_tokens: int
-    hit_device: int
-    hit_host: int
-    hit_disk: int
 
 
 def _scratch_dir() -> str | None:

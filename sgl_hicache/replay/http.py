@@ -32,22 +32,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine.report import RequestRecord
 from .trace import Request
 
 
 @dataclass
-class HttpRecord:
-    """One request's outcome (the fields `policy_report` reads, plus what went wrong)."""
+class HttpRecord(RequestRecord):
+    """One request's outcome as `policy_report` reads it, plus what the server returned or what went wrong."""
 
-    request_id: str
-    arrival_s: float
-    ttft_s: float
-    finish_s: float
-    prompt_tokens: int
-    output_tokens: int
-    hit_device: int = 0
-    hit_host: int = 0
-    hit_disk: int = 0
     output_ids: list[int] = field(default_factory=list)
     error: str | None = None
 
