@@ -438,3 +438,27 @@ def test_engine_rejects_bad_arguments():
         TransferEngine(cache, workers=0)
     with pytest.raises(ValueError, match="chunk_pages"):
         TransferEngine(cache, chunk_pages=0)
+
+
+def test_speculative_pacer_keeps_predictions_to_their_share_of_the_link():
+    from sgl_hicache.transfer.bandwidth import BandwidthMeter, SpeculativePacer
+
+    now = [0.0]
+    meter = BandwidthMeter(priors={"disk->host": 1000.0})  # 1000 B/s measured
+    pacer = SpeculativePacer(meter, share=0.5, burst_s=1.0, clock=lambda: now[0])  # 500 B/s, 500 B burst
+    assert pacer.try_take("disk->host", 400)
+    assert not pacer.try_take("disk->host", 400)  # 100 B left
+    now[0] += 0.5  # +250 B
+    assert not pacer.try_take("disk->host", 400)
+    now[0] += 0.2  # +100 B: 450
+    assert pacer.try_take("disk->host", 400)
+    now[0] += 10
+    assert pacer.try_take("disk->host", 5000)  # larger than the bucket: passes when it is full...
+    assert not pacer.try_take("disk->host", 1)  # ...and leaves a debt of 4,500 B
+    now[0] += 2
+    assert not pacer.try_take("disk->host", 2000)  # 1000 B s of refill do not pay it off
+    meter.record("disk->host", 10_000, 1.0)  # the link measured faster: so does the pace (5000 B/s)
+    now[0] += 1
+    assert not pacer.try_take("disk->host", 2000)  # -3500 + 5000
+    now[0] += 0.2
+    assert pacer.try_take("disk->host", 2000)  # + 1000

@@ -36,3 +36,37 @@ class BandwidthMeter:
     def snapshot(self) -> dict[str, float]:
         with self._lock:
             return dict(self._ewma)
+
+
+class SpeculativePacer:
+    """Token bucket per link: speculative copies may use at most `share` of the link's measured
+    bandwidth (bytes refill at `share * meter.estimate(link)` per second, up to `burst_s` seconds'
+    worth). A chunk larger than the bucket passes when the bucket is full, so nothing starves.
+
+    This is what keeps prediction from turning a latency problem into a throughput problem: demand
+    copies are never paced, speculative ones never take more than their share of the link.
+    """
+
+    def __init__(self, meter: BandwidthMeter, share: float = 0.5, burst_s: float = 0.25, clock=None) -> None:
+        if not 0 < share <= 1 or burst_s <= 0:
+            raise ValueError(f"SpeculativePacer needs 0 < share <= 1 and burst_s > 0, got {share}, {burst_s}")
+        import time
+
+        self.meter = meter
+        self.share = share
+        self.burst_s = burst_s
+        self.clock = clock or time.monotonic
+        self._tokens: dict[str, float] = {}
+        self._stamp: dict[str, float] = {}
+
+    def try_take(self, link: str, nbytes: int) -> bool:
+        rate = self.share * self.meter.estimate(link)
+        cap = rate * self.burst_s
+        now = self.clock()
+        tokens = min(cap, self._tokens.get(link, cap) + rate * (now - self._stamp.get(link, now)))
+        self._stamp[link] = now
+        if tokens >= nbytes or tokens >= cap:
+            self._tokens[link] = tokens - nbytes
+            return True
+        self._tokens[link] = tokens
+        return False

@@ -12,11 +12,12 @@ import heapq
 import itertools
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..tiers.base import TierIOError
+from .bandwidth import SpeculativePacer
 
 if TYPE_CHECKING:
     from ..cache import PromotionJob, TieredCache, TransferOp
@@ -43,20 +44,24 @@ class TransferEngine:
       each worker is in and cancels the rest (their ops end with `Cancelled`).
     - `submit(job)` queues the job's runnable ops; an op whose predecessor (disk->host before
       host->device) is still running is queued when the predecessor finishes.
-    - Speculative work (`predict`) runs only while no demand or prefetch chunk is queued, and at most
-      `max_speculative_inflight` chunks at a time, so prediction never delays a waiting request.
+    - Speculative work (`predict`) runs only while no demand or prefetch chunk is queued, at most
+      `max_speculative_inflight` chunks at a time, and within `speculative_share` of the link's
+      measured bandwidth (`SpeculativePacer`), so prediction never delays a waiting request nor
+      saturates a link.
     - `wait(job, timeout)` blocks until every op of the job has executed, then advances it in the
       cache; returns whether the job finished.
     - Handler failures are recorded on the op (`op.error`) and reported by the cache as a miss.
     """
 
-    def __init__(self, cache: "TieredCache", workers: int = 4, chunk_pages: int = 4, max_speculative_inflight: int = 1) -> None:
+    def __init__(self, cache: "TieredCache", workers: int = 4, chunk_pages: int = 4, max_speculative_inflight: int = 1,
+                 speculative_share: float = 0.5, clock: Callable[[], float] = time.monotonic) -> None:
         if workers < 1 or chunk_pages < 1:
             raise ValueError(f"TransferEngine needs workers >= 1 and chunk_pages >= 1, got {workers}, {chunk_pages}")
         self.cache = cache
         self.workers = workers
         self.chunk_pages = chunk_pages
         self.max_speculative_inflight = max_speculative_inflight
+        self.pacer = SpeculativePacer(cache.meter, share=speculative_share, clock=clock)
         self._queue: list[tuple[int, int, _OpState, int, int]] = []
         self._seq = itertools.count()
         self._cv = threading.Condition()
@@ -159,9 +164,13 @@ class TransferEngine:
                 if not self._running:
                     return None
                 if self._queue:
-                    priority = self._queue[0][0]
+                    priority, _, head, h_start, h_stop = self._queue[0]
                     speculative = priority == PREDICT
-                    if not speculative or (self._urgent_queued == 0 and self._speculative_inflight < self.max_speculative_inflight):
+                    if not speculative or (
+                        self._urgent_queued == 0
+                        and self._speculative_inflight < self.max_speculative_inflight
+                        and self.pacer.try_take(head.op.link, self._chunk_bytes(head.op, h_start, h_stop))
+                    ):
                         _, _, state, start, stop = heapq.heappop(self._queue)
                         if state.priority <= PREFETCH:
                             self._urgent_queued -= 1
@@ -169,6 +178,10 @@ class TransferEngine:
                             self._speculative_inflight += 1
                         return state, start, stop
                 self._cv.wait(0.05)
+
+    @staticmethod
+    def _chunk_bytes(op: "TransferOp", start: int, stop: int) -> int:
+        return op.nbytes * (stop - start) // max(1, len(op.dst_handles))
 
     def _work(self) -> None:
         while True:
@@ -184,6 +197,8 @@ class TransferEngine:
                 except (TierIOError, OSError, KeyError, ValueError, RuntimeError) as exc:
                     op.error = exc
             elapsed = time.perf_counter() - t0
+            if op.error is None and not op.cancelled:
+                self.cache.meter.record(op.link, self._chunk_bytes(op, start, stop), elapsed)
             with self._cv:
                 op.seconds += elapsed
                 if state.priority == PREDICT:
