@@ -125,3 +125,13 @@ def test_server_compare_smoke(tmp_path: Path) -> None:
     for r in summary["ratios"].values():
         assert r["ttft_mean_s"] > 0 and r["throughput_tok_s"] > 0
     assert not any((tmp_path / "runs").iterdir())  # every run's temp dir (HiCache files, our disk tier) removed
+
+
+def test_production_compare_smoke(tmp_path: Path) -> None:
+    result = _run("production_compare.py", tmp_path / "prod.json")
+    assert result["benchmark"] == "production_compare" and result["requests"] == 60
+    case = result["cases"]["llama3-8b@h200"]
+    assert set(case["policies"]) == {"recompute", "demote", "prefetch", "predict"}
+    assert case["capacities"]["device_tokens"] > 0 and "prefetch/demote" in case["ratios"]
+    for rep in case["policies"].values():
+        assert set(rep["hit_tokens"]) == {"device", "host", "disk"} and rep["ttft_s"]["mean"] > 0
