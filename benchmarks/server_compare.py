@@ -333,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
                            f"hits {h['device']}/{h['host']}/{h['disk']} ({s['hit_rate']:.1%}), failed {s['requests_failed']}")
                 print(f"[{time.monotonic() - t_start:6.0f}s] {tag:<24} {msg} (run {s['wall_s']:.0f}s, load {s['loadavg_before'][0]:.1f})",
                       flush=True)
+                if a.json:  # partial results survive an interrupted run
+                    Path(a.json).write_text(json.dumps({"benchmark": "server_compare", "partial": True, "samples": samples}, indent=1))
 
     summary = summarize(samples, pools)
     print(render(summary, ws))

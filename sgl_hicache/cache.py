@@ -667,6 +667,41 @@ class TieredCache:
             except KeyError:
                 pass  # the store already discarded it (corrupt file)
 
+    # ---- background write-back ---------------------------------------------------------------
+    def plan_disk_writeback(self, clean_target_pages: int, max_pages: int) -> list[TransferOp]:
+        """Phase one of background write-back to disk: while fewer than `clean_target_pages` host
+        pages are *clean* (also held on disk or on the device, so evicting them from host is a free
+        drop), prepare host -> disk copies of the coldest dirty ones, at most `max_pages`. Done ahead
+        of need by a transfer engine, this keeps disk writes off the thread that evicts. Only nodes
+        whose parent is already on disk qualify (the disk stays prefix-closed; their children follow
+        in a later round). The caller executes the ops and passes each to `complete`."""
+        with self._mutex:
+            if DISK not in self.stores or HOST not in self.stores:
+                return []
+            clean = dirty_pages = 0
+            candidates = []
+            for n in self.tree.resident[HOST]:
+                if n.on_disk or n.device is not None:
+                    clean += n.num_pages
+                    continue
+                dirty_pages += n.num_pages
+                if n.evictable and DISK not in n.incoming and (n.parent.is_root or n.parent.on_disk):  # type: ignore[union-attr]
+                    candidates.append(n)
+            budget = min(max_pages, clean_target_pages - clean)
+            if budget <= 0 or not candidates:
+                return []
+            candidates.sort(key=self.priority)
+            ops: list[TransferOp] = []
+            for n in candidates:
+                if n.num_pages > budget:
+                    break
+                op = self.prepare(n, DISK, "backup", may_evict=True)
+                if op is None:
+                    break
+                ops.append(op)
+                budget -= n.num_pages
+            return ops
+
     # ---- eviction --------------------------------------------------------------------------
     def evict(self, tier: str, num_pages: int) -> int:
         """Free at least `num_pages` pages of `tier` if possible, leaf-first, coldest first;

@@ -189,3 +189,28 @@ def test_a_job_waiting_on_another_jobs_host_copy_succeeds(tmp_path):
     cache.release(second)
     assert cache.match(prompts[0], touch=False).host_tokens == 16
     cache.check()
+
+
+def test_background_writeback_makes_host_eviction_a_free_drop(tmp_path):
+    cache = make_cache(tmp_path, device=4, host=8, disk=32)
+    prompts = [seq(1000 * i, 4) for i in range(3)]
+    fill(cache, prompts)  # 2 prompts demoted to host, not yet on disk
+    assert cache.snapshot()["bytes_moved"]["host->disk"] == 0
+    ops = cache.plan_disk_writeback(clean_target_pages=8, max_pages=8)
+    assert ops and all(op.src == HOST and op.dst == DISK and op.kind == "backup" for op in ops)
+    assert not cache.plan_disk_writeback(clean_target_pages=8, max_pages=8)  # nothing twice while in flight
+    for op in ops:
+        cache.execute(op)
+        assert cache.complete(op)
+    cache.check()
+    written = cache.snapshot()["bytes_moved"]["host->disk"]
+    assert written == sum(op.nbytes for op in ops) > 0
+    assert cache.plan_disk_writeback(clean_target_pages=8, max_pages=8) == []  # target met: all host pages clean
+    # evicting the host now drops clean copies: no further disk write, and the pages are still served
+    cache.evict(HOST, 8)
+    assert cache.snapshot()["bytes_moved"]["host->disk"] == written
+    m = cache.promote(cache.match(prompts[0]))
+    assert m.device_tokens == 16
+    got = cache.stores[DEVICE].read(m.device_handles)
+    assert torch.equal(got.view(torch.int16), kv_for(cache, prompts[0]).view(torch.int16))
+    cache.check()

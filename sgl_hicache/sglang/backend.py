@@ -107,6 +107,7 @@ class BackendCounters:
     evict_calls: int = 0
     evicted_tokens: int = 0
     uncacheable_requests: int = 0  # extra_key / cache_salt / bigram: served without the cache
+    writeback_pages: int = 0  # host pages written to disk in the background, ahead of eviction
     extra: dict = field(default_factory=dict)
 
 
@@ -161,6 +162,8 @@ class TieredRadixCache(BasePrefixCache):
         self.server_port = server_port
         self._states: OrderedDict[str, _ReqState] = OrderedDict()
         self._predicted: list[PromotionJob] = []
+        self._writeback: list = []  # TransferOps host -> disk in flight (background write-back)
+        self._writeback_at = 0.0
         self._dirty = True
         self._evictable = 0
         self._protected = 0
@@ -204,6 +207,13 @@ class TieredRadixCache(BasePrefixCache):
         for job in self._predicted:
             self.cache.release(job)
         self._predicted = []
+        for op in self._writeback:
+            op.cancelled = True
+            if not op.submitted:
+                op.executed.set()
+            op.executed.wait(timeout=60)
+            self.cache.complete(op)  # cancelled or done: frees or records the disk copy
+        self._writeback = []
 
     def _drop_job(self, st: _ReqState) -> None:
         if st.job is not None:
@@ -274,6 +284,7 @@ class TieredRadixCache(BasePrefixCache):
                     self.counters.prefetch_jobs += 1
                     self.counters.prefetch_tokens += job.tokens
                     self._engine().submit(job)
+        self._pump_writeback()
         self._maybe_check()
         return MatchResult(
             device_prefix_len=m.device_tokens,
@@ -282,6 +293,29 @@ class TieredRadixCache(BasePrefixCache):
             best_match_node=m.last_node,
             host_hit_length=m.lower_tier_tokens,
         )
+
+    def _pump_writeback(self, start_new: bool = True) -> None:
+        """Background write-back: record the host -> disk copies that finished, and keep the coldest
+        `writeback_clean_fraction` of the host tier also on disk, so the host evictions that SGLang's
+        allocator triggers in the scheduler thread are free drops instead of synchronous disk writes.
+        Runs at most every 20 ms, one batch in flight at a time."""
+        if self._writeback:
+            done = [op for op in self._writeback if op.executed.is_set()]
+            for op in done:
+                self.cache.complete(op)
+            self._writeback = [op for op in self._writeback if not op.applied]
+            self._dirty = self._dirty or bool(done)
+        fraction = self.settings.writeback_clean_fraction
+        host = self.cache.stores.get(HOST)
+        now = time.monotonic()
+        if not start_new or self._writeback or fraction <= 0 or host is None or now - self._writeback_at < 0.02:
+            return
+        self._writeback_at = now
+        ops = self.cache.plan_disk_writeback(int(host.capacity_pages * fraction), max_pages=64)
+        if ops:
+            self._writeback = ops
+            self.counters.writeback_pages += sum(len(op.dst_handles) for op in ops)
+            self._engine().submit_ops(ops, kind="backup")
 
     def _poll(self, st: _ReqState) -> bool:
         """Apply what has arrived of the request's prefetch; True once it is over (and released)."""
@@ -429,6 +463,7 @@ class TieredRadixCache(BasePrefixCache):
             return EvictResult()
         t0 = time.perf_counter()
         pages = -(-int(params.num_tokens) // self.page_size)
+        self._pump_writeback()
         freed = self.cache.evict(DEVICE, pages) * self.page_size
         self.counters.evict_calls += 1
         self.counters.evicted_tokens += freed
@@ -573,7 +608,7 @@ class TieredRadixCache(BasePrefixCache):
 
     # ---- checks and stats ----------------------------------------------------------------
     def _inflight(self) -> bool:
-        return bool(self._predicted) or any(s.job is not None for s in self._states.values())
+        return bool(self._predicted) or bool(self._writeback) or any(s.job is not None for s in self._states.values())
 
     def _maybe_check(self) -> None:
         """With `check_invariants`, verify the tree and every store's accounting (skipped while a
@@ -586,6 +621,9 @@ class TieredRadixCache(BasePrefixCache):
 
         `request_held_tokens` are the device tokens neither free nor the cache's: the KV of running
         requests. Once the server is idle it must be 0, and `ok` says every tier's accounting holds."""
+        for op in self._writeback:  # background disk writes are short: finish them for exact figures
+            op.executed.wait(timeout=10)
+        self._pump_writeback(start_new=False)
         ps = self.page_size
         alloc_free = int(self.token_to_kv_pool_allocator.available_size())
         pool = self.device_pool.pool_pages * ps

@@ -55,6 +55,7 @@ class BackendSettings:
     predictor_budget_tokens: int = 4096
     prefetch: bool = True  # start disk -> host promotion when a request is matched (while it waits)
     transfer_workers: int = 2
+    writeback_clean_fraction: float = 0.25  # keep this share of the host tier also on disk, written in the background (0: off)
     load_timeout_s: float = 30.0  # how long a request may wait for its disk pages before it recomputes them
     tenant_salt: str = ""  # extra namespace salt (isolates caches of tenants sharing one disk directory)
     stats_file: str | None = None  # the scheduler writes JSON stats here every stats_interval_s (atomic rename)
@@ -80,6 +81,7 @@ class BackendSettings:
         need(self.predictor_budget_tokens >= 0, f"predictor_budget_tokens must be >= 0, got {self.predictor_budget_tokens!r}")
         need(isinstance(self.transfer_workers, int) and self.transfer_workers >= 1, f"transfer_workers must be an integer >= 1, got {self.transfer_workers!r}")
         need(self.load_timeout_s >= 0, f"load_timeout_s must be >= 0, got {self.load_timeout_s!r}")
+        need(0 <= self.writeback_clean_fraction <= 1, f"writeback_clean_fraction must be in [0, 1], got {self.writeback_clean_fraction!r}")
         need(self.stats_interval_s > 0, f"stats_interval_s must be > 0, got {self.stats_interval_s!r}")
 
     def host_tokens_for(self, device_tokens: int) -> int:
