@@ -19,6 +19,8 @@ fits this machine); time is charged from the cost model at the preset's full KV 
   scheduled. Disk reads must land in host memory first, so they block the step; host->device
   copies overlap the forward pass layer by layer:
   step = disk_load + max(compute, host_to_device) + host_to_device / num_layers;
+- demotions that made room for a step (device -> host copies of evicted pages) are charged to it
+  at the host link's bandwidth; host -> disk write-back is not charged (it runs in the background);
 - one step = one batched prefill of the step's chunks plus one decode token for every running
   request; a request's first token comes at the end of the step that computes its last chunk.
 """
@@ -158,6 +160,7 @@ class EmbeddedEngine:
         self.predicted_jobs: list[tuple[PromotionJob, list[float]]] = []
         self.progress = progress
         self.records: list[RequestRecord] = []
+        self.demote_seconds = 0.0  # virtual seconds steps spent copying evicted pages device -> host
         self.steps = 0
 
     def close(self) -> None:
@@ -375,6 +378,7 @@ class EmbeddedEngine:
                 chunks.append((flight, n))
                 budget -= n
             blocking_s = overlapped_s = 0.0
+            demoted_before = self.cache.stats.bytes_moved["device->host"]
             for flight in list(waiting):
                 if len(running) + len(prefilling) >= cfg.max_running or budget <= 0:
                     break
@@ -402,7 +406,12 @@ class EmbeddedEngine:
                 continue
             compute = cost.batch_prefill_seconds(cfg.model, cfg.hardware, [(n, f.context - f.prefill_left) for f, n in chunks])
             compute += cost.decode_step_seconds(cfg.model, cfg.hardware, sum(f.context for f in running), len(running))
-            step = blocking_s + max(compute, overlapped_s) + overlapped_s / cfg.model.num_layers
+            # demotions made room for this step: their device -> host copies run in the scheduler
+            # before the forward pass can use the freed pages (host -> disk write-back is background)
+            demoted_tokens = (self.cache.stats.bytes_moved["device->host"] - demoted_before) // cfg.storage_layout.bytes_per_token
+            demote_s = self.links.seconds("device->host", demoted_tokens) if demoted_tokens else 0.0
+            self.demote_seconds += demote_s
+            step = demote_s + blocking_s + max(compute, overlapped_s) + overlapped_s / cfg.model.num_layers
             self.now += step
             self.steps += 1
             still: list[_Flight] = []
