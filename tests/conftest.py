@@ -37,10 +37,12 @@ def kv_for(cache: TieredCache, tokens, seed: int = 0) -> torch.Tensor:
 
 def serve(cache: TieredCache, tokens, write_kv: bool = True):
     """What an engine does for one request: match, count, promote, compute the rest, insert.
-    Returns (match before promotion, device handles of the whole-page prompt)."""
-    m = cache.match(tokens)
-    cache.record_request(len(tokens), m)
-    m2 = cache.promote(m, lock=True)
+    Safe from several threads at once. Returns (match before promotion, device handles of the
+    whole-page prompt)."""
+    with cache._mutex:  # one step, so concurrent callers cannot evict or split the path in between
+        m = cache.match(tokens)
+        cache.record_request(len(tokens), m)
+        m2 = cache.promote(m, lock=True)
     try:
         need = len(tokens) // cache.page_size - len(m2.device_handles)
         fresh = cache.allocate_device(need)

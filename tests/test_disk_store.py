@@ -17,7 +17,7 @@ import torch
 from sgl_hicache.config import KVLayout
 from sgl_hicache.hashing import Namespace, page_key
 from sgl_hicache.tiers.base import PageCorruptError, TierIOError
-from sgl_hicache.tiers.disk import COUNTER_NAMES, FORMAT_VERSION, HEADER_SIZE, MAGIC, DiskPageStore
+from sgl_hicache.tiers.disk import COUNTER_NAMES, FORMAT_VERSION, HEADER_SIZE, DiskPageStore
 from sgl_hicache.tiers.memory import HostKVBuffer
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16")

@@ -20,7 +20,7 @@ import torch
 
 from conftest import kv_for, make_cache, serve
 from sgl_hicache.hashing import chain_keys
-from sgl_hicache.tiers.base import DEVICE, DISK, HOST
+from sgl_hicache.tiers.base import DEVICE, DISK
 from sgl_hicache.tiers.disk import FORMAT_VERSION, HEADER_SIZE
 
 PS = 4

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from conftest import SMALL_LAYOUT, kv_for
+from conftest import SMALL_LAYOUT, kv_for, serve
 from sgl_hicache.cache import TieredCache
 from sgl_hicache.config import CacheConfig
 from sgl_hicache.hashing import Namespace
@@ -90,32 +90,13 @@ def check_under_load(cache: TieredCache) -> None:
         assert cache.stores[DISK].used_pages >= cache.tree.pages[DISK]
 
 
-def serve_locked(cache: TieredCache, tokens) -> None:
-    """conftest.serve, thread-safe: match, promote and lock the promoted path in one step."""
-    with cache._mutex:
-        m = cache.match(tokens)
-        cache.record_request(len(tokens), m)
-        m2 = cache.promote(m)
-        cache.lock(m2.last_node)
-    try:
-        need = len(tokens) // cache.page_size - len(m2.device_handles)
-        fresh = cache.allocate_device(need)
-        assert fresh is not None, "device full of locked pages"
-        if fresh:  # fresh pages are the caller's alone: written without the lock
-            cache.stores[DEVICE].write(fresh, kv_for(cache, tokens)[len(m2.device_handles):])
-        r = cache.insert(tokens, m2.device_handles + fresh)
-        cache.free_device(r.duplicates)
-    finally:
-        cache.unlock(m2.last_node)
-
-
 def test_storm_of_threads_with_a_failing_disk_keeps_every_invariant(tmp_path: Path) -> None:
     rng = random.Random(SEED)
     cache = build(tmp_path)
     disk: DiskPageStore = cache.stores[DISK]  # type: ignore[assignment]
     prompts = prompts_for(rng)
     for p in prompts[:12]:
-        serve_locked(cache, p)
+        serve(cache, p)
     cache.check()
 
     # the fault switch: while set, every disk write (and probe) fails with ENOSPC
@@ -155,7 +136,7 @@ def test_storm_of_threads_with_a_failing_disk_keeps_every_invariant(tmp_path: Pa
         else:  # a new prompt: evicts and demotes
             start = r.randrange(10**6, 10**7)
             p = list(range(start, start + PS * r.randint(1, 3)))
-        serve_locked(cache, p)
+        serve(cache, p)
         bump("served")
         bump("checked_pages", check_device_kv(cache, p))
 
@@ -235,7 +216,7 @@ def test_storm_of_threads_with_a_failing_disk_keeps_every_invariant(tmp_path: Pa
 
     # every prompt still in the tree comes back bit-identical (corrupt pages are misses, recomputed)
     for p in prompts:
-        serve_locked(cache, p)
+        serve(cache, p)
         assert check_device_kv(cache, p) == len(p) // PS
     cache.check()
     snap = cache.snapshot()

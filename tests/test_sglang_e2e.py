@@ -24,7 +24,6 @@ import json
 import random
 import shutil
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest

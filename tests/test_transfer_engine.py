@@ -50,27 +50,6 @@ def finish(engine: TransferEngine, job, timeout: float = 30.0) -> bool:
     return True
 
 
-def serve_locked(cache: TieredCache, tokens) -> None:
-    """conftest.serve for several threads at once: the match, its promotion and the lock of the
-    promoted path are one step (`promote` returns an unlocked description whose device handles another
-    thread's eviction may free before the caller locks them)."""
-    with cache._mutex:
-        m = cache.match(tokens)
-        cache.record_request(len(tokens), m)
-        m2 = cache.promote(m)
-        cache.lock(m2.last_node)
-    try:
-        need = len(tokens) // cache.page_size - len(m2.device_handles)
-        fresh = cache.allocate_device(need)
-        assert fresh is not None, "device full of locked pages"
-        if fresh:
-            cache.stores[DEVICE].write(fresh, kv_for(cache, tokens)[len(m2.device_handles):])
-        r = cache.insert(tokens, m2.device_handles + fresh)
-        cache.free_device(r.duplicates)
-    finally:
-        cache.unlock(m2.last_node)
-
-
 def assert_quiescent(cache: TieredCache) -> None:
     """No lock, no pin and no transfer left anywhere; accounting exact."""
     cache.check()
@@ -164,9 +143,9 @@ def test_concurrent_promotions_serving_and_eviction(tmp_path):
         try:
             for i in range(40):
                 if r.random() < 0.5:
-                    serve_locked(cache, r.choice(prompts))  # synchronous promotion + insert
+                    serve(cache, r.choice(prompts))  # synchronous promotion + insert
                 else:
-                    serve_locked(cache, seq(200_000 + 1000 * (seed * 100 + i), r.randint(1, 3)))  # new prompt: evicts, demotes
+                    serve(cache, seq(200_000 + 1000 * (seed * 100 + i), r.randint(1, 3)))  # new prompt: evicts, demotes
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 

@@ -10,7 +10,7 @@ import itertools
 from collections.abc import Iterator, Sequence
 
 from ..hashing import Namespace, PageKey, chain_keys
-from ..tiers.base import DEVICE, DISK, HOST, TIERS, Handle
+from ..tiers.base import DISK, TIERS, Handle
 from .node import TreeNode, split_handles
 
 
