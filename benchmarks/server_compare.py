@@ -108,14 +108,15 @@ def server_args(config: str, pool: int, page: int, host_ratio: float) -> list[st
     return args
 
 
-def server_env(config: str, pool: int, host_ratio: float, store_dir: Path, disk_tokens: int, page: int) -> dict[str, str]:
+def server_env(config: str, pool: int, host_ratio: float, store_dir: Path, disk_tokens: int, page: int,
+               extra: dict[str, Any] | None = None) -> dict[str, str]:
     env: dict[str, str] = {}  # (main() removed the caller's SGL_HICACHE_* variables from os.environ)
     if config == "hicache":
         env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = str(store_dir)
     elif config == "sgl_hicache":
         host = int(pool * host_ratio) // page * page
         s = BackendSettings(host_tokens=host, disk_dir=str(store_dir), disk_tokens=disk_tokens,
-                            prefetch=True, predictor="tree_walk")
+                            prefetch=True, predictor="tree_walk").replace(**(extra or {}))
         env.update(settings_env(s))
         env["SGL_HICACHE_PREFETCH"] = "1"  # explicit, though it is the default
     return env
@@ -165,7 +166,7 @@ def run_one(config: str, pool: int, reqs: list, a: argparse.Namespace, workdir: 
     try:
         srv = SGLangServer.start(
             a.model, extra_args=server_args(config, pool, a.page_size, a.host_ratio),
-            env=server_env(config, pool, a.host_ratio, store, a.disk_tokens, a.page_size),
+            env=server_env(config, pool, a.host_ratio, store, a.disk_tokens, a.page_size, a.sgl_hicache_extra),
             log_path=log, load_format="dummy", timeout_s=a.start_timeout)
         sample["server_ready_s"] = srv.ready_after_s
         rep = replay_http(reqs, srv.url, concurrency=a.concurrency, max_new_tokens=a.output_tokens,
@@ -260,6 +261,17 @@ def render(summary: dict[str, Any], ws: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------ main
+def _git_rev() -> str | None:
+    import subprocess
+
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "sgl_hicache"], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (rev + ("+dirty(sgl_hicache/)" if dirty else "")) or None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=200, help="first N requests of the trace (default 200)")
@@ -276,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-tokens", type=int, default=8)
     p.add_argument("--host-ratio", type=float, default=4.0, help="host tier = R x device pool, for both HiCache and sgl_hicache (default 4)")
     p.add_argument("--disk-tokens", type=int, default=None, help="sgl_hicache disk tier capacity (default 2x the working set)")
+    p.add_argument("--sgl-hicache-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra sgl_hicache backend setting (a BackendSettings field, JSON value), repeatable")
     p.add_argument("--workdir", default=None, help="where the per-run temp dirs go (default: the system temp dir)")
     p.add_argument("--keep-logs", default=None, help="copy every server log into this directory")
     p.add_argument("--start-timeout", type=float, default=300.0)
@@ -283,6 +297,19 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.quick:
         a.requests, a.repeats = 20, 1
+    a.sgl_hicache_extra = {}
+    for item in a.sgl_hicache_set:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            p.error(f"--sgl-hicache-set wants KEY=VALUE, got {item!r}")
+        try:
+            a.sgl_hicache_extra[key.strip()] = json.loads(raw)
+        except ValueError:
+            a.sgl_hicache_extra[key.strip()] = raw
+    try:
+        BackendSettings().replace(**a.sgl_hicache_extra)
+    except (TypeError, ValueError) as e:
+        p.error(f"--sgl-hicache-set: {e}")
     pools = [float(x) for x in a.pools.split(",") if x.strip()]
     if a.quick:
         pools = pools[:1]
@@ -346,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
             "quick": a.quick, "requests": len(reqs), "repeats": a.repeats, "pools": pools, "configs": configs,
             "trace": str(a.trace), "scale": a.scale, "model": str(a.model), "page_size": a.page_size,
             "concurrency": a.concurrency, "output_tokens": a.output_tokens, "host_ratio": a.host_ratio,
-            "disk_tokens": a.disk_tokens, "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "disk_tokens": a.disk_tokens, "sgl_hicache_extra": a.sgl_hicache_extra, "git": _git_rev(), "command": " ".join([Path(sys.executable).name, *sys.argv]),
             "server_args": {c: server_args(c, 0, a.page_size, a.host_ratio) for c in configs},
         },
         "workload": {"prompt_tokens": prompt_tokens, "working_set_tokens": ws, "longest_prompt": longest,
