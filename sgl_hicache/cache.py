@@ -408,6 +408,13 @@ class TieredCache:
                         continue
                     if n.parent is None:
                         return False  # removed meanwhile (a corrupt ancestor dropped its subtree)
+                    pending = n.incoming.get(tier)
+                    if pending is not None:
+                        # a background copy into this tier: use it if its bytes are there, never
+                        # race it (a second copy, or adopting its files before it completes)
+                        if not (pending.kind == "backup" and pending.executed.is_set() and self.complete(pending)):  # type: ignore[attr-defined]
+                            return False
+                        continue
                     if tier == DISK and all(self.stores[DISK].contains(k) for k in n.keys):  # type: ignore[attr-defined]
                         self.tree.set_resident(n, DISK)  # content-addressed: already written, by us or an earlier process
                         continue
@@ -483,6 +490,8 @@ class TieredCache:
     def complete(self, op: TransferOp) -> bool:
         """Phase three: record the new copy (or undo the allocation if the copy failed or was cancelled)."""
         with self._mutex:
+            if op.applied:  # completed already (a background copy an eviction used early)
+                return op.error is None
             node = op.node
             node.pins -= 1
             node.incoming.pop(op.dst, None)

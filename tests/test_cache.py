@@ -214,3 +214,33 @@ def test_background_writeback_makes_host_eviction_a_free_drop(tmp_path):
     got = cache.stores[DEVICE].read(m.device_handles)
     assert torch.equal(got.view(torch.int16), kv_for(cache, prompts[0]).view(torch.int16))
     cache.check()
+
+
+def test_eviction_never_races_a_background_writeback(tmp_path):
+    """A host eviction that needs a node's ancestor on disk while the ancestor's background copy is
+    in flight: it must not adopt the half-recorded files (the copy would then complete onto a node
+    already on disk), and it must use the copy once its bytes are there."""
+    cache = make_cache(tmp_path, device=4, host=8, disk=32)
+    a = seq(0, 2)
+    fill(cache, [a, a[:8] + seq(500, 2), seq(9000, 4), seq(9500, 4)])  # a-prefix and its child pushed to host
+    parent = cache.match(a, touch=False).path[0]
+    assert parent.host is not None and not parent.on_disk
+    ops = cache.plan_disk_writeback(clean_target_pages=8, max_pages=parent.num_pages)
+    assert [op.node for op in ops] == [parent]
+    cache.execute(ops[0])  # bytes written, not yet completed (the engine's worker finished)
+    child = next(iter(parent.children.values()))
+    assert child.host is not None
+    cache.ensure(child, DISK, kind="demote", may_evict=True)  # completes the parent's backup, then writes the child
+    assert ops[0].applied and parent.on_disk and child.on_disk
+    assert cache.complete(ops[0])  # the worker's own completion later is harmless
+    cache.check()
+    # and while a copy's bytes are still in flight, the demotion gives up instead of racing it
+    cache2 = make_cache(tmp_path / "b", device=4, host=8, disk=32)
+    fill(cache2, [a, a[:8] + seq(500, 2), seq(9000, 4), seq(9500, 4)])
+    p2 = cache2.match(a, touch=False).path[0]
+    ops2 = cache2.plan_disk_writeback(clean_target_pages=8, max_pages=p2.num_pages)
+    c2 = next(iter(p2.children.values()))
+    assert not cache2.ensure(c2, DISK, kind="demote", may_evict=True)
+    cache2.execute(ops2[0])
+    assert cache2.complete(ops2[0]) and p2.on_disk
+    cache2.check()
