@@ -303,6 +303,9 @@ class TieredCache:
     def unlock(self, node: TreeNode) -> None:
         with self._mutex:
             self.tree.unlock(node)
+            # a node can lose its only copy while locked (a corrupt disk page dropped it): the last
+            # unlock removes it
+            self._prune(node)
 
     # ---- device pages for computed KV --------------------------------------------------------
     def allocate_device(self, num_pages: int) -> list[Handle] | None:

@@ -80,14 +80,18 @@ def check_under_load(cache: TieredCache) -> None:
     with cache._mutex:
         cache.tree.check()
         inflight = {DEVICE: 0, HOST: 0}
+        reading_disk = 0  # a read that finds a corrupt file drops it from the store at once; the tree
+        # forgets it when the transfer completes, under the cache lock: allow those pages meanwhile
         for node in cache.tree.nodes():
             for tier, op in node.incoming.items():
                 if tier in inflight:
                     inflight[tier] += len(op.dst_handles)
+                if op.src == DISK:
+                    reading_disk += len(op.src_handles)
         dev = cache.stores[DEVICE].used_pages
         assert dev == cache.tree.pages[DEVICE] + cache.outstanding_device_pages + inflight[DEVICE], (dev, cache.tree.pages[DEVICE], cache.outstanding_device_pages, inflight)
         assert cache.stores[HOST].used_pages == cache.tree.pages[HOST] + inflight[HOST], (cache.stores[HOST].used_pages, cache.tree.pages[HOST], inflight)
-        assert cache.stores[DISK].used_pages >= cache.tree.pages[DISK]
+        assert cache.stores[DISK].used_pages + reading_disk >= cache.tree.pages[DISK]
 
 
 def test_storm_of_threads_with_a_failing_disk_keeps_every_invariant(tmp_path: Path) -> None:

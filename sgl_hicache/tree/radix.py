@@ -23,7 +23,8 @@ class RadixTree:
 
     Invariants (all verified by `check()`):
     - every non-root node holds a positive whole number of pages, with one chained key per page;
-    - every non-root node is resident in at least one tier;
+    - every non-root node is resident in at least one tier (or is locked or pinned: a node whose only
+      copy was lost while in use is removed when released);
     - residency is prefix-closed in every tier: a node resident in a tier has its parent resident in
       that tier too (or the parent is the root), so what a tier keeps is always usable from the root;
     - `pages[tier]` equals the sum of the pages of the nodes resident in that tier;
@@ -214,7 +215,9 @@ class RadixTree:
             if len(node.keys) != node.num_pages or node.keys[0] != chain_keys(self.key_of(parent), node.tokens[: self.page_size], self.page_size)[0]:
                 raise InvariantError(f"{node}'s keys are not chained from its parent")
             tiers = node.tiers()
-            if not tiers:
+            if not tiers and node.lock_ref == 0 and node.pins == 0:
+                # (a locked or pinned node may have lost its only copy meanwhile; it is removed when
+                # the last lock or pin goes)
                 raise InvariantError(f"{node} is resident in no tier")
             for tier in tiers:
                 if tier != DISK and len(getattr(node, tier)) != node.num_pages:
