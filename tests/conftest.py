@@ -58,6 +58,23 @@ def serve(cache: TieredCache, tokens, write_kv: bool = True):
     return m, handles
 
 
+def assert_device_kv(cache: TieredCache, tokens) -> int:
+    """The device pages the tree holds for `tokens` carry exactly the KV computed for them.
+    Locks the path while reading, so a concurrent eviction cannot reuse the pages. Returns the tokens checked."""
+    with cache._mutex:  # match and lock as one step: between them another thread could evict the pages
+        m = cache.match(tokens, touch=False)
+        cache.lock(m.last_node)
+    try:
+        n = len(m.device_handles)
+        if n:
+            got = cache.stores["device"].read(m.device_handles)
+            want = kv_for(cache, tokens)[:n]
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"device KV differs for prompt {tokens[:2]}"
+        return n * cache.page_size
+    finally:
+        cache.unlock(m.last_node)
+
+
 @pytest.fixture
 def small_cache(tmp_path):
     return make_cache(tmp_path)

@@ -11,9 +11,8 @@ import threading
 import time
 
 import pytest
-import torch
 
-from conftest import kv_for, make_cache, serve
+from conftest import assert_device_kv, make_cache, serve
 from sgl_hicache.cache import Cancelled, TieredCache
 from sgl_hicache.tiers.base import DEVICE, DISK, HOST
 from sgl_hicache.transfer.engine import TransferEngine
@@ -21,23 +20,6 @@ from sgl_hicache.transfer.engine import TransferEngine
 
 def seq(start: int, pages: int, page_size: int = 4) -> list[int]:
     return list(range(start, start + pages * page_size))
-
-
-def assert_device_kv(cache: TieredCache, tokens) -> int:
-    """The device pages the tree holds for `tokens` carry exactly the KV computed for them.
-    Locks the path while reading, so a concurrent eviction cannot reuse the pages. Returns the tokens checked."""
-    with cache._mutex:  # match and lock as one step: between them another thread could evict the pages
-        m = cache.match(tokens, touch=False)
-        cache.lock(m.last_node)
-    try:
-        n = len(m.device_handles)
-        if n:
-            got = cache.stores[DEVICE].read(m.device_handles)
-            want = kv_for(cache, tokens)[:n]
-            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"device KV differs for prompt {tokens[:2]}"
-        return n * cache.page_size
-    finally:
-        cache.unlock(m.last_node)
 
 
 def finish(engine: TransferEngine, job, timeout: float = 30.0) -> bool:
