@@ -40,6 +40,7 @@ sys.path.insert(0, str(REPO))
 from sgl_hicache.cache import TieredCache  # noqa: E402
 from sgl_hicache.config import CacheConfig, KVLayout  # noqa: E402
 from sgl_hicache.replay import load_trace  # noqa: E402
+from tree_ops import MockAllocator  # noqa: E402  (benchmarks/ is on sys.path: scripts run from it)
 
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 TINY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1)
@@ -52,16 +53,6 @@ try:
     SGLANG, SGLANG_ERROR = True, None
 except Exception as exc:  # noqa: BLE001
     SGLANG, SGLANG_ERROR = False, f"{type(exc).__name__}: {exc}"
-
-
-class MockAllocator:
-    device = "cpu"
-
-    def free(self, idx) -> None:
-        pass
-
-    def free_segment(self, idx, start_pos: int = 0) -> None:
-        pass
 
 
 def run_ours(prompts: list[list[int]], page_size: int) -> dict[str, float]:

@@ -23,6 +23,7 @@ from .trace import (
     Tokenizer,
     TraceError,
     _short,
+    get_id,
     check_positive_int,
     get_int,
     get_number,
@@ -77,13 +78,8 @@ def read_plain(
         output_length = get_int(path, line, obj, "output_length", minimum=0)
         session = obj.get("session")
         if session is not None:
-            if isinstance(session, bool) or not isinstance(session, (str, int)):
-                raise TraceError(path, line, f"field 'session' must be a string or integer, got {_short(session)}")
-            session = str(session)
-        rid = obj.get("id", f"L{line}")
-        if isinstance(rid, bool) or not isinstance(rid, (str, int)):
-            raise TraceError(path, line, f"field 'id' must be a string or integer, got {_short(rid)}")
-        rid = str(rid)
+            session = get_id(path, line, session, "field 'session'")
+        rid = get_id(path, line, obj.get("id", f"L{line}"), "field 'id'")
         if rid in seen_ids:
             raise TraceError(path, line, f"duplicate request id {rid!r}")
         seen_ids.add(rid)

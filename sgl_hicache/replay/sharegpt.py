@@ -35,6 +35,7 @@ from .trace import (
     Tokenizer,
     TraceError,
     _short,
+    get_id,
     check_positive_int,
     load_tokenizer,
     parse_json,
@@ -138,10 +139,7 @@ def read_sharegpt(
     for index, (line, conv) in enumerate(_iter_conversations(p, text)):
         if not isinstance(conv, dict):
             raise TraceError(p, line, f"conversation {index} must be a JSON object, got {type(conv).__name__}")
-        cid = conv.get("id", f"c{index}")
-        if isinstance(cid, bool) or not isinstance(cid, (str, int)):
-            raise TraceError(p, line, f"conversation {index}: field 'id' must be a string or integer, got {_short(cid)}")
-        session = str(cid)
+        session = get_id(p, line, conv.get("id", f"c{index}"), f"conversation {index}: field 'id'")
         if session in seen_ids:
             raise TraceError(p, line, f"conversation {index}: duplicate id {session!r}")
         seen_ids.add(session)

@@ -164,6 +164,14 @@ def parse_json_object(path: str | Path, line: int, text: str) -> dict:
     return obj
 
 
+def get_id(path: str | Path, line: int, value: Any, what: str) -> str:
+    """An identifier field (a string or an integer, booleans refused) as a string; `what` names it
+    in the error, e.g. "field 'id'"."""
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise TraceError(path, line, f"{what} must be a string or integer, got {_short(value)}")
+    return str(value)
+
+
 def _jtype(value: Any) -> str:
     if value is None:
         return "null"
