@@ -110,7 +110,7 @@ def server_args(config: str, pool: int, page: int, host_ratio: float) -> list[st
 
 def server_env(config: str, pool: int, host_ratio: float, store_dir: Path, disk_tokens: int, page: int,
                extra: dict[str, Any] | None = None) -> dict[str, str]:
-    env: dict[str, str] = {}  # (main() removed the caller's SGL_HICACHE_* variables from os.environ)
+    env: dict[str, str] = {}  # (main() removed the caller's SGLHICACHE_* variables from os.environ)
     if config == "hicache":
         env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = str(store_dir)
     elif config == "sgl_hicache":
@@ -118,7 +118,7 @@ def server_env(config: str, pool: int, host_ratio: float, store_dir: Path, disk_
         s = BackendSettings(host_tokens=host, disk_dir=str(store_dir), disk_tokens=disk_tokens,
                             prefetch=True, predictor="tree_walk").replace(**(extra or {}))
         env.update(settings_env(s))
-        env["SGL_HICACHE_PREFETCH"] = "1"  # explicit, though it is the default
+        env["SGLHICACHE_PREFETCH"] = "1"  # explicit, though it is the default
     return env
 
 
@@ -320,8 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.repeats < 1 or a.requests < 1 or not pools or any(not 0 < f <= 1 for f in pools):
         p.error("--requests and --repeats must be >= 1, --pools fractions in (0, 1]")
 
-    # a clean slate: no SGL_HICACHE_* / HiCache file-backend variable of the caller's shell leaks into a run
-    for k in [k for k in os.environ if k.startswith("SGL_HICACHE_") or k == "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"]:
+    # a clean slate: no SGLHICACHE_* / HiCache file-backend variable of the caller's shell leaks into a run
+    for k in [k for k in os.environ if k.startswith("SGLHICACHE_") or k == "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"]:
         del os.environ[k]
     vocab = json.loads((a.model / "config.json").read_text())["vocab_size"]
     reqs = load_slice(a.trace, a.requests, a.scale, vocab, a.output_tokens)

@@ -128,7 +128,7 @@ class CacheConfig:
 
 def default_disk_dir() -> Path:
     """Where the disk tier lives when the user names no directory."""
-    base = os.environ.get("SGL_HICACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "sgl_hicache")
+    base = os.environ.get("SGLHICACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "sgl_hicache")
     return Path(base)
 
 

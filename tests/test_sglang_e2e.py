@@ -111,12 +111,12 @@ def start_server(workdir, model_dir, request):
 
     def start(name: str, disk_dir: Path, **env_extra: str) -> SGLangServer:
         env = {
-            "SGL_HICACHE_HOST_TOKENS": str(HOST_TOKENS),
-            "SGL_HICACHE_DISK_DIR": str(disk_dir),
-            "SGL_HICACHE_DISK_TOKENS": str(64 * 1024),
-            "SGL_HICACHE_STATS_FILE": str(workdir / f"{name}-stats.json"),
-            "SGL_HICACHE_STATS_INTERVAL_S": "0.5",
-            "SGL_HICACHE_CHECK_INVARIANTS": "1",
+            "SGLHICACHE_HOST_TOKENS": str(HOST_TOKENS),
+            "SGLHICACHE_DISK_DIR": str(disk_dir),
+            "SGLHICACHE_DISK_TOKENS": str(64 * 1024),
+            "SGLHICACHE_STATS_FILE": str(workdir / f"{name}-stats.json"),
+            "SGLHICACHE_STATS_INTERVAL_S": "0.5",
+            "SGLHICACHE_CHECK_INVARIANTS": "1",
             **env_extra,
         }
         srv = SGLangServer.start(

@@ -14,20 +14,20 @@ def test_defaults_and_env_overrides(tmp_path):
     assert load_settings({}) == BackendSettings()
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"host_tokens": 1000, "predictor": "tree_walk", "disk_dir": "/x"}))
-    s = load_settings({"SGL_HICACHE_CONFIG": str(cfg), "SGL_HICACHE_HOST_TOKENS": "2000", "SGL_HICACHE_PREFETCH": "off"})
+    s = load_settings({"SGLHICACHE_CONFIG": str(cfg), "SGLHICACHE_HOST_TOKENS": "2000", "SGLHICACHE_PREFETCH": "off"})
     assert (s.host_tokens, s.predictor, s.disk_dir, s.prefetch) == (2000, "tree_walk", "/x", False)
     assert load_settings(settings_env(s)) == s.replace(disk_dir="/x")
     assert s.host_tokens_for(512) == 2000 and BackendSettings().host_tokens_for(512) == 2048
-    assert unknown_env({"SGL_HICACHE_HOST_TOKEN": "1", "SGL_HICACHE_DIR": "/d"}) == ["SGL_HICACHE_HOST_TOKEN"]
+    assert unknown_env({"SGLHICACHE_HOST_TOKEN": "1", "SGLHICACHE_DIR": "/d"}) == ["SGLHICACHE_HOST_TOKEN"]
 
 
 @pytest.mark.parametrize(
     "env, needle",
     [
-        ({"SGL_HICACHE_HOST_TOKENS": "many"}, "SGL_HICACHE_HOST_TOKENS"),
-        ({"SGL_HICACHE_WRITE_POLICY": "sometimes"}, "write_policy"),
-        ({"SGL_HICACHE_PREFETCH": "maybe"}, "SGL_HICACHE_PREFETCH"),
-        ({"SGL_HICACHE_CONFIG": "/nonexistent/c.json"}, "no such file"),
+        ({"SGLHICACHE_HOST_TOKENS": "many"}, "SGLHICACHE_HOST_TOKENS"),
+        ({"SGLHICACHE_WRITE_POLICY": "sometimes"}, "write_policy"),
+        ({"SGLHICACHE_PREFETCH": "maybe"}, "SGLHICACHE_PREFETCH"),
+        ({"SGLHICACHE_CONFIG": "/nonexistent/c.json"}, "no such file"),
     ],
 )
 def test_bad_settings_name_the_field(env, needle):
@@ -39,7 +39,7 @@ def test_bad_config_key(tmp_path):
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"host_tokenz": 1}))
     with pytest.raises(SettingsError, match="unknown key 'host_tokenz'"):
-        load_settings({"SGL_HICACHE_CONFIG": str(cfg)})
+        load_settings({"SGLHICACHE_CONFIG": str(cfg)})
 
 
 def test_launch_command_passes_flags_and_adds_backend(monkeypatch):
@@ -51,7 +51,7 @@ def test_launch_command_passes_flags_and_adds_backend(monkeypatch):
     assert argv[argv.index("--radix-cache-backend") + 1] == "sgl_hicache"
     assert argv[argv.index("--max-total-tokens") + 1] == "1024" and argv.count("--max-total-tokens") == 1
     assert "--device" in argv and "torch_native" in argv and "--port" in argv
-    assert env["SGL_HICACHE_HOST_TOKENS"] == "4096" and env["SGL_HICACHE_DISK_DIR"] == "/tmp/kv"
+    assert env["SGLHICACHE_HOST_TOKENS"] == "4096" and env["SGLHICACHE_DISK_DIR"] == "/tmp/kv"
     assert env["SGLANG_USE_CPU_ENGINE"] == "1"
 
 

@@ -1,7 +1,7 @@
 """`sgl-hicache serve [tiering options] -- <any sglang launch_server flags>`.
 
 Runs `python -m sglang.launch_server <flags> --radix-cache-backend sgl_hicache` with the tiering options
-passed to the scheduler through `SGL_HICACHE_*` environment variables (see `settings.py`). Every SGLang
+passed to the scheduler through `SGLHICACHE_*` environment variables (see `settings.py`). Every SGLang
 flag after `--` passes through unchanged. On a machine without CUDA it adds what SGLang needs on a CPU
 unless the flags already say otherwise: `SGLANG_USE_CPU_ENGINE=1`, `--device cpu --attention-backend
 torch_native --disable-cuda-graph`, and a bounded `--max-total-tokens` (SGLang would otherwise size the
@@ -90,7 +90,7 @@ def build_command(ns: argparse.Namespace, environ: dict[str, str] | None = None)
         "eviction_policy": ns.eviction_policy, "predictor": ns.predictor, "load_timeout_s": ns.load_timeout_s,
         "stats_file": ns.stats_file,
     }
-    base = load_settings({k: v for k, v in environ.items() if k.startswith("SGL_HICACHE_")} | env)
+    base = load_settings({k: v for k, v in environ.items() if k.startswith("SGLHICACHE_")} | env)
     changes = {k: v for k, v in overrides.items() if v is not None}
     if ns.no_prefetch:
         changes["prefetch"] = False

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 __all__ = [
+    "PortInUseError",
     "ServerStartError",
     "SGLangServer",
     "cpu_server_args",
@@ -39,6 +41,10 @@ class ServerStartError(RuntimeError):
     """The server died or did not become healthy in time; the message ends with the log tail."""
 
 
+class PortInUseError(ServerStartError):
+    """The HTTP port was taken between choosing it and the server's bind (uvicorn then hangs)."""
+
+
 def has_cuda() -> bool:
     try:
         import torch
@@ -47,8 +53,24 @@ def has_cuda() -> bool:
     return bool(torch.cuda.is_available())
 
 
+# Below Linux's default ephemeral range (32768-60999): a port the kernel hands out for outgoing
+# connections can be taken by any client between our probe and the server's bind (seen in CI).
+_PORT_RANGE = (20000, 32000)
+_BIND_FAILURE = "address already in use"
+_PORT_ATTEMPTS = 4
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the usual race applies)."""
+    """A TCP port that was free a moment ago, outside the ephemeral range (the usual race applies)."""
+    rng = random.Random()
+    for _ in range(64):
+        port = rng.randrange(*_PORT_RANGE)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -119,9 +141,28 @@ class SGLangServer:
         :func:`cpu_server_args` are added unless ``extra_args`` already carries ``--device``.
         ``python`` defaults to this interpreter. Output goes to ``log_path`` (a temp file if None).
         If waiting fails the process group is stopped before :class:`ServerStartError` is raised.
+        ``port=None`` chooses a free port and, if the bind still loses a race, starts again on another
+        (up to 4 tries); an explicit ``port`` is tried once.
         """
-        if port is None:
-            port = free_port(host)
+        opts = dict(host=host, extra_args=extra_args, env=env, python=python, log_path=log_path,
+                    cpu=cpu, load_format=load_format, skip_tokenizer_init=skip_tokenizer_init,
+                    wait=wait, timeout_s=timeout_s)
+        if port is not None:
+            return cls._start_once(model_path, port=port, **opts)
+        # A port we chose ourselves can be lost to a race; choose again rather than fail the caller.
+        for attempt in range(_PORT_ATTEMPTS):
+            try:
+                return cls._start_once(model_path, port=free_port(host), **opts)
+            except PortInUseError:
+                if attempt == _PORT_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    @classmethod
+    def _start_once(cls, model_path: str | os.PathLike, *, host: str, port: int,
+                    extra_args: Sequence[str], env: Mapping[str, str] | None, python: str | None,
+                    log_path: str | os.PathLike | None, cpu: bool | None, load_format: str | None,
+                    skip_tokenizer_init: bool, wait: bool, timeout_s: float) -> "SGLangServer":
         if cpu is None:
             cpu = not has_cuda()
         argv = [python or sys.executable, "-m", "sglang.launch_server",
@@ -172,7 +213,8 @@ class SGLangServer:
     def wait_healthy(self, timeout_s: float = 300.0, poll_s: float = 0.5) -> float:
         """Block until GET /health returns 200; return seconds since start.
 
-        Fails fast with :class:`ServerStartError` (log tail included) if the process exits.
+        Fails fast with :class:`ServerStartError` (log tail included) if the process exits, and
+        with :class:`PortInUseError` if the log says the HTTP bind failed (the process lingers then).
         """
         deadline = time.monotonic() + timeout_s
         while True:
@@ -180,6 +222,11 @@ class SGLangServer:
             if rc is not None:
                 raise ServerStartError(
                     f"SGLang server exited with code {rc} before becoming healthy "
+                    f"(log {self.log_path}):\n{_tail(self.log_path)}")
+            tail = _tail(self.log_path, 5)
+            if _BIND_FAILURE in tail.lower() and str(self.port) in tail:
+                raise PortInUseError(
+                    f"SGLang server could not bind {self.host}:{self.port} "
                     f"(log {self.log_path}):\n{_tail(self.log_path)}")
             if self._health_ok():
                 self.ready_after_s = time.monotonic() - self.started_at

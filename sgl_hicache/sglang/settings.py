@@ -1,11 +1,11 @@
-"""Tiering settings of the SGLang backend: from a JSON file and/or `SGL_HICACHE_*` environment variables.
+"""Tiering settings of the SGLang backend: from a JSON file and/or `SGLHICACHE_*` environment variables.
 
 SGLang's own flags cannot carry our options (its argument parser rejects unknown flags), so a plain
 `python -m sglang.launch_server ... --radix-cache-backend sgl_hicache` reads them here, in the scheduler
 process, when the backend is built:
 
-1. `SGL_HICACHE_CONFIG=/path/to/config.json`: a JSON object whose keys are the field names below;
-2. then every `SGL_HICACHE_<FIELD>` variable (upper case) overrides the file's value.
+1. `SGLHICACHE_CONFIG=/path/to/config.json`: a JSON object whose keys are the field names below;
+2. then every `SGLHICACHE_<FIELD>` variable (upper case) overrides the file's value.
 
 Unknown keys, bad types and bad values raise `SettingsError` naming the key and the source.
 This module imports no sglang (the launcher uses it to write the config it passes on).
@@ -22,8 +22,8 @@ from typing import Any, Mapping
 
 from ..config import DISK_WRITE_POLICIES, EVICTION_POLICIES, PREDICTORS, WRITE_POLICIES
 
-ENV_PREFIX = "SGL_HICACHE_"
-CONFIG_ENV = "SGL_HICACHE_CONFIG"
+ENV_PREFIX = "SGLHICACHE_"
+CONFIG_ENV = "SGLHICACHE_CONFIG"
 
 
 class SettingsError(ValueError):
@@ -36,7 +36,7 @@ class BackendSettings:
 
     Capacities are in tokens. `host_tokens=None` means `host_ratio` x the device pool; `disk_tokens=None`
     means as many tokens as fit in `disk_gb` GiB. `disk_dir=None` means
-    `~/.cache/sgl_hicache/<namespace>` (or `$SGL_HICACHE_DIR/<namespace>`), where the namespace
+    `~/.cache/sgl_hicache/<namespace>` (or `$SGLHICACHE_DIR/<namespace>`), where the namespace
     fingerprints the model, its KV layout and the page size, so two models never share pages.
     `disk_tokens=0` turns the disk tier off, `host_tokens=0` the host tier (and with it the disk tier).
     """
@@ -144,7 +144,7 @@ def _coerce(name: str, raw: Any, source: str) -> Any:
 
 
 def load_settings(env: Mapping[str, str] | None = None) -> BackendSettings:
-    """Settings from `$SGL_HICACHE_CONFIG` (JSON) then `SGL_HICACHE_<FIELD>` overrides."""
+    """Settings from `$SGLHICACHE_CONFIG` (JSON) then `SGLHICACHE_<FIELD>` overrides."""
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
     path = env.get(CONFIG_ENV)
@@ -170,9 +170,9 @@ def load_settings(env: Mapping[str, str] | None = None) -> BackendSettings:
 
 
 def unknown_env(env: Mapping[str, str] | None = None) -> list[str]:
-    """`SGL_HICACHE_*` variables that name no setting (likely typos; the backend logs them)."""
+    """`SGLHICACHE_*` variables that name no setting (likely typos; the backend logs them)."""
     env = os.environ if env is None else env
-    known = {ENV_PREFIX + n.upper() for n in _FIELDS} | {CONFIG_ENV, "SGL_HICACHE_DIR"}
+    known = {ENV_PREFIX + n.upper() for n in _FIELDS} | {CONFIG_ENV, "SGLHICACHE_DIR"}
     return sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known)
 
 

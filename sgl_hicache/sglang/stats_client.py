@@ -7,7 +7,7 @@
   backend's counters, the pool accounting (allocator free tokens vs. the tree's) and the tree view,
   all computed in the scheduler thread, so the figures are exact and current.
 - a file path: the JSON stats file the scheduler writes every `stats_interval_s` when
-  `SGL_HICACHE_STATS_FILE` (or `stats_file` in the config) is set (no pool accounting / tree there).
+  `SGLHICACHE_STATS_FILE` (or `stats_file` in the config) is set (no pool accounting / tree there).
 
 Prometheus: with `--enable-metrics`, SGLang's own `GET /metrics` carries
 `sglang:cached_tokens_total{cache_source="device"|"host"|"storage"}` (from our per-request
@@ -63,7 +63,7 @@ def fetch_stats(target: str, timeout: float = 10.0) -> dict[str, Any]:
     try:
         out = json.loads(path.read_text())
     except FileNotFoundError:
-        raise StatsError(f"no stats file {str(path)!r} (set SGL_HICACHE_STATS_FILE on the server)") from None
+        raise StatsError(f"no stats file {str(path)!r} (set SGLHICACHE_STATS_FILE on the server)") from None
     except (OSError, ValueError) as e:
         raise StatsError(f"cannot read stats file {str(path)!r}: {e}") from None
     out["source"] = str(path)

@@ -3,11 +3,11 @@
 Used once to check docs/sglang-integration.md's key assumption: a factory registered with
 ``register_radix_cache_backend`` and selected by ``--radix-cache-backend sgl_hicache_probe`` gets
 every scheduler call, and a plain ``BasePrefixCache`` subclass shaped like ``RadixCache`` (not the
-unified tree) is enough for the scheduler. ``SGL_HICACHE_PROBE_BASE=radix|unified`` picks the base.
+unified tree) is enough for the scheduler. ``SGLHICACHE_PROBE_BASE=radix|unified`` picks the base.
 Each call prints ``SGLH_PROBE <method>`` to stderr (the server log).
 
 How it was wired for the experiment: a temporary hook in plugin.register() called
-``register_probe()`` when ``SGL_HICACHE_PROBE_FILE`` pointed at this file; that line is removed.
+``register_probe()`` when ``SGLHICACHE_PROBE_FILE`` pointed at this file; that line is removed.
 """
 
 import os
@@ -39,7 +39,7 @@ def _counting(cls):
 def _factory(ctx):
     from sglang.srt.mem_cache import registry
 
-    base = os.environ.get("SGL_HICACHE_PROBE_BASE", "unified")
+    base = os.environ.get("SGLHICACHE_PROBE_BASE", "unified")
     print(f"SGLH_PROBE factory base={base} page_size={ctx.params.page_size} "
           f"allocator={type(ctx.params.token_to_kv_pool_allocator).__name__} "
           f"kvcache={type(ctx.params.token_to_kv_pool_allocator.get_kvcache()).__name__} "

@@ -1,0 +1,79 @@
+"""The SGLang server launcher's start/retry logic, against a stand-in process (no sglang needed).
+
+The stand-in is an executable passed as ``python=``: it reads ``--port`` from the argv the launcher
+builds and either prints uvicorn's bind error and hangs (as SGLang 0.5.23 does, seen in CI) or serves
+``/health``. What is under test is the launcher: it must notice the bind failure in the log without
+waiting for the health timeout, and choose another port.
+"""
+from __future__ import annotations
+
+import stat
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sgl_hicache.sglang.server import PortInUseError, SGLangServer, ServerStartError, free_port
+
+STAND_IN = '''#!{python}
+import http.server, sys, time
+from pathlib import Path
+port = int(sys.argv[sys.argv.index("--port") + 1])
+counter = Path({counter!r})
+n = int(counter.read_text()) if counter.exists() else 0
+counter.write_text(str(n + 1))
+if n < {fail_first}:
+    print("ERROR:    [Errno 98] error while attempting to bind on address "
+          f"('127.0.0.1', {{port}}): address already in use", flush=True)
+    time.sleep(600)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+'''
+
+
+def _stand_in(tmp_path: Path, fail_first: int) -> tuple[Path, Path]:
+    counter = tmp_path / "starts"
+    exe = tmp_path / "fake-python"
+    exe.write_text(STAND_IN.format(python=sys.executable, counter=str(counter),
+                                   fail_first=fail_first))
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    return exe, counter
+
+
+def test_free_port_is_outside_the_ephemeral_range_and_bindable():
+    import socket
+
+    port = free_port()
+    assert 20000 <= port < 32000
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+def test_lost_port_race_is_retried_on_a_new_port(tmp_path):
+    exe, counter = _stand_in(tmp_path, fail_first=2)
+    t0 = time.monotonic()
+    srv = SGLangServer.start("unused-model", python=str(exe), cpu=False,
+                             log_path=tmp_path / "s.log", timeout_s=60)
+    try:
+        assert srv.alive()
+        assert srv.get("/health") == "ok"
+        assert int(counter.read_text()) == 3  # two lost binds, then a healthy start
+    finally:
+        srv.stop()
+    assert not srv.alive()
+    assert time.monotonic() - t0 < 30  # noticed from the log, not after the 60 s health timeout
+
+
+def test_explicit_port_bind_failure_raises_with_the_port_named(tmp_path):
+    exe, _ = _stand_in(tmp_path, fail_first=1)
+    port = free_port()
+    with pytest.raises(PortInUseError, match=f"could not bind 127.0.0.1:{port}") as info:
+        SGLangServer.start("unused-model", port=port, python=str(exe), cpu=False,
+                           log_path=tmp_path / "s.log", timeout_s=60)
+    assert isinstance(info.value, ServerStartError)
+    assert "address already in use" in str(info.value)
