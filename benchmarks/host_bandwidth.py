@@ -13,6 +13,10 @@ alternates between rounds), `--repeats` rounds, medians; ratio = ours / plain (1
   the transfer engine runs) moving whole `TransferOp`s between `DeviceKVPool` and `HostKVBuffer`,
   against `dst.copy_(src)` between a device tensor and a host tensor of the same bytes. The `_chunked`
   variants call the handler per `--chunk-pages` pages, as the transfer engine's workers do.
+- `sglang_layout_*`: the same moves for SGLang's pool layout (a separate K and V buffer per layer,
+  `SGLangDevicePool` over them): the per-layer gather/scatter handler the backend uses
+  (`layered_device_host`) and, as `*_generic`, the read-into-one-tensor path it replaced
+  (`copy_via_tensor`); `layered_over_generic` is their speed ratio (> 1: the layered handler is faster).
 - On CUDA only (`"cuda": true`): pinned host -> device `copy_(non_blocking=True)` against plain
   `tensor.to(device, non_blocking=True)` from pageable memory, and device -> pinned host against
   `tensor.to("cpu")`. On a CPU-only machine the device pool is an ordinary CPU tensor, so
@@ -37,7 +41,33 @@ sys.path.insert(0, str(REPO))
 
 from sgl_hicache.cache import TieredCache, TransferOp  # noqa: E402
 from sgl_hicache.config import CacheConfig, KVLayout  # noqa: E402
+from sgl_hicache.sglang.device_pool import SGLangDevicePool  # noqa: E402  (imports no sglang)
 from sgl_hicache.tiers.base import DEVICE, HOST  # noqa: E402
+from sgl_hicache.transfer.handlers import copy_via_tensor, layered_device_host  # noqa: E402
+
+
+class _LayerListPool:
+    """SGLang's MHA pool layout: per layer a K and a V buffer `[slots + page, heads, dim]` (page 0 is
+    SGLang's padding page)."""
+
+    def __init__(self, layout: KVLayout, page_size: int, pages: int, device: torch.device) -> None:
+        shape = ((pages + 1) * page_size, layout.num_kv_heads, layout.head_dim)
+        self.k_buffer = [torch.zeros(shape, dtype=layout.torch_dtype, device=device) for _ in range(layout.num_layers)]
+        self.v_buffer = [torch.zeros(shape, dtype=layout.torch_dtype, device=device) for _ in range(layout.num_layers)]
+        self.dtype = layout.torch_dtype
+
+
+class _FixedAllocator:
+    """Just what `SGLangDevicePool` reads at construction; the benchmark addresses pages directly."""
+
+    def __init__(self, pool: _LayerListPool, page_size: int, pages: int) -> None:
+        self.pool, self.page_size, self.size = pool, page_size, pages * page_size
+
+    def get_kvcache(self) -> _LayerListPool:
+        return self.pool
+
+    def available_size(self) -> int:
+        return self.size
 
 
 def _sync() -> None:
@@ -98,6 +128,25 @@ def run(args: argparse.Namespace) -> dict:
         "device_to_host_chunked": (lambda: chunked(d2h, op(DEVICE, HOST)), lambda: plain_host_pinned.copy_(plain_dev)),
         "host_to_device_chunked": (lambda: chunked(h2d, op(HOST, DEVICE)), lambda: plain_dev_dst.copy_(plain_host_pinned)),
     }
+    # SGLang's layout: pages 1..n of a per-layer-list pool <-> the same host slots
+    sgl_dev = SGLangDevicePool(_FixedAllocator(_LayerListPool(layout, args.page_size, n, device), args.page_size, n))
+    sgl_stores = {DEVICE: sgl_dev, HOST: host}
+    sgl_slots = list(range(1, n + 1))
+    sgl_dev.write(sgl_slots, pages)
+
+    def sgl_op(src: str) -> TransferOp:
+        s, d = (sgl_slots, host_slots) if src == DEVICE else (host_slots, sgl_slots)
+        return TransferOp(cache.tree.root, src, DEVICE if src == HOST else HOST, list(s), list(d), nbytes, "demand")
+
+    sgl_d2h, sgl_h2d = layered_device_host(sgl_stores, DEVICE, HOST), layered_device_host(sgl_stores, HOST, DEVICE)
+    generic = copy_via_tensor(sgl_stores)
+    pairs["sglang_layout_device_to_host"] = (lambda: sgl_d2h(sgl_op(DEVICE), 0, n), lambda: plain_host_pinned.copy_(plain_dev))
+    pairs["sglang_layout_host_to_device"] = (lambda: sgl_h2d(sgl_op(HOST), 0, n), lambda: plain_dev_dst.copy_(plain_host_pinned))
+    pairs["sglang_layout_device_to_host_generic"] = (lambda: generic(sgl_op(DEVICE), 0, n), lambda: plain_host_pinned.copy_(plain_dev))
+    pairs["sglang_layout_host_to_device_generic"] = (lambda: generic(sgl_op(HOST), 0, n), lambda: plain_dev_dst.copy_(plain_host_pinned))
+    pairs["sglang_layout_device_to_host_chunked"] = (lambda: chunked(sgl_d2h, sgl_op(DEVICE)), lambda: plain_host_pinned.copy_(plain_dev))
+    pairs["sglang_layout_device_to_host_chunked_generic"] = (lambda: chunked(generic, sgl_op(DEVICE)), lambda: plain_host_pinned.copy_(plain_dev))
+
     if cuda:
         pinned = pages.pin_memory()
         pageable = pages.clone()
@@ -126,9 +175,19 @@ def run(args: argparse.Namespace) -> dict:
     assert torch.equal(host.read(host_slots).view(torch.int16), pages.view(torch.int16))
     h2d(op(HOST, DEVICE), 0, n)
     assert torch.equal(dev.read(dev_slots).cpu().view(torch.int16), pages.view(torch.int16))
+    host.write(host_slots, torch.zeros_like(pages))
+    sgl_d2h(sgl_op(DEVICE), 0, n)
+    assert torch.equal(host.read(host_slots).view(torch.int16), pages.view(torch.int16))
+    sgl_dev.write(sgl_slots, torch.zeros_like(pages))
+    sgl_h2d(sgl_op(HOST), 0, n)
+    assert torch.equal(sgl_dev.read(sgl_slots).cpu().view(torch.int16), pages.view(torch.int16))
 
     gbps = {name: {side: round(nbytes / statistics.median(v) / 1e9, 3) for side, v in s.items()} for name, s in samples.items()}
     ratios = {name: round(g_["ours"] / g_["plain"], 3) if g_["plain"] else None for name, g_ in gbps.items()}
+    layered_over_generic = {
+        name: round(gbps[name]["ours"] / gbps[name + "_generic"]["ours"], 3)
+        for name in ("sglang_layout_device_to_host", "sglang_layout_host_to_device", "sglang_layout_device_to_host_chunked")
+    }
     return {
         "benchmark": "host_bandwidth",
         "config": {
@@ -147,6 +206,7 @@ def run(args: argparse.Namespace) -> dict:
         "machine": {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform()},
         "gbps_median": gbps,
         "ratio_ours_over_plain": ratios,
+        "layered_over_generic": layered_over_generic,
         "samples_s": {name: {side: [round(x, 6) for x in v] for side, v in s.items()} for name, s in samples.items()},
         "note": (
             "ratio = ours / plain torch copy of the same bytes (1.0 = the limit). "

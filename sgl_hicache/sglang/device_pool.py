@@ -138,6 +138,13 @@ class SGLangDevicePool(TierStore):
         buf = self.kvcache.v_buffer[layer]
         return buf if buf.dtype == self._dtype else buf.view(self._dtype)
 
+    def layer_pages(self, layer: int, kv: int) -> torch.Tensor:
+        """K (`kv=0`) or V (`kv=1`) of one layer, page by page: `(pages, page tokens, heads, dim)`, no
+        copy. (SGLang's buffers carry `page_size` padding rows; whole pages only.)"""
+        buf = self._k(layer) if kv == 0 else self._v(layer)
+        rows = buf.shape[0] - buf.shape[0] % self.page_size
+        return buf[:rows].view(-1, self.page_size, self.layout.num_kv_heads, self.layout.head_dim)
+
     def read(self, handles: Sequence[Handle]) -> torch.Tensor:
         n = len(handles)
         idx = self.token_slots(handles)

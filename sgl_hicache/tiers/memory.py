@@ -62,6 +62,10 @@ class DeviceKVPool(_SlotStore):
         """The pool viewed page by page: `(layers, K/V, pages, page tokens, heads, dim)`, no copy."""
         return self.kv.view(self.layout.num_layers, 2, self.capacity_pages, self.page_size, *self.page_shape[3:])
 
+    def layer_pages(self, layer: int, kv: int) -> torch.Tensor:
+        """K (`kv=0`) or V (`kv=1`) of one layer, page by page: `(pages, page tokens, heads, dim)`, no copy."""
+        return self.pages[layer, kv]
+
     def page_view(self, handle: Handle) -> torch.Tensor:
         """One page in place, in the canonical page shape (strided: one run per layer and K/V)."""
         return self.pages[:, :, handle]  # type: ignore[index]
