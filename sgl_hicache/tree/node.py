@@ -122,4 +122,6 @@ class TreeNode:
 def split_handles(handles: Sequence[Handle] | None, at: int) -> tuple[list[Handle] | None, list[Handle] | None]:
     if handles is None:
         return None, None
+    if isinstance(handles, list):  # slices of a list are new lists already
+        return handles[:at], handles[at:]
     return list(handles[:at]), list(handles[at:])
