@@ -103,3 +103,29 @@ def test_device_too_small_is_a_clear_error():
     cfg = config("recompute", device=8, host=0, disk=0)
     with pytest.raises(RuntimeError, match="too small"):
         EmbeddedEngine(cfg).run([req(0, list(range(40)))])
+
+
+def test_disk_reads_queue_behind_disk_writes():
+    """The disk is one pipe: a read scheduled after a write starts when the write is done."""
+    from sgl_hicache.engine.simulator import VirtualLinks
+
+    links = VirtualLinks(get_model("llama3-8b"), get_hardware("h200"))
+    w = links.seconds("host->disk", 4096)
+    r = links.seconds("disk->host", 4096)
+    assert w > r > 0  # the preset writes slower than it reads
+    assert links.schedule("host->disk", 4096, 0.0) == pytest.approx(w)
+    assert links.schedule("disk->host", 4096, 0.0) == pytest.approx(w + r)
+    assert links.schedule("host->device", 4096, 0.0) == pytest.approx(links.seconds("host->device", 4096))
+
+
+def test_host_to_disk_writes_are_charged_to_the_disk():
+    seqs = [list(range(1000 * k, 1000 * k + 16)) for k in range(4)]
+    reqs = [req(i, s) for i, s in enumerate(seqs)] + [req(10, seqs[0])]
+    cfg = config("demote", device=24, host=16, disk=256)
+    rep = run_policy(reqs, cfg)
+    written_tokens = rep["bytes_moved"]["host->disk"] // cfg.storage_layout.bytes_per_token
+    assert written_tokens > 0
+    from sgl_hicache.engine.simulator import VirtualLinks
+
+    expected = VirtualLinks(cfg.model, cfg.hardware).seconds("host->disk", written_tokens)
+    assert rep["engine"]["disk_write_seconds"] == pytest.approx(expected)

@@ -43,7 +43,8 @@ def run_policy(requests: Sequence[Request], config: EngineConfig, progress: Call
         engine.cache.check()  # a replay that broke an invariant must not produce a report
         duration = max((r.finish_s for r in records), default=0.0) - min((r.arrival_s for r in records), default=0.0)
         report = policy_report(records=records, snapshot=engine.cache.snapshot(), duration_s=duration, settings=settings_of(config))
-        report["engine"] = {"steps": engine.steps, "wall_s": wall, "virtual_s": engine.now, "demote_seconds": engine.demote_seconds}
+        report["engine"] = {"steps": engine.steps, "wall_s": wall, "virtual_s": engine.now, "demote_seconds": engine.demote_seconds,
+                            "disk_write_seconds": engine.disk_write_seconds}
         report["tree"] = largest_subtrees(engine.cache.tree, config.model.kv_bytes_per_token * config.page_size)
         return report
     finally:

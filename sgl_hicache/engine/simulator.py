@@ -20,7 +20,9 @@ fits this machine); time is charged from the cost model at the preset's full KV 
   copies overlap the forward pass layer by layer:
   step = disk_load + max(compute, host_to_device) + host_to_device / num_layers;
 - demotions that made room for a step (device -> host copies of evicted pages) are charged to it
-  at the host link's bandwidth; host -> disk write-back is not charged (it runs in the background);
+  at the host link's bandwidth; host -> disk writes do not block a step (the SGLang backend writes
+  back in the background) but occupy the disk: reads and writes share one FIFO pipe, so a write
+  delays the disk reads queued after it;
 - one step = one batched prefill of the step's chunks plus one decode token for every running
   request; a request's first token comes at the end of the step that computes its last chunk.
 """
@@ -121,7 +123,10 @@ def _scratch_dir() -> str | None:
 
 
 class VirtualLinks:
-    """Each tier link is a FIFO pipe at the hardware preset's bandwidth, in virtual time."""
+    """Each tier link is a FIFO pipe at the hardware preset's bandwidth, in virtual time; disk reads
+    (disk->host) and writes (host->disk) share one pipe, the disk."""
+
+    _PIPES = {"disk->host": "disk", "host->disk": "disk"}
 
     def __init__(self, model: ModelPreset, hw: HardwarePreset) -> None:
         self.model = model
@@ -133,9 +138,10 @@ class VirtualLinks:
         return cost.kv_transfer_seconds(self.model, self.hw, tokens, src, dst)
 
     def schedule(self, link: str, tokens: int, earliest: float) -> float:
-        start = max(earliest, self.busy_until.get(link, 0.0))
+        pipe = self._PIPES.get(link, link)
+        start = max(earliest, self.busy_until.get(pipe, 0.0))
         finish = start + self.seconds(link, tokens)
-        self.busy_until[link] = finish
+        self.busy_until[pipe] = finish
         return finish
 
 
@@ -161,6 +167,8 @@ class EmbeddedEngine:
         self.progress = progress
         self.records: list[RequestRecord] = []
         self.demote_seconds = 0.0  # virtual seconds steps spent copying evicted pages device -> host
+        self.disk_write_seconds = 0.0  # virtual seconds the disk spent on host -> disk writes
+        self._disk_bytes_charged = 0
         self.steps = 0
 
     def close(self) -> None:
@@ -190,6 +198,16 @@ class EmbeddedEngine:
                 if not op.executed.is_set():
                     self.cache.execute(op)
         self.cache.advance(job)
+
+    def _charge_disk_writes(self) -> None:
+        """Put the host -> disk writes made since the last call on the disk pipe, from now."""
+        written = self.cache.stats.bytes_moved["host->disk"] - self._disk_bytes_charged
+        if written <= 0:
+            return
+        self._disk_bytes_charged += written
+        tokens = written // self.config.storage_layout.bytes_per_token
+        self.links.schedule("host->disk", tokens, self.now)
+        self.disk_write_seconds += self.links.seconds("host->disk", tokens)
 
     # ---- request lifecycle -----------------------------------------------------------------
     def _arrive(self, flight: _Flight, waiting: deque) -> None:
@@ -412,6 +430,7 @@ class EmbeddedEngine:
             demote_s = self.links.seconds("device->host", demoted_tokens) if demoted_tokens else 0.0
             self.demote_seconds += demote_s
             step = demote_s + blocking_s + max(compute, overlapped_s) + overlapped_s / cfg.model.num_layers
+            self._charge_disk_writes()
             self.now += step
             self.steps += 1
             still: list[_Flight] = []
