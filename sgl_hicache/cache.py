@@ -12,6 +12,8 @@ worker threads.
 from __future__ import annotations
 
 import heapq
+from itertools import compress
+from operator import ne
 import logging
 import threading
 import time
@@ -342,7 +344,8 @@ class TieredCache:
             for node in path:
                 mine = list(device_handles[page : page + node.num_pages])
                 if node.device is not None:
-                    duplicates.extend(h for h, t in zip(mine, node.device) if h != t)
+                    if mine != node.device:  # the usual SGLang case reuses the tree's pages: equal lists
+                        duplicates.extend(compress(mine, map(ne, mine, node.device)))
                     if prefix_tokens == page * ps:
                         prefix_tokens += node.num_pages * ps
                 elif node.pins == 0 and (node.parent.is_root or node.parent.device is not None):  # type: ignore[union-attr]
@@ -681,23 +684,29 @@ class TieredCache:
 
     # ---- background write-back ---------------------------------------------------------------
     def plan_disk_writeback(self, clean_target_pages: int, max_pages: int) -> list[TransferOp]:
-        """Phase one of background write-back to disk: while fewer than `clean_target_pages` host
-        pages are *clean* (also held on disk or on the device, so evicting them from host is a free
-        drop), prepare host -> disk copies of the coldest dirty ones, at most `max_pages`. Done ahead
-        of need by a transfer engine, this keeps disk writes off the thread that evicts. Only nodes
-        whose parent is already on disk qualify (the disk stays prefix-closed; their children follow
-        in a later round). The caller executes the ops and passes each to `complete`."""
+        """`plan_writeback(HOST, DISK, ...)`: background host -> disk write-back."""
+        return self.plan_writeback(HOST, DISK, clean_target_pages, max_pages)
+
+    def plan_writeback(self, src: str, dst: str, clean_target_pages: int, max_pages: int) -> list[TransferOp]:
+        """Phase one of background write-back, `src` -> the next tier down `dst` (device -> host or
+        host -> disk): while fewer than `clean_target_pages` pages of `src` are *clean* (evicting them
+        is a free drop because the tier they would demote to already holds them), prepare copies of
+        the coldest dirty ones, at most `max_pages`. Done ahead of need by a transfer engine, this
+        keeps copies off the thread that evicts. Only unlocked nodes whose parent is already in `dst`
+        qualify (`dst` stays prefix-closed; their children follow in a later round). The caller
+        executes the ops and passes each to `complete`."""
+        if (src, dst) not in ((DEVICE, HOST), (HOST, DISK)):
+            raise ValueError(f"write-back goes one tier down (device -> host, host -> disk), not {src} -> {dst}")
         with self._mutex:
-            if DISK not in self.stores or HOST not in self.stores:
+            if src not in self.stores or dst not in self.stores:
                 return []
-            clean = dirty_pages = 0
+            clean = 0
             candidates = []
-            for n in self.tree.resident[HOST]:
-                if n.on_disk or n.device is not None:
+            for n in self.tree.resident[src]:
+                if self._clean(n, src) or dst in n.incoming:  # clean, or about to be
                     clean += n.num_pages
                     continue
-                dirty_pages += n.num_pages
-                if n.evictable and DISK not in n.incoming and (n.parent.is_root or n.parent.on_disk):  # type: ignore[union-attr]
+                if n.evictable and (n.parent.is_root or n.parent.in_tier(dst)):  # type: ignore[union-attr]
                     candidates.append(n)
             budget = min(max_pages, clean_target_pages - clean)
             if budget <= 0 or not candidates:
@@ -707,12 +716,20 @@ class TieredCache:
             for n in candidates:
                 if n.num_pages > budget:
                     break
-                op = self.prepare(n, DISK, "backup", may_evict=True)
+                op = self.prepare(n, dst, "backup", may_evict=True)
                 if op is None:
                     break
                 ops.append(op)
                 budget -= n.num_pages
             return ops
+
+    @staticmethod
+    def _clean(node: TreeNode, tier: str) -> bool:
+        """Evicting `node` from `tier` copies nothing: the tier it would be demoted to holds it
+        (mirrors `_evict_node`: device demotes to host; host to disk unless the device holds it)."""
+        if tier == DEVICE:
+            return node.host is not None
+        return node.on_disk or node.device is not None
 
     # ---- eviction --------------------------------------------------------------------------
     def evict(self, tier: str, num_pages: int) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import kv_for, make_cache, serve
@@ -214,6 +215,37 @@ def test_background_writeback_makes_host_eviction_a_free_drop(tmp_path):
     got = cache.stores[DEVICE].read(m.device_handles)
     assert torch.equal(got.view(torch.int16), kv_for(cache, prompts[0]).view(torch.int16))
     cache.check()
+
+
+def test_background_device_writeback_makes_device_eviction_a_free_drop(tmp_path):
+    cache = make_cache(tmp_path, device=8, host=16, disk=32)
+    prompts = [seq(1000 * i, 4) for i in range(2)]
+    fill(cache, prompts)  # both on the device only (write-back: copied to host at eviction)
+    assert cache.snapshot()["bytes_moved"]["device->host"] == 0
+    ops = cache.plan_writeback(DEVICE, HOST, clean_target_pages=4, max_pages=8)
+    # only the coldest prompt: the target is 4 clean pages
+    assert [op.node for op in ops] == [cache.match(prompts[0], touch=False).path[-1]]
+    assert all(op.src == DEVICE and op.dst == HOST and op.kind == "backup" for op in ops)
+    assert not cache.plan_writeback(DEVICE, HOST, clean_target_pages=4, max_pages=8)  # in flight
+    for op in ops:
+        cache.execute(op)
+        assert cache.complete(op)
+    cache.check()
+    copied = cache.snapshot()["bytes_moved"]["device->host"]
+    assert copied == sum(op.nbytes for op in ops) > 0
+    assert cache.plan_writeback(DEVICE, HOST, clean_target_pages=4, max_pages=8) == []  # target met
+    m = cache.match(prompts[0], touch=False)
+    assert m.device_tokens == 16 and m.path[-1].host is not None  # on both tiers now
+    # the coldest device pages go first and are clean: evicting them copies nothing
+    assert cache.evict(DEVICE, 4) == 4
+    assert cache.snapshot()["bytes_moved"]["device->host"] == copied
+    m = cache.promote(cache.match(prompts[0]))
+    assert m.device_tokens == 16
+    got = cache.stores[DEVICE].read(m.device_handles)
+    assert torch.equal(got.view(torch.int16), kv_for(cache, prompts[0]).view(torch.int16))
+    cache.check()
+    with pytest.raises(ValueError, match="one tier down"):
+        cache.plan_writeback(HOST, DEVICE, 4, 4)
 
 
 def test_eviction_never_races_a_background_writeback(tmp_path):

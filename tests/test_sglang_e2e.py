@@ -221,6 +221,8 @@ def test_e2e_replay_hits_and_kv_correctness(start_server, workdir, shared):
     assert st["hit_tokens"]["disk"] > 0 and st["backend"]["load_back_declined"] == 0, st["backend"]
     # the host tier overflowed to disk, and part of it was written ahead of eviction, in the background
     assert st["backend"]["writeback_pages"] > 0, st["backend"]
+    # and device pages were copied to host ahead of their eviction, off the scheduler thread
+    assert st["backend"]["device_writeback_pages"] > 0, st["backend"]
     assert "device" in render(st)
 
     # 4. stats surfaces: /server_info (above), the stats file, Prometheus

@@ -108,6 +108,7 @@ class BackendCounters:
     evicted_tokens: int = 0
     uncacheable_requests: int = 0  # extra_key / cache_salt / bigram: served without the cache
     writeback_pages: int = 0  # host pages written to disk in the background, ahead of eviction
+    device_writeback_pages: int = 0  # device pages copied to host in the background, ahead of eviction
     extra: dict = field(default_factory=dict)
 
 
@@ -162,7 +163,7 @@ class TieredRadixCache(BasePrefixCache):
         self.server_port = server_port
         self._states: OrderedDict[str, _ReqState] = OrderedDict()
         self._predicted: list[PromotionJob] = []
-        self._writeback: list = []  # TransferOps host -> disk in flight (background write-back)
+        self._writeback: list = []  # TransferOps device -> host and host -> disk in flight (background write-back)
         self._writeback_at = 0.0
         self._dirty = True
         self._evictable = 0
@@ -295,26 +296,35 @@ class TieredRadixCache(BasePrefixCache):
         )
 
     def _pump_writeback(self, start_new: bool = True) -> None:
-        """Background write-back: record the host -> disk copies that finished, and keep the coldest
-        `writeback_clean_fraction` of the host tier also on disk, so the host evictions that SGLang's
-        allocator triggers in the scheduler thread are free drops instead of synchronous disk writes.
-        Runs at most every 20 ms, one batch in flight at a time."""
+        """Background write-back, one tier down, so that the evictions SGLang's allocator triggers in
+        the scheduler thread are free drops instead of synchronous copies: keep the coldest
+        `device_writeback_clean_fraction` of the device pool also on host, and the coldest
+        `writeback_clean_fraction` of the host tier also on disk. Records the copies that finished;
+        plans new ones at most every 20 ms, one batch in flight at a time."""
         if self._writeback:
             done = [op for op in self._writeback if op.executed.is_set()]
             for op in done:
                 self.cache.complete(op)
             self._writeback = [op for op in self._writeback if not op.applied]
             self._dirty = self._dirty or bool(done)
-        fraction = self.settings.writeback_clean_fraction
-        host = self.cache.stores.get(HOST)
         now = time.monotonic()
-        if not start_new or self._writeback or fraction <= 0 or host is None or now - self._writeback_at < 0.02:
+        if not start_new or self._writeback or now - self._writeback_at < 0.02:
             return
         self._writeback_at = now
-        ops = self.cache.plan_disk_writeback(int(host.capacity_pages * fraction), max_pages=64)
+        ops = []
+        for src, dst, fraction in ((DEVICE, HOST, self.settings.device_writeback_clean_fraction),
+                                   (HOST, DISK, self.settings.writeback_clean_fraction)):
+            store = self.cache.stores.get(src)
+            if fraction > 0 and store is not None and dst in self.cache.stores:
+                planned = self.cache.plan_writeback(src, dst, int(store.capacity_pages * fraction), max_pages=64)
+                pages = sum(len(op.dst_handles) for op in planned)
+                if src == DEVICE:
+                    self.counters.device_writeback_pages += pages
+                else:
+                    self.counters.writeback_pages += pages
+                ops += planned
         if ops:
             self._writeback = ops
-            self.counters.writeback_pages += sum(len(op.dst_handles) for op in ops)
             self._engine().submit_ops(ops, kind="backup")
 
     def _poll(self, st: _ReqState) -> bool:
