@@ -209,6 +209,35 @@ def test_cancel_a_job_whose_ops_are_queued(tmp_path):
     assert_quiescent(cache)
 
 
+def test_engine_cancel_drops_queued_backups_at_once(tmp_path):
+    """`TransferEngine.cancel`: a queued background copy ends at once (no worker touches it), the one
+    a worker is in finishes first; both complete in the cache as cancelled, nothing leaks."""
+    cache = make_cache(tmp_path, device=16, host=16, disk=64)
+    prompts = [seq(100 * i, 2) for i in range(1, 4)]
+    for p in prompts:
+        serve(cache, p)
+    ops = cache.plan_writeback(DEVICE, HOST, clean_target_pages=6, max_pages=6)
+    assert len(ops) == 3
+    gate = Gate(cache, closed=True)
+    engine = TransferEngine(cache, workers=1, chunk_pages=1).start()
+    engine.submit_ops(ops[:1])
+    assert gate.entered.wait(10)  # the only worker is inside the first copy
+    engine.submit_ops(ops[1:])
+    engine.cancel(ops)
+    for op in ops[1:]:  # never started: over without the worker
+        assert op.executed.is_set() and isinstance(op.error, Cancelled)
+    assert not ops[0].executed.is_set()  # its copy is still running
+    gate.open.set()
+    assert ops[0].executed.wait(10) and isinstance(ops[0].error, Cancelled)
+    assert [link for _, _, link in gate.calls] == ["device->host"]  # one chunk ran, then it stopped
+    for op in ops:
+        assert not cache.complete(op)
+    engine.stop()
+    assert all(cache.match(p, touch=False).path[-1].host is None for p in prompts)
+    assert not cache.stats.errors
+    assert_quiescent(cache)
+
+
 def test_stop_with_queued_ops_cancels_them(tmp_path):
     cache = make_cache(tmp_path, device=8, host=8, disk=64)
     a, b = seq(0, 2), seq(500, 2)

@@ -109,6 +109,7 @@ class BackendCounters:
     uncacheable_requests: int = 0  # extra_key / cache_salt / bigram: served without the cache
     writeback_pages: int = 0  # host pages written to disk in the background, ahead of eviction
     device_writeback_pages: int = 0  # device pages copied to host in the background, ahead of eviction
+    device_writeback_cancelled_pages: int = 0  # of those, cancelled because an eviction needed the pages first
     extra: dict = field(default_factory=dict)
 
 
@@ -327,6 +328,18 @@ class TieredRadixCache(BasePrefixCache):
             self._writeback = ops
             self._engine().submit_ops(ops, kind="backup")
 
+    def _cancel_device_writeback(self) -> None:
+        """Cancel the device -> host background copies in flight (a copy already running finishes,
+        and then counts as done) and record them, so their pages are evictable again."""
+        ops = [op for op in self._writeback if op.src == DEVICE]
+        self._engine().cancel(ops)
+        for op in ops:
+            op.executed.wait(timeout=60)
+            if op.cancelled and op.error is not None:
+                self.counters.device_writeback_cancelled_pages += len(op.dst_handles)
+        self._pump_writeback(start_new=False)
+        self._dirty = True
+
     def _poll(self, st: _ReqState) -> bool:
         """Apply what has arrived of the request's prefetch; True once it is over (and released)."""
         job = st.job
@@ -473,8 +486,15 @@ class TieredRadixCache(BasePrefixCache):
             return EvictResult()
         t0 = time.perf_counter()
         pages = -(-int(params.num_tokens) // self.page_size)
-        self._pump_writeback()
+        # record finished background copies (their pages become free drops), but start none here:
+        # a new copy pins the coldest nodes, exactly the ones this eviction is about to free, and the
+        # scheduler sized its allocation from evictable_size() before calling
+        self._pump_writeback(start_new=False)
         freed = self.cache.evict(DEVICE, pages) * self.page_size
+        if freed < params.num_tokens and any(op.src == DEVICE for op in self._writeback):
+            # the scheduler counted on pages a background copy still pins: stop those copies
+            self._cancel_device_writeback()
+            freed += self.cache.evict(DEVICE, pages - freed // self.page_size) * self.page_size
         self.counters.evict_calls += 1
         self.counters.evicted_tokens += freed
         self._dirty = True
@@ -534,9 +554,11 @@ class TieredRadixCache(BasePrefixCache):
             return
         evictable = protected = 0
         for n in self.cache.tree.resident[DEVICE]:
-            if n.lock_ref > 0:
+            # pinned (a background copy or a prefetch reads it) is as good as locked until it is done:
+            # SGLang's idle check wants free + evictable + protected == the pool
+            if n.lock_ref > 0 or n.pins > 0:
                 protected += n.num_pages
-            elif n.pins == 0:
+            else:
                 evictable += n.num_pages
         self._evictable = evictable * self.page_size
         self._protected = protected * self.page_size

@@ -136,6 +136,33 @@ class TransferEngine:
                 self._enqueue(state)
             self._cv.notify_all()
 
+    def cancel(self, ops: Iterable["TransferOp"]) -> None:
+        """Cancel prepared ops: their queued chunks are dropped now, so an op no worker has started
+        ends at once; a chunk a worker is copying finishes first. Every op given ends with `executed`
+        set and `Cancelled` (unless it had already finished); the caller completes it in the cache."""
+        ops = list(ops)
+        ids = {id(op) for op in ops}
+        with self._cv:
+            for op in ops:
+                op.cancelled = True
+            keep = []
+            for item in self._queue:
+                state = item[2]
+                if id(state.op) in ids:
+                    state.chunks_left -= 1
+                    if state.priority <= PREFETCH:
+                        self._urgent_queued -= 1
+                else:
+                    keep.append(item)
+            if len(keep) != len(self._queue):
+                heapq.heapify(keep)
+                self._queue = keep
+            for op in ops:
+                state = self._states.get(id(op))
+                if state is not None and state.chunks_left == 0:
+                    self._cancel_state(state, locked=True)
+            self._cv.notify_all()
+
     def _enqueue(self, state: _OpState) -> None:
         n = len(state.op.dst_handles)
         chunks = [(i, min(n, i + self.chunk_pages)) for i in range(0, n, self.chunk_pages)] or [(0, 0)]
