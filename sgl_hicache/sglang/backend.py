@@ -102,6 +102,7 @@ class BackendCounters:
     load_back_retries: int = 0  # init_load_back answered "not yet" (prefetch in flight)
     load_back_timeouts: int = 0
     load_back_seconds: float = 0.0
+    load_wait_seconds: float = 0.0  # scheduler time spent waiting for prefetches to land (load_wait_s)
     checkpoints: int = 0
     duplicate_pages_freed: int = 0
     evict_calls: int = 0
@@ -328,6 +329,18 @@ class TieredRadixCache(BasePrefixCache):
             self._writeback = ops
             self._engine().submit_ops(ops, kind="backup")
 
+    def _wait_briefly(self, st: _ReqState) -> bool:
+        """Block up to `load_wait_s` for the rest of a request's prefetch; True once it is over.
+        Answering "not yet" is dearer than it looks: SGLang 0.5.23 then stops filling the prefill
+        batch (`add_one_req` -> OTHER ends the loop), so every request queued behind this one waits
+        a whole round too. A short wait for reads already under way usually costs less."""
+        if self.settings.load_wait_s <= 0:
+            return False
+        t0 = time.perf_counter()
+        self._engine().wait(st.job, timeout=self.settings.load_wait_s)
+        self.counters.load_wait_seconds += time.perf_counter() - t0
+        return self._poll(st)
+
     def _cancel_device_writeback(self) -> None:
         """Cancel the device -> host background copies in flight (a copy already running finishes,
         and then counts as done) and record them, so their pages are evictable again."""
@@ -381,7 +394,7 @@ class TieredRadixCache(BasePrefixCache):
         if self.disable or promised <= 0 or req is None:
             return fallback
         t0 = time.perf_counter()
-        if st is not None and st.job is not None and not self._poll(st):
+        if st is not None and st.job is not None and not self._poll(st) and not self._wait_briefly(st):
             if time.monotonic() - st.job_started < self.settings.load_timeout_s:
                 st.waited = True
                 self.counters.load_back_retries += 1
