@@ -44,6 +44,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import signal
 import statistics
@@ -156,6 +157,26 @@ def _summary(rep: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+_PREFILL_LINE = re.compile(r"Prefill batch, #new-seq: (\d+), #new-token: (\d+), #cached-token: (\d+)")
+
+
+def prefill_batches(log_text: str) -> dict[str, Any]:
+    """How SGLang composed its prefill batches, from its own log lines: batches by number of new
+    sequences, and new / cached tokens. Equal tokens with fewer, larger batches means requests were
+    admitted together, so each waits for the others' prefill too (on a CPU a batch's time is about
+    the sum of its sequences'), which raises TTFT without changing throughput."""
+    sizes: dict[str, int] = {}
+    new = cached = 0
+    for m in _PREFILL_LINE.finditer(log_text):
+        sizes[m.group(1)] = sizes.get(m.group(1), 0) + 1
+        new += int(m.group(2))
+        cached += int(m.group(3))
+    batches = sum(sizes.values())
+    seqs = sum(int(k) * v for k, v in sizes.items())
+    return {"batches": batches, "by_new_seqs": dict(sorted(sizes.items(), key=lambda kv: int(kv[0]))),
+            "mean_new_seqs": seqs / batches if batches else None, "new_tokens": new, "cached_tokens": cached}
+
+
 def run_one(config: str, pool: int, reqs: list, a: argparse.Namespace, workdir: Path, tag: str) -> dict[str, Any]:
     run_dir = Path(tempfile.mkdtemp(prefix=f"{tag}-", dir=workdir))
     store = run_dir / "store"
@@ -182,6 +203,10 @@ def run_one(config: str, pool: int, reqs: list, a: argparse.Namespace, workdir: 
     finally:
         if srv is not None:
             srv.stop()
+        try:
+            sample["prefill_batches"] = prefill_batches(log.read_text(errors="replace")) if log.exists() else None
+        except OSError:
+            sample["prefill_batches"] = None
         if a.keep_logs:
             dst = Path(a.keep_logs)
             dst.mkdir(parents=True, exist_ok=True)
@@ -218,6 +243,9 @@ def summarize(samples: list[dict[str, Any]], pools: list[float]) -> dict[str, An
                 "requests_failed": sum(s["requests_failed"] for s in ok),
                 **{m: _med([s[m] for s in ok]) for m in METRICS},
                 "hit_tokens": {t: _med([s["hit_tokens"][t] for s in ok]) for t in TIERS},
+                "prefill_batches": _med([s["prefill_batches"]["batches"] for s in ok if s.get("prefill_batches")]),
+                "mean_new_seqs_per_prefill": _med([s["prefill_batches"]["mean_new_seqs"] for s in ok
+                                                   if s.get("prefill_batches") and s["prefill_batches"]["mean_new_seqs"]]),
             }
         ratios: dict[str, Any] = {}
         paired: dict[str, Any] = {}
@@ -247,13 +275,14 @@ def render(summary: dict[str, Any], ws: int) -> str:
     lines = []
     for frac, s in summary.items():
         lines.append(f"device pool {float(frac):.0%} of the working set ({ws:,} tokens): --max-total-tokens {s['max_total_tokens']}")
-        lines.append(f"  {'config':<30} {'TTFT mean':>9} {'p50':>7} {'p90':>7} {'tok/s':>7} {'hit dev':>8} {'host':>7} {'disk':>7} {'hit %':>6} {'fail':>5}")
+        lines.append(f"  {'config':<30} {'TTFT mean':>9} {'p50':>7} {'p90':>7} {'tok/s':>7} {'hit dev':>8} {'host':>7} {'disk':>7} {'hit %':>6} {'fail':>5} {'prefills':>8} {'seq/pf':>6}")
         for c in CONFIGS:
             r = s["configs"][c]
             h = r["hit_tokens"]
             lines.append(f"  {LABELS[c]:<30} {_f(r['ttft_mean_s'], '9.3f')} {_f(r['ttft_p50_s'], '7.3f')} {_f(r['ttft_p90_s'], '7.3f')} "
                          f"{_f(r['throughput_tok_s'], '7.0f')} {_f(h['device'], '8,.0f')} {_f(h['host'], '7,.0f')} {_f(h['disk'], '7,.0f')} "
-                         f"{_f(r['hit_rate'] and 100 * r['hit_rate'], '6.1f')} {r['requests_failed'] + r['runs_failed']:>5}")
+                         f"{_f(r['hit_rate'] and 100 * r['hit_rate'], '6.1f')} {r['requests_failed'] + r['runs_failed']:>5} "
+                         f"{_f(r.get('prefill_batches'), '8.0f')} {_f(r.get('mean_new_seqs_per_prefill'), '6.2f')}")
         for k, rr in s["ratios"].items():
             lines.append(f"  {k:<30} {_f(rr['ttft_mean_s'], '9.2f')} {_f(rr['ttft_p50_s'], '7.2f')} {_f(rr['ttft_p90_s'], '7.2f')} "
                          f"{_f(rr['throughput_tok_s'], '7.2f')}")
