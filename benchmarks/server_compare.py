@@ -18,6 +18,9 @@ conversation trace with every 512-token block scaled to 32 tokens. Three configu
   `SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR`, a fresh temp dir per run); everything else at SGLang's
   defaults (write policy `write_through`, prefetch policy `timeout`). On CPU this needs the
   workaround in `sgl_hicache/sglang/cpu_compat.py`, which our plugin applies in every SGLang process;
+- `hicache_host` (only with `--configs`): the same HiCache without a storage backend, a control: with
+  a storage backend SGLang skips a request while its storage prefetch is in flight
+  (`check_prefetch_progress`), which changes how prefill batches are composed;
 - `sgl_hicache`: `--radix-cache-backend sgl_hicache` with host tokens = the same host capacity as
   `hicache` (R x device pool), the disk tier on in a fresh temp dir (capacity: 2x the slice's working
   set, so like the file backend it never has to drop a page), prefetch on, predictor `tree_walk`.
@@ -67,8 +70,10 @@ DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace
 if not DEFAULT_TRACE.exists():
     DEFAULT_TRACE = REPO / "traces" / "mooncake_conversation_trace.jsonl"
 DEFAULT_MODEL = REPO / "scripts" / "cpu" / "bench-llama"
-CONFIGS = ("default", "hicache", "sgl_hicache")
-LABELS = {"default": "SGLang default cache", "hicache": "SGLang HiCache (host + file)", "sgl_hicache": "sgl_hicache"}
+CONFIGS = ("default", "hicache", "sgl_hicache", "hicache_host")
+DEFAULT_CONFIGS = CONFIGS[:3]
+LABELS = {"default": "SGLang default cache", "hicache": "SGLang HiCache (host + file)", "sgl_hicache": "sgl_hicache",
+          "hicache_host": "SGLang HiCache (host only)"}
 TIERS = ("device", "host", "disk")
 
 
@@ -100,10 +105,11 @@ def pool_tokens(frac: float, ws: int, longest: int, output_tokens: int, page: in
 # ------------------------------------------------------------------------------------------ one run
 def server_args(config: str, pool: int, page: int, host_ratio: float) -> list[str]:
     args = ["--page-size", str(page), "--max-total-tokens", str(pool)]
-    if config == "hicache":
+    if config in ("hicache", "hicache_host"):
         args += ["--enable-hierarchical-cache", "--hicache-io-backend", "direct",
-                 "--hicache-mem-layout", "layer_first", "--hicache-ratio", f"{host_ratio:g}",
-                 "--hicache-storage-backend", "file"]
+                 "--hicache-mem-layout", "layer_first", "--hicache-ratio", f"{host_ratio:g}"]
+        if config == "hicache":
+            args += ["--hicache-storage-backend", "file"]
     elif config == "sgl_hicache":
         args += ["--radix-cache-backend", "sgl_hicache"]
     return args
@@ -235,8 +241,9 @@ def summarize(samples: list[dict[str, Any]], pools: list[float]) -> dict[str, An
     out: dict[str, Any] = {}
     for frac in pools:
         ps = [s for s in samples if s["pool_frac"] == frac]
+        ran = [c for c in CONFIGS if c in {s["config"] for s in samples}]
         per: dict[str, Any] = {}
-        for c in CONFIGS:
+        for c in ran:
             ok = [s for s in ps if s["config"] == c and "error" not in s]
             per[c] = {
                 "runs": len(ok), "runs_failed": len([s for s in ps if s["config"] == c]) - len(ok),
@@ -249,7 +256,7 @@ def summarize(samples: list[dict[str, Any]], pools: list[float]) -> dict[str, An
             }
         ratios: dict[str, Any] = {}
         paired: dict[str, Any] = {}
-        for peer in ("default", "hicache"):
+        for peer in (c for c in ran if c != "sgl_hicache" and "sgl_hicache" in ran):
             key = f"sgl_hicache / {peer}"
             ratios[key] = {m: (per["sgl_hicache"][m] / per[peer][m]) if per["sgl_hicache"][m] and per[peer][m] else None
                            for m in METRICS[:4]}
@@ -276,7 +283,7 @@ def render(summary: dict[str, Any], ws: int) -> str:
     for frac, s in summary.items():
         lines.append(f"device pool {float(frac):.0%} of the working set ({ws:,} tokens): --max-total-tokens {s['max_total_tokens']}")
         lines.append(f"  {'config':<30} {'TTFT mean':>9} {'p50':>7} {'p90':>7} {'tok/s':>7} {'hit dev':>8} {'host':>7} {'disk':>7} {'hit %':>6} {'fail':>5} {'prefills':>8} {'seq/pf':>6}")
-        for c in CONFIGS:
+        for c in s["configs"]:
             r = s["configs"][c]
             h = r["hit_tokens"]
             lines.append(f"  {LABELS[c]:<30} {_f(r['ttft_mean_s'], '9.3f')} {_f(r['ttft_p50_s'], '7.3f')} {_f(r['ttft_p90_s'], '7.3f')} "
@@ -306,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=200, help="first N requests of the trace (default 200)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default 3)")
     p.add_argument("--pools", default="0.1,0.3", help="device pool sizes as fractions of the working set (default 0.1,0.3)")
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)} (default all)")
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                   help=f"subset of {','.join(CONFIGS)} (default {','.join(DEFAULT_CONFIGS)}; hicache_host: HiCache without a storage backend)")
     p.add_argument("--quick", action="store_true", help="tiny: 20 requests, 1 repeat, the first pool only (proves it runs)")
     p.add_argument("--json", help="write all samples and the summary here")
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
