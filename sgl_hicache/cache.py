@@ -12,13 +12,13 @@ worker threads.
 from __future__ import annotations
 
 import heapq
-from itertools import compress
-from operator import ne
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import compress
+from operator import ne
 
 from .config import CacheConfig
 from .hashing import Namespace, chain_keys

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import kv_for, make_cache, serve
+from conftest import assert_device_kv, kv_for, make_cache, serve
 from sgl_hicache.cache import TieredCache
 from sgl_hicache.tiers.base import DEVICE, DISK, HOST
 
@@ -192,6 +192,17 @@ def test_a_job_waiting_on_another_jobs_host_copy_succeeds(tmp_path):
     cache.check()
 
 
+def run_backups(cache: TieredCache, ops, link: str) -> int:
+    """Execute and complete planned background copies inline; returns the bytes the link moved."""
+    for op in ops:
+        cache.execute(op)
+        assert cache.complete(op)
+    cache.check()
+    moved = cache.snapshot()["bytes_moved"][link]
+    assert moved == sum(op.nbytes for op in ops) > 0
+    return moved
+
+
 def test_background_writeback_makes_host_eviction_a_free_drop(tmp_path):
     cache = make_cache(tmp_path, device=4, host=8, disk=32)
     prompts = [seq(1000 * i, 4) for i in range(3)]
@@ -200,20 +211,13 @@ def test_background_writeback_makes_host_eviction_a_free_drop(tmp_path):
     ops = cache.plan_disk_writeback(clean_target_pages=8, max_pages=8)
     assert ops and all(op.src == HOST and op.dst == DISK and op.kind == "backup" for op in ops)
     assert not cache.plan_disk_writeback(clean_target_pages=8, max_pages=8)  # nothing twice while in flight
-    for op in ops:
-        cache.execute(op)
-        assert cache.complete(op)
-    cache.check()
-    written = cache.snapshot()["bytes_moved"]["host->disk"]
-    assert written == sum(op.nbytes for op in ops) > 0
+    written = run_backups(cache, ops, "host->disk")
     assert cache.plan_disk_writeback(clean_target_pages=8, max_pages=8) == []  # target met: all host pages clean
     # evicting the host now drops clean copies: no further disk write, and the pages are still served
     cache.evict(HOST, 8)
     assert cache.snapshot()["bytes_moved"]["host->disk"] == written
-    m = cache.promote(cache.match(prompts[0]))
-    assert m.device_tokens == 16
-    got = cache.stores[DEVICE].read(m.device_handles)
-    assert torch.equal(got.view(torch.int16), kv_for(cache, prompts[0]).view(torch.int16))
+    assert cache.promote(cache.match(prompts[0])).device_tokens == 16
+    assert assert_device_kv(cache, prompts[0]) == 16
     cache.check()
 
 
@@ -227,22 +231,15 @@ def test_background_device_writeback_makes_device_eviction_a_free_drop(tmp_path)
     assert [op.node for op in ops] == [cache.match(prompts[0], touch=False).path[-1]]
     assert all(op.src == DEVICE and op.dst == HOST and op.kind == "backup" for op in ops)
     assert not cache.plan_writeback(DEVICE, HOST, clean_target_pages=4, max_pages=8)  # in flight
-    for op in ops:
-        cache.execute(op)
-        assert cache.complete(op)
-    cache.check()
-    copied = cache.snapshot()["bytes_moved"]["device->host"]
-    assert copied == sum(op.nbytes for op in ops) > 0
+    copied = run_backups(cache, ops, "device->host")
     assert cache.plan_writeback(DEVICE, HOST, clean_target_pages=4, max_pages=8) == []  # target met
     m = cache.match(prompts[0], touch=False)
     assert m.device_tokens == 16 and m.path[-1].host is not None  # on both tiers now
     # the coldest device pages go first and are clean: evicting them copies nothing
     assert cache.evict(DEVICE, 4) == 4
     assert cache.snapshot()["bytes_moved"]["device->host"] == copied
-    m = cache.promote(cache.match(prompts[0]))
-    assert m.device_tokens == 16
-    got = cache.stores[DEVICE].read(m.device_handles)
-    assert torch.equal(got.view(torch.int16), kv_for(cache, prompts[0]).view(torch.int16))
+    assert cache.promote(cache.match(prompts[0])).device_tokens == 16
+    assert assert_device_kv(cache, prompts[0]) == 16
     cache.check()
     with pytest.raises(ValueError, match="one tier down"):
         cache.plan_writeback(HOST, DEVICE, 4, 4)

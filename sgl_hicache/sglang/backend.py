@@ -210,12 +210,9 @@ class TieredRadixCache(BasePrefixCache):
         for job in self._predicted:
             self.cache.release(job)
         self._predicted = []
+        self._cancel_writeback(self._writeback)
         for op in self._writeback:
-            op.cancelled = True
-            if not op.submitted:
-                op.executed.set()
-            op.executed.wait(timeout=60)
-            self.cache.complete(op)  # cancelled or done: frees or records the disk copy
+            self.cache.complete(op)  # cancelled or done: frees or records the copy
         self._writeback = []
 
     def _drop_job(self, st: _ReqState) -> None:
@@ -341,13 +338,19 @@ class TieredRadixCache(BasePrefixCache):
         self.counters.load_wait_seconds += time.perf_counter() - t0
         return self._poll(st)
 
+    def _cancel_writeback(self, ops: list) -> None:
+        """Cancel background copies and wait until each has ended (queued ones end at once, a chunk a
+        worker is copying finishes first); the caller completes them."""
+        self.engine.cancel(ops)
+        for op in ops:
+            op.executed.wait(timeout=60)
+
     def _cancel_device_writeback(self) -> None:
         """Cancel the device -> host background copies in flight (a copy already running finishes,
         and then counts as done) and record them, so their pages are evictable again."""
         ops = [op for op in self._writeback if op.src == DEVICE]
-        self._engine().cancel(ops)
+        self._cancel_writeback(ops)
         for op in ops:
-            op.executed.wait(timeout=60)
             if op.cancelled and op.error is not None:
                 self.counters.device_writeback_cancelled_pages += len(op.dst_handles)
         self._pump_writeback(start_new=False)

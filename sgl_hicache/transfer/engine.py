@@ -139,7 +139,8 @@ class TransferEngine:
     def cancel(self, ops: Iterable["TransferOp"]) -> None:
         """Cancel prepared ops: their queued chunks are dropped now, so an op no worker has started
         ends at once; a chunk a worker is copying finishes first. Every op given ends with `executed`
-        set and `Cancelled` (unless it had already finished); the caller completes it in the cache."""
+        set and `Cancelled` (unless it had already finished), a never-submitted op included; the
+        caller completes it in the cache. Works on a stopped engine too."""
         ops = list(ops)
         ids = {id(op) for op in ops}
         with self._cv:
@@ -159,8 +160,14 @@ class TransferEngine:
                 self._queue = keep
             for op in ops:
                 state = self._states.get(id(op))
-                if state is not None and state.chunks_left == 0:
-                    self._cancel_state(state, locked=True)
+                if state is not None:
+                    if state.chunks_left == 0:
+                        self._cancel_state(state, locked=True)
+                elif not op.executed.is_set():  # prepared but never submitted: nothing will run it
+                    from ..cache import Cancelled
+
+                    op.error = Cancelled()
+                    op.executed.set()
             self._cv.notify_all()
 
     def _enqueue(self, state: _OpState) -> None:
