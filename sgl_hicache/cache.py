@@ -62,6 +62,23 @@ class MatchResult:
     def lower_tier_tokens(self) -> int:
         return self.host_tokens + self.disk_tokens
 
+    def head(self, tokens: int) -> "MatchResult":
+        """The match cut to its first `tokens` tokens: the figures exactly, the path to the whole
+        nodes that fit."""
+        covered = max(0, min(tokens, self.tokens))
+        dev = min(self.device_tokens, covered)
+        host = min(self.host_tokens, covered - dev)
+        path: list[TreeNode] = []
+        seen = 0
+        for node in self.path:
+            seen += len(node.tokens)
+            if seen > covered:
+                break
+            path.append(node)
+        page_size = len(self.path[0].tokens) // self.path[0].num_pages if self.path else 1
+        last = path[-1] if path else self.last_device_node
+        return MatchResult(path, dev, host, covered - dev - host, self.device_handles[: dev // page_size], last, self.last_device_node)
+
 
 @dataclass
 class InsertResult:
@@ -407,7 +424,7 @@ class TieredCache:
                 return False
             path = node.path_from_root()
             for n in path:  # pinned, so evictions made to room for the chain cannot take its head
-                n.pins += 1
+                self.tree.pin(n)
             try:
                 for n in path:
                     if n.in_tier(tier):
@@ -433,7 +450,7 @@ class TieredCache:
                 return True
             finally:
                 for n in path:
-                    n.pins -= 1
+                    self.tree.unpin(n)
                 self._prune(node)
 
     def _source_for(self, node: TreeNode, dst: str, kind: str, may_evict: bool) -> str | None:
@@ -465,16 +482,16 @@ class TieredCache:
                 stale = [k for k in node.keys if store.contains(k)]  # type: ignore[attr-defined]
                 if stale:
                     store.free(stale)
-            node.pins += 1  # pinned before evicting, so the eviction cannot pick it
+            self.tree.pin(node)  # pinned before evicting, so the eviction cannot pick it
             try:
                 if store.free_pages < node.num_pages and may_evict:
                     self.evict(dst, node.num_pages - store.free_pages)
                 handles = store.allocate(node.keys) if store.free_pages >= node.num_pages else None
             except BaseException:
-                node.pins -= 1
+                self.tree.unpin(node)
                 raise
             if handles is None:
-                node.pins -= 1
+                self.tree.unpin(node)
                 return None
             op = TransferOp(node, src, dst, list(src_handles or []), list(handles), node.num_pages * self.config.page_bytes, kind)
             node.incoming[dst] = op
@@ -499,7 +516,7 @@ class TieredCache:
             if op.applied:  # completed already (a background copy an eviction used early)
                 return op.error is None
             node = op.node
-            node.pins -= 1
+            self.tree.unpin(node)
             node.incoming.pop(op.dst, None)
             op.applied = True
             if op.error is None and op.cancelled:
@@ -768,14 +785,14 @@ class TieredCache:
 
     def _evict_node(self, node: TreeNode, tier: str) -> int:
         tokens = node.num_pages * self.page_size
-        node.pins += 1  # keep it out of the nested evictions its demotion may cause
+        self.tree.pin(node)  # keep it out of the nested evictions its demotion may cause
         try:
             if tier == DEVICE and not node.host and self.has_tier(HOST):
                 self.ensure(node, HOST, kind="demote", may_evict=True)
             elif tier == HOST and node.device is None and not node.on_disk and self.has_tier(DISK):
                 self.ensure(node, DISK, kind="demote", may_evict=True)
         finally:
-            node.pins -= 1
+            self.tree.unpin(node)
         handles = self.tree.clear_resident(node, tier)
         if tier == DISK:
             self._free_disk(handles)

@@ -37,11 +37,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..cache import MatchResult, PromotionJob, TieredCache
+from ..cache import TieredCache
 from ..config import CacheConfig, KVLayout
+from ..controller import Admission, ControllerSettings, RequestController, Ticket
 from ..policy.predictor import make_predictor
 from ..replay.trace import Request
 from ..tiers.base import DEVICE, DISK, HOST
+from ..transfer.executors import VirtualExecutor, VirtualPipes
 from . import cost
 from .report import RequestRecord
 from .presets import HardwarePreset, ModelPreset
@@ -70,6 +72,9 @@ class EngineConfig:
     write_policy: str = "write_back"
     predictor_budget_tokens: int = 8192
     prefetch_window: int = 16
+    # background write-back one tier down, as the SGLang backend does (`BackendSettings`)
+    device_writeback_clean_fraction: float = 0.25
+    writeback_clean_fraction: float = 0.25
     storage_layout: KVLayout = field(default_factory=lambda: KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="bfloat16"))
 
     def __post_init__(self) -> None:
@@ -101,9 +106,7 @@ class EngineConfig:
 class _Flight:
     req: Request
     arrival: float
-    enqueue_lower_tokens: int = 0
-    job: PromotionJob | None = None
-    stage_finish: list[float] = field(default_factory=list)
+    ticket: Ticket
     first_token: float | None = None
     remaining: int = 0
     context: int = 0
@@ -122,31 +125,17 @@ def _scratch_dir() -> str | None:
     return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
 
 
-class VirtualLinks:
-    """Each tier link is a FIFO pipe at the hardware preset's bandwidth, in virtual time; disk reads
-    (disk->host) and writes (host->disk) share one pipe, the disk."""
-
-    _PIPES = {"disk->host": "disk", "host->disk": "disk"}
+class VirtualLinks(VirtualPipes):
+    """The tier links as FIFO pipes in virtual time at the hardware preset's bandwidth (disk reads
+    and writes share one pipe, the disk)."""
 
     def __init__(self, model: ModelPreset, hw: HardwarePreset) -> None:
-        self.model = model
-        self.hw = hw
-        self.busy_until: dict[str, float] = {}
-
-    def seconds(self, link: str, tokens: int) -> float:
-        src, dst = _LINK_TIERS[link]
-        return cost.kv_transfer_seconds(self.model, self.hw, tokens, src, dst)
-
-    def schedule(self, link: str, tokens: int, earliest: float) -> float:
-        pipe = self._PIPES.get(link, link)
-        start = max(earliest, self.busy_until.get(pipe, 0.0))
-        finish = start + self.seconds(link, tokens)
-        self.busy_until[pipe] = finish
-        return finish
+        super().__init__(lambda link, tokens: cost.kv_transfer_seconds(model, hw, tokens, *_LINK_TIERS[link]))
 
 
 class EmbeddedEngine:
-    """Replays requests through a `TieredCache` on a virtual clock; see the module docstring.
+    """Replays requests through the shared `RequestController` on a virtual clock; see the module
+    docstring.
 
     `run(requests)` returns the per-request records; `cache` holds the tier statistics. The same
     inputs give the same records and statistics (nothing depends on wall time).
@@ -162,13 +151,18 @@ class EmbeddedEngine:
         self.now = 0.0
         self.cache = TieredCache(config.cache_config(disk_dir), clock=lambda: self.now)
         self.links = VirtualLinks(config.model, config.hardware)
-        self.predictor = make_predictor(self.cache.config.predictor, config.page_size, config.predictor_budget_tokens)
-        self.predicted_jobs: list[tuple[PromotionJob, list[float]]] = []
+        self.executor = VirtualExecutor(self.cache, self.links, lambda: self.now, config.page_size)
+        predictor = make_predictor(self.cache.config.predictor, config.page_size, config.predictor_budget_tokens)
+        settings = ControllerSettings(
+            prefetch=config.policy in ("prefetch", "predict"),
+            device_writeback_clean_fraction=config.device_writeback_clean_fraction,
+            writeback_clean_fraction=config.writeback_clean_fraction,
+        )
+        self.controller = RequestController(self.cache, self.executor, predictor, settings, clock=lambda: self.now)
         self.progress = progress
         self.records: list[RequestRecord] = []
         self.demote_seconds = 0.0  # virtual seconds steps spent copying evicted pages device -> host
-        self.disk_write_seconds = 0.0  # virtual seconds the disk spent on host -> disk writes
-        self._disk_bytes_charged = 0
+        self._inline_charged = {"device->host": 0, "host->disk": 0}
         self.steps = 0
 
     def close(self) -> None:
@@ -176,46 +170,30 @@ class EmbeddedEngine:
             self._tmp.cleanup()
             self._tmp = None
 
-    # ---- transfers on the virtual clock ----------------------------------------------------
-    def _schedule_job(self, job: PromotionJob, start: float) -> list[float]:
-        """Virtual finish time of each stage: its ops go through their links in order."""
-        finishes: list[float] = []
-        for st in job.stages:
-            t = start
-            for op in st.ops:
-                t = self.links.schedule(op.link, op.node.num_pages * self.config.page_size, t)
-            if st.waits_for is not None:
-                t = start
-            finishes.append(max(t, finishes[-1] if finishes else t))
-        return finishes
+    @property
+    def disk_write_seconds(self) -> float:
+        """Virtual seconds the disk spent on host -> disk writes (background and inline)."""
+        return self.links.seconds("host->disk", self.cache.stats.bytes_moved["host->disk"] // self.config.storage_layout.bytes_per_token)
 
-    def _run_due(self, job: PromotionJob, finishes: Sequence[float], upto: float) -> None:
-        """Really copy the bytes of every stage due by `upto`, then let the cache apply them."""
-        for st, fin in zip(job.stages, finishes):
-            if fin > upto:
-                break
-            for op in st.ops:
-                if not op.executed.is_set():
-                    self.cache.execute(op)
-        self.cache.advance(job)
+    # ---- copies the cache made inline (eviction demotions), not through the executor ----------
+    def _inline_tokens(self, link: str) -> int:
+        """Tokens copied on `link` inline since the last call (the executor's copies excluded)."""
+        inline = self.cache.stats.bytes_moved[link] - self.executor.executed_bytes.get(link, 0)
+        new = inline - self._inline_charged[link]
+        self._inline_charged[link] = inline
+        return max(0, new) // self.config.storage_layout.bytes_per_token
 
     def _charge_disk_writes(self) -> None:
-        """Put the host -> disk writes made since the last call on the disk pipe, from now."""
-        written = self.cache.stats.bytes_moved["host->disk"] - self._disk_bytes_charged
-        if written <= 0:
-            return
-        self._disk_bytes_charged += written
-        tokens = written // self.config.storage_layout.bytes_per_token
-        self.links.schedule("host->disk", tokens, self.now)
-        self.disk_write_seconds += self.links.seconds("host->disk", tokens)
+        """Put the inline host -> disk writes made since the last call on the disk pipe, from now
+        (background write-back is on the pipe already: the executor scheduled it)."""
+        tokens = self._inline_tokens("host->disk")
+        if tokens:
+            self.links.schedule("host->disk", tokens, self.now)
 
     # ---- request lifecycle -----------------------------------------------------------------
-    def _arrive(self, flight: _Flight, waiting: deque) -> None:
-        m = self.cache.match(flight.req.input_ids)
-        flight.enqueue_lower_tokens = m.lower_tier_tokens
-        if self.config.policy == "predict":
-            self._predict(m)
-        waiting.append(flight)
+    def _arrive(self, req: Request, arrival: float, waiting: deque) -> None:
+        ticket, _ = self.controller.arrive(req.input_ids)
+        waiting.append(_Flight(req, arrival, ticket))
 
     def _issue_prefetches(self, waiting: deque) -> None:
         """Start the disk -> host prefetch of the first `prefetch_window` waiting requests. Host ->
@@ -226,42 +204,9 @@ class EmbeddedEngine:
         for i, flight in enumerate(waiting):
             if i >= self.config.prefetch_window:
                 break
-            if flight.prefetch_tried:
-                continue
-            flight.prefetch_tried = True
-            m = self.cache.match(flight.req.input_ids, touch=False)
-            if not m.disk_tokens:
-                continue
-            job = self.cache.plan_promotion(m, "prefetch", target=HOST)
-            if job is not None:
-                flight.job = job
-                flight.stage_finish = self._schedule_job(job, self.now)
-
-    def _predict(self, m: MatchResult) -> None:
-        for pred in self.predictor.predict(m.last_node, self.now):
-            node = pred.node
-            if node.parent is None:
-                continue
-            target = DEVICE if self.cache.stores[DEVICE].free_pages >= node.num_pages else HOST
-            if target == HOST and (node.host is not None or not self.cache.has_tier(HOST)):
-                continue
-            job = self.cache.plan_promotion(node.path_from_root(), kind="predict", target=target, evict=False)
-            if job is not None:
-                # speculative copies use the links' idle time only: they do not delay demand transfers
-                saved = dict(self.links.busy_until)
-                finishes = self._schedule_job(job, self.now)
-                self.links.busy_until = saved
-                self.predicted_jobs.append((job, finishes))
-
-    def _advance_predictions(self) -> None:
-        keep = []
-        for job, finishes in self.predicted_jobs:
-            self._run_due(job, finishes, self.now)
-            if job.finished:
-                self.cache.release(job)
-            else:
-                keep.append((job, finishes))
-        self.predicted_jobs = keep
+            if not flight.prefetch_tried:
+                flight.prefetch_tried = True
+                self.controller.prefetch(flight.ticket)
 
     def _try_admit(self, flight: _Flight) -> tuple[bool, int, tuple[float, float]]:
         """Admit `flight` into this step if it fits. Returns (admitted, new tokens, load seconds as
@@ -270,54 +215,26 @@ class EmbeddedEngine:
         cache = self.cache
         ps = cfg.page_size
         tokens = flight.req.input_ids
-        job = flight.job
-        prefetched = {HOST: 0, DISK: 0}
+        ticket = flight.ticket
         waited_s = 0.0
-        if job is not None:
-            self._run_due(job, flight.stage_finish, self.now)
-            if not job.finished:
-                # the part still in flight: wait for it inside this step, or recompute it, whichever
-                # the estimate says is faster
-                pending = [(st, fin) for st, fin in zip(job.stages[job.applied :], flight.stage_finish[job.applied :])]
-                wait_s = max(fin for _, fin in pending) - self.now
-                pending_tokens = sum(st.node.num_pages for st, _ in pending) * ps
-                recompute_s = cost.prefill_seconds(cfg.model, cfg.hardware, pending_tokens, len(tokens) - pending_tokens)
-                if wait_s <= recompute_s:
-                    self._run_due(job, flight.stage_finish, math.inf)
-                    waited_s = wait_s
-                    cache.stats.add("loads_waited")
-                    cache.stats.add("load_wait_seconds", wait_s)
-                else:
-                    cache.cancel(job)
-                    cache.stats.add("loads_recomputed")
-            for st in job.stages[: job.applied]:
-                if st.ops and st.ops[0].src == DISK and st.node.device is None:
-                    prefetched[DISK] += st.node.num_pages * ps
+        if ticket.job is not None:
+            pending = self.controller.pending_tokens(ticket)
+            recompute_s = cost.prefill_seconds(cfg.model, cfg.hardware, pending, len(tokens) - pending)
+            decision, eta = self.controller.admit(ticket, recompute_s)
+            if decision is Admission.WAIT:  # wait for the rest inside this step
+                self.executor.finish_all(ticket.job.ops())  # type: ignore[union-attr]
+                self.controller.admit(ticket, recompute_s)
+                waited_s = eta
+                cache.stats.add("load_wait_seconds", eta)
         m = cache.match(tokens)
         out_pages = math.ceil((flight.req.output_length + len(tokens) % ps) / ps)
         need_pages = len(tokens) // ps - m.device_tokens // ps
-        if need_pages + out_pages > cache.stores[DEVICE].free_pages + self._evictable_device_pages(m):
+        if need_pages + out_pages > cache.stores[DEVICE].free_pages + self._evictable_device_pages():
             return False, 0, (0.0, 0.0)
-        # count the hits, attributing what this request's own prefetch brought up to where it came from
-        from_prefetch = min(prefetched[DISK], m.host_tokens)
-        counted = MatchResult(m.path, m.device_tokens, m.host_tokens - from_prefetch, m.disk_tokens + from_prefetch,
-                              m.device_handles, m.last_node, m.last_device_node)
-        cache.record_request(len(tokens), counted, covered_by_prefetch=from_prefetch)
-        if job is not None:
-            cache.release(job)
-            flight.job = None
-        load_s = (waited_s, 0.0)
-        if m.lower_tier_tokens:
-            load_job = cache.plan_promotion(m, "demand")
-            if load_job is not None:
-                load_s = self._load_seconds(load_job)
-                load_s = (max(load_s[0], waited_s), load_s[1])
-                for st in load_job.stages:
-                    for op in st.ops:
-                        cache.execute(op)
-                cache.advance(load_job)
-                cache.release(load_job)
-            m = cache.match(tokens)
+        flight.hits = self.controller.account(ticket, len(tokens), m)
+        self.controller.release(ticket)
+        m, load = self.controller.load(tokens, m)
+        load_s = (max(load.blocking, waited_s), load.overlapped)
         cache.lock(m.last_node)
         fresh = cache.allocate_device(len(tokens) // ps - len(m.device_handles))
         outs = cache.allocate_device(out_pages) if fresh is not None else None
@@ -334,27 +251,10 @@ class EmbeddedEngine:
         flight.output_pages = outs
         flight.context = len(tokens)
         flight.remaining = max(0, flight.req.output_length - 1)
-        flight.hits = (counted.device_tokens, counted.host_tokens, counted.disk_tokens)
         return True, len(tokens) - m.device_tokens, load_s
 
-    def _load_seconds(self, job: PromotionJob) -> tuple[float, float]:
-        """(blocking, overlapped) seconds of a load at schedule time: disk reads must land in host
-        before the forward pass can use them (they block the step); host->device copies overlap
-        the forward pass layer by layer."""
-        blocking = 0.0
-        overlapped = 0.0
-        for st in job.stages:
-            for op in st.ops:
-                tokens = op.node.num_pages * self.config.page_size
-                if op.src == DISK:
-                    blocking = max(blocking, self.links.schedule(op.link, tokens, self.now) - self.now)
-                else:
-                    overlapped += self.links.seconds(op.link, tokens)
-        return blocking, overlapped
-
-    def _evictable_device_pages(self, m: MatchResult) -> int:
-        tree = self.cache.tree
-        return sum(n.num_pages for n in tree.resident[DEVICE] if n.lock_ref == 0 and n.pins == 0)
+    def _evictable_device_pages(self) -> int:
+        return self.cache.tree.evictable_pages(DEVICE)
 
     def _finish(self, flight: _Flight) -> None:
         self.cache.free_device(flight.output_pages)
@@ -378,14 +278,15 @@ class EmbeddedEngine:
             # arrivals
             if closed_loop:
                 while pending and len(waiting) + len(prefilling) + len(running) < cfg.concurrency:  # type: ignore[operator]
-                    self._arrive(_Flight(pending.popleft(), self.now), waiting)
+                    self._arrive(pending.popleft(), self.now, waiting)
             else:
                 while pending and pending[0].arrival_s * cfg.time_scale <= self.now:
                     req = pending.popleft()
-                    self._arrive(_Flight(req, req.arrival_s * cfg.time_scale), waiting)
+                    self._arrive(req, req.arrival_s * cfg.time_scale, waiting)
             if cfg.policy in ("prefetch", "predict"):
                 self._issue_prefetches(waiting)
-            self._advance_predictions()
+            self.controller.advance_predictions()
+            self.controller.pump_writeback()
             # the step's prefill budget goes to prompts already being prefilled first, then to new ones
             budget = cfg.max_batch_tokens
             chunks: list[tuple[_Flight, int]] = []
@@ -396,7 +297,7 @@ class EmbeddedEngine:
                 chunks.append((flight, n))
                 budget -= n
             blocking_s = overlapped_s = 0.0
-            demoted_before = self.cache.stats.bytes_moved["device->host"]
+            self._inline_tokens("device->host")  # what came before this step was charged already
             for flight in list(waiting):
                 if len(running) + len(prefilling) >= cfg.max_running or budget <= 0:
                     break
@@ -413,7 +314,7 @@ class EmbeddedEngine:
                 else:
                     break  # FIFO: a request that does not fit blocks the ones behind it
             if not chunks and not running:
-                nxt = self._next_event_time(pending, waiting)
+                nxt = self._next_event_time(pending)
                 if nxt is None and waiting and self._drop_prefetch_locks(waiting):
                     continue  # prefetched paths held the pages the head of the queue needs
                 if nxt is None:
@@ -424,9 +325,9 @@ class EmbeddedEngine:
                 continue
             compute = cost.batch_prefill_seconds(cfg.model, cfg.hardware, [(n, f.context - f.prefill_left) for f, n in chunks])
             compute += cost.decode_step_seconds(cfg.model, cfg.hardware, sum(f.context for f in running), len(running))
-            # demotions made room for this step: their device -> host copies run in the scheduler
-            # before the forward pass can use the freed pages (host -> disk write-back is background)
-            demoted_tokens = (self.cache.stats.bytes_moved["device->host"] - demoted_before) // cfg.storage_layout.bytes_per_token
+            # evictions that made room for this step and copied device -> host inline (pages the
+            # background write-back had not cleaned yet) delay the forward pass
+            demoted_tokens = self._inline_tokens("device->host")
             demote_s = self.links.seconds("device->host", demoted_tokens) if demoted_tokens else 0.0
             self.demote_seconds += demote_s
             step = demote_s + blocking_s + max(compute, overlapped_s) + overlapped_s / cfg.model.num_layers
@@ -452,30 +353,27 @@ class EmbeddedEngine:
                 else:
                     still.append(flight)
             running = still
-        for job, _ in self.predicted_jobs:
-            self.cache.release(job)
-        self.predicted_jobs = []
+        self.controller.shutdown()
         return self.records
 
     def _drop_prefetch_locks(self, waiting: deque) -> bool:
-        """Release the prefetch jobs of waiting requests (their pages stay cached, unlocked).
-        Returns whether there was any to release."""
+        """Finish and release the prefetch jobs of waiting requests (their pages stay cached,
+        unlocked). Returns whether there was any to release."""
         released = False
         for flight in waiting:
-            if flight.job is not None:
-                self._run_due(flight.job, flight.stage_finish, math.inf)
-                self.cache.release(flight.job)
-                flight.job = None
+            job = flight.ticket.job
+            if job is not None:
+                self.executor.finish_all(job.ops())
+                self.controller.poll(flight.ticket)
+                self.controller.release(flight.ticket)
                 released = True
         return released
 
-    def _next_event_time(self, pending: deque, waiting: deque) -> float | None:
+    def _next_event_time(self, pending: deque) -> float | None:
         times = []
         if pending and self.config.concurrency is None:
             times.append(pending[0].arrival_s * self.config.time_scale)
-        for flight in waiting:
-            if flight.job is not None and not flight.job.finished:
-                times.extend(t for t in flight.stage_finish if t > self.now)
-        for _, finishes in self.predicted_jobs:
-            times.extend(t for t in finishes if t > self.now)
+        nxt = self.executor.next_event()
+        if nxt is not None:
+            times.append(max(nxt, self.now))
         return min(times) if times else None

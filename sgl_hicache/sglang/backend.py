@@ -61,13 +61,16 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     MatchResult,
 )
 
-from ..cache import PromotionJob, TieredCache
+from ..cache import MatchResult as _Match
+from ..cache import TieredCache
 from ..config import CacheConfig, default_disk_dir
+from ..controller import Admission, ControllerSettings, RequestController, Ticket
 from ..hashing import Namespace
 from ..policy.predictor import make_predictor
 from ..stats import prometheus_text
 from ..tiers.base import DEVICE, DISK, HOST, TIERS
 from ..transfer.engine import TransferEngine
+from ..transfer.executors import ThreadExecutor
 from .device_pool import SGLangDevicePool
 from .settings import BackendSettings, load_settings, unknown_env
 
@@ -79,14 +82,12 @@ _MAX_REQ_STATES = 65536
 
 @dataclass(eq=False)
 class _ReqState:
-    """What the backend remembers of a waiting request between scheduling rounds."""
+    """What the backend remembers of a request between scheduling rounds: the controller's ticket
+    (made at the first match) and the last match SGLang was given."""
 
     created: float
-    disk_start: int = 0  # absolute token range that was disk-only at the first match
-    disk_end: int = 0
-    job: PromotionJob | None = None  # its disk -> host prefetch, while in flight
-    job_started: float = 0.0
-    waited: bool = False
+    ticket: Ticket | None = None
+    last_match: _Match | None = None
 
 
 @dataclass
@@ -102,15 +103,11 @@ class BackendCounters:
     load_back_retries: int = 0  # init_load_back answered "not yet" (prefetch in flight)
     load_back_timeouts: int = 0
     load_back_seconds: float = 0.0
-    load_wait_seconds: float = 0.0  # scheduler time spent waiting for prefetches to land (load_wait_s)
     checkpoints: int = 0
     duplicate_pages_freed: int = 0
     evict_calls: int = 0
     evicted_tokens: int = 0
     uncacheable_requests: int = 0  # extra_key / cache_salt / bigram: served without the cache
-    writeback_pages: int = 0  # host pages written to disk in the background, ahead of eviction
-    device_writeback_pages: int = 0  # device pages copied to host in the background, ahead of eviction
-    device_writeback_cancelled_pages: int = 0  # of those, cancelled because an eviction needed the pages first
     extra: dict = field(default_factory=dict)
 
 
@@ -160,16 +157,17 @@ class TieredRadixCache(BasePrefixCache):
         )
         self.cache = TieredCache(self.config, device=self.device_pool)
         self.engine = TransferEngine(self.cache, workers=s.transfer_workers)  # started on first use
-        self.predictor = make_predictor(s.predictor, self.page_size, s.predictor_budget_tokens)
+        self.controller = RequestController(
+            self.cache,
+            ThreadExecutor(self.cache, self.engine),
+            make_predictor(s.predictor, self.page_size, s.predictor_budget_tokens),
+            ControllerSettings(prefetch=s.prefetch, device_writeback_clean_fraction=s.device_writeback_clean_fraction,
+                               writeback_clean_fraction=s.writeback_clean_fraction),
+            clock=time.monotonic,
+        )
         self.counters = BackendCounters()
         self.server_port = server_port
         self._states: OrderedDict[str, _ReqState] = OrderedDict()
-        self._predicted: list[PromotionJob] = []
-        self._writeback: list = []  # TransferOps device -> host and host -> disk in flight (background write-back)
-        self._writeback_at = 0.0
-        self._dirty = True
-        self._evictable = 0
-        self._protected = 0
         self._empty_indices = torch.empty((0,), dtype=torch.int64, device=self.device)
         self._publisher: _StatsPublisher | None = None
         self._metrics_enabled = bool(getattr(params, "enable_metrics", False))
@@ -200,26 +198,15 @@ class TieredRadixCache(BasePrefixCache):
         self._drop_all_jobs()
         self.engine.stop()
 
-    def _engine(self) -> TransferEngine:
-        return self.engine.start()  # idempotent
-
     def _drop_all_jobs(self) -> None:
         for st in list(self._states.values()):
             self._drop_job(st)
         self._states.clear()
-        for job in self._predicted:
-            self.cache.release(job)
-        self._predicted = []
-        self._cancel_writeback(self._writeback)
-        for op in self._writeback:
-            self.cache.complete(op)  # cancelled or done: frees or records the copy
-        self._writeback = []
+        self.controller.shutdown()
 
     def _drop_job(self, st: _ReqState) -> None:
-        if st.job is not None:
-            self.cache.release(st.job)  # cancels what has not arrived; waits for running copies
-            st.job = None
-            self._dirty = True
+        if st.ticket is not None:
+            self.controller.drop(st.ticket)  # cancels what has not arrived; waits for running copies
 
     # ---- BasePrefixCache: abstract -------------------------------------------------------
     def reset(self) -> None:
@@ -228,7 +215,6 @@ class TieredRadixCache(BasePrefixCache):
         self.engine.stop()
         self.cache.reset()
         self.device_pool.reset_accounting()
-        self._dirty = True
 
     def _empty_match(self) -> MatchResult:
         root = self.cache.tree.root
@@ -249,8 +235,6 @@ class TieredRadixCache(BasePrefixCache):
             if len(self._states) > _MAX_REQ_STATES:  # requests SGLang never released: forget the oldest
                 _, old = self._states.popitem(last=False)
                 self._drop_job(old)
-            st.waited = False
-            st.disk_end = -1  # marks "first match not seen yet"
         return st
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
@@ -264,27 +248,24 @@ class TieredRadixCache(BasePrefixCache):
         if aligned == 0:
             return self._empty_match()
         st = self._state(params.req)
-        first = st is not None and st.disk_end < 0
-        m = self.cache.match(tokens[:aligned], touch=first or st is None)
         self.counters.matches += 1
-        self._dirty = True  # a match may split nodes and adopt disk pages
+        if st is None:
+            m = self.cache.match(tokens[:aligned])
+        elif st.ticket is None:  # the request's first match: the controller takes it from here
+            st.ticket, m = self.controller.arrive(tokens[:aligned])
+            if self.controller.prefetch(st.ticket, m):
+                job = st.ticket.job
+                self.counters.prefetch_jobs += 1
+                self.counters.prefetch_tokens += job.tokens  # type: ignore[union-attr]
+        else:
+            self.controller.poll(st.ticket)
+            m = self.cache.match(tokens[:aligned], touch=False)
+        if not self.settings.prefetch and m.disk_tokens:
+            # without prefetch nothing brings disk pages up off the scheduler thread: do not promise them
+            m = m.head(m.device_tokens + m.host_tokens)
         if st is not None:
-            if first:
-                st.disk_start = m.device_tokens + m.host_tokens
-                st.disk_end = m.tokens
-                if self.predictor.name != "none":
-                    self._predict(m)
-            if st.job is not None:
-                self._poll(st)
-            if st.job is None and m.disk_tokens and self.settings.prefetch and first:
-                job = self.cache.plan_promotion(m, "prefetch", target=HOST)
-                if job is not None:
-                    st.job = job
-                    st.job_started = time.monotonic()
-                    self.counters.prefetch_jobs += 1
-                    self.counters.prefetch_tokens += job.tokens
-                    self._engine().submit(job)
-        self._pump_writeback()
+            st.last_match = m
+        self.controller.pump_writeback()
         self._maybe_check()
         return MatchResult(
             device_prefix_len=m.device_tokens,
@@ -293,100 +274,6 @@ class TieredRadixCache(BasePrefixCache):
             best_match_node=m.last_node,
             host_hit_length=m.lower_tier_tokens,
         )
-
-    def _pump_writeback(self, start_new: bool = True) -> None:
-        """Background write-back, one tier down, so that the evictions SGLang's allocator triggers in
-        the scheduler thread are free drops instead of synchronous copies: keep the coldest
-        `device_writeback_clean_fraction` of the device pool also on host, and the coldest
-        `writeback_clean_fraction` of the host tier also on disk. Records the copies that finished;
-        plans new ones at most every 20 ms, one batch in flight at a time."""
-        if self._writeback:
-            done = [op for op in self._writeback if op.executed.is_set()]
-            for op in done:
-                self.cache.complete(op)
-            self._writeback = [op for op in self._writeback if not op.applied]
-            self._dirty = self._dirty or bool(done)
-        now = time.monotonic()
-        if not start_new or self._writeback or now - self._writeback_at < 0.02:
-            return
-        self._writeback_at = now
-        ops = []
-        for src, dst, fraction in ((DEVICE, HOST, self.settings.device_writeback_clean_fraction),
-                                   (HOST, DISK, self.settings.writeback_clean_fraction)):
-            store = self.cache.stores.get(src)
-            if fraction > 0 and store is not None and dst in self.cache.stores:
-                planned = self.cache.plan_writeback(src, dst, int(store.capacity_pages * fraction), max_pages=64)
-                pages = sum(len(op.dst_handles) for op in planned)
-                if src == DEVICE:
-                    self.counters.device_writeback_pages += pages
-                else:
-                    self.counters.writeback_pages += pages
-                ops += planned
-        if ops:
-            self._writeback = ops
-            self._engine().submit_ops(ops, kind="backup")
-
-    def _wait_briefly(self, st: _ReqState) -> bool:
-        """Block up to `load_wait_s` for the rest of a request's prefetch; True once it is over.
-        Answering "not yet" is dearer than it looks: SGLang 0.5.23 then stops filling the prefill
-        batch (`add_one_req` -> OTHER ends the loop), so every request queued behind this one waits
-        a whole round too. A short wait for reads already under way usually costs less."""
-        if self.settings.load_wait_s <= 0:
-            return False
-        t0 = time.perf_counter()
-        self._engine().wait(st.job, timeout=self.settings.load_wait_s)
-        self.counters.load_wait_seconds += time.perf_counter() - t0
-        return self._poll(st)
-
-    def _cancel_writeback(self, ops: list) -> None:
-        """Cancel background copies and wait until each has ended (queued ones end at once, a chunk a
-        worker is copying finishes first); the caller completes them."""
-        self.engine.cancel(ops)
-        for op in ops:
-            op.executed.wait(timeout=60)
-
-    def _cancel_device_writeback(self) -> None:
-        """Cancel the device -> host background copies in flight (a copy already running finishes,
-        and then counts as done) and record them, so their pages are evictable again."""
-        ops = [op for op in self._writeback if op.src == DEVICE]
-        self._cancel_writeback(ops)
-        for op in ops:
-            if op.cancelled and op.error is not None:
-                self.counters.device_writeback_cancelled_pages += len(op.dst_handles)
-        self._pump_writeback(start_new=False)
-        self._dirty = True
-
-    def _poll(self, st: _ReqState) -> bool:
-        """Apply what has arrived of the request's prefetch; True once it is over (and released)."""
-        job = st.job
-        if job is None:
-            return True
-        if self.cache.advance(job):
-            self.cache.release(job)
-            st.job = None
-            self._dirty = True
-            return True
-        return False
-
-    def _predict(self, m) -> None:
-        """Tree-walk prediction: bring likely descendants disk -> host in idle transfer time."""
-        keep = []
-        for job in self._predicted:
-            if self.cache.advance(job):
-                self.cache.release(job)
-            else:
-                keep.append(job)
-        self._predicted = keep
-        if len(self._predicted) >= 8:
-            return
-        for pred in self.predictor.predict(m.last_node, time.monotonic()):
-            node = pred.node
-            if node.parent is None or node.host is not None or node.device is not None:
-                continue
-            job = self.cache.plan_promotion(node.path_from_root(), kind="predict", target=HOST, evict=False)
-            if job is not None:
-                self._engine().submit(job)
-                self._predicted.append(job)
 
     def init_load_back(self, params: InitLoadBackParams) -> Optional[tuple[int, Any]]:
         req = params.req
@@ -397,28 +284,32 @@ class TieredRadixCache(BasePrefixCache):
         if self.disable or promised <= 0 or req is None:
             return fallback
         t0 = time.perf_counter()
-        if st is not None and st.job is not None and not self._poll(st) and not self._wait_briefly(st):
-            if time.monotonic() - st.job_started < self.settings.load_timeout_s:
-                st.waited = True
+        ticket = st.ticket if st is not None else None
+        if ticket is not None and ticket.job is not None:
+            # never wait here: this is SGLang's scheduler thread. Retry next round while the rest of the
+            # prefetch should land within what is left of `load_timeout_s`, else recompute it
+            budget = self.settings.load_timeout_s - (time.monotonic() - st.created)  # type: ignore[union-attr]
+            decision, _ = self.controller.admit(ticket, max(0.0, budget))
+            if decision is Admission.WAIT:
                 self.counters.load_back_retries += 1
                 return None  # the disk pages are still coming: SGLang retries next round
-            self.counters.load_back_timeouts += 1
-            self.cache.stats.add("loads_recomputed")
-            self._drop_job(st)
-            return fallback
-        if st is not None and st.waited:
-            self.cache.stats.add("loads_waited")
-            st.waited = False
+            if decision is Admission.RECOMPUTE:
+                self.counters.load_back_timeouts += 1
+                return fallback
         prefix = int(req.prefix_len)
         target = prefix + promised
         tokens = req.full_untruncated_fill_ids[:target]
         m = self.cache.match(tokens, touch=False)
-        self._dirty = True
-        if m.tokens != target or m.last_node is not node or m.device_tokens != prefix:
-            # the tree changed since the match (a page went missing on disk): recompute
+        if m.tokens != target or m.last_node is not node or m.device_tokens != prefix or m.disk_tokens:
+            # the tree changed since the match (a page went missing on disk), or pages are still on
+            # disk only (reading them here would block the scheduler): recompute
             self.counters.load_back_declined += 1
+            if ticket is not None:
+                self.controller.release(ticket)
             return fallback
-        m2 = self.cache.promote(m, "demand")
+        m2, _ = self.controller.load(tokens, m)
+        if ticket is not None:
+            self.controller.release(ticket)
         self.counters.load_back_seconds += time.perf_counter() - t0
         if m2.device_tokens != target:
             self.counters.load_back_declined += 1
@@ -427,8 +318,8 @@ class TieredRadixCache(BasePrefixCache):
         self.counters.load_backs += 1
         self.counters.load_back_tokens += promised
         # the part that was on disk at the first match is reported as SGLang's "storage" tier
-        if st is not None and st.disk_end > st.disk_start:
-            lo, hi = max(prefix, st.disk_start), min(target, st.disk_end)
+        if ticket is not None and ticket.disk_end > ticket.disk_start:
+            lo, hi = max(prefix, ticket.disk_start), min(target, ticket.disk_end)
             if hi > lo:
                 req.storage_hit_start = lo
                 req.storage_hit_length = hi - lo
@@ -478,7 +369,6 @@ class TieredRadixCache(BasePrefixCache):
         self.unlock(req.lock)
         req.lock = self.lock(new_last)
         req.last_node = new_last
-        self._dirty = True
         self._maybe_check()
 
     def insert(self, params: InsertParams) -> InsertResult:
@@ -494,7 +384,6 @@ class TieredRadixCache(BasePrefixCache):
         pages = self.device_pool.pages_of(params.value[:aligned].to(torch.int64))
         r = self.cache.insert(tokens[:aligned], pages, from_allocate_device=False)
         self.device_pool.adopt(r.adopted_pages)
-        self._dirty = True
         return InsertResult(prefix_len=r.prefix_tokens, total_len=aligned, last_device_node=r.last_node)
 
     def evict(self, params: EvictParams) -> EvictResult:
@@ -505,15 +394,14 @@ class TieredRadixCache(BasePrefixCache):
         # record finished background copies (their pages become free drops), but start none here:
         # a new copy pins the coldest nodes, exactly the ones this eviction is about to free, and the
         # scheduler sized its allocation from evictable_size() before calling
-        self._pump_writeback(start_new=False)
+        self.controller.pump_writeback(start_new=False)
         freed = self.cache.evict(DEVICE, pages) * self.page_size
-        if freed < params.num_tokens and any(op.src == DEVICE for op in self._writeback):
+        if freed < params.num_tokens and any(op.src == DEVICE for op in self.controller.writeback):
             # the scheduler counted on pages a background copy still pins: stop those copies
-            self._cancel_device_writeback()
+            self.controller.cancel_device_writeback()
             freed += self.cache.evict(DEVICE, pages - freed // self.page_size) * self.page_size
         self.counters.evict_calls += 1
         self.counters.evicted_tokens += freed
-        self._dirty = True
         self.update_eviction_metrics(freed, t0)
         self._maybe_check()
         return EvictResult(num_tokens_evicted=freed)
@@ -528,7 +416,6 @@ class TieredRadixCache(BasePrefixCache):
                 delta -= n.num_pages * self.page_size
             n = n.parent
         self.cache.lock(node)
-        self._dirty = True
         return IncLockRefResult(delta=delta)
 
     def dec_lock_ref(self, node, params: Optional[DecLockRefParams] = None) -> DecLockRefResult:
@@ -541,7 +428,6 @@ class TieredRadixCache(BasePrefixCache):
                 delta += n.num_pages * self.page_size
             n = n.parent
         self.cache.unlock(node)
-        self._dirty = True
         return DecLockRefResult(delta=delta)
 
     # ---- BasePrefixCache: the rest the scheduler uses --------------------------------------
@@ -563,32 +449,16 @@ class TieredRadixCache(BasePrefixCache):
         aligned = len(tokens) - len(tokens) % self.page_size
         if aligned:
             self.cache.match(tokens[:aligned], touch=True)
-            self._dirty = True
-
-    def _sizes(self) -> None:
-        if not self._dirty:
-            return
-        evictable = protected = 0
-        for n in self.cache.tree.resident[DEVICE]:
-            # pinned (a background copy or a prefetch reads it) is as good as locked until it is done:
-            # SGLang's idle check wants free + evictable + protected == the pool
-            if n.lock_ref > 0 or n.pins > 0:
-                protected += n.num_pages
-            else:
-                evictable += n.num_pages
-        self._evictable = evictable * self.page_size
-        self._protected = protected * self.page_size
-        self._dirty = False
 
     def evictable_size(self) -> int:
-        """Device tokens the tree could free now. Recomputed only after a call that changed the tree
-        (the scheduler polls this thousands of times per second; almost every poll is a cached read)."""
-        self._sizes()
-        return self._evictable
+        """Device tokens the tree could free now: unlocked and unpinned (the scheduler polls this
+        thousands of times per second; the tree keeps the figure on every lock, pin and residency
+        change, so this is O(1)). Pinned pages (a background copy or a prefetch reads them) count as
+        protected: SGLang's idle check wants free + evictable + protected == the pool."""
+        return self.cache.tree.evictable_pages(DEVICE) * self.page_size
 
     def protected_size(self) -> int:
-        self._sizes()
-        return self._protected
+        return self.cache.tree.protected[DEVICE] * self.page_size
 
     full_evictable_size = evictable_size
     full_protected_size = protected_size
@@ -609,28 +479,19 @@ class TieredRadixCache(BasePrefixCache):
             req._sgl_hicache_recorded = True
         except AttributeError:
             pass
-        self._record(req)
+        self._record(req, st)
 
-    def _record(self, req) -> None:
+    def _record(self, req, st: _ReqState | None) -> None:
+        """Count the request's hits: SGLang's figures say how much it served from the cache; the
+        controller attributes them to tiers from the request's match, as in the embedded engine."""
         prompt = req.origin_input_ids
         dev = int(getattr(req, "cached_tokens_device", 0) or 0)
         host = int(getattr(req, "cached_tokens_host", 0) or 0)
         disk = int(getattr(req, "cached_tokens_storage", 0) or 0)
-        aligned = len(prompt) - len(prompt) % self.page_size
-        m = self.cache.match(prompt[:aligned], touch=False) if aligned and not (req.extra_key or req.cache_salt) else None
-        if m is None:
+        if st is None or st.last_match is None:
             self.cache.stats.record_request(len(prompt), dev, host, disk)
             return
-        from ..cache import MatchResult as _Match
-
-        hit, path, covered = dev + host + disk, [], 0
-        for node in m.path:  # the nodes the hit covered (not the ones the request computed itself)
-            if covered + node.num_pages * self.page_size > hit:
-                break
-            path.append(node)
-            covered += node.num_pages * self.page_size
-        counted = _Match(path, dev, host, disk, [], m.last_node, m.last_device_node)
-        self.cache.record_request(len(prompt), counted, covered_by_prefetch=disk if self.settings.prefetch else 0)
+        self.controller.account(st.ticket, len(prompt), st.last_match, hit_tokens=dev + host + disk)
 
     def release_aborted_request(self, handle: CacheRequestHandle) -> None:
         st = self._states.pop(handle.rid, None)
@@ -656,7 +517,7 @@ class TieredRadixCache(BasePrefixCache):
 
     # ---- checks and stats ----------------------------------------------------------------
     def _inflight(self) -> bool:
-        return bool(self._predicted) or bool(self._writeback) or any(s.job is not None for s in self._states.values())
+        return self.controller.inflight() or any(s.ticket is not None and s.ticket.job is not None for s in self._states.values())
 
     def _maybe_check(self) -> None:
         """With `check_invariants`, verify the tree and every store's accounting (skipped while a
@@ -669,9 +530,9 @@ class TieredRadixCache(BasePrefixCache):
 
         `request_held_tokens` are the device tokens neither free nor the cache's: the KV of running
         requests. Once the server is idle it must be 0, and `ok` says every tier's accounting holds."""
-        for op in self._writeback:  # background disk writes are short: finish them for exact figures
+        for op in self.controller.writeback:  # background disk writes are short: finish them for exact figures
             op.executed.wait(timeout=10)
-        self._pump_writeback(start_new=False)
+        self.controller.pump_writeback(start_new=False)
         ps = self.page_size
         alloc_free = int(self.token_to_kv_pool_allocator.available_size())
         pool = self.device_pool.pool_pages * ps
@@ -690,7 +551,7 @@ class TieredRadixCache(BasePrefixCache):
             "evictable_tokens": self.evictable_size(),
             "protected_tokens": self.protected_size(),
             "waiting_states": len(self._states),
-            "inflight_prefetch_jobs": sum(1 for s in self._states.values() if s.job is not None),
+            "inflight_prefetch_jobs": sum(1 for s in self._states.values() if s.ticket is not None and s.ticket.job is not None),
         }
         if self._inflight():
             out["check"] = "skipped: transfers in flight"
@@ -706,7 +567,10 @@ class TieredRadixCache(BasePrefixCache):
         """Everything `sgl-hicache stats` shows: the cache snapshot, backend counters, config,
         and (with `exact`, only from the scheduler thread) the pool accounting and the tree view."""
         snap = self.cache.snapshot()
+        wb = self.controller.writeback_counters
         snap["backend"] = {k: v for k, v in vars(self.counters).items() if k != "extra"}
+        snap["backend"].update(writeback_pages=wb.host_pages, device_writeback_pages=wb.device_pages,
+                               device_writeback_cancelled_pages=wb.device_cancelled_pages)
         snap["config"] = {
             "page_size": self.page_size,
             "device_tokens": self.device_pool.pool_pages * self.page_size,

@@ -58,7 +58,6 @@ class BackendSettings:
     writeback_clean_fraction: float = 0.25  # keep this share of the host tier also on disk, written in the background (0: off)
     device_writeback_clean_fraction: float = 0.25  # keep this share of the device pool also on host, copied in the background (0: off)
     load_timeout_s: float = 30.0  # how long a request may wait for its disk pages before it recomputes them
-    load_wait_s: float = 0.25  # at admission, block the scheduler up to this long for a prefetch still landing
     tenant_salt: str = ""  # extra namespace salt (isolates caches of tenants sharing one disk directory)
     stats_file: str | None = None  # the scheduler writes JSON stats here every stats_interval_s (atomic rename)
     stats_interval_s: float = 2.0
@@ -84,7 +83,6 @@ class BackendSettings:
         need(isinstance(self.transfer_workers, int) and self.transfer_workers >= 1, f"transfer_workers must be an integer >= 1, got {self.transfer_workers!r}")
         need(self.load_timeout_s >= 0, f"load_timeout_s must be >= 0, got {self.load_timeout_s!r}")
         need(0 <= self.writeback_clean_fraction <= 1, f"writeback_clean_fraction must be in [0, 1], got {self.writeback_clean_fraction!r}")
-        need(self.load_wait_s >= 0, f"load_wait_s must be >= 0, got {self.load_wait_s!r}")
         need(0 <= self.device_writeback_clean_fraction <= 1,
              f"device_writeback_clean_fraction must be in [0, 1], got {self.device_writeback_clean_fraction!r}")
         need(self.stats_interval_s > 0, f"stats_interval_s must be > 0, got {self.stats_interval_s!r}")

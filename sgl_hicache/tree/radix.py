@@ -39,6 +39,8 @@ class RadixTree:
         self.root = TreeNode(None, (), [namespace.root], 0, next(self._ids))
         self.root.lock_ref = 1  # the root is never evicted
         self.resident: dict[str, set[TreeNode]] = {tier: set() for tier in TIERS}
+        # pages per tier of locked or pinned nodes, kept on every lock/pin/residency change
+        self.protected: dict[str, int] = {tier: 0 for tier in TIERS}
         self.pages: dict[str, int] = {tier: 0 for tier in TIERS}
         self.node_count = 0
 
@@ -144,6 +146,8 @@ class RadixTree:
             setattr(node, tier, list(handles))
         self.resident[tier].add(node)
         self.pages[tier] += node.num_pages
+        if node.lock_ref or node.pins:
+            self.protected[tier] += node.num_pages
 
     def clear_resident(self, node: TreeNode, tier: str) -> list[Handle]:
         """Forget `node`'s copy in `tier`; returns the handles the store must free."""
@@ -156,6 +160,8 @@ class RadixTree:
             setattr(node, tier, None)
         self.resident[tier].discard(node)
         self.pages[tier] -= node.num_pages
+        if node.lock_ref or node.pins:
+            self.protected[tier] -= node.num_pages
         return handles
 
     def tier_leaves(self, tier: str) -> Iterator[TreeNode]:
@@ -173,6 +179,8 @@ class RadixTree:
     # ---- locks -----------------------------------------------------------------------------
     def lock(self, node: TreeNode) -> None:
         while node is not None and not node.is_root:
+            if node.lock_ref == 0 and node.pins == 0:
+                self._protect(node, +1)
             node.lock_ref += 1
             node = node.parent  # type: ignore[assignment]
 
@@ -181,7 +189,31 @@ class RadixTree:
             if node.lock_ref <= 0:
                 raise InvariantError(f"unlock of {node} with lock_ref {node.lock_ref}")
             node.lock_ref -= 1
+            if node.lock_ref == 0 and node.pins == 0:
+                self._protect(node, -1)
             node = node.parent  # type: ignore[assignment]
+
+    def pin(self, node: TreeNode) -> None:
+        """A transfer reads or writes `node`: never evict or split it until `unpin`."""
+        if node.lock_ref == 0 and node.pins == 0:
+            self._protect(node, +1)
+        node.pins += 1
+
+    def unpin(self, node: TreeNode) -> None:
+        if node.pins <= 0:
+            raise InvariantError(f"unpin of {node} with pins {node.pins}")
+        node.pins -= 1
+        if node.lock_ref == 0 and node.pins == 0:
+            self._protect(node, -1)
+
+    def _protect(self, node: TreeNode, sign: int) -> None:
+        for tier in TIERS:
+            if node.in_tier(tier):
+                self.protected[tier] += sign * node.num_pages
+
+    def evictable_pages(self, tier: str) -> int:
+        """Pages of `tier` held by nodes no request locks and no transfer pins, in O(1)."""
+        return self.pages[tier] - self.protected[tier]
 
     # ---- walking ---------------------------------------------------------------------------
     def nodes(self) -> Iterator[TreeNode]:
@@ -205,6 +237,7 @@ class RadixTree:
     def check(self) -> None:
         """Verify every invariant in the class docstring; raise InvariantError naming the first broken one."""
         pages = {tier: 0 for tier in TIERS}
+        protected = {tier: 0 for tier in TIERS}
         members = {tier: set() for tier in TIERS}
         count = 0
         for node in self.nodes():
@@ -228,6 +261,8 @@ class RadixTree:
                     raise InvariantError(f"{tier} residency not prefix-closed: {node} is in {tier}, its parent {parent} is not")
                 pages[tier] += node.num_pages
                 members[tier].add(node)
+                if node.lock_ref or node.pins:
+                    protected[tier] += node.num_pages
             if node.lock_ref < 0 or node.pins < 0:
                 raise InvariantError(f"{node} has a negative lock or pin count")
             child_locks = sum(c.lock_ref for c in node.children.values())
@@ -238,5 +273,7 @@ class RadixTree:
         for tier in TIERS:
             if pages[tier] != self.pages[tier]:
                 raise InvariantError(f"{tier} page count {self.pages[tier]} but nodes hold {pages[tier]}")
+            if protected[tier] != self.protected[tier]:
+                raise InvariantError(f"{tier} protected page count {self.protected[tier]} but locked/pinned nodes hold {protected[tier]}")
             if members[tier] != self.resident[tier]:
                 raise InvariantError(f"{tier} resident set out of sync with the nodes")

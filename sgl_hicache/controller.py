@@ -1,0 +1,296 @@
+"""THE request lifecycle, written once, for the SGLang backend and the embedded engine alike:
+
+    arrive (match, predict) -> prefetch (disk -> host while the request waits) -> admit (ready,
+    wait, or recompute) -> load (lower tiers -> device) -> account (hits per tier) ->
+    write-back (background copies one tier down) -> predictions advanced
+
+The controller plans; an `Executor` moves the bytes (threads in the server, virtual time in the
+embedded engine); results come back as data on the ops and are applied here. The two engines
+differ only in their executor and in how they turn an `Admission` into scheduling (the server
+answers "retry", the embedded engine stalls its step): never in a policy.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .cache import MatchResult, PromotionJob, TieredCache, TransferOp
+from .policy.predictor import Predictor
+from .tiers.base import DEVICE, DISK, HOST
+from .transfer.executors import Executor, LoadTime
+
+
+class Admission(enum.Enum):
+    """What admission decides for a request whose prefetch may still be in flight."""
+
+    READY = "ready"  # nothing in flight: load and go
+    WAIT = "wait"  # in flight, and waiting is estimated cheaper than recomputing
+    RECOMPUTE = "recompute"  # in flight, the rest was cancelled: the request recomputes it
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request as the controller follows it from arrival to admission.
+
+    `disk_start` / `disk_end` is the token range that was on disk only at the request's first
+    match: those tokens count as disk hits even when a prefetch brought them to host before the
+    request was scheduled (hits are attributed to where the request found them)."""
+
+    tokens: Sequence[int]
+    disk_start: int = 0
+    disk_end: int = 0
+    job: PromotionJob | None = None
+    prefetched_disk_tokens: int = 0  # tokens its own prefetch brought up from disk
+    waited: bool = False
+
+
+@dataclass
+class WritebackCounters:
+    """Background write-back figures (pages planned per link, and device copies an eviction had to
+    cancel because it needed those pages first)."""
+
+    device_pages: int = 0
+    host_pages: int = 0
+    device_cancelled_pages: int = 0
+
+
+@dataclass
+class ControllerSettings:
+    """The lifecycle's knobs, shared by both engines (the server reads them from its settings, the
+    embedded engine from its policy)."""
+
+    prefetch: bool = True
+    device_writeback_clean_fraction: float = 0.25
+    writeback_clean_fraction: float = 0.25
+    writeback_batch_pages: int = 64
+    writeback_interval_s: float = 0.02
+    max_predicted_jobs: int = 8
+
+
+class RequestController:
+    """The request lifecycle over one `TieredCache` and one `Executor` (module docstring).
+
+    Contract:
+    - Not thread-safe by itself: one thread (SGLang's scheduler, or the embedded engine's loop)
+      calls it; executor threads only set `executed` on ops.
+    - Nothing here waits on I/O: `admit` decides and returns; waiting is the caller's choice
+      (`finish_waiting` on a virtual executor, a retry in the server).
+    - Every job it starts is released by `drop`, `admit`+`account`, or `shutdown`.
+    """
+
+    def __init__(self, cache: TieredCache, executor: Executor, predictor: Predictor, settings: ControllerSettings,
+                 clock: Callable[[], float]) -> None:
+        self.cache = cache
+        self.executor = executor
+        self.predictor = predictor
+        self.settings = settings
+        self.clock = clock
+        self.predicted: list[PromotionJob] = []
+        self.writeback: list[TransferOp] = []
+        self._writeback_at = -float("inf")
+        self.writeback_counters = WritebackCounters()
+
+    # ---- arrival and prefetch ----------------------------------------------------------------
+    def arrive(self, tokens: Sequence[int]) -> tuple[Ticket, MatchResult]:
+        """First sight of a request: match (counting traffic), remember its disk range, predict."""
+        m = self.cache.match(tokens)
+        ticket = Ticket(tokens, disk_start=m.device_tokens + m.host_tokens, disk_end=m.tokens)
+        if self.predictor.name != "none":
+            self.predict(m)
+        return ticket, m
+
+    def prefetch(self, ticket: Ticket, match: MatchResult | None = None) -> bool:
+        """Start moving the disk-only part of the request's match up to host. True if a job started."""
+        if not self.settings.prefetch or ticket.job is not None:
+            return False
+        m = match if match is not None else self.cache.match(ticket.tokens, touch=False)
+        if not m.disk_tokens:
+            return False
+        job = self.cache.plan_promotion(m, "prefetch", target=HOST)
+        if job is None:
+            return False
+        ticket.job = job
+        self.executor.submit_job(job)
+        return True
+
+    def poll(self, ticket: Ticket) -> bool:
+        """Apply what has arrived of the request's prefetch; True once nothing is in flight (the
+        finished job keeps its path locked until `release`, so what it brought up stays)."""
+        job = ticket.job
+        if job is None:
+            return True
+        self.executor.poll()
+        return self.cache.advance(job)
+
+    def release(self, ticket: Ticket) -> None:
+        """End the request's prefetch job (cancelling what has not arrived) and unlock its path."""
+        job = ticket.job
+        if job is None:
+            return
+        ticket.prefetched_disk_tokens += self._brought_from_disk(job)
+        self.cache.release(job)
+        ticket.job = None
+
+    def _brought_from_disk(self, job: PromotionJob | None) -> int:
+        """Tokens a finished part of `job` read from disk that are not on the device yet."""
+        if job is None:
+            return 0
+        return sum(st.node.num_pages for st in job.stages[: job.applied]
+                   if st.ops and st.ops[0].src == DISK and st.node.device is None) * self.cache.page_size
+
+    def drop(self, ticket: Ticket) -> None:
+        """The request went away (or will recompute): cancel and release its prefetch."""
+        if ticket.job is not None:
+            self.executor.cancel(ticket.job.ops())
+            self.cache.cancel(ticket.job)
+            self.release(ticket)
+
+    # ---- admission ---------------------------------------------------------------------------
+    def admit(self, ticket: Ticket, recompute_seconds: float) -> tuple[Admission, float]:
+        """Decide, without waiting, what to do with a request being scheduled: READY when nothing is
+        in flight; WAIT (with the estimated seconds) when the rest of its prefetch should land
+        before recomputing it would finish; otherwise the rest is cancelled: RECOMPUTE."""
+        if self.poll(ticket):
+            if ticket.waited:
+                self.cache.stats.add("loads_waited")
+                ticket.waited = False
+            return Admission.READY, 0.0
+        eta = self.executor.eta(ticket.job)  # type: ignore[arg-type]
+        if eta <= recompute_seconds:
+            ticket.waited = True
+            return Admission.WAIT, eta
+        self.drop(ticket)
+        self.cache.stats.add("loads_recomputed")
+        return Admission.RECOMPUTE, 0.0
+
+    def pending_tokens(self, ticket: Ticket) -> int:
+        """Tokens of the request's prefetch not applied yet (what recomputing would cost)."""
+        job = ticket.job
+        if job is None:
+            return 0
+        return sum(st.node.num_pages for st in job.stages[job.applied :]) * self.cache.page_size
+
+    # ---- load and accounting -----------------------------------------------------------------
+    def load(self, tokens: Sequence[int], m: MatchResult) -> tuple[MatchResult, LoadTime]:
+        """Bring the lower-tier part of `m` (the match of `tokens`) to the device: a demand load,
+        inline on the executor. Returns the match taken afresh and what the load cost."""
+        if not m.lower_tier_tokens:
+            return m, LoadTime()
+        job = self.cache.plan_promotion(m, "demand")
+        cost = LoadTime()
+        if job is not None:
+            cost = self.executor.run_now(job)
+            self.cache.advance(job)
+            self.cache.release(job)
+        return self.cache.match(tokens, touch=False), cost
+
+    def attribute(self, ticket: Ticket | None, m: MatchResult) -> tuple[int, int, int]:
+        """(device, host, disk) hit tokens of a request admitted with match `m`: the lower-tier part
+        counts as disk where it was disk-only at the request's first match, or is disk-only now."""
+        dev, total = m.device_tokens, m.tokens
+        disk_from = dev + m.host_tokens  # disk-only now
+        if ticket is not None and ticket.disk_end > ticket.disk_start:
+            disk_from = min(disk_from, ticket.disk_start)
+        disk = max(0, total - max(dev, disk_from))
+        return dev, total - dev - disk, disk
+
+    def account(self, ticket: Ticket | None, prompt_tokens: int, m: MatchResult, hit_tokens: int | None = None) -> tuple[int, int, int]:
+        """Count one admitted request's hits (the match taken before its load). `hit_tokens` caps
+        the hit where the engine served less than the match (a recomputed tail). Returns the
+        (device, host, disk) split."""
+        if hit_tokens is not None and hit_tokens < m.tokens:
+            m = m.head(hit_tokens)
+        dev, host, disk = self.attribute(ticket, m)
+        covered = min(ticket.prefetched_disk_tokens + self._brought_from_disk(ticket.job), disk) if ticket is not None else 0
+        self.cache.record_request(prompt_tokens, MatchResult(m.path, dev, host, disk, m.device_handles, m.last_node, m.last_device_node),
+                                  covered_by_prefetch=covered)
+        return dev, host, disk
+
+    # ---- prediction --------------------------------------------------------------------------
+    def predict(self, m: MatchResult) -> None:
+        """Bring likely descendants of the match disk -> host, into free host pages only, in idle
+        link time; at most `max_predicted_jobs` in flight."""
+        self.advance_predictions()
+        if len(self.predicted) >= self.settings.max_predicted_jobs or not self.cache.has_tier(HOST):
+            return
+        for pred in self.predictor.predict(m.last_node, self.clock()):
+            node = pred.node
+            if node.parent is None or node.host is not None or node.device is not None:
+                continue
+            job = self.cache.plan_promotion(node.path_from_root(), kind="predict", target=HOST, evict=False)
+            if job is not None:
+                self.executor.submit_job(job, speculative=True)
+                self.predicted.append(job)
+
+    def advance_predictions(self) -> None:
+        self.executor.poll()
+        keep = []
+        for job in self.predicted:
+            if self.cache.advance(job):
+                self.cache.release(job)
+            else:
+                keep.append(job)
+        self.predicted = keep
+
+    # ---- background write-back ---------------------------------------------------------------
+    def pump_writeback(self, start_new: bool = True) -> bool:
+        """Keep the coldest `device_writeback_clean_fraction` of the device tier also on host and the
+        coldest `writeback_clean_fraction` of host also on disk, copied in the background, so that
+        evictions are drops. Records finished copies; plans a new batch at most every
+        `writeback_interval_s`, one batch in flight. Returns whether anything changed."""
+        self.executor.poll()
+        changed = False
+        if self.writeback:
+            done = [op for op in self.writeback if op.executed.is_set()]
+            for op in done:
+                self.cache.complete(op)
+            self.writeback = [op for op in self.writeback if not op.applied]
+            changed = bool(done)
+        now = self.clock()
+        if not start_new or self.writeback or now - self._writeback_at < self.settings.writeback_interval_s:
+            return changed
+        self._writeback_at = now
+        ops: list[TransferOp] = []
+        s = self.settings
+        for src, dst, fraction in ((DEVICE, HOST, s.device_writeback_clean_fraction), (HOST, DISK, s.writeback_clean_fraction)):
+            store = self.cache.stores.get(src)
+            if fraction > 0 and store is not None and dst in self.cache.stores:
+                planned = self.cache.plan_writeback(src, dst, int(store.capacity_pages * fraction), max_pages=s.writeback_batch_pages)
+                pages = sum(len(op.dst_handles) for op in planned)
+                if src == DEVICE:
+                    self.writeback_counters.device_pages += pages
+                else:
+                    self.writeback_counters.host_pages += pages
+                ops += planned
+        if ops:
+            self.writeback = ops
+            self.executor.submit_ops(ops, kind="backup")
+        return changed or bool(ops)
+
+    def cancel_device_writeback(self) -> None:
+        """Stop the device -> host copies in flight (one already copying finishes first) and record
+        them, so their device pages are evictable again."""
+        ops = [op for op in self.writeback if op.src == DEVICE]
+        self.executor.cancel(ops)
+        for op in ops:
+            op.executed.wait(timeout=60)
+            if op.cancelled and op.error is not None:
+                self.writeback_counters.device_cancelled_pages += len(op.dst_handles)
+        self.pump_writeback(start_new=False)
+
+    def inflight(self) -> bool:
+        return bool(self.predicted) or bool(self.writeback)
+
+    def shutdown(self) -> None:
+        """Cancel and release everything in flight (tickets are dropped by their owner)."""
+        for job in self.predicted:
+            self.executor.cancel(job.ops())
+            self.cache.release(job)
+        self.predicted = []
+        self.executor.cancel(self.writeback)
+        for op in self.writeback:
+            op.executed.wait(timeout=60)
+            self.cache.complete(op)
+        self.writeback = []

@@ -1,0 +1,213 @@
+"""Executors: what runs the transfer ops the cache planned. The controller plans; an executor moves
+the bytes; finished work comes back as data on the ops themselves (`op.executed`, `op.error`),
+which the controller applies with `TieredCache.advance` / `complete` on its own thread. No
+executor calls back into the cache's bookkeeping.
+
+- `ThreadExecutor`: real bytes on worker threads (the SGLang server on any machine), over the
+  priority `TransferEngine`.
+- `VirtualExecutor`: the same ops for the embedded engine: each link is a FIFO pipe in virtual
+  time at a bandwidth the caller gives (the cost model); an op's bytes are really copied when its
+  virtual finish time is reached.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..tiers.base import DISK
+
+if TYPE_CHECKING:
+    from ..cache import PromotionJob, TieredCache, TransferOp
+    from .engine import TransferEngine
+
+
+@dataclass(frozen=True)
+class LoadTime:
+    """Seconds a demand load costs the step that needs it: `blocking` must pass before the forward
+    can start (disk reads land in host first); `overlapped` runs layer by layer beside it."""
+
+    blocking: float = 0.0
+    overlapped: float = 0.0
+
+
+class Executor(ABC):
+    """Moves the bytes of prepared ops. Contract:
+    - `submit_job(job)` queues a promotion's ops (a stage's ops in order); `submit_ops(ops, kind)`
+      queues independent ops (background write-back). Both return at once.
+    - `poll()` makes progress that is due (virtual time); a no-op where threads do the work.
+    - `eta(job)` estimates the seconds until every op of the job has executed (0 when done).
+    - `cancel(ops)` stops ops not yet copied; each ends with `executed` set (`Cancelled` unless it
+      had finished). The caller completes them in the cache.
+    - `run_now(job)` executes a job's ops inline (a demand load) and says what it cost.
+    Every op given to an executor ends with `executed` set, unless the executor is stopped first.
+    """
+
+    @abstractmethod
+    def submit_job(self, job: "PromotionJob", speculative: bool = False) -> None: ...
+
+    @abstractmethod
+    def submit_ops(self, ops: Sequence["TransferOp"], kind: str = "backup") -> None: ...
+
+    def poll(self) -> None:
+        return None
+
+    @abstractmethod
+    def eta(self, job: "PromotionJob") -> float: ...
+
+    @abstractmethod
+    def cancel(self, ops: Iterable["TransferOp"]) -> None: ...
+
+    @abstractmethod
+    def run_now(self, job: "PromotionJob") -> LoadTime: ...
+
+    def stop(self) -> None:
+        return None
+
+
+class ThreadExecutor(Executor):
+    """Real copies on the `TransferEngine`'s worker threads, started on first use."""
+
+    def __init__(self, cache: "TieredCache", engine: "TransferEngine") -> None:
+        self.cache = cache
+        self.engine = engine
+
+    def submit_job(self, job: "PromotionJob", speculative: bool = False) -> None:
+        self.engine.start().submit(job)  # the job's kind sets its priority (predict below demand)
+
+    def submit_ops(self, ops: Sequence["TransferOp"], kind: str = "backup") -> None:
+        self.engine.start().submit_ops(ops, kind=kind)
+
+    def eta(self, job: "PromotionJob") -> float:
+        return sum(self.cache.meter.seconds_for(link, n) for link, n in job.remaining_bytes().items())
+
+    def cancel(self, ops: Iterable["TransferOp"]) -> None:
+        self.engine.cancel(ops)
+
+    def run_now(self, job: "PromotionJob") -> LoadTime:
+        for st in job.stages:
+            for op in st.ops:
+                if not op.executed.is_set():
+                    self.cache.execute(op)
+        return LoadTime()
+
+    def stop(self) -> None:
+        self.engine.stop()
+
+
+class VirtualPipes:
+    """Each link is a FIFO pipe in virtual time; disk reads and writes share one pipe, the disk.
+    `seconds(link, tokens)` is the caller's cost model."""
+
+    _PIPES = {"disk->host": "disk", "host->disk": "disk"}
+
+    def __init__(self, seconds: Callable[[str, int], float]) -> None:
+        self.seconds = seconds
+        self.busy_until: dict[str, float] = {}
+
+    def schedule(self, link: str, tokens: int, earliest: float) -> float:
+        pipe = self._PIPES.get(link, link)
+        start = max(earliest, self.busy_until.get(pipe, 0.0))
+        finish = start + self.seconds(link, tokens)
+        self.busy_until[pipe] = finish
+        return finish
+
+
+class VirtualExecutor(Executor):
+    """The embedded engine's executor: ops finish at virtual times on `VirtualPipes`, and their bytes
+    are copied (really, through the stores) when `poll()` sees the clock pass that time.
+    `executed_bytes[link]` counts what it copied, so the engine can tell these copies from the ones
+    the cache made inline."""
+
+    def __init__(self, cache: "TieredCache", pipes: VirtualPipes, clock: Callable[[], float], page_size: int) -> None:
+        self.cache = cache
+        self.pipes = pipes
+        self.clock = clock
+        self.page_size = page_size
+        self.finish: dict[int, float] = {}  # id(op) -> virtual finish time
+        self._ops: dict[int, "TransferOp"] = {}
+        self.executed_bytes: dict[str, int] = {}
+
+    def _tokens(self, op: "TransferOp") -> int:
+        return len(op.dst_handles) * self.page_size
+
+    def submit_job(self, job: "PromotionJob", speculative: bool = False) -> None:
+        now = self.clock()
+        saved = dict(self.pipes.busy_until) if speculative else None
+        last = now
+        for st in job.stages:
+            t = now
+            for op in st.ops:  # a stage's ops run in order (disk -> host before host -> device)
+                t = self.pipes.schedule(op.link, self._tokens(op), t)
+                self._track(op, t)
+            last = max(last, t)
+        if saved is not None:  # speculative copies use idle time only: they delay no demand copy
+            self.pipes.busy_until = saved
+
+    def submit_ops(self, ops: Sequence["TransferOp"], kind: str = "backup") -> None:
+        now = self.clock()
+        for op in ops:
+            self._track(op, self.pipes.schedule(op.link, self._tokens(op), now))
+
+    def _track(self, op: "TransferOp", finish: float) -> None:
+        op.submitted = True
+        self.finish[id(op)] = finish
+        self._ops[id(op)] = op
+
+    def poll(self) -> None:
+        now = self.clock()
+        due = [op for key, op in self._ops.items() if self.finish[key] <= now]
+        for op in sorted(due, key=lambda o: self.finish[id(o)]):
+            self._execute(op)
+
+    def _execute(self, op: "TransferOp") -> None:
+        self._ops.pop(id(op), None)
+        self.finish.pop(id(op), None)
+        if not op.executed.is_set():
+            self.cache.execute(op)
+            if op.error is None:
+                self.executed_bytes[op.link] = self.executed_bytes.get(op.link, 0) + op.nbytes
+
+    def next_event(self) -> float | None:
+        """The earliest virtual time at which an op in flight finishes."""
+        return min(self.finish.values()) if self.finish else None
+
+    def eta(self, job: "PromotionJob") -> float:
+        times = [self.finish.get(id(op), math.inf) for op in job.ops() if not op.executed.is_set()]
+        return max(0.0, max(times) - self.clock()) if times else 0.0
+
+    def finish_all(self, ops: Iterable["TransferOp"]) -> None:
+        """Copy now the bytes of ops still in flight (the caller waited for them)."""
+        for op in sorted(ops, key=lambda o: self.finish.get(id(o), 0.0)):
+            if id(op) in self._ops:
+                self._execute(op)
+
+    def cancel(self, ops: Iterable["TransferOp"]) -> None:
+        from ..cache import Cancelled
+
+        for op in ops:
+            op.cancelled = True
+            self._ops.pop(id(op), None)
+            self.finish.pop(id(op), None)
+            if not op.executed.is_set():
+                op.error = Cancelled()
+                op.executed.set()
+
+    def run_now(self, job: "PromotionJob") -> LoadTime:
+        """A demand load at schedule time: disk reads must land in host before the forward can use
+        them (they block the step); host -> device copies overlap the forward layer by layer."""
+        now = self.clock()
+        blocking = overlapped = 0.0
+        for st in job.stages:
+            for op in st.ops:
+                tokens = self._tokens(op)
+                if op.src == DISK:
+                    blocking = max(blocking, self.pipes.schedule(op.link, tokens, now) - now)
+                else:
+                    overlapped += self.pipes.seconds(op.link, tokens)
+                if not op.executed.is_set():
+                    self.cache.execute(op)
+        return LoadTime(blocking, overlapped)
