@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import mooncake_trace
+
 sglang_missing = None
 try:
     import importlib.util
@@ -41,9 +43,6 @@ pytestmark = [pytest.mark.sglang, pytest.mark.skipif(sglang_missing is not None,
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "scripts" / "cpu" / "tiny-llama"
-TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
-if not TRACE.exists():
-    TRACE = REPO / "traces" / "mooncake_conversation_trace.jsonl"
 
 PAGE = 16
 DEVICE_TOKENS = 1024
@@ -158,7 +157,7 @@ def _pool(srv) -> dict:
 def _trace_slice():
     from sgl_hicache.replay import load_trace
 
-    reqs = load_trace(TRACE, scale=PAGE, limit=400, vocab_size=VOCAB)
+    reqs = load_trace(mooncake_trace(), scale=PAGE, limit=400, vocab_size=VOCAB)
     sessions: dict = {}
     for r in reqs:
         sessions[r.session] = sessions.get(r.session, 0) + 1
