@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -9,6 +13,26 @@ from sgl_hicache.cache import TieredCache
 from sgl_hicache.config import CacheConfig, KVLayout
 
 SMALL_LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16")
+
+REPO = Path(__file__).resolve().parent.parent
+# The repository is always cloned with the read-only `shared/` folder beside it (`../shared`).
+SHARED_DIR = REPO.parent / "shared"
+
+
+def shared_file(relpath: str) -> Path:
+    """A file of the `shared/` folder beside the repository (e.g. "traces/mooncake_conversation_trace.jsonl").
+    A missing file FAILS the test that needs it (never a skip): a test that silently does not run
+    hides a broken checkout."""
+    path = SHARED_DIR / relpath
+    if not path.is_file():
+        pytest.fail(f"required shared file {path} is missing: the repository expects `shared/` beside it "
+                    f"({SHARED_DIR}), holding {relpath}", pytrace=False)
+    return path
+
+
+def mooncake_trace() -> Path:
+    """The shipped Mooncake conversation trace (shared/traces/)."""
+    return shared_file("traces/mooncake_conversation_trace.jsonl")
 
 
 def make_cache(tmp_path=None, device=8, host=16, disk=32, page_size=4, **kw) -> TieredCache:
@@ -78,3 +102,32 @@ def assert_device_kv(cache: TieredCache, tokens) -> int:
 @pytest.fixture
 def small_cache(tmp_path):
     return make_cache(tmp_path)
+
+
+# ---- the SGLang suite must not pass by skipping ------------------------------------------------
+# Tests marked `sglang` skip themselves where SGLang is not installed, so a plain `pytest` in the core
+# venv still runs. A run that asked for them -- a `-m` expression that keeps them (`-m sglang`), or
+# SGLHICACHE_REQUIRE_SGLANG=1 (scripts/test.sh sets it for the SGLang suite) -- is an error instead.
+REQUIRE_SGLANG_ENV = "SGLHICACHE_REQUIRE_SGLANG"
+
+
+def _sglang_import_error() -> str | None:
+    try:
+        import sglang  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any failure to import is "not available"
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+@pytest.hookimpl(trylast=True)  # after `-m` has deselected
+def pytest_collection_modifyitems(config, items):
+    required = os.environ.get(REQUIRE_SGLANG_ENV, "") not in ("", "0")
+    selected = bool(config.getoption("markexpr", "")) and any(item.get_closest_marker("sglang") for item in items)
+    if not (required or selected):
+        return
+    err = _sglang_import_error()
+    if err is not None:
+        why = f"{REQUIRE_SGLANG_ENV}=1" if required else f"-m {config.getoption('markexpr')!r} selects tests marked sglang"
+        raise pytest.UsageError(
+            f"{why}, but sglang cannot be imported ({err}) in {sys.executable}; these tests would only skip. "
+            "Run them with the SGLang venv (scripts/install_sglang_cpu.sh), or deselect them with -m 'not sglang'.")

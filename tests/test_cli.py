@@ -5,20 +5,20 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from conftest import SHARED_DIR, mooncake_trace
 from sgl_hicache.cli import main
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+TRACE = SHARED_DIR / "traces" / "mooncake_conversation_trace.jsonl"  # tests that read it call mooncake_trace() first
 SMALL = ["--limit", "40", "--scale", "16", "--page-size", "16", "--device-tokens", "4096", "--host-tokens", "4096",
          "--disk-tokens", "65536", "--concurrency", "4", "--quiet"]
 
 
 def test_replay_compare_writes_a_report_and_stats_reads_it(tmp_path, capsys):
     report = tmp_path / "r.json"
-    assert main(["replay", str(TRACE), *SMALL, "--compare", "--report", str(report)]) == 0
+    assert main(["replay", str(mooncake_trace()), *SMALL, "--compare", "--report", str(report)]) == 0
     out = capsys.readouterr().out
     assert "recompute" in out and "predict" in out and "hit%" in out
     data = json.loads(report.read_text())
@@ -37,7 +37,7 @@ def test_replay_compare_writes_a_report_and_stats_reads_it(tmp_path, capsys):
 
 def test_single_policy_with_a_persistent_disk_dir(tmp_path, capsys):
     disk = tmp_path / "tier"
-    args = ["replay", str(TRACE), *SMALL, "--policy", "demote", "--disk-dir", str(disk), "--host-tokens", "512"]
+    args = ["replay", str(mooncake_trace()), *SMALL, "--policy", "demote", "--disk-dir", str(disk), "--host-tokens", "512"]
     assert main(args) == 0
     assert any(disk.rglob("*.page")), "the disk tier wrote no page file"
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
+from conftest import REPO, shared_file
 from sgl_hicache.config import KVLayout
 from sgl_hicache.engine.cost import (
     attention_flops,
@@ -108,14 +108,14 @@ def test_presets_match_their_sources():
     big = MODELS["qwen3-coder-480b-a35b"]
     assert (big.num_layers, big.num_kv_heads, big.head_dim, big.active_params) == (62, 8, 128, 35e9) and big.is_moe
     assert MODELS["bench-llama"].total_params == 96_486_400
-    tiny_cfg = Path("/work/shared/reference/sglang-cpu-probe/tiny-llama/config.json")
-    if tiny_cfg.exists():
+    # the tiny model the SGLang tests serve (the repo's copy) and the probe's original in shared/ must agree with the preset
+    for tiny_cfg in (REPO / "scripts" / "cpu" / "tiny-llama" / "config.json", shared_file("reference/sglang-cpu-probe/tiny-llama/config.json")):
         c = json.loads(tiny_cfg.read_text())
         t = MODELS["tiny-llama"]
         assert (t.num_layers, t.hidden_size, t.num_attention_heads, t.num_kv_heads, t.head_dim) == (
-            c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"])
+            c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]), tiny_cfg
         assert t.total_params == llama_params(hidden=c["hidden_size"], intermediate=c["intermediate_size"], layers=c["num_hidden_layers"],
-                                              heads=c["num_attention_heads"], kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"], vocab=c["vocab_size"])
+                                              heads=c["num_attention_heads"], kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"], vocab=c["vocab_size"]), tiny_cfg
     for name in ("h200", "8xh200", "cpu-local"):
         assert get_hardware(name) is HARDWARE[name]
     assert HARDWARE["8xh200"].link_bandwidth("host", "device") == 8 * HARDWARE["h200"].link_bandwidth("host", "device")

@@ -5,17 +5,16 @@ from __future__ import annotations
 import dataclasses
 import json
 from array import array
-from pathlib import Path
 
 import pytest
 
+from conftest import mooncake_trace
 from sgl_hicache.engine.presets import get_hardware, get_model
 from sgl_hicache.engine.run import compare, run_policy
 from sgl_hicache.engine.simulator import EmbeddedEngine, EngineConfig
 from sgl_hicache.replay import load_trace
 from sgl_hicache.replay.trace import Request
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
 
 def req(i: int, tokens: list[int], out: int = 4, t: float = 0.0) -> Request:
@@ -28,7 +27,7 @@ def config(policy: str, device: int = 64, host: int = 256, disk: int = 1024, **k
 
 
 def test_same_trace_same_report():
-    reqs = load_trace(TRACE, limit=60, scale=16)
+    reqs = load_trace(mooncake_trace(), limit=60, scale=16)
     base = EngineConfig("prefetch", get_model("llama3-8b"), get_hardware("h200"), device_tokens=4096, host_tokens=8192,
                         disk_tokens=65536, page_size=16, concurrency=4)
     a, b = run_policy(reqs, base), run_policy(reqs, base)
@@ -59,7 +58,7 @@ def test_disk_hits_when_host_is_small():
 
 
 def test_demote_never_fewer_hits_than_recompute_on_the_real_trace():
-    reqs = load_trace(TRACE, limit=300, scale=16)
+    reqs = load_trace(mooncake_trace(), limit=300, scale=16)
     base = EngineConfig("recompute", get_model("llama3-8b"), get_hardware("h200"), device_tokens=6144, host_tokens=16384,
                         disk_tokens=131072, page_size=16, concurrency=4)
     out = compare(reqs, base)
@@ -78,7 +77,7 @@ def test_demote_never_fewer_hits_than_recompute_on_the_real_trace():
 
 def test_prefetch_moves_disk_reads_off_the_critical_path():
     """Disk-resident prompts revisited while others compute: prefetch waits less than demote."""
-    reqs = load_trace(TRACE, limit=200, scale=16)
+    reqs = load_trace(mooncake_trace(), limit=200, scale=16)
     base = EngineConfig("demote", get_model("llama3-8b"), get_hardware("h200"), device_tokens=8192, host_tokens=2048,
                         disk_tokens=262144, page_size=16, concurrency=8)
     demote = run_policy(reqs, base)

@@ -26,7 +26,7 @@ from conftest import SMALL_LAYOUT, assert_device_kv, serve
 from sgl_hicache.cache import TieredCache
 from sgl_hicache.config import CacheConfig
 from sgl_hicache.hashing import Namespace
-from sgl_hicache.tiers.base import DEVICE, DISK, HOST
+from sgl_hicache.tiers.base import DEVICE, DISK, HOST, PageCorruptError
 from sgl_hicache.tiers.disk import HEADER_SIZE, DiskPageStore
 from sgl_hicache.transfer.engine import TransferEngine
 
@@ -83,12 +83,24 @@ def test_storm_of_threads_with_a_failing_disk_keeps_every_invariant(tmp_path: Pa
         serve(cache, p)
     cache.check()
 
+    counts = {name: 0 for name in ("served", "checked_tokens", "prefetch_jobs", "matches", "checks", "evicted", "flips", "faults",
+                                   "enospc_raised", "targeted_flips", "targeted_detected")}
+    count_lock = threading.Lock()
+
+    def bump(name: str, n: int = 1) -> None:
+        with count_lock:
+            counts[name] += n
+
     # the fault switch: while set, every disk write (and probe) fails with ENOSPC
     enospc = threading.Event()
     real_write_fd = disk._write_fd
 
+    enospc_hit = threading.Event()  # a write failed since the switch was last set
+
     def write_fd(fd, buffers):
         if enospc.is_set():
+            bump("enospc_raised")
+            enospc_hit.set()
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real_write_fd(fd, buffers)
 
@@ -97,12 +109,6 @@ def test_storm_of_threads_with_a_failing_disk_keeps_every_invariant(tmp_path: Pa
     engine = TransferEngine(cache, workers=3, chunk_pages=1).start()
     deadline = time.monotonic() + SECONDS
     errors: list[BaseException] = []
-    counts = {name: 0 for name in ("served", "checked_tokens", "prefetch_jobs", "matches", "checks", "evicted", "flips", "faults")}
-    count_lock = threading.Lock()
-
-    def bump(name: str, n: int = 1) -> None:
-        with count_lock:
-            counts[name] += n
 
     def loop(body, seed: int) -> None:
         r = random.Random(seed)
@@ -152,26 +158,62 @@ def test_storm_of_threads_with_a_failing_disk_keeps_every_invariant(tmp_path: Pa
         bump("evicted", cache.evict(r.choice([DEVICE, HOST, DISK]), r.randint(1, 4)))
         time.sleep(0.001)
 
+    def flip_bit(path: Path, r: random.Random) -> bool:
+        try:
+            with open(path, "r+b") as f:  # a bit flip in the payload, in place
+                f.seek(HEADER_SIZE + r.randrange(disk.page_bytes))
+                b = f.read(1)
+                if b:
+                    f.seek(-1, os.SEEK_CUR)
+                    f.write(bytes([b[0] ^ (1 << r.randrange(8))]))
+                    return True
+        except OSError:
+            pass  # evicted meanwhile
+        return False
+
+    def targeted_flip(r: random.Random) -> None:
+        """Flip a bit in a page only the disk holds, then prefetch it: the read must find it corrupt
+        (random flips may hit pages nobody reads again; this one is read for sure)."""
+        with cache._mutex:  # choose, plan (locks the path: the page stays on disk) and flip as one step
+            for p in r.sample(prompts, len(prompts)):
+                job = cache.plan_promotion(cache.match(p), "prefetch", target=HOST)
+                op = next((op for op in job.ops() if op.src == DISK), None) if job is not None else None
+                if op is not None:
+                    break
+                if job is not None:
+                    cache.release(job)
+            else:
+                return
+            key = op.src_handles[0]
+            if not flip_bit(disk.page_path(key), r):
+                cache.release(job)
+                return
+            bump("targeted_flips")
+        try:
+            engine.submit(job)
+            end = time.monotonic() + 60
+            while not engine.wait(job, timeout=1.0):
+                assert time.monotonic() < end, "a prefetch job never finished"
+            assert isinstance(op.error, PageCorruptError), f"a flipped page was read without error: {op.error!r}"
+            assert not disk.contains(key), "the corrupt page is still in the store"
+            bump("targeted_detected")
+        finally:
+            cache.release(job)
+
     def chaos(r: random.Random) -> None:
         if r.random() < 0.15:
-            if enospc.is_set():
-                enospc.clear()
-            else:
+            if not enospc.is_set():
+                enospc_hit.clear()
                 enospc.set()
                 bump("faults")
+            elif enospc_hit.is_set():  # off again only once a write has met it
+                enospc.clear()
+        if counts["targeted_flips"] == 0 or (counts["targeted_flips"] < 3 and r.random() < 0.05):
+            targeted_flip(r)
         keys = list(disk.keys())
         if keys and r.random() < 0.3:
-            path = disk.page_path(r.choice(keys))
-            try:
-                with open(path, "r+b") as f:  # a bit flip in the payload, in place
-                    f.seek(HEADER_SIZE + r.randrange(disk.page_bytes))
-                    b = f.read(1)
-                    if b:
-                        f.seek(-1, os.SEEK_CUR)
-                        f.write(bytes([b[0] ^ (1 << r.randrange(8))]))
-                        bump("flips")
-            except OSError:
-                pass  # evicted meanwhile
+            if flip_bit(disk.page_path(r.choice(keys)), r):
+                bump("flips")
         time.sleep(0.005)
 
     roles = [server, server, prefetcher, matcher, evictor, chaos]
@@ -198,10 +240,25 @@ def test_storm_of_threads_with_a_failing_disk_keeps_every_invariant(tmp_path: Pa
     assert counts["served"] > 10 and counts["prefetch_jobs"] > 0 and counts["matches"] > 0 and counts["checks"] > 0
     assert counts["checked_tokens"] > 0
 
+    # the injected faults happened, and the cache's error counters saw them
+    err_counts = cache.snapshot()["errors"]
+    assert counts["faults"] > 0 and counts["enospc_raised"] > 0, str(counts)
+    # every failed page write is counted by the store and reported by the cache as a failed transfer
+    # (the rest of the ENOSPCs hit the store's probe writes while writes were disabled)
+    disk_write_errors = sum(n for name, n in err_counts.items() if name.endswith("->disk_errors"))
+    assert 0 < disk.counters["write_errors"] <= counts["enospc_raised"], (disk.counters["write_errors"], counts)
+    assert disk_write_errors == disk.counters["write_errors"], (err_counts, disk.counters["write_errors"])
+    assert counts["flips"] > 0 and counts["targeted_flips"] > 0, str(counts)
+    assert counts["targeted_detected"] == counts["targeted_flips"], counts
+    # each page the store dropped as corrupt was a failed read the cache counted
+    assert err_counts.get("corrupt_pages", 0) == disk.counters["corrupt_removed"] >= counts["targeted_detected"], (err_counts, disk.counters)
+    corrupt_in_storm = disk.counters["corrupt_removed"]
+
     # every prompt still in the tree comes back bit-identical (corrupt pages are misses, recomputed)
     for p in prompts:
         serve(cache, p)
         assert assert_device_kv(cache, p) == len(p) - len(p) % PS
     cache.check()
     snap = cache.snapshot()
+    assert snap["errors"]["corrupt_pages"] == disk.counters["corrupt_removed"] >= corrupt_in_storm
     print(f"\nstorm: {counts}, errors {dict(snap['errors'])}, corrupt_removed {disk.counters['corrupt_removed']}, write_errors {disk.counters['write_errors']}")

@@ -4,9 +4,11 @@ A device pool far smaller than the workload (1,024 tokens, page 16), host 4,096 
 - replay a slice of the shipped Mooncake trace (multi-turn sessions of its first 400 lines, blocks scaled
   512 -> 16 tokens, prompts <= 700 tokens) through the HTTP replayer at concurrency 4: host and disk hits
   happen, every request completes;
-- KV correctness: a prompt served from promoted KV (host, and disk) gives the same greedy output tokens
-  as the same prompt computed from scratch, while a one-token change early in the prompt changes them
-  (so the outputs really depend on the cached KV);
+- KV correctness: a prompt served from promoted KV (device, host, and disk) gives the same greedy output
+  tokens, and the same logprobs (top-5 at each position) of its uncached prompt tail and of every output
+  token, as the same prompt computed from scratch, within LOGPROB_TOL; a one-token change early in the
+  prompt changes the output, and a one-token change in the LAST cached page moves the logprobs by far
+  more than LOGPROB_TOL (so wrong KV in any page, a late one included, cannot pass);
 - after the replay drains, the pools' free counts are back to their accounting (allocator free + tree
   pages == pool, host store == tree, invariants hold);
 - Prometheus: SGLang's `sglang:cached_tokens_total{cache_source="storage"}` and our `sgl_hicache_*`;
@@ -28,6 +30,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import mooncake_trace
+
 sglang_missing = None
 try:
     import importlib.util
@@ -41,11 +45,9 @@ pytestmark = [pytest.mark.sglang, pytest.mark.skipif(sglang_missing is not None,
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "scripts" / "cpu" / "tiny-llama"
-TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
-if not TRACE.exists():
-    TRACE = REPO / "traces" / "mooncake_conversation_trace.jsonl"
 
 PAGE = 16
+HIT = 304  # the cached part of the 320-token prompt P: whole pages, its last token excluded
 DEVICE_TOKENS = 1024
 HOST_TOKENS = 4096
 VOCAB = 1024
@@ -144,6 +146,70 @@ def _gen(srv, ids, n=8) -> tuple[list[int], dict]:
     return r["output_ids"], {k: details.get(k, 0) for k in ("device", "host", "storage")}
 
 
+# SGLang computes prompt logprobs only for positions it does not take from the cache (a request's
+# prefix match is capped at its `logprob_start_len`), so a cached request asks for logprobs from the
+# first uncached position on (HIT = the whole pages of P below its last token): those positions and
+# every output token attend over all of the cached KV. The scratch request asks from position 0.
+TOP_K = 5
+# Largest |logprob difference| measured between P from scratch and from a device, host, disk or
+# after-restart hit, over all compared entries (same CPU, same kernels): 0.0 exactly on every run seen
+# (the 16-token extend over the cached KV reproduces the scratch prefill's values bit for bit). The
+# tolerance leaves room for float noise only; one token changed in P's last cached page moves the
+# tail's prompt logprobs by orders of magnitude more (asserted below).
+LOGPROB_TOL = 1e-5
+
+
+def _gen_lp(srv, ids, start: int, n: int = 8) -> tuple[list[int], dict, dict]:
+    """Greedy generation with logprobs from prompt position `start` on: (output ids, cached tokens by
+    source, {"input": {pos: (token, logprob, top-k)}, "output": [(token, logprob, top-k)]})."""
+    r = srv.post("/generate", {"input_ids": list(ids),
+                               "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
+                               "return_logprob": True, "logprob_start_len": start, "top_logprobs_num": TOP_K})
+    meta = r["meta_info"]
+    details = meta.get("cached_tokens_details") or {}
+    inp, inp_top = meta["input_token_logprobs"], meta["input_top_logprobs"]
+    first = len(ids) - len(inp)  # positions start..len-1 (SGLang may widen `start` to the cached length)
+    assert first <= start and len(inp_top) == len(inp), (first, start, len(inp), len(inp_top))
+
+    def entry(lp, top):
+        return (lp[1], lp[0], [(t[1], t[0]) for t in (top or [])])
+
+    lps = {"input": {first + i: entry(lp, top) for i, (lp, top) in enumerate(zip(inp, inp_top)) if lp[0] is not None},
+           "output": [entry(lp, top) for lp, top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"])]}
+    assert len(lps["output"]) == n and [e[0] for e in lps["output"]] == r["output_ids"], lps["output"]
+    return r["output_ids"], {k: details.get(k, 0) for k in ("device", "host", "storage")}, lps
+
+
+def _logprob_diff(ref: dict, got: dict) -> float:
+    """Largest |difference| between two runs' logprobs over the prompt positions both returned and
+    every output token: the chosen token's and each top-k entry's, matched by token. A token in one
+    top-k only counts by how far it lies above the other's k-th entry (a lower bound of its own
+    difference); a different chosen token is +inf."""
+    positions = sorted(set(ref["input"]) & set(got["input"]))
+    assert positions and positions[-1] == max(ref["input"]), (sorted(got["input"]), max(ref["input"]))
+    pairs = [(ref["input"][p], got["input"][p]) for p in positions] + list(zip(ref["output"], got["output"], strict=True))
+    worst = 0.0
+    for (tok_a, lp_a, top_a), (tok_b, lp_b, top_b) in pairs:
+        if tok_a != tok_b or len(top_a) != TOP_K or len(top_b) != TOP_K:
+            return float("inf")
+        worst = max(worst, abs(lp_a - lp_b))
+        for mine, other in ((dict(top_a), dict(top_b)), (dict(top_b), dict(top_a))):
+            floor = min(other.values())
+            for tok, lp in mine.items():
+                worst = max(worst, abs(lp - other[tok]) if tok in other else lp - floor)
+    return worst
+
+
+def _wait_for(condition, what: str, timeout_s: float = 120.0):
+    """Poll `condition` until it returns something truthy (returned); the generous timeout only fails a hang."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(0.05)
+    return value
+
+
 def _flood(srv, seed: int, count: int, n: int = 300) -> None:
     for i in range(count):
         _gen(srv, _prompt(seed * 1000 + i, n), 2)
@@ -158,7 +224,7 @@ def _pool(srv) -> dict:
 def _trace_slice():
     from sgl_hicache.replay import load_trace
 
-    reqs = load_trace(TRACE, scale=PAGE, limit=400, vocab_size=VOCAB)
+    reqs = load_trace(mooncake_trace(), scale=PAGE, limit=400, vocab_size=VOCAB)
     sessions: dict = {}
     for r in reqs:
         sessions[r.session] = sessions.get(r.session, 0) + 1
@@ -167,7 +233,7 @@ def _trace_slice():
 
 def test_e2e_replay_hits_and_kv_correctness(start_server, workdir, shared):
     from sgl_hicache.replay.http import replay_http
-    from sgl_hicache.sglang.stats_client import fetch_metrics, fetch_stats, render
+    from sgl_hicache.sglang.stats_client import StatsError, fetch_metrics, fetch_stats, render
 
     t0 = time.monotonic()
     disk = workdir / "disk"
@@ -187,20 +253,24 @@ def test_e2e_replay_hits_and_kv_correctness(start_server, workdir, shared):
     assert hits["host"] > 0 and hits["disk"] > 0, hits
     assert report["bytes_moved"].get("disk->host", 0) > 0, report["bytes_moved"]
 
-    # 2. KV correctness: from scratch vs. device hit vs. host hit vs. disk hit
+    # 2. KV correctness: from scratch vs. device hit vs. host hit vs. disk hit, on outputs and logprobs
     P = _prompt(1, 320)
-    out_scratch, d0 = _gen(srv, P)
+    out_scratch, d0, lp_scratch = _gen_lp(srv, P, 0)
     assert sum(d0.values()) == 0, d0
-    out_dev, d1 = _gen(srv, P)
-    assert d1["device"] == 304, d1
+    assert sorted(lp_scratch["input"]) == list(range(1, len(P))), sorted(lp_scratch["input"])[:3]
+    out_dev, d1, lp_dev = _gen_lp(srv, P, HIT)
+    assert d1["device"] == HIT, d1
     _flood(srv, 2, 4)  # 1,200 tokens: P leaves the device, stays on host
-    out_host, d2 = _gen(srv, P)
-    assert d2["host"] + d2["storage"] == 304 and d2["host"] > 0, d2
+    out_host, d2, lp_host = _gen_lp(srv, P, HIT)
+    assert d2["host"] + d2["storage"] == HIT and d2["host"] > 0, d2
     _flood(srv, 3, 20)  # 6,000 tokens: P leaves device and host, stays on disk
-    out_disk, d3 = _gen(srv, P)
-    assert d3["storage"] > 0 and d3["device"] + d3["host"] + d3["storage"] == 304, d3
+    out_disk, d3, lp_disk = _gen_lp(srv, P, HIT)
+    assert d3["storage"] > 0 and d3["device"] + d3["host"] + d3["storage"] == HIT, d3
     assert out_host == out_dev == out_disk, (out_dev, out_host, out_disk)
     assert out_disk == out_scratch, (out_scratch, out_disk)
+    diffs = {name: _logprob_diff(lp_scratch, lp) for name, lp in (("device", lp_dev), ("host", lp_host), ("disk", lp_disk))}
+    print(f"\nlogprob |diff| vs scratch: {diffs}")
+    assert all(d <= LOGPROB_TOL for d in diffs.values()), diffs
     # the outputs depend on the cached context, so equal outputs mean equal KV
     changed = []
     for k in (2, 40, 150):
@@ -208,7 +278,17 @@ def test_e2e_replay_hits_and_kv_correctness(start_server, workdir, shared):
         P2[k] = (P[k] - 16 + 1) % (VOCAB - 16) + 16
         changed.append(_gen(srv, P2)[0])
     assert any(o != out_scratch for o in changed), changed
-    shared["P"] = (P, out_scratch)
+    # and the logprobs depend on the last cached page: one token changed there moves them far past the
+    # tolerance (so KV wrong in a late page would fail the comparisons above)
+    P3 = list(P)
+    P3[HIT - 3] = (P[HIT - 3] - 16 + 1) % (VOCAB - 16) + 16
+    lp3 = _gen_lp(srv, P3, HIT)[2]
+    # the tail's tokens are P's: compare the logprobs P3's tail tokens get with those P's got
+    late = max(abs(lp3["input"][q][1] - lp_scratch["input"][q][1]) for q in range(HIT + 1, len(P)))
+    print(f"logprob |diff| of the tail with a token of the last cached page changed: {late:.4f}")
+    assert late > 1000 * LOGPROB_TOL, late
+    shared["P"] = (P, out_scratch, lp_scratch)
+    shared["logprob_diffs"] = {**diffs, "late_page_token_changed": late}
 
     # 3. drained: pool free counts back to their accounting
     st = _pool(srv)
@@ -226,8 +306,15 @@ def test_e2e_replay_hits_and_kv_correctness(start_server, workdir, shared):
     assert "device" in render(st)
 
     # 4. stats surfaces: /server_info (above), the stats file, Prometheus
-    time.sleep(1.2)
-    f = fetch_stats(str(workdir / "first-stats.json"))
+    # the file is rewritten every 0.5 s: wait for a write that includes the disk hits /server_info showed
+    def stats_file_caught_up():
+        try:
+            f = fetch_stats(str(workdir / "first-stats.json"))
+        except StatsError:  # not written yet
+            return None
+        return f if f["hit_tokens"]["disk"] >= st["hit_tokens"]["disk"] else None
+
+    f = _wait_for(stats_file_caught_up, "the stats file to report the disk hits")
     assert f["hit_tokens"]["disk"] > 0
     lines = fetch_metrics(srv.url)
     storage = [ln for ln in lines if ln.startswith("sglang:cached_tokens_total") and 'cache_source="storage"' in ln]
@@ -244,10 +331,13 @@ def test_e2e_restart_serves_disk_hits(start_server, workdir, shared):
 
     t0 = time.monotonic()
     srv = start_server("restart", shared["disk"])
-    P, out_scratch = shared["P"]
-    out, d = _gen(srv, P)
+    P, out_scratch, lp_scratch = shared["P"]
+    out, d, lp = _gen_lp(srv, P, HIT)
     assert d["storage"] > 0 and d["device"] == 0, d
     assert out == out_scratch, (out, out_scratch)
+    diff = _logprob_diff(lp_scratch, lp)  # the first server's scratch run vs. this one's disk hit
+    print(f"\nlogprob |diff| after the restart: {diff}")
+    assert diff <= LOGPROB_TOL, diff
     # the replayed sessions find their pages on disk again
     report = replay_http(_trace_slice()[:30], srv.url, concurrency=4, max_new_tokens=4)
     assert report["requests_failed"] == 0, report["errors"]

@@ -112,3 +112,95 @@ def test_plugin_registers_once():
     plugin.register()
     assert "sgl_hicache" in registry.registered_radix_cache_backends()
     assert plugin.register_backend() is False  # already there: no double registration
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_layered_moves_on_the_real_pool_are_bit_exact(monkeypatch, page_size):
+    """`layered_device_host` (the per-layer gather/scatter taken above 3 MiB per call) on SGLang's own
+    MHATokenToKVPool: device pages -> scattered, shuffled host slots -> other scattered device pages,
+    every bit where SGLang's attention reads it (its k_buffer / v_buffer rows), nothing else touched."""
+    import random
+
+    import torch
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from sgl_hicache.cache import TransferOp
+    from sgl_hicache.sglang.device_pool import SGLangDevicePool
+    from sgl_hicache.tiers.base import DEVICE, HOST
+    from sgl_hicache.tiers.memory import HostKVBuffer
+    from sgl_hicache.transfer import handlers
+    from sgl_hicache.tree.node import TreeNode
+
+    layers, heads, dim = 4, 8, 128  # 16 KiB of KV per token
+    tokens, host_tokens, op_tokens = 2048, 1024, 320  # one op: 5 MiB
+    pool = MHATokenToKVPool(size=tokens, page_size=page_size, dtype=torch.bfloat16, head_num=heads, head_dim=dim,
+                            layer_num=layers, device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+    alloc = SimpleNamespace(page_size=page_size, size=tokens, get_kvcache=lambda: pool, available_size=lambda: tokens)
+    dev = SGLangDevicePool(alloc)
+    host = HostKVBuffer(dev.layout, page_size, host_tokens // page_size)
+    n = op_tokens // page_size
+    assert n * dev.page_bytes > handlers._LAYERED_MIN_BYTES  # per call: the layered path, not the fallback
+
+    generic_calls = []
+    real_generic = handlers.copy_via_tensor
+
+    def spying_generic(stores):
+        inner = real_generic(stores)
+
+        def handler(op, start, stop):
+            generic_calls.append((op.src, start, stop))
+            inner(op, start, stop)
+
+        return handler
+
+    monkeypatch.setattr(handlers, "copy_via_tensor", spying_generic)
+    stores = {DEVICE: dev, HOST: host}
+    to_host = handlers.layered_device_host(stores, DEVICE, HOST)
+    to_device = handlers.layered_device_host(stores, HOST, DEVICE)
+
+    def op(src, src_handles, dst_handles):
+        return TransferOp(TreeNode(None, (), [], 0), src, HOST if src == DEVICE else DEVICE, src_handles, dst_handles, 0, "demote")
+
+    def rows(layer: int, kv: int, pages) -> torch.Tensor:
+        """What SGLang's attention reads for `pages`: its own buffer rows, as (pages, page tokens, heads, dim) bits."""
+        buf = (pool.k_buffer if kv == 0 else pool.v_buffer)[layer]
+        return buf[dev.token_slots(pages)].view(torch.int16).view(len(pages), page_size, heads, dim)
+
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous().view(torch.int16)
+
+    rng = random.Random(page_size)
+    pages = range(1, dev.pool_pages)  # SGLang's page 0 is its padding page
+    d_pages = rng.sample(pages, n)  # scattered and shuffled
+    h_pages = rng.sample(range(host.capacity_pages), n)
+    back = rng.sample([p for p in pages if p not in set(d_pages)], n)
+    g = torch.Generator().manual_seed(page_size)
+    # random bit patterns (NaN payloads included): a copy that goes through arithmetic or drops a byte shows
+    data = torch.randint(-(2**15), 2**15, (n, *dev.page_shape), dtype=torch.int16, generator=g).view(torch.bfloat16)
+    for layer in range(layers):  # fill SGLang's buffers, then put the data in through them
+        for buf in (pool.k_buffer[layer], pool.v_buffer[layer]):
+            buf.view(torch.int16).copy_(torch.randint(-(2**15), 2**15, buf.shape, dtype=torch.int16, generator=g))
+        slots = dev.token_slots(d_pages)
+        pool.k_buffer[layer][slots] = data[:, layer, 0].reshape(-1, heads, dim)
+        pool.v_buffer[layer][slots] = data[:, layer, 1].reshape(-1, heads, dim)
+    host.buffer.view(torch.int16).copy_(torch.randint(-(2**15), 2**15, host.buffer.shape, dtype=torch.int16, generator=g))
+    host_before = bits(host.buffer).clone()
+    device_before = [[bits(b).clone() for b in (pool.k_buffer[layer], pool.v_buffer[layer])] for layer in range(layers)]
+
+    to_host(op(DEVICE, d_pages, h_pages), 0, n)
+    assert torch.equal(bits(host.read(h_pages)), bits(data))
+    untouched = sorted(set(range(host.capacity_pages)) - set(h_pages))
+    assert torch.equal(bits(host.buffer)[untouched], host_before[untouched])
+
+    to_device(op(HOST, h_pages, back), 0, n)
+    for layer in range(layers):
+        for kv in (0, 1):
+            assert torch.equal(rows(layer, kv, back), bits(data[:, layer, kv])), (layer, kv)
+            assert torch.equal(rows(layer, kv, d_pages), bits(data[:, layer, kv])), (layer, kv)  # the source is only read
+    touched = set(dev.token_slots(back).tolist())
+    others = torch.tensor([s for s in range(pool.k_buffer[0].shape[0]) if s not in touched])
+    for layer in range(layers):
+        for kv in (0, 1):
+            now = bits((pool.k_buffer if kv == 0 else pool.v_buffer)[layer])
+            assert torch.equal(now[others], device_before[layer][kv][others]), (layer, kv)
+    assert generic_calls == [], generic_calls  # every call above took the per-layer path

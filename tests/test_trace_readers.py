@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import mooncake_trace
 from sgl_hicache.replay import (
     ByteTokenizer,
     Request,
@@ -19,9 +20,6 @@ from sgl_hicache.replay import (
     read_sharegpt,
 )
 
-SHIPPED = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-if not SHIPPED.exists():  # a checkout next to shared/ or inside it
-    SHIPPED = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
 
 
 def write(tmp_path: Path, name: str, lines: list) -> Path:
@@ -302,8 +300,8 @@ def test_plain_vocab_bound(tmp_path):
 # ---------------------------------------------------------------- the shipped trace
 
 
-@pytest.mark.skipif(not SHIPPED.exists(), reason="shared trace not present")
 def test_shipped_trace_first_200_lines():
+    SHIPPED = mooncake_trace()
     assert detect_format(SHIPPED) == "mooncake"
     a = load_trace(SHIPPED, limit=200)
     b = load_trace(SHIPPED, limit=200)

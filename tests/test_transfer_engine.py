@@ -32,6 +32,14 @@ def finish(engine: TransferEngine, job, timeout: float = 30.0) -> bool:
     return True
 
 
+def wait_until(condition, what: str, timeout: float = 60.0) -> None:
+    """Poll `condition` until it holds; the generous timeout only fails a hang (never a slow machine)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
+        time.sleep(0.001)
+
+
 def assert_quiescent(cache: TieredCache) -> None:
     """No lock, no pin and no transfer left anywhere; accounting exact."""
     cache.check()
@@ -191,9 +199,16 @@ def test_cancel_a_job_whose_ops_are_queued(tmp_path):
     assert gate.entered.wait(10)  # the only worker is inside job a's first copy
     job_b = engine.submit(cache.plan_promotion(cache.match(b), "demand"))
     assert engine.queued() > 0
-    # cancel waits for copies already started; job b's have not: open the gate a little later
-    threading.Timer(0.2, gate.open.set).start()
-    cache.cancel(job_b)
+    # cancel marks job b's first op (its disk->host copy) cancelled, then waits for it to end: it is
+    # queued behind job a's held copy, so open the gate once it is marked (opening it earlier could
+    # let the worker run it); its successor ends with it
+    canceller = threading.Thread(target=cache.cancel, args=(job_b,))
+    canceller.start()
+    wait_until(lambda: job_b.ops()[0].cancelled, "cancel() to mark job b's queued copy")
+    assert canceller.is_alive()  # still waiting: job b's ops sit behind the held copy
+    gate.open.set()
+    canceller.join(60)
+    assert not canceller.is_alive(), "cancel() hung"
     assert job_b.failed and job_b.finished
     for op in job_b.ops():
         assert op.executed.is_set() and op.applied and isinstance(op.error, Cancelled)
@@ -252,9 +267,12 @@ def test_stop_with_queued_ops_cancels_them(tmp_path):
     job_a = engine.submit(cache.plan_promotion(cache.match(a), "demand"))
     assert gate.entered.wait(10)
     job_b = engine.submit(cache.plan_promotion(cache.match(b), "prefetch"))
+    assert engine.queued() > 0  # job b's ops (and the rest of a) wait behind the held copy
     stopper = threading.Thread(target=engine.stop)
     stopper.start()
-    threading.Event().wait(0.1)  # stop() is now waiting for the worker
+    # stop() has taken the queue (to cancel it) and is now waiting for the worker
+    wait_until(lambda: engine.queued() == 0, "stop() to take the queue")
+    assert stopper.is_alive()
     gate.open.set()
     stopper.join(30)
     assert not stopper.is_alive()
