@@ -1,0 +1,75 @@
+"""The prepared GPU check (scripts/gpu_check.sh -> benchmarks/gpu_check.py) runs end to end on CPU
+(`--cpu-smoke`: tiny sizes, no streams), so it cannot rot between the sessions that have a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}  # $OUT would take precedence over --json
+    env["PYTHON"] = sys.executable
+    return env
+
+
+def test_cpu_smoke_writes_the_report(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run([str(REPO / "scripts" / "gpu_check.sh"), "--cpu-smoke", "--json", str(out)],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "gpu_check" and result["mode"] == "cpu_smoke" and result["ok"] is True
+    (size,) = result["sizes"].values()
+    assert size["device_pool"] == "cpu" and size["pages"] == 6
+    assert size["bit_exact"] == {
+        "handler_round_trip": True, "loader_round_trip": True, "loader_reversed_slots": True,
+        "intact_after_timed_moves": True, "overlap_matches_serial": True, "serial_matches_source": True,
+    }
+    for path in ("plain", "handler", "loader", "strided"):
+        for link in ("h2d", "d2h"):
+            assert size["gbps"][f"{path}_{link}"] > 0
+    assert set(size["ratios"]) == {f"{p}_{l} / plain_{l}" for p in ("handler", "loader", "strided") for l in ("h2d", "d2h")}
+    overlap = size["overlap"]
+    assert set(overlap["ms"]) == {"copy_only", "compute_only", "overlapped", "overlapped_ahead"}
+    for key in ("hidden", "hidden_ahead", "issue_ms", "matmuls_per_layer", "race_visible_without_wait"):
+        assert key in overlap
+    assert "bit-exact" in proc.stdout and "hidden" in proc.stdout
+
+
+def test_without_cuda_it_fails_clearly_and_imports_only_the_core(tmp_path: Path) -> None:
+    # one interpreter for both (each start imports torch): run the script, then list what it imported.
+    # The GPU machines have torch, xxhash and pytest only: no SGLang, nor our SGLang adapter.
+    env = _env()
+    env["OUT"] = str(tmp_path)  # $OUT names the report's folder
+    # with a GPU present the full check would take minutes: run the smoke there, for the imports only
+    argv = ["gpu_check.py", "--cpu-smoke"] if torch.cuda.is_available() else ["gpu_check.py"]
+    code = (
+        "import runpy, sys\n"
+        f"sys.argv = {argv!r}\n"
+        "status = 0\n"
+        "try:\n"
+        f"    runpy.run_path({str(REPO / 'benchmarks' / 'gpu_check.py')!r}, run_name='__main__')\n"
+        "except SystemExit as exc:\n"
+        "    status = exc.code\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] == 'sglang' or m.startswith('sgl_hicache.sglang')]\n"
+        "print('imported:', bad)\n"
+        "sys.exit(status)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert "imported: []" in proc.stdout, proc.stdout + proc.stderr
+    if torch.cuda.is_available():
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return
+    assert proc.returncode == 2
+    assert "no CUDA device" in proc.stderr and "--cpu-smoke" in proc.stderr
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert result["ok"] is False and "no CUDA device" in result["error"]
