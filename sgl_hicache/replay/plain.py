@@ -32,6 +32,7 @@ from .trace import (
     parse_json_object,
     read_lines,
     sort_by_arrival,
+    Trace,
 )
 
 FIELDS = {"session", "prompt", "input_ids", "output_length", "timestamp", "id"}
@@ -43,7 +44,7 @@ def read_plain(
     tokenizer: str | Path | Tokenizer | None = None,
     limit: int | None = None,
     vocab_size: int | None = None,
-) -> list[Request]:
+) -> Trace:
     """Read a plain JSONL request file. `vocab_size`, when given, bounds every ``input_ids`` entry."""
     tok = load_tokenizer(tokenizer)
     if limit is not None:
@@ -52,7 +53,7 @@ def read_plain(
         check_positive_int("vocab_size", vocab_size)
     out: list[Request] = []
     if limit == 0:
-        return out
+        return Trace(out)
     seen_ids: set[str] = set()
     last_ts = 0.0
     for line, text in read_lines(path):
