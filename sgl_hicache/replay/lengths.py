@@ -35,6 +35,7 @@ from .trace import (
     _short,
     check_positive_int,
     check_synth_options,
+    encode_text,
     get_id,
     get_int,
     get_timestamp,
@@ -64,7 +65,7 @@ def _wall_clock_seconds(path: str | Path, line: int, text: str) -> float | None:
         offset = sign * timedelta(hours=int(digits[:2]), minutes=int(digits[2:]))
     try:
         when = datetime(int(y), int(mo), int(d), int(h), int(mi), int(s), tzinfo=timezone(offset))
-    except ValueError as e:
+    except (ValueError, OverflowError) as e:
         raise TraceError(path, line, f"TIMESTAMP {text!r} is not a valid date and time: {e}") from e
     return when.timestamp() + (int(frac) / 10 ** len(frac) if frac else 0.0)
 
@@ -207,10 +208,7 @@ def read_sglang_bench(
             if rid in seen:
                 raise TraceError(path, line, f"duplicate request: user {session} round {turn} is logged twice")
             seen.add(rid)
-            try:
-                ids = array("q", tok.encode(prompt))
-            except Exception as e:  # tokenizer failure on odd text is bad input, reported as such
-                raise TraceError(path, line, f"tokenizer failed on 'user_data.prompt': {e}") from e
+            ids = encode_text(path, line, tok, prompt, "'user_data.prompt'")
             logged.append((line, rid, session, ts, ids, output_length))
             if limit is not None and len(out) + len(logged) >= limit:
                 break

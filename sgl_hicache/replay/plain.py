@@ -15,7 +15,6 @@ silently).
 
 from __future__ import annotations
 
-from array import array
 from pathlib import Path
 
 from .trace import (
@@ -25,6 +24,7 @@ from .trace import (
     _short,
     get_id,
     check_positive_int,
+    encode_text,
     get_int,
     get_number,
     get_token_ids,
@@ -68,10 +68,7 @@ def read_plain(
             prompt = obj["prompt"]
             if not isinstance(prompt, str):
                 raise TraceError(path, line, f"field 'prompt' must be a string, got {_short(prompt)}")
-            try:
-                ids = array("q", tok.encode(prompt))
-            except Exception as e:  # tokenizer failure on odd text is bad input, reported as such
-                raise TraceError(path, line, f"tokenizer failed on 'prompt': {e}") from e
+            ids = encode_text(path, line, tok, prompt, "'prompt'")
         else:
             ids = get_token_ids(path, line, obj, "input_ids", vocab_size=vocab_size)
         if len(ids) == 0:

@@ -39,17 +39,18 @@ from array import array
 from pathlib import Path
 
 from .trace import (
+    ReadNotes,
     Request,
     Tokenizer,
+    Trace,
     TraceError,
     _short,
-    get_id,
     check_positive_int,
+    encode_text,
+    get_id,
     load_tokenizer,
     parse_json,
-    ReadNotes,
     sort_by_arrival,
-    Trace,
     unique_id,
 )
 
@@ -178,11 +179,7 @@ def read_sharegpt(
             messages.append((kind, value))
 
         def encode(kind: str, value: str) -> list[int]:
-            try:
-                ids = tok.encode(value)
-            except Exception as e:  # a tokenizer failing on odd text must not escape as another exception
-                raise TraceError(p, line, f"conversation {session!r}: tokenizer failed: {e}") from e
-            return prefixes[kind] + list(ids) + newline
+            return prefixes[kind] + encode_text(p, line, tok, value, f"conversation {session!r}").tolist() + newline
 
         history = array("q")
         start = index * float(conversation_interval_s)

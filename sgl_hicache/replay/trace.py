@@ -176,6 +176,14 @@ def load_tokenizer(tokenizer: str | Path | Tokenizer | None) -> Tokenizer:
 # ----------------------------------------------------------------------------------------------
 # Helpers shared by the readers
 
+
+def encode_text(path: str | Path, line: int, tok: Tokenizer, text: str, what: str) -> array:
+    """`text` as int64 token ids; a tokenizer failing on odd text is bad input, a TraceError naming `what`."""
+    try:
+        return array("q", tok.encode(text))
+    except Exception as e:  # whatever the tokenizer raises must not escape as another exception
+        raise TraceError(path, line, f"tokenizer failed on {what}: {e}") from e
+
 MAX_TIMESTAMP = 1e12  # seconds (or ms, before conversion); beyond this a value is certainly corrupt
 
 
