@@ -57,11 +57,13 @@ def _positive_float(text: str) -> float:
 def _add_replay(sub: argparse._SubParsersAction) -> None:
     from .engine.presets import HARDWARE, MODELS
     from .engine.simulator import POLICIES
+    from .replay import FORMATS
 
     p = sub.add_parser("replay", help="replay a trace through the embedded engine (default) or a server (--url)",
                        description="Replay a multi-turn trace and report per-tier hits, TTFT and throughput.")
-    p.add_argument("trace", help="trace file: Mooncake JSONL, ShareGPT JSON or plain JSONL (docs/trace-formats.md)")
-    p.add_argument("--format", default="auto", choices=["auto", "mooncake", "sharegpt", "plain"])
+    p.add_argument("trace", help="trace file: Mooncake/LMBench JSONL, ShareGPT or vLLM multi-turn JSON, plain JSONL, "
+                                 "Azure CSV, SGLang bench output (docs/trace-formats.md)")
+    p.add_argument("--format", default="auto", choices=["auto", *FORMATS])
     p.add_argument("--limit", type=_positive_int, help="replay only the first N requests")
     p.add_argument("--block-size", type=_positive_int, default=512, help="Mooncake: tokens per hash id (default 512)")
     p.add_argument("--scale", type=_positive_int, help="Mooncake: synthesise each block as this many tokens (shrinks the trace)")
@@ -106,7 +108,10 @@ def _load_requests(args: argparse.Namespace) -> list:
         opts.update(block_size=args.block_size, scale=args.scale)
     elif args.tokenizer:
         opts["tokenizer"] = args.tokenizer
-    return load_trace(path, fmt=fmt, **opts)
+    requests = load_trace(path, fmt=fmt, **opts)
+    for note in requests.notes:  # each lenient choice of the reader, once
+        print(f"sgl-hicache replay: note: {note}", file=sys.stderr)
+    return requests
 
 
 class _Progress:
@@ -177,7 +182,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         else:
             rep = run_policy(requests, base, lambda d, t: progress(args.policy, d, t))
             result = {"version": 1, "kind": "replay", "policies": {args.policy: rep}}
-    result["trace"] = {"path": str(args.trace), "requests": len(requests), "limit": args.limit}
+    result["trace"] = {"path": str(args.trace), "requests": len(requests), "limit": args.limit, "notes": requests.notes.lines()}
     print(format_report(result))
     if args.report:
         args.report.parent.mkdir(parents=True, exist_ok=True)

@@ -9,11 +9,24 @@ import tempfile
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sgl_hicache.replay import Request, TraceError, load_trace, read_mooncake, read_plain, read_sharegpt
+from sgl_hicache.replay import Request, TraceError, load_trace, read_azure, read_mooncake, read_plain, read_sglang_bench, read_sharegpt
 
 GOOD_MOONCAKE = [
     '{"timestamp": 0, "input_length": 700, "output_length": 5, "hash_ids": [0, 1]}',
     '{"timestamp": 10, "input_length": 1100, "output_length": 3, "hash_ids": [0, 1, 2]}',
+]
+GOOD_LMBENCH = [
+    '{"timestamp": "1753780607550317897", "input_length": 101, "output_length": 5, "hash_ids": [2843241808, 137021281, 38]}',
+    '{"timestamp": "1753780583232023294", "input_length": 95, "output_length": 3, "hash_ids": [2843241808, 137021281]}',
+]
+GOOD_AZURE = [
+    "TIMESTAMP,ContextTokens,GeneratedTokens",
+    "2023-11-16 18:15:46.6805900,374,44",
+    "2023-11-16 18:15:50.9951690,39,109",
+]
+GOOD_BENCH = [
+    '{"request_rate": 4.0, "input_lens": [12, 30], "output_lens": [5, 0]}',
+    '{"timestamp": 5012.25, "user_data": {"user_id": 0, "current_round": 0, "prompt": "hi", "return_tokens": 4}}',
 ]
 GOOD_PLAIN = [
     '{"session": "a", "prompt": "hello", "output_length": 4, "timestamp": 0.5}',
@@ -32,7 +45,9 @@ json_scalars = st.one_of(
     st.text(max_size=8),
 )
 json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=12)
-field_names = st.sampled_from(["timestamp", "input_length", "output_length", "hash_ids", "session", "prompt", "input_ids", "id", "conversations", "from", "value"])
+field_names = st.sampled_from(["timestamp", "input_length", "output_length", "hash_ids", "session", "prompt", "input_ids", "id",
+                               "conversations", "from", "value", "messages", "role", "content", "input_lens", "output_lens",
+                               "request_rate", "details", "user_data", "summary"])
 # objects with the right keys and random values: reach the validation code, not just the JSON parser
 keyed_objects = st.dictionaries(field_names, json_values, max_size=6)
 
@@ -70,7 +85,10 @@ def run_all(data: bytes) -> None:
             lambda: read_mooncake(path),
             lambda: read_mooncake(path, block_size=16, scale=4),
             lambda: read_plain(path),
+            lambda: read_mooncake(path, block_size=16, block_coverage="varying"),
             lambda: read_sharegpt(path),
+            lambda: read_azure(path),
+            lambda: read_sglang_bench(path),
             lambda: load_trace(path),
         ):
             try:
@@ -80,6 +98,7 @@ def run_all(data: bytes) -> None:
             else:
                 assert isinstance(got, list) and all(isinstance(r, Request) for r in got)
                 assert all(r.output_length >= 0 and len(r.input_ids) > 0 and r.arrival_s >= 0 for r in got)
+                assert all(isinstance(n.message, str) and n.count >= 1 for n in got.notes)
     finally:
         os.unlink(path)
 
@@ -88,7 +107,7 @@ fuzz = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
 
 
 @fuzz
-@given(st.one_of(mutated(GOOD_MOONCAKE), mutated(GOOD_PLAIN), mutated(GOOD_SHAREGPT)))
+@given(st.one_of(mutated(GOOD_MOONCAKE), mutated(GOOD_LMBENCH), mutated(GOOD_PLAIN), mutated(GOOD_SHAREGPT), mutated(GOOD_AZURE), mutated(GOOD_BENCH)))
 def test_mutated_good_files(data):
     run_all(data)
 

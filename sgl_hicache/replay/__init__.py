@@ -1,7 +1,9 @@
-"""Trace readers: Mooncake-style JSONL, ShareGPT-style conversations, plain JSONL of requests.
+"""Trace readers: Mooncake-style JSONL, ShareGPT-style conversations (and vLLM's OpenAI-style
+ones), plain JSONL of requests, Azure LLM inference CSV, SGLang benchmark outputs.
 
-`load_trace(path)` picks the reader (see `detect_format`) and returns `Request`s sorted by arrival.
-Formats and validation rules: docs/trace-formats.md.
+`load_trace(path)` picks the reader (see `detect_format`) and returns a `Trace`: the `Request`s
+sorted by arrival, with the read's `notes` (each lenient choice once). Formats and validation rules:
+docs/trace-formats.md.
 """
 
 from __future__ import annotations
@@ -10,22 +12,33 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .lengths import read_azure, read_sglang_bench
 from .mooncake import read_mooncake
 from .plain import read_plain
 from .sharegpt import read_sharegpt
-from .trace import ByteTokenizer, HFTokenizer, Request, Tokenizer, TraceError, load_tokenizer
+from .trace import ByteTokenizer, HFTokenizer, Note, ReadNotes, Request, Tokenizer, Trace, TraceError, load_tokenizer
 
-READERS = {"mooncake": read_mooncake, "sharegpt": read_sharegpt, "plain": read_plain}
+READERS = {
+    "mooncake": read_mooncake,
+    "sharegpt": read_sharegpt,
+    "plain": read_plain,
+    "azure": read_azure,
+    "sglang-bench": read_sglang_bench,
+}
+BENCH_KEYS = ("input_lens", "details", "user_data", "summary")  # what SGLang's benchmarks write
 FORMATS = tuple(READERS)
 
 
 def detect_format(path: str | Path) -> str:
     """Guess a trace's format from its content (then its name).
 
-    A file whose first non-blank character is ``[`` is ShareGPT (a JSON array of conversations).
+    A file whose first non-blank character is ``[`` is ShareGPT (a JSON array of conversations,
+    ShareGPT's or the OpenAI/vLLM form). A first line holding ``ContextTokens`` is an Azure CSV header.
     Otherwise the first non-blank line is parsed: an object with ``hash_ids`` is Mooncake, one with
-    ``conversations`` is ShareGPT as JSONL, anything else is plain. When that line is not JSON the
-    extension decides (``.json`` ShareGPT, else plain) and the reader reports the error.
+    ``conversations`` or ``messages`` is ShareGPT as JSONL, one with ``input_lens``, ``details``,
+    ``user_data`` or ``summary`` is an SGLang benchmark output, anything else is plain. When that
+    line is not JSON the extension decides (``.json`` ShareGPT, ``.csv`` Azure, else plain) and the
+    reader reports the error.
     """
     p = Path(path)
     if not p.exists():
@@ -40,26 +53,30 @@ def detect_format(path: str | Path) -> str:
                 break
     if first.lstrip()[:1] == b"[":
         return "sharegpt"
+    if first.lstrip()[:1] != b"{" and b"contexttokens" in first.lower():
+        return "azure"
     try:
         obj = json.loads(first.decode("utf-8"))
     except (ValueError, RecursionError):  # includes bad UTF-8; the reader will name the line
         if b'"hash_ids"' in first:
             return "mooncake"
-        return "sharegpt" if p.suffix.lower() == ".json" else "plain"
+        return {".json": "sharegpt", ".csv": "azure"}.get(p.suffix.lower(), "plain")
     if isinstance(obj, dict):
         if "hash_ids" in obj:
             return "mooncake"
-        if "conversations" in obj:
+        if "conversations" in obj or "messages" in obj:
             return "sharegpt"
+        if any(k in obj for k in BENCH_KEYS):
+            return "sglang-bench"
     return "plain"
 
 
-def load_trace(path: str | Path, fmt: str = "auto", **opts: Any) -> list[Request]:
+def load_trace(path: str | Path, fmt: str = "auto", **opts: Any) -> Trace:
     """Read a trace file into requests sorted by arrival.
 
-    `fmt` is ``"auto"`` (see `detect_format`), ``"mooncake"``, ``"sharegpt"`` or ``"plain"``; `opts`
-    go to that reader (`read_mooncake`, `read_sharegpt`, `read_plain`); an option the reader does not
-    take is a ValueError naming it. Malformed content raises `TraceError` (``FILE:LINE: reason``).
+    `fmt` is ``"auto"`` (see `detect_format`) or a name in `FORMATS`; `opts` go to that reader
+    (`READERS`); an option the reader does not take is a ValueError naming it. Malformed content
+    raises `TraceError` (``FILE:LINE: reason``). The `Trace` returned carries the read's notes.
     """
     if fmt == "auto":
         fmt = detect_format(path)
@@ -79,13 +96,19 @@ __all__ = [
     "ByteTokenizer",
     "FORMATS",
     "HFTokenizer",
+    "Note",
+    "READERS",
+    "ReadNotes",
     "Request",
     "Tokenizer",
+    "Trace",
     "TraceError",
     "detect_format",
     "load_tokenizer",
     "load_trace",
+    "read_azure",
     "read_mooncake",
     "read_plain",
+    "read_sglang_bench",
     "read_sharegpt",
 ]

@@ -1,15 +1,23 @@
 """Mooncake-style JSONL traces: one request a line, prompts given as chained block hash ids.
 
 Each line is ``{"timestamp": ms, "input_length": tokens, "output_length": tokens, "hash_ids": [...]}``
-(extra fields are ignored). ``hash_ids`` holds one id per `block_size`-token block of the prompt, and
-``len(hash_ids) == ceil(input_length / block_size)`` must hold (it does on every line of the shipped
-trace); a mismatch is an error, never silently patched.
+(extra fields are ignored). ``hash_ids`` holds one id per block of the prompt.
 
-Token synthesis. Every hash id expands into `block_tokens` pseudo-random token ids drawn from
-``random.Random(f"{seed}:{hash_id}")`` (string seeding is SHA-512 based, so the stream is the same on
-every run, machine and Python >= 3.2), mapped into ``[token_offset, vocab_size)``; the prompt is the
-concatenation, truncated to the input length. Equal ids give equal tokens; each id is expanded once
-per load (a per-call cache, no global state).
+Block coverage. In the Mooncake traces every id covers `block_size` tokens, so
+``len(hash_ids) == ceil(input_length / block_size)`` on every line (the shipped trace holds to it).
+Other producers (LMBench's published traces) cut blocks of a varying size (~32-36 tokens there), so
+the ids do not fit any block size. `block_coverage` says what to do: ``"fixed"`` refuses a line that
+does not fit (``FILE:LINE``); ``"varying"`` takes ``input_length`` as truth and gives each hash id
+the token count it is first seen with (see `_VaryingSynth`); ``"auto"`` (default) is ``"fixed"`` when
+every line read fits and ``"varying"`` otherwise, with a note naming the first line that does not.
+
+Token synthesis. Every hash id expands into pseudo-random token ids drawn from
+``random.Random(f"{seed}:{hash_id}")`` (`TokenSynth`), mapped into ``[token_offset, vocab_size)``;
+the prompt is the concatenation, truncated to the input length. Equal ids give equal tokens; each id
+is expanded once per load (a per-call cache, no global state).
+
+Timestamps are milliseconds from the trace start, or (noted) absolute times since the epoch in s, ms,
+us or ns told apart by magnitude, written as numbers or strings of digits (`timestamps_to_seconds`).
 
 Scaling. ``scale=None`` keeps ``block_tokens = block_size``. ``scale=s`` shrinks every block to ``s``
 tokens and the input length to ``ceil(input_length * s / block_size)`` (so the last block keeps its
@@ -19,60 +27,92 @@ Sessions. Mooncake lines carry no conversation id, so one is inferred. A follow-
 the previous turn's prompt + its answer + a new message: it repeats every *full* block of the
 previous prompt (the previous partial last block is re-cut, so its id changes). Rule: a request joins
 the session of the most recent earlier request whose full-block id prefix
-(``hash_ids[:input_length // block_size]``) is the *longest* prefix of this request's ids, provided
-that prefix is longer than `system_prefix_blocks` (default 1: the shipped trace starts every prompt
-with the same block, id 0, a shared system prompt). Otherwise the request opens a new session. Sessions
-are named ``s0, s1, ...`` in order of first appearance. This is a heuristic: two conversations that
-share a long template, where one prompt is exactly that template, would be merged.
+(``hash_ids[:input_length // block_size]``; with varying blocks every id but the last) is the
+*longest* prefix of this request's ids, provided that prefix is longer than `system_prefix_blocks`
+(default 1: the shipped trace starts every prompt with the same block, id 0, a shared system prompt).
+Otherwise the request opens a new session. Sessions are named ``s0, s1, ...`` in order of first
+appearance. This is a heuristic: two conversations that share a long template, where one prompt is
+exactly that template, would be merged.
 """
 
 from __future__ import annotations
 
-import random
 from array import array
 from pathlib import Path
 
 from .trace import (
+    ReadNotes,
     Request,
+    TokenSynth,
+    Trace,
     TraceError,
     check_positive_int,
+    check_synth_options,
     get_int,
-    get_number,
+    get_timestamp,
     parse_json_object,
     read_lines,
+    sort_by_arrival,
+    timestamps_to_seconds,
 )
 from .trace import _short
 
+COVERAGES = ("auto", "fixed", "varying")
 
-class _TokenSynth:
-    """Expands hash ids into token blocks, caching each id (one instance per load)."""
 
-    def __init__(self, block_tokens: int, vocab_size: int, token_offset: int, seed: int) -> None:
+class _FixedSynth:
+    """Every hash id is `block_tokens` tokens (cached per id)."""
+
+    def __init__(self, synth: TokenSynth, block_tokens: int) -> None:
+        self.synth = synth
         self.block_tokens = block_tokens
-        self.span = vocab_size - token_offset
-        self.offset = token_offset
-        self.seed = seed
         self.cache: dict[int, array] = {}
-
-    def block(self, hash_id: int) -> array:
-        got = self.cache.get(hash_id)
-        if got is None:
-            n = self.block_tokens
-            bits = random.Random(f"{self.seed}:{hash_id}").getrandbits(32 * n)
-            raw = array("I")
-            if raw.itemsize != 4:  # pragma: no cover - every supported platform has a 4-byte 'I'
-                raw = array("L")
-            raw.frombytes(bits.to_bytes(4 * n, "little"))
-            span, off = self.span, self.offset
-            got = array("q", [x % span + off for x in raw])
-            self.cache[hash_id] = got
-        return got
 
     def tokens(self, hash_ids: list[int], length: int) -> array:
         out = array("q")
         for h in hash_ids:
-            out += self.block(h)
+            block = self.cache.get(h)
+            if block is None:
+                block = self.cache[h] = self.synth.tokens(h, self.block_tokens)
+            out += block
         del out[length:]
+        return out
+
+
+class _VaryingSynth:
+    """Hash ids that cover a varying number of tokens; the request's length is the truth.
+
+    Each id keeps the token count it is first given, so two requests that share their first k ids
+    share the tokens of those k blocks. A request's ids not seen before share what its known ids leave
+    of its length, as evenly as possible, the earlier ones taking the remainder (so the last block is
+    the shorter one), each at least 1 token. The prompt is the concatenation, cut to the length; when
+    the ids fall short (all known, and smaller than this request says) it is padded with tokens drawn
+    for ``"<last id>+pad"``.
+    """
+
+    def __init__(self, synth: TokenSynth) -> None:
+        self.synth = synth
+        self.cache: dict[int, array] = {}
+
+    def tokens(self, hash_ids: list[int], length: int) -> array:
+        cache = self.cache
+        new = list(dict.fromkeys(h for h in hash_ids if h not in cache))
+        left = length - sum(len(cache[h]) for h in hash_ids if h in cache)
+        if new and left > 0:
+            q, r = divmod(left, len(new))
+            for j, h in enumerate(new):
+                cache[h] = self.synth.tokens(h, max(1, q + (j < r)))
+        out = array("q")
+        for h in hash_ids:
+            block = cache.get(h)
+            if block is None:  # the known ids already fill the prompt: this id is not reached
+                break
+            out += block
+            if len(out) >= length:
+                break
+        del out[length:]
+        if len(out) < length:
+            out += self.synth.tokens(f"{hash_ids[-1]}+pad", length - len(out))
         return out
 
 
@@ -121,32 +161,33 @@ def read_mooncake(
     seed: int = 0,
     system_prefix_blocks: int = 1,
     infer_sessions: bool = True,
-) -> list[Request]:
-    """Read a Mooncake-style JSONL trace. See the module docstring for synthesis, scaling and sessions.
+    block_coverage: str = "auto",
+) -> Trace:
+    """Read a Mooncake-style JSONL trace. See the module docstring for coverage, synthesis, scaling
+    and sessions.
 
-    `limit` keeps the first N requests of the file. Timestamps (ms) become `arrival_s` in seconds.
+    `limit` keeps the first N requests of the file. Timestamps become `arrival_s` in seconds.
     Raises TraceError (``FILE:LINE: reason``) for anything malformed, ValueError for a bad option.
+    The returned `Trace` carries the read's notes.
     """
     check_positive_int("block_size", block_size)
     if scale is not None:
         check_positive_int("scale", scale)
     if limit is not None:
         check_positive_int("limit", limit, minimum=0)
-    check_positive_int("token_offset", token_offset, minimum=0)
-    check_positive_int("vocab_size", vocab_size, minimum=token_offset + 2)
+    check_synth_options(vocab_size, token_offset, seed)
     check_positive_int("system_prefix_blocks", system_prefix_blocks, minimum=0)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
+    if block_coverage not in COVERAGES:
+        raise ValueError(f"block_coverage must be one of {', '.join(COVERAGES)}, got {block_coverage!r}")
 
-    block_tokens = scale if scale is not None else block_size
-    synth = _TokenSynth(block_tokens, vocab_size, token_offset, seed)
-    sessions = _SessionIndex(system_prefix_blocks)
-    out: list[Request] = []
+    notes = ReadNotes()
     if limit == 0:
-        return out
+        return Trace([], notes)
+    rows: list[tuple[int, int | float, int, int, list[int]]] = []
+    misfit: tuple[int, int, int] | None = None  # (line, ids, input_length) of the first line that does not fit
     for line, text in read_lines(path):
         obj = parse_json_object(path, line, text)
-        ts = get_number(path, line, obj, "timestamp")
+        ts = get_timestamp(path, line, obj, "timestamp", notes)
         input_length = get_int(path, line, obj, "input_length", minimum=1)
         output_length = get_int(path, line, obj, "output_length", minimum=0)
         if "hash_ids" not in obj:
@@ -159,28 +200,48 @@ def read_mooncake(
                 raise TraceError(path, line, f"field 'hash_ids'[{i}] must be a non-negative integer, got {_short(h)}")
         expected = -(-input_length // block_size)
         if len(hash_ids) != expected:
-            raise TraceError(
-                path,
-                line,
-                f"hash_ids has {len(hash_ids)} ids but input_length {input_length} needs "
-                f"ceil({input_length}/{block_size}) = {expected} blocks of {block_size} tokens",
-            )
+            if block_coverage == "fixed" or not hash_ids:
+                raise TraceError(
+                    path,
+                    line,
+                    f"hash_ids has {len(hash_ids)} ids but input_length {input_length} needs "
+                    f"ceil({input_length}/{block_size}) = {expected} blocks of {block_size} tokens",
+                )
+            if misfit is None:
+                misfit = (line, len(hash_ids), input_length)
+        rows.append((line, ts, input_length, output_length, hash_ids))
+        if limit is not None and len(rows) >= limit:
+            break
+
+    varying = block_coverage == "varying" or (block_coverage == "auto" and misfit is not None)
+    if varying and misfit is not None:
+        line, n, length = misfit
+        notes.add(
+            "varying-blocks", path, line,
+            f"hash_ids cover a varying number of tokens ({n} ids for input_length {length}, not "
+            f"ceil({length}/{block_size}) = {-(-length // block_size)}): input_length is taken as truth "
+            f"and each hash id keeps the token count it is first seen with",
+        )
+    synth = TokenSynth(vocab_size, token_offset, seed)
+    blocks = _VaryingSynth(synth) if varying else _FixedSynth(synth, scale if scale is not None else block_size)
+    arrivals = timestamps_to_seconds(path, [(r[0], r[1]) for r in rows], "ms", notes)
+    sessions = _SessionIndex(system_prefix_blocks)
+    out: list[Request] = []
+    for (line, _, input_length, output_length, hash_ids), arrival in zip(rows, arrivals):
         length = input_length if scale is None else -(-input_length * scale // block_size)
-        session = sessions.assign(hash_ids, input_length // block_size) if infer_sessions else None
+        full_blocks = len(hash_ids) - 1 if varying else input_length // block_size
+        session = sessions.assign(hash_ids, full_blocks) if infer_sessions else None
         out.append(
             Request(
                 request_id=f"L{line}",
                 session=session,
-                arrival_s=ts / 1000.0,
-                input_ids=synth.tokens(hash_ids, length),
+                arrival_s=arrival,
+                input_ids=blocks.tokens(hash_ids, length),
                 output_length=output_length,
                 line=line,
             )
         )
-        if limit is not None and len(out) >= limit:
-            break
-    out.sort(key=lambda r: r.arrival_s)
-    return out
+    return sort_by_arrival(out, notes)
 
 
 __all__ = ["read_mooncake"]

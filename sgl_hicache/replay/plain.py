@@ -15,7 +15,6 @@ silently).
 
 from __future__ import annotations
 
-from array import array
 from pathlib import Path
 
 from .trace import (
@@ -25,6 +24,7 @@ from .trace import (
     _short,
     get_id,
     check_positive_int,
+    encode_text,
     get_int,
     get_number,
     get_token_ids,
@@ -32,6 +32,7 @@ from .trace import (
     parse_json_object,
     read_lines,
     sort_by_arrival,
+    Trace,
 )
 
 FIELDS = {"session", "prompt", "input_ids", "output_length", "timestamp", "id"}
@@ -43,7 +44,7 @@ def read_plain(
     tokenizer: str | Path | Tokenizer | None = None,
     limit: int | None = None,
     vocab_size: int | None = None,
-) -> list[Request]:
+) -> Trace:
     """Read a plain JSONL request file. `vocab_size`, when given, bounds every ``input_ids`` entry."""
     tok = load_tokenizer(tokenizer)
     if limit is not None:
@@ -52,7 +53,7 @@ def read_plain(
         check_positive_int("vocab_size", vocab_size)
     out: list[Request] = []
     if limit == 0:
-        return out
+        return Trace(out)
     seen_ids: set[str] = set()
     last_ts = 0.0
     for line, text in read_lines(path):
@@ -67,10 +68,7 @@ def read_plain(
             prompt = obj["prompt"]
             if not isinstance(prompt, str):
                 raise TraceError(path, line, f"field 'prompt' must be a string, got {_short(prompt)}")
-            try:
-                ids = array("q", tok.encode(prompt))
-            except Exception as e:  # tokenizer failure on odd text is bad input, reported as such
-                raise TraceError(path, line, f"tokenizer failed on 'prompt': {e}") from e
+            ids = encode_text(path, line, tok, prompt, "'prompt'")
         else:
             ids = get_token_ids(path, line, obj, "input_ids", vocab_size=vocab_size)
         if len(ids) == 0:

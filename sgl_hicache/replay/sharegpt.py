@@ -4,6 +4,11 @@ The file is a JSON array of conversations (or JSONL, one conversation a line)::
 
     [{"id": "abc", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}, ...]}]
 
+The OpenAI-style form that vLLM's multi-turn benchmark reads (benchmarks/multi_turn, written by its
+convert_sharegpt_to_openai.py) is the same with other keys, and is read the same way::
+
+    [{"id": "abc", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}]
+
 Roles: ``human``/``user`` ask; ``gpt``/``assistant``/``chatgpt``/``bard``/``bing``/``model`` answer;
 ``system`` text is prepended to the history. Any other role is an error.
 
@@ -11,6 +16,9 @@ Each asking turn becomes a request whose prompt is the whole history so far (sys
 question and answer) plus the new question; the answer that follows it gives `output_length` (its token
 count, at least 1) and is appended to the history. A question with no answer after it gets
 `missing_output_length` and adds nothing to the history.
+
+Duplicate ids. The canonical ShareGPT_V3_unfiltered_cleaned_split.json repeats some ids (20 in its
+first 3,000 conversations); a repeated id becomes ``<id>#2`` (``#3``, ...), noted once with a count.
 
 Tokenisation: every message is encoded on its own, as ``"<role>: <text>\\n"`` (role ``System``, ``User``
 or ``Assistant``), and the token lists are concatenated, so turn N's prompt is an exact token prefix of
@@ -31,20 +39,25 @@ from array import array
 from pathlib import Path
 
 from .trace import (
+    ReadNotes,
     Request,
     Tokenizer,
+    Trace,
     TraceError,
     _short,
-    get_id,
     check_positive_int,
+    encode_text,
+    get_id,
     load_tokenizer,
     parse_json,
     sort_by_arrival,
+    unique_id,
 )
 
 ASK_ROLES = {"human", "user"}
 ANSWER_ROLES = {"gpt", "assistant", "chatgpt", "bard", "bing", "model"}
 SYSTEM_ROLES = {"system"}
+MESSAGE_KEYS = (("conversations", "from", "value"), ("messages", "role", "content"))  # ShareGPT, OpenAI/vLLM
 
 
 def _iter_conversations(path: Path, text: str):
@@ -111,7 +124,7 @@ def read_sharegpt(
     think_time_s: float = 5.0,
     conversation_interval_s: float = 1.0,
     missing_output_length: int = 128,
-) -> list[Request]:
+) -> Trace:
     """Read a ShareGPT-style JSON (or JSONL) file; see the module docstring. `limit` counts requests."""
     p = Path(path)
     tok = load_tokenizer(tokenizer)
@@ -131,32 +144,34 @@ def read_sharegpt(
         raise TraceError(p, data.count(b"\n", 0, e.start) + 1, f"not valid UTF-8 ({e.reason})") from e
 
     out: list[Request] = []
+    notes = ReadNotes()
     if limit == 0:
-        return out
+        return Trace(out, notes)
     prefixes = {"system": tok.encode("System: "), "ask": tok.encode("User: "), "answer": tok.encode("Assistant: ")}
     newline = tok.encode("\n")
     seen_ids: set[str] = set()
     for index, (line, conv) in enumerate(_iter_conversations(p, text)):
         if not isinstance(conv, dict):
             raise TraceError(p, line, f"conversation {index} must be a JSON object, got {type(conv).__name__}")
-        session = get_id(p, line, conv.get("id", f"c{index}"), f"conversation {index}: field 'id'")
-        if session in seen_ids:
-            raise TraceError(p, line, f"conversation {index}: duplicate id {session!r}")
-        seen_ids.add(session)
-        turns = conv.get("conversations")
+        written = get_id(p, line, conv.get("id", f"c{index}"), f"conversation {index}: field 'id'")
+        session = unique_id(seen_ids, written)
+        if session != written:
+            notes.add("duplicate-id", p, line, f"duplicate conversation ids made unique with a '#<n>' suffix (first: {written!r} -> {session!r})")
+        list_key, role_key, text_key = next((k for k in MESSAGE_KEYS if k[0] in conv), MESSAGE_KEYS[0])
+        turns = conv.get(list_key)
         if turns is None:
-            raise TraceError(p, line, f"conversation {session!r}: missing field 'conversations'")
+            raise TraceError(p, line, f"conversation {session!r}: missing field 'conversations' (or 'messages')")
         if not isinstance(turns, list):
-            raise TraceError(p, line, f"conversation {session!r}: field 'conversations' must be an array")
+            raise TraceError(p, line, f"conversation {session!r}: field {list_key!r} must be an array")
         messages: list[tuple[str, str]] = []
         for t, msg in enumerate(turns):
             if not isinstance(msg, dict):
                 raise TraceError(p, line, f"conversation {session!r} message {t}: must be an object, got {_short(msg)}")
-            role, value = msg.get("from"), msg.get("value")
+            role, value = msg.get(role_key), msg.get(text_key)
             if not isinstance(role, str):
-                raise TraceError(p, line, f"conversation {session!r} message {t}: field 'from' must be a string, got {_short(role)}")
+                raise TraceError(p, line, f"conversation {session!r} message {t}: field {role_key!r} must be a string, got {_short(role)}")
             if not isinstance(value, str):
-                raise TraceError(p, line, f"conversation {session!r} message {t}: field 'value' must be a string, got {_short(value)}")
+                raise TraceError(p, line, f"conversation {session!r} message {t}: field {text_key!r} must be a string, got {_short(value)}")
             r = role.lower()
             kind = "ask" if r in ASK_ROLES else "answer" if r in ANSWER_ROLES else "system" if r in SYSTEM_ROLES else None
             if kind is None:
@@ -164,11 +179,7 @@ def read_sharegpt(
             messages.append((kind, value))
 
         def encode(kind: str, value: str) -> list[int]:
-            try:
-                ids = tok.encode(value)
-            except Exception as e:  # a tokenizer failing on odd text must not escape as another exception
-                raise TraceError(p, line, f"conversation {session!r}: tokenizer failed: {e}") from e
-            return prefixes[kind] + list(ids) + newline
+            return prefixes[kind] + encode_text(p, line, tok, value, f"conversation {session!r}").tolist() + newline
 
         history = array("q")
         start = index * float(conversation_interval_s)
@@ -202,10 +213,10 @@ def read_sharegpt(
             )
             turn += 1
             if limit is not None and len(out) >= limit:
-                return sort_by_arrival(out)
+                return sort_by_arrival(out, notes)
     if not out:
         raise TraceError(p, 1, "no requests: no conversation has a human turn")
-    return sort_by_arrival(out)
+    return sort_by_arrival(out, notes)
 
 
 __all__ = ["read_sharegpt"]

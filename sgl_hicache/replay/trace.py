@@ -9,12 +9,19 @@ Token ids are `array('q')` (int64), the form `hashing.tokens_bytes` hashes witho
 Tokenisation of text (ShareGPT and plain prompts) goes through `load_tokenizer`: a `tokenizers`
 `tokenizer.json` from a local folder, or, with no folder, the built-in byte-level tokenizer
 (`ByteTokenizer`: UTF-8 byte ``b`` becomes id ``b + 3``; ids 0, 1, 2 are left for pad/bos/eos).
+
+Lenient reading. Where a reader accepts something the strict format would refuse (a duplicate id, a
+timestamp written as a string, hash ids covering a varying number of tokens, a trace without prefix
+information), it records a `Note` in the `ReadNotes` of the `Trace` it returns, once per kind of
+choice with a count, so the command line can print each choice once and the report can carry it.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import random
+import re
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +37,58 @@ class TraceError(ValueError):
         self.line = int(line)
         self.reason = reason
         super().__init__(f"{self.path}:{self.line}: {reason}")
+
+
+@dataclass
+class Note:
+    """One lenient choice a reader made: where it first applied, what it did, how often."""
+
+    path: str
+    line: int
+    message: str
+    count: int = 1
+
+    def __str__(self) -> str:
+        times = f" [{self.count} times]" if self.count > 1 else ""
+        return f"{self.path}:{self.line}: {self.message}{times}"
+
+
+class ReadNotes:
+    """The notes of one read, one per kind of choice (`key`): a repeat only bumps the count."""
+
+    def __init__(self) -> None:
+        self._notes: dict[str, Note] = {}
+
+    def add(self, key: str, path: str | Path, line: int, message: str) -> Note:
+        note = self._notes.get(key)
+        if note is None:
+            note = self._notes[key] = Note(str(path), int(line), message)
+        else:
+            note.count += 1
+        return note
+
+    def __iter__(self) -> Iterator[Note]:
+        return iter(self._notes.values())
+
+    def __len__(self) -> int:
+        return len(self._notes)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._notes
+
+    def __getitem__(self, key: str) -> Note:
+        return self._notes[key]
+
+    def lines(self) -> list[str]:
+        return [str(n) for n in self]
+
+
+class Trace(list):
+    """What a reader returns: a plain list of `Request`s (sorted by arrival) plus the read's `notes`."""
+
+    def __init__(self, requests: Sequence[Request] = (), notes: ReadNotes | None = None) -> None:
+        super().__init__(requests)
+        self.notes = notes if notes is not None else ReadNotes()
 
 
 @dataclass(frozen=True)
@@ -116,6 +175,14 @@ def load_tokenizer(tokenizer: str | Path | Tokenizer | None) -> Tokenizer:
 
 # ----------------------------------------------------------------------------------------------
 # Helpers shared by the readers
+
+
+def encode_text(path: str | Path, line: int, tok: Tokenizer, text: str, what: str) -> array:
+    """`text` as int64 token ids; a tokenizer failing on odd text is bad input, a TraceError naming `what`."""
+    try:
+        return array("q", tok.encode(text))
+    except Exception as e:  # whatever the tokenizer raises must not escape as another exception
+        raise TraceError(path, line, f"tokenizer failed on {what}: {e}") from e
 
 MAX_TIMESTAMP = 1e12  # seconds (or ms, before conversion); beyond this a value is certainly corrupt
 
@@ -247,14 +314,121 @@ def _short(value: Any, limit: int = 40) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def sort_by_arrival(requests: Sequence[Request]) -> list[Request]:
-    return sorted(requests, key=lambda r: r.arrival_s)  # stable: equal arrivals keep file order
+def sort_by_arrival(requests: Sequence[Request], notes: ReadNotes | None = None) -> Trace:
+    return Trace(sorted(requests, key=lambda r: r.arrival_s), notes)  # stable: equal arrivals keep file order
+
+
+def unique_id(seen: set[str], rid: str) -> str:
+    """`rid`, or when `seen` holds it already the first free ``rid#2``, ``rid#3``, ...; added to `seen`."""
+    new, k = rid, 2
+    while new in seen:
+        new, k = f"{rid}#{k}", k + 1
+    seen.add(new)
+    return new
+
+
+# ---- timestamps ------------------------------------------------------------------------------
+
+MAX_RAW_TIMESTAMP = 1e19  # nanoseconds since 1970 stay below this until the year 2286
+_DIGITS = re.compile(r"\d{1,25}", re.ASCII)
+_DECIMAL = re.compile(r"\d{1,25}\.\d{0,25}|\.\d{1,25}|\d{1,25}(\.\d{0,25})?[eE][+-]?\d{1,3}", re.ASCII)
+ABSOLUTE_FROM = 1e9  # a first timestamp this large is a time since the epoch (2001-09-09 in seconds)
+UNITS = (("s", 1e11, 1.0), ("ms", 1e14, 1e3), ("us", 1e17, 1e6), ("ns", math.inf, 1e9))
+
+
+def get_timestamp(path: str | Path, line: int, obj: dict, key: str, notes: ReadNotes | None = None) -> int | float:
+    """A timestamp field as written: a JSON number or (noted once) a string of digits; >= 0, finite,
+    below 1e19. The unit is decided for the whole file by `timestamps_to_seconds`."""
+    if key not in obj:
+        raise TraceError(path, line, f"missing field {key!r}")
+    value = obj[key]
+    if isinstance(value, str):
+        text = value.strip()
+        if _DIGITS.fullmatch(text):
+            value = int(text)
+        elif _DECIMAL.fullmatch(text):
+            value = float(text)
+        else:
+            raise TraceError(path, line, f"field {key!r} must be a number or a string of digits, got {_short(value)}")
+        if notes is not None:
+            notes.add("timestamp-string", path, line, f"field {key!r} is a string of digits ({_short(obj[key])}); read as a number")
+    elif isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TraceError(path, line, f"field {key!r} must be a number, got {_jtype(value)} ({_short(value)})")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise TraceError(path, line, f"field {key!r} must be a finite number, got {_short(value)}")
+    if value < 0:
+        raise TraceError(path, line, f"field {key!r} must be >= 0, got {_short(value)} (negative)")
+    if value >= MAX_RAW_TIMESTAMP:
+        raise TraceError(path, line, f"field {key!r} is out of range: {_short(value)} (at most 1e19)")
+    return value
+
+
+def timestamps_to_seconds(path: str | Path, rows: Sequence[tuple[int, int | float]], relative_unit: str, notes: ReadNotes) -> list[float]:
+    """Arrival seconds for ``(line, raw timestamp)`` rows, the unit chosen once for the file by magnitude.
+
+    If the smallest timestamp is below 1e9 the trace is relative (starts near 0) and in the format's
+    own `relative_unit` (``"ms"`` for Mooncake): ``arrival = raw / unit``, as before. Otherwise the
+    timestamps are absolute times since the epoch and the smallest one's magnitude gives the unit:
+    below 1e11 seconds, below 1e14 milliseconds, below 1e17 microseconds, else nanoseconds (today that
+    is ~1.7e9, 1.7e12, 1.7e15, 1.7e18); ``arrival = (raw - smallest) / unit``, noted once.
+    """
+    if not rows:
+        return []
+    first_line, low = min(rows, key=lambda r: r[1])
+    if low < ABSOLUTE_FROM:
+        per_s = dict((u, f) for u, _, f in UNITS)[relative_unit]
+        return [raw / per_s for _, raw in rows]
+    unit, per_s = next((u, f) for u, bound, f in UNITS if low < bound)
+    notes.add(
+        "timestamp-unit", path, first_line,
+        f"timestamps are absolute, read as {unit} since the epoch by their magnitude ({_short(low)}); "
+        f"arrivals count from the earliest one",
+    )
+    return [(raw - low) / per_s for _, raw in rows]  # int - int is exact, even for nanoseconds
+
+
+# ---- synthetic tokens ------------------------------------------------------------------------
+
+
+class TokenSynth:
+    """Deterministic pseudo-random token ids for formats that give lengths, not text.
+
+    ``tokens(key, n)`` draws `n` ids from ``random.Random(f"{seed}:{key}")`` (string seeding is SHA-512
+    based: the same on every run, machine and Python >= 3.2), mapped into ``[token_offset,
+    vocab_size)``. A shorter draw for the same key is a prefix of a longer one.
+    """
+
+    def __init__(self, vocab_size: int, token_offset: int, seed: int) -> None:
+        self.span = vocab_size - token_offset
+        self.offset = token_offset
+        self.seed = seed
+
+    def tokens(self, key: object, n: int) -> array:
+        if n <= 0:
+            return array("q")
+        bits = random.Random(f"{self.seed}:{key}").getrandbits(32 * n)
+        raw = array("I")
+        if raw.itemsize != 4:  # pragma: no cover - every supported platform has a 4-byte 'I'
+            raw = array("L")
+        raw.frombytes(bits.to_bytes(4 * n, "little"))
+        span, off = self.span, self.offset
+        return array("q", [x % span + off for x in raw])
+
+
+def check_synth_options(vocab_size: int, token_offset: int, seed: int) -> None:
+    check_positive_int("token_offset", token_offset, minimum=0)
+    check_positive_int("vocab_size", vocab_size, minimum=token_offset + 2)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
 
 
 __all__ = [
     "ByteTokenizer",
     "HFTokenizer",
+    "Note",
+    "ReadNotes",
     "Request",
+    "Trace",
     "TraceError",
     "Tokenizer",
     "load_tokenizer",
