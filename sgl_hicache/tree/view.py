@@ -43,7 +43,7 @@ def largest_subtrees(tree: RadixTree, page_bytes: int, top: int = 8, depth: int 
             "node": f"#{node.id}",
             "depth": level,
             "edge_tokens": len(node.tokens),
-            "subtree_tokens": sum(n.num_pages for n in nodes) * tree.page_size,
+            "subtree_tokens": _distinct_pages(node) * tree.page_size,
             "subtree_nodes": len(nodes),
             "bytes": {t: pages[t] * page_bytes for t in TIERS},
             "tokens": {t: pages[t] * tree.page_size for t in TIERS},
@@ -55,14 +55,19 @@ def largest_subtrees(tree: RadixTree, page_bytes: int, top: int = 8, depth: int 
             "head_tokens": [int(t) for t in node.tokens[:HEAD_TOKENS]],
         }
         if level < depth and node.children:
-            kids = sorted(node.children.values(), key=lambda c: -sum(tree.subtree_pages(c).values()))
+            kids = sorted(node.children.values(), key=_distinct_pages, reverse=True)
             entry["children"] = [describe(c, level + 1) for c in kids[:top]]
             if len(kids) > top:
                 entry["more_children"] = len(kids) - top
         return entry
 
-    roots = sorted(tree.root.children.values(), key=lambda c: -sum(tree.subtree_pages(c).values()))
+    roots = sorted(tree.root.children.values(), key=_distinct_pages, reverse=True)
     return [describe(c, 1) for c in roots[:top]]
+
+
+def _distinct_pages(node: TreeNode) -> int:
+    """Pages in the subtree, each once whichever tiers hold it (the ordering of the view)."""
+    return sum(n.num_pages for n in _walk(node))
 
 
 def _walk(node: TreeNode):
@@ -85,7 +90,7 @@ def format_age(seconds: float | None) -> str:
     return f"{seconds / 3600:.1f} h ago"
 
 
-def _text(entry: dict[str, Any], decoder: Decoder | None, width: int = 40) -> str:
+def _text(entry: dict[str, Any], decoder: Decoder | None, width: int = 48) -> str:
     ids = entry.get("head_tokens")
     if decoder is None or not ids:
         return ""
@@ -93,7 +98,10 @@ def _text(entry: dict[str, Any], decoder: Decoder | None, width: int = 40) -> st
         text = " ".join(decoder.decode(list(ids)).split())
     except Exception as e:  # a tokenizer that does not fit the ids: say so in the cell, keep the table
         return f"(cannot decode: {type(e).__name__})"
-    return '"' + (text if len(text) <= width else text[: width - 3] + "...") + '"'
+    if len(text) > width:  # cut at a word boundary when there is one
+        cut = text[: width - 3]
+        text = (cut.rsplit(" ", 1)[0] if " " in cut else cut) + "..."
+    return '"' + text + '"'
 
 
 def format_tree(entries: list[dict[str, Any]], decoder: Decoder | None = None) -> str:
