@@ -56,24 +56,6 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _group_shm(pgid: int) -> set[Path]:
-    """The /dev/shm files (sgl_shm_mq_*, sglang_loads_*, multiprocessing semaphores) the processes of
-    group `pgid` have open or mapped: SGLang leaves some behind when it is stopped."""
-    found: set[Path] = set()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if os.getpgid(int(proc.name)) != pgid:
-                continue
-            paths = [line.split(None, 5)[-1] for line in (proc / "maps").read_text().splitlines() if "/dev/shm/" in line]
-            paths += [os.readlink(fd) for fd in (proc / "fd").iterdir()]
-        except (OSError, ProcessLookupError):
-            continue
-        found |= {Path(x) for x in paths if x.startswith("/dev/shm/") and not x.endswith("(deleted)")}
-    return found
-
-
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
@@ -85,7 +67,7 @@ def _healthy(url: str) -> bool:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """`sgl-hicache serve` in its own process group; stopped (the whole group) when the module ends."""
-    from sgl_hicache.sglang.server import free_port
+    from sgl_hicache.sglang.server import free_port, group_shm_files
 
     work = tmp_path_factory.mktemp("sglang_cli")
     port = free_port()
@@ -103,10 +85,10 @@ def server(tmp_path_factory):
             if proc.poll() is not None or time.monotonic() - t0 > 240:
                 pytest.fail(f"server not up (exit {proc.poll()}):\n" + (work / "server.log").read_text()[-3000:])
             time.sleep(0.5)
-        shm = _group_shm(proc.pid)
+        shm = group_shm_files(proc.pid)
         yield {"url": url, "work": work, "log": work / "server.log", "start_s": time.monotonic() - t0}
     finally:
-        shm |= _group_shm(proc.pid)
+        shm |= group_shm_files(proc.pid)
         for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):  # SGLang can take 20 s+ to exit on SIGTERM
             try:
                 os.killpg(proc.pid, sig)
