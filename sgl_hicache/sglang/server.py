@@ -117,6 +117,7 @@ class SGLangServer:
     started_at: float
     ready_after_s: float | None = None
     _log_file: Any = field(default=None, repr=False)
+    _shm: set = field(default_factory=set, repr=False)  # /dev/shm files the group held (removed at stop)
 
     # ---------------------------------------------------------------- lifecycle
     @classmethod
@@ -231,6 +232,7 @@ class SGLangServer:
                     f"(log {self.log_path}):\n{_tail(self.log_path)}")
             if self._health_ok():
                 self.ready_after_s = time.monotonic() - self.started_at
+                self._shm |= group_shm_files(self.proc.pid)  # some are closed again before stop
                 return self.ready_after_s
             if time.monotonic() > deadline:
                 raise ServerStartError(
@@ -255,7 +257,7 @@ class SGLangServer:
         Safe to call twice and on a server that already died.
         """
         pgid = self.proc.pid  # the leader of a new session: its pid is the group id
-        shm = group_shm_files(pgid)
+        self._shm |= group_shm_files(pgid)
         try:
             if self.proc.poll() is None:
                 _signal_group(pgid, signal.SIGTERM)
@@ -276,7 +278,7 @@ class SGLangServer:
             if self._log_file is not None and not self._log_file.closed:
                 self._log_file.close()
             if not _group_alive(pgid):
-                for f in shm:
+                for f in self._shm:
                     f.unlink(missing_ok=True)
         return self.proc.returncode
 
