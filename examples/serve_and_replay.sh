@@ -31,7 +31,13 @@ setsid "${CLI[@]}" serve --host-tokens 4096 --disk-dir "$WORK/disk" --page-size 
     --model-path "$MODEL" "${LOAD_FORMAT[@]}" --skip-tokenizer-init --host 127.0.0.1 --port "$PORT" \
     --max-total-tokens 1024 --enable-metrics > "$WORK/server.log" 2>&1 &
 SERVER=$!
-trap 'kill -TERM -- -$SERVER 2>/dev/null || true; sleep 10; kill -KILL -- -$SERVER 2>/dev/null || true' EXIT
+stop() {  # the whole process group, then the /dev/shm files it held (SGLang leaves some behind)
+    local shm
+    shm=$("$PY" -c "from sgl_hicache.sglang.server import group_shm_files as g; print(*g($SERVER))" 2>/dev/null || true)
+    kill -TERM -- -$SERVER 2>/dev/null || true; sleep 10; kill -KILL -- -$SERVER 2>/dev/null || true
+    [ -z "$shm" ] || rm -f $shm
+}
+trap stop EXIT
 for _ in $(seq 300); do
     curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break
     kill -0 $SERVER 2>/dev/null || { tail -30 "$WORK/server.log"; exit 1; }
