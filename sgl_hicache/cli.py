@@ -2,6 +2,10 @@
 
 Errors a user can cause (a bad flag, a malformed trace, a bad capacity, an unreachable server) end
 the process with a one-line message naming the problem and a non-zero status, never a traceback.
+
+Exit status: 0 success; 1 the run happened but failed (a replay with failed requests: the table, the
+report and the first error are still written) or an I/O error; 2 a usage error (bad flag, bad input,
+unreachable or unsuitable server); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -10,11 +14,11 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from .config import ConfigError, EVICTION_POLICIES, WRITE_POLICIES
+from .progress import Progress
 from .replay.trace import TraceError
 
 DEFAULT_TRACE_HINT = "../shared/traces/mooncake_conversation_trace.jsonl"
@@ -22,6 +26,10 @@ DEFAULT_TRACE_HINT = "../shared/traces/mooncake_conversation_trace.jsonl"
 
 class UserError(Exception):
     """A problem with what the user asked for; printed as `error: ...`, exit status 2."""
+
+
+class ReplayFailed(Exception):
+    """The replay ran but requests failed; printed as `error: ...`, exit status 1."""
 
 
 def _int_at_least(minimum: int):
@@ -68,6 +76,8 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=_positive_int, default=512, help="Mooncake: tokens per hash id (default 512)")
     p.add_argument("--scale", type=_positive_int, help="Mooncake: synthesise each block as this many tokens (shrinks the trace)")
     p.add_argument("--tokenizer", help="ShareGPT/plain text: a folder with tokenizer.json (default: byte-level)")
+    p.add_argument("--vocab-size", type=_int_at_least(18), help="Mooncake: synthesise token ids below this (default: with --url "
+                   "the server's vocabulary, else 32000); with --url it overrides what the server says")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--policy", choices=POLICIES, default="predict", help="cache policy (default: predict)")
     group.add_argument("--compare", action="store_true", help="run every policy on the same trace and capacities")
@@ -88,11 +98,12 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--url", help="replay against a running SGLang server (http://HOST:PORT) instead of the embedded engine")
     p.add_argument("--max-new-tokens", type=_positive_int, help="with --url: cap each request's output length")
     p.add_argument("--report", type=Path, help="write the JSON report here")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress output (a tqdm bar on a terminal, plain lines every 10 s otherwise)")
     p.set_defaults(func=cmd_replay)
 
 
-def _load_requests(args: argparse.Namespace) -> list:
+def _load_requests(args: argparse.Namespace, vocab_size: int | None = None) -> list:
+    """The trace's requests; Mooncake ids are synthesised below `vocab_size`, plain-JSONL ids are checked against it."""
     from .replay import detect_format, load_trace
 
     path = Path(args.trace)
@@ -106,91 +117,119 @@ def _load_requests(args: argparse.Namespace) -> list:
     opts: dict[str, Any] = {"limit": args.limit}
     if fmt == "mooncake":
         opts.update(block_size=args.block_size, scale=args.scale)
-    elif args.tokenizer:
-        opts["tokenizer"] = args.tokenizer
+        if vocab_size is not None:
+            opts["vocab_size"] = vocab_size
+    else:
+        if args.tokenizer:
+            opts["tokenizer"] = args.tokenizer
+        if fmt == "plain" and vocab_size is not None:
+            opts["vocab_size"] = vocab_size
     requests = load_trace(path, fmt=fmt, **opts)
     for note in requests.notes:  # each lenient choice of the reader, once
         print(f"sgl-hicache replay: note: {note}", file=sys.stderr)
     return requests
 
 
-class _Progress:
-    """A one-line progress bar on stderr (only when stderr is a terminal or forced)."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self.last = 0.0
-
-    def __call__(self, label: str, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if done < total and now - self.last < 0.2:
-            return
-        self.last = now
-        width = 30
-        filled = int(width * done / max(total, 1))
-        sys.stderr.write(f"\r{label:<10} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
-        if done >= total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-
 def cmd_replay(args: argparse.Namespace) -> int:
     if args.report is not None and args.report.is_dir():  # refuse before a long replay, not after
         raise UserError(f"--report {str(args.report)!r} is a directory; give a file path")
-    requests = _load_requests(args)
+    if args.max_new_tokens is not None and not args.url:
+        raise UserError("--max-new-tokens caps a server's outputs; it needs --url (the embedded engine replays the trace's output lengths)")
+    progress = Progress(quiet=args.quiet)
+    try:
+        if args.url:
+            result = _replay_server(args, progress)
+        else:
+            result = _replay_embedded(args, progress)
+    finally:
+        progress.close()
+    failed = sum(rep.get("requests_failed", 0) for rep in result["policies"].values())
+    sent = sum(rep.get("requests_sent", rep.get("requests", 0)) for rep in result["policies"].values())
+    if failed and failed == sent:  # nothing was served: an error, not a table of zeros
+        _write_report(args.report, result, "with the failures ")
+        raise ReplayFailed(f"all {sent} requests failed; first error: {_first_error(result)}")
+    print(format_report(result))
+    _write_report(args.report, result)
+    if failed:
+        raise ReplayFailed(f"{failed} of {sent} requests failed; first error: {_first_error(result)}")
+    return 0
+
+
+def _write_report(path: Path | None, result: dict[str, Any], what: str = "") -> None:
+    if not path:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2))  # policy order kept: recompute, demote, prefetch, predict
+    os.replace(tmp, path)
+    print(f"report {what}written to {path}", file=sys.stdout if not what else sys.stderr)
+
+
+def _first_error(result: dict[str, Any]) -> str:
+    return next((rep["errors"]["first_error"] for rep in result["policies"].values() if (rep.get("errors") or {}).get("first_error")), "?")
+
+
+def _replay_server(args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
+    """Replay against a running server: ask it what it serves, synthesise ids inside its vocabulary,
+    skip what it cannot take (counted), replay."""
+    from .replay.http import ServerError, probe_server, replay_http
+
+    if args.compare:
+        raise UserError("--compare runs the embedded engine's policies side by side; a server (--url) runs the configuration it was started with")
+    try:
+        server = probe_server(args.url, vocab_size=args.vocab_size)
+    except ServerError as exc:
+        raise UserError(str(exc)) from None
+    requests = _load_requests(args, vocab_size=server.usable_vocab)
     if not requests:
         raise UserError(f"trace {args.trace!r} holds no requests")
-    progress = _Progress(not args.quiet)
-    if args.url:
-        try:
-            from .replay.http import replay_http
-        except ImportError as exc:  # pragma: no cover - depends on the backend module
-            raise UserError(f"the HTTP replayer is not available: {exc}") from None
-        report = replay_http(requests, args.url, concurrency=args.concurrency, max_new_tokens=args.max_new_tokens,
-                             trace_clock=args.trace_clock, time_scale=args.time_scale,
-                             progress=(lambda d, t: progress("server", d, t)) if not args.quiet else None)
-        report.setdefault("version", 1)
-        report.setdefault("kind", "http")
-        result = {"version": 1, "kind": "http", "policies": {"server": report}}
-    else:
-        from .engine.presets import get_hardware, get_model
-        from .engine.run import compare, run_policy
-        from .engine.simulator import POLICIES, EngineConfig
-
-        if args.disk_dir is not None and args.disk_dir.exists() and not args.disk_dir.is_dir():
-            raise UserError(f"--disk-dir {str(args.disk_dir)!r} exists and is not a directory")
-        base = EngineConfig(
-            policy=args.policy, model=get_model(args.model), hardware=get_hardware(args.hardware),
-            device_tokens=args.device_tokens, host_tokens=args.host_tokens, disk_tokens=args.disk_tokens,
-            page_size=args.page_size, disk_dir=args.disk_dir, concurrency=None if args.trace_clock else args.concurrency,
-            time_scale=args.time_scale, max_batch_tokens=args.max_batch_tokens, eviction_policy=args.eviction,
-            write_policy=args.write_policy, predictor_budget_tokens=args.predictor_budget,
-        )
-        # the embedded engine holds the device and host tiers in RAM: refuse sizes that cannot fit
-        # (a MemoryError traceback at best, the machine swapping or OOM-killed at worst)
-        need = (args.device_tokens + args.host_tokens) * base.storage_layout.bytes_per_token
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        if need > ram // 2:
-            raise UserError(f"--device-tokens {args.device_tokens} and --host-tokens {args.host_tokens} need {need / 2**30:.1f} GiB "
-                            f"of RAM for the embedded engine's tiers; this machine has {ram / 2**30:.1f} GiB")
-        if args.compare:
-            if args.disk_dir is not None:
-                raise UserError("--compare runs every policy on a fresh disk tier; leave --disk-dir out")
-            result = compare(requests, base, POLICIES, progress=progress)
-        else:
-            rep = run_policy(requests, base, lambda d, t: progress(args.policy, d, t))
-            result = {"version": 1, "kind": "replay", "policies": {args.policy: rep}}
+    print(f"server {server.url}: {server.describe()}")
+    report = replay_http(requests, args.url, concurrency=args.concurrency, max_new_tokens=args.max_new_tokens,
+                         trace_clock=args.trace_clock, time_scale=args.time_scale, server=server,
+                         progress=progress.callback("server"))
+    if report["requests_sent"] == 0:
+        raise UserError(f"none of the {len(requests)} requests fits the server ({server.describe()}); "
+                        f"first: {report['skipped'].get('first')}; use a smaller --scale")
+    report.setdefault("version", 1)
+    report.setdefault("kind", "http")
+    result = {"version": 1, "kind": "http", "policies": {"server": report}}
     result["trace"] = {"path": str(args.trace), "requests": len(requests), "limit": args.limit, "notes": requests.notes.lines()}
-    print(format_report(result))
-    if args.report:
-        args.report.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.report.with_suffix(args.report.suffix + ".tmp")
-        tmp.write_text(json.dumps(result, indent=2))  # policy order kept: recompute, demote, prefetch, predict
-        os.replace(tmp, args.report)
-        print(f"report written to {args.report}")
-    return 0
+    return result
+
+
+def _replay_embedded(args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
+    requests = _load_requests(args, vocab_size=args.vocab_size)
+    if not requests:
+        raise UserError(f"trace {args.trace!r} holds no requests")
+    from .engine.presets import get_hardware, get_model
+    from .engine.run import compare, run_policy
+    from .engine.simulator import POLICIES, EngineConfig
+
+    if args.disk_dir is not None and args.disk_dir.exists() and not args.disk_dir.is_dir():
+        raise UserError(f"--disk-dir {str(args.disk_dir)!r} exists and is not a directory")
+    base = EngineConfig(
+        policy=args.policy, model=get_model(args.model), hardware=get_hardware(args.hardware),
+        device_tokens=args.device_tokens, host_tokens=args.host_tokens, disk_tokens=args.disk_tokens,
+        page_size=args.page_size, disk_dir=args.disk_dir, concurrency=None if args.trace_clock else args.concurrency,
+        time_scale=args.time_scale, max_batch_tokens=args.max_batch_tokens, eviction_policy=args.eviction,
+        write_policy=args.write_policy, predictor_budget_tokens=args.predictor_budget,
+    )
+    # the embedded engine holds the device and host tiers in RAM: refuse sizes that cannot fit
+    # (a MemoryError traceback at best, the machine swapping or OOM-killed at worst)
+    need = (args.device_tokens + args.host_tokens) * base.storage_layout.bytes_per_token
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > ram // 2:
+        raise UserError(f"--device-tokens {args.device_tokens} and --host-tokens {args.host_tokens} need {need / 2**30:.1f} GiB "
+                        f"of RAM for the embedded engine's tiers; this machine has {ram / 2**30:.1f} GiB")
+    if args.compare:
+        if args.disk_dir is not None:
+            raise UserError("--compare runs every policy on a fresh disk tier; leave --disk-dir out")
+        result = compare(requests, base, POLICIES, progress=progress)
+    else:
+        rep = run_policy(requests, base, progress.callback(args.policy))
+        result = {"version": 1, "kind": "replay", "policies": {args.policy: rep}}
+    result["trace"] = {"path": str(args.trace), "requests": len(requests), "limit": args.limit, "notes": requests.notes.lines()}
+    return result
 
 
 # ---- stats -----------------------------------------------------------------------------------
@@ -211,6 +250,17 @@ def format_report(result: dict[str, Any]) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     for key, r in (result.get("ratios") or {}).items():
         lines.append(f"{key:<22} ttft mean x{_fmt(r['ttft_mean'])}  p90 x{_fmt(r['ttft_p90'])}  throughput x{_fmt(r['throughput'])}")
+    for name, rep in result.get("policies", {}).items():
+        skipped = rep.get("skipped") or {}
+        if skipped.get("requests"):
+            total = skipped["requests"] + rep.get("requests_sent", rep["requests"])
+            lines.append(f"{name}: skipped {skipped['requests']} of {total} requests the server cannot take "
+                         f"(prompt + output > context {skipped.get('context_len')}: {skipped.get('over_context', 0)}, "
+                         f"prompt >= its limit {skipped.get('max_input_len')}: {skipped.get('over_max_input', 0)}), "
+                         f"as SGLang's bench_serving drops them; first: {skipped.get('first')}")
+        if rep.get("requests_failed"):
+            lines.append(f"{name}: FAILED {rep['requests_failed']} of {rep.get('requests_sent', '?')} requests; "
+                         f"first error: {(rep.get('errors') or {}).get('first_error')}")
     return "\n".join(lines)
 
 
@@ -225,18 +275,38 @@ def _add_stats(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", type=Path, help="write a PNG: hit rate per tier over time and the TTFT distribution per policy")
     p.add_argument("--json", action="store_true", help="print the raw JSON")
     p.add_argument("--prometheus", action="store_true", help="print Prometheus text (server stats only)")
+    p.add_argument("--tokenizer", help="a folder with tokenizer.json (a local HF tokenizer): show the first words of each subtree")
     p.set_defaults(func=cmd_stats)
+
+
+def _decoder(path: str | None):
+    if path is None:
+        return None
+    from .replay.trace import HFTokenizer
+
+    try:
+        return HFTokenizer(path)
+    except ImportError:
+        raise UserError("--tokenizer needs the `tokenizers` package (pip install tokenizers)") from None
+    except FileNotFoundError as exc:
+        raise UserError(f"--tokenizer: {exc}") from None
+    except Exception as exc:  # tokenizers raises its own exception for a malformed file
+        raise UserError(f"--tokenizer {path!r}: cannot read its tokenizer.json: {exc}") from None
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
     from .tree.view import format_tree
 
+    decoder = _decoder(args.tokenizer)
     if args.source.startswith(("http://", "https://")):
+        from .sglang.stats_client import StatsError, fetch_stats
+
+        if args.plot:
+            raise UserError("--plot draws a replay report; give the report JSON written by `replay --report`, not a server URL")
         try:
-            from .sglang.stats_client import fetch_stats
-        except ImportError as exc:  # pragma: no cover
-            raise UserError(f"server stats are not available: {exc}") from None
-        stats = fetch_stats(args.source)
+            stats = fetch_stats(args.source)
+        except StatsError as exc:
+            raise UserError(str(exc)) from None
         if args.prometheus:
             from .stats import prometheus_text
 
@@ -247,9 +317,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
             return 0
         print(format_snapshot(stats))
         if stats.get("tree"):
-            print("\nlargest subtrees (tokens per tier):")
-            print(format_tree(stats["tree"]))
+            print("\nlargest subtrees (tokens per tier; last access on the server's clock):")
+            print(format_tree(stats["tree"], decoder))
         return 0
+    if args.prometheus:
+        raise UserError("--prometheus prints a running server's metrics; give http://HOST:PORT, not a report file")
     path = Path(args.source)
     if not path.is_file():
         raise UserError(f"report {args.source!r} is not a file (give a report JSON or http://HOST:PORT)")
@@ -265,8 +337,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
     print(format_report(result))
     for name, rep in result["policies"].items():
         if rep.get("tree"):
-            print(f"\n[{name}] largest subtrees at the end of the replay (tokens per tier):")
-            print(format_tree(rep["tree"]))
+            print(f"\n[{name}] largest subtrees at the end of the replay (tokens per tier; age on the replay's virtual clock):")
+            print(format_tree(rep["tree"], decoder))
     if args.plot:
         from .plot import plot_report
 
@@ -318,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, TraceError, ConfigError) as exc:
         print(f"sgl-hicache {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except ReplayFailed as exc:
+        print(f"sgl-hicache {args.command}: error: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         print(f"sgl-hicache {args.command}: error: {exc}", file=sys.stderr)
         return 1

@@ -132,7 +132,10 @@ def prometheus_text(snapshot: dict[str, Any], stored_pages: dict[str, int] | Non
             metric(f"{prefix}_{kind}_{field}_total", "counter", f"{kind} {field.replace('_', ' ')}", [("", d[field])])
     metric(f"{prefix}_errors_total", "counter", "Tier errors by kind",
            [(f'{{error="{k}"}}', v) for k, v in sorted(snapshot["errors"].items())] or [('{error="none"}', 0)])
-    if stored_pages is not None:
-        metric(f"{prefix}_stored_tokens", "gauge", "Tokens resident per tier",
-               [(f'{{tier="{t}"}}', stored_pages[t] * page_size) for t in TIERS])
+    stored = {t: stored_pages[t] * page_size for t in TIERS} if stored_pages is not None else snapshot.get("stored_tokens")
+    if stored is not None:
+        metric(f"{prefix}_stored_tokens", "gauge", "Tokens resident per tier", [(f'{{tier="{t}"}}', stored.get(t, 0)) for t in TIERS])
+    if snapshot.get("capacity_tokens") is not None:
+        metric(f"{prefix}_capacity_tokens", "gauge", "Tier capacity in tokens",
+               [(f'{{tier="{t}"}}', snapshot["capacity_tokens"].get(t, 0)) for t in TIERS])
     return "\n".join(lines) + "\n"

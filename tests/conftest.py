@@ -12,6 +12,22 @@ import torch
 from sgl_hicache.cache import TieredCache
 from sgl_hicache.config import CacheConfig, KVLayout
 
+
+def _sglang_missing() -> str | None:
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec("sglang") is None:
+            return "sglang is not installed (scripts/install_sglang_cpu.sh installs it into .venv-sglang)"
+    except Exception as e:  # pragma: no cover
+        return f"sglang not importable: {e}"
+    return None
+
+
+SGLANG_MISSING = _sglang_missing()
+# `pytestmark = NEEDS_SGLANG` in a module that runs the real SGLang server
+NEEDS_SGLANG = [pytest.mark.sglang, pytest.mark.skipif(SGLANG_MISSING is not None, reason=SGLANG_MISSING or "")]
+
 SMALL_LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16")
 
 REPO = Path(__file__).resolve().parent.parent

@@ -30,18 +30,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import mooncake_trace
+from conftest import NEEDS_SGLANG, mooncake_trace
 
-sglang_missing = None
-try:
-    import importlib.util
-
-    if importlib.util.find_spec("sglang") is None:
-        sglang_missing = "sglang is not installed (scripts/install_sglang_cpu.sh installs it into .venv-sglang)"
-except Exception as e:  # pragma: no cover
-    sglang_missing = f"sglang not importable: {e}"
-
-pytestmark = [pytest.mark.sglang, pytest.mark.skipif(sglang_missing is not None, reason=sglang_missing or "")]
+pytestmark = NEEDS_SGLANG  # marked `sglang`, skipped where SGLang is not installed
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "scripts" / "cpu" / "tiny-llama"

@@ -45,7 +45,7 @@ def run_policy(requests: Sequence[Request], config: EngineConfig, progress: Call
         report = policy_report(records=records, snapshot=engine.cache.snapshot(), duration_s=duration, settings=settings_of(config))
         report["engine"] = {"steps": engine.steps, "wall_s": wall, "virtual_s": engine.now, "demote_seconds": engine.demote_seconds,
                             "disk_write_seconds": engine.disk_write_seconds}
-        report["tree"] = largest_subtrees(engine.cache.tree, config.model.kv_bytes_per_token * config.page_size)
+        report["tree"] = largest_subtrees(engine.cache.tree, config.model.kv_bytes_per_token * config.page_size, now=engine.now)
         return report
     finally:
         engine.close()

@@ -18,10 +18,29 @@ hit_tokens{device,host,disk}, miss_tokens, hit_rate, ttft_s{mean,p50,p90,p99,max
 ... plus `bytes_moved` and `prefetch` taken from the server's `sgl_hicache` stats (the difference
 between before and after the replay) when the server runs the sgl_hicache backend, else `{}` and null
 figures. Nothing here imports sglang.
+
+What the server serves (`probe_server`): the vocabulary size, context length, longest accepted prompt
+(`max_req_input_len`: SGLang aborts a prompt of that length or more, bounded by the context and the KV
+pool) and page size. SGLang 0.5.23's HTTP API does not publish the vocabulary (`/model_info` leaves
+`hf_config` out; `/server_info` is the server arguments + `max_req_input_len` / `max_total_num_tokens`),
+so it is read, in this order, from `internal_states[0]["sgl_hicache_model"]` (our plugin adds it to
+`/server_info` in every SGLang process where it is installed: the scheduler's `model_config`), else from
+`config.json` in the served model folder when this machine can read it; otherwise `probe_server`
+raises `ServerError` asking for an explicit vocabulary size. Token ids must stay below the vocabulary
+(an id outside it kills SGLang 0.5.23's scheduler with an IndexError in the embedding), so
+`replay_http` refuses such a request before sending anything. `usable_vocab` also keeps synthesised
+ids below the model's special tokens when those sit at the top of the vocabulary (Llama 3, Qwen):
+image / audio placeholder ids there would make a multimodal model read the prompt as media.
+
+Prompts longer than the server takes: like SGLang's `bench_serving` (which prunes a dataset row when
+``prompt_len + output_len > context_len``), such requests are skipped, not truncated; also skipped is a
+prompt of `max_req_input_len` tokens or more (SGLang would abort it). The report counts them
+(`requests_skipped`, `skipped`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import threading
@@ -34,6 +53,171 @@ from typing import Any
 
 from ..engine.report import RequestRecord
 from .trace import Request
+
+
+class ServerError(RuntimeError):
+    """The server cannot be reached, or does not say what the replay needs to know."""
+
+
+@dataclass
+class ServerModel:
+    """What a server serves, as far as the replay needs it (see the module docstring)."""
+
+    url: str
+    vocab_size: int
+    vocab_source: str
+    context_len: int | None = None
+    max_input_len: int | None = None
+    page_size: int | None = None
+    max_total_tokens: int | None = None
+    special_token_ids: list[int] = field(default_factory=list)
+    model_path: str | None = None
+
+    @property
+    def usable_vocab(self) -> int:
+        """Ids below this are plain tokens: the vocabulary minus special tokens at its top end."""
+        top = [t for t in self.special_token_ids if self.vocab_size // 2 <= t < self.vocab_size]
+        return min([self.vocab_size, *top])
+
+    def describe(self) -> str:
+        parts = [f"vocab {self.vocab_size} ({self.vocab_source})"]
+        if self.usable_vocab != self.vocab_size:
+            parts.append(f"ids < {self.usable_vocab} (special tokens above)")
+        if self.context_len is not None:
+            parts.append(f"context {self.context_len}")
+        if self.max_input_len is not None:
+            parts.append(f"prompts < {self.max_input_len} tokens")
+        if self.page_size is not None:
+            parts.append(f"page {self.page_size}")
+        return ", ".join(parts)
+
+
+def special_token_ids(config: dict[str, Any]) -> list[int]:
+    """Ids a model config names as special (``*_token_id`` / ``*_token_ids`` keys, also in a
+    ``text_config``), sorted."""
+    out: set[int] = set()
+    for cfg in (config, config.get("text_config") if isinstance(config.get("text_config"), dict) else {}):
+        for key, value in cfg.items():
+            if not (key.endswith("_token_id") or key.endswith("_token_ids") or key.endswith("_token_index")):
+                continue
+            for v in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+                    out.add(v)
+    return sorted(out)
+
+
+def model_facts(vocab_size: int, context_len: int | None, hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The `sgl_hicache_model` entry the plugin adds to `/server_info` (built in the scheduler)."""
+    return {"vocab_size": int(vocab_size), "context_len": None if context_len is None else int(context_len),
+            "special_token_ids": special_token_ids(hf_config)}
+
+
+def _get_json(url: str, timeout: float) -> Any:
+    from ..sglang.stats_client import StatsError, http_get
+
+    try:
+        raw = http_get(url, timeout)
+    except StatsError as e:
+        raise ServerError(str(e)) from None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        raise ServerError(f"GET {url} did not return JSON; is this an SGLang server?") from None
+
+
+def _local_config(path: str | None) -> dict[str, Any] | None:
+    if not path:
+        return None
+    from pathlib import Path
+
+    file = Path(path).expanduser() / "config.json"
+    try:
+        cfg = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def _int_or_none(value: Any) -> int | None:
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def probe_server(url: str, *, vocab_size: int | None = None, timeout: float = 10.0) -> ServerModel:
+    """Ask the server at `url` what it serves. `vocab_size` overrides the server's answer (and is
+    the only way to replay against a server that does not tell it). Raises ServerError."""
+    _split_url(url)
+    base = url.rstrip("/") if "://" in url else "http://" + url.rstrip("/")
+    info = _get_json(f"{base}/server_info", timeout)
+    if not isinstance(info, dict):
+        raise ServerError(f"GET {base}/server_info did not return an object; is this an SGLang server?")
+    model_info: dict[str, Any] = {}
+    try:
+        got = _get_json(f"{base}/model_info", timeout)
+        model_info = got if isinstance(got, dict) else {}
+    except ServerError:
+        pass
+    model_path = model_info.get("model_path") or info.get("model_path")
+    states = [s for s in info.get("internal_states") or [] if isinstance(s, dict)]
+    facts = next((s["sgl_hicache_model"] for s in states if isinstance(s.get("sgl_hicache_model"), dict)), None)
+    cfg = _local_config(model_path) if facts is None else None
+    text_cfg = (cfg.get("text_config") if isinstance(cfg, dict) and isinstance(cfg.get("text_config"), dict) else cfg) or {}
+    context = _int_or_none(info.get("context_length"))
+    specials: list[int] = []
+    if facts is not None:
+        server_vocab, source = _int_or_none(facts.get("vocab_size")), "server"
+        context = context or _int_or_none(facts.get("context_len"))
+        specials = [int(t) for t in facts.get("special_token_ids") or []]
+    elif cfg is not None:
+        server_vocab, source = _int_or_none(text_cfg.get("vocab_size")), f"{model_path}/config.json"
+        context = context or _int_or_none(text_cfg.get("max_position_embeddings"))
+        specials = special_token_ids(cfg)
+    else:
+        server_vocab, source = None, ""
+    if vocab_size is not None:
+        server_vocab, source = vocab_size, "--vocab-size"
+    if server_vocab is None:
+        raise ServerError(f"{base} does not tell its vocabulary size (no sgl_hicache plugin in the server, and its model "
+                          f"{model_path!r} is not a folder readable here); pass --vocab-size")
+    return ServerModel(url=base, vocab_size=server_vocab, vocab_source=source, context_len=context,
+                       max_input_len=_int_or_none(info.get("max_req_input_len")), page_size=_int_or_none(info.get("page_size")),
+                       max_total_tokens=_int_or_none(info.get("max_total_num_tokens")), special_token_ids=specials,
+                       model_path=model_path)
+
+
+def fit_requests(requests: Sequence[Request], server: ServerModel, max_new_tokens: int | None = None
+                 ) -> tuple[list[Request], dict[str, Any]]:
+    """The requests the server can take, and what was skipped: like SGLang's bench_serving, a request
+    whose prompt + output exceeds the context is dropped (not truncated), and so is a prompt SGLang
+    would abort (`max_req_input_len` tokens or more: context or KV pool too small)."""
+    kept: list[Request] = []
+    too_long = over_pool = 0
+    first: str | None = None
+    for req in requests:
+        n_out = req.output_length if max_new_tokens is None else min(req.output_length, max_new_tokens)
+        n_in = len(req.input_ids)
+        if server.context_len is not None and n_in + n_out > server.context_len:
+            too_long += 1
+            first = first or f"{req.request_id}: {n_in} prompt + {n_out} output tokens > context {server.context_len}"
+        elif server.max_input_len is not None and n_in >= server.max_input_len:
+            over_pool += 1
+            first = first or f"{req.request_id}: {n_in} prompt tokens >= the server's limit {server.max_input_len}"
+        else:
+            kept.append(req)
+    skipped = {"requests": too_long + over_pool, "over_context": too_long, "over_max_input": over_pool,
+               "context_len": server.context_len, "max_input_len": server.max_input_len}
+    if first:
+        skipped["first"] = first
+    return kept, skipped
+
+
+def check_vocab(requests: Sequence[Request], vocab_size: int) -> None:
+    """Raise ValueError naming the first request with a token id outside ``[0, vocab_size)``."""
+    for req in requests:
+        ids = req.input_ids
+        if len(ids) and (max(ids) >= vocab_size or min(ids) < 0):
+            bad = next(t for t in ids if t >= vocab_size or t < 0)
+            raise ValueError(f"request {req.request_id} has token id {bad}, outside the server's vocabulary of {vocab_size} "
+                             "(it would crash SGLang's scheduler); synthesise ids with the server's vocabulary size")
 
 
 @dataclass
@@ -106,7 +290,7 @@ def generate_stream(
         conn.close()
     latency = time.perf_counter() - t0
     if last is None:
-        raise RuntimeError("empty stream")
+        raise RuntimeError("the server closed the stream without a reply (did it crash? see its log)")
     meta = last.get("meta_info") or {}
     if ttft is None:  # no output token streamed (max_new_tokens=0): the end is the first answer
         ttft = latency
@@ -119,6 +303,16 @@ def hits_from_meta(meta: dict[str, Any]) -> tuple[int, int, int]:
     if isinstance(details, dict):
         return int(details.get("device", 0) or 0), int(details.get("host", 0) or 0), int(details.get("storage", 0) or 0)
     return int(meta.get("cached_tokens", 0) or 0), 0, 0
+
+
+def _healthy(url: str, timeout: float = 5.0) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout) as r:
+            return r.status == 200
+    except Exception:
+        return False
 
 
 def _server_stats(url: str) -> dict[str, Any] | None:
@@ -152,11 +346,14 @@ def replay_http(
     timeout_s: float = 600.0,
     progress: Callable[[int, int], None] | None = None,
     keep_outputs: bool = False,
+    server: ServerModel | None = None,
 ) -> dict[str, Any]:
     """Replay `requests` against the server at `url`; returns the report (see the module docstring).
 
     `max_new_tokens` caps each request's output length; `keep_outputs` adds per-request records
-    (`records`: id, ttft, hits, output ids, error) to the report."""
+    (`records`: id, ttft, hits, output ids, error) to the report. `server` is what `probe_server`
+    said (probed here when None): a token id outside its vocabulary is a ValueError before anything
+    is sent; requests too long for it are skipped and counted (`requests_skipped`, `skipped`)."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     if time_scale <= 0:
@@ -164,8 +361,12 @@ def replay_http(
     _split_url(url)
     from ..engine.report import policy_report
 
+    if server is None:
+        server = probe_server(url)
+    check_vocab(requests, server.vocab_size)
+    fitting, skipped = fit_requests(requests, server, max_new_tokens)
     before = _server_stats(url)
-    reqs = sorted(requests, key=lambda r: r.arrival_s) if trace_clock else list(requests)
+    reqs = sorted(fitting, key=lambda r: r.arrival_s) if trace_clock else list(fitting)
     total = len(reqs)
     records: list[HttpRecord] = []
     lock = threading.Lock()
@@ -230,13 +431,20 @@ def replay_http(
         report["bytes_moved"] = {}
         report["prefetch"] = {k: None for k in report["prefetch"]}
         report["predict"] = {k: None for k in report["predict"]}
-    report["errors"] = {"requests_failed": len(failed), **({"first_error": failed[0].error} if failed else {}), **snapshot.get("errors", {})}
+    first_error = min(failed, key=lambda r: r.arrival_s).error if failed else None
+    if failed and not _healthy(url):
+        first_error = f"{first_error} (and the server no longer answers /health: it died during the replay)"
+    report["errors"] = {"requests_failed": len(failed), **({"first_error": first_error} if failed else {}), **snapshot.get("errors", {})}
     report["requests_sent"] = total
     report["requests_failed"] = len(failed)
+    report["requests_skipped"] = skipped["requests"]
+    report["skipped"] = skipped
+    report["server"] = dataclasses.asdict(server)
     report["server_stats"] = after
     if keep_outputs:
         report["records"] = [vars(r) for r in sorted(records, key=lambda r: r.arrival_s)]
     return report
 
 
-__all__ = ["HttpRecord", "generate_stream", "hits_from_meta", "replay_http"]
+__all__ = ["HttpRecord", "ServerError", "ServerModel", "check_vocab", "fit_requests", "generate_stream", "hits_from_meta",
+           "model_facts", "probe_server", "replay_http", "special_token_ids"]

@@ -160,6 +160,9 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
 
 def load_tokenizer(tokenizer: str | Path | Tokenizer | None) -> Tokenizer:
     """None -> `ByteTokenizer`; a folder holding tokenizer.json (or the file) -> `HFTokenizer`;

@@ -593,7 +593,7 @@ class TieredRadixCache(BasePrefixCache):
             try:
                 from ..tree.view import largest_subtrees
 
-                snap["tree"] = largest_subtrees(self.cache.tree, self.config.page_bytes)
+                snap["tree"] = largest_subtrees(self.cache.tree, self.config.page_bytes, now=self.cache.clock())
             except ImportError:
                 pass
         return snap
@@ -636,17 +636,11 @@ class _StatsPublisher:
             snap = self.cache.stats(exact=False)
             if self.path is not None:
                 write_atomic(self.path, json.dumps(snap, indent=1, sort_keys=True))
-                write_atomic(self.path.with_suffix(self.path.suffix + ".prom"), prometheus_text(snap, None) + _stored_gauge(snap))
+                write_atomic(self.path.with_suffix(self.path.suffix + ".prom"), prometheus_text(snap))
             if self.prom is not None:
                 self.prom.update(snap)
         except Exception:  # stats must never take the scheduler down
             logger.exception("sgl_hicache: publishing stats failed")
-
-
-def _stored_gauge(snap: dict) -> str:
-    lines = ["# HELP sgl_hicache_stored_tokens Tokens resident per tier", "# TYPE sgl_hicache_stored_tokens gauge"]
-    lines += [f'sgl_hicache_stored_tokens{{tier="{t}"}} {snap["stored_tokens"][t]}' for t in TIERS]
-    return "\n".join(lines) + "\n"
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -10,6 +10,8 @@ It does three things:
 3. hooks SGLang's scheduler internal-state report (what ``GET /server_info`` returns in
    ``internal_states``) so that it carries ``sgl_hicache``: our live stats, the pool accounting and the
    tree view, computed in the scheduler thread. ``stats_client.fetch_stats(URL)`` reads it from there.
+   With any radix cache it also adds ``sgl_hicache_model`` (vocabulary size, context length, special
+   token ids: SGLang's HTTP API publishes none of them), which the HTTP replayer reads.
 """
 
 from __future__ import annotations
@@ -35,12 +37,24 @@ def _add_internal_state(result, controller, *args, **kwargs):
     try:
         from sgl_hicache.sglang.backend import TieredRadixCache
 
-        cache = getattr(getattr(controller, "scheduler", None), "tree_cache", None)
+        scheduler = getattr(controller, "scheduler", None)
+        cache = getattr(scheduler, "tree_cache", None)
         state = getattr(result, "internal_state", None)
         if isinstance(cache, TieredRadixCache) and isinstance(state, dict):
             state["sgl_hicache"] = cache.stats(exact=True)
     except Exception:  # never break /server_info
         logger.exception("sgl_hicache: adding stats to the internal state failed")
+    try:  # what the HTTP replayer needs and SGLang's HTTP API does not publish (any radix cache)
+        state = getattr(result, "internal_state", None)
+        mc = getattr(getattr(controller, "scheduler", None), "model_config", None)
+        if isinstance(state, dict) and mc is not None:
+            from sgl_hicache.replay.http import model_facts
+
+            hf = getattr(mc, "hf_config", None)
+            state["sgl_hicache_model"] = model_facts(mc.vocab_size, getattr(mc, "context_len", None),
+                                                     hf.to_dict() if hasattr(hf, "to_dict") else {})
+    except Exception:
+        logger.exception("sgl_hicache: adding the model facts to the internal state failed")
     return result
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "SGLangServer",
     "cpu_server_args",
     "free_port",
+    "group_shm_files",
     "has_cuda",
 ]
 
@@ -116,6 +117,7 @@ class SGLangServer:
     started_at: float
     ready_after_s: float | None = None
     _log_file: Any = field(default=None, repr=False)
+    _shm: set = field(default_factory=set, repr=False)  # /dev/shm files the group held (removed at stop)
 
     # ---------------------------------------------------------------- lifecycle
     @classmethod
@@ -230,6 +232,7 @@ class SGLangServer:
                     f"(log {self.log_path}):\n{_tail(self.log_path)}")
             if self._health_ok():
                 self.ready_after_s = time.monotonic() - self.started_at
+                self._shm |= group_shm_files(self.proc.pid)  # some are closed again before stop
                 return self.ready_after_s
             if time.monotonic() > deadline:
                 raise ServerStartError(
@@ -249,10 +252,12 @@ class SGLangServer:
 
     def stop(self, grace_s: float = 15.0) -> int | None:
         """SIGTERM the process group, SIGKILL it after ``grace_s``; return the leader's exit code.
+        Removes the /dev/shm files the group held that outlive it (SGLang leaves some).
 
         Safe to call twice and on a server that already died.
         """
         pgid = self.proc.pid  # the leader of a new session: its pid is the group id
+        self._shm |= group_shm_files(pgid)
         try:
             if self.proc.poll() is None:
                 _signal_group(pgid, signal.SIGTERM)
@@ -272,6 +277,9 @@ class SGLangServer:
         finally:
             if self._log_file is not None and not self._log_file.closed:
                 self._log_file.close()
+            if not _group_alive(pgid):
+                for f in self._shm:
+                    f.unlink(missing_ok=True)
         return self.proc.returncode
 
     def __enter__(self) -> "SGLangServer":
@@ -302,6 +310,25 @@ class SGLangServer:
         """POST /generate with token ids, greedy by default; returns SGLang's JSON reply."""
         params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, **sampling}
         return self.post("/generate", {"input_ids": list(input_ids), "sampling_params": params})
+
+
+def group_shm_files(pgid: int) -> set[Path]:
+    """The /dev/shm files (SGLang's ``sglang_loads_*`` / ``sgl_shm_mq_*``, multiprocessing semaphores)
+    that the processes of group `pgid` have open or mapped now. SGLang 0.5.23 leaves some of them
+    behind when it is stopped; a caller collects them before stopping and removes them after."""
+    found: set[Path] = set()
+    for proc in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
+        if not proc.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(proc.name)) != pgid:
+                continue
+            paths = [line.split(None, 5)[-1] for line in (proc / "maps").read_text().splitlines() if "/dev/shm/" in line]
+            paths += [os.readlink(fd) for fd in (proc / "fd").iterdir()]
+        except (OSError, ProcessLookupError):
+            continue
+        found |= {Path(x) for x in paths if x.startswith("/dev/shm/") and not x.endswith("(deleted)")}
+    return found
 
 
 def _signal_group(pgid: int, sig: int) -> None:

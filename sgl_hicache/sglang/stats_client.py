@@ -32,12 +32,15 @@ class StatsError(RuntimeError):
     """The target could not be read, or it does not run the sgl_hicache backend."""
 
 
-def _get(url: str, timeout: float) -> bytes:
+def http_get(url: str, timeout: float) -> bytes:
+    """The body of ``GET url``; StatsError with a one-line reason when the server cannot be reached."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
             return r.read()
+    except urllib.error.HTTPError as e:
+        raise StatsError(f"GET {url}: HTTP {e.code} {e.reason}") from None
     except (urllib.error.URLError, OSError) as e:
-        raise StatsError(f"cannot GET {url}: {e}") from None
+        raise StatsError(f"cannot reach {url}: {getattr(e, 'reason', e)}; is the server running?") from None
 
 
 def fetch_stats(target: str, timeout: float = 10.0) -> dict[str, Any]:
@@ -45,7 +48,7 @@ def fetch_stats(target: str, timeout: float = 10.0) -> dict[str, Any]:
     With several scheduler ranks the first one that reports is returned, under `ranks` all of them."""
     if target.startswith(("http://", "https://")):
         base = target.rstrip("/")
-        raw = _get(f"{base}/server_info", timeout)
+        raw = http_get(f"{base}/server_info", timeout)
         try:
             info = json.loads(raw)
         except ValueError as e:
@@ -72,7 +75,7 @@ def fetch_stats(target: str, timeout: float = 10.0) -> dict[str, Any]:
 
 def fetch_metrics(url: str, timeout: float = 10.0) -> list[str]:
     """The `sglang:cached_tokens_total` and `sgl_hicache_*` sample lines of SGLang's `/metrics`."""
-    text = _get(url.rstrip("/") + "/metrics", timeout).decode("utf-8", "replace")
+    text = http_get(url.rstrip("/") + "/metrics", timeout).decode("utf-8", "replace")
     return [ln for ln in text.splitlines() if ln.startswith(("sglang:cached_tokens_total", "sgl_hicache_"))]
 
 
@@ -114,4 +117,4 @@ def render(stats: dict[str, Any], tree: bool = True) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["StatsError", "fetch_metrics", "fetch_stats", "render"]
+__all__ = ["StatsError", "fetch_metrics", "fetch_stats", "http_get", "render"]
