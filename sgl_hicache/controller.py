@@ -76,7 +76,7 @@ class RequestController:
     - Not thread-safe by itself: one thread (SGLang's scheduler, or the embedded engine's loop)
       calls it; executor threads only set `executed` on ops.
     - Nothing here waits on I/O: `admit` decides and returns; waiting is the caller's choice
-      (`finish_waiting` on a virtual executor, a retry in the server).
+      (`VirtualExecutor.finish_all` in the embedded engine, a retry in the server).
     - Every job it starts is released by `drop`, `admit`+`account`, or `shutdown`.
     """
 

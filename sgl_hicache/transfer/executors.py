@@ -137,13 +137,11 @@ class VirtualExecutor(Executor):
     def submit_job(self, job: "PromotionJob", speculative: bool = False) -> None:
         now = self.clock()
         saved = dict(self.pipes.busy_until) if speculative else None
-        last = now
         for st in job.stages:
             t = now
             for op in st.ops:  # a stage's ops run in order (disk -> host before host -> device)
                 t = self.pipes.schedule(op.link, self._tokens(op), t)
                 self._track(op, t)
-            last = max(last, t)
         if saved is not None:  # speculative copies use idle time only: they delay no demand copy
             self.pipes.busy_until = saved
 
