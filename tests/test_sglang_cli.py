@@ -166,3 +166,22 @@ def test_stats_prometheus_of_the_live_server(server):
     assert {s.labels["tier"]: s.value for s in families["sgl_hicache_capacity_tokens"].samples}["host"] == 4096
     cached = {s.labels["cache_source"] for s in families["sglang:cached_tokens"].samples}
     assert cached == {"device", "host", "storage"}
+
+
+@pytest.mark.parametrize("excerpt", ["sharegpt_v3_excerpt.json", "lmbench_trace_excerpt.jsonl"])
+def test_replay_real_trace_formats_against_the_server(server, excerpt):
+    """The ShareGPT (canonical-file format, duplicate ids) and LMBench (string-nanosecond timestamps,
+    varying tokens per hash id) excerpts of tests/data replay against the real server: every request
+    served, the reader's lenient choices noted in the report."""
+    report = server["work"] / f"{excerpt}.report.json"
+    replay = server["commands"]["replay"]
+    argv = [*replay[: replay.index("replay") + 1], str(REPO / "tests" / "data" / excerpt), "--url", server["url"],
+            "--max-new-tokens", "4", "--concurrency", "4", "--report", str(report)]
+    proc = _run(argv)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{server['log'].read_text()[-3000:]}"
+    result = json.loads(report.read_text())
+    rep = result["policies"]["server"]
+    assert rep["requests_failed"] == 0, rep["errors"]
+    assert rep["requests_sent"] > 0 and rep["requests"] == rep["requests_sent"]
+    assert result["trace"].get("notes"), result["trace"]  # duplicate ids / ns timestamps were noted
+    assert _healthy(server["url"])
