@@ -2,7 +2,8 @@
 
     python benchmarks/regime_map.py --json out/regime_map.json [--plot out/regime_map.png] [--quick]
 
-For each cell of a coarse grid (capacity of device+host+disk against the slice's working set, disk
+For each cell of a coarse grid (by default a star: one base cell and one axis changed at a time;
+`--grid full` for every combination) (capacity of device+host+disk against the slice's working set, disk
 bandwidth 0.98 vs 5.23 GB/s, model preset 8B / 32B / 480B, load = the trace clock stretched x1 / x2 / x4)
 it replays one slice of the shipped trace through the embedded engine with:
 
@@ -138,13 +139,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", type=Path, default=TRACE)
     ap.add_argument("--start", type=int, default=8000, help="first request of the slice (held out: the reuse model was looked at on 0..5999)")
-    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--requests", type=int, default=150)
     ap.add_argument("--page-size", type=int, default=256)
-    ap.add_argument("--capacities", default="0.15,1.0", help="total tier capacity as fractions of the slice's working set")
-    ap.add_argument("--disk-gbs", default="0.98,5.23")
+    ap.add_argument("--capacities", default="0.15,0.05,0.4,1.0", help="total tier capacity as fractions of the slice's working set")
+    ap.add_argument("--disk-gbs", default="5.23,0.98")
     ap.add_argument("--models", default="8b,32b,480b")
-    ap.add_argument("--loads", default="1,4", help="trace clock stretch factors (1 = the trace's own clock, 4 = 4x slower arrivals)")
+    ap.add_argument("--loads", default="4,2,1", help="trace clock stretch factors (1 = the trace's own clock, 4 = 4x slower arrivals)")
     ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--grid", choices=["star", "full"], default="star",
+                    help="star (default): a base cell (the first value of each axis) and one axis changed at a time; full: every combination")
     ap.add_argument("--quick", action="store_true", help="the smallest map: 40 requests, one cell per axis value of capacity")
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--plot", type=Path)
@@ -160,8 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     largest = max(len(r.input_ids) + r.output_length for r in requests)
     cells = []
     wall = time.perf_counter()
-    grid = itertools.product([float(x) for x in args.capacities.split(",")], [float(x) for x in args.disk_gbs.split(",")],
-                             args.models.split(","), [float(x) for x in args.loads.split(",")])
+    axes = ([float(x) for x in args.capacities.split(",")], [float(x) for x in args.disk_gbs.split(",")],
+            args.models.split(","), [float(x) for x in args.loads.split(",")])
+    if args.grid == "full":
+        grid = list(itertools.product(*axes))
+    else:  # star: the first value of every axis, then each other value of one axis at a time
+        base = tuple(a[0] for a in axes)
+        grid = [base] + [tuple(v if i == k else base[i] for i in range(4)) for k, a in enumerate(axes) for v in a[1:]]
     for frac, gbs, model, load in grid:
         cell = {"capacity_fraction": frac, "capacity_tokens": int(frac * ws), "disk_gbs": gbs, "model": model, "load_stretch": load}
         cells.append(run_cell(requests, cell, policies, args.page_size, largest))

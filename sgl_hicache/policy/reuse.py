@@ -54,7 +54,9 @@ class ReuseModel:
         self.reached: dict[tuple[int, int], int] = {}  # (depth, uses) -> nodes that reached it
         self.gap_counts = [0] * (len(_BINS) + 1)
         self.gaps = 0
-        self.last_used: dict[int, float] = {}  # node id -> time of its last request (or insert)
+        # time of a node's last request (or insert), by `_key` so that a node split by a later match
+        # keeps its history in the upper part (which keeps the parent and the first page)
+        self.last_used: dict[object, float] = {}
         self.depth: dict[int, int] = {}
         self.depth_nodes: dict[int, int] = {}
         self.tips: dict[int, TreeNode] = {}  # the last node of recent requests' matches / inserts
@@ -63,7 +65,7 @@ class ReuseModel:
     def on_insert(self, nodes: Iterable[TreeNode]) -> None:
         now = self.clock()
         for node in nodes:
-            self.last_used[node.id] = now
+            self.last_used[self._key(node)] = now
             key = (self._depth_nodes(node), 0)
             self.reached[key] = self.reached.get(key, 0) + 1
             self.tips[node.id] = node
@@ -71,11 +73,14 @@ class ReuseModel:
     def on_request(self, path: list[TreeNode]) -> None:
         now = self.clock()
         for node in path:
-            prev = self.last_used.get(node.id)
-            if prev is not None and now > prev:
+            key = self._key(node)
+            prev = self.last_used.get(key)
+            # the gaps of a node's first uses: a hot shared prefix, used every second, would
+            # otherwise fill the distribution with its own gaps
+            if prev is not None and now > prev and node.hit_count < 3:
                 self.gap_counts[bisect.bisect_left(_BINS, now - prev)] += 1
                 self.gaps += 1
-            self.last_used[node.id] = now
+            self.last_used[key] = now
             key = (self._depth_nodes(node), min(node.hit_count + 1, self.max_uses + 1))
             self.reached[key] = self.reached.get(key, 0) + 1
         if path:
@@ -108,9 +113,14 @@ class ReuseModel:
 
     def p_reuse(self, node: TreeNode) -> float:
         q = self.q(node)
-        idle = self.clock() - self.last_used.get(node.id, node.last_access)
+        idle = self.clock() - self.last_used.get(self._key(node), node.last_access)
         s = q * self.survival(idle)
         return s / (1.0 - q + s) if s > 0 else 0.0
+
+    @staticmethod
+    def _key(node: TreeNode) -> object:
+        # the chained key of the node's first page names its prefix; the upper part of a split keeps it
+        return node.keys[0] if node.parent is not None else None
 
     def _depth_tokens(self, node: TreeNode) -> int:
         depth = self.depth.get(node.id)
