@@ -138,22 +138,22 @@ def plot(cells: list[dict[str, Any]], policies: list[str], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", type=Path, default=TRACE)
-    ap.add_argument("--start", type=int, default=8000, help="first request of the slice (held out: the reuse model was looked at on 0..5999)")
-    ap.add_argument("--requests", type=int, default=150)
+    ap.add_argument("--start", type=int, default=6000, help="first request of the slice (held out: the reuse model was looked at on 0..5999)")
+    ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--page-size", type=int, default=256)
-    ap.add_argument("--capacities", default="0.15,0.05,0.4,1.0", help="total tier capacity as fractions of the slice's working set")
+    ap.add_argument("--capacities", default="0.3,0.1,1.0", help="total tier capacity as fractions of the slice's working set")
     ap.add_argument("--disk-gbs", default="5.23,0.98")
     ap.add_argument("--models", default="8b,32b,480b")
-    ap.add_argument("--loads", default="4,2,1", help="trace clock stretch factors (1 = the trace's own clock, 4 = 4x slower arrivals)")
-    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--loads", default="4,1", help="trace clock stretch factors (1 = the trace's own clock, 4 = 4x slower arrivals)")
+    ap.add_argument("--policies", default="lru,reuse,predict,oracle")
     ap.add_argument("--grid", choices=["star", "full"], default="star",
                     help="star (default): a base cell (the first value of each axis) and one axis changed at a time; full: every combination")
-    ap.add_argument("--quick", action="store_true", help="the smallest map: 40 requests, one cell per axis value of capacity")
+    ap.add_argument("--quick", action="store_true", help="the smallest map: 30 requests, one cell")
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--plot", type=Path)
     args = ap.parse_args(argv)
     if args.quick:
-        args.requests, args.disk_gbs, args.models, args.loads = 40, "5.23", "8b", "4"
+        args.requests, args.capacities, args.disk_gbs, args.models, args.loads = 30, "0.3", "5.23", "8b", "4"
     policies = [p.strip() for p in args.policies.split(",")]
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
