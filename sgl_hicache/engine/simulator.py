@@ -158,7 +158,9 @@ class EmbeddedEngine:
         self.executor = VirtualExecutor(self.cache, self.links, lambda: self.now, config.page_size)
         predictor = make_predictor(self.cache.config.predictor, config.page_size, config.predictor_budget_tokens, model=self.cache.reuse)
         settings = ControllerSettings(
-            prefetch=config.policy in ("prefetch", "predict", "oracle"),
+            # the oracle's prefetch is its predictor (the next requests' paths, before they arrive), not
+            # the queue prefetch, which on long agentic prompts crowds the host tier (docs/results.md)
+            prefetch=config.policy in ("prefetch", "predict"),
             device_writeback_clean_fraction=config.device_writeback_clean_fraction,
             writeback_clean_fraction=config.writeback_clean_fraction,
         )
@@ -302,7 +304,7 @@ class EmbeddedEngine:
                 while pending and pending[0].arrival_s * cfg.time_scale <= self.now:
                     req = pending.popleft()
                     self._arrive(req, req.arrival_s * cfg.time_scale, waiting)
-            if cfg.policy in ("prefetch", "predict", "oracle"):
+            if cfg.policy in ("prefetch", "predict"):
                 self._issue_prefetches(waiting)
             self.controller.advance_predictions()
             self.controller.pump_writeback()
