@@ -131,7 +131,7 @@ def test_production_compare_smoke(tmp_path: Path) -> None:
     result = _run("production_compare.py", tmp_path / "prod.json")
     assert result["benchmark"] == "production_compare" and result["requests"] == 60
     case = result["cases"]["llama3-8b@h200"]
-    assert set(case["policies"]) == {"recompute", "demote", "prefetch", "predict"}
+    assert set(case["policies"]) == {"recompute", "demote", "prefetch", "predict", "oracle"}
     assert case["capacities"]["device_tokens"] > 0 and "prefetch/demote" in case["ratios"]
     for rep in case["policies"].values():
         assert set(rep["hit_tokens"]) == {"device", "host", "disk"} and rep["ttft_s"]["mean"] > 0
