@@ -20,6 +20,7 @@ from .cache import MatchResult, PromotionJob, TieredCache, TransferOp
 from .policy.guard import PromotionGuard
 from .policy.predictor import Predictor
 from .tiers.base import DEVICE, DISK, HOST
+from .tree.node import TreeNode
 from .transfer.executors import Executor, LoadTime
 
 
@@ -234,7 +235,7 @@ class RequestController:
                 if len(self.predicted) >= self.settings.max_predicted_jobs:
                     return
 
-    def _worth_room(self, node) -> bool:
+    def _worth_room(self, node: TreeNode) -> bool:
         """Whether making host room for `node`'s path pushes out only pages ranked below it."""
         host = self.cache.stores[HOST]
         need = sum(n.num_pages for n in node.path_from_root() if n.host is None and n.device is None) - host.free_pages

@@ -88,6 +88,15 @@ class ReuseModel:
         if len(self.tips) > 4096:  # forget the oldest tips (insertion order)
             for key in list(self.tips)[: len(self.tips) - 4096]:
                 del self.tips[key]
+        self._bound()
+
+    def _bound(self, limit: int = 1 << 18) -> None:
+        """Keep the per-node memories bounded in a long-running server: past `limit` entries the
+        older half goes (dicts keep insertion order; a forgotten node falls back to its last access)."""
+        for memo in (self.last_used, self.depth, self.depth_nodes):
+            if len(memo) > limit:
+                for key in list(memo)[: len(memo) // 2]:
+                    del memo[key]
 
     # ---- estimates ---------------------------------------------------------------------------
     def q(self, node: TreeNode) -> float:
