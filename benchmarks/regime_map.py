@@ -120,17 +120,19 @@ def plot(cells: list[dict[str, Any]], policies: list[str], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(max(8, len(cells) * 0.45), 4.5))
-    xs = range(len(cells))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(max(10, len(cells) * 0.9), 4.8))
+    xs = list(range(len(cells)))
+    labels = [f"{c['cell']['capacity_fraction']:.2f}/{c['cell']['disk_gbs']}/{c['cell']['model']}/x{c['cell']['load_stretch']:g}" for c in cells]
     for name in policies:
         ax.plot(xs, [100 * c["policies"][name]["hit_rate"] for c in cells], marker="o", label=name)
-    ax.set_xticks(list(xs))
-    ax.set_xticklabels([f"{c['cell']['capacity_fraction']:.2f}/{c['cell']['disk_gbs']}/{c['cell']['model']}/x{c['cell']['load_stretch']:g}" for c in cells],
-                       rotation=70, fontsize=7)
-    ax.set_ylabel("hit rate (% of prompt tokens)")
-    ax.set_xlabel("cell: capacity/working set, disk GB/s, model, load stretch")
+        ax2.plot(xs, [c["policies"][name].get("ttft_vs_lru") or 1.0 for c in cells], marker="o", label=name)
+    for a, ylabel in ((ax, "hit rate (% of prompt tokens)"), (ax2, "TTFT mean / LRU's (lower is better)")):
+        a.set_xticks(xs)
+        a.set_xticklabels(labels, rotation=70, fontsize=7)
+        a.set_ylabel(ylabel)
+        a.set_xlabel("cell: capacity/WS, disk GB/s, model, load stretch")
+        a.grid(alpha=0.3)
     ax.legend()
-    ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
