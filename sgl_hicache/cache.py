@@ -23,6 +23,7 @@ from operator import ne
 from .config import CacheConfig
 from .hashing import Namespace, chain_keys
 from .policy.eviction import eviction_policy
+from .policy.reuse import ReuseModel
 from .stats import CacheStats
 from .tiers.base import DEVICE, DISK, HOST, TIERS, Handle, PageCorruptError, TierIOError, TierStore
 from .tiers.memory import DeviceKVPool, HostKVBuffer
@@ -194,7 +195,12 @@ class TieredCache:
             disk = DiskPageStore(config.layout, config.page_size, config.disk_pages, config.disk_dir, self.namespace, fsync=config.disk_fsync)
         if disk is not None:
             self.stores[DISK] = disk
-        self.priority = eviction_policy(config.eviction_policy)
+        # the reuse model learns from served requests; it orders eviction under `reuse` and feeds
+        # the `continuation` predictor
+        self.reuse: ReuseModel | None = None
+        if config.eviction_policy == "reuse" or config.predictor == "continuation" or config.admission_min_probability > 0:
+            self.reuse = ReuseModel(lambda: self.clock(), admit_min_probability=config.admission_min_probability)
+        self.priority = self.reuse.priority if config.eviction_policy == "reuse" else eviction_policy(config.eviction_policy)  # type: ignore[union-attr]
         self.handlers = default_handlers(self.stores)
         self.meter = BandwidthMeter()
         self.clock = clock
@@ -359,6 +365,8 @@ class TieredCache:
                 node.last_access = now
             if from_allocate_device:
                 self.outstanding_device_pages -= adopted
+            if self.reuse is not None:
+                self.reuse.on_insert(new_nodes)
             self._after_insert(new_nodes)
             return InsertResult(prefix_tokens, duplicates, last, adopted)
 
@@ -757,10 +765,11 @@ class TieredCache:
     def _evict_node(self, node: TreeNode, tier: str) -> int:
         tokens = node.num_pages * self.page_size
         self.tree.pin(node)  # keep it out of the nested evictions its demotion may cause
+        keep = self.reuse is None or self.reuse.admit(node)  # write-back admission: worth a copy below?
         try:
-            if tier == DEVICE and not node.host and self.has_tier(HOST):
+            if tier == DEVICE and not node.host and self.has_tier(HOST) and keep:
                 self.ensure(node, HOST, kind="demote", may_evict=True)
-            elif tier == HOST and node.device is None and not node.on_disk and self.has_tier(DISK):
+            elif tier == HOST and node.device is None and not node.on_disk and self.has_tier(DISK) and keep:
                 self.ensure(node, DISK, kind="demote", may_evict=True)
         finally:
             self.tree.unpin(node)
@@ -784,6 +793,8 @@ class TieredCache:
         before its promotion) and credit prefetches that it used."""
         with self._mutex:
             self.stats.record_request(prompt_tokens, match.device_tokens, match.host_tokens, match.disk_tokens, covered_by_prefetch)
+            if self.reuse is not None:
+                self.reuse.on_request(match.path)
             for node in match.path:
                 node.hit_count += 1
                 if node.prefetched:

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, EVICTION_POLICIES, WRITE_POLICIES
+from .config import ConfigError, EVICTION_POLICIES, PREDICTORS, WRITE_POLICIES
 from .progress import Progress
 from .replay.trace import TraceError
 
@@ -94,6 +94,9 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch-tokens", type=_positive_int, default=16384, help="prefill tokens per scheduler step")
     p.add_argument("--eviction", default="lru", choices=EVICTION_POLICIES)
     p.add_argument("--write-policy", default="write_back", choices=WRITE_POLICIES)
+    p.add_argument("--predictor", default="tree_walk", choices=[p for p in PREDICTORS if p != "none"], help="what --policy predict runs (default tree_walk)")
+    p.add_argument("--admission", type=float, default=0.0, help="write-back admission: keep an evicted page one tier down only if its "
+                   "expected reuse (reuse model) is at least this (default 0: keep all)")
     p.add_argument("--predictor-budget", type=_non_negative_int, default=8192, help="tokens the predictor may promote per request")
     p.add_argument("--url", help="replay against a running SGLang server (http://HOST:PORT) instead of the embedded engine")
     p.add_argument("--max-new-tokens", type=_positive_int, help="with --url: cap each request's output length")
@@ -213,6 +216,7 @@ def _replay_embedded(args: argparse.Namespace, progress: Progress) -> dict[str, 
         page_size=args.page_size, disk_dir=args.disk_dir, concurrency=None if args.trace_clock else args.concurrency,
         time_scale=args.time_scale, max_batch_tokens=args.max_batch_tokens, eviction_policy=args.eviction,
         write_policy=args.write_policy, predictor_budget_tokens=args.predictor_budget,
+        predictor=args.predictor, admission_min_probability=args.admission,
     )
     # the embedded engine holds the device and host tiers in RAM: refuse sizes that cannot fit
     # (a MemoryError traceback at best, the machine swapping or OOM-killed at worst)

@@ -20,10 +20,10 @@ _DTYPES: dict[str, torch.dtype] = {
     "float8_e4m3fn": torch.float8_e4m3fn,
 }
 
-EVICTION_POLICIES = ("lru", "lfu")
+EVICTION_POLICIES = ("lru", "lfu", "reuse")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 DISK_WRITE_POLICIES = ("write_back", "write_through")
-PREDICTORS = ("none", "tree_walk")
+PREDICTORS = ("none", "tree_walk", "continuation")
 
 
 class ConfigError(ValueError):
@@ -85,6 +85,9 @@ class CacheConfig:
     write_through_threshold: int = 2
     disk_write_policy: str = "write_back"
     predictor: str = "none"
+    # with the reuse model: a page evicted from a tier is copied one tier down only when its expected
+    # reuse is at least this (0: every evicted page is kept below, as before)
+    admission_min_probability: float = 0.0
     tenant_salt: str = ""
     disk_fsync: bool = False
 
@@ -98,6 +101,7 @@ class CacheConfig:
         _require(self.write_policy in WRITE_POLICIES, f"unknown write policy {self.write_policy!r}; choose one of {', '.join(WRITE_POLICIES)}")
         _require(self.disk_write_policy in DISK_WRITE_POLICIES, f"unknown disk write policy {self.disk_write_policy!r}; choose one of {', '.join(DISK_WRITE_POLICIES)}")
         _require(self.predictor in PREDICTORS, f"unknown predictor {self.predictor!r}; choose one of {', '.join(PREDICTORS)}")
+        _require(0.0 <= self.admission_min_probability <= 1.0, f"admission_min_probability must be in [0, 1], got {self.admission_min_probability!r}")
         _require(isinstance(self.write_through_threshold, int) and self.write_through_threshold >= 1,
                  f"write_through_threshold must be an integer >= 1, got {self.write_through_threshold!r}")
         if self.disk_dir is not None:

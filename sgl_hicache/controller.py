@@ -17,10 +17,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .cache import MatchResult, PromotionJob, TieredCache
-from .transfer.ops import TransferOp
+from .policy.guard import PromotionGuard
 from .policy.predictor import Predictor
 from .tiers.base import DEVICE, DISK, HOST
 from .transfer.executors import Executor, LoadTime
+from .transfer.ops import TransferOp
+from .tree.node import TreeNode
 
 
 class Admission(enum.Enum):
@@ -92,6 +94,7 @@ class RequestController:
         self.writeback: list[TransferOp] = []
         self._writeback_at = -float("inf")
         self.writeback_counters = WritebackCounters()
+        self.guard = PromotionGuard()
 
     # ---- arrival and prefetch ----------------------------------------------------------------
     def arrive(self, tokens: Sequence[int]) -> tuple[Ticket, MatchResult]:
@@ -211,19 +214,34 @@ class RequestController:
 
     # ---- prediction --------------------------------------------------------------------------
     def predict(self, m: MatchResult) -> None:
-        """Bring likely descendants of the match disk -> host, into free host pages only, in idle
-        link time; at most `max_predicted_jobs` in flight."""
+        """Bring likely nodes (the predictor's choice) disk -> host in idle link time; at most
+        `max_predicted_jobs` in flight. Into free host pages only, unless the predictor may evict
+        (`Predictor.may_evict`), and then only over pages that rank below the one it brings. The
+        guard stops it while the measured precision of earlier predictions is too low."""
         self.advance_predictions()
         if len(self.predicted) >= self.settings.max_predicted_jobs or not self.cache.has_tier(HOST):
             return
+        record = self.cache.stats.prefetch["predict"]
         for pred in self.predictor.predict(m.last_node, self.clock()):
             node = pred.node
             if node.parent is None or node.host is not None or node.device is not None:
                 continue
-            job = self.cache.plan_promotion(node.path_from_root(), kind="predict", target=HOST, evict=False)
+            if not self.guard.allow(record["used_tokens"], record["wasted_tokens"]):
+                return
+            evict = self.predictor.may_evict and self._worth_room(node)
+            job = self.cache.plan_promotion(node.path_from_root(), kind="predict", target=HOST, evict=evict)
             if job is not None:
                 self.executor.submit_job(job, speculative=True)
                 self.predicted.append(job)
+                if len(self.predicted) >= self.settings.max_predicted_jobs:
+                    return
+
+    def _worth_room(self, node: TreeNode) -> bool:
+        """Whether making host room for `node`'s path pushes out only pages ranked below it."""
+        host = self.cache.stores[HOST]
+        need = sum(n.num_pages for n in node.path_from_root() if n.host is None and n.device is None) - host.free_pages
+        leaves = (n for n in self.cache.tree.tier_leaves(HOST) if n.evictable)
+        return self.guard.worth_evicting(leaves, need, node, self.cache.priority)
 
     def advance_predictions(self) -> None:
         self.executor.poll()

@@ -131,7 +131,30 @@ def test_production_compare_smoke(tmp_path: Path) -> None:
     result = _run("production_compare.py", tmp_path / "prod.json")
     assert result["benchmark"] == "production_compare" and result["requests"] == 60
     case = result["cases"]["llama3-8b@h200"]
-    assert set(case["policies"]) == {"recompute", "demote", "prefetch", "predict"}
+    assert set(case["policies"]) == {"recompute", "demote", "prefetch", "predict", "oracle"}
     assert case["capacities"]["device_tokens"] > 0 and "prefetch/demote" in case["ratios"]
     for rep in case["policies"].values():
         assert set(rep["hit_tokens"]) == {"device", "host", "disk"} and rep["ttft_s"]["mean"] > 0
+
+
+def test_regime_map_smoke(tmp_path: Path) -> None:
+    result = _run("regime_map.py", tmp_path / "map.json")
+    assert len(result["cells"]) == 1
+    cell = result["cells"][0]
+    assert set(cell["policies"]) == {"lru", "reuse", "predict", "oracle"}
+    assert cell["policies"]["oracle"]["hit_rate"] >= cell["policies"]["lru"]["hit_rate"]
+    assert "oracle gain" in result["table"]
+
+
+def test_agentic_trace_builds_sessions_that_extend_their_prompt() -> None:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import agentic_trace
+
+    sess = [{"id": "s1", "prefix": "DOCS\n", "turns": [("list files", ["ls()", "cd(folder='a')"]), ("read it", ["cat(file='x')"])]},
+            {"id": "s2", "prefix": "DOCS\n", "turns": [("hi", ["ls()"])]}]
+    rows = agentic_trace.build(sess, session_rate=1.0, tool_s=1.0, think_s=10.0, seed=0)
+    s1 = [r for r in rows if r["session"] == "s1"]
+    assert len(s1) == 2 + 1 + 1 + 1  # a step per call and an answer per turn
+    assert all(b["prompt"].startswith(a["prompt"]) for a, b in zip(s1, s1[1:]))  # each step extends the last
+    assert [r["timestamp"] for r in rows] == sorted(r["timestamp"] for r in rows)
+    assert all(r["prompt"].startswith("DOCS\n") for r in rows)

@@ -22,7 +22,7 @@ def test_replay_compare_writes_a_report_and_stats_reads_it(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "recompute" in out and "predict" in out and "hit%" in out
     data = json.loads(report.read_text())
-    assert set(data["policies"]) == {"recompute", "demote", "prefetch", "predict"}
+    assert set(data["policies"]) == {"recompute", "demote", "prefetch", "predict", "oracle"}
     for rep in data["policies"].values():
         for key in ("requests", "prompt_tokens", "hit_tokens", "miss_tokens", "hit_rate", "ttft_s", "throughput_tok_s", "prefetch", "bytes_moved"):
             assert key in rep, key

@@ -28,6 +28,8 @@ def settings_of(config: EngineConfig) -> dict[str, Any]:
         "eviction_policy": config.eviction_policy,
         "write_policy": config.write_policy,
         "predictor_budget_tokens": config.predictor_budget_tokens,
+        "predictor": config.predictor,
+        "admission_min_probability": config.admission_min_probability,
         "prefetch_window": config.prefetch_window,
         "storage_bytes_per_token": config.storage_layout.bytes_per_token,
         "model_kv_bytes_per_token": config.model.kv_bytes_per_token,

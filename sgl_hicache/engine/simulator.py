@@ -40,6 +40,7 @@ from pathlib import Path
 from ..cache import TieredCache
 from ..config import CacheConfig, KVLayout
 from ..controller import Admission, ControllerSettings, RequestController, Ticket
+from ..policy.oracle import Oracle
 from ..policy.predictor import make_predictor
 from ..replay.trace import Request
 from ..tiers.base import DEVICE, DISK, HOST
@@ -48,7 +49,7 @@ from . import cost
 from .report import RequestRecord
 from .presets import HardwarePreset, ModelPreset
 
-POLICIES = ("recompute", "demote", "prefetch", "predict")
+POLICIES = ("recompute", "demote", "prefetch", "predict", "oracle")
 _LINK_TIERS = {"disk->host": (DISK, HOST), "host->device": (HOST, DEVICE), "device->host": (DEVICE, HOST), "host->disk": (HOST, DISK)}
 
 
@@ -71,6 +72,8 @@ class EngineConfig:
     eviction_policy: str = "lru"
     write_policy: str = "write_back"
     predictor_budget_tokens: int = 8192
+    predictor: str = "tree_walk"  # what `predict` runs (config.PREDICTORS)
+    admission_min_probability: float = 0.0  # write-back admission under the reuse model (CacheConfig)
     prefetch_window: int = 16
     # background write-back one tier down, as the SGLang backend does (`BackendSettings`)
     device_writeback_clean_fraction: float = 0.25
@@ -98,7 +101,8 @@ class EngineConfig:
             disk_dir=disk_dir if tiered else None,
             eviction_policy=self.eviction_policy,
             write_policy=self.write_policy,
-            predictor="tree_walk" if self.policy == "predict" else "none",
+            predictor=self.predictor if self.policy == "predict" else "none",
+            admission_min_probability=self.admission_min_probability,
         )
 
 
@@ -152,8 +156,10 @@ class EmbeddedEngine:
         self.cache = TieredCache(config.cache_config(disk_dir), clock=lambda: self.now)
         self.links = VirtualLinks(config.model, config.hardware)
         self.executor = VirtualExecutor(self.cache, self.links, lambda: self.now, config.page_size)
-        predictor = make_predictor(self.cache.config.predictor, config.page_size, config.predictor_budget_tokens)
+        predictor = make_predictor(self.cache.config.predictor, config.page_size, config.predictor_budget_tokens, model=self.cache.reuse)
         settings = ControllerSettings(
+            # the oracle's prefetch is its predictor (the next requests' paths, before they arrive), not
+            # the queue prefetch, which on long agentic prompts crowds the host tier (docs/results.md)
             prefetch=config.policy in ("prefetch", "predict"),
             device_writeback_clean_fraction=config.device_writeback_clean_fraction,
             writeback_clean_fraction=config.writeback_clean_fraction,
@@ -164,6 +170,15 @@ class EmbeddedEngine:
         self.demote_seconds = 0.0  # virtual seconds steps spent copying evicted pages device -> host
         self._inline_charged = {"device->host": 0, "host->disk": 0}
         self.steps = 0
+        self.oracle: Oracle | None = None  # the `oracle` policy's view of the future, set by `run`
+        self._position: dict[int, int] = {}
+
+    def _install_oracle(self, ordered: Sequence[Request]) -> None:
+        """`oracle`: Belady eviction in every tier and perfect prefetch, from the requests to come."""
+        self._position = {id(r): i for i, r in enumerate(ordered)}
+        self.oracle = Oracle([r.input_ids for r in ordered], self.cache.tree, self.config.page_size, lookahead=self.config.prefetch_window)
+        self.cache.priority = self.oracle.priority
+        self.controller.predictor = self.oracle.predictor
 
     def close(self) -> None:
         if self._tmp is not None:
@@ -192,6 +207,8 @@ class EmbeddedEngine:
 
     # ---- request lifecycle -----------------------------------------------------------------
     def _arrive(self, req: Request, arrival: float, waiting: deque) -> None:
+        if self.oracle is not None:
+            self.oracle.arrived(self._position[id(req)])
         ticket, _ = self.controller.arrive(req.input_ids)
         waiting.append(_Flight(req, arrival, ticket))
 
@@ -232,6 +249,8 @@ class EmbeddedEngine:
         if need_pages + out_pages > cache.stores[DEVICE].free_pages + self._evictable_device_pages():
             return False, 0, (0.0, 0.0)
         flight.hits = self.controller.account(ticket, len(tokens), m)
+        if self.oracle is not None:
+            self.oracle.admitted(self._position[id(flight.req)])
         self.controller.release(ticket)
         m, load = self.controller.load(tokens, m)
         load_s = (max(load.blocking, waited_s), load.overlapped)
@@ -270,6 +289,8 @@ class EmbeddedEngine:
         cfg = self.config
         self._total = len(requests)
         pending = deque(sorted(requests, key=lambda r: r.arrival_s))
+        if cfg.policy == "oracle":
+            self._install_oracle(list(pending))
         waiting: deque[_Flight] = deque()
         prefilling: list[_Flight] = []  # admitted, prompt not fully computed yet (chunked prefill)
         running: list[_Flight] = []  # decoding

@@ -22,9 +22,12 @@ class Prediction:
 
 class Predictor:
     """Interface: `predict(start, now)` returns descendants of `start` to promote, each after its
-    parent (so a caller can promote them in order and keep residency prefix-closed)."""
+    parent (so a caller can promote them in order and keep residency prefix-closed). With
+    `may_evict` the controller may push colder pages out of the host tier to place them (never a
+    page ranked above the one brought, see `PromotionGuard`); otherwise free pages only."""
 
     name = "none"
+    may_evict = False
 
     def predict(self, start: TreeNode, now: float) -> list[Prediction]:
         return []
@@ -93,9 +96,16 @@ class TreeWalkPredictor(Predictor):
         return out
 
 
-def make_predictor(name: str, page_size: int, budget_tokens: int, **kw: object) -> Predictor:
+def make_predictor(name: str, page_size: int, budget_tokens: int, model: object = None, **kw: object) -> Predictor:
+    """The predictor called `name`; `continuation` reads the cache's reuse model (`TieredCache.reuse`)."""
     if name == "none":
         return Predictor()
     if name == "tree_walk":
         return TreeWalkPredictor(page_size, budget_tokens, **kw)  # type: ignore[arg-type]
-    raise ValueError(f"unknown predictor {name!r}; choose one of none, tree_walk")
+    if name == "continuation":
+        from .reuse import ContinuationPredictor, ReuseModel
+
+        if not isinstance(model, ReuseModel):
+            raise ValueError("the continuation predictor needs the cache's reuse model (TieredCache.reuse)")
+        return ContinuationPredictor(model, page_size, budget_tokens, **kw)  # type: ignore[arg-type]
+    raise ValueError(f"unknown predictor {name!r}; choose one of none, tree_walk, continuation")

@@ -160,7 +160,7 @@ class TieredRadixCache(BasePrefixCache):
         self.controller = RequestController(
             self.cache,
             ThreadExecutor(self.cache, self.engine),
-            make_predictor(s.predictor, self.page_size, s.predictor_budget_tokens),
+            make_predictor(s.predictor, self.page_size, s.predictor_budget_tokens, model=self.cache.reuse),
             ControllerSettings(prefetch=s.prefetch, device_writeback_clean_fraction=s.device_writeback_clean_fraction,
                                writeback_clean_fraction=s.writeback_clean_fraction),
             clock=time.monotonic,
