@@ -135,6 +135,13 @@ def prometheus_text(snapshot: dict[str, Any], stored_pages: dict[str, int] | Non
     stored = {t: stored_pages[t] * page_size for t in TIERS} if stored_pages is not None else snapshot.get("stored_tokens")
     if stored is not None:
         metric(f"{prefix}_stored_tokens", "gauge", "Tokens resident per tier", [(f'{{tier="{t}"}}', stored.get(t, 0)) for t in TIERS])
+    calls = snapshot.get("scheduler_calls")
+    if calls:  # per-call wall time on SGLang's scheduler thread (sglang.call_timer)
+        metric(f"{prefix}_scheduler_call_count", "counter", "Cache calls made by the scheduler thread",
+               [(f'{{call="{c}"}}', d["count"]) for c, d in calls.items()])
+        for q in ("p50", "p99", "max"):
+            metric(f"{prefix}_scheduler_call_{q}_seconds", "gauge", f"{q} wall time of a cache call on the scheduler thread",
+                   [(f'{{call="{c}"}}', d[f"{q}_us"] / 1e6) for c, d in calls.items()])
     if snapshot.get("capacity_tokens") is not None:
         metric(f"{prefix}_capacity_tokens", "gauge", "Tier capacity in tokens",
                [(f'{{tier="{t}"}}', snapshot["capacity_tokens"].get(t, 0)) for t in TIERS])

@@ -62,6 +62,10 @@ class BackendSettings:
     stats_file: str | None = None  # the scheduler writes JSON stats here every stats_interval_s (atomic rename)
     stats_interval_s: float = 2.0
     check_invariants: bool = False  # run the tree's invariant check after every scheduler call (slow; tests)
+    layerwise_loads: bool = True  # init_load_back queues host->device copies per layer; the forward of layer i waits for layer i only
+    skip_waiting_admission: bool = True  # a request whose prefetch is in flight is skipped this round, not the end of admission
+    time_calls: bool = True  # time every cache call the scheduler makes (p50/p99/max in the stats)
+    check_scheduler_io: bool = False  # count copies, disk writes, sleeps and waits inside scheduler calls (tests, diagnosis)
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:

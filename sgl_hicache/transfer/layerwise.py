@@ -4,8 +4,9 @@ as soon as layer i's KV has arrived while layer i+1's is still on the link.
 Contract (checked on CPU by `tests/test_layerwise.py`, on CUDA by `benchmarks/gpu_check.py`):
 
 - `LayerwiseLoader(device, host, device_handles, host_handles, to_device=True)` plans the move of
-  page `host_handles[j]` of a `HostKVBuffer` to page `device_handles[j]` of a `DeviceKVPool` (the
-  reverse with `to_device=False`), one layer at a time. Nothing moves before `start()`; a loader is
+  page `host_handles[j]` of a `HostKVBuffer` to page `device_handles[j]` of a device pool with
+  per-layer page views, `layer_pages(layer, kv)` (`DeviceKVPool`, or SGLang's pool through
+  `sglang.device_pool.SGLangDevicePool`), the reverse with `to_device=False`, one layer at a time. Nothing moves before `start()`; a loader is
   started once. The bytes to move must be in place when `start()` is called.
 - CUDA: `start()` orders the copies after all work already queued on the caller's current stream,
   then queues the first `ahead` layers (all when `ahead` is None) on the link's stream (one stream
@@ -15,6 +16,7 @@ Contract (checked on CPU by `tests/test_layerwise.py`, on CUDA by `benchmarks/gp
   afterwards sees layer i at its destination; later layers may still be moving.
 - CPU (a pool on the CPU: no streams, no events): `start()` starts one worker thread that copies the
   layers in order and counts them; `wait_layer(i)` blocks until layer i is copied. `ahead` is ignored.
+- `done()` says, without blocking, whether every layer has arrived.
 - `synchronize()` queues what is left and blocks the host until every copy is done (device->host
   bytes are readable after it). A copy that failed on the CPU worker is raised by `wait_layer` and
   `synchronize`.
@@ -58,7 +60,7 @@ class LayerwiseLoader:
         self.ahead = self.layers if ahead is None else ahead
         self.device = device.device
         self.cuda = self.device.type == "cuda"
-        self._dev = device.pages  # (layers, K/V, pages, page tokens, heads, dim)
+        self._dev_pages = device.layer_pages  # (layer, K/V) -> (pages, page tokens, heads, dim), no copy
         self._host = host.buffer  # (pages, layers, K/V, page tokens, heads, dim)
         dev_h, host_h = [int(h) for h in device_handles], [int(h) for h in host_handles]  # type: ignore[call-overload]
         for name, handles, store in (("device", dev_h, device), ("host", host_h, host)):
@@ -80,7 +82,7 @@ class LayerwiseLoader:
 
     def _copy_layer(self, layer: int) -> None:
         for kv in (0, 1):
-            dev = self._dev[layer, kv, self._d0:self._d1].unbind(0)
+            dev = self._dev_pages(layer, kv)[self._d0:self._d1].unbind(0)
             host = self._host[self._h0:self._h1, layer, kv].unbind(0)
             for d, h in self._pairs:
                 if self.to_device:
@@ -143,6 +145,15 @@ class LayerwiseLoader:
         with self._cv:
             self._cv.wait_for(lambda: self._done > layer or self._error is not None)
         self._check_error()
+
+    def done(self) -> bool:
+        """Every layer has arrived (never blocks; False before `start`). A copy that failed counts as
+        done: `synchronize` raises it."""
+        if not self._started:
+            return False
+        if self.cuda:
+            return self._issued == self.layers and (not self._events or self._events[-1].query())
+        return self._done == self.layers or self._error is not None
 
     def synchronize(self) -> None:
         if not self._started:
