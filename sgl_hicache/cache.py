@@ -375,7 +375,9 @@ class TieredCache:
             new_nodes: list[TreeNode] = []
             last = path[-1] if path else self.tree.root
             if matched < limit:
-                if last.is_root or last.device is not None:
+                # a pinned node the walk could not split holds the next page: the caller keeps its copy
+                blocked = tuple(tokens[matched : matched + ps]) in last.children
+                if not blocked and (last.is_root or last.device is not None):
                     node = self.tree.add_child(last, tokens[matched:limit])
                     self.tree.set_resident(node, DEVICE, list(device_handles[page:]))
                     adopted += node.num_pages
@@ -706,8 +708,8 @@ class TieredCache:
 
     def plan_writeback(self, src: str, dst: str, clean_target_pages: int, max_pages: int) -> list[TransferOp]:
         """Phase one of background write-back, `src` -> the next tier down `dst` (device -> host or
-        host -> disk): while fewer than `clean_target_pages` pages of `src` are *clean* (evicting them
-        is a free drop because the tier they would demote to already holds them), prepare copies of
+        host -> disk): while fewer than `clean_target_pages` pages of `src` are *clean* (`dst` already
+        holds them, so evicting them from `src` is a free drop), prepare copies of
         the coldest dirty ones, at most `max_pages`. Done ahead of need by a transfer engine, this
         keeps copies off the thread that evicts. Only unlocked nodes whose parent is already in `dst`
         qualify (`dst` stays prefix-closed; their children follow in a later round). The caller
@@ -720,7 +722,9 @@ class TieredCache:
             clean = 0
             candidates = []
             for n in self.tree.resident[src]:
-                if self._clean(n, src) or dst in n.incoming:  # clean, or about to be
+                # already held in `dst` (a host page also on the device is not on disk yet: evicting
+                # it from the device later would leave the disk tier without it), or about to be
+                if n.in_tier(dst) or dst in n.incoming:
                     clean += n.num_pages
                     continue
                 if n.evictable and (n.parent.is_root or n.parent.in_tier(dst)):  # type: ignore[union-attr]
@@ -785,14 +789,16 @@ class TieredCache:
 
     def _evict_node(self, node: TreeNode, tier: str) -> int:
         tokens = node.num_pages * self.page_size
-        self.tree.pin(node)  # keep it out of the nested evictions its demotion may cause
-        try:
-            if tier == DEVICE and not node.host and self.has_tier(HOST):
-                self.ensure(node, HOST, kind="demote", may_evict=True)
-            elif tier == HOST and node.device is None and not node.on_disk and self.has_tier(DISK):
-                self.ensure(node, DISK, kind="demote", may_evict=True)
-        finally:
-            self.tree.unpin(node)
+        below = HOST if tier == DEVICE else DISK if tier == HOST else None
+        dirty = below is not None and self.has_tier(below) and not self._clean(node, tier)
+        if dirty and self.config.eviction_demotes:
+            self.tree.pin(node)  # keep it out of the nested evictions its demotion may cause
+            try:
+                self.ensure(node, below, kind="demote", may_evict=True)  # type: ignore[arg-type]
+            finally:
+                self.tree.unpin(node)
+        elif dirty:  # never copy here: the page is lost to the tiers below
+            self.stats.add("dropped_dirty_tokens", tokens, tier)
         handles = self.tree.clear_resident(node, tier)
         if tier == DISK:
             self._free_disk(handles)

@@ -87,6 +87,10 @@ class CacheConfig:
     predictor: str = "none"
     tenant_salt: str = ""
     disk_fsync: bool = False
+    # False: eviction never copies (a page already held one tier down is freed, a dirty one is dropped
+    # and counted in `dropped_dirty_tokens`); background write-back keeps pages clean ahead of it.
+    # True: eviction demotes dirty pages synchronously (device -> host -> disk)
+    eviction_demotes: bool = True
 
     def __post_init__(self) -> None:
         _require(isinstance(self.page_size, int) and self.page_size >= 1, f"page_size must be an integer >= 1, got {self.page_size!r}")

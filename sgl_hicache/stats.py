@@ -23,7 +23,8 @@ class CacheStats:
     - `hit_tokens[tier]`: prompt tokens served from each tier, counted once per scheduled request;
       `miss_tokens` the rest of the prompt; `requests`, `prompt_tokens`.
     - `evicted_tokens[tier]` (left the tier), `demoted_tokens[tier]` (copied down from that tier on
-      eviction), `promoted_tokens[tier]` (copied up into that tier), `dropped_tokens` (left the tree).
+      eviction), `promoted_tokens[tier]` (copied up into that tier), `dropped_tokens` (left the tree),
+      `dropped_dirty_tokens[tier]` (evicted from that tier with no copy one tier down: lost to it).
     - `bytes_moved[link]`, `transfer_seconds[link]` (measured wall time of the copies).
     - `prefetch[kind]`: promoted_tokens, used_tokens (used by a request before being evicted),
       wasted_tokens, covered_tokens / needed_tokens for coverage; kinds are "prefetch" and "predict".
@@ -40,6 +41,7 @@ class CacheStats:
         self.demoted_tokens = {tier: 0 for tier in TIERS}
         self.promoted_tokens = {tier: 0 for tier in TIERS}
         self.dropped_tokens = 0
+        self.dropped_dirty_tokens = {tier: 0 for tier in TIERS}  # evicted without a copy below (eviction_demotes off)
         self.bytes_moved = {link: 0 for link in LINKS}
         self.transfer_seconds = {link: 0.0 for link in LINKS}
         self.prefetch = {kind: {"promoted_tokens": 0, "used_tokens": 0, "wasted_tokens": 0} for kind in PREFETCH_KINDS}
@@ -89,6 +91,7 @@ class CacheStats:
                 "demoted_tokens": dict(self.demoted_tokens),
                 "promoted_tokens": dict(self.promoted_tokens),
                 "dropped_tokens": self.dropped_tokens,
+                "dropped_dirty_tokens": dict(self.dropped_dirty_tokens),
                 "bytes_moved": dict(self.bytes_moved),
                 "transfer_seconds": dict(self.transfer_seconds),
                 "prefetch": prefetch,

@@ -157,6 +157,7 @@ class TieredRadixCache(BasePrefixCache):
             predictor=s.predictor,
             tenant_salt=salt,
             disk_fsync=s.disk_fsync,
+            eviction_demotes=s.eviction_demotes,
         )
         self.cache = TieredCache(self.config, device=self.device_pool)
         self.engine = TransferEngine(self.cache, workers=s.transfer_workers)  # started on first use

@@ -9,7 +9,7 @@ and an append: well under a microsecond, so it stays on by default.
 `IOGuard` (a test and diagnosis aid, off by default: setting `check_scheduler_io`) counts what must
 never run on the scheduler thread while it is inside one of those calls: a copy of bytes between tiers
 (`TieredCache.execute`), a disk page write, a `time.sleep`, and a wait on a `threading.Event` that was
-not set yet. `snapshot()` gives those counts, plus `execute_elsewhere`: copies seen on other threads,
+not set yet (except a new thread's start-up handshake). `snapshot()` gives those counts, plus `execute_elsewhere`: copies seen on other threads,
 which shows the guard is watching. The patches are process-wide (`time.sleep`, `threading.Event.wait`)
 but cost one thread-local read outside instrumented calls.
 """
@@ -17,6 +17,7 @@ but cost one thread-local read outside instrumented calls.
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import time
 from array import array
@@ -161,8 +162,11 @@ class IOGuard:
                         g._hit("sleep")
                 return sleep(seconds)
 
+            thread_start = threading.Thread.start.__code__
+
             def guarded_wait(ev: threading.Event, timeout: float | None = None) -> bool:
-                if _ACTIVE and in_scheduler_call() and not ev.is_set():
+                # (a thread's start waits for its bootstrap: not I/O; the engine starts once)
+                if _ACTIVE and in_scheduler_call() and not ev.is_set() and sys._getframe(1).f_code is not thread_start:
                     for g in _ACTIVE:
                         g._hit("event_wait")
                 return wait(ev, timeout)

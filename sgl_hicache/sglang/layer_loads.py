@@ -7,8 +7,8 @@ the forward of layer i waits for layer i alone.
   thread on a CPU; the host -> device stream with one event per layer on a GPU, ordered after the
   work already queued on the forward stream). The ops are marked executed at once, so the tree
   records the device copies now (SGLang needs the device indices at admission); their nodes stay
-  pinned (no eviction frees the destination or reuses the source pages) until `reap` sees the
-  loader done;
+  locked (no eviction frees the destination or reuses the source pages; a lock, unlike a pin, lets
+  a later match split the node) until `reap` sees the loader done;
 - SGLang's layer transfer counter (the object SGLang's KV pool calls before reading a layer:
   `wait_until(layer)`, `consumer_index`, `num_layers`, `set_consumer(i)`; registered with
   `kvcache.register_layer_transfer_counter` and `tp_worker.register_hicache_layer_transfer_counter`).
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +57,9 @@ class LayerLoads:
         self._batch = 0
         self._queued = False  # loads queued since the last batch_index()
         self._lock = threading.Lock()
+        # CPU: one long-lived worker runs the loads in queue order (starting a thread per load would
+        # make the scheduler wait for its start); CUDA loads go on the link's stream instead
+        self._runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sgl-hicache-layers")
         self.loads = 0
         self.pages = 0
 
@@ -70,10 +74,10 @@ class LayerLoads:
                 raise ValueError(f"LayerLoads.queue: only host->device ops, got {op.src}->{op.dst}")
         dev = [h for op in ops for h in op.dst_handles]
         host = [h for op in ops for h in op.src_handles]
-        loader = LayerwiseLoader(self.device, self.host, dev, host, to_device=True).start()
+        loader = LayerwiseLoader(self.device, self.host, dev, host, to_device=True, runner=self._runner).start()
         nodes = [op.node for op in ops]
         for node in nodes:  # released by reap() once every layer has arrived
-            self.cache.tree.pin(node)
+            self.cache.tree.lock(node)
         for op in ops:
             op.executed.set()  # the bytes are ordered before every read by wait_until
         with self._lock:
@@ -93,7 +97,7 @@ class LayerLoads:
         return index
 
     def reap(self) -> bool:
-        """Unpin the nodes of finished loads (never blocks). True while loads remain in flight."""
+        """Unlock the nodes of finished loads (never blocks). True while loads remain in flight."""
         pending = self._pending
         if not pending:
             return False
@@ -103,7 +107,7 @@ class LayerLoads:
                 self._pending = [g for g in self._pending if g not in done]
             for g in done:
                 for node in g.nodes:
-                    self.cache.tree.unpin(node)
+                    self.cache.tree.unlock(node)
         return bool(self._pending)
 
     def finish_all(self) -> None:

@@ -62,6 +62,7 @@ class BackendSettings:
     stats_file: str | None = None  # the scheduler writes JSON stats here every stats_interval_s (atomic rename)
     stats_interval_s: float = 2.0
     check_invariants: bool = False  # run the tree's invariant check after every scheduler call (slow; tests)
+    eviction_demotes: bool = False  # False: evicting never copies (dirty pages dropped, counted); True: demote synchronously
     layerwise_loads: bool = True  # init_load_back queues host->device copies per layer; the forward of layer i waits for layer i only
     skip_waiting_admission: bool = True  # a request whose prefetch is in flight is skipped this round, not the end of admission
     time_calls: bool = True  # time every cache call the scheduler makes (p50/p99/max in the stats)

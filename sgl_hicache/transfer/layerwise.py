@@ -14,8 +14,8 @@ Contract (checked on CPU by `tests/test_layerwise.py`, on CUDA by `benchmarks/gp
   `wait_layer(i)` queues the layers up to `i + ahead` not queued yet and makes the caller's current
   stream wait for layer i's event only; it does not block the host. Work queued on that stream
   afterwards sees layer i at its destination; later layers may still be moving.
-- CPU (a pool on the CPU: no streams, no events): `start()` starts one worker thread that copies the
-  layers in order and counts them; `wait_layer(i)` blocks until layer i is copied. `ahead` is ignored.
+- CPU (a pool on the CPU: no streams, no events): `start()` starts one worker thread (or submits the
+  work to `runner`, a `concurrent.futures.Executor`) that copies the layers in order and counts them; `wait_layer(i)` blocks until layer i is copied. `ahead` is ignored.
 - `done()` says, without blocking, whether every layer has arrived.
 - `synchronize()` queues what is left and blocks the host until every copy is done (device->host
   bytes are readable after it). A copy that failed on the CPU worker is raised by `wait_layer` and
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Executor, Future
 
 import torch
 
@@ -50,7 +51,8 @@ class LayerwiseLoader:
     """Moves pages between a `DeviceKVPool` and a `HostKVBuffer` layer by layer (module docstring)."""
 
     def __init__(self, device, host, device_handles: Sequence[Handle], host_handles: Sequence[Handle], *,
-                 to_device: bool = True, stream: "torch.cuda.Stream | None" = None, ahead: int | None = None) -> None:
+                 to_device: bool = True, stream: "torch.cuda.Stream | None" = None, ahead: int | None = None,
+                 runner: "Executor | None" = None) -> None:
         if len(device_handles) != len(host_handles):
             raise ValueError(f"LayerwiseLoader: {len(device_handles)} device handles for {len(host_handles)} host handles")
         if ahead is not None and ahead < 1:
@@ -79,6 +81,8 @@ class LayerwiseLoader:
         self._error: BaseException | None = None
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._runner = runner
+        self._future: "Future | None" = None
 
     def _copy_layer(self, layer: int) -> None:
         for kv in (0, 1):
@@ -128,6 +132,8 @@ class LayerwiseLoader:
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # type: ignore[union-attr]
             self._issue_upto(self.ahead)
+        elif self._runner is not None:  # a long-lived worker: no thread start (and its wait) per load
+            self._future = self._runner.submit(self._run)
         else:
             self._thread = threading.Thread(target=self._run, name="sgl-hicache-layerwise", daemon=True)
             self._thread.start()
@@ -163,8 +169,11 @@ class LayerwiseLoader:
             if self._events:
                 self._events[-1].synchronize()
             return
-        assert self._thread is not None
-        self._thread.join()
+        if self._future is not None:
+            self._future.result()
+        else:
+            assert self._thread is not None
+            self._thread.join()
         self._check_error()
 
 
