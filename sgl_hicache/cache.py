@@ -755,10 +755,14 @@ class TieredCache:
     # ---- eviction --------------------------------------------------------------------------
     def evict(self, tier: str, num_pages: int) -> int:
         """Free at least `num_pages` pages of `tier` if possible, leaf-first, coldest first;
-        demote where the next tier can take the pages. Returns the pages freed."""
+        demote where the next tier can take the pages (`eviction_demotes`), else free clean leaves
+        before dirty ones. Returns the pages freed."""
         with self._mutex:
             freed = self._evict_disk_orphans(num_pages) if tier == DISK else 0
-            heap = [(self.priority(n), n.id, n) for n in self.tree.tier_leaves(tier) if n.evictable]
+            # without demotion, clean leaves (held one tier down: a free drop) go before dirty ones
+            dirty_last = not self.config.eviction_demotes
+            key = (lambda n: (not self._clean(n, tier), self.priority(n))) if dirty_last else self.priority
+            heap = [(key(n), n.id, n) for n in self.tree.tier_leaves(tier) if n.evictable]
             heapq.heapify(heap)
             while freed < num_pages and heap:
                 _, _, node = heapq.heappop(heap)
@@ -768,7 +772,7 @@ class TieredCache:
                 freed += self._evict_node(node, tier)
                 if parent is not None and not parent.is_root and parent.in_tier(tier) and parent.evictable:
                     if not any(c.in_tier(tier) for c in parent.children.values()):
-                        heapq.heappush(heap, (self.priority(parent), parent.id, parent))
+                        heapq.heappush(heap, (key(parent), parent.id, parent))
             return freed
 
     def _evict_disk_orphans(self, num_pages: int) -> int:

@@ -204,3 +204,69 @@ def test_layered_moves_on_the_real_pool_are_bit_exact(monkeypatch, page_size):
             now = bits((pool.k_buffer if kv == 0 else pool.v_buffer)[layer])
             assert torch.equal(now[others], device_before[layer][kv][others]), (layer, kv)
     assert generic_calls == [], generic_calls  # every call above took the per-layer path
+
+
+def test_layer_loads_through_sglangs_own_kv_pool_read_path():
+    """`LayerLoads` registered as SGLang's layer transfer counter: `MHATokenToKVPool.get_key_buffer(i)`
+    (what the attention backend calls) waits for layer i of the queued load, and sees the host bytes."""
+    import torch
+
+    from sgl_hicache.cache import TieredCache
+    from sgl_hicache.config import CacheConfig
+    from sgl_hicache.sglang.device_pool import SGLangDevicePool
+    from sgl_hicache.sglang.layer_loads import LayerLoads
+    from sgl_hicache.tiers.base import DEVICE, HOST
+
+    ps = 16
+    alloc = _pools(ps)
+    dev = SGLangDevicePool(alloc)
+    cache = TieredCache(CacheConfig(dev.layout, device_tokens=dev.pool_pages * ps, host_tokens=8 * ps, page_size=ps), device=dev)
+    loads = LayerLoads(cache)
+    kv = alloc.get_kvcache()
+    kv.register_layer_transfer_counter(loads)
+    host = cache.stores[HOST]
+    h_slots = host.allocate([b"a", b"b"])
+    d_slots = dev.allocate([b"a", b"b"])
+    data = torch.randn((2, *dev.page_shape)).to(torch.bfloat16)
+    host.write(h_slots, data)
+    from sgl_hicache.cache import TransferOp
+
+    node = cache.tree.root  # any node: the lock is what LayerLoads takes (root locks are no-ops)
+    op = TransferOp(node, HOST, DEVICE, list(h_slots), list(d_slots), 0, "demand")
+    loads.queue([op])
+    assert op.executed.is_set()
+    loads.set_consumer(loads.batch_index())
+    for layer in range(dev.layout.num_layers):
+        k = kv.get_key_buffer(layer)  # waits for this layer only
+        rows = dev.token_slots(d_slots)
+        assert torch.equal(k[rows].view(torch.int16), data[:, layer, 0].reshape(-1, *k.shape[1:]).view(torch.int16))
+    loads.finish_all()
+    assert not loads.inflight
+
+
+def test_admission_hook_skips_only_a_request_told_to_retry():
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    from sgl_hicache.sglang.backend import BackendCounters, TieredRadixCache
+    from sgl_hicache.sglang.scheduler_hooks import keep_admitting
+    from sgl_hicache.sglang.settings import BackendSettings
+
+    cache = object.__new__(TieredRadixCache)
+    cache.settings, cache.counters, cache.deferred_rid = BackendSettings(), BackendCounters(), None
+    adder = SimpleNamespace(tree_cache=cache, can_run_list=[])
+    req = SimpleNamespace(rid="r1")
+
+    def retry(adder, req, *a, **k):  # what add_one_req does when init_load_back answers None
+        cache.deferred_rid = req.rid
+        return AddReqResult.OTHER
+
+    def full(adder, req, *a, **k):
+        return AddReqResult.OTHER
+
+    assert keep_admitting(retry, adder, req, False, None) == AddReqResult.CONTINUE
+    assert cache.counters.admission_skips == 1 and cache.deferred_rid is None
+    assert keep_admitting(full, adder, req, False, None) == AddReqResult.OTHER  # other reasons still stop
+    cache.settings = BackendSettings(skip_waiting_admission=False)
+    assert keep_admitting(retry, adder, req, False, None) == AddReqResult.OTHER
+    other = SimpleNamespace(tree_cache=object(), can_run_list=[])  # another radix cache: untouched
+    assert keep_admitting(retry, other, req, False, None) == AddReqResult.OTHER

@@ -782,6 +782,7 @@ def factory(ctx) -> TieredRadixCache:
         pass
     cache = TieredRadixCache(ctx.params, settings, architecture=arch, model_salt=_model_salt(sa), server_port=getattr(sa, "port", None))
     if cache.layer_loads is not None:
+        cache.layer_loads.forward_stream = getattr(getattr(ctx.tp_worker, "model_runner", None), "forward_stream", None)
         # SGLang's supported seam for layer-wise loads (mem_cache/registry.py does the same for its
         # unified-cache linker): the KV pool calls wait_until(layer) before reading a layer, and the
         # TP worker sets the consumer from batch.hicache_consumer_index (scheduler_hooks sets it)

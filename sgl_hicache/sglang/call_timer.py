@@ -8,9 +8,11 @@ and an append: well under a microsecond, so it stays on by default.
 
 `IOGuard` (a test and diagnosis aid, off by default: setting `check_scheduler_io`) counts what must
 never run on the scheduler thread while it is inside one of those calls: a copy of bytes between tiers
-(`TieredCache.execute`), a disk page write, a `time.sleep`, and a wait on a `threading.Event` that was
-not set yet (except a new thread's start-up handshake). `snapshot()` gives those counts, plus `execute_elsewhere`: copies seen on other threads,
-which shows the guard is watching. The patches are process-wide (`time.sleep`, `threading.Event.wait`)
+(any of `TieredCache.handlers`, inline or chunked), a disk page write, a `time.sleep`, and a wait on a
+`threading.Event` that was not set yet (except a new thread's start-up handshake). `snapshot()` gives
+those counts, plus `copy_elsewhere` / `disk_write_elsewhere`: the same seen on other threads (the
+transfer engine's), which show the guard is watching. Layer-wise loads run outside the handlers, on
+their own worker: they are not copies made by the scheduler thread. The patches are process-wide (`time.sleep`, `threading.Event.wait`)
 but cost one thread-local read outside instrumented calls.
 """
 
@@ -117,11 +119,11 @@ class CallTimer:
 class IOGuard:
     """Counts I/O and waits made inside instrumented calls (module docstring). One per process."""
 
-    KINDS = ("execute", "disk_write", "sleep", "event_wait")
+    KINDS = ("copy", "disk_write", "sleep", "event_wait")
 
     def __init__(self) -> None:
         self.counts = {k: 0 for k in self.KINDS}
-        self.execute_elsewhere = 0
+        self.elsewhere: dict[str, int] = {}  # copies and disk writes on other threads: the guard is watching
         self.where: dict[str, str] = {}  # kind -> the first offending call's stack summary
         self._installed = False
 
@@ -133,19 +135,10 @@ class IOGuard:
             self.where[kind] = "".join(traceback.format_stack(limit=12)[:-2])
 
     def install(self, cache: Any) -> "IOGuard":
-        """Watch `cache` (a `TieredCache`): its `execute`, its disk store's writes, and the process's
-        `time.sleep` / `threading.Event.wait`."""
-        guard = self
-        execute = cache.execute
-
-        def guarded_execute(op: Any) -> None:
-            if in_scheduler_call():
-                guard._hit("execute")
-            else:
-                guard.execute_elsewhere += 1
-            return execute(op)
-
-        cache.execute = guarded_execute
+        """Watch `cache` (a `TieredCache`): its link handlers (every copy between tiers), its disk
+        store's writes, and the process's `time.sleep` / `threading.Event.wait`."""
+        for link, handler in list(cache.handlers.items()):  # every byte copy between tiers, any caller
+            cache.handlers[link] = self._watch("copy", handler)
         disk = cache.stores.get("disk")
         if disk is not None:
             for name in ("write",):
@@ -183,12 +176,14 @@ class IOGuard:
         def watched(*args: Any, **kwargs: Any) -> Any:
             if in_scheduler_call():
                 self._hit(kind)
+            else:
+                self.elsewhere[kind] = self.elsewhere.get(kind, 0) + 1
             return fn(*args, **kwargs)
 
         return watched
 
     def snapshot(self) -> dict[str, Any]:
-        return {**self.counts, "execute_elsewhere": self.execute_elsewhere, "first_offender": dict(self.where)}
+        return {**self.counts, **{f"{k}_elsewhere": v for k, v in self.elsewhere.items()}, "first_offender": dict(self.where)}
 
 
 _ACTIVE: list[IOGuard] = []

@@ -27,6 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from ..tiers.base import DEVICE, HOST
 from ..transfer.layerwise import LayerwiseLoader
 
@@ -47,8 +49,9 @@ class LayerLoads:
     `queue`, `batch_index`, `reap` and `finish_all` run on the scheduler thread; `wait_until` on the
     thread that runs the forward."""
 
-    def __init__(self, cache: "TieredCache") -> None:
+    def __init__(self, cache: "TieredCache", forward_stream: Any = None) -> None:
         self.cache = cache
+        self.forward_stream = forward_stream  # CUDA: the copies start after the work queued on it
         self.device = cache.stores[DEVICE]
         self.host = cache.stores[HOST]
         self.num_layers = self.device.layout.num_layers
@@ -74,7 +77,14 @@ class LayerLoads:
                 raise ValueError(f"LayerLoads.queue: only host->device ops, got {op.src}->{op.dst}")
         dev = [h for op in ops for h in op.dst_handles]
         host = [h for op in ops for h in op.src_handles]
-        loader = LayerwiseLoader(self.device, self.host, dev, host, to_device=True, runner=self._runner).start()
+        loader = LayerwiseLoader(self.device, self.host, dev, host, to_device=True, runner=self._runner)
+        if loader.cuda and self.forward_stream is not None:
+            # the destination slots may have been freed by a forward still running on SGLang's
+            # forward stream: the H2D stream waits for it (start() waits for the current stream)
+            with torch.cuda.stream(self.forward_stream):
+                loader.start()
+        else:
+            loader.start()
         nodes = [op.node for op in ops]
         for node in nodes:  # released by reap() once every layer has arrived
             self.cache.tree.lock(node)

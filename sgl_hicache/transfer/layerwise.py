@@ -65,10 +65,11 @@ class LayerwiseLoader:
         self._dev_pages = device.layer_pages  # (layer, K/V) -> (pages, page tokens, heads, dim), no copy
         self._host = host.buffer  # (pages, layers, K/V, page tokens, heads, dim)
         dev_h, host_h = [int(h) for h in device_handles], [int(h) for h in host_handles]  # type: ignore[call-overload]
-        for name, handles, store in (("device", dev_h, device), ("host", host_h, host)):
-            bad = [h for h in handles if not 0 <= h < store.capacity_pages]
+        # the pages the tensors hold (SGLang's pool has more page slots than the cache may own)
+        for name, handles, pages in (("device", dev_h, int(device.layer_pages(0, 0).shape[0])), ("host", host_h, int(host.buffer.shape[0]))):
+            bad = [h for h in handles if not 0 <= h < pages]
             if bad:
-                raise ValueError(f"LayerwiseLoader: {name} handle {bad[0]} not in [0, {store.capacity_pages})")
+                raise ValueError(f"LayerwiseLoader: {name} handle {bad[0]} not in [0, {pages})")
         # per layer, views over the handles' spans only (one unbind call each, not one getitem per page)
         self._d0, self._h0 = min(dev_h, default=0), min(host_h, default=0)
         self._d1, self._h1 = max(dev_h, default=-1) + 1, max(host_h, default=-1) + 1
