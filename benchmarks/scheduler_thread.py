@@ -1,7 +1,7 @@
 """Time spent on SGLang's scheduler thread inside our cache calls, on the real server, before and after.
 
     .venv-sglang/bin/python benchmarks/scheduler_thread.py --json scheduler_thread.json
-    .venv-sglang/bin/python benchmarks/scheduler_thread.py --requests 100 --json quick.json
+    .venv-sglang/bin/python benchmarks/scheduler_thread.py --quick --json quick.json   # one server, ~1.5 min
 
 Runs `python -m sglang.launch_server --radix-cache-backend sgl_hicache` on the repo's tiny model
 (`scripts/cpu/tiny-llama`, dummy weights) and replays the shipped Mooncake conversation trace (first
@@ -10,8 +10,10 @@ over HTTP, twice per repeat, interleaved:
 
 - `before`: main's behaviour: host -> device loads copied inline in `init_load_back`
   (`layerwise_loads=false`), a waiting request ends the admission round (`skip_waiting_admission=false`),
-  eviction demotes synchronously (`eviction_demotes=true`);
-- `after`: the defaults: layer-wise loads, skip-and-continue admission, eviction that never copies.
+  every eviction demotes synchronously (`eviction_demotes=all`: device -> host and host -> disk);
+- `after`: the defaults: layer-wise loads, skip-and-continue admission, device evictions demote to host
+  (a memory copy), host evictions never write disk (`eviction_demotes=host`);
+- `after_nocopy`: the same with eviction that never copies (`eviction_demotes=none`).
 
 The device pool is `--pool` x the slice's working set (so host and disk hits happen), host =
 `--host-ratio` x the pool, disk on (2x the working set). Every cache call SGLang makes is timed in the
@@ -28,6 +30,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -47,8 +50,9 @@ from sgl_hicache.sglang.stats_client import fetch_stats  # noqa: E402
 
 TINY = REPO / "scripts" / "cpu" / "tiny-llama"
 CONFIGS = {
-    "before": {"layerwise_loads": False, "skip_waiting_admission": False, "eviction_demotes": True},
+    "before": {"layerwise_loads": False, "skip_waiting_admission": False, "eviction_demotes": "all"},
     "after": {},
+    "after_nocopy": {"eviction_demotes": "none"},
 }
 GOAL_P99_US, GOAL_MAX_US = 1000.0, 10000.0
 
@@ -147,12 +151,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--output-tokens", type=int, default=8)
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--configs", default="before,after")
+    p.add_argument("--configs", default="before,after,after_nocopy")
     p.add_argument("--start-timeout", type=float, default=600)
     p.add_argument("--request-timeout", type=float, default=600)
     p.add_argument("--keep-logs", default=None, help="copy each server's log into this directory")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--quick", action="store_true", help="smoke size: 20 requests, the 'after' configuration only")
     a = p.parse_args(argv)
+    if a.quick:
+        a.requests, a.repeats, a.configs = 20, 1, "after"
     if a.requests < 1 or a.repeats < 1 or not 0 < a.pool <= 1:
         p.error("--requests and --repeats must be >= 1 and --pool in (0, 1]")
     configs = [c for c in a.configs.split(",") if c]
@@ -168,6 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     pool = pool_tokens(a.pool, ws, longest, a.output_tokens, a.page_size)
     a.disk_tokens = 2 * ws
     workdir = Path(tempfile.mkdtemp(prefix="sched-thread-"))
+
+    def _terminate(signum, _frame):  # SIGTERM -> unwind, so every `finally` stops its server
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _terminate)
     samples = []
     t0 = time.monotonic()
     try:
@@ -192,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.monotonic() - t0}
     if a.json:
         a.json.write_text(json.dumps(result, indent=1, default=str))
-    failed = any(s.get("error") for s in samples)
+    failed = any(s.get("error") or s.get("failed") for s in samples)
     return 1 if failed else 0
 
 

@@ -760,7 +760,7 @@ class TieredCache:
         with self._mutex:
             freed = self._evict_disk_orphans(num_pages) if tier == DISK else 0
             # without demotion, clean leaves (held one tier down: a free drop) go before dirty ones
-            dirty_last = not self.config.eviction_demotes
+            dirty_last = not self._demotes(tier)
             key = (lambda n: (not self._clean(n, tier), self.priority(n))) if dirty_last else self.priority
             heap = [(key(n), n.id, n) for n in self.tree.tier_leaves(tier) if n.evictable]
             heapq.heapify(heap)
@@ -791,11 +791,16 @@ class TieredCache:
                 freed += 1
         return freed
 
+    def _demotes(self, tier: str) -> bool:
+        """Whether evicting a dirty page from `tier` copies it down (`CacheConfig.eviction_demotes`)."""
+        mode = self.config.eviction_demotes
+        return mode == "all" or (mode == "host" and tier == DEVICE)
+
     def _evict_node(self, node: TreeNode, tier: str) -> int:
         tokens = node.num_pages * self.page_size
         below = HOST if tier == DEVICE else DISK if tier == HOST else None
         dirty = below is not None and self.has_tier(below) and not self._clean(node, tier)
-        if dirty and self.config.eviction_demotes:
+        if dirty and self._demotes(tier):
             self.tree.pin(node)  # keep it out of the nested evictions its demotion may cause
             try:
                 self.ensure(node, below, kind="demote", may_evict=True)  # type: ignore[arg-type]

@@ -66,6 +66,9 @@ class KVLayout:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
 
+EVICTION_DEMOTES = ("all", "host", "none")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Capacities and policies of a tiered cache. Capacities are in tokens and rounded down to pages.
@@ -87,10 +90,11 @@ class CacheConfig:
     predictor: str = "none"
     tenant_salt: str = ""
     disk_fsync: bool = False
-    # False: eviction never copies (a page already held one tier down is freed, a dirty one is dropped
-    # and counted in `dropped_dirty_tokens`); background write-back keeps pages clean ahead of it.
-    # True: eviction demotes dirty pages synchronously (device -> host -> disk)
-    eviction_demotes: bool = True
+    # Which evictions copy a dirty page one tier down, synchronously: "all" (device -> host and host
+    # -> disk), "host" (device -> host only: a memory copy; a dirty host page is dropped, never written
+    # to disk here), "none" (eviction never copies). A dirty page not copied is dropped and counted in
+    # `dropped_dirty_tokens`; background write-back keeps pages clean ahead of eviction.
+    eviction_demotes: str = "all"
 
     def __post_init__(self) -> None:
         _require(isinstance(self.page_size, int) and self.page_size >= 1, f"page_size must be an integer >= 1, got {self.page_size!r}")
@@ -104,6 +108,7 @@ class CacheConfig:
         _require(self.predictor in PREDICTORS, f"unknown predictor {self.predictor!r}; choose one of {', '.join(PREDICTORS)}")
         _require(isinstance(self.write_through_threshold, int) and self.write_through_threshold >= 1,
                  f"write_through_threshold must be an integer >= 1, got {self.write_through_threshold!r}")
+        _require(self.eviction_demotes in EVICTION_DEMOTES, f"eviction_demotes must be one of {', '.join(EVICTION_DEMOTES)}, got {self.eviction_demotes!r}")
         if self.disk_dir is not None:
             object.__setattr__(self, "disk_dir", Path(self.disk_dir))
             _require(not self.disk_dir.exists() or self.disk_dir.is_dir(), f"disk_dir {str(self.disk_dir)!r} exists and is not a directory")

@@ -41,7 +41,7 @@ class CacheStats:
         self.demoted_tokens = {tier: 0 for tier in TIERS}
         self.promoted_tokens = {tier: 0 for tier in TIERS}
         self.dropped_tokens = 0
-        self.dropped_dirty_tokens = {tier: 0 for tier in TIERS}  # evicted without a copy below (eviction_demotes off)
+        self.dropped_dirty_tokens = {tier: 0 for tier in TIERS}  # evicted without a copy below (eviction_demotes)
         self.bytes_moved = {link: 0 for link in LINKS}
         self.transfer_seconds = {link: 0.0 for link in LINKS}
         self.prefetch = {kind: {"promoted_tokens": 0, "used_tokens": 0, "wasted_tokens": 0} for kind in PREFETCH_KINDS}

@@ -4,7 +4,7 @@
   controller's load copies nothing on the calling thread, SGLang's counter protocol (`wait_until`,
   `set_consumer`, `batch_index`) hands each layer over bit-identical, the loaded path stays locked
   (not evictable) until `reap` sees the copies done;
-- eviction that never copies (`eviction_demotes=False`): clean pages are freed, dirty ones dropped
+- eviction that never copies (`eviction_demotes="none"`): clean pages are freed, dirty ones dropped
   and counted;
 - an insert that meets a node it may not split (pinned by a transfer) keeps the caller's pages
   instead of breaking the tree.
@@ -84,7 +84,7 @@ def test_wait_until_with_nothing_pending_returns_at_once():
 
 
 def test_eviction_without_demotion_frees_clean_pages_and_counts_dirty_drops():
-    cache = make_cache(None, device=4, host=16, eviction_demotes=False)
+    cache = make_cache(None, device=4, host=16, eviction_demotes="none")
     a, b = seq(0, 2), seq(5000, 2)
     serve(cache, a)
     serve(cache, b)

@@ -111,6 +111,7 @@ class BackendCounters:
     evicted_tokens: int = 0
     uncacheable_requests: int = 0  # extra_key / cache_salt / bigram: served without the cache
     admission_skips: int = 0  # a waiting request skipped while the requests behind it were admitted
+    evict_waits: int = 0  # evictions that had to wait for a running background copy (last resort)
     extra: dict = field(default_factory=dict)
 
 
@@ -280,7 +281,6 @@ class TieredRadixCache(BasePrefixCache):
             m = m.head(m.device_tokens + m.host_tokens)
         if st is not None:
             st.last_match = m
-        self.controller.pump_writeback()
         self._maybe_check()
         return MatchResult(
             device_prefix_len=m.device_tokens,
@@ -320,6 +320,9 @@ class TieredRadixCache(BasePrefixCache):
             # the tree changed since the match (a page went missing on disk), or pages are still on
             # disk only (reading them here would block the scheduler): recompute
             self.counters.load_back_declined += 1
+            why = ("disk_only" if m.disk_tokens and m.tokens == target else "device_grew" if m.device_tokens > prefix
+                   else "path_changed")
+            self.counters.extra[why] = self.counters.extra.get(why, 0) + 1
             if ticket is not None:
                 self.controller.release(ticket)
             return fallback
@@ -341,6 +344,17 @@ class TieredRadixCache(BasePrefixCache):
                 req.storage_hit_length = hi - lo
         self._maybe_check()
         return promised, m2.last_node
+
+    def after_batch_formed(self) -> None:
+        """Once per scheduling step, after SGLang formed (and allocated) the prefill batch
+        (`scheduler_hooks.set_consumer_index`): record finished layer-wise loads and background copies
+        and start new write-back. Not in `match_prefix`: a copy started there pins the coldest device
+        nodes while the admission round that counted them as evictable is still allocating."""
+        if self.disable:
+            return
+        if self.layer_loads is not None:
+            self.layer_loads.reap()
+        self.controller.pump_writeback()
 
     def load_back_is_cache_owned(self) -> bool:
         return True
@@ -418,6 +432,14 @@ class TieredRadixCache(BasePrefixCache):
             # the scheduler counted on pages a background copy still pins: stop those copies
             self.controller.cancel_device_writeback()
             freed += self.cache.evict(DEVICE, pages - freed // self.page_size) * self.page_size
+            if freed < params.num_tokens and any(op.src == DEVICE for op in self.controller.writeback):
+                # last resort (copies start only after a batch's allocations, so this should not
+                # happen): wait for the running copy rather than fail SGLang's allocation
+                self.counters.evict_waits += 1
+                for op in self.controller.writeback:
+                    op.executed.wait(timeout=60)
+                self.controller.pump_writeback(start_new=False)
+                freed += self.cache.evict(DEVICE, pages - freed // self.page_size) * self.page_size
         self.counters.evict_calls += 1
         self.counters.evicted_tokens += freed
         self.update_eviction_metrics(freed, t0)
@@ -591,6 +613,7 @@ class TieredRadixCache(BasePrefixCache):
         snap = self.cache.snapshot()
         wb = self.controller.writeback_counters
         snap["backend"] = {k: v for k, v in vars(self.counters).items() if k != "extra"}
+        snap["backend"]["load_back_declined_by_reason"] = dict(self.counters.extra)
         snap["backend"].update(writeback_pages=wb.host_pages, device_writeback_pages=wb.device_pages,
                                device_writeback_cancelled_pages=wb.device_cancelled_pages)
         snap["config"] = {

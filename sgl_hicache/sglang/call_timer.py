@@ -27,11 +27,11 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 # the calls SGLang 0.5.23's scheduler makes into a radix cache (`BasePrefixCache`), except the O(1)
-# size getters it polls thousands of times a second
+# size getters it polls thousands of times a second, plus our per-step hook (`scheduler_hooks`)
 SCHEDULER_CALLS = (
     "match_prefix", "init_load_back", "checkpoint", "insert", "evict", "inc_lock_ref", "dec_lock_ref",
     "on_release", "release_aborted_request", "touch_prefix", "path_device_indices", "cache_finished_req",
-    "cache_unfinished_req",
+    "cache_unfinished_req", "after_batch_formed",
 )
 
 _tls = threading.local()  # .depth: how many instrumented calls the current thread is inside

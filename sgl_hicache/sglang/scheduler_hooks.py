@@ -8,7 +8,9 @@ Both do nothing unless the scheduler's tree cache is ours.
    `AddReqResult.CONTINUE`: the request stays in the waiting queue (retried next round) and the
    requests behind it are still admitted this round. Nothing was committed for it: `add_one_req`
    returns before committing when `init_load_back` returns None.
-2. The consumer index of layer-wise loads (AFTER `Scheduler.get_new_batch_prefill`). SGLang sets
+2. After the prefill batch is formed (AFTER `Scheduler.get_new_batch_prefill`, every scheduling step):
+   `TieredRadixCache.after_batch_formed` (background write-back starts here, once the batch's
+   allocations are done), then the consumer index of layer-wise loads. SGLang sets
    `batch.hicache_consumer_index` itself only with its own HiCache or the unified-cache linker; the
    hook sets it to the index of the batch whose admissions queued layer-wise loads (-1 when none), so
    the TP worker hands it to our counter (`layer_loads.LayerLoads`) before the forward.
@@ -51,7 +53,10 @@ def keep_admitting(original, adder, req, *args, **kwargs):
 def set_consumer_index(result, scheduler, *args, **kwargs):
     """AFTER `Scheduler.get_new_batch_prefill` (module docstring, 2)."""
     cache = _our_cache(getattr(scheduler, "tree_cache", None))
-    if cache is None or cache.layer_loads is None:
+    if cache is None:
+        return result
+    cache.after_batch_formed()
+    if cache.layer_loads is None:
         return result
     batch = getattr(result, "batch_to_run", None)  # a NextBatchPlan
     index = cache.layer_loads.batch_index()
