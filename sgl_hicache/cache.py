@@ -766,14 +766,20 @@ class TieredCache:
             heapq.heapify(heap)
             while freed < num_pages and heap:
                 _, _, node = heapq.heappop(heap)
-                if not node.in_tier(tier) or not node.evictable or any(c.in_tier(tier) for c in node.children.values()):
+                if not node.in_tier(tier) or not node.evictable or self._has_child_in(node, tier):
                     continue
                 parent = node.parent
                 freed += self._evict_node(node, tier)
                 if parent is not None and not parent.is_root and parent.in_tier(tier) and parent.evictable:
-                    if not any(c.in_tier(tier) for c in parent.children.values()):
+                    if not self._has_child_in(parent, tier):
                         heapq.heappush(heap, (key(parent), parent.id, parent))
             return freed
+
+    @staticmethod
+    def _has_child_in(node: TreeNode, tier: str) -> bool:
+        """A child is in `tier`, or a copy into `tier` is on its way (a background write-back
+        prepared while `node` was there): evicting `node` would break prefix closure."""
+        return any(c.in_tier(tier) or tier in c.incoming for c in node.children.values())
 
     def _evict_disk_orphans(self, num_pages: int) -> int:
         """Free disk pages no tree node refers to (left by an earlier process and not matched since

@@ -114,3 +114,20 @@ def test_insert_beside_a_pinned_node_keeps_the_callers_pages():
     cache.free_device(r.duplicates)
     cache.tree.unpin(node)
     cache.check()
+
+
+def test_eviction_keeps_a_parent_whose_child_is_being_copied_into_the_tier():
+    """A background copy of a child into host was prepared while its parent was on host: evicting the
+    parent from host before the copy lands would leave host residency not prefix-closed."""
+    cache = make_cache(None, device=8, host=8, eviction_demotes="none")
+    a = seq(0, 2)
+    serve(cache, a)
+    serve(cache, a + seq(7000, 2))
+    parent = cache.match(a, touch=False).last_node
+    assert cache.ensure(parent, HOST, kind="backup", may_evict=False)
+    [op] = cache.plan_writeback(DEVICE, HOST, clean_target_pages=8, max_pages=8)  # the child, device -> host
+    assert op.node.parent is parent
+    assert cache.evict(HOST, 2) == 0  # the parent is the only host leaf, and its child is on its way
+    cache.execute(op)
+    cache.complete(op)
+    cache.check()

@@ -10,7 +10,7 @@ and an append: well under a microsecond, so it stays on by default.
 never run on the scheduler thread while it is inside one of those calls: a copy of bytes between tiers
 (any of `TieredCache.handlers`, inline or chunked), a disk page write, a `time.sleep`, and a wait on a
 `threading.Event` that was not set yet (except a new thread's start-up handshake). `snapshot()` gives
-those counts, plus `copy_elsewhere` / `disk_write_elsewhere`: the same seen on other threads (the
+those counts (copies also per link, `copy_by_link`), plus `copy_elsewhere` / `disk_write_elsewhere`: the same seen on other threads (the
 transfer engine's), which show the guard is watching. Layer-wise loads run outside the handlers, on
 their own worker: they are not copies made by the scheduler thread. The patches are process-wide (`time.sleep`, `threading.Event.wait`)
 but cost one thread-local read outside instrumented calls.
@@ -124,6 +124,7 @@ class IOGuard:
     def __init__(self) -> None:
         self.counts = {k: 0 for k in self.KINDS}
         self.elsewhere: dict[str, int] = {}  # copies and disk writes on other threads: the guard is watching
+        self.links: dict[str, int] = {}  # scheduler-thread copies per link ("device->host": eviction demotion)
         self.where: dict[str, str] = {}  # kind -> the first offending call's stack summary
         self._installed = False
 
@@ -137,8 +138,8 @@ class IOGuard:
     def install(self, cache: Any) -> "IOGuard":
         """Watch `cache` (a `TieredCache`): its link handlers (every copy between tiers), its disk
         store's writes, and the process's `time.sleep` / `threading.Event.wait`."""
-        for link, handler in list(cache.handlers.items()):  # every byte copy between tiers, any caller
-            cache.handlers[link] = self._watch("copy", handler)
+        for (src, dst), handler in list(cache.handlers.items()):  # every byte copy between tiers, any caller
+            cache.handlers[(src, dst)] = self._watch("copy", handler, f"{src}->{dst}")
         disk = cache.stores.get("disk")
         if disk is not None:
             for name in ("write",):
@@ -171,11 +172,13 @@ class IOGuard:
 
     _process_patched = False
 
-    def _watch(self, kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def _watch(self, kind: str, fn: Callable[..., Any], link: str | None = None) -> Callable[..., Any]:
         @functools.wraps(fn)
         def watched(*args: Any, **kwargs: Any) -> Any:
             if in_scheduler_call():
                 self._hit(kind)
+                if link is not None:
+                    self.links[link] = self.links.get(link, 0) + 1
             else:
                 self.elsewhere[kind] = self.elsewhere.get(kind, 0) + 1
             return fn(*args, **kwargs)
@@ -183,7 +186,7 @@ class IOGuard:
         return watched
 
     def snapshot(self) -> dict[str, Any]:
-        return {**self.counts, **{f"{k}_elsewhere": v for k, v in self.elsewhere.items()}, "first_offender": dict(self.where)}
+        return {**self.counts, "copy_by_link": dict(self.links), **{f"{k}_elsewhere": v for k, v in self.elsewhere.items()}, "first_offender": dict(self.where)}
 
 
 _ACTIVE: list[IOGuard] = []

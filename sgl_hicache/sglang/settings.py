@@ -55,8 +55,8 @@ class BackendSettings:
     predictor_budget_tokens: int = 4096
     prefetch: bool = True  # start disk -> host promotion when a request is matched (while it waits)
     transfer_workers: int = 2
-    writeback_clean_fraction: float = 0.5  # keep this share of the host tier also on disk, written in the background (0: off)
-    device_writeback_clean_fraction: float = 1.0  # keep this share of the device pool also on host, copied in the background (0: off)
+    writeback_clean_fraction: float = 0.25  # keep this share of the host tier also on disk, written in the background (0: off)
+    device_writeback_clean_fraction: float = 0.25  # keep this share of the device pool also on host, copied in the background (0: off)
     load_timeout_s: float = 30.0  # how long a request may wait for its disk pages before it recomputes them
     tenant_salt: str = ""  # extra namespace salt (isolates caches of tenants sharing one disk directory)
     stats_file: str | None = None  # the scheduler writes JSON stats here every stats_interval_s (atomic rename)
