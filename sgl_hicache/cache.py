@@ -485,6 +485,11 @@ class TieredCache:
                 if stale:
                     store.free(stale)
             self.tree.pin(node)  # pinned before evicting, so the eviction cannot pick it
+            # nor its parent: evicting the parent from `dst` now would leave the copy's destination
+            # tier not prefix-closed once it lands (the caller checked the parent is there)
+            parent = node.parent if not node.parent.is_root else None
+            if parent is not None:
+                self.tree.pin(parent)
             try:
                 if store.free_pages < node.num_pages and may_evict:
                     self.evict(dst, node.num_pages - store.free_pages)
@@ -492,6 +497,9 @@ class TieredCache:
             except BaseException:
                 self.tree.unpin(node)
                 raise
+            finally:
+                if parent is not None:
+                    self.tree.unpin(parent)
             if handles is None:
                 self.tree.unpin(node)
                 return None

@@ -131,3 +131,18 @@ def test_eviction_keeps_a_parent_whose_child_is_being_copied_into_the_tier():
     cache.execute(op)
     cache.complete(op)
     cache.check()
+
+
+def test_a_copy_that_must_evict_for_room_never_evicts_its_own_parent():
+    """Background device -> host write-back of a child whose parent is the coldest host page: making
+    room in host must not evict that parent (host would not be prefix-closed once the copy lands)."""
+    cache = make_cache(None, device=8, host=2, eviction_demotes="none")
+    a = seq(0, 2)
+    serve(cache, a)
+    serve(cache, a + seq(7000, 2))
+    parent = cache.match(a, touch=False).last_node
+    assert cache.ensure(parent, HOST, kind="backup", may_evict=False)  # host is full with the parent
+    ops = cache.plan_writeback(DEVICE, HOST, clean_target_pages=8, max_pages=8)
+    assert ops == []  # no room without evicting the parent: nothing planned
+    assert parent.host is not None
+    cache.check()
