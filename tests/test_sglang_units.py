@@ -48,8 +48,8 @@ def test_device_pool_round_trip_in_sglang_layout(page_size):
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_backend_demotes_and_loads_back_exact_kv(tmp_path, page_size):
-    """insert -> evict (device -> host -> disk) -> match reports host+disk -> init_load_back puts the
-    same bytes back into device slots before it returns."""
+    """insert -> evict (device -> host -> disk) -> match reports host+disk -> init_load_back queues the
+    same bytes back into device slots, layer by layer, there once the counter says so."""
     import torch
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, InsertParams, MatchPrefixParams
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -60,7 +60,10 @@ def test_backend_demotes_and_loads_back_exact_kv(tmp_path, page_size):
 
     alloc = _pools(page_size, size=64)
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=page_size)
-    settings = BackendSettings(host_tokens=64, disk_dir=str(tmp_path / "disk"), disk_tokens=1024, check_invariants=True, prefetch=True)
+    # eviction_demotes="all": this checks the synchronous demotion chain (the server default, "host",
+    # never writes disk on eviction)
+    settings = BackendSettings(host_tokens=64, disk_dir=str(tmp_path / "disk"), disk_tokens=1024, check_invariants=True, prefetch=True,
+                               eviction_demotes="all")
     cache = TieredRadixCache(params, settings)
     try:
         tokens = array("q", range(100, 148))  # 48 tokens
@@ -96,6 +99,9 @@ def test_backend_demotes_and_loads_back_exact_kv(tmp_path, page_size):
         assert req.storage_hit_length > 0 and req.storage_hit_start == 48 - req.storage_hit_length
         new_slots = cache.path_device_indices(loaded[1])
         assert len(new_slots) == 48
+        assert cache.layer_loads is not None and cache.layer_loads.inflight or cache.layer_loads.loads == 1
+        for layer in range(2):  # the layer-wise load: what SGLang's KV pool calls before reading a layer
+            cache.layer_loads.wait_until(layer)
         assert torch.equal(kv.k_buffer[1][new_slots], before[0]) and torch.equal(kv.v_buffer[0][new_slots], before[1])
         acct = cache.pool_accounting()
         assert acct["check"] == "ok" and acct["request_held_tokens"] == 0, acct
