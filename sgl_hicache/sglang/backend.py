@@ -12,18 +12,22 @@ Request path:
   the host + disk part as `host_hit_length` (anchor `best_match_node`). On the request's first match,
   the disk-only part starts moving disk -> host on the transfer engine's threads while the request
   waits in the queue.
-- `init_load_back` (admission): waits for that prefetch (returns None, "retry next round", while it is
-  in flight, up to `load_timeout_s`), then copies host -> device synchronously, so the KV is in the
-  device slots before the function returns: no request can read a slot whose data has not arrived
-  (on a GPU the copy is queued on the same stream as the forward, which orders it before the read).
-  It loads all promised tokens or none (SGLang's contract); none means the request recomputes them.
-  It also fills `req.storage_hit_length/start` so SGLang's `cached_tokens_details` reports the part
-  that came from disk as `storage`.
+- `init_load_back` (admission): never waits. While the request's prefetch is in flight it answers
+  "retry next round" (None; `scheduler_hooks.keep_admitting` then lets SGLang admit the requests
+  behind it), or recomputes once waiting would outlast `load_timeout_s`. Then it plans host -> device
+  and, with `layerwise_loads` (default), only queues the copies layer by layer (`layer_loads`): SGLang's
+  KV pool waits for layer i through our layer transfer counter before the forward reads it; without it
+  the copy is made inline. It loads all promised tokens or none (SGLang's contract); none means the
+  request recomputes them; pages still only on disk are declined (recompute), never read here. It also
+  fills `req.storage_hit_length/start` so SGLang's `cached_tokens_details` reports the part that came
+  from disk as `storage`.
 - `checkpoint`: inserts the request's whole pages into the tree (the tree adopts the request's device
   pages), frees the request's duplicates of pages the tree already held, repoints the request's row onto
   the tree's pages and moves its lock.
-- `evict`: `TieredCache.evict(DEVICE)`: leaf-first, coldest first, and demotes (device -> host ->
-  disk) instead of dropping.
+- `evict`: `TieredCache.evict(DEVICE)`: leaf-first, coldest first; what it copies is
+  `eviction_demotes` (default `host`: a dirty device page is copied to host in memory, nothing is
+  written to disk here; background write-back, started once per step by `after_batch_formed`, keeps
+  pages clean ahead of it).
 
 Not supported (the factory refuses them with a clear error): TP/PP/DP attention > 1 (no collectives
 run inside tree methods; a multi-rank tree would need one), `--enable-hierarchical-cache` (SGLang's
