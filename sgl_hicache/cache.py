@@ -352,7 +352,9 @@ class TieredCache:
             new_nodes: list[TreeNode] = []
             last = path[-1] if path else self.tree.root
             if matched < limit:
-                if last.is_root or last.device is not None:
+                # a pinned node the walk could not split holds the next page: the caller keeps its copy
+                blocked = tuple(tokens[matched : matched + ps]) in last.children
+                if not blocked and (last.is_root or last.device is not None):
                     node = self.tree.add_child(last, tokens[matched:limit])
                     self.tree.set_resident(node, DEVICE, list(device_handles[page:]))
                     adopted += node.num_pages
@@ -462,6 +464,11 @@ class TieredCache:
                 if stale:
                     store.free(stale)
             self.tree.pin(node)  # pinned before evicting, so the eviction cannot pick it
+            # nor its parent: evicting the parent from `dst` now would leave the copy's destination
+            # tier not prefix-closed once it lands (the caller checked the parent is there)
+            parent = node.parent if not node.parent.is_root else None
+            if parent is not None:
+                self.tree.pin(parent)
             try:
                 if store.free_pages < node.num_pages and may_evict:
                     self.evict(dst, node.num_pages - store.free_pages)
@@ -469,6 +476,9 @@ class TieredCache:
             except BaseException:
                 self.tree.unpin(node)
                 raise
+            finally:
+                if parent is not None:
+                    self.tree.unpin(parent)
             if handles is None:
                 self.tree.unpin(node)
                 return None
@@ -685,8 +695,8 @@ class TieredCache:
 
     def plan_writeback(self, src: str, dst: str, clean_target_pages: int, max_pages: int) -> list[TransferOp]:
         """Phase one of background write-back, `src` -> the next tier down `dst` (device -> host or
-        host -> disk): while fewer than `clean_target_pages` pages of `src` are *clean* (evicting them
-        is a free drop because the tier they would demote to already holds them), prepare copies of
+        host -> disk): while fewer than `clean_target_pages` pages of `src` are *clean* (`dst` already
+        holds them, so evicting them from `src` is a free drop), prepare copies of
         the coldest dirty ones, at most `max_pages`. Done ahead of need by a transfer engine, this
         keeps copies off the thread that evicts. Only unlocked nodes whose parent is already in `dst`
         qualify (`dst` stays prefix-closed; their children follow in a later round). The caller
@@ -699,7 +709,9 @@ class TieredCache:
             clean = 0
             candidates = []
             for n in self.tree.resident[src]:
-                if self._clean(n, src) or dst in n.incoming:  # clean, or about to be
+                # already held in `dst` (a host page also on the device is not on disk yet: evicting
+                # it from the device later would leave the disk tier without it), or about to be
+                if n.in_tier(dst) or dst in n.incoming:
                     clean += n.num_pages
                     continue
                 if n.evictable and (n.parent.is_root or n.parent.in_tier(dst)):  # type: ignore[union-attr]
@@ -730,21 +742,31 @@ class TieredCache:
     # ---- eviction --------------------------------------------------------------------------
     def evict(self, tier: str, num_pages: int) -> int:
         """Free at least `num_pages` pages of `tier` if possible, leaf-first, coldest first;
-        demote where the next tier can take the pages. Returns the pages freed."""
+        demote where the next tier can take the pages (`eviction_demotes`), else free clean leaves
+        before dirty ones. Returns the pages freed."""
         with self._mutex:
             freed = self._evict_disk_orphans(num_pages) if tier == DISK else 0
-            heap = [(self.priority(n), n.id, n) for n in self.tree.tier_leaves(tier) if n.evictable]
+            # without demotion, clean leaves (held one tier down: a free drop) go before dirty ones
+            dirty_last = not self._demotes(tier)
+            key = (lambda n: (not self._clean(n, tier), self.priority(n))) if dirty_last else self.priority
+            heap = [(key(n), n.id, n) for n in self.tree.tier_leaves(tier) if n.evictable]
             heapq.heapify(heap)
             while freed < num_pages and heap:
                 _, _, node = heapq.heappop(heap)
-                if not node.in_tier(tier) or not node.evictable or any(c.in_tier(tier) for c in node.children.values()):
+                if not node.in_tier(tier) or not node.evictable or self._has_child_in(node, tier):
                     continue
                 parent = node.parent
                 freed += self._evict_node(node, tier)
                 if parent is not None and not parent.is_root and parent.in_tier(tier) and parent.evictable:
-                    if not any(c.in_tier(tier) for c in parent.children.values()):
-                        heapq.heappush(heap, (self.priority(parent), parent.id, parent))
+                    if not self._has_child_in(parent, tier):
+                        heapq.heappush(heap, (key(parent), parent.id, parent))
             return freed
+
+    @staticmethod
+    def _has_child_in(node: TreeNode, tier: str) -> bool:
+        """A child is in `tier`, or a copy into `tier` is on its way (a background write-back
+        prepared while `node` was there): evicting `node` would break prefix closure."""
+        return any(c.in_tier(tier) or tier in c.incoming for c in node.children.values())
 
     def _evict_disk_orphans(self, num_pages: int) -> int:
         """Free disk pages no tree node refers to (left by an earlier process and not matched since
@@ -762,17 +784,25 @@ class TieredCache:
                 freed += 1
         return freed
 
+    def _demotes(self, tier: str) -> bool:
+        """Whether evicting a dirty page from `tier` copies it down (`CacheConfig.eviction_demotes`)."""
+        mode = self.config.eviction_demotes
+        return mode == "all" or (mode == "host" and tier == DEVICE)
+
     def _evict_node(self, node: TreeNode, tier: str) -> int:
         tokens = node.num_pages * self.page_size
-        self.tree.pin(node)  # keep it out of the nested evictions its demotion may cause
-        keep = self.reuse is None or self.reuse.admit(node)  # write-back admission: worth a copy below?
-        try:
-            if tier == DEVICE and not node.host and self.has_tier(HOST) and keep:
-                self.ensure(node, HOST, kind="demote", may_evict=True)
-            elif tier == HOST and node.device is None and not node.on_disk and self.has_tier(DISK) and keep:
-                self.ensure(node, DISK, kind="demote", may_evict=True)
-        finally:
-            self.tree.unpin(node)
+        below = HOST if tier == DEVICE else DISK if tier == HOST else None
+        dirty = below is not None and self.has_tier(below) and not self._clean(node, tier)
+        # write-back admission (policy/reuse.py): is this page worth a copy below?
+        keep = dirty and (self.reuse is None or self.reuse.admit(node))
+        if keep and self._demotes(tier):
+            self.tree.pin(node)  # keep it out of the nested evictions its demotion may cause
+            try:
+                self.ensure(node, below, kind="demote", may_evict=True)  # type: ignore[arg-type]
+            finally:
+                self.tree.unpin(node)
+        elif dirty:  # never copy here: the page is lost to the tiers below
+            self.stats.add("dropped_dirty_tokens", tokens, tier)
         handles = self.tree.clear_resident(node, tier)
         if tier == DISK:
             self._free_disk(handles)

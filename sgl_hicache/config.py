@@ -66,6 +66,9 @@ class KVLayout:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
 
+EVICTION_DEMOTES = ("all", "host", "none")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Capacities and policies of a tiered cache. Capacities are in tokens and rounded down to pages.
@@ -90,6 +93,11 @@ class CacheConfig:
     admission_min_probability: float = 0.0
     tenant_salt: str = ""
     disk_fsync: bool = False
+    # Which evictions copy a dirty page one tier down, synchronously: "all" (device -> host and host
+    # -> disk), "host" (device -> host only: a memory copy; a dirty host page is dropped, never written
+    # to disk here), "none" (eviction never copies). A dirty page not copied is dropped and counted in
+    # `dropped_dirty_tokens`; background write-back keeps pages clean ahead of eviction.
+    eviction_demotes: str = "all"
 
     def __post_init__(self) -> None:
         _require(isinstance(self.page_size, int) and self.page_size >= 1, f"page_size must be an integer >= 1, got {self.page_size!r}")
@@ -104,6 +112,7 @@ class CacheConfig:
         _require(0.0 <= self.admission_min_probability <= 1.0, f"admission_min_probability must be in [0, 1], got {self.admission_min_probability!r}")
         _require(isinstance(self.write_through_threshold, int) and self.write_through_threshold >= 1,
                  f"write_through_threshold must be an integer >= 1, got {self.write_through_threshold!r}")
+        _require(self.eviction_demotes in EVICTION_DEMOTES, f"eviction_demotes must be one of {', '.join(EVICTION_DEMOTES)}, got {self.eviction_demotes!r}")
         if self.disk_dir is not None:
             object.__setattr__(self, "disk_dir", Path(self.disk_dir))
             _require(not self.disk_dir.exists() or self.disk_dir.is_dir(), f"disk_dir {str(self.disk_dir)!r} exists and is not a directory")

@@ -92,6 +92,7 @@ class RequestController:
         self.clock = clock
         self.predicted: list[PromotionJob] = []
         self.writeback: list[TransferOp] = []
+        self.dropped: list[PromotionJob] = []  # cancelled jobs waiting for a running copy to end
         self._writeback_at = -float("inf")
         self.writeback_counters = WritebackCounters()
         self.guard = PromotionGuard()
@@ -145,11 +146,33 @@ class RequestController:
                    if st.ops and st.ops[0].src == DISK and st.node.device is None) * self.cache.page_size
 
     def drop(self, ticket: Ticket) -> None:
-        """The request went away (or will recompute): cancel and release its prefetch."""
-        if ticket.job is not None:
-            self.executor.cancel(ticket.job.ops())
-            self.cache.cancel(ticket.job)
+        """The request went away (or will recompute): cancel and release its prefetch. Never waits:
+        a copy already running keeps its job (pages allocated, path locked) until it ends; a later
+        `pump_writeback` releases it."""
+        job = ticket.job
+        if job is None:
+            return
+        self.executor.cancel(job.ops())
+        if all(op.executed.is_set() for op in job.ops()):
+            self.cache.cancel(job)
             self.release(ticket)
+            return
+        ticket.prefetched_disk_tokens += self._brought_from_disk(job)
+        ticket.job = None
+        self.dropped.append(job)
+
+    def _reap_dropped(self, wait: bool = False) -> None:
+        keep = []
+        for job in self.dropped:
+            if wait:
+                for op in job.ops():
+                    op.executed.wait(timeout=60)
+            if all(op.executed.is_set() for op in job.ops()):
+                self.cache.cancel(job)
+                self.cache.release(job)
+            else:
+                keep.append(job)
+        self.dropped = keep
 
     # ---- admission ---------------------------------------------------------------------------
     def admit(self, ticket: Ticket, recompute_seconds: float) -> tuple[Admission, float]:
@@ -261,6 +284,8 @@ class RequestController:
         `writeback_interval_s`, one batch in flight. Returns whether anything changed."""
         self.executor.poll()
         changed = False
+        if self.dropped:
+            self._reap_dropped()
         if self.writeback:
             done = [op for op in self.writeback if op.executed.is_set()]
             for op in done:
@@ -289,18 +314,18 @@ class RequestController:
         return changed or bool(ops)
 
     def cancel_device_writeback(self) -> None:
-        """Stop the device -> host copies in flight (one already copying finishes first) and record
-        them, so their device pages are evictable again."""
+        """Stop the device -> host copies not started yet and record them, so their device pages are
+        evictable again. Never waits: a copy already running keeps its pages pinned until it ends
+        (recorded by a later `pump_writeback`)."""
         ops = [op for op in self.writeback if op.src == DEVICE]
         self.executor.cancel(ops)
         for op in ops:
-            op.executed.wait(timeout=60)
-            if op.cancelled and op.error is not None:
+            if op.executed.is_set() and op.cancelled and op.error is not None:
                 self.writeback_counters.device_cancelled_pages += len(op.dst_handles)
         self.pump_writeback(start_new=False)
 
     def inflight(self) -> bool:
-        return bool(self.predicted) or bool(self.writeback)
+        return bool(self.predicted) or bool(self.writeback) or bool(self.dropped)
 
     def shutdown(self) -> None:
         """Cancel and release everything in flight (tickets are dropped by their owner)."""
@@ -308,6 +333,7 @@ class RequestController:
             self.executor.cancel(job.ops())
             self.cache.release(job)
         self.predicted = []
+        self._reap_dropped(wait=True)
         self.executor.cancel(self.writeback)
         for op in self.writeback:
             op.executed.wait(timeout=60)

@@ -23,7 +23,8 @@ class CacheStats:
     - `hit_tokens[tier]`: prompt tokens served from each tier, counted once per scheduled request;
       `miss_tokens` the rest of the prompt; `requests`, `prompt_tokens`.
     - `evicted_tokens[tier]` (left the tier), `demoted_tokens[tier]` (copied down from that tier on
-      eviction), `promoted_tokens[tier]` (copied up into that tier), `dropped_tokens` (left the tree).
+      eviction), `promoted_tokens[tier]` (copied up into that tier), `dropped_tokens` (left the tree),
+      `dropped_dirty_tokens[tier]` (evicted from that tier with no copy one tier down: lost to it).
     - `bytes_moved[link]`, `transfer_seconds[link]` (measured wall time of the copies).
     - `prefetch[kind]`: promoted_tokens, used_tokens (used by a request before being evicted),
       wasted_tokens, covered_tokens / needed_tokens for coverage; kinds are "prefetch" and "predict".
@@ -40,6 +41,7 @@ class CacheStats:
         self.demoted_tokens = {tier: 0 for tier in TIERS}
         self.promoted_tokens = {tier: 0 for tier in TIERS}
         self.dropped_tokens = 0
+        self.dropped_dirty_tokens = {tier: 0 for tier in TIERS}  # evicted without a copy below (eviction_demotes)
         self.bytes_moved = {link: 0 for link in LINKS}
         self.transfer_seconds = {link: 0.0 for link in LINKS}
         self.prefetch = {kind: {"promoted_tokens": 0, "used_tokens": 0, "wasted_tokens": 0} for kind in PREFETCH_KINDS}
@@ -89,6 +91,7 @@ class CacheStats:
                 "demoted_tokens": dict(self.demoted_tokens),
                 "promoted_tokens": dict(self.promoted_tokens),
                 "dropped_tokens": self.dropped_tokens,
+                "dropped_dirty_tokens": dict(self.dropped_dirty_tokens),
                 "bytes_moved": dict(self.bytes_moved),
                 "transfer_seconds": dict(self.transfer_seconds),
                 "prefetch": prefetch,
@@ -135,6 +138,13 @@ def prometheus_text(snapshot: dict[str, Any], stored_pages: dict[str, int] | Non
     stored = {t: stored_pages[t] * page_size for t in TIERS} if stored_pages is not None else snapshot.get("stored_tokens")
     if stored is not None:
         metric(f"{prefix}_stored_tokens", "gauge", "Tokens resident per tier", [(f'{{tier="{t}"}}', stored.get(t, 0)) for t in TIERS])
+    calls = snapshot.get("scheduler_calls")
+    if calls:  # per-call wall time on SGLang's scheduler thread (sglang.call_timer)
+        metric(f"{prefix}_scheduler_call_count", "counter", "Cache calls made by the scheduler thread",
+               [(f'{{call="{c}"}}', d["count"]) for c, d in calls.items()])
+        for q in ("p50", "p99", "max"):
+            metric(f"{prefix}_scheduler_call_{q}_seconds", "gauge", f"{q} wall time of a cache call on the scheduler thread",
+                   [(f'{{call="{c}"}}', d[f"{q}_us"] / 1e6) for c, d in calls.items()])
     if snapshot.get("capacity_tokens") is not None:
         metric(f"{prefix}_capacity_tokens", "gauge", "Tier capacity in tokens",
                [(f'{{tier="{t}"}}', snapshot["capacity_tokens"].get(t, 0)) for t in TIERS])

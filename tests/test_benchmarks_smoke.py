@@ -127,6 +127,22 @@ def test_server_compare_smoke(tmp_path: Path) -> None:
     assert not any((tmp_path / "runs").iterdir())  # every run's temp dir (HiCache files, our disk tier) removed
 
 
+@pytest.mark.sglang
+@pytest.mark.skipif(not _sglang_importable(), reason="sglang is not installed (scripts/install_sglang_cpu.sh installs it into .venv-sglang)")
+def test_scheduler_thread_smoke(tmp_path: Path) -> None:
+    # one real server (sgl_hicache, the defaults), 20 requests: ~1.5 min here
+    out = tmp_path / "sched.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "scheduler_thread.py"), "--quick", "--json", str(out)]
+    subprocess.run(cmd, check=True, cwd=REPO, capture_output=True, timeout=900)
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "scheduler_thread" and result["regime"]["requests"] == 20
+    [s] = result["samples"]
+    assert s["config"] == "after" and "error" not in s and s["failed"] == 0
+    calls = result["summary"]["after"]["calls"]
+    assert {"match_prefix", "checkpoint", "inc_lock_ref", "dec_lock_ref"} <= set(calls)
+    assert all(c["count"] > 0 and 0 <= c["p50_us"] <= c["p99_us"] <= c["max_us"] for c in calls.values())
+
+
 def test_production_compare_smoke(tmp_path: Path) -> None:
     result = _run("production_compare.py", tmp_path / "prod.json")
     assert result["benchmark"] == "production_compare" and result["requests"] == 60

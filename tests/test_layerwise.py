@@ -98,7 +98,8 @@ def test_misuse_is_refused() -> None:
 def test_worker_failure_reaches_the_waiter() -> None:
     dev, host = _stores()
     loader = LayerwiseLoader(dev, host, [0], [0])
-    loader._dev = loader._dev[:, :, :, :1]  # a destination of the wrong shape: the first copy fails
+    pages = loader._dev_pages
+    loader._dev_pages = lambda layer, kv: pages(layer, kv)[:, :1]  # a destination of the wrong shape: the first copy fails
     loader.start()
     with pytest.raises(RuntimeError):
         loader.wait_layer(LAYOUT.num_layers - 1)

@@ -11,6 +11,10 @@ A device pool far smaller than the workload (1,024 tokens, page 16), host 4,096 
   more than LOGPROB_TOL (so wrong KV in any page, a late one included, cannot pass);
 - after the replay drains, the pools' free counts are back to their accounting (allocator free + tree
   pages == pool, host store == tree, invariants hold);
+- the scheduler thread never waited on I/O: no load, disk write, sleep or wait on an unset event ran
+  inside any cache call SGLang made (`check_scheduler_io`; only eviction's in-memory device -> host
+  demotion copies there), host hits were loaded layer by layer (`layerwise_loads`, the default: the KV
+  checks above ran with it), and every call was timed;
 - Prometheus: SGLang's `sglang:cached_tokens_total{cache_source="storage"}` and our `sgl_hicache_*`;
 - restart on the same disk directory: the same prompts get `storage` hits and the same outputs.
 
@@ -110,6 +114,7 @@ def start_server(workdir, model_dir, request):
             "SGLHICACHE_STATS_FILE": str(workdir / f"{name}-stats.json"),
             "SGLHICACHE_STATS_INTERVAL_S": "0.5",
             "SGLHICACHE_CHECK_INVARIANTS": "1",
+            "SGLHICACHE_CHECK_SCHEDULER_IO": "1",
             **env_extra,
         }
         srv = SGLangServer.start(
@@ -289,12 +294,29 @@ def test_e2e_replay_hits_and_kv_correctness(start_server, workdir, shared):
     assert pool["device_cache_owned_tokens"] == pool["device_tree_tokens"], pool
     assert pool["host_used_tokens"] == pool["host_tree_tokens"], pool
     assert pool["check"] == "ok", pool
-    assert st["hit_tokens"]["disk"] > 0 and st["backend"]["load_back_declined"] == 0, st["backend"]
+    assert st["hit_tokens"]["disk"] > 0, st["hit_tokens"]
+    assert st["backend"]["load_back_declined"] == 0, st["backend"]["load_back_declined_by_reason"]
     # the host tier overflowed to disk, and part of it was written ahead of eviction, in the background
     assert st["backend"]["writeback_pages"] > 0, st["backend"]
     # and device pages were copied to host ahead of their eviction, off the scheduler thread
     assert st["backend"]["device_writeback_pages"] > 0, st["backend"]
     assert "device" in render(st)
+    # 3b. the scheduler thread never waited on I/O: over the replay and the KV checks above (host and
+    # disk hits, evictions, write-back), no load (host -> device, disk -> host), no disk write, no sleep
+    # and no wait on an unset event ran inside a cache call SGLang made (the only copy allowed there is
+    # a device eviction's in-memory demotion to host, `eviction_demotes=host`, the default); the guard
+    # did see the transfer engine's copies and writes elsewhere, and the host hits were loaded layer by
+    # layer (so the logprob checks above ran with layer-wise loads)
+    io = st["scheduler_io"]
+    offenders = io.pop("first_offender")
+    demotions = io["copy_by_link"].get("device->host", 0)
+    assert io["copy"] == demotions and set(io["copy_by_link"]) <= {"device->host"}, (io, offenders)
+    assert io["disk_write"] == io["sleep"] == io["event_wait"] == 0, (io, offenders)
+    assert io.get("copy_elsewhere", 0) > 0 and io.get("disk_write_elsewhere", 0) > 0, io
+    assert st["config"]["layerwise_loads"] and st["layer_loads"]["loads"] > 0, st["layer_loads"]
+    calls = st["scheduler_calls"]
+    assert {"match_prefix", "init_load_back", "checkpoint", "evict", "inc_lock_ref", "dec_lock_ref"} <= set(calls), sorted(calls)
+    assert all(c["count"] > 0 and 0 <= c["p50_us"] <= c["p99_us"] <= c["max_us"] for c in calls.values()), calls
 
     # 4. stats surfaces: /server_info (above), the stats file, Prometheus
     # the file is rewritten every 0.5 s: wait for a write that includes the disk hits /server_info showed
@@ -311,6 +333,7 @@ def test_e2e_replay_hits_and_kv_correctness(start_server, workdir, shared):
     storage = [ln for ln in lines if ln.startswith("sglang:cached_tokens_total") and 'cache_source="storage"' in ln]
     assert storage and float(storage[0].rsplit(" ", 1)[1]) > 0, lines[:20]
     assert any(ln.startswith("sgl_hicache_stored_tokens") for ln in lines), lines[:40]
+    assert any(ln.startswith("sgl_hicache_scheduler_call_seconds") and 'call="match_prefix"' in ln for ln in lines), lines[:40]
     shared["stats_first"] = st
     shared["wall_s"] = time.monotonic() - t0
 

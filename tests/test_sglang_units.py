@@ -48,8 +48,8 @@ def test_device_pool_round_trip_in_sglang_layout(page_size):
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_backend_demotes_and_loads_back_exact_kv(tmp_path, page_size):
-    """insert -> evict (device -> host -> disk) -> match reports host+disk -> init_load_back puts the
-    same bytes back into device slots before it returns."""
+    """insert -> evict (device -> host -> disk) -> match reports host+disk -> init_load_back queues the
+    same bytes back into device slots, layer by layer, there once the counter says so."""
     import torch
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, InsertParams, MatchPrefixParams
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -60,7 +60,10 @@ def test_backend_demotes_and_loads_back_exact_kv(tmp_path, page_size):
 
     alloc = _pools(page_size, size=64)
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=page_size)
-    settings = BackendSettings(host_tokens=64, disk_dir=str(tmp_path / "disk"), disk_tokens=1024, check_invariants=True, prefetch=True)
+    # eviction_demotes="all": this checks the synchronous demotion chain (the server default, "host",
+    # never writes disk on eviction)
+    settings = BackendSettings(host_tokens=64, disk_dir=str(tmp_path / "disk"), disk_tokens=1024, check_invariants=True, prefetch=True,
+                               eviction_demotes="all")
     cache = TieredRadixCache(params, settings)
     try:
         tokens = array("q", range(100, 148))  # 48 tokens
@@ -96,6 +99,9 @@ def test_backend_demotes_and_loads_back_exact_kv(tmp_path, page_size):
         assert req.storage_hit_length > 0 and req.storage_hit_start == 48 - req.storage_hit_length
         new_slots = cache.path_device_indices(loaded[1])
         assert len(new_slots) == 48
+        assert cache.layer_loads is not None and cache.layer_loads.inflight or cache.layer_loads.loads == 1
+        for layer in range(2):  # the layer-wise load: what SGLang's KV pool calls before reading a layer
+            cache.layer_loads.wait_until(layer)
         assert torch.equal(kv.k_buffer[1][new_slots], before[0]) and torch.equal(kv.v_buffer[0][new_slots], before[1])
         acct = cache.pool_accounting()
         assert acct["check"] == "ok" and acct["request_held_tokens"] == 0, acct
@@ -204,3 +210,69 @@ def test_layered_moves_on_the_real_pool_are_bit_exact(monkeypatch, page_size):
             now = bits((pool.k_buffer if kv == 0 else pool.v_buffer)[layer])
             assert torch.equal(now[others], device_before[layer][kv][others]), (layer, kv)
     assert generic_calls == [], generic_calls  # every call above took the per-layer path
+
+
+def test_layer_loads_through_sglangs_own_kv_pool_read_path():
+    """`LayerLoads` registered as SGLang's layer transfer counter: `MHATokenToKVPool.get_key_buffer(i)`
+    (what the attention backend calls) waits for layer i of the queued load, and sees the host bytes."""
+    import torch
+
+    from sgl_hicache.cache import TieredCache
+    from sgl_hicache.config import CacheConfig
+    from sgl_hicache.sglang.device_pool import SGLangDevicePool
+    from sgl_hicache.sglang.layer_loads import LayerLoads
+    from sgl_hicache.tiers.base import DEVICE, HOST
+
+    ps = 16
+    alloc = _pools(ps)
+    dev = SGLangDevicePool(alloc)
+    cache = TieredCache(CacheConfig(dev.layout, device_tokens=dev.pool_pages * ps, host_tokens=8 * ps, page_size=ps), device=dev)
+    loads = LayerLoads(cache)
+    kv = alloc.get_kvcache()
+    kv.register_layer_transfer_counter(loads)
+    host = cache.stores[HOST]
+    h_slots = host.allocate([b"a", b"b"])
+    d_slots = dev.allocate([b"a", b"b"])
+    data = torch.randn((2, *dev.page_shape)).to(torch.bfloat16)
+    host.write(h_slots, data)
+    from sgl_hicache.cache import TransferOp
+
+    node = cache.tree.root  # any node: the lock is what LayerLoads takes (root locks are no-ops)
+    op = TransferOp(node, HOST, DEVICE, list(h_slots), list(d_slots), 0, "demand")
+    loads.queue([op])
+    assert op.executed.is_set()
+    loads.set_consumer(loads.batch_index())
+    for layer in range(dev.layout.num_layers):
+        k = kv.get_key_buffer(layer)  # waits for this layer only
+        rows = dev.token_slots(d_slots)
+        assert torch.equal(k[rows].view(torch.int16), data[:, layer, 0].reshape(-1, *k.shape[1:]).view(torch.int16))
+    loads.finish_all()
+    assert not loads.inflight
+
+
+def test_admission_hook_skips_only_a_request_told_to_retry():
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    from sgl_hicache.sglang.backend import BackendCounters, TieredRadixCache
+    from sgl_hicache.sglang.scheduler_hooks import keep_admitting
+    from sgl_hicache.sglang.settings import BackendSettings
+
+    cache = object.__new__(TieredRadixCache)
+    cache.settings, cache.counters, cache.deferred_rid = BackendSettings(), BackendCounters(), None
+    adder = SimpleNamespace(tree_cache=cache, can_run_list=[])
+    req = SimpleNamespace(rid="r1")
+
+    def retry(adder, req, *a, **k):  # what add_one_req does when init_load_back answers None
+        cache.deferred_rid = req.rid
+        return AddReqResult.OTHER
+
+    def full(adder, req, *a, **k):
+        return AddReqResult.OTHER
+
+    assert keep_admitting(retry, adder, req, False, None) == AddReqResult.CONTINUE
+    assert cache.counters.admission_skips == 1 and cache.deferred_rid is None
+    assert keep_admitting(full, adder, req, False, None) == AddReqResult.OTHER  # other reasons still stop
+    cache.settings = BackendSettings(skip_waiting_admission=False)
+    assert keep_admitting(retry, adder, req, False, None) == AddReqResult.OTHER
+    other = SimpleNamespace(tree_cache=object(), can_run_list=[])  # another radix cache: untouched
+    assert keep_admitting(retry, other, req, False, None) == AddReqResult.OTHER

@@ -12,18 +12,22 @@ Request path:
   the host + disk part as `host_hit_length` (anchor `best_match_node`). On the request's first match,
   the disk-only part starts moving disk -> host on the transfer engine's threads while the request
   waits in the queue.
-- `init_load_back` (admission): waits for that prefetch (returns None, "retry next round", while it is
-  in flight, up to `load_timeout_s`), then copies host -> device synchronously, so the KV is in the
-  device slots before the function returns: no request can read a slot whose data has not arrived
-  (on a GPU the copy is queued on the same stream as the forward, which orders it before the read).
-  It loads all promised tokens or none (SGLang's contract); none means the request recomputes them.
-  It also fills `req.storage_hit_length/start` so SGLang's `cached_tokens_details` reports the part
-  that came from disk as `storage`.
+- `init_load_back` (admission): never waits. While the request's prefetch is in flight it answers
+  "retry next round" (None; `scheduler_hooks.keep_admitting` then lets SGLang admit the requests
+  behind it), or recomputes once waiting would outlast `load_timeout_s`. Then it plans host -> device
+  and, with `layerwise_loads` (default), only queues the copies layer by layer (`layer_loads`): SGLang's
+  KV pool waits for layer i through our layer transfer counter before the forward reads it; without it
+  the copy is made inline. It loads all promised tokens or none (SGLang's contract); none means the
+  request recomputes them; pages still only on disk are declined (recompute), never read here. It also
+  fills `req.storage_hit_length/start` so SGLang's `cached_tokens_details` reports the part that came
+  from disk as `storage`.
 - `checkpoint`: inserts the request's whole pages into the tree (the tree adopts the request's device
   pages), frees the request's duplicates of pages the tree already held, repoints the request's row onto
   the tree's pages and moves its lock.
-- `evict`: `TieredCache.evict(DEVICE)`: leaf-first, coldest first, and demotes (device -> host ->
-  disk) instead of dropping.
+- `evict`: `TieredCache.evict(DEVICE)`: leaf-first, coldest first; what it copies is
+  `eviction_demotes` (default `host`: a dirty device page is copied to host in memory, nothing is
+  written to disk here; background write-back, started once per step by `after_batch_formed`, keeps
+  pages clean ahead of it).
 
 Not supported (the factory refuses them with a clear error): TP/PP/DP attention > 1 (no collectives
 run inside tree methods; a multi-rank tree would need one), `--enable-hierarchical-cache` (SGLang's
@@ -71,7 +75,9 @@ from ..stats import prometheus_text
 from ..tiers.base import DEVICE, DISK, HOST, TIERS
 from ..transfer.engine import TransferEngine
 from ..transfer.executors import ThreadExecutor
+from .call_timer import CallTimer, IOGuard
 from .device_pool import SGLangDevicePool
+from .layer_loads import LayerLoads
 from .settings import BackendSettings, load_settings, unknown_env
 
 logger = logging.getLogger(__name__)
@@ -108,6 +114,8 @@ class BackendCounters:
     evict_calls: int = 0
     evicted_tokens: int = 0
     uncacheable_requests: int = 0  # extra_key / cache_salt / bigram: served without the cache
+    admission_skips: int = 0  # a waiting request skipped while the requests behind it were admitted
+    evict_waits: int = 0  # evictions that had to wait for a running background copy (last resort)
     extra: dict = field(default_factory=dict)
 
 
@@ -154,12 +162,16 @@ class TieredRadixCache(BasePrefixCache):
             predictor=s.predictor,
             tenant_salt=salt,
             disk_fsync=s.disk_fsync,
+            eviction_demotes=s.eviction_demotes,
         )
         self.cache = TieredCache(self.config, device=self.device_pool)
         self.engine = TransferEngine(self.cache, workers=s.transfer_workers)  # started on first use
+        # host -> device loads queued layer by layer, waited for by SGLang's KV pool (factory registers it)
+        self.layer_loads = LayerLoads(self.cache) if s.layerwise_loads and HOST in self.cache.stores else None
+        self.deferred_rid: str | None = None  # the request init_load_back last answered "retry" (scheduler_hooks)
         self.controller = RequestController(
             self.cache,
-            ThreadExecutor(self.cache, self.engine),
+            ThreadExecutor(self.cache, self.engine, layers=self.layer_loads),
             make_predictor(s.predictor, self.page_size, s.predictor_budget_tokens, model=self.cache.reuse),
             ControllerSettings(prefetch=s.prefetch, device_writeback_clean_fraction=s.device_writeback_clean_fraction,
                                writeback_clean_fraction=s.writeback_clean_fraction),
@@ -173,6 +185,8 @@ class TieredRadixCache(BasePrefixCache):
         self._metrics_enabled = bool(getattr(params, "enable_metrics", False))
         if self._metrics_enabled:
             self.init_metrics_collector()
+        self.call_timer = CallTimer().instrument(self) if s.time_calls else None
+        self.io_guard = IOGuard().install(self.cache) if s.check_scheduler_io else None
         logger.info(
             "sgl_hicache: device %d tokens (SGLang pool), host %d tokens, disk %d tokens at %s, page %d, write %s, disk write %s, eviction %s, predictor %s, prefetch %s",
             device_tokens, host_tokens, disk_tokens, disk_dir, self.page_size, s.write_policy, s.disk_write_policy, eviction, s.predictor, s.prefetch,
@@ -197,6 +211,8 @@ class TieredRadixCache(BasePrefixCache):
             self._publisher = None
         self._drop_all_jobs()
         self.engine.stop()
+        if self.layer_loads is not None:
+            self.layer_loads.finish_all()
 
     def _drop_all_jobs(self) -> None:
         for st in list(self._states.values()):
@@ -213,6 +229,8 @@ class TieredRadixCache(BasePrefixCache):
         """SGLang's flush: forget the device and host copies (disk files stay, for a restart)."""
         self._drop_all_jobs()
         self.engine.stop()
+        if self.layer_loads is not None:
+            self.layer_loads.finish_all()  # no copy may land in a slot after the flush frees it
         self.cache.reset()
         self.device_pool.reset_accounting()
 
@@ -249,6 +267,8 @@ class TieredRadixCache(BasePrefixCache):
             return self._empty_match()
         st = self._state(params.req)
         self.counters.matches += 1
+        if self.layer_loads is not None:
+            self.layer_loads.reap()
         if st is None:
             m = self.cache.match(tokens[:aligned])
         elif st.ticket is None:  # the request's first match: the controller takes it from here
@@ -265,7 +285,6 @@ class TieredRadixCache(BasePrefixCache):
             m = m.head(m.device_tokens + m.host_tokens)
         if st is not None:
             st.last_match = m
-        self.controller.pump_writeback()
         self._maybe_check()
         return MatchResult(
             device_prefix_len=m.device_tokens,
@@ -292,6 +311,7 @@ class TieredRadixCache(BasePrefixCache):
             decision, _ = self.controller.admit(ticket, max(0.0, budget))
             if decision is Admission.WAIT:
                 self.counters.load_back_retries += 1
+                self.deferred_rid = req.rid  # scheduler_hooks.keep_admitting: skip it, admit the rest
                 return None  # the disk pages are still coming: SGLang retries next round
             if decision is Admission.RECOMPUTE:
                 self.counters.load_back_timeouts += 1
@@ -304,6 +324,9 @@ class TieredRadixCache(BasePrefixCache):
             # the tree changed since the match (a page went missing on disk), or pages are still on
             # disk only (reading them here would block the scheduler): recompute
             self.counters.load_back_declined += 1
+            why = ("disk_only" if m.disk_tokens and m.tokens == target else "device_grew" if m.device_tokens > prefix
+                   else "path_changed")
+            self.counters.extra[why] = self.counters.extra.get(why, 0) + 1
             if ticket is not None:
                 self.controller.release(ticket)
             return fallback
@@ -325,6 +348,17 @@ class TieredRadixCache(BasePrefixCache):
                 req.storage_hit_length = hi - lo
         self._maybe_check()
         return promised, m2.last_node
+
+    def after_batch_formed(self) -> None:
+        """Once per scheduling step, after SGLang formed (and allocated) the prefill batch
+        (`scheduler_hooks.set_consumer_index`): record finished layer-wise loads and background copies
+        and start new write-back. Not in `match_prefix`: a copy started there pins the coldest device
+        nodes while the admission round that counted them as evictable is still allocating."""
+        if self.disable:
+            return
+        if self.layer_loads is not None:
+            self.layer_loads.reap()
+        self.controller.pump_writeback()
 
     def load_back_is_cache_owned(self) -> bool:
         return True
@@ -391,6 +425,8 @@ class TieredRadixCache(BasePrefixCache):
             return EvictResult()
         t0 = time.perf_counter()
         pages = -(-int(params.num_tokens) // self.page_size)
+        if self.layer_loads is not None:
+            self.layer_loads.reap()  # finished layer-wise loads unpin their nodes
         # record finished background copies (their pages become free drops), but start none here:
         # a new copy pins the coldest nodes, exactly the ones this eviction is about to free, and the
         # scheduler sized its allocation from evictable_size() before calling
@@ -400,6 +436,14 @@ class TieredRadixCache(BasePrefixCache):
             # the scheduler counted on pages a background copy still pins: stop those copies
             self.controller.cancel_device_writeback()
             freed += self.cache.evict(DEVICE, pages - freed // self.page_size) * self.page_size
+            if freed < params.num_tokens and any(op.src == DEVICE for op in self.controller.writeback):
+                # last resort (copies start only after a batch's allocations, so this should not
+                # happen): wait for the running copy rather than fail SGLang's allocation
+                self.counters.evict_waits += 1
+                for op in self.controller.writeback:
+                    op.executed.wait(timeout=60)
+                self.controller.pump_writeback(start_new=False)
+                freed += self.cache.evict(DEVICE, pages - freed // self.page_size) * self.page_size
         self.counters.evict_calls += 1
         self.counters.evicted_tokens += freed
         self.update_eviction_metrics(freed, t0)
@@ -517,6 +561,8 @@ class TieredRadixCache(BasePrefixCache):
 
     # ---- checks and stats ----------------------------------------------------------------
     def _inflight(self) -> bool:
+        if self.layer_loads is not None and self.layer_loads.inflight:
+            return True
         return self.controller.inflight() or any(s.ticket is not None and s.ticket.job is not None for s in self._states.values())
 
     def _maybe_check(self) -> None:
@@ -532,6 +578,8 @@ class TieredRadixCache(BasePrefixCache):
         requests. Once the server is idle it must be 0, and `ok` says every tier's accounting holds."""
         for op in self.controller.writeback:  # background disk writes are short: finish them for exact figures
             op.executed.wait(timeout=10)
+        if self.layer_loads is not None:
+            self.layer_loads.finish_all()
         self.controller.pump_writeback(start_new=False)
         ps = self.page_size
         alloc_free = int(self.token_to_kv_pool_allocator.available_size())
@@ -569,6 +617,7 @@ class TieredRadixCache(BasePrefixCache):
         snap = self.cache.snapshot()
         wb = self.controller.writeback_counters
         snap["backend"] = {k: v for k, v in vars(self.counters).items() if k != "extra"}
+        snap["backend"]["load_back_declined_by_reason"] = dict(self.counters.extra)
         snap["backend"].update(writeback_pages=wb.host_pages, device_writeback_pages=wb.device_pages,
                                device_writeback_cancelled_pages=wb.device_cancelled_pages)
         snap["config"] = {
@@ -582,9 +631,17 @@ class TieredRadixCache(BasePrefixCache):
             "eviction_policy": self.config.eviction_policy,
             "predictor": self.config.predictor,
             "prefetch": self.settings.prefetch,
+            "layerwise_loads": self.layer_loads is not None,
+            "skip_waiting_admission": self.settings.skip_waiting_admission,
             "namespace": self.cache.namespace.description,
         }
         snap["bandwidth_bytes_per_s"] = self.cache.meter.snapshot()
+        if self.call_timer is not None:
+            snap["scheduler_calls"] = self.call_timer.snapshot()
+        if self.layer_loads is not None:
+            snap["layer_loads"] = self.layer_loads.snapshot()
+        if self.io_guard is not None:
+            snap["scheduler_io"] = self.io_guard.snapshot()
         snap["time"] = time.time()
         snap["pid"] = os.getpid()
         if exact:
@@ -682,6 +739,8 @@ class _PromExport:
         self.gauges = {
             "stored_tokens": Gauge("sgl_hicache_stored_tokens", "Tokens resident per tier", ["tier"], multiprocess_mode="mostrecent"),
             "capacity_tokens": Gauge("sgl_hicache_capacity_tokens", "Capacity per tier", ["tier"], multiprocess_mode="mostrecent"),
+            "call_seconds": Gauge("sgl_hicache_scheduler_call_seconds", "Wall time of a cache call on the scheduler thread",
+                                  ["call", "quantile"], multiprocess_mode="mostrecent"),
         }
 
     def _inc(self, name: str, value: float, **labels: str) -> None:
@@ -700,6 +759,9 @@ class _PromExport:
             self.gauges["capacity_tokens"].labels(tier=t).set(snap["capacity_tokens"][t])
         self._inc("miss_tokens", snap["miss_tokens"])
         self._inc("requests", snap["requests"])
+        for call, d in (snap.get("scheduler_calls") or {}).items():
+            for q in ("p50", "p99", "max"):
+                self.gauges["call_seconds"].labels(call=call, quantile=q).set(d[f"{q}_us"] / 1e6)
         for link, v in snap["bytes_moved"].items():
             self._inc("bytes_moved", v, link=link)
         for kind, d in snap["prefetch"].items():
@@ -746,4 +808,11 @@ def factory(ctx) -> TieredRadixCache:
     except Exception:
         pass
     cache = TieredRadixCache(ctx.params, settings, architecture=arch, model_salt=_model_salt(sa), server_port=getattr(sa, "port", None))
+    if cache.layer_loads is not None:
+        cache.layer_loads.forward_stream = getattr(getattr(ctx.tp_worker, "model_runner", None), "forward_stream", None)
+        # SGLang's supported seam for layer-wise loads (mem_cache/registry.py does the same for its
+        # unified-cache linker): the KV pool calls wait_until(layer) before reading a layer, and the
+        # TP worker sets the consumer from batch.hicache_consumer_index (scheduler_hooks sets it)
+        ctx.params.token_to_kv_pool_allocator.get_kvcache().register_layer_transfer_counter(cache.layer_loads)
+        ctx.tp_worker.register_hicache_layer_transfer_counter(cache.layer_loads)
     return cache.start()

@@ -4,14 +4,17 @@ SGLang's ``sglang.srt.plugins.load_plugins()`` calls :func:`register` once in ev
 (the HTTP server, the scheduler, the detokenizer), before the scheduler builds its tree cache. It must
 be cheap, idempotent and must never raise into SGLang: a broken plugin would take the server down.
 
-It does three things:
+It does four things:
 1. CPU-only workarounds for SGLang itself (``cpu_compat``; a no-op when CUDA exists);
 2. registers the ``sgl_hicache`` radix-cache backend (``--radix-cache-backend sgl_hicache``);
 3. hooks SGLang's scheduler internal-state report (what ``GET /server_info`` returns in
    ``internal_states``) so that it carries ``sgl_hicache``: our live stats, the pool accounting and the
    tree view, computed in the scheduler thread. ``stats_client.fetch_stats(URL)`` reads it from there.
    With any radix cache it also adds ``sgl_hicache_model`` (vocabulary size, context length, special
-   token ids: SGLang's HTTP API publishes none of them), which the HTTP replayer reads.
+   token ids: SGLang's HTTP API publishes none of them), which the HTTP replayer reads;
+4. hooks the scheduler's admission and batch forming (``scheduler_hooks``): a request whose prefetch
+   is in flight no longer ends the admission round, and a batch that queued layer-wise loads carries
+   their consumer index. Both are no-ops with any other radix cache.
 """
 
 from __future__ import annotations
@@ -90,3 +93,9 @@ def register() -> None:
         HookRegistry.register(INTERNAL_STATE_TARGET, _add_internal_state, HookType.AFTER)
     except Exception:
         logger.exception("sgl_hicache: hooking the internal-state report failed; stats only via the stats file")
+    try:
+        from sgl_hicache.sglang.scheduler_hooks import register_hooks
+
+        register_hooks()
+    except Exception:
+        logger.exception("sgl_hicache: hooking the scheduler's admission failed")

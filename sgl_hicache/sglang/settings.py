@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..config import DISK_WRITE_POLICIES, EVICTION_POLICIES, PREDICTORS, WRITE_POLICIES
+from ..config import DISK_WRITE_POLICIES, EVICTION_DEMOTES, EVICTION_POLICIES, PREDICTORS, WRITE_POLICIES
 
 ENV_PREFIX = "SGLHICACHE_"
 CONFIG_ENV = "SGLHICACHE_CONFIG"
@@ -62,6 +62,11 @@ class BackendSettings:
     stats_file: str | None = None  # the scheduler writes JSON stats here every stats_interval_s (atomic rename)
     stats_interval_s: float = 2.0
     check_invariants: bool = False  # run the tree's invariant check after every scheduler call (slow; tests)
+    eviction_demotes: str = "host"  # all | host | none: which evictions copy a dirty page down synchronously (CacheConfig)
+    layerwise_loads: bool = True  # init_load_back queues host->device copies per layer; the forward of layer i waits for layer i only
+    skip_waiting_admission: bool = True  # a request whose prefetch is in flight is skipped this round, not the end of admission
+    time_calls: bool = True  # time every cache call the scheduler makes (p50/p99/max in the stats)
+    check_scheduler_io: bool = False  # count copies, disk writes, sleeps and waits inside scheduler calls (tests, diagnosis)
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -85,6 +90,7 @@ class BackendSettings:
         need(0 <= self.writeback_clean_fraction <= 1, f"writeback_clean_fraction must be in [0, 1], got {self.writeback_clean_fraction!r}")
         need(0 <= self.device_writeback_clean_fraction <= 1,
              f"device_writeback_clean_fraction must be in [0, 1], got {self.device_writeback_clean_fraction!r}")
+        need(self.eviction_demotes in EVICTION_DEMOTES, f"eviction_demotes must be one of {', '.join(EVICTION_DEMOTES)}, got {self.eviction_demotes!r}")
         need(self.stats_interval_s > 0, f"stats_interval_s must be > 0, got {self.stats_interval_s!r}")
 
     def host_tokens_for(self, device_tokens: int) -> int:

@@ -16,9 +16,9 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from ..tiers.base import DISK
+from ..tiers.base import DEVICE, DISK, HOST
 
 if TYPE_CHECKING:
     from ..cache import PromotionJob, TieredCache
@@ -69,12 +69,22 @@ class Executor(ABC):
         return None
 
 
-class ThreadExecutor(Executor):
-    """Real copies on the `TransferEngine`'s worker threads, started on first use."""
+class LayerSink(Protocol):
+    """Where a `ThreadExecutor` hands host -> device demand loads to be copied layer by layer
+    (`sglang.layer_loads.LayerLoads`): `queue(ops)` starts them and marks them executed."""
 
-    def __init__(self, cache: "TieredCache", engine: "TransferEngine") -> None:
+    def queue(self, ops: Sequence["TransferOp"]) -> None: ...
+
+
+class ThreadExecutor(Executor):
+    """Real copies on the `TransferEngine`'s worker threads, started on first use. With `layers`, a
+    demand load's host -> device ops are queued there (layer by layer, off the calling thread)
+    instead of copied inline by `run_now`."""
+
+    def __init__(self, cache: "TieredCache", engine: "TransferEngine", layers: LayerSink | None = None) -> None:
         self.cache = cache
         self.engine = engine
+        self.layers = layers
 
     def submit_job(self, job: "PromotionJob", speculative: bool = False) -> None:
         self.engine.start().submit(job)  # the job's kind sets its priority (predict below demand)
@@ -89,10 +99,17 @@ class ThreadExecutor(Executor):
         self.engine.cancel(ops)
 
     def run_now(self, job: "PromotionJob") -> LoadTime:
+        layered = []
         for st in job.stages:
             for op in st.ops:
-                if not op.executed.is_set():
+                if op.executed.is_set():
+                    continue
+                if self.layers is not None and (op.src, op.dst) == (HOST, DEVICE):
+                    layered.append(op)
+                else:
                     self.cache.execute(op)
+        if layered:
+            self.layers.queue(layered)  # type: ignore[union-attr]
         return LoadTime()
 
     def stop(self) -> None:

@@ -1,0 +1,75 @@
+"""Two hooks on SGLang 0.5.23's scheduler, registered through its `HookRegistry` by `plugin.register`.
+Both do nothing unless the scheduler's tree cache is ours.
+
+1. Admission that never stalls the queue (AROUND `PrefillAdder.add_one_req`). When our
+   `init_load_back` answers "not yet" (the request's disk -> host prefetch is still in flight),
+   SGLang's adder returns `AddReqResult.OTHER` and the scheduler ends its admission loop, so one
+   waiting request blocks every request behind it. The hook turns exactly that answer into
+   `AddReqResult.CONTINUE`: the request stays in the waiting queue (retried next round) and the
+   requests behind it are still admitted this round. Nothing was committed for it: `add_one_req`
+   returns before committing when `init_load_back` returns None.
+2. After the prefill batch is formed (AFTER `Scheduler.get_new_batch_prefill`, every scheduling step):
+   `TieredRadixCache.after_batch_formed` (background write-back starts here, once the batch's
+   allocations are done), then the consumer index of layer-wise loads. SGLang sets
+   `batch.hicache_consumer_index` itself only with its own HiCache or the unified-cache linker; the
+   hook sets it to the index of the batch whose admissions queued layer-wise loads (-1 when none), so
+   the TP worker hands it to our counter (`layer_loads.LayerLoads`) before the forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+ADD_ONE_REQ = "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"
+GET_NEW_BATCH_PREFILL = "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill"
+
+
+def _our_cache(cache: Any) -> Any:
+    from .backend import TieredRadixCache
+
+    return cache if isinstance(cache, TieredRadixCache) else None
+
+
+def keep_admitting(original, adder, req, *args, **kwargs):
+    """AROUND `PrefillAdder.add_one_req` (module docstring, 1)."""
+    cache = _our_cache(getattr(adder, "tree_cache", None))
+    if cache is None or not cache.settings.skip_waiting_admission:
+        return original(adder, req, *args, **kwargs)
+    cache.deferred_rid = None
+    result = original(adder, req, *args, **kwargs)
+    if cache.deferred_rid is not None and cache.deferred_rid == getattr(req, "rid", None):
+        cache.deferred_rid = None
+        from sglang.srt.managers.schedule_policy import AddReqResult
+
+        if result == AddReqResult.OTHER and req not in adder.can_run_list:
+            cache.counters.admission_skips += 1
+            return AddReqResult.CONTINUE
+    return result
+
+
+def set_consumer_index(result, scheduler, *args, **kwargs):
+    """AFTER `Scheduler.get_new_batch_prefill` (module docstring, 2)."""
+    cache = _our_cache(getattr(scheduler, "tree_cache", None))
+    if cache is None:
+        return result
+    cache.after_batch_formed()
+    if cache.layer_loads is None:
+        return result
+    batch = getattr(result, "batch_to_run", None)  # a NextBatchPlan
+    index = cache.layer_loads.batch_index()
+    if batch is not None and hasattr(batch, "hicache_consumer_index") and index >= 0:
+        batch.hicache_consumer_index = index
+    return result
+
+
+def register_hooks() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(ADD_ONE_REQ, keep_admitting, HookType.AROUND)
+    HookRegistry.register(GET_NEW_BATCH_PREFILL, set_consumer_index, HookType.AFTER)
+
+
+__all__ = ["keep_admitting", "register_hooks", "set_consumer_index"]
