@@ -25,9 +25,13 @@ Request path:
 - `evict`: `TieredCache.evict(DEVICE)`: leaf-first, coldest first, and demotes (device -> host ->
   disk) instead of dropping.
 
-Not supported (the factory refuses them with a clear error): TP/PP/DP attention > 1 (no collectives
-run inside tree methods; a multi-rank tree would need one), `--enable-hierarchical-cache` (SGLang's
-own HiCache), hybrid SWA/Mamba/DSA models, MLA / quantised KV pools, EAGLE (bigram keys).
+Tensor parallelism (`--tp N`): every rank runs this cache on its own KV-head shard, with its own host
+buffer and disk directory; the ranks agree on every local fact once per scheduler step
+(`rank_consensus.py`), so their trees and answers stay equal.
+
+Not supported (the factory refuses them with a clear error): PP > 1, DP attention and `--dp-size > 1`
+in one server (run one server per replica instead, docs/sglang-backend.md), `--enable-hierarchical-cache`
+(SGLang's own HiCache), hybrid SWA/Mamba/DSA models, MLA / quantised KV pools, EAGLE (bigram keys).
 Requests with a LoRA `extra_key` or a `cache_salt` are served without the cache (a miss, never stored).
 """
 
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import tempfile
 import threading
@@ -72,6 +77,7 @@ from ..tiers.base import DEVICE, DISK, HOST, TIERS
 from ..transfer.engine import TransferEngine
 from ..transfer.executors import ThreadExecutor
 from .device_pool import SGLangDevicePool
+from .rank_consensus import RankConsensus, inject_read_faults, step_hook_installed, tree_digest
 from .settings import BackendSettings, load_settings, unknown_env
 
 logger = logging.getLogger(__name__)
@@ -114,8 +120,11 @@ class BackendCounters:
 class TieredRadixCache(BasePrefixCache):
     """SGLang `BasePrefixCache` over one `TieredCache` (see the module docstring)."""
 
-    def __init__(self, params, settings: BackendSettings | None = None, *, architecture: str = "llama", model_salt: str = "", server_port: int | None = None) -> None:
+    def __init__(self, params, settings: BackendSettings | None = None, *, architecture: str = "llama", model_salt: str = "", server_port: int | None = None,
+                 consensus: RankConsensus | None = None) -> None:
         self.settings = settings or load_settings()
+        self.consensus = consensus  # TP >= 2: agreement with the other ranks (rank_consensus.py)
+        clock = consensus.clock if consensus is not None else time.monotonic
         self.disable = bool(params.disable)
         self.req_to_token_pool = params.req_to_token_pool
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
@@ -131,12 +140,14 @@ class TieredRadixCache(BasePrefixCache):
         s = self.settings
         device_tokens = self.device_pool.pool_pages * self.page_size
         host_tokens = s.host_tokens_for(device_tokens)
-        salt = ";".join(x for x in (model_salt, s.tenant_salt) if x)
+        salt = ";".join(x for x in (model_salt, s.tenant_salt, consensus.salt if consensus is not None else "") if x)
         namespace = Namespace.for_model(layout, self.page_size, salt)
         disk_tokens = s.disk_tokens_for(layout.bytes_per_token) if host_tokens >= self.page_size else 0
         disk_dir = None
         if disk_tokens >= self.page_size:
             disk_dir = Path(s.disk_dir).expanduser() if s.disk_dir else default_disk_dir() / namespace.root.hex()[:16]
+            if consensus is not None:
+                disk_dir = consensus.rank_dir(disk_dir)  # each rank's shard of every page in its own files
         else:
             disk_tokens = 0
         eviction = s.eviction_policy or (params.eviction_policy.lower() if getattr(params, "eviction_policy", "lru").lower() in ("lru", "lfu") else "lru")
@@ -155,15 +166,20 @@ class TieredRadixCache(BasePrefixCache):
             tenant_salt=salt,
             disk_fsync=s.disk_fsync,
         )
-        self.cache = TieredCache(self.config, device=self.device_pool)
+        self.cache = TieredCache(self.config, device=self.device_pool, clock=clock)
+        if s.fault_disk_read_file and DISK in self.cache.stores:
+            inject_read_faults(self.cache.stores[DISK], consensus.rank if consensus is not None else 0, s.fault_disk_read_file)
+        if consensus is not None:
+            consensus.start(self.cache)  # a collective: every rank builds its cache at the same point
         self.engine = TransferEngine(self.cache, workers=s.transfer_workers)  # started on first use
+        executor = ThreadExecutor(self.cache, self.engine)
         self.controller = RequestController(
             self.cache,
-            ThreadExecutor(self.cache, self.engine),
+            consensus.gate(executor) if consensus is not None else executor,
             make_predictor(s.predictor, self.page_size, s.predictor_budget_tokens),
             ControllerSettings(prefetch=s.prefetch, device_writeback_clean_fraction=s.device_writeback_clean_fraction,
                                writeback_clean_fraction=s.writeback_clean_fraction),
-            clock=time.monotonic,
+            clock=clock,
         )
         self.counters = BackendCounters()
         self.server_port = server_port
@@ -207,6 +223,8 @@ class TieredRadixCache(BasePrefixCache):
     def _drop_job(self, st: _ReqState) -> None:
         if st.ticket is not None:
             self.controller.drop(st.ticket)  # cancels what has not arrived; waits for running copies
+            if self.consensus is not None:
+                self.consensus.forget(st.ticket)
 
     # ---- BasePrefixCache: abstract -------------------------------------------------------
     def reset(self) -> None:
@@ -289,6 +307,8 @@ class TieredRadixCache(BasePrefixCache):
             # never wait here: this is SGLang's scheduler thread. Retry next round while the rest of the
             # prefetch should land within what is left of `load_timeout_s`, else recompute it
             budget = self.settings.load_timeout_s - (time.monotonic() - st.created)  # type: ignore[union-attr]
+            if self.consensus is not None:  # TP: wait or recompute as the ranks agreed at the last step
+                budget = -1.0 if self.consensus.gave_up(ticket) else math.inf
             decision, _ = self.controller.admit(ticket, max(0.0, budget))
             if decision is Admission.WAIT:
                 self.counters.load_back_retries += 1
@@ -498,6 +518,26 @@ class TieredRadixCache(BasePrefixCache):
         if st is not None:
             self._drop_job(st)
 
+    def sgl_hicache_on_step(self) -> None:
+        """Once per scheduler step on every rank (rank_consensus.install_step_hook): with TP >= 2,
+        agree on the background transfers' outcomes and on which waiting requests give up, then
+        record the finished write-backs. Nothing at TP=1."""
+        c = self.consensus
+        if c is None or self.disable:
+            return
+        waiting = [(st.ticket, st) for st in self._states.values() if st.ticket is not None and st.ticket.job is not None]
+        ops = list(self.controller.writeback)
+        for job in self.controller.predicted:
+            ops += job.ops()
+        now = time.monotonic()
+        flags = []
+        for ticket, st in waiting:
+            ops += ticket.job.ops()  # type: ignore[union-attr]
+            budget = self.settings.load_timeout_s - (now - st.created)
+            flags.append((ticket, self.controller.executor.eta(ticket.job) > budget))  # type: ignore[arg-type]
+        c.step(ops, flags, digest=lambda: tree_digest(self.cache, (len(self._states),)))
+        self.controller.pump_writeback(start_new=False)
+
     def pretty_print(self) -> None:
         print(self.tree_text())
 
@@ -584,6 +624,8 @@ class TieredRadixCache(BasePrefixCache):
             "prefetch": self.settings.prefetch,
             "namespace": self.cache.namespace.description,
         }
+        if self.consensus is not None:
+            snap["backend"]["tp"] = {"size": self.consensus.size, "rank": self.consensus.rank, **vars(self.consensus.counts)}
         snap["bandwidth_bytes_per_s"] = self.cache.meter.snapshot()
         snap["time"] = time.time()
         snap["pid"] = os.getpid()
@@ -727,15 +769,28 @@ def factory(ctx) -> TieredRadixCache:
         problems.append("--enable-hierarchical-cache (SGLang's own HiCache) cannot be combined with it; drop that flag")
     if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or getattr(ctx, "is_dsa", False):
         problems.append("hybrid SWA / Mamba / DSA models are not supported")
-    if (ctx.tp_size or 1) > 1:
-        problems.append(f"tensor parallelism (tp_size={ctx.tp_size}) is not supported: run with --tp 1")
     sa = ctx.server_args
-    for name in ("pp_size", "dp_size"):
-        if (getattr(sa, name, 1) or 1) > 1:
-            problems.append(f"{name}={getattr(sa, name)} is not supported")
+    if getattr(sa, "enable_dp_attention", False):
+        problems.append("DP attention (--enable-dp-attention) is not supported: its attention-DP ranks schedule "
+                        "different requests, so one tree cannot be agreed across the TP group; use --tp alone")
+    if (getattr(sa, "dp_size", 1) or 1) > 1:
+        problems.append(f"dp_size={sa.dp_size} in one server is not supported: run one server per replica "
+                        "(--tp N each) behind a router, sharing SGLHICACHE_DISK_DIR (docs/sglang-backend.md)")
+    if (getattr(sa, "pp_size", 1) or 1) > 1:
+        problems.append(f"pp_size={sa.pp_size} (pipeline parallelism) is not supported")
     if problems:
         raise ValueError("--radix-cache-backend sgl_hicache: " + "; ".join(problems))
     settings = load_settings()
+    consensus = None
+    tp = int(ctx.tp_size or 1)
+    if tp > 1:
+        group = ctx.params.tp_cache_group or getattr(ctx.tp_group, "cpu_group", None)
+        if group is None:
+            raise ValueError(f"--radix-cache-backend sgl_hicache: tp_size={tp} but SGLang gave the cache no TP group")
+        if not step_hook_installed():
+            raise ValueError(f"--radix-cache-backend sgl_hicache: tp_size={tp} needs the per-step hook on the scheduler, "
+                             "which the sgl_hicache plugin did not install (see the log); run with --tp 1")
+        consensus = RankConsensus(group, int(ctx.tp_rank), tp, check=settings.consensus_check)
     for var in unknown_env():
         logger.warning("sgl_hicache: ignoring unknown environment variable %s", var)
     arch = "llama"
@@ -745,5 +800,6 @@ def factory(ctx) -> TieredRadixCache:
             arch = str(archs[0])
     except Exception:
         pass
-    cache = TieredRadixCache(ctx.params, settings, architecture=arch, model_salt=_model_salt(sa), server_port=getattr(sa, "port", None))
+    cache = TieredRadixCache(ctx.params, settings, architecture=arch, model_salt=_model_salt(sa), server_port=getattr(sa, "port", None),
+                             consensus=consensus)
     return cache.start()

@@ -62,6 +62,8 @@ class BackendSettings:
     stats_file: str | None = None  # the scheduler writes JSON stats here every stats_interval_s (atomic rename)
     stats_interval_s: float = 2.0
     check_invariants: bool = False  # run the tree's invariant check after every scheduler call (slow; tests)
+    consensus_check: bool = False  # TP >= 2: all-reduce a digest of each rank's tree and residency every step; stop on a difference (debug; tests)
+    fault_disk_read_file: str | None = None  # tests: while this file names a TP rank (e.g. "1"), that rank's disk reads fail
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -112,7 +114,7 @@ def _coerce(name: str, raw: Any, source: str) -> Any:
     default = _FIELDS[name].default
     kind = type(default) if default is not None else None
     optional_int = name in ("host_tokens", "disk_tokens")
-    optional_str = name in ("disk_dir", "eviction_policy", "stats_file")
+    optional_str = name in ("disk_dir", "eviction_policy", "stats_file", "fault_disk_read_file")
     if isinstance(raw, str) and source.startswith("env"):
         text = raw.strip()
         if (optional_int or optional_str) and text.lower() in ("", "none", "null", "auto"):
