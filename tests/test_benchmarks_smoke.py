@@ -135,3 +135,11 @@ def test_production_compare_smoke(tmp_path: Path) -> None:
     assert case["capacities"]["device_tokens"] > 0 and "prefetch/demote" in case["ratios"]
     for rep in case["policies"].values():
         assert set(rep["hit_tokens"]) == {"device", "host", "disk"} and rep["ttft_s"]["mean"] > 0
+
+
+def test_tp_consensus_smoke(tmp_path: Path) -> None:
+    result = _run("tp_consensus.py", tmp_path / "tp.json")
+    assert result["benchmark"] == "tp_consensus" and result["config"]["quick"]
+    for name in ("off", "check", "allreduce"):
+        assert result["us_per_step_median"][name] > 0
+    assert "check / off" in result["ratios"]

@@ -283,7 +283,7 @@ class TieredRadixCache(BasePrefixCache):
             m = m.head(m.device_tokens + m.host_tokens)
         if st is not None:
             st.last_match = m
-        self.controller.pump_writeback()
+        self.controller.pump_writeback(start_new=self.consensus is None)  # TP: new copies start after the step
         self._maybe_check()
         return MatchResult(
             device_prefix_len=m.device_tokens,
@@ -537,6 +537,13 @@ class TieredRadixCache(BasePrefixCache):
             flags.append((ticket, self.controller.executor.eta(ticket.job) > budget))  # type: ignore[arg-type]
         c.step(ops, flags, digest=lambda: tree_digest(self.cache, (len(self._states),)))
         self.controller.pump_writeback(start_new=False)
+
+    def sgl_hicache_after_step(self) -> None:
+        """After the scheduler chose its batch (and evicted for it), on every rank: with TP >= 2, start
+        the next background write-back batch here, so it copies during the forward pass and is agreed
+        at the next step rather than pinning the coldest pages through this step's evictions."""
+        if self.consensus is not None and not self.disable:
+            self.controller.pump_writeback()
 
     def pretty_print(self) -> None:
         print(self.tree_text())

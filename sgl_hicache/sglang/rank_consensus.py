@@ -11,7 +11,8 @@ facts that are local to a rank are agreed here, at fixed points outside the tree
   every rank holds (the intersection of the ranks' page-key sets; the rest is deleted), so restarts
   adopt the same pages everywhere;
 - every scheduler step (`RankConsensus.step`, from a BEFORE hook on SGLang's
-  `Scheduler.get_next_batch_to_run`, which every rank runs once per loop iteration): ONE all-reduce
+  `Scheduler.get_next_batch_to_run`, which every rank runs once per loop iteration; new background
+  write-backs start from its AFTER hook, so they copy during the forward pass): ONE all-reduce
   of a fixed-size int64 vector over SGLang's TP cache group (`params.tp_cache_group`, gloo) carrying
   - per background transfer (write-back, prefetch, prediction; at most `max_ops` per step, the rest
     waits a step): executed on every rank (MIN) and its worst outcome (MAX: 0 ok, 1 I/O error,
@@ -323,6 +324,17 @@ def _before_step(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+def _after_step(result: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER `Scheduler.get_next_batch_to_run` (the batch is chosen, its evictions are done): start
+    background copies now, so they run during the forward pass and are agreed at the next step
+    instead of pinning the coldest pages through this step's evictions. No collective here."""
+    scheduler = args[0] if args else None
+    after = getattr(getattr(scheduler, "tree_cache", None), "sgl_hicache_after_step", None)
+    if after is not None:
+        after()
+    return None
+
+
 _hook_installed = False
 
 
@@ -334,6 +346,7 @@ def install_step_hook() -> None:
 
     if not _hook_installed:
         HookRegistry.register(STEP_TARGET, _before_step, HookType.BEFORE)
+        HookRegistry.register(STEP_TARGET, _after_step, HookType.AFTER)
         _hook_installed = True
 
 
