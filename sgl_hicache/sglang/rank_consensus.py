@@ -95,7 +95,9 @@ def fail_kind(op: "TransferOp") -> int:
 
 def tree_digest(cache: "TieredCache", extra: Sequence[int] = ()) -> int:
     """A 62-bit digest of the tree (each node's page key, page count, tiers and lock count; XOR-combined,
-    so child order does not matter) and of every store's page count. Equal caches give equal digests."""
+    so child order does not matter), its pages per tier and the host store's used pages. Equal caches
+    give equal digests. The disk store's own count is left out: a background write or a corrupt read
+    changes it on the transfer thread, before the ranks agree on that copy."""
     acc = 0
     tree = cache.tree
     stack = list(tree.root.children.values())
@@ -109,9 +111,8 @@ def tree_digest(cache: "TieredCache", extra: Sequence[int] = ()) -> int:
     h = xxhash.xxh3_64(acc.to_bytes(8, "little"))
     for t in TIERS:
         h.update(f"{t}={tree.pages[t]};".encode())
-    for name in (HOST, DISK):
-        store = cache.stores.get(name)
-        h.update(f"{name}:{getattr(store, 'stored_pages', getattr(store, 'used_pages', 0)) if store else -1};".encode())
+    host = cache.stores.get(HOST)
+    h.update(f"host:{host.used_pages if host is not None else -1};".encode())
     h.update(",".join(map(str, extra)).encode())
     return h.intdigest() >> 2
 
