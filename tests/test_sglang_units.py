@@ -204,3 +204,21 @@ def test_layered_moves_on_the_real_pool_are_bit_exact(monkeypatch, page_size):
             now = bits((pool.k_buffer if kv == 0 else pool.v_buffer)[layer])
             assert torch.equal(now[others], device_before[layer][kv][others]), (layer, kv)
     assert generic_calls == [], generic_calls  # every call above took the per-layer path
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"enable_dp_attention": True}, "DP attention"),
+    ({"dp_size": 8}, "dp_size=8 in one server is not supported: run one server per replica"),
+    ({"pp_size": 2}, "pp_size=2 (pipeline parallelism)"),
+])
+def test_factory_refuses_dp_and_pp_with_a_clear_message(change, words):
+    from sgl_hicache.sglang.backend import factory
+
+    sa = SimpleNamespace(enable_dp_attention=False, dp_size=1, pp_size=1)
+    for k, v in change.items():
+        setattr(sa, k, v)
+    ctx = SimpleNamespace(enable_hierarchical_cache=False, is_hybrid_swa=False, is_hybrid_ssm=False, is_dsa=False,
+                          tp_size=2, tp_rank=0, server_args=sa)
+    with pytest.raises(ValueError, match="--radix-cache-backend sgl_hicache") as e:
+        factory(ctx)
+    assert words in str(e.value)
