@@ -25,7 +25,7 @@ from .hashing import Namespace, chain_keys
 from .policy.eviction import eviction_policy
 from .policy.reuse import ReuseModel
 from .stats import CacheStats
-from .tiers.base import DEVICE, DISK, HOST, TIERS, Handle, PageCorruptError, TierIOError, TierStore
+from .tiers.base import DEVICE, DISK, HOST, TIERS, Handle, PageCorruptError, PeerTierError, TierIOError, TierStore
 from .tiers.memory import DeviceKVPool, HostKVBuffer
 from .transfer.bandwidth import BandwidthMeter
 from .transfer.handlers import default_handlers
@@ -416,7 +416,7 @@ class TieredCache:
                     if pending is not None:
                         # a background copy into this tier: use it if its bytes are there, never
                         # race it (a second copy, or adopting its files before it completes)
-                        if not (pending.kind == "backup" and pending.executed.is_set() and self.complete(pending)):  # type: ignore[attr-defined]
+                        if not (pending.kind == "backup" and pending.settled and self.complete(pending)):  # type: ignore[attr-defined]
                             return False
                         continue
                     if tier == DISK and all(self.stores[DISK].contains(k) for k in n.keys):  # type: ignore[attr-defined]
@@ -508,8 +508,8 @@ class TieredCache:
             self.tree.unpin(node)
             node.incoming.pop(op.dst, None)
             op.applied = True
-            if op.error is None and op.cancelled:
-                op.error = Cancelled()
+            if op.cancelled and (op.error is None or op.gated):
+                op.error = Cancelled()  # gated: a local I/O error must not change this rank's tree alone
             if op.error is not None:
                 self.stores[op.dst].free(op.dst_handles)
                 if not isinstance(op.error, Cancelled):
@@ -607,7 +607,7 @@ class TieredCache:
                 for op in st.ops:
                     if op.applied:
                         continue
-                    if not op.executed.is_set():
+                    if not op.settled:
                         return False
                     if not self.complete(op):
                         self._fail(job)
@@ -648,13 +648,16 @@ class TieredCache:
             self._prune(job.anchor)
 
     def _on_transfer_error(self, op: TransferOp) -> None:
-        name = "corrupt_pages" if isinstance(op.error, PageCorruptError) else f"{op.link}_errors"
+        if isinstance(op.error, PeerTierError):
+            name = "peer_rank_errors"
+        else:
+            name = "corrupt_pages" if isinstance(op.error, PageCorruptError) else f"{op.link}_errors"
         self.stats.errors[name] += 1
         reason = getattr(op.error, "reason", None) or str(getattr(op.error.__cause__, "errno", None) or type(op.error).__name__)
         first = (name, reason) not in self._logged_errors
         self._logged_errors.add((name, reason))
         (log.warning if first else log.debug)("tier transfer %s of %d pages failed: %s", op.link, op.node.num_pages, op.error)
-        if op.src == DISK and isinstance(op.error, (PageCorruptError, KeyError)):
+        if op.src == DISK and (isinstance(op.error, (PageCorruptError, KeyError)) or getattr(op.error, "page_gone", False)):
             self._drop_disk_subtree(op.node)
 
     def _drop_disk_subtree(self, node: TreeNode) -> None:
@@ -775,14 +778,11 @@ class TieredCache:
         if store.stored_pages <= self.tree.pages[DISK]:  # type: ignore[attr-defined]
             return 0
         referenced = {k for n in self.tree.resident[DISK] for k in n.keys}
-        freed = 0
-        for key in store.keys():  # type: ignore[attr-defined]
-            if freed >= num_pages:
-                break
-            if key not in referenced:
-                self._free_disk([key])
-                freed += 1
-        return freed
+        # in key order, not the store's index order (a directory scan's), so that every rank of a
+        # tensor-parallel cache frees the same pages; O(n log num_pages)
+        victims = heapq.nsmallest(num_pages, (k for k in store.keys() if k not in referenced))  # type: ignore[attr-defined]
+        self._free_disk(victims)
+        return len(victims)
 
     def _demotes(self, tier: str) -> bool:
         """Whether evicting a dirty page from `tier` copies it down (`CacheConfig.eviction_demotes`)."""

@@ -287,7 +287,7 @@ class RequestController:
         if self.dropped:
             self._reap_dropped()
         if self.writeback:
-            done = [op for op in self.writeback if op.executed.is_set()]
+            done = [op for op in self.writeback if op.settled]
             for op in done:
                 self.cache.complete(op)
             self.writeback = [op for op in self.writeback if not op.applied]

@@ -174,3 +174,11 @@ def test_agentic_trace_builds_sessions_that_extend_their_prompt() -> None:
     assert all(b["prompt"].startswith(a["prompt"]) for a, b in zip(s1, s1[1:]))  # each step extends the last
     assert [r["timestamp"] for r in rows] == sorted(r["timestamp"] for r in rows)
     assert all(r["prompt"].startswith("DOCS\n") for r in rows)
+
+
+def test_tp_consensus_smoke(tmp_path: Path) -> None:
+    result = _run("tp_consensus.py", tmp_path / "tp.json")
+    assert result["benchmark"] == "tp_consensus" and result["config"]["quick"]
+    for name in ("off", "check", "allreduce"):
+        assert result["us_per_step_median"][name] > 0
+    assert "check / off" in result["ratios"]

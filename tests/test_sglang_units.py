@@ -276,3 +276,21 @@ def test_admission_hook_skips_only_a_request_told_to_retry():
     assert keep_admitting(retry, adder, req, False, None) == AddReqResult.OTHER
     other = SimpleNamespace(tree_cache=object(), can_run_list=[])  # another radix cache: untouched
     assert keep_admitting(retry, other, req, False, None) == AddReqResult.OTHER
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"enable_dp_attention": True}, "DP attention"),
+    ({"dp_size": 8}, "dp_size=8 in one server is not supported: run one server per replica"),
+    ({"pp_size": 2}, "pp_size=2 (pipeline parallelism)"),
+])
+def test_factory_refuses_dp_and_pp_with_a_clear_message(change, words):
+    from sgl_hicache.sglang.backend import factory
+
+    sa = SimpleNamespace(enable_dp_attention=False, dp_size=1, pp_size=1)
+    for k, v in change.items():
+        setattr(sa, k, v)
+    ctx = SimpleNamespace(enable_hierarchical_cache=False, is_hybrid_swa=False, is_hybrid_ssm=False, is_dsa=False,
+                          tp_size=2, tp_rank=0, server_args=sa)
+    with pytest.raises(ValueError, match="--radix-cache-backend sgl_hicache") as e:
+        factory(ctx)
+    assert words in str(e.value)

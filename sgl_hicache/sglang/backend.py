@@ -29,9 +29,13 @@ Request path:
   written to disk here; background write-back, started once per step by `after_batch_formed`, keeps
   pages clean ahead of it).
 
-Not supported (the factory refuses them with a clear error): TP/PP/DP attention > 1 (no collectives
-run inside tree methods; a multi-rank tree would need one), `--enable-hierarchical-cache` (SGLang's
-own HiCache), hybrid SWA/Mamba/DSA models, MLA / quantised KV pools, EAGLE (bigram keys).
+Tensor parallelism (`--tp N`): every rank runs this cache on its own KV-head shard, with its own host
+buffer and disk directory; the ranks agree on every local fact once per scheduler step
+(`rank_consensus.py`), so their trees and answers stay equal.
+
+Not supported (the factory refuses them with a clear error): PP > 1, DP attention and `--dp-size > 1`
+in one server (run one server per replica instead, docs/sglang-backend.md), `--enable-hierarchical-cache`
+(SGLang's own HiCache), hybrid SWA/Mamba/DSA models, MLA / quantised KV pools, EAGLE (bigram keys).
 Requests with a LoRA `extra_key` or a `cache_salt` are served without the cache (a miss, never stored).
 """
 
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import tempfile
 import threading
@@ -78,6 +83,7 @@ from ..transfer.executors import ThreadExecutor
 from .call_timer import CallTimer, IOGuard
 from .device_pool import SGLangDevicePool
 from .layer_loads import LayerLoads
+from .rank_consensus import RankConsensus, inject_read_faults, step_hook_installed, tree_digest
 from .settings import BackendSettings, load_settings, unknown_env
 
 logger = logging.getLogger(__name__)
@@ -122,8 +128,11 @@ class BackendCounters:
 class TieredRadixCache(BasePrefixCache):
     """SGLang `BasePrefixCache` over one `TieredCache` (see the module docstring)."""
 
-    def __init__(self, params, settings: BackendSettings | None = None, *, architecture: str = "llama", model_salt: str = "", server_port: int | None = None) -> None:
+    def __init__(self, params, settings: BackendSettings | None = None, *, architecture: str = "llama", model_salt: str = "", server_port: int | None = None,
+                 consensus: RankConsensus | None = None) -> None:
         self.settings = settings or load_settings()
+        self.consensus = consensus  # TP >= 2: agreement with the other ranks (rank_consensus.py)
+        clock = consensus.clock if consensus is not None else time.monotonic
         self.disable = bool(params.disable)
         self.req_to_token_pool = params.req_to_token_pool
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
@@ -139,12 +148,14 @@ class TieredRadixCache(BasePrefixCache):
         s = self.settings
         device_tokens = self.device_pool.pool_pages * self.page_size
         host_tokens = s.host_tokens_for(device_tokens)
-        salt = ";".join(x for x in (model_salt, s.tenant_salt) if x)
+        salt = ";".join(x for x in (model_salt, s.tenant_salt, consensus.salt if consensus is not None else "") if x)
         namespace = Namespace.for_model(layout, self.page_size, salt)
         disk_tokens = s.disk_tokens_for(layout.bytes_per_token) if host_tokens >= self.page_size else 0
         disk_dir = None
         if disk_tokens >= self.page_size:
             disk_dir = Path(s.disk_dir).expanduser() if s.disk_dir else default_disk_dir() / namespace.root.hex()[:16]
+            if consensus is not None:
+                disk_dir = consensus.rank_dir(disk_dir)  # each rank's shard of every page in its own files
         else:
             disk_tokens = 0
         eviction = s.eviction_policy or (params.eviction_policy.lower() if getattr(params, "eviction_policy", "lru").lower() in ("lru", "lfu") else "lru")
@@ -164,18 +175,23 @@ class TieredRadixCache(BasePrefixCache):
             disk_fsync=s.disk_fsync,
             eviction_demotes=s.eviction_demotes,
         )
-        self.cache = TieredCache(self.config, device=self.device_pool)
+        self.cache = TieredCache(self.config, device=self.device_pool, clock=clock)
+        if s.fault_disk_read_file and DISK in self.cache.stores:
+            inject_read_faults(self.cache.stores[DISK], consensus.rank if consensus is not None else 0, s.fault_disk_read_file)
+        if consensus is not None:
+            consensus.start(self.cache)  # a collective: every rank builds its cache at the same point
         self.engine = TransferEngine(self.cache, workers=s.transfer_workers)  # started on first use
         # host -> device loads queued layer by layer, waited for by SGLang's KV pool (factory registers it)
         self.layer_loads = LayerLoads(self.cache) if s.layerwise_loads and HOST in self.cache.stores else None
         self.deferred_rid: str | None = None  # the request init_load_back last answered "retry" (scheduler_hooks)
+        executor = ThreadExecutor(self.cache, self.engine, layers=self.layer_loads)
         self.controller = RequestController(
             self.cache,
-            ThreadExecutor(self.cache, self.engine, layers=self.layer_loads),
+            consensus.gate(executor) if consensus is not None else executor,
             make_predictor(s.predictor, self.page_size, s.predictor_budget_tokens, model=self.cache.reuse),
             ControllerSettings(prefetch=s.prefetch, device_writeback_clean_fraction=s.device_writeback_clean_fraction,
                                writeback_clean_fraction=s.writeback_clean_fraction),
-            clock=time.monotonic,
+            clock=clock,
         )
         self.counters = BackendCounters()
         self.server_port = server_port
@@ -223,6 +239,8 @@ class TieredRadixCache(BasePrefixCache):
     def _drop_job(self, st: _ReqState) -> None:
         if st.ticket is not None:
             self.controller.drop(st.ticket)  # cancels what has not arrived; waits for running copies
+            if self.consensus is not None:
+                self.consensus.forget(st.ticket)
 
     # ---- BasePrefixCache: abstract -------------------------------------------------------
     def reset(self) -> None:
@@ -308,6 +326,8 @@ class TieredRadixCache(BasePrefixCache):
             # never wait here: this is SGLang's scheduler thread. Retry next round while the rest of the
             # prefetch should land within what is left of `load_timeout_s`, else recompute it
             budget = self.settings.load_timeout_s - (time.monotonic() - st.created)  # type: ignore[union-attr]
+            if self.consensus is not None:  # TP: wait or recompute as the ranks agreed at the last step
+                budget = -1.0 if self.consensus.gave_up(ticket) else math.inf
             decision, _ = self.controller.admit(ticket, max(0.0, budget))
             if decision is Admission.WAIT:
                 self.counters.load_back_retries += 1
@@ -358,7 +378,8 @@ class TieredRadixCache(BasePrefixCache):
             return
         if self.layer_loads is not None:
             self.layer_loads.reap()
-        self.controller.pump_writeback()
+        # TP >= 2: new copies start in sgl_hicache_after_step, on every rank at the same point
+        self.controller.pump_writeback(start_new=self.consensus is None)
 
     def load_back_is_cache_owned(self) -> bool:
         return True
@@ -542,6 +563,33 @@ class TieredRadixCache(BasePrefixCache):
         if st is not None:
             self._drop_job(st)
 
+    def sgl_hicache_on_step(self) -> None:
+        """Once per scheduler step on every rank (rank_consensus.install_step_hook): with TP >= 2,
+        agree on the background transfers' outcomes and on which waiting requests give up, then
+        record the finished write-backs. Nothing at TP=1."""
+        c = self.consensus
+        if c is None or self.disable:
+            return
+        waiting = [(st.ticket, st) for st in self._states.values() if st.ticket is not None and st.ticket.job is not None]
+        ops = list(self.controller.writeback)
+        for job in self.controller.predicted:
+            ops += job.ops()
+        now = time.monotonic()
+        flags = []
+        for ticket, st in waiting:
+            ops += ticket.job.ops()  # type: ignore[union-attr]
+            budget = self.settings.load_timeout_s - (now - st.created)
+            flags.append((ticket, self.controller.executor.eta(ticket.job) > budget))  # type: ignore[arg-type]
+        c.step(ops, flags, digest=lambda: tree_digest(self.cache, (len(self._states),)))
+        self.controller.pump_writeback(start_new=False)
+
+    def sgl_hicache_after_step(self) -> None:
+        """After the scheduler chose its batch (and evicted for it), on every rank: with TP >= 2, start
+        the next background write-back batch here, so it copies during the forward pass and is agreed
+        at the next step rather than pinning the coldest pages through this step's evictions."""
+        if self.consensus is not None and not self.disable:
+            self.controller.pump_writeback()
+
     def pretty_print(self) -> None:
         print(self.tree_text())
 
@@ -635,6 +683,8 @@ class TieredRadixCache(BasePrefixCache):
             "skip_waiting_admission": self.settings.skip_waiting_admission,
             "namespace": self.cache.namespace.description,
         }
+        if self.consensus is not None:
+            snap["backend"]["tp"] = {"size": self.consensus.size, "rank": self.consensus.rank, **vars(self.consensus.counts)}
         snap["bandwidth_bytes_per_s"] = self.cache.meter.snapshot()
         if self.call_timer is not None:
             snap["scheduler_calls"] = self.call_timer.snapshot()
@@ -789,15 +839,28 @@ def factory(ctx) -> TieredRadixCache:
         problems.append("--enable-hierarchical-cache (SGLang's own HiCache) cannot be combined with it; drop that flag")
     if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or getattr(ctx, "is_dsa", False):
         problems.append("hybrid SWA / Mamba / DSA models are not supported")
-    if (ctx.tp_size or 1) > 1:
-        problems.append(f"tensor parallelism (tp_size={ctx.tp_size}) is not supported: run with --tp 1")
     sa = ctx.server_args
-    for name in ("pp_size", "dp_size"):
-        if (getattr(sa, name, 1) or 1) > 1:
-            problems.append(f"{name}={getattr(sa, name)} is not supported")
+    if getattr(sa, "enable_dp_attention", False):
+        problems.append("DP attention (--enable-dp-attention) is not supported: its attention-DP ranks schedule "
+                        "different requests, so one tree cannot be agreed across the TP group; use --tp alone")
+    if (getattr(sa, "dp_size", 1) or 1) > 1:
+        problems.append(f"dp_size={sa.dp_size} in one server is not supported: run one server per replica "
+                        "(--tp N each) behind a router, sharing SGLHICACHE_DISK_DIR (docs/sglang-backend.md)")
+    if (getattr(sa, "pp_size", 1) or 1) > 1:
+        problems.append(f"pp_size={sa.pp_size} (pipeline parallelism) is not supported")
     if problems:
         raise ValueError("--radix-cache-backend sgl_hicache: " + "; ".join(problems))
     settings = load_settings()
+    consensus = None
+    tp = int(ctx.tp_size or 1)
+    if tp > 1:
+        group = ctx.params.tp_cache_group or getattr(ctx.tp_group, "cpu_group", None)
+        if group is None:
+            raise ValueError(f"--radix-cache-backend sgl_hicache: tp_size={tp} but SGLang gave the cache no TP group")
+        if not step_hook_installed():
+            raise ValueError(f"--radix-cache-backend sgl_hicache: tp_size={tp} needs the per-step hook on the scheduler, "
+                             "which the sgl_hicache plugin did not install (see the log); run with --tp 1")
+        consensus = RankConsensus(group, int(ctx.tp_rank), tp, check=settings.consensus_check)
     for var in unknown_env():
         logger.warning("sgl_hicache: ignoring unknown environment variable %s", var)
     arch = "llama"
@@ -807,7 +870,8 @@ def factory(ctx) -> TieredRadixCache:
             arch = str(archs[0])
     except Exception:
         pass
-    cache = TieredRadixCache(ctx.params, settings, architecture=arch, model_salt=_model_salt(sa), server_port=getattr(sa, "port", None))
+    cache = TieredRadixCache(ctx.params, settings, architecture=arch, model_salt=_model_salt(sa), server_port=getattr(sa, "port", None),
+                             consensus=consensus)
     if cache.layer_loads is not None:
         cache.layer_loads.forward_stream = getattr(getattr(ctx.tp_worker, "model_runner", None), "forward_stream", None)
         # SGLang's supported seam for layer-wise loads (mem_cache/registry.py does the same for its

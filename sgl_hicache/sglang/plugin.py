@@ -87,6 +87,12 @@ def register() -> None:
         register_backend()
     except Exception:
         logger.exception("sgl_hicache: registering the radix-cache backend failed")
+    try:  # the per-step agreement of the TP ranks (a no-op at TP=1 and for other caches)
+        from sgl_hicache.sglang.rank_consensus import install_step_hook
+
+        install_step_hook()
+    except Exception:
+        logger.exception("sgl_hicache: hooking the scheduler step failed; --tp > 1 will be refused")
     try:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 

@@ -67,6 +67,8 @@ class BackendSettings:
     skip_waiting_admission: bool = True  # a request whose prefetch is in flight is skipped this round, not the end of admission
     time_calls: bool = True  # time every cache call the scheduler makes (p50/p99/max in the stats)
     check_scheduler_io: bool = False  # count copies, disk writes, sleeps and waits inside scheduler calls (tests, diagnosis)
+    consensus_check: bool = False  # TP >= 2: all-reduce a digest of each rank's tree and residency every step; stop on a difference (debug; tests)
+    fault_disk_read_file: str | None = None  # tests: while this file names a TP rank (e.g. "1"), that rank's disk reads fail
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -118,7 +120,7 @@ def _coerce(name: str, raw: Any, source: str) -> Any:
     default = _FIELDS[name].default
     kind = type(default) if default is not None else None
     optional_int = name in ("host_tokens", "disk_tokens")
-    optional_str = name in ("disk_dir", "eviction_policy", "stats_file")
+    optional_str = name in ("disk_dir", "eviction_policy", "stats_file", "fault_disk_read_file")
     if isinstance(raw, str) and source.startswith("env"):
         text = raw.strip()
         if (optional_int or optional_str) and text.lower() in ("", "none", "null", "auto"):

@@ -29,6 +29,16 @@ class PageCorruptError(TierIOError):
     """A stored page failed its header, length or checksum; the store has already discarded it."""
 
 
+class PeerTierError(TierIOError):
+    """A copy that failed on another rank of the same tensor-parallel cache (or failed here less
+    badly than there): every rank records the same outcome, so their trees stay equal. `page_gone`
+    says the page is unusable on some rank (corrupt or missing), so every rank drops it."""
+
+    def __init__(self, message: str, page_gone: bool = False) -> None:
+        super().__init__(message)
+        self.page_gone = page_gone
+
+
 def page_shape(layout: KVLayout, page_size: int) -> tuple[int, int, int, int, int]:
     """Canonical shape of one page as moved between stores: (layers, K/V, tokens, kv heads, head dim)."""
     return (layout.num_layers, 2, page_size, layout.num_kv_heads, layout.head_dim)

@@ -40,6 +40,16 @@ class TransferOp:
     applied: bool = False
     cancelled: bool = False
     submitted: bool = False  # handed to a transfer engine, which will set `executed`
+    # tensor parallelism: a gated op's outcome counts only once every rank agreed on it
+    # (`sglang/rank_consensus.py` sets `agreed`, and the error every rank records)
+    gated: bool = False
+    agreed: bool = False
+
+    @property
+    def settled(self) -> bool:
+        """Its outcome may be recorded: the bytes are copied (or it failed) and, if gated, every rank
+        agreed on that. A cancel is decided alike on every rank, so a cancelled op settles locally."""
+        return self.executed.is_set() and (not self.gated or self.agreed or self.cancelled)
 
     @property
     def link(self) -> str:

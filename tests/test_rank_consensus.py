@@ -1,0 +1,108 @@
+"""`sglang/rank_consensus.py` with two real ranks (two processes, torch.distributed on gloo, as SGLang's
+TP cache group on CPU): transfer outcomes, give-ups and the clock agreed alike on both ranks; a digest
+or count difference raises on BOTH ranks (never one rank waiting in a collective the other skipped).
+The SGLang server at --tp 2 is covered by tests/test_sglang_e2e.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+
+import pytest
+import torch.multiprocessing as mp
+
+from conftest import make_cache
+
+
+def _op(cache, tokens):
+    from sgl_hicache.cache import TransferOp
+
+    cache.insert(tokens, cache.allocate_device(len(tokens) // cache.page_size))
+    node = cache.match(tokens).last_node
+    op = TransferOp(node, "disk", "host", [], [], 0, "prefetch")
+    op.gated = True
+    return op
+
+
+def _rank_main(rank: int, size: int, store_path: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from sgl_hicache.sglang.rank_consensus import RankConsensus, RankDivergenceError, tree_digest
+    from sgl_hicache.tiers.base import PageCorruptError, PeerTierError, TierIOError
+
+    out: dict = {}
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=size)
+        c = RankConsensus(dist.group.WORLD, rank, size, check=True, max_ops=4, max_waiting=2)
+        cache = make_cache(page_size=4)
+        a, b = _op(cache, list(range(8))), _op(cache, list(range(100, 108)))
+        # step 1: `a` has finished on rank 0 only; nothing is agreed yet
+        if rank == 0:
+            a.executed.set()
+        c.step([a, b], [], digest=lambda: tree_digest(cache))
+        out["a_agreed_early"] = a.agreed or a.settled
+        # step 2: both finished everywhere; `a` failed on rank 1 (I/O), `b` is corrupt on rank 1
+        a.executed.set()
+        b.executed.set()
+        if rank == 1:
+            a.error = TierIOError("read failed")
+            b.error = PageCorruptError("bad checksum")
+        ticket = object()
+        c.step([a, b], [(ticket, rank == 1)], digest=lambda: tree_digest(cache))
+        out["a"] = [a.settled, type(a.error).__name__, getattr(a.error, "page_gone", None)]
+        out["b"] = [b.settled, type(b.error).__name__, getattr(b.error, "page_gone", None)]
+        out["peer_is_tier_error"] = isinstance(a.error, TierIOError) and (rank == 1 or isinstance(a.error, PeerTierError))
+        out["gave_up"] = c.gave_up(ticket)
+        out["clock"] = c.clock()
+        out["counts"] = vars(c.counts)
+        # a tree that differs on one rank: both ranks raise at the same step
+        if rank == 1:
+            cache.insert(list(range(200, 204)), cache.allocate_device(1))
+        try:
+            c.step([], [], digest=lambda: tree_digest(cache))
+            out["digest"] = "no error"
+        except RankDivergenceError as e:
+            out["digest"] = str(e)
+        # different numbers of transfers in flight: both raise too (the vector's size is fixed)
+        extra = [_op(cache, list(range(300, 304)))] if rank == 0 else []
+        try:
+            c.step(extra, [])
+            out["count"] = "no error"
+        except RankDivergenceError as e:
+            out["count"] = str(e)
+        dist.destroy_process_group()
+    except BaseException:
+        out["crash"] = traceback.format_exc()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+
+
+def test_two_ranks_agree_and_fail_together(tmp_path):
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank_main, args=(r, 2, str(tmp_path / "store"), str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    hung = [p.pid for p in procs if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not hung, f"rank processes {hung} hung in a collective"
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in res:
+        assert "crash" not in r, r.get("crash")
+    r0, r1 = res
+    assert not r0["a_agreed_early"] and not r1["a_agreed_early"]
+    # `a`: an I/O error on rank 1 only -> recorded as failed on both, the page kept (not gone)
+    assert r0["a"] == [True, "PeerTierError", False] and r1["a"][:2] == [True, "TierIOError"]
+    # `b`: corrupt on rank 1 -> failed on both, and gone on both (both drop the disk copy)
+    assert r0["b"] == [True, "PeerTierError", True] and r1["b"][:2] == [True, "PageCorruptError"]
+    assert r0["peer_is_tier_error"] and r1["peer_is_tier_error"]
+    assert r0["gave_up"] and r1["gave_up"]  # rank 1 wanted to give up: both do
+    assert r0["clock"] == r1["clock"]
+    assert r0["counts"]["ops_failed_elsewhere"] == 2 and r1["counts"]["ops_failed_elsewhere"] == 0
+    assert "digest differs" in r0["digest"] and "digest differs" in r1["digest"]
+    assert "disagree" in r0["count"] and "disagree" in r1["count"]
