@@ -21,10 +21,10 @@ from itertools import compress
 from operator import ne
 
 from .config import CacheConfig
-from .hashing import Namespace, chain_keys
+from .hashing import Namespace, page_key
 from .policy.eviction import eviction_policy
 from .stats import CacheStats
-from .tiers.base import DEVICE, DISK, HOST, TIERS, Handle, PageCorruptError, TierIOError, TierStore
+from .tiers.base import DEVICE, DISK, HOST, TIERS, Handle, PageCorruptError, PageGoneError, TierIOError, TierStore
 from .tiers.memory import DeviceKVPool, HostKVBuffer
 from .transfer.bandwidth import BandwidthMeter
 from .transfer.handlers import default_handlers
@@ -293,24 +293,32 @@ class TieredCache:
 
     def _adopt_disk_pages(self, path: list[TreeNode], tokens: Sequence[int], matched: int) -> list[TreeNode]:
         """Pages of `tokens` past the tree's match that the disk store holds but the tree does not
-        know (written by an earlier process): adopt them as a disk-only node."""
+        know (written by an earlier process, or by another process sharing the directory while it
+        runs): adopt them as a disk-only node."""
         disk = self.stores[DISK]
-        if disk.stored_pages <= self.tree.pages[DISK]:  # type: ignore[attr-defined]
-            return []  # no orphan pages on disk: nothing to find
+        peers = getattr(disk, "peers_wrote", False)
+        if not peers and disk.stored_pages <= self.tree.pages[DISK]:  # type: ignore[attr-defined]
+            return []  # no orphan pages on disk and nobody else writes: nothing to find
         parent = path[-1] if path else self.tree.root
         if not (parent.is_root or parent.on_disk):
             return []  # a disk node must hang under a disk node (prefix closure)
-        limit = self.tree.page_aligned(tokens)
-        keys = chain_keys(self.tree.key_of(parent), tokens[matched:limit], self.page_size)
-        found = 0
-        for key in keys:
-            if not disk.contains(key):  # type: ignore[attr-defined]
-                break
-            found += 1
-        if found == 0 or tuple(tokens[matched : matched + self.page_size]) in parent.children:
+        ps = self.page_size
+        if len(tokens) - matched < ps or tuple(tokens[matched : matched + ps]) in parent.children:
             return []
-        node = self.tree.add_child(parent, tokens[matched : matched + found * self.page_size])
-        node.set_keys(keys[:found])
+        # keys one page at a time: a miss (the common case) hashes one page, not the whole rest
+        find = disk.discover if peers else disk.contains  # type: ignore[attr-defined]
+        limit = self.tree.page_aligned(tokens)
+        keys: list[bytes] = []
+        key = self.tree.key_of(parent)
+        for start in range(matched, limit, ps):
+            key = page_key(key, tokens[start : start + ps])
+            if not find(key):
+                break
+            keys.append(key)
+        if not keys:
+            return []
+        node = self.tree.add_child(parent, tokens[matched : matched + len(keys) * ps])
+        node.set_keys(keys)
         self.tree.set_resident(node, DISK)
         return [node]
 
@@ -659,6 +667,11 @@ class TieredCache:
             self._prune(job.anchor)
 
     def _on_transfer_error(self, op: TransferOp) -> None:
+        if isinstance(op.error, PageGoneError):  # another process sharing the directory evicted it: a miss
+            self.stats.errors["vanished_pages"] += 1
+            log.debug("tier transfer %s of %d pages missed: %s", op.link, op.node.num_pages, op.error)
+            self._drop_disk_subtree(op.node)
+            return
         name = "corrupt_pages" if isinstance(op.error, PageCorruptError) else f"{op.link}_errors"
         self.stats.errors[name] += 1
         reason = getattr(op.error, "reason", None) or str(getattr(op.error.__cause__, "errno", None) or type(op.error).__name__)
@@ -848,8 +861,12 @@ class TieredCache:
                 )
             if HOST in self.stores and self.stores[HOST].used_pages != self.tree.pages[HOST]:
                 raise InvariantError(f"host store uses {self.stores[HOST].used_pages} pages; tree holds {self.tree.pages[HOST]}")
-            if DISK in self.stores and self.stores[DISK].used_pages < self.tree.pages[DISK]:
-                raise InvariantError(f"disk store holds {self.stores[DISK].used_pages} pages; tree claims {self.tree.pages[DISK]}")
+            if DISK in self.stores:
+                disk = self.stores[DISK]
+                # a shared directory's used pages are every process's: compare with what this store indexes
+                held = getattr(disk, "stored_pages", disk.used_pages)
+                if held < self.tree.pages[DISK]:
+                    raise InvariantError(f"disk store holds {held} pages; tree claims {self.tree.pages[DISK]}")
 
     def reset(self) -> None:
         """Forget the tree's device and host copies (SGLang's flush); disk files stay for a restart."""

@@ -29,6 +29,11 @@ class PageCorruptError(TierIOError):
     """A stored page failed its header, length or checksum; the store has already discarded it."""
 
 
+class PageGoneError(TierIOError):
+    """A stored page's file was deleted under the reader (another process sharing the directory
+    evicted it). A miss, not corruption; the store has already forgotten the key."""
+
+
 def page_shape(layout: KVLayout, page_size: int) -> tuple[int, int, int, int, int]:
     """Canonical shape of one page as moved between stores: (layers, K/V, tokens, kv heads, head dim)."""
     return (layout.num_layers, 2, page_size, layout.num_kv_heads, layout.head_dim)
