@@ -778,6 +778,10 @@ class TieredCache:
                 if parent is not None and not parent.is_root and parent.in_tier(tier) and parent.evictable:
                     if not any(c.in_tier(tier) for c in parent.children.values()):
                         heapq.heappush(heap, (self.priority(parent), parent.id, parent))
+            if tier == DISK and freed < num_pages and getattr(self.stores[DISK], "peers_wrote", False):
+                # a shared directory full of other processes' pages this one cannot free through its
+                # tree: the oldest of those go, so no process is locked out of the one capacity
+                freed += self.stores[DISK].evict_unindexed(num_pages - freed)  # type: ignore[attr-defined]
             return freed
 
     def _evict_disk_orphans(self, num_pages: int) -> int:

@@ -2,7 +2,7 @@
 
 In-process tests open two stores on one directory (two owners, exactly as two processes would be:
 each has its own owner lock and ledger slot). The multi-process tests run real OS processes
-(multiprocessing, spawn) on real files: three caches writing, reading and evicting at once, and a
+(multiprocessing, from a fork server) on real files: three caches writing, reading and evicting at once, and a
 writer SIGKILLed mid-write again and again while another process keeps serving.
 """
 
@@ -186,6 +186,14 @@ def test_a_cache_whose_disk_pages_a_peer_evicted_recomputes(tmp_path: Path) -> N
 
 
 # ----------------------------------------------------------------------------- real processes
+def _processes() -> mp.context.BaseContext:
+    """Worker processes forked from one fork server that imported torch once (a spawn per worker
+    costs a torch import each: seconds on this machine); clean, unlike a fork of the test process."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "sgl_hicache.cache", "sgl_hicache.tiers.disk"])
+    return ctx
+
+
 WORKERS = 3
 PROMPTS = 24  # per worker and phase
 PROMPT_PAGES = 4
@@ -268,7 +276,7 @@ def _count_under_lock(directory: Path, ledger: Path) -> tuple[int, int]:
 
 
 def test_processes_write_read_and_evict_one_directory_at_once(tmp_path: Path) -> None:
-    ctx = mp.get_context("spawn")
+    ctx = _processes()
     barrier, results = ctx.Barrier(WORKERS), ctx.Queue()
     procs = [ctx.Process(target=_cache_worker, args=(w, str(tmp_path), barrier, results)) for w in range(WORKERS)]
     for p in procs:
@@ -365,7 +373,7 @@ KILLS = 12
 def test_sigkill_a_writer_while_another_process_serves(tmp_path: Path) -> None:
     rng = random.Random(20261201)
     directory = tmp_path / "tier"
-    ctx = mp.get_context("spawn")
+    ctx = _processes()
     stop, ready, results = ctx.Event(), ctx.Event(), ctx.Queue()
     server = ctx.Process(target=_serving_worker, args=(str(directory), stop, ready, results))
     server.start()
@@ -437,3 +445,25 @@ def test_sigkill_a_writer_while_another_process_serves(tmp_path: Path) -> None:
     assert not ledger.others_alive()
     assert list(directory.rglob("*.tmp")) == []
     assert [p.name for p in (directory / SHARED_DIR / "owners").iterdir()] == [f"{last.owner}.lock"]
+
+
+def test_a_process_locked_out_by_a_peers_pages_reclaims_the_oldest(tmp_path: Path) -> None:
+    kw = dict(device=4, host=4, disk=24, write_policy="write_through", disk_write_policy="write_through")
+    b = make_cache(tmp_path, **kw)  # opened first: it indexes none of a's pages
+    a = make_cache(tmp_path, **kw)
+    prompts = [list(range(1000 * i, 1000 * i + 16)) for i in range(8)]
+    for p in prompts[:6]:
+        serve(a, p)  # a fills the whole directory (6 x 4 pages)
+        time.sleep(0.02)  # file times here have a few ms of resolution: keep the order visible
+    assert b.stores[DISK].free_pages == 0 and b.tree.pages[DISK] == 0
+    serve(b, prompts[7])  # b's own prompt: no room, nothing of b's own to evict
+    assert b.tree.pages[DISK] == 4  # it got its pages onto disk ...
+    assert b.stores[DISK].counters["peer_pages_evicted"] == 4  # ... by deleting 4 of a's, oldest first
+    oldest = a.match(prompts[0], touch=False)
+    assert oldest.disk_tokens == 16  # a's tree still claims them
+    assert not any(a.stores[DISK].page_path(k).exists() for k in oldest.path[0].keys)
+    assert len(page_files(tmp_path / "disk")) == 24
+    assert a.promote(a.match(prompts[0])).device_tokens == 0  # so a misses ...
+    errors = a.snapshot()["errors"]
+    assert errors.get("vanished_pages") == 1 and errors.get("corrupt_pages", 0) == 0  # ... and is not corrupt
+    assert len(page_files(tmp_path / "disk")) <= 24

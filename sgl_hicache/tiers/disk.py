@@ -132,6 +132,7 @@ COUNTER_NAMES = (
     "pages_gone",
     "pages_discovered",
     "peer_temp_kept",
+    "peer_pages_evicted",
 )
 
 
@@ -205,6 +206,7 @@ class DiskPageStore(TierStore):
         self._disabled_reason = ""
         self._own_writes = 0
         self._peers_wrote = False
+        self._evict_cursor = 0
 
         try:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -285,6 +287,59 @@ class DiskPageStore(TierStore):
             with self._lock:
                 self.counters["corrupt_removed"] += 1
         return False
+
+    def evict_unindexed(self, num_pages: int) -> int:
+        """Delete up to `num_pages` page files of this namespace that this store does not index
+        (written by another process since this one opened), oldest first among those looked at:
+        what a process does when the shared directory is full of pages it cannot see, so that one
+        process's pages cannot lock the others out of the capacity. Looks at fan-out directories
+        from a rotating start, a bounded number per call. Returns the files deleted."""
+        if num_pages <= 0:
+            return 0
+        candidates: list[tuple[float, str, PageKey]] = []
+        want = max(256, 4 * num_pages)  # look at more than needed, to prefer the oldest
+        try:
+            subs = sorted(e.name for e in os.scandir(self.directory) if _FANOUT_NAME.match(e.name) and e.is_dir(follow_symlinks=False))
+        except OSError:
+            return 0
+        if not subs:
+            return 0
+        start = self._evict_cursor % len(subs)
+        for n, name in enumerate(subs[start:] + subs[:start]):
+            if len(candidates) >= want:
+                self._evict_cursor = start + n
+                break
+            try:
+                entries = list(os.scandir(self.directory / name))
+            except OSError:
+                continue
+            for entry in entries:
+                if not (_PAGE_NAME.match(entry.name) and entry.name.startswith(name)):
+                    continue
+                key = bytes.fromhex(entry.name[: 2 * KEY_BYTES])
+                if key in self._index:
+                    continue
+                try:
+                    mtime = entry.stat(follow_symlinks=False).st_mtime
+                except OSError:
+                    continue
+                candidates.append((mtime, entry.path, key))
+        else:
+            self._evict_cursor = start + len(subs)
+        candidates.sort()
+        freed = 0
+        for _, path, key in candidates:
+            if freed >= num_pages:
+                break
+            if self._scan_file(path, key) != "":  # another namespace's page (or not a page): not ours
+                continue
+            with self._ledger.locked():
+                if key not in self._index and self._unlink(Path(path), quiet=True):
+                    self._ledger.file_removed()
+                    freed += 1
+        with self._lock:
+            self.counters["peer_pages_evicted"] += freed
+        return freed
 
     def keys(self) -> Iterator[PageKey]:
         """The stored pages' keys (a snapshot)."""
