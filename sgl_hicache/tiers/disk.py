@@ -184,6 +184,7 @@ class DiskPageStore(TierStore):
         if retry_interval_s < 0:
             raise ValueError(f"disk: retry_interval_s must be >= 0, got {retry_interval_s}")
         self.directory = Path(directory)
+        self._dir_str = os.fspath(self.directory)
         self.namespace = namespace
         self.fsync = bool(fsync)
         self.retry_interval_s = float(retry_interval_s)
@@ -273,8 +274,9 @@ class DiskPageStore(TierStore):
         state = self._index.get(key)
         if state is not None or not self.peers_wrote:
             return state == _STORED
-        path = self.page_path(key)
-        reason = self._scan_file(str(path), key)
+        hexkey = check_key(key).hex()
+        path = f"{self._dir_str}/{hexkey[:2]}/{hexkey}{PAGE_SUFFIX}"  # page_path without pathlib's cost
+        reason = self._scan_file(path, key)
         if reason == "":
             with self._lock:
                 if key in self._index:
@@ -283,7 +285,7 @@ class DiskPageStore(TierStore):
                 self.counters["pages_discovered"] += 1
             return True
         if reason not in ("foreign", "unreadable", "absent", "not a file"):  # a bad file under our key: as at start-up
-            self._remove_bad_file(path, reason)
+            self._remove_bad_file(Path(path), reason)
             with self._lock:
                 self.counters["corrupt_removed"] += 1
         return False
