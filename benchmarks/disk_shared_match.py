@@ -15,7 +15,10 @@ node that is not on disk looks for nothing: a disk node must hang under a disk n
 Sides, each its own cache and directory, rounds interleaved in rotated order, medians:
 - `no_disk`: no disk tier (the match walks the tree only; host tier as in the others);
 - `lone`: a disk tier in a directory no other process has written to since the cache opened: the
-  store's gate (`DiskPageStore.peers_wrote`) is closed, the match looks at no file;
+  store's gate (`DiskPageStore.peers_wrote`) is closed, the match looks at no file. The gate's own
+  cost (one read of the shared ledger's write count) is timed apart: it is all that sharing adds to
+  a lone server's match (`lone_gate_us_per_match`); `lone_over_no_disk` is what a disk tier costs a
+  match at all, sharing or not;
 - `shared`: the same, after another owner (a second store on the directory, as another process
   would be) wrote one page: the gate is open, and each match past the tree costs one `open()` of
   the next page's path (ENOENT here: nobody wrote those pages) plus hashing that page's key.
@@ -113,6 +116,14 @@ def timed(cache: TieredCache, prompts: list[list[int]]) -> float:
     return time.thread_time() - t0
 
 
+def gate_cost(store: DiskPageStore, calls: int = 100_000) -> float:
+    """Seconds per read of the gate (`peers_wrote`): all that sharing adds to a lone server's match."""
+    t0 = time.thread_time()
+    for _ in range(calls):
+        store.peers_wrote  # noqa: B018
+    return (time.thread_time() - t0) / calls
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
@@ -135,10 +146,12 @@ def main(argv: list[str] | None = None) -> dict:
         looked = {side: probes(caches[side], prompts) for side in SIDES}
         past_tree = sum(1 for p in prompts if caches["lone"].match(p, touch=False).tokens < (len(p) // args.page_size) * args.page_size)
         samples: dict[str, list[float]] = {s: [] for s in SIDES}
+        gate: list[float] = []
         for rnd in range(args.repeats):
             order = SIDES[rnd % len(SIDES):] + SIDES[: rnd % len(SIDES)]
             for side in order:
                 samples[side].append(timed(caches[side], prompts))
+            gate.append(gate_cost(caches["lone"].stores[DISK], 10_000 if args.quick else 100_000))  # type: ignore[arg-type]
         disk_fs = str(root)
         for _, peer in built.values():
             if peer is not None:
@@ -159,6 +172,8 @@ def main(argv: list[str] | None = None) -> dict:
             "lone_over_no_disk": round(us["lone"] / us["no_disk"], 3),
             "shared_over_lone": round(us["shared"] / us["lone"], 3),
         },
+        "lone_gate_us_per_match": round(statistics.median(gate) * 1e6, 3),
+        "lone_gate_share_of_match": round(statistics.median(gate) * 1e6 / us["lone"], 4),
         "added_us_per_match_shared_over_lone": round(us["shared"] - us["lone"], 3),
         "added_us_per_file_looked_for": round((us["shared"] - us["lone"]) * n / max(1, looked["shared"]), 3),
         "samples_cpu_s": {side: [round(s, 5) for s in samples[side]] for side in SIDES},
@@ -168,7 +183,8 @@ def main(argv: list[str] | None = None) -> dict:
     text = json.dumps(out, indent=2)
     if args.json:
         args.json.write_text(text + "\n")
-    print(json.dumps({k: out[k] for k in ("matches_past_tree", "files_looked_for_per_round", "us_per_match", "ratio", "added_us_per_match_shared_over_lone", "added_us_per_file_looked_for", "wall_s")}, indent=2))
+    print(json.dumps({k: out[k] for k in ("matches_past_tree", "files_looked_for_per_round", "us_per_match", "ratio", "lone_gate_us_per_match",
+                                          "added_us_per_match_shared_over_lone", "added_us_per_file_looked_for", "wall_s")}, indent=2))
     return out
 
 

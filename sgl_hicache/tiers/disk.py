@@ -116,6 +116,7 @@ _UNPROVEN_REASONS = frozenset({"zero-length", "truncated header", "bad magic", "
 _FANOUT_NAME = re.compile(r"^[0-9a-f]{2}$")
 
 _RESERVED, _STORED = 0, 1
+_EVICT_LIST_LIMIT = 4096  # directory entries one evict_unindexed call lists before settling for what it found
 
 COUNTER_NAMES = (
     "pages_written",
@@ -295,7 +296,8 @@ class DiskPageStore(TierStore):
         (written by another process since this one opened), oldest first among those looked at:
         what a process does when the shared directory is full of pages it cannot see, so that one
         process's pages cannot lock the others out of the capacity. Looks at fan-out directories
-        from a rotating start, a bounded number per call. Returns the files deleted."""
+        from a rotating start, listing about `_EVICT_LIST_LIMIT` entries per call once it has enough
+        candidates. Returns the files deleted."""
         if num_pages <= 0:
             return 0
         candidates: list[tuple[float, str, PageKey]] = []
@@ -307,14 +309,18 @@ class DiskPageStore(TierStore):
         if not subs:
             return 0
         start = self._evict_cursor % len(subs)
+        listed = 0
         for n, name in enumerate(subs[start:] + subs[:start]):
-            if len(candidates) >= want:
+            # bounded work per call (it may run on a scheduler thread): stop at enough candidates,
+            # or at enough listing once there are as many as needed
+            if len(candidates) >= want or (listed >= _EVICT_LIST_LIMIT and len(candidates) >= num_pages):
                 self._evict_cursor = start + n
                 break
             try:
                 entries = list(os.scandir(self.directory / name))
             except OSError:
                 continue
+            listed += len(entries)
             for entry in entries:
                 if not (_PAGE_NAME.match(entry.name) and entry.name.startswith(name)):
                     continue
