@@ -12,10 +12,7 @@ import fcntl
 import multiprocessing as mp
 import os
 import random
-import signal
 import struct
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -28,7 +25,7 @@ from sgl_hicache.hashing import Namespace, page_key
 from sgl_hicache.tiers.base import DISK, PageCorruptError, PageGoneError
 from sgl_hicache.tiers.disk import DiskPageStore
 from sgl_hicache.tiers.shared import SHARED_DIR
-from test_disk_crash import _HELPER, LAYOUT, PAGE, _Lines, page_data
+from test_disk_crash import LAYOUT, PAGE, CrashHelper, page_data
 
 NS = Namespace.for_model(LAYOUT, PAGE)
 
@@ -150,12 +147,18 @@ def test_a_freed_reservation_raced_by_its_write_leaves_nothing(tmp_path: Path) -
     assert page_files(tmp_path) == [] and list(tmp_path.rglob("*.tmp")) == [] and a.free_pages == 64
 
 
-def test_two_caches_serve_each_others_pages(tmp_path: Path) -> None:
+def _a_served(tmp_path: Path):
+    """Caches a and b on one directory (write-through to disk); a has served six 4-page prompts."""
     kw = dict(device=4, host=4, disk=64, write_policy="write_through", disk_write_policy="write_through")
     a, b = make_cache(tmp_path, **kw), make_cache(tmp_path, **kw)
     prompts = [list(range(1000 * i, 1000 * i + 16)) for i in range(6)]
     for p in prompts:
         serve(a, p)
+    return a, b, prompts
+
+
+def test_two_caches_serve_each_others_pages(tmp_path: Path) -> None:
+    _, b, prompts = _a_served(tmp_path)
     for p in prompts:  # b never computed them: every token it reuses comes from a's files
         m = b.match(p)
         assert m.disk_tokens == 16, p[:1]
@@ -167,11 +170,7 @@ def test_two_caches_serve_each_others_pages(tmp_path: Path) -> None:
 
 
 def test_a_cache_whose_disk_pages_a_peer_evicted_recomputes(tmp_path: Path) -> None:
-    kw = dict(device=4, host=4, disk=64, write_policy="write_through", disk_write_policy="write_through")
-    a, b = make_cache(tmp_path, **kw), make_cache(tmp_path, **kw)
-    prompts = [list(range(1000 * i, 1000 * i + 16)) for i in range(6)]
-    for p in prompts:
-        serve(a, p)
+    a, b, prompts = _a_served(tmp_path)
     m = b.match(prompts[0])
     assert m.disk_tokens == 16
     a.evict(DISK, 64)  # a evicts every page b has just adopted
@@ -377,33 +376,16 @@ def test_sigkill_a_writer_while_another_process_serves(tmp_path: Path) -> None:
     stop, ready, results = ctx.Event(), ctx.Event(), ctx.Queue()
     server = ctx.Process(target=_serving_worker, args=(str(directory), stop, ready, results))
     server.start()
-    tests_dir = str(Path(__file__).resolve().parent)
-    repo = str(Path(__file__).resolve().parents[1])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
-    helper = subprocess.Popen([sys.executable, "-c", _HELPER, str(directory), tests_dir], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=repo)
-    lines = _Lines(helper.stdout.fileno())
+    helper = CrashHelper(directory)
     expected: dict[bytes, None] = {}
     totals = dict(kills=0, acked=0, dead_temps_removed=0, live_temps_kept=0, verified=0)
     try:
         assert ready.wait(timeout=120), "the serving process did not start"
         for rnd in range(KILLS):
-            helper.stdin.write(b"%d\n" % rnd)
-            helper.stdin.flush()
-            deadline = time.monotonic() + 60
-            first = lines.next(deadline)
-            assert first.startswith("start "), first
-            pid = int(first.split()[1])
-            time.sleep(rng.uniform(0.02, 0.15))
-            os.kill(pid, signal.SIGKILL)
+            pid, acked = helper.kill_round(rnd, rng.uniform(0.02, 0.15), timeout_s=60)
             totals["kills"] += 1
-            while True:
-                line = lines.next(deadline)
-                if line.startswith("key "):
-                    expected[bytes.fromhex(line[4:])] = None
-                    totals["acked"] += 1
-                elif line.startswith("exit "):
-                    assert os.WTERMSIG(int(line.split()[2])) == signal.SIGKILL
-                    break
+            totals["acked"] += len(acked)
+            expected.update(dict.fromkeys(acked))
             assert server.is_alive(), "the serving process died"
             store = DiskPageStore(LAYOUT, PAGE, 1 << 30, directory, NS)  # the killed writer restarts
             totals["dead_temps_removed"] += store.counters["partial_removed"]
@@ -427,9 +409,7 @@ def test_sigkill_a_writer_while_another_process_serves(tmp_path: Path) -> None:
         assert server.exitcode == 0
     finally:
         stop.set()
-        helper.stdin.close()
-        helper.kill()
-        helper.wait(timeout=10)
+        helper.close()
         if server.is_alive():
             server.kill()
     print(f"\nshared disk, SIGKILL while another serves: {totals}; server {out}")
