@@ -50,8 +50,7 @@ from sgl_hicache.hashing import page_key  # noqa: E402
 from sgl_hicache.replay import load_trace  # noqa: E402
 from sgl_hicache.tiers.base import DEVICE, DISK  # noqa: E402
 from sgl_hicache.tiers.disk import DiskPageStore  # noqa: E402
-
-DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+from overhead import add_trace_args  # noqa: E402  (benchmarks/ is on sys.path: scripts run from it)
 TINY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8)
 SIDES = ("no_disk", "lone", "shared")
 
@@ -126,13 +125,8 @@ def gate_cost(store: DiskPageStore, calls: int = 100_000) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    ap.add_argument("--requests", type=int, default=2000, help="first N lines of the trace (default 2000)")
-    ap.add_argument("--scale", type=int, default=32, help="tokens per 512-token trace block (default 32)")
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=9, help="interleaved rounds; figures are medians (default 9)")
+    add_trace_args(ap, repeats=9)
     ap.add_argument("--dir", type=Path, default=None, help="where the disk directories go (default: a temporary directory)")
-    ap.add_argument("--quick", action="store_true", help="smallest size: 50 requests, 2 rounds")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.quick:
