@@ -446,8 +446,8 @@ class TieredCache:
                         if not (pending.kind == "backup" and pending.executed.is_set() and self.complete(pending)):  # type: ignore[attr-defined]
                             return False
                         continue
-                    if tier == DISK and all(self.stores[DISK].contains(k) for k in n.keys):  # type: ignore[attr-defined]
-                        self.tree.set_resident(n, DISK)  # content-addressed: already written, by us or an earlier process
+                    if tier == DISK and all(map(self._on_disk_already, n.keys)):
+                        self.tree.set_resident(n, DISK)  # content-addressed: already written, by us, an earlier process or a peer
                         continue
                     op = self.prepare(n, tier, kind, may_evict)
                     if op is None:
@@ -460,6 +460,11 @@ class TieredCache:
                 for n in path:
                     self.tree.unpin(n)
                 self._prune(node)
+
+    def _on_disk_already(self, key: Handle) -> bool:
+        """The disk store holds the page (a peer sharing the directory may have written it)."""
+        disk = self.stores[DISK]
+        return disk.discover(key) if hasattr(disk, "discover") else disk.contains(key)  # type: ignore[attr-defined]
 
     def _source_for(self, node: TreeNode, dst: str, kind: str, may_evict: bool) -> str | None:
         """Which tier to copy from into `dst`: the fastest other tier that holds the node, bringing it

@@ -634,8 +634,8 @@ class DiskPageStore(TierStore):
             os.replace(tmp, final)
             if not existed:
                 self._ledger.file_created()
+            self._own_writes += 1  # before the shared count, so `peers_wrote` never sees ours as a peer's
             self._ledger.page_written()
-            self._own_writes += 1
             with self._lock:
                 if self._index.get(key) == _RESERVED:
                     self._n_reserved -= 1

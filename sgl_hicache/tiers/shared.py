@@ -34,7 +34,7 @@ for whoever allocates. A SIGKILL between a rename (or unlink) and the count's up
 the lock, can leave `files` one off; the next process that opens the directory while no other
 owner is alive recounts the files (its start-up scan runs under the lock) and resets the record.
 A dead owner's slot, and its reservations, are reclaimed by the first allocation that finds the
-directory full, and by every open.
+directory full, and by every open (which also removes dead owners' lock files).
 
 Not for network file systems: flock is node-local.
 """
@@ -150,7 +150,8 @@ class DirectoryLedger:
                 self._map[:] = b"\0" * LEDGER_SIZE
                 _HEAD.pack_into(self._map, 0, LEDGER_MAGIC, LEDGER_VERSION, SLOTS, 0, 0, 0)
             self._claim_slot()
-        self.writes_at_open = self.writes
+            self._sweep_owner_files()
+            self.writes_at_open = self.writes  # under the lock: every later write is someone's since we opened
 
     # ---- lifetime -----------------------------------------------------------------------------
     @staticmethod
@@ -274,6 +275,17 @@ class DirectoryLedger:
         if self.reserved < 0:  # a torn update by a killed owner: reservations cannot be negative
             struct.pack_into("<q", self._map, _RESERVED_AT, sum(self._slot_reserved(i) for i in range(SLOTS)))  # type: ignore[arg-type]
         return n
+
+    def _sweep_owner_files(self) -> None:
+        """Remove the lock files of dead owners, those that never got a slot included (killed
+        while starting)."""
+        try:
+            names = [m.group(1) for e in os.scandir(self.owners_dir) if (m := _OWNER_NAME.match(e.name))]
+        except OSError:
+            return
+        for owner in names:
+            if owner != self.owner:
+                owner_alive(self.owners_dir, owner)  # unlinks a dead owner's file
 
     def is_alive(self, owner: str) -> bool:
         return owner == self.owner or owner_alive(self.owners_dir, owner)
