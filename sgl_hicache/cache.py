@@ -184,7 +184,7 @@ class TieredCache:
 
     Contract:
     - `match(tokens)` never moves bytes; it may split a node and adopt disk pages left by an earlier
-      process (restart) into the tree.
+      process (restart), or written by another process sharing the directory, into the tree.
     - `promote(match)` brings the matched path to the device tier (disk -> host -> device), evicting
       colder unlocked nodes as needed; what cannot be brought up stays a miss. Never raises on a
       tier failure: a corrupt or unreadable page is a miss, counted in `stats.errors`.
@@ -193,7 +193,8 @@ class TieredCache:
     - `allocate_device(n)` returns `n` free device pages, evicting (demoting) as needed, or None.
     - Eviction from a tier is leaf-first in that tier, ordered by the eviction policy, never touches
       a locked or pinned node, and demotes (device -> host -> disk) instead of dropping where the
-      next tier can take the pages.
+      next tier can take the pages. A disk directory shared with other processes is one capacity:
+      when this tree cannot free enough of it, the oldest pages the others wrote go.
     - `check()` verifies the tree's invariants and that every store's accounting equals the tree's.
     All public methods are thread-safe (one re-entrant lock; byte copies of asynchronous transfers
     run outside it).

@@ -25,7 +25,7 @@ Crash safety: a page is written to a temp name (`.<hex>.<owner>.<n>.tmp`, owner 
 in its final directory and then `os.replace`d, so a page file is either absent or complete. With
 `fsync=True` the file and its directory are fsynced too (survives power loss, not only a process
 crash). Temp files whose owner is dead are deleted when the next store opens the directory; a live
-owner's are left alone (temp names without an owner, from before version 2 of this scheme, are
+owner's are left alone (temp names without an owner, written before directories were shared, are
 treated as dead).
 
 Sharing (see `shared.py`): any number of processes may open one directory at once. Per namespace
@@ -33,10 +33,11 @@ they share one capacity (`capacity_pages` is checked against the pages of every 
 the namespace's ledger); every rename into and unlink of a page path happens under the ledger's
 lock. A page written by another process is found while both run: `discover(key)` opens its file
 once another process has written into the namespace since this store opened (a lone process never
-pays for the check). Any process may delete any page of the namespace (eviction); a page deleted
-under a reader is `PageGoneError`, a miss -- never corruption, never wrong bytes (an open file keeps
-its bytes; a rename swaps in a complete file). Call `close()` when done (garbage collection and
-process death do it too).
+pays for the check). Any process may delete any page of the namespace (eviction; `evict_unindexed`
+deletes the oldest pages this store never indexed, for a process locked out of a full directory);
+a page deleted under a reader is `PageGoneError`, a miss -- never corruption, never wrong bytes (an
+open file keeps its bytes; a rename swaps in a complete file). Call `close()` when done (garbage
+collection and process death do it too).
 
 Restart: the constructor scans the directory and indexes every page file whose header is valid for
 this namespace. Payload checksums are verified lazily, on read (or all at once by `verify_all`).
