@@ -94,7 +94,7 @@ import xxhash
 from ..config import KVLayout
 from ..hashing import KEY_BYTES, Namespace, PageKey
 from .base import DISK, Handle, PageCorruptError, PageGoneError, TierIOError, TierStore
-from .shared import OWNER_PATTERN, DirectoryLedger, is_shared_entry
+from .shared import OWNER_PATTERN, DirectoryLedger, LocalLedger, is_shared_entry
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +210,7 @@ class DiskPageStore(TierStore):
         self._own_writes = 0
         self._peers_wrote = False
         self._evict_cursor = 0
+        self._unledgered: set[PageKey] = set()  # reserved while the ledger could not be written
 
         try:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -217,10 +218,12 @@ class DiskPageStore(TierStore):
             raise TierIOError(f"disk: cannot create the disk tier directory {str(self.directory)!r}: {exc}") from exc
         if not self.directory.is_dir():
             raise TierIOError(f"disk: {str(self.directory)!r} is not a directory")
+        self._ledger: DirectoryLedger | LocalLedger
         try:
             self._ledger = DirectoryLedger(self.directory, namespace.root)
-        except OSError as exc:
-            raise TierIOError(f"disk: cannot open the shared state of {str(self.directory)!r}: {exc}") from exc
+        except OSError as exc:  # e.g. read-only now: serve what is there, unshared (writes fail and disable)
+            log.warning("disk tier: cannot set up sharing of %s (%s); this process accounts for it alone", self.directory, exc)
+            self._ledger = LocalLedger()
         self.owner = self._ledger.owner
         with self._ledger.locked():
             alone = not self._ledger.others_alive()
@@ -371,8 +374,13 @@ class DiskPageStore(TierStore):
             for k in keys:
                 if k in self._index:
                     raise ValueError(f"disk: page {k.hex()} is already allocated or stored (check contains() first)")
-            if not self._ledger.reserve(len(keys), self.capacity_pages):
-                return None
+            try:
+                if not self._ledger.reserve(len(keys), self.capacity_pages):
+                    return None
+            except OSError:
+                # the ledger cannot be written (the medium just failed): reserve here only, and let
+                # the page write meet the failure, which disables writes the usual way
+                self._unledgered.update(keys)
             for k in keys:
                 self._index[k] = _RESERVED
             self._n_reserved += len(keys)
@@ -388,9 +396,9 @@ class DiskPageStore(TierStore):
                 if len(set(keys)) != len(keys):
                     raise KeyError("disk: free got the same key twice")
                 states = [self._index.pop(k) for k in keys]
-                reserved = sum(1 for s in states if s == _RESERVED)
-                self._n_reserved -= reserved
-            self._ledger.unreserve(reserved)
+                self._n_reserved -= sum(1 for s in states if s == _RESERVED)
+                ledgered = sum(1 for k, s in zip(keys, states) if s == _RESERVED and not self._unledger(k))
+            self._ledger.unreserve(ledgered)
             for k, state in zip(keys, states):
                 # a reserved page has no file of ours (a write racing this free drops its own temp
                 # file); whatever sits at its path is not ours to delete. A stored page's file may
@@ -640,7 +648,8 @@ class DiskPageStore(TierStore):
             with self._lock:
                 if self._index.get(key) == _RESERVED:
                     self._n_reserved -= 1
-                    self._ledger.unreserve(1)
+                    if not self._unledger(key):
+                        self._ledger.unreserve(1)
                 self._index[key] = _STORED
         return True
 
@@ -674,6 +683,14 @@ class DiskPageStore(TierStore):
         err.key_hex = key.hex()  # type: ignore[attr-defined]
         err.reason = reason  # type: ignore[attr-defined]
         raise err
+
+    def _unledger(self, key: PageKey) -> bool:
+        """Forget a reservation made while the ledger could not be written; True if it was one
+        (then the ledger never counted it). Call with `_lock` held."""
+        if key in self._unledgered:
+            self._unledgered.discard(key)
+            return True
+        return False
 
     def _gone(self, key: PageKey) -> None:
         """A stored page's file was deleted (another process evicted it): forget it, raise PageGoneError."""

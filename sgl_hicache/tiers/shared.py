@@ -90,7 +90,7 @@ def owner_alive(owners_dir: Path, owner: str) -> bool:
     A dead owner's lock file is removed on the way."""
     path = owners_dir / f"{owner}.lock"
     try:
-        fd = os.open(path, os.O_RDWR | _OPEN)
+        fd = os.open(path, os.O_RDONLY | _OPEN)
     except FileNotFoundError:
         return False
     except OSError as exc:  # cannot tell: assume alive (never delete a live peer's work)
@@ -126,50 +126,61 @@ class DirectoryLedger:
     def __init__(self, directory: Path, namespace_root: bytes) -> None:
         self.shared_dir = directory / SHARED_DIR
         self.owners_dir = self.shared_dir / "owners"
+        self.path = self.shared_dir / f"{namespace_root.hex()}.ledger"
         _mkdir(self.shared_dir)
         _mkdir(self.owners_dir)
         self.owner = new_owner_id()
         self._mutex = threading.RLock()
         self._depth = 0
-        self._owner_fd = os.open(self.owners_dir / f"{self.owner}.lock", os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN, 0o600)
+        self._wfd: int | None = None  # writable only inside the critical section (see _flock)
+        self._write_failed = False
+        # No file of ours stays open for writing: a writable descriptor (or shared writable mapping)
+        # would keep the file system from being remounted read-only under a running server.
+        self._owner_fd = os.open(self.owners_dir / f"{self.owner}.lock", os.O_RDONLY | os.O_CREAT | os.O_EXCL | _OPEN, 0o600)
         fcntl.flock(self._owner_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        self._fd = os.open(self.shared_dir / f"{namespace_root.hex()}.ledger", os.O_RDWR | os.O_CREAT | _OPEN, 0o600)
-        self._map: mmap.mmap | None = None
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | _OPEN, 0o600)
+        try:
+            if os.fstat(fd).st_size < LEDGER_SIZE:
+                os.ftruncate(fd, LEDGER_SIZE)
+        finally:
+            os.close(fd)
+        self._fd = os.open(self.path, os.O_RDONLY | _OPEN)
+        self._map = mmap.mmap(self._fd, LEDGER_SIZE, access=mmap.ACCESS_READ)
         self._slot = -1
-        self._map_box: list[mmap.mmap | None] = [None]  # the finalizer's view of the mapping
-        self._closer = weakref.finalize(self, DirectoryLedger._release, self.owners_dir / f"{self.owner}.lock", self._owner_fd, self._fd, self._map_box)
+        self._closer = weakref.finalize(self, DirectoryLedger._release, self.owners_dir / f"{self.owner}.lock", self._owner_fd, self._fd, self.path, self._map)
         with self._flock():
-            if os.fstat(self._fd).st_size < LEDGER_SIZE:
-                os.ftruncate(self._fd, LEDGER_SIZE)
-            self._map = mmap.mmap(self._fd, LEDGER_SIZE)
-            self._map_box[0] = self._map
             magic, version, slots, *_ = _HEAD.unpack_from(self._map, 0)
             if (magic, version, slots) != (LEDGER_MAGIC, LEDGER_VERSION, SLOTS):
                 if magic != b"\0" * 8:
-                    log.warning("disk tier: ledger in %s was unreadable (magic %r, version %d); starting it afresh", self.shared_dir, magic, version)
-                self._map[:] = b"\0" * LEDGER_SIZE
-                _HEAD.pack_into(self._map, 0, LEDGER_MAGIC, LEDGER_VERSION, SLOTS, 0, 0, 0)
+                    log.warning("disk tier: ledger %s was unreadable (magic %r, version %d); starting it afresh", self.path, magic, version)
+                self._write(0, _HEAD.pack(LEDGER_MAGIC, LEDGER_VERSION, SLOTS, 0, 0, 0).ljust(LEDGER_SIZE, b"\0"), strict=True)
             self._claim_slot()
             self._sweep_owner_files()
             self.writes_at_open = self.writes  # under the lock: every later write is someone's since we opened
 
     # ---- lifetime -----------------------------------------------------------------------------
     @staticmethod
-    def _release(owner_path: Path, owner_fd: int, fd: int, mapping: list) -> None:
+    def _release(owner_path: Path, owner_fd: int, fd: int, path: Path, mapping: mmap.mmap) -> None:
         # drop our slot (its reservations die with us), then the owner lock
-        m = mapping[0]
-        if m is not None:
-            with contextlib.suppress(OSError, ValueError):
-                fcntl.flock(fd, fcntl.LOCK_EX)
+        with contextlib.suppress(OSError, ValueError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
                 own = owner_path.name[: -len(".lock")].encode()
                 for i in range(SLOTS):
-                    name, reserved = _SLOT.unpack_from(m, _HEAD_SIZE + i * _SLOT.size)
+                    at = _HEAD_SIZE + i * _SLOT.size
+                    name, reserved = _SLOT.unpack_from(mapping, at)
                     if name.rstrip(b"\0") == own:
-                        struct.pack_into("<q", m, _RESERVED_AT, struct.unpack_from("<q", m, _RESERVED_AT)[0] - reserved)
-                        _SLOT.pack_into(m, _HEAD_SIZE + i * _SLOT.size, b"", 0)
+                        wfd = os.open(path, os.O_RDWR | _OPEN)
+                        try:
+                            total = struct.unpack_from("<q", mapping, _RESERVED_AT)[0]
+                            os.pwrite(wfd, struct.pack("<q", total - reserved), _RESERVED_AT)
+                            os.pwrite(wfd, _SLOT.pack(b"", 0), at)
+                        finally:
+                            os.close(wfd)
+            finally:
                 fcntl.flock(fd, fcntl.LOCK_UN)
-            with contextlib.suppress(OSError, ValueError, BufferError):
-                m.close()
+        with contextlib.suppress(OSError, ValueError, BufferError):
+            mapping.close()
         with contextlib.suppress(OSError):
             os.unlink(owner_path)
         for f in (fd, owner_fd):
@@ -205,14 +216,35 @@ class DirectoryLedger:
             finally:
                 self._depth -= 1
                 if self._depth == 0:
+                    if self._wfd is not None:
+                        with contextlib.suppress(OSError):
+                            os.close(self._wfd)
+                        self._wfd = None
                     fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def _write(self, at: int, data: bytes, strict: bool = False) -> bool:
+        """Write ledger bytes (inside the critical section) through a descriptor opened for this
+        section only. A failure (a file system gone read-only) is logged once and returns False;
+        the counts may then drift until a lone start recounts them."""
+        try:
+            if self._wfd is None:
+                self._wfd = os.open(self.path, os.O_RDWR | _OPEN)
+            os.pwrite(self._wfd, data, at)
+            return True
+        except OSError as exc:
+            if strict:
+                raise
+            if not self._write_failed:  # once: the store's own write failure says the rest
+                log.warning("disk tier: cannot update the shared ledger %s (%s); no new pages until it can", self.path, exc)
+            self._write_failed = True
+            return False
 
     # ---- fields (snapshots outside `locked`) ----------------------------------------------------
     def _get(self, at: int) -> int:
-        return struct.unpack_from("<q", self._map, at)[0]  # type: ignore[arg-type]
+        return struct.unpack_from("<q", self._map, at)[0]
 
-    def _add(self, at: int, delta: int) -> None:
-        struct.pack_into("<q", self._map, at, self._get(at) + delta)  # type: ignore[arg-type]
+    def _add(self, at: int, delta: int) -> bool:
+        return self._write(at, struct.pack("<q", self._get(at) + delta))
 
     @property
     def files(self) -> int:
@@ -233,12 +265,13 @@ class DirectoryLedger:
 
     # ---- changes (call inside `locked`) ---------------------------------------------------------
     def reserve(self, n: int, capacity: int) -> bool:
+        """False when there is no room; OSError when the ledger cannot be written (the medium
+        failed: the caller disables writes)."""
         if self.used + n > capacity:
             self.reclaim_dead()
             if self.used + n > capacity:
                 return False
-        self._slot_add(n)
-        return True
+        return self._slot_add(n, strict=True)
 
     def unreserve(self, n: int) -> None:
         self._slot_add(-n)
@@ -255,7 +288,7 @@ class DirectoryLedger:
 
     def recount(self, files: int) -> None:
         """Reset the file count to what a scan found (only when no other owner is alive)."""
-        struct.pack_into("<q", self._map, _FILES_AT, files)  # type: ignore[arg-type]
+        self._write(_FILES_AT, struct.pack("<q", files))
 
     def others_alive(self) -> bool:
         """Any other live owner of a slot (dead owners' slots are reclaimed on the way)."""
@@ -268,12 +301,12 @@ class DirectoryLedger:
         for i in range(SLOTS):
             name = self._slot_name(i)
             if name and name != self.owner and not owner_alive(self.owners_dir, name):
-                _, reserved = _SLOT.unpack_from(self._map, self._slot_at(i))  # type: ignore[arg-type]
-                self._add(_RESERVED_AT, -reserved)
-                _SLOT.pack_into(self._map, self._slot_at(i), b"", 0)  # type: ignore[arg-type]
+                _, reserved = _SLOT.unpack_from(self._map, self._slot_at(i))
+                if self._add(_RESERVED_AT, -reserved):
+                    self._write(self._slot_at(i), _SLOT.pack(b"", 0))
                 n += 1
         if self.reserved < 0:  # a torn update by a killed owner: reservations cannot be negative
-            struct.pack_into("<q", self._map, _RESERVED_AT, sum(self._slot_reserved(i) for i in range(SLOTS)))  # type: ignore[arg-type]
+            self._write(_RESERVED_AT, struct.pack("<q", sum(self._slot_reserved(i) for i in range(SLOTS))))
         return n
 
     def _sweep_owner_files(self) -> None:
@@ -296,28 +329,80 @@ class DirectoryLedger:
         return _HEAD_SIZE + i * _SLOT.size
 
     def _slot_name(self, i: int) -> str:
-        name, _ = _SLOT.unpack_from(self._map, self._slot_at(i))  # type: ignore[arg-type]
+        name, _ = _SLOT.unpack_from(self._map, self._slot_at(i))
         return name.rstrip(b"\0").decode("ascii", "replace")
 
     def _slot_reserved(self, i: int) -> int:
-        return _SLOT.unpack_from(self._map, self._slot_at(i))[1]  # type: ignore[arg-type]
+        return _SLOT.unpack_from(self._map, self._slot_at(i))[1]
 
     def _claim_slot(self) -> None:
         for attempt in range(2):
             for i in range(SLOTS):
                 if self._slot_name(i) == "":
-                    _SLOT.pack_into(self._map, self._slot_at(i), self.owner.encode(), 0)  # type: ignore[arg-type]
+                    self._write(self._slot_at(i), _SLOT.pack(self.owner.encode(), 0), strict=True)
                     self._slot = i
                     return
             if attempt == 0:
                 self.reclaim_dead()
         raise OSError(errno.EUSERS, f"disk tier: more than {SLOTS} live processes share this directory's namespace")
 
-    def _slot_add(self, n: int) -> None:
+    def _slot_add(self, n: int, strict: bool = False) -> bool:
         at = self._slot_at(self._slot)
-        name, reserved = _SLOT.unpack_from(self._map, at)  # type: ignore[arg-type]
-        _SLOT.pack_into(self._map, at, name, reserved + n)  # type: ignore[arg-type]
-        self._add(_RESERVED_AT, n)
+        name, reserved = _SLOT.unpack_from(self._map, at)
+        if not self._write(at, _SLOT.pack(name, reserved + n), strict=strict):
+            return False
+        return self._write(_RESERVED_AT, struct.pack("<q", self._get(_RESERVED_AT) + n))
+
+
+class LocalLedger:
+    """The same accounting for one process alone: what a store falls back to when the directory's
+    shared state cannot be created (a directory that is read-only when the server starts). Nothing
+    is shared; every other owner counts as dead (so leftover temp files are removed, as before
+    directories were shared)."""
+
+    def __init__(self) -> None:
+        self.owner = new_owner_id()
+        self._mutex = threading.RLock()
+        self.files = self.reserved = self.writes = self.writes_at_open = 0
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        with self._mutex:
+            yield
+
+    @property
+    def used(self) -> int:
+        return self.files + self.reserved
+
+    def reserve(self, n: int, capacity: int) -> bool:
+        if self.used + n > capacity:
+            return False
+        self.reserved += n
+        return True
+
+    def unreserve(self, n: int) -> None:
+        self.reserved -= n
+
+    def file_created(self) -> None:
+        self.files += 1
+
+    def file_removed(self) -> None:
+        self.files = max(0, self.files - 1)
+
+    def page_written(self) -> None:
+        self.writes += 1
+
+    def recount(self, files: int) -> None:
+        self.files = files
+
+    def others_alive(self) -> bool:
+        return False
+
+    def is_alive(self, owner: str) -> bool:
+        return owner == self.owner
+
+    def close(self) -> None:
+        pass
 
 
 def is_shared_entry(name: str) -> bool:
@@ -325,4 +410,4 @@ def is_shared_entry(name: str) -> bool:
     return name == SHARED_DIR
 
 
-__all__ = ["DirectoryLedger", "LEDGER_SIZE", "OWNER_PATTERN", "SHARED_DIR", "is_shared_entry", "new_owner_id", "owner_alive"]
+__all__ = ["DirectoryLedger", "LEDGER_SIZE", "LocalLedger", "OWNER_PATTERN", "SHARED_DIR", "is_shared_entry", "new_owner_id", "owner_alive"]
