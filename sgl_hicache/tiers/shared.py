@@ -7,7 +7,7 @@ This module is the mechanism; `DiskPageStore` uses it for every page file it cre
 Layout, under `<dir>/.shared/` (0700; files 0600)::
 
     owners/<owner>.lock      one per live store; its owner holds an exclusive flock on it for life
-    <namespace hex>.ledger   the capacity owner of one namespace: an flock'ed, mmap'ed record
+    <namespace hex>.ledger   the capacity owner of one namespace: a flock'ed record
 
 Owners. A store's owner id is `<pid>-<16 random hex>` (the random part makes it unique across pid
 reuse, pid namespaces and restarts). The owner holds `flock(LOCK_EX)` on its lock file until it
@@ -35,6 +35,13 @@ the lock, can leave `files` one off; the next process that opens the directory w
 owner is alive recounts the files (its start-up scan runs under the lock) and resets the record.
 A dead owner's slot, and its reservations, are reclaimed by the first allocation that finds the
 directory full, and by every open (which also removes dead owners' lock files).
+
+No file here stays open for writing: the record is read through a read-only mapping and written
+through a descriptor opened for one critical section (a writable descriptor would keep the file
+system from being remounted read-only under a running server). A ledger that cannot be written
+makes `reserve` raise OSError; the store then reserves locally and lets the page write meet the
+failure. A directory whose shared state cannot be created at all is served by `LocalLedger`, the
+same accounting for one process alone.
 
 Not for network file systems: flock is node-local.
 """
