@@ -21,11 +21,11 @@ from itertools import compress
 from operator import ne
 
 from .config import CacheConfig
-from .hashing import Namespace, chain_keys
+from .hashing import Namespace, page_key
 from .policy.eviction import eviction_policy
 from .policy.reuse import ReuseModel
 from .stats import CacheStats
-from .tiers.base import DEVICE, DISK, HOST, TIERS, Handle, PageCorruptError, PeerTierError, TierIOError, TierStore
+from .tiers.base import DEVICE, DISK, HOST, TIERS, Handle, PageCorruptError, PageGoneError, PeerTierError, TierIOError, TierStore
 from .tiers.memory import DeviceKVPool, HostKVBuffer
 from .transfer.bandwidth import BandwidthMeter
 from .transfer.handlers import default_handlers
@@ -156,7 +156,7 @@ class TieredCache:
 
     Contract:
     - `match(tokens)` never moves bytes; it may split a node and adopt disk pages left by an earlier
-      process (restart) into the tree.
+      process (restart), or written by another process sharing the directory, into the tree.
     - `promote(match)` brings the matched path to the device tier (disk -> host -> device), evicting
       colder unlocked nodes as needed; what cannot be brought up stays a miss. Never raises on a
       tier failure: a corrupt or unreadable page is a miss, counted in `stats.errors`.
@@ -165,7 +165,8 @@ class TieredCache:
     - `allocate_device(n)` returns `n` free device pages, evicting (demoting) as needed, or None.
     - Eviction from a tier is leaf-first in that tier, ordered by the eviction policy, never touches
       a locked or pinned node, and demotes (device -> host -> disk) instead of dropping where the
-      next tier can take the pages.
+      next tier can take the pages. A disk directory shared with other processes is one capacity:
+      when this tree cannot free enough of it, the oldest pages the others wrote go.
     - `check()` verifies the tree's invariants and that every store's accounting equals the tree's.
     All public methods are thread-safe (one re-entrant lock; byte copies of asynchronous transfers
     run outside it).
@@ -270,24 +271,32 @@ class TieredCache:
 
     def _adopt_disk_pages(self, path: list[TreeNode], tokens: Sequence[int], matched: int) -> list[TreeNode]:
         """Pages of `tokens` past the tree's match that the disk store holds but the tree does not
-        know (written by an earlier process): adopt them as a disk-only node."""
+        know (written by an earlier process, or by another process sharing the directory while it
+        runs): adopt them as a disk-only node."""
         disk = self.stores[DISK]
-        if disk.stored_pages <= self.tree.pages[DISK]:  # type: ignore[attr-defined]
-            return []  # no orphan pages on disk: nothing to find
+        peers = getattr(disk, "peers_wrote", False)
+        if not peers and disk.stored_pages <= self.tree.pages[DISK]:  # type: ignore[attr-defined]
+            return []  # no orphan pages on disk and nobody else writes: nothing to find
         parent = path[-1] if path else self.tree.root
         if not (parent.is_root or parent.on_disk):
             return []  # a disk node must hang under a disk node (prefix closure)
-        limit = self.tree.page_aligned(tokens)
-        keys = chain_keys(self.tree.key_of(parent), tokens[matched:limit], self.page_size)
-        found = 0
-        for key in keys:
-            if not disk.contains(key):  # type: ignore[attr-defined]
-                break
-            found += 1
-        if found == 0 or tuple(tokens[matched : matched + self.page_size]) in parent.children:
+        ps = self.page_size
+        if len(tokens) - matched < ps or tuple(tokens[matched : matched + ps]) in parent.children:
             return []
-        node = self.tree.add_child(parent, tokens[matched : matched + found * self.page_size])
-        node.set_keys(keys[:found])
+        # keys one page at a time: a miss (the common case) hashes one page, not the whole rest
+        find = disk.discover if peers else disk.contains  # type: ignore[attr-defined]
+        limit = self.tree.page_aligned(tokens)
+        keys: list[bytes] = []
+        key = self.tree.key_of(parent)
+        for start in range(matched, limit, ps):
+            key = page_key(key, tokens[start : start + ps])
+            if not find(key):
+                break
+            keys.append(key)
+        if not keys:
+            return []
+        node = self.tree.add_child(parent, tokens[matched : matched + len(keys) * ps])
+        node.set_keys(keys)
         self.tree.set_resident(node, DISK)
         return [node]
 
@@ -419,8 +428,8 @@ class TieredCache:
                         if not (pending.kind == "backup" and pending.settled and self.complete(pending)):  # type: ignore[attr-defined]
                             return False
                         continue
-                    if tier == DISK and all(self.stores[DISK].contains(k) for k in n.keys):  # type: ignore[attr-defined]
-                        self.tree.set_resident(n, DISK)  # content-addressed: already written, by us or an earlier process
+                    if tier == DISK and all(map(self._on_disk_already, n.keys)):
+                        self.tree.set_resident(n, DISK)  # content-addressed: already written, by us, an earlier process or a peer
                         continue
                     op = self.prepare(n, tier, kind, may_evict)
                     if op is None:
@@ -433,6 +442,11 @@ class TieredCache:
                 for n in path:
                     self.tree.unpin(n)
                 self._prune(node)
+
+    def _on_disk_already(self, key: Handle) -> bool:
+        """The disk store holds the page (a peer sharing the directory may have written it)."""
+        disk = self.stores[DISK]
+        return disk.discover(key) if hasattr(disk, "discover") else disk.contains(key)  # type: ignore[attr-defined]
 
     def _source_for(self, node: TreeNode, dst: str, kind: str, may_evict: bool) -> str | None:
         """Which tier to copy from into `dst`: the fastest other tier that holds the node, bringing it
@@ -648,6 +662,11 @@ class TieredCache:
             self._prune(job.anchor)
 
     def _on_transfer_error(self, op: TransferOp) -> None:
+        if isinstance(op.error, PageGoneError):  # another process sharing the directory evicted it: a miss
+            self.stats.errors["vanished_pages"] += 1
+            log.debug("tier transfer %s of %d pages missed: %s", op.link, op.node.num_pages, op.error)
+            self._drop_disk_subtree(op.node)
+            return
         if isinstance(op.error, PeerTierError):
             name = "peer_rank_errors"
         else:
@@ -763,6 +782,10 @@ class TieredCache:
                 if parent is not None and not parent.is_root and parent.in_tier(tier) and parent.evictable:
                     if not self._has_child_in(parent, tier):
                         heapq.heappush(heap, (key(parent), parent.id, parent))
+            if tier == DISK and freed < num_pages and getattr(self.stores[DISK], "peers_wrote", False):
+                # a shared directory full of other processes' pages this one cannot free through its
+                # tree: the oldest of those go, so no process is locked out of the one capacity
+                freed += self.stores[DISK].evict_unindexed(num_pages - freed)  # type: ignore[attr-defined]
             return freed
 
     @staticmethod
@@ -860,8 +883,12 @@ class TieredCache:
                 )
             if HOST in self.stores and self.stores[HOST].used_pages != self.tree.pages[HOST]:
                 raise InvariantError(f"host store uses {self.stores[HOST].used_pages} pages; tree holds {self.tree.pages[HOST]}")
-            if DISK in self.stores and self.stores[DISK].used_pages < self.tree.pages[DISK]:
-                raise InvariantError(f"disk store holds {self.stores[DISK].used_pages} pages; tree claims {self.tree.pages[DISK]}")
+            if DISK in self.stores:
+                disk = self.stores[DISK]
+                # a shared directory's used pages are every process's: compare with what this store indexes
+                held = getattr(disk, "stored_pages", disk.used_pages)
+                if held < self.tree.pages[DISK]:
+                    raise InvariantError(f"disk store holds {held} pages; tree claims {self.tree.pages[DISK]}")
 
     def reset(self) -> None:
         """Forget the tree's device and host copies (SGLang's flush); disk files stay for a restart."""

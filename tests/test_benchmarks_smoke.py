@@ -85,6 +85,17 @@ def test_host_bandwidth_smoke(tmp_path: Path) -> None:
     assert any(k.startswith("cuda_") for k in result["gbps_median"]) == result["cuda"]
 
 
+def test_disk_shared_match_smoke(tmp_path: Path) -> None:
+    result = _run("disk_shared_match.py", tmp_path / "shared.json", "--dir", str(tmp_path))
+    assert result["benchmark"] == "disk_shared_match"
+    looked = result["files_looked_for_per_round"]
+    assert looked["no_disk"] == 0 and looked["lone"] == 0  # a lone server looks at no file
+    assert looked["shared"] == result["matches_past_tree"] > 0  # shared: one file per match past the tree
+    assert all(result["us_per_match"][side] > 0 for side in ("no_disk", "lone", "shared"))
+    assert set(result["ratio"]) == {"lone_over_no_disk", "shared_over_lone"}
+    assert list(tmp_path.iterdir()) == [tmp_path / "shared.json"]  # its directories are removed
+
+
 def test_overhead_smoke(tmp_path: Path) -> None:
     result = _run("overhead.py", tmp_path / "overhead.json")
     assert result["benchmark"] == "overhead"

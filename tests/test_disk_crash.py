@@ -89,44 +89,60 @@ class _Lines:
         return line.decode()
 
 
+class CrashHelper:
+    """The fork-server helper above, on `directory`: `kill_round(rnd, delay_s)` forks a writer, lets
+    it write for `delay_s`, SIGKILLs it, and returns (its pid, the keys whose write had returned)."""
+
+    def __init__(self, directory: Path) -> None:
+        tests_dir = str(Path(__file__).resolve().parent)
+        repo = str(Path(__file__).resolve().parents[1])
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _HELPER, str(directory), tests_dir],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=repo,
+        )
+        self.lines = _Lines(self.proc.stdout.fileno())
+
+    def kill_round(self, rnd: int, delay_s: float, timeout_s: float = 30.0) -> tuple[int, list[bytes]]:
+        self.proc.stdin.write(b"%d\n" % rnd)
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + timeout_s
+        first = self.lines.next(deadline)
+        assert first.startswith("start "), first
+        pid = int(first.split()[1])
+        time.sleep(delay_s)
+        os.kill(pid, signal.SIGKILL)
+        acked = []
+        while True:
+            line = self.lines.next(deadline)
+            if line.startswith("key "):
+                acked.append(bytes.fromhex(line[4:]))
+            elif line.startswith("exit "):
+                _, epid, status = line.split()
+                assert int(epid) == pid
+                assert os.WIFSIGNALED(int(status)) and os.WTERMSIG(int(status)) == signal.SIGKILL
+                return pid, acked
+            else:
+                raise AssertionError(f"unexpected helper output {line!r}")
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
 def test_sigkill_at_random_moments_loses_nothing_acknowledged(tmp_path: Path) -> None:
     rng = random.Random(SEED)
     directory = tmp_path / "tier"
     ns = Namespace.for_model(LAYOUT, PAGE)
-    tests_dir = str(Path(__file__).resolve().parent)
-    repo = str(Path(__file__).resolve().parents[1])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
-    helper = subprocess.Popen(
-        [sys.executable, "-c", _HELPER, str(directory), tests_dir],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=repo,
-    )
-    lines = _Lines(helper.stdout.fileno())
+    helper = CrashHelper(directory)
     expected: dict[bytes, None] = {}  # acknowledged and not yet freed, oldest first
     totals = dict(kills=0, acked=0, verified_reads=0, partial_removed=0, corrupt_removed=0, zero_ack_rounds=0)
     t0 = time.monotonic()
     try:
         for rnd in range(KILLS):
-            helper.stdin.write(b"%d\n" % rnd)
-            helper.stdin.flush()
-            deadline = time.monotonic() + 30
-            first = lines.next(deadline)
-            assert first.startswith("start "), first
-            pid = int(first.split()[1])
-            time.sleep(rng.uniform(0.0, 0.12))
-            os.kill(pid, signal.SIGKILL)
+            _, acked = helper.kill_round(rnd, rng.uniform(0.0, 0.12))
             totals["kills"] += 1
-            acked = []
-            while True:
-                line = lines.next(deadline)
-                if line.startswith("key "):
-                    acked.append(bytes.fromhex(line[4:]))
-                elif line.startswith("exit "):
-                    _, epid, status = line.split()
-                    assert int(epid) == pid
-                    assert os.WIFSIGNALED(int(status)) and os.WTERMSIG(int(status)) == signal.SIGKILL
-                    break
-                else:
-                    raise AssertionError(f"unexpected helper output {line!r}")
             totals["acked"] += len(acked)
             totals["zero_ack_rounds"] += not acked
             for k in acked:
@@ -152,9 +168,7 @@ def test_sigkill_at_random_moments_loses_nothing_acknowledged(tmp_path: Path) ->
                 del expected[drop[-1]]
             store.free(drop)
     finally:
-        helper.stdin.close()
-        helper.kill()
-        helper.wait(timeout=10)
+        helper.close()
     totals["seconds"] = round(time.monotonic() - t0, 1)
     print(f"\ndisk crash test: {totals}")
     assert totals["kills"] >= 50

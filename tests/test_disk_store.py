@@ -16,7 +16,7 @@ import torch
 
 from sgl_hicache.config import KVLayout
 from sgl_hicache.hashing import Namespace, page_key
-from sgl_hicache.tiers.base import PageCorruptError, TierIOError
+from sgl_hicache.tiers.base import PageCorruptError, PageGoneError, TierIOError
 from sgl_hicache.tiers.disk import COUNTER_NAMES, FORMAT_VERSION, HEADER_SIZE, DiskPageStore
 from sgl_hicache.tiers.memory import HostKVBuffer
 
@@ -164,6 +164,7 @@ def test_bad_file_removed_at_restart(tmp_path: Path, name: str) -> None:
     s, ks, data = filled(tmp_path, 3)
     victim = s.page_path(ks[1])
     MUTATIONS[name](victim)
+    s.close()  # a restart: the writer is gone, so the scan's count is the directory's
     s2 = open_store(tmp_path)
     assert s2.counters["corrupt_removed"] == 1
     assert not s2.contains(ks[1]) and not victim.exists()
@@ -201,13 +202,21 @@ def test_payload_bitflip_is_caught_lazily_and_by_verify_all(tmp_path: Path) -> N
     assert not s2.page_path(ks[2]).exists()
 
 
-def test_vanished_file_is_a_corrupt_miss(tmp_path: Path) -> None:
+def test_vanished_file_is_a_gone_miss_not_corruption(tmp_path: Path) -> None:
     s, ks, _ = filled(tmp_path, 2)
-    os.unlink(s.page_path(ks[0]))
-    with pytest.raises(PageCorruptError) as info:
+    os.unlink(s.page_path(ks[0]))  # as another process's eviction would
+    with pytest.raises(PageGoneError) as info:
         s.read([ks[0]])
-    assert info.value.reason == "missing"
-    assert not s.contains(ks[0]) and s.free_pages == 15
+    assert not isinstance(info.value, PageCorruptError)
+    assert info.value.reason == "gone" and info.value.key_hex == ks[0].hex()
+    assert s.counters["pages_gone"] == 1 and s.counters["corrupt_removed"] == 0
+    assert not s.contains(ks[0])
+    with pytest.raises(KeyError):
+        s.free([ks[0]])  # the store forgot it: the cache must not free it again
+    # deleted behind the ledger's back, so still counted, until a restart with no peer alive recounts
+    assert s.free_pages == 14
+    s.close()
+    assert open_store(tmp_path).free_pages == 15
 
 
 def test_corruption_logged_once_per_reason(tmp_path: Path, caplog) -> None:

@@ -39,6 +39,11 @@ class PeerTierError(TierIOError):
         self.page_gone = page_gone
 
 
+class PageGoneError(TierIOError):
+    """A stored page's file was deleted under the reader (another process sharing the directory
+    evicted it). A miss, not corruption; the store has already forgotten the key."""
+
+
 def page_shape(layout: KVLayout, page_size: int) -> tuple[int, int, int, int, int]:
     """Canonical shape of one page as moved between stores: (layers, K/V, tokens, kv heads, head dim)."""
     return (layout.num_layers, 2, page_size, layout.num_kv_heads, layout.head_dim)

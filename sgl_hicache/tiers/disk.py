@@ -21,10 +21,23 @@ File format (version 1, little endian, 128-byte header then payload)::
     120     8    zero padding
     128     -    payload: the page tensor's raw bytes, shape `page_shape(layout, page_size)`
 
-Crash safety: a page is written to a temp name (`.<hex>.<pid>.<n>.tmp`) in its final directory and
-then `os.replace`d, so a page file is either absent or complete. With `fsync=True` the file and its
-directory are fsynced too (survives power loss, not only a process crash). Temp files left by a
-crash are deleted when the next store opens the directory.
+Crash safety: a page is written to a temp name (`.<hex>.<owner>.<n>.tmp`, owner = `<pid>-<16 hex>`)
+in its final directory and then `os.replace`d, so a page file is either absent or complete. With
+`fsync=True` the file and its directory are fsynced too (survives power loss, not only a process
+crash). Temp files whose owner is dead are deleted when the next store opens the directory; a live
+owner's are left alone (temp names without an owner, written before directories were shared, are
+treated as dead).
+
+Sharing (see `shared.py`): any number of processes may open one directory at once. Per namespace
+they share one capacity (`capacity_pages` is checked against the pages of every process, through
+the namespace's ledger); every rename into and unlink of a page path happens under the ledger's
+lock. A page written by another process is found while both run: `discover(key)` opens its file
+once another process has written into the namespace since this store opened (a lone process never
+pays for the check). Any process may delete any page of the namespace (eviction; `evict_unindexed`
+deletes the oldest pages this store never indexed, for a process locked out of a full directory);
+a page deleted under a reader is `PageGoneError`, a miss -- never corruption, never wrong bytes (an
+open file keeps its bytes; a rename swaps in a complete file). Call `close()` when done (garbage
+collection and process death do it too).
 
 Restart: the constructor scans the directory and indexes every page file whose header is valid for
 this namespace. Payload checksums are verified lazily, on read (or all at once by `verify_all`).
@@ -51,9 +64,10 @@ Errors:
   `allocate` or `try_enable_writes`, on the injectable `clock`). An obstacle specific to one key (a
   directory where the page file should go) fails that write without disabling the tier.
 - `read` / `read_into`: KeyError for a key that is not stored; PageCorruptError (with `.key_hex`
-  and `.reason`) when the header, length or checksum fails or the file vanished -- the store has
-  already deleted the file and dropped the key from its index, so the caller must forget the key
-  and NOT free it.
+  and `.reason`) when the header, length or checksum fails -- the store has already deleted the
+  file and dropped the key from its index, so the caller must forget the key and NOT free it;
+  PageGoneError (same attributes, reason "gone") when the file was deleted (another process
+  evicted it): the key is dropped from the index likewise, and counted in `pages_gone`.
 
 Thread safety: reads and writes of distinct keys may run concurrently from many threads; a lock
 guards only the index and the counters. The constructor starts no thread.
@@ -79,7 +93,8 @@ import xxhash
 
 from ..config import KVLayout
 from ..hashing import KEY_BYTES, Namespace, PageKey
-from .base import DISK, Handle, PageCorruptError, TierIOError, TierStore
+from .base import DISK, Handle, PageCorruptError, PageGoneError, TierIOError, TierStore
+from .shared import OWNER_PATTERN, DirectoryLedger, LocalLedger, is_shared_entry
 
 log = logging.getLogger(__name__)
 
@@ -94,11 +109,15 @@ _MAX_DIMS = 8
 assert _HEADER_BODY.size + _HEADER_SUM.size <= HEADER_SIZE
 
 _PAGE_NAME = re.compile(r"^[0-9a-f]{32}\.page$")
-_TEMP_NAME = re.compile(r"^\.[0-9a-f]{32}\.[0-9]+\.[0-9]+\.tmp$")
-_PROBE_NAME = re.compile(r"^\.probe\.[0-9]+\.[0-9]+\.tmp$")
+# group 1: the owner (absent in the legacy `.<hex>.<pid>.<n>.tmp` form, whose owner counts as dead)
+_TEMP_NAME = re.compile(rf"^\.[0-9a-f]{{32}}\.(?:({OWNER_PATTERN})|[0-9]+)\.[0-9]+\.tmp$")
+_PROBE_NAME = re.compile(rf"^\.probe\.(?:({OWNER_PATTERN})|[0-9]+)\.[0-9]+\.tmp$")
+# header checks that prove the file carried our namespace (and was counted in our ledger)
+_UNPROVEN_REASONS = frozenset({"zero-length", "truncated header", "bad magic", "foreign", "unreadable", "absent", "not a file"})
 _FANOUT_NAME = re.compile(r"^[0-9a-f]{2}$")
 
 _RESERVED, _STORED = 0, 1
+_EVICT_LIST_LIMIT = 4096  # directory entries one evict_unindexed call lists before settling for what it found
 
 COUNTER_NAMES = (
     "pages_written",
@@ -112,6 +131,10 @@ COUNTER_NAMES = (
     "pages_restored",
     "stray_ignored",
     "unlink_errors",
+    "pages_gone",
+    "pages_discovered",
+    "peer_temp_kept",
+    "peer_pages_evicted",
 )
 
 
@@ -163,6 +186,7 @@ class DiskPageStore(TierStore):
         if retry_interval_s < 0:
             raise ValueError(f"disk: retry_interval_s must be >= 0, got {retry_interval_s}")
         self.directory = Path(directory)
+        self._dir_str = os.fspath(self.directory)
         self.namespace = namespace
         self.fsync = bool(fsync)
         self.retry_interval_s = float(retry_interval_s)
@@ -183,6 +207,10 @@ class DiskPageStore(TierStore):
         self._write_disabled = False
         self._next_probe_at = 0.0
         self._disabled_reason = ""
+        self._own_writes = 0
+        self._peers_wrote = False
+        self._evict_cursor = 0
+        self._unledgered: set[PageKey] = set()  # reserved while the ledger could not be written
 
         try:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -190,7 +218,25 @@ class DiskPageStore(TierStore):
             raise TierIOError(f"disk: cannot create the disk tier directory {str(self.directory)!r}: {exc}") from exc
         if not self.directory.is_dir():
             raise TierIOError(f"disk: {str(self.directory)!r} is not a directory")
-        self._scan()
+        self._ledger: DirectoryLedger | LocalLedger
+        try:
+            self._ledger = DirectoryLedger(self.directory, namespace.root)
+        except OSError as exc:  # e.g. read-only now: serve what is there, unshared (writes fail and disable)
+            log.warning("disk tier: cannot set up sharing of %s (%s); this process accounts for it alone", self.directory, exc)
+            self._ledger = LocalLedger()
+        self.owner = self._ledger.owner
+        with self._ledger.locked():
+            alone = not self._ledger.others_alive()
+            if alone:  # nobody writes meanwhile: the scan's count is exact, so it resets the ledger
+                self._ledger.recount(self._scan())
+        if not alone:
+            self._scan()
+        self._warn_overfull()
+
+    def close(self) -> None:
+        """Leave the directory: give up this process's ledger slot (and reservations) and owner lock.
+        Stored pages stay. The store must not be used afterwards."""
+        self._ledger.close()
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -200,12 +246,22 @@ class DiskPageStore(TierStore):
 
     @property
     def free_pages(self) -> int:
-        return max(0, self.capacity_pages - len(self._index))
+        """Capacity left for the whole directory (every process's pages and reservations count)."""
+        return max(0, self.capacity_pages - self._ledger.used)
 
     @property
     def overfull_pages(self) -> int:
-        """Pages found on restart beyond capacity: the cache must free this many before allocating."""
-        return max(0, len(self._index) - self.capacity_pages)
+        """Pages in the directory beyond this store's capacity (found on restart, or written by a
+        process given a larger capacity): the cache must free this many before allocating."""
+        return max(0, self._ledger.used - self.capacity_pages)
+
+    @property
+    def peers_wrote(self) -> bool:
+        """Another process has written a page into this namespace since this store opened (then, and
+        only then, `discover` looks at files the index does not know)."""
+        if not self._peers_wrote:
+            self._peers_wrote = self._ledger.writes - self._ledger.writes_at_open > self._own_writes
+        return self._peers_wrote
 
     @property
     def write_disabled(self) -> bool:
@@ -214,6 +270,88 @@ class DiskPageStore(TierStore):
     def contains(self, key: PageKey) -> bool:
         """True when the page is stored (written and indexed). No I/O."""
         return self._index.get(key) == _STORED
+
+    def discover(self, key: PageKey) -> bool:
+        """`contains`, or, for a key the index does not know once `peers_wrote`, whether another
+        process has stored the page: its file is opened and its header checked (one failed `open`
+        when absent), and a valid page is indexed (`pages_discovered`). A bad file there is removed
+        like at start-up."""
+        state = self._index.get(key)
+        if state is not None or not self.peers_wrote:
+            return state == _STORED
+        hexkey = check_key(key).hex()
+        path = f"{self._dir_str}/{hexkey[:2]}/{hexkey}{PAGE_SUFFIX}"  # page_path without pathlib's cost
+        reason = self._scan_file(path, key)
+        if reason == "":
+            with self._lock:
+                if key in self._index:
+                    return self._index[key] == _STORED
+                self._index[key] = _STORED
+                self.counters["pages_discovered"] += 1
+            return True
+        if reason not in ("foreign", "unreadable", "absent", "not a file"):  # a bad file under our key: as at start-up
+            self._remove_bad_file(Path(path), reason)
+            with self._lock:
+                self.counters["corrupt_removed"] += 1
+        return False
+
+    def evict_unindexed(self, num_pages: int) -> int:
+        """Delete up to `num_pages` page files of this namespace that this store does not index
+        (written by another process since this one opened), oldest first among those looked at:
+        what a process does when the shared directory is full of pages it cannot see, so that one
+        process's pages cannot lock the others out of the capacity. Looks at fan-out directories
+        from a rotating start, listing about `_EVICT_LIST_LIMIT` entries per call once it has enough
+        candidates. Returns the files deleted."""
+        if num_pages <= 0:
+            return 0
+        candidates: list[tuple[float, str, PageKey]] = []
+        want = max(256, 4 * num_pages)  # look at more than needed, to prefer the oldest
+        try:
+            subs = sorted(e.name for e in os.scandir(self.directory) if _FANOUT_NAME.match(e.name) and e.is_dir(follow_symlinks=False))
+        except OSError:
+            return 0
+        if not subs:
+            return 0
+        start = self._evict_cursor % len(subs)
+        listed = 0
+        for n, name in enumerate(subs[start:] + subs[:start]):
+            # bounded work per call (it may run on a scheduler thread): stop at enough candidates,
+            # or at enough listing once there are as many as needed
+            if len(candidates) >= want or (listed >= _EVICT_LIST_LIMIT and len(candidates) >= num_pages):
+                self._evict_cursor = start + n
+                break
+            try:
+                entries = list(os.scandir(self.directory / name))
+            except OSError:
+                continue
+            listed += len(entries)
+            for entry in entries:
+                if not (_PAGE_NAME.match(entry.name) and entry.name.startswith(name)):
+                    continue
+                key = bytes.fromhex(entry.name[: 2 * KEY_BYTES])
+                if key in self._index:
+                    continue
+                try:
+                    mtime = entry.stat(follow_symlinks=False).st_mtime
+                except OSError:
+                    continue
+                candidates.append((mtime, entry.path, key))
+        else:
+            self._evict_cursor = start + len(subs)
+        candidates.sort()
+        freed = 0
+        for _, path, key in candidates:
+            if freed >= num_pages:
+                break
+            if self._scan_file(path, key) != "":  # another namespace's page (or not a page): not ours
+                continue
+            with self._ledger.locked():
+                if key not in self._index and self._unlink(Path(path), quiet=True):
+                    self._ledger.file_removed()
+                    freed += 1
+        with self._lock:
+            self.counters["peer_pages_evicted"] += freed
+        return freed
 
     def keys(self) -> Iterator[PageKey]:
         """The stored pages' keys (a snapshot)."""
@@ -232,12 +370,17 @@ class DiskPageStore(TierStore):
             raise ValueError("disk: allocate got the same key twice")
         if self._write_disabled and not self.try_enable_writes():
             return None
-        with self._lock:
+        with self._ledger.locked(), self._lock:
             for k in keys:
                 if k in self._index:
                     raise ValueError(f"disk: page {k.hex()} is already allocated or stored (check contains() first)")
-            if len(keys) > self.capacity_pages - len(self._index):
-                return None
+            try:
+                if not self._ledger.reserve(len(keys), self.capacity_pages):
+                    return None
+            except OSError:
+                # the ledger cannot be written (the medium just failed): reserve here only, and let
+                # the page write meet the failure, which disables writes the usual way
+                self._unledgered.update(keys)
             for k in keys:
                 self._index[k] = _RESERVED
             self._n_reserved += len(keys)
@@ -245,19 +388,23 @@ class DiskPageStore(TierStore):
 
     def free(self, handles: Sequence[Handle]) -> None:
         keys = [check_key(k) for k in handles]
-        with self._lock:
-            for k in keys:
-                if k not in self._index:
-                    raise KeyError(f"disk: page {k.hex()} is not allocated")
-            if len(set(keys)) != len(keys):
-                raise KeyError("disk: free got the same key twice")
-            states = [self._index.pop(k) for k in keys]
-            self._n_reserved -= sum(1 for s in states if s == _RESERVED)
-        for k, state in zip(keys, states):
-            # a reserved page has no file of ours (a write racing this free removes its own file);
-            # whatever sits at its path is not ours to delete
-            if state == _STORED:
-                self._unlink(self.page_path(k))
+        with self._ledger.locked():
+            with self._lock:
+                for k in keys:
+                    if k not in self._index:
+                        raise KeyError(f"disk: page {k.hex()} is not allocated")
+                if len(set(keys)) != len(keys):
+                    raise KeyError("disk: free got the same key twice")
+                states = [self._index.pop(k) for k in keys]
+                self._n_reserved -= sum(1 for s in states if s == _RESERVED)
+                ledgered = sum(1 for k, s in zip(keys, states) if s == _RESERVED and not self._unledger(k))
+            self._ledger.unreserve(ledgered)
+            for k, state in zip(keys, states):
+                # a reserved page has no file of ours (a write racing this free drops its own temp
+                # file); whatever sits at its path is not ours to delete. A stored page's file may
+                # already be gone (another process evicted it): then it is not counted twice.
+                if state == _STORED and self._unlink(self.page_path(k)):
+                    self._ledger.file_removed()
 
     def write(self, handles: Sequence[Handle], data: torch.Tensor) -> None:
         keys = [check_key(k) for k in handles]
@@ -298,7 +445,7 @@ class DiskPageStore(TierStore):
             # O_NONBLOCK: a FIFO planted at the path must not block the reader (no effect on files)
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
-            self._corrupt(key, path, "missing", "the page file vanished", delete=False)
+            self._gone(key)
         except OSError as exc:
             raise TierIOError(f"disk: cannot open page {key.hex()}: {exc}") from exc
         try:
@@ -337,7 +484,7 @@ class DiskPageStore(TierStore):
                 self.read_into(key, buf)
             except PageCorruptError:
                 bad.append(key)
-            except KeyError:  # freed meanwhile
+            except (KeyError, PageGoneError):  # freed meanwhile, here or by another process
                 pass
         return bad
 
@@ -348,7 +495,7 @@ class DiskPageStore(TierStore):
         now = self._clock()
         if now < self._next_probe_at:
             return False
-        probe = self.directory / f".probe.{os.getpid()}.{next(self._tmp_seq)}.tmp"
+        probe = self.directory / f".probe.{self.owner}.{next(self._tmp_seq)}.tmp"
         try:
             self._write_file(probe, [b"probe"])
         except OSError as exc:
@@ -462,14 +609,14 @@ class DiskPageStore(TierStore):
 
     def _write_page(self, key: PageKey, page: torch.Tensor) -> None:
         final = self.page_path(key)
-        tmp = final.parent / f".{key.hex()}.{os.getpid()}.{next(self._tmp_seq)}.tmp"
+        tmp = final.parent / f".{key.hex()}.{self.owner}.{next(self._tmp_seq)}.tmp"
         payload = tensor_bytes(page)
         header = self._header(key, xxhash.xxh3_64_intdigest(payload))
         try:
             self._ensure_dir(final.parent)
             self._write_file(tmp, [header, payload])
-            os.replace(tmp, final)
-            if self.fsync:
+            stale = not self._publish(key, tmp, final)
+            if self.fsync and not stale:
                 self._fsync_dir(final.parent)
         except OSError as exc:
             self._unlink(tmp, quiet=True)
@@ -482,17 +629,29 @@ class DiskPageStore(TierStore):
             self._disable(exc)
             raise TierIOError(f"disk: cannot write page {key.hex()}: {exc}") from exc
         with self._lock:
-            if key in self._index:
-                if self._index[key] == _RESERVED:
-                    self._n_reserved -= 1
-                self._index[key] = _STORED
-                stale = False
-            else:  # freed while being written: do not leave an unaccounted file behind
-                stale = True
             self.counters["pages_written"] += 1
             self.counters["bytes_written"] += len(payload)
-        if stale:
-            self._unlink(final, quiet=True)
+
+    def _publish(self, key: PageKey, tmp: Path, final: Path) -> bool:
+        """Rename a written temp file to its page path and account for it, under the ledger's lock.
+        False (and the temp file removed) when the key was freed while being written."""
+        with self._ledger.locked():
+            if key not in self._index:  # freed while being written: leave no unaccounted file
+                self._unlink(tmp, quiet=True)
+                return False
+            existed = os.path.lexists(final)  # another process's copy of the same page (same bytes)
+            os.replace(tmp, final)
+            if not existed:
+                self._ledger.file_created()
+            self._own_writes += 1  # before the shared count, so `peers_wrote` never sees ours as a peer's
+            self._ledger.page_written()
+            with self._lock:
+                if self._index.get(key) == _RESERVED:
+                    self._n_reserved -= 1
+                    if not self._unledger(key):
+                        self._ledger.unreserve(1)
+                self._index[key] = _STORED
+        return True
 
     def _disable(self, exc: OSError) -> None:
         with self._lock:
@@ -509,7 +668,9 @@ class DiskPageStore(TierStore):
     def _corrupt(self, key: PageKey, path: Path, reason: str, detail: str, delete: bool = True) -> None:
         """Discard a page that failed verification and raise PageCorruptError."""
         if delete:
-            self._unlink(path, quiet=True)
+            with self._ledger.locked():
+                if self._unlink(path, quiet=True):
+                    self._ledger.file_removed()  # it was indexed, so it was counted
         with self._lock:
             state = self._index.pop(key, None)
             if state == _RESERVED:
@@ -523,28 +684,73 @@ class DiskPageStore(TierStore):
         err.reason = reason  # type: ignore[attr-defined]
         raise err
 
-    def _unlink(self, path: Path, quiet: bool = False) -> None:
+    def _unledger(self, key: PageKey) -> bool:
+        """Forget a reservation made while the ledger could not be written; True if it was one
+        (then the ledger never counted it). Call with `_lock` held."""
+        if key in self._unledgered:
+            self._unledgered.discard(key)
+            return True
+        return False
+
+    def _gone(self, key: PageKey) -> None:
+        """A stored page's file was deleted (another process evicted it): forget it, raise PageGoneError."""
+        with self._lock:
+            state = self._index.pop(key, None)
+            if state == _RESERVED:
+                self._n_reserved -= 1
+            self.counters["pages_gone"] += 1
+        log.debug("disk tier: page %s was deleted by another process", key.hex())
+        err = PageGoneError(f"disk: page {key.hex()} is gone (deleted by another process)")
+        err.key_hex = key.hex()  # type: ignore[attr-defined]
+        err.reason = "gone"  # type: ignore[attr-defined]
+        raise err
+
+    def _remove_bad_file(self, path: Path, reason: str) -> None:
+        """Delete a bad page file; it leaves the ledger's count only if its header proved it ours."""
+        with self._ledger.locked():
+            if self._unlink(path, quiet=True) and reason not in _UNPROVEN_REASONS:
+                self._ledger.file_removed()
+
+    def _unlink(self, path: Path, quiet: bool = False) -> bool:
+        """Delete a file; True if this call removed it (False: already gone, or the unlink failed)."""
         try:
             os.unlink(path)
+            return True
         except FileNotFoundError:
-            pass
+            return False
         except OSError as exc:
             with self._lock:
                 self.counters["unlink_errors"] += 1
             if not quiet:
                 log.warning("disk tier: cannot delete %s: %s", path, exc)
+            return False
 
-    def _scan(self) -> None:
-        """Rebuild the index from the directory (see the module docstring for the rules)."""
+    def _scan(self) -> int:
+        """Rebuild the index from the directory (see the module docstring for the rules). Returns
+        the valid page files of our namespace found."""
         c = self.counters
         try:
             top = list(os.scandir(self.directory))
         except OSError as exc:
             raise TierIOError(f"disk: cannot list {str(self.directory)!r}: {exc}") from exc
         reasons: dict[str, int] = {}
+        alive: dict[str, bool] = {}
+
+        def owner_dead(m: re.Match) -> bool:  # a legacy name (no owner) counts as dead
+            owner = m.group(1)
+            if owner is None:
+                return True
+            if owner not in alive:
+                alive[owner] = self._ledger.is_alive(owner)
+            return not alive[owner]
+
         for sub in top:
-            if _PROBE_NAME.match(sub.name) and sub.is_file(follow_symlinks=False):
-                self._unlink(Path(sub.path), quiet=True)
+            if is_shared_entry(sub.name):
+                continue
+            m = _PROBE_NAME.match(sub.name)
+            if m and sub.is_file(follow_symlinks=False):
+                if owner_dead(m):
+                    self._unlink(Path(sub.path), quiet=True)
                 continue
             if not (_FANOUT_NAME.match(sub.name) and sub.is_dir(follow_symlinks=False)):
                 c["stray_ignored"] += 1
@@ -557,9 +763,13 @@ class DiskPageStore(TierStore):
                 continue
             for entry in entries:
                 name = entry.name
-                if _TEMP_NAME.match(name) and entry.is_file(follow_symlinks=False):
-                    self._unlink(Path(entry.path), quiet=True)
-                    c["partial_removed"] += 1
+                m = _TEMP_NAME.match(name)
+                if m and entry.is_file(follow_symlinks=False):
+                    if owner_dead(m):  # an interrupted write: its owner will never rename it
+                        self._unlink(Path(entry.path), quiet=True)
+                        c["partial_removed"] += 1
+                    else:  # a live process is writing it: not ours to touch
+                        c["peer_temp_kept"] += 1
                     continue
                 if not (_PAGE_NAME.match(name) and name.startswith(sub.name) and entry.is_file(follow_symlinks=False)):
                     c["stray_ignored"] += 1
@@ -571,28 +781,36 @@ class DiskPageStore(TierStore):
                     c["pages_restored"] += 1
                 elif reason == "foreign":
                     c["foreign_ignored"] += 1
-                elif reason != "unreadable":
-                    self._unlink(Path(entry.path), quiet=True)
+                elif reason not in ("unreadable", "absent", "not a file"):  # absent: deleted by another process meanwhile
+                    self._remove_bad_file(Path(entry.path), reason)
                     c["corrupt_removed"] += 1
                     reasons[reason] = reasons.get(reason, 0) + 1
         if reasons:
             log.warning("disk tier: removed %d bad page files from %s at start: %s", sum(reasons.values()), self.directory, reasons)
         if c["partial_removed"]:
             log.info("disk tier: removed %d temp files left by an interrupted write in %s", c["partial_removed"], self.directory)
+        return c["pages_restored"]
+
+    def _warn_overfull(self) -> None:
         if self.overfull_pages:
             log.warning(
                 "disk tier: %s holds %d pages, capacity is %d; %d must be evicted before new pages fit",
-                self.directory, len(self._index), self.capacity_pages, self.overfull_pages,
+                self.directory, self._ledger.used, self.capacity_pages, self.overfull_pages,
             )
 
     def _scan_file(self, path: str, key: PageKey) -> str:
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            return "absent"
         except OSError as exc:
             log.warning("disk tier: cannot open %s: %s", path, exc)
             return "unreadable"
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):  # a directory or FIFO on the page's path: not ours
+                return "not a file"
+            size = st.st_size
             header = os.pread(fd, HEADER_SIZE, 0)
         except OSError as exc:
             log.warning("disk tier: cannot read %s: %s", path, exc)
