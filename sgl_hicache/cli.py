@@ -97,14 +97,24 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--predictor-budget", type=_non_negative_int, default=8192, help="tokens the predictor may promote per request")
     p.add_argument("--url", help="replay against a running SGLang server (http://HOST:PORT) instead of the embedded engine")
     p.add_argument("--max-new-tokens", type=_positive_int, help="with --url: cap each request's output length")
+    p.add_argument("--bytes", dest="byte_mode", default="real", choices=["real", "metadata"],
+                   help="embedded engine: 'real' copies every page's bytes through the real stores (proves the data path); "
+                        "'metadata' accounts and times the same transfers without holding or copying bytes (capacity "
+                        "planning at scale); hits and virtual times are identical (default: real)")
+    p.add_argument("--workers", type=_positive_int, help="with --compare: processes running the policies side by side "
+                   "(default: one per policy, at most the CPUs available; 1: one after another)")
+    p.add_argument("--checkpoint-every", type=_positive_int, help="with --report: every N finished requests write a partial "
+                   "report to REPORT.<policy>.partial.json (removed when the run ends), so a killed run is not lost")
     p.add_argument("--report", type=Path, help="write the JSON report here")
     p.add_argument("--quiet", action="store_true", help="no progress output (a tqdm bar on a terminal, plain lines every 10 s otherwise)")
     p.set_defaults(func=cmd_replay)
 
 
-def _load_requests(args: argparse.Namespace, vocab_size: int | None = None) -> list:
-    """The trace's requests; Mooncake ids are synthesised below `vocab_size`, plain-JSONL ids are checked against it."""
+def _load_requests(args: argparse.Namespace, vocab_size: int | None = None, stream: bool = False) -> Any:
+    """The trace's requests; Mooncake ids are synthesised below `vocab_size`, plain-JSONL ids are checked against it.
+    With `stream`, a Mooncake trace in arrival order is streamed (`replay/stream.py`), not held in memory."""
     from .replay import detect_format, load_trace
+    from .replay.stream import open_mooncake
 
     path = Path(args.trace)
     if not path.exists():
@@ -124,7 +134,7 @@ def _load_requests(args: argparse.Namespace, vocab_size: int | None = None) -> l
             opts["tokenizer"] = args.tokenizer
         if fmt == "plain" and vocab_size is not None:
             opts["vocab_size"] = vocab_size
-    requests = load_trace(path, fmt=fmt, **opts)
+    requests = open_mooncake(path, **opts) if stream and fmt == "mooncake" else load_trace(path, fmt=fmt, **opts)
     for note in requests.notes:  # each lenient choice of the reader, once
         print(f"sgl-hicache replay: note: {note}", file=sys.stderr)
     return requests
@@ -135,6 +145,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
         raise UserError(f"--report {str(args.report)!r} is a directory; give a file path")
     if args.max_new_tokens is not None and not args.url:
         raise UserError("--max-new-tokens caps a server's outputs; it needs --url (the embedded engine replays the trace's output lengths)")
+    if args.url and (args.byte_mode != "real" or args.checkpoint_every or args.workers):
+        raise UserError("--bytes, --checkpoint-every and --workers are embedded-engine options; a server (--url) takes none of them")
+    if args.checkpoint_every and args.report is None:
+        raise UserError("--checkpoint-every writes partial reports beside the report: give --report FILE")
     progress = Progress(quiet=args.quiet)
     try:
         if args.url:
@@ -198,7 +212,7 @@ def _replay_server(args: argparse.Namespace, progress: Progress) -> dict[str, An
 
 
 def _replay_embedded(args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
-    requests = _load_requests(args, vocab_size=args.vocab_size)
+    requests = _load_requests(args, vocab_size=args.vocab_size, stream=True)
     if not requests:
         raise UserError(f"trace {args.trace!r} holds no requests")
     from .engine.presets import get_hardware, get_model
@@ -212,11 +226,11 @@ def _replay_embedded(args: argparse.Namespace, progress: Progress) -> dict[str, 
         device_tokens=args.device_tokens, host_tokens=args.host_tokens, disk_tokens=args.disk_tokens,
         page_size=args.page_size, disk_dir=args.disk_dir, concurrency=None if args.trace_clock else args.concurrency,
         time_scale=args.time_scale, max_batch_tokens=args.max_batch_tokens, eviction_policy=args.eviction,
-        write_policy=args.write_policy, predictor_budget_tokens=args.predictor_budget,
+        write_policy=args.write_policy, predictor_budget_tokens=args.predictor_budget, byte_mode=args.byte_mode,
     )
     # the embedded engine holds the device and host tiers in RAM: refuse sizes that cannot fit
     # (a MemoryError traceback at best, the machine swapping or OOM-killed at worst)
-    need = (args.device_tokens + args.host_tokens) * base.storage_layout.bytes_per_token
+    need = (args.device_tokens + args.host_tokens) * base.storage_layout.bytes_per_token if args.byte_mode == "real" else 0
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > ram // 2:
         raise UserError(f"--device-tokens {args.device_tokens} and --host-tokens {args.host_tokens} need {need / 2**30:.1f} GiB "
@@ -224,9 +238,13 @@ def _replay_embedded(args: argparse.Namespace, progress: Progress) -> dict[str, 
     if args.compare:
         if args.disk_dir is not None:
             raise UserError("--compare runs every policy on a fresh disk tier; leave --disk-dir out")
-        result = compare(requests, base, POLICIES, progress=progress)
+        result = compare(requests, base, POLICIES, progress=progress, workers=args.workers,
+                         checkpoint=args.report if args.checkpoint_every else None, checkpoint_every=args.checkpoint_every or 0)
     else:
-        rep = run_policy(requests, base, progress.callback(args.policy))
+        from .engine.run import checkpoint_path
+
+        ckpt = checkpoint_path(args.report, args.policy) if args.checkpoint_every else None
+        rep = run_policy(requests, base, progress.callback(args.policy), ckpt, args.checkpoint_every or 0)
         result = {"version": 1, "kind": "replay", "policies": {args.policy: rep}}
     result["trace"] = {"path": str(args.trace), "requests": len(requests), "limit": args.limit, "notes": requests.notes.lines()}
     return result

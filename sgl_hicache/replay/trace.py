@@ -198,22 +198,24 @@ def check_positive_int(name: str, value: Any, minimum: int = 1) -> int:
 
 
 def read_lines(path: str | Path) -> Iterator[tuple[int, str]]:
-    """Yield ``(line_number, text)`` for every non-blank line of a text file; bad UTF-8 is a TraceError."""
+    """Yield ``(line_number, text)`` for every non-blank line of a text file (lines end at ``\\n``);
+    bad UTF-8 is a TraceError."""
     p = Path(path)
     try:
-        data = p.read_bytes()
+        f = p.open("rb")  # read line by line: a million-line trace is never held whole
     except IsADirectoryError as e:
         raise TraceError(p, 1, "is a directory, not a trace file") from e
     seen = False
-    for number, raw in enumerate(data.split(b"\n"), start=1):
-        if not raw.strip():
-            continue
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise TraceError(p, number, f"not valid UTF-8 ({e.reason} at byte {e.start})") from e
-        seen = True
-        yield number, text
+    with f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise TraceError(p, number, f"not valid UTF-8 ({e.reason} at byte {e.start})") from e
+            seen = True
+            yield number, text
     if not seen:
         raise TraceError(p, 1, "empty trace: no requests in the file")
 
