@@ -28,6 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+try:  # optional: vectorises token synthesis; the pure-Python path gives the same ids
+    import numpy as _np
+except ImportError:  # pragma: no cover - numpy comes with torch in every supported environment
+    _np = None
+
 
 class TraceError(ValueError):
     """A trace file is malformed. `str()` is ``FILE:LINE: message``; `path`, `line`, `reason` are kept."""
@@ -411,12 +416,16 @@ class TokenSynth:
     def tokens(self, key: object, n: int) -> array:
         if n <= 0:
             return array("q")
-        bits = random.Random(f"{self.seed}:{key}").getrandbits(32 * n)
+        data = random.Random(f"{self.seed}:{key}").getrandbits(32 * n).to_bytes(4 * n, "little")
+        span, off = self.span, self.offset
+        if _np is not None:  # the same ids, vectorised (a streamed replay synthesises every block it meets)
+            out = array("q")
+            out.frombytes((_np.frombuffer(data, dtype="<u4").astype(_np.int64) % span + off).tobytes())
+            return out
         raw = array("I")
         if raw.itemsize != 4:  # pragma: no cover - every supported platform has a 4-byte 'I'
             raw = array("L")
-        raw.frombytes(bits.to_bytes(4 * n, "little"))
-        span, off = self.span, self.offset
+        raw.frombytes(data)
         return array("q", [x % span + off for x in raw])
 
 

@@ -14,6 +14,9 @@ from ..tiers.base import DISK, TIERS, Handle
 from .node import TreeNode, split_handles
 
 
+_ALL = frozenset(TIERS)
+
+
 class InvariantError(AssertionError):
     """`RadixTree.check()` found the tree in a state it must never be in."""
 
@@ -27,7 +30,8 @@ class RadixTree:
       copy was lost while in use is removed when released);
     - residency is prefix-closed in every tier: a node resident in a tier has its parent resident in
       that tier too (or the parent is the root), so what a tier keeps is always usable from the root;
-    - `pages[tier]` equals the sum of the pages of the nodes resident in that tier;
+    - `pages[tier]` equals the sum of the pages of the nodes resident in that tier, and `shared`
+      the same for every combination of tiers;
     - lock and pin counts are never negative; a node's lock count is at least the sum of its children's
       (locks are taken on a whole path).
     """
@@ -42,7 +46,13 @@ class RadixTree:
         # pages per tier of locked or pinned nodes, kept on every lock/pin/residency change
         self.protected: dict[str, int] = {tier: 0 for tier in TIERS}
         self.pages: dict[str, int] = {tier: 0 for tier in TIERS}
+        # pages held by nodes resident in each combination of two or more tiers, kept on every
+        # residency change: `clean_pages` in O(1) (background write-back asks every step)
+        self.shared: dict[frozenset[str], int] = {}
         self.node_count = 0
+        # bumped on every change of structure, residency, lock or pin (and by the cache when it
+        # changes what eviction orders by): equal versions mean the same tree for a planner
+        self.version = 0
 
     # ---- structure -------------------------------------------------------------------------
     def page_aligned(self, tokens: Sequence[int]) -> int:
@@ -93,6 +103,7 @@ class RadixTree:
     def split(self, node: TreeNode, pages: int) -> TreeNode:
         """Split `node` after `pages` pages; returns the new upper node (the old node keeps the rest)."""
         assert 0 < pages < node.num_pages and node.pins == 0, (node, pages)
+        self.version += 1
         cut = pages * self.page_size
         upper_keys, lower_keys = node.split_keys(pages)
         upper = TreeNode(node.parent, node.tokens[:cut], upper_keys, pages, next(self._ids))
@@ -119,6 +130,7 @@ class RadixTree:
     def add_child(self, parent: TreeNode, tokens: Sequence[int]) -> TreeNode:
         """A new, not yet resident node under `parent` for whole pages `tokens`; the caller sets its
         residency at once (a node resident nowhere breaks the invariants)."""
+        self.version += 1
         tokens = tuple(tokens)
         assert tokens and len(tokens) % self.page_size == 0
         first = tokens[: self.page_size]
@@ -130,6 +142,7 @@ class RadixTree:
 
     def remove_leaf(self, node: TreeNode) -> None:
         assert not node.children and not node.is_root and node.evictable, node
+        self.version += 1
         assert not node.tiers(), f"removing {node} that is still resident"
         assert node.parent is not None
         del node.parent.children[node.tokens[: self.page_size]]
@@ -144,6 +157,8 @@ class RadixTree:
         else:
             assert handles is not None and len(handles) == node.num_pages
             setattr(node, tier, list(handles))
+        self.version += 1
+        self._share(node, tier, +1)
         self.resident[tier].add(node)
         self.pages[tier] += node.num_pages
         if node.lock_ref or node.pins:
@@ -152,6 +167,8 @@ class RadixTree:
     def clear_resident(self, node: TreeNode, tier: str) -> list[Handle]:
         """Forget `node`'s copy in `tier`; returns the handles the store must free."""
         assert node.in_tier(tier), f"{node} not in {tier}"
+        self.version += 1
+        self._share(node, tier, -1)
         if tier == DISK:
             handles: list[Handle] = list(node.keys)
             node.on_disk = False
@@ -163,6 +180,22 @@ class RadixTree:
         if node.lock_ref or node.pins:
             self.protected[tier] -= node.num_pages
         return handles
+
+    def _share(self, node: TreeNode, tier: str, sign: int) -> None:
+        """`node` enters (+1) or leaves (-1) `tier`: update the pages of the tier sets it shares."""
+        others = [t for t in TIERS if t != tier and node.in_tier(t)]
+        if not others:
+            return
+        shared = self.shared
+        for other in others:
+            key = frozenset((tier, other))
+            shared[key] = shared.get(key, 0) + sign * node.num_pages
+        if len(others) == 2:
+            shared[_ALL] = shared.get(_ALL, 0) + sign * node.num_pages
+
+    def shared_pages(self, *tiers: str) -> int:
+        """Pages of the nodes resident in every one of `tiers` (two or three tiers), in O(1)."""
+        return self.shared.get(frozenset(tiers), 0)
 
     def tier_leaves(self, tier: str) -> Iterator[TreeNode]:
         """Nodes resident in `tier` with no child resident there: the only ones a tier may evict."""
@@ -178,6 +211,7 @@ class RadixTree:
 
     # ---- locks -----------------------------------------------------------------------------
     def lock(self, node: TreeNode) -> None:
+        self.version += 1
         while node is not None and not node.is_root:
             if node.lock_ref == 0 and node.pins == 0:
                 self._protect(node, +1)
@@ -185,6 +219,7 @@ class RadixTree:
             node = node.parent  # type: ignore[assignment]
 
     def unlock(self, node: TreeNode) -> None:
+        self.version += 1
         while node is not None and not node.is_root:
             if node.lock_ref <= 0:
                 raise InvariantError(f"unlock of {node} with lock_ref {node.lock_ref}")
@@ -195,11 +230,13 @@ class RadixTree:
 
     def pin(self, node: TreeNode) -> None:
         """A transfer reads or writes `node`: never evict or split it until `unpin`."""
+        self.version += 1
         if node.lock_ref == 0 and node.pins == 0:
             self._protect(node, +1)
         node.pins += 1
 
     def unpin(self, node: TreeNode) -> None:
+        self.version += 1
         if node.pins <= 0:
             raise InvariantError(f"unpin of {node} with pins {node.pins}")
         node.pins -= 1
@@ -237,6 +274,7 @@ class RadixTree:
     def check(self) -> None:
         """Verify every invariant in the class docstring; raise InvariantError naming the first broken one."""
         pages = {tier: 0 for tier in TIERS}
+        shared: dict[frozenset[str], int] = {}
         protected = {tier: 0 for tier in TIERS}
         members = {tier: set() for tier in TIERS}
         count = 0
@@ -250,6 +288,11 @@ class RadixTree:
             if len(node.keys) != node.num_pages or node.keys[0] != chain_keys(self.key_of(parent), node.tokens[: self.page_size], self.page_size)[0]:
                 raise InvariantError(f"{node}'s keys are not chained from its parent")
             tiers = node.tiers()
+            for i, a in enumerate(tiers):
+                for b in tiers[i + 1:]:
+                    shared[frozenset((a, b))] = shared.get(frozenset((a, b)), 0) + node.num_pages
+            if len(tiers) == 3:
+                shared[_ALL] = shared.get(_ALL, 0) + node.num_pages
             if not tiers and node.lock_ref == 0 and node.pins == 0:
                 # (a locked or pinned node may have lost its only copy meanwhile; it is removed when
                 # the last lock or pin goes)
@@ -270,6 +313,8 @@ class RadixTree:
                 raise InvariantError(f"{node} lock_ref {node.lock_ref} < its children's {child_locks}")
         if count != self.node_count:
             raise InvariantError(f"node_count {self.node_count} but {count} nodes reachable")
+        if {k: v for k, v in shared.items() if v} != {k: v for k, v in self.shared.items() if v}:
+            raise InvariantError(f"pages shared by tiers {self.shared} but nodes hold {shared}")
         for tier in TIERS:
             if pages[tier] != self.pages[tier]:
                 raise InvariantError(f"{tier} page count {self.pages[tier]} but nodes hold {pages[tier]}")
