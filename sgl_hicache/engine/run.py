@@ -45,12 +45,13 @@ def settings_of(config: EngineConfig) -> dict[str, Any]:
     }
 
 
-def _report(engine: EmbeddedEngine, config: EngineConfig, wall: float) -> dict[str, Any]:
+def _report(engine: EmbeddedEngine, config: EngineConfig, wall: float, cpu: float = 0.0) -> dict[str, Any]:
     records = engine.records
     duration = (max(records.finish_s) - min(records.arrival_s)) if len(records) else 0.0
     report = policy_report(records=records, snapshot=engine.cache.snapshot(), duration_s=duration, settings=settings_of(config))
     report["engine"] = {"steps": engine.steps, "wall_s": wall, "virtual_s": engine.now, "demote_seconds": engine.demote_seconds,
-                        "disk_write_seconds": engine.disk_write_seconds, "bytes": config.byte_mode}
+                        "disk_write_seconds": engine.disk_write_seconds, "bytes": config.byte_mode,
+                        "cpu_s": cpu}
     report["tree"] = largest_subtrees(engine.cache.tree, config.model.kv_bytes_per_token * config.page_size, now=engine.now)
     return report
 
@@ -75,10 +76,10 @@ def run_policy(requests: Iterable[Request], config: EngineConfig, progress: Call
     `checkpoint_every` N, a partial report (a valid replay report of the requests finished so far,
     with ``"partial": {"requests_done": n, "requests_total": N}``) is written there every N
     completions; it is removed when the run ends normally."""
-    wall0 = time.perf_counter()
+    wall0, cpu0 = time.perf_counter(), time.process_time()
 
     def save(engine: EmbeddedEngine) -> None:
-        rep = _report(engine, config, time.perf_counter() - wall0)
+        rep = _report(engine, config, time.perf_counter() - wall0, time.process_time() - cpu0)
         partial = {"version": REPORT_VERSION, "kind": "replay", "policies": {config.policy: rep},
                    "partial": {"requests_done": len(engine.records), "requests_total": engine.total}}
         write_json(checkpoint, partial)  # type: ignore[arg-type]
@@ -88,9 +89,9 @@ def run_policy(requests: Iterable[Request], config: EngineConfig, progress: Call
     try:
         total = len(requests) if hasattr(requests, "__len__") else None  # type: ignore[arg-type]
         engine.run(requests, total=total)
-        wall = time.perf_counter() - wall0
+        wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
         engine.cache.check()  # a replay that broke an invariant must not produce a report
-        report = _report(engine, config, wall)
+        report = _report(engine, config, wall, cpu)
         if checkpoint is not None and checkpoint.exists():
             checkpoint.unlink()
         return report
