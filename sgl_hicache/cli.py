@@ -382,6 +382,36 @@ def format_snapshot(snap: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# ---- synth -----------------------------------------------------------------------------------
+def _add_synth(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("synth", help="grow a Mooncake trace to N requests for scale tests (same session lengths, gaps, sharing)",
+                       description="Write a Mooncake JSONL trace of N requests grown from SOURCE: sessions resampled, private "
+                                   "hash ids shifted per drawn session, shared ids kept (method: sgl_hicache/replay/synth.py).")
+    p.add_argument("source", help="a Mooncake JSONL trace (e.g. the shipped one)")
+    p.add_argument("--requests", type=_positive_int, required=True, help="requests to write (1e6-style accepted)")
+    p.add_argument("--out", type=Path, required=True, help="the JSONL file to write")
+    p.add_argument("--seed", type=int, default=0, help="resampling seed (default 0)")
+    p.add_argument("--block-size", type=_positive_int, default=512, help="tokens per hash id (default 512)")
+    p.set_defaults(func=cmd_synth)
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    from .replay.synth import synthesise, write_trace
+
+    src = Path(args.source)
+    if not src.is_file():
+        raise UserError(f"source trace {str(src)!r} is not a file")
+    if args.out.is_dir():
+        raise UserError(f"--out {str(args.out)!r} is a directory; give a file path")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(args.out.suffix + ".tmp")
+    with tmp.open("w") as f:
+        n = write_trace(synthesise(src, args.requests, seed=args.seed, block_size=args.block_size), f)
+    tmp.replace(args.out)
+    print(f"wrote {n} requests to {args.out}")
+    return 0
+
+
 # ---- serve -----------------------------------------------------------------------------------
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="launch SGLang with sgl_hicache tiering (flags after -- go to SGLang)", add_help=False)
@@ -402,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_serve(sub)
     _add_replay(sub)
     _add_stats(sub)
+    _add_synth(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -155,11 +155,17 @@ class RadixTree:
         """A new, not yet resident node under `parent` for whole pages `tokens`; the caller sets its
         residency at once (a node resident nowhere breaks the invariants)."""
         self.version += 1
-        tokens = tuple(tokens)
+        raw = None
+        if isinstance(tokens, array) and tokens.typecode == "q":
+            raw = tokens.tobytes()
+            tokens = tuple(tokens.tolist())  # twice as fast as tuple(array)
+        else:
+            tokens = tuple(tokens)
         assert tokens and len(tokens) % self.page_size == 0
         first = tokens[: self.page_size]
         assert first not in parent.children, "add_child over an existing edge"
         node = TreeNode(parent, tokens, None, len(tokens) // self.page_size, next(self._ids))
+        node._bytes = raw
         parent.children[first] = node
         self.node_count += 1
         return node
