@@ -156,6 +156,16 @@ class _SessionIndex:
         return best
 
 
+def check_options(block_size: int, scale: int | None, limit: int | None, vocab_size: int, token_offset: int, seed: int) -> None:
+    """The options every Mooncake reader takes (ValueError naming the bad one)."""
+    check_positive_int("block_size", block_size)
+    if scale is not None:
+        check_positive_int("scale", scale)
+    if limit is not None:
+        check_positive_int("limit", limit, minimum=0)
+    check_synth_options(vocab_size, token_offset, seed)
+
+
 def parse_row(path: str | Path, line: int, text: str, notes: ReadNotes, block_size: int,
               block_coverage: str) -> tuple[int | float, int, int, list[int], bool]:
     """One line: (raw timestamp, input_length, output_length, hash_ids, whether the ids fit
@@ -204,12 +214,7 @@ def read_mooncake(
     Raises TraceError (``FILE:LINE: reason``) for anything malformed, ValueError for a bad option.
     The returned `Trace` carries the read's notes.
     """
-    check_positive_int("block_size", block_size)
-    if scale is not None:
-        check_positive_int("scale", scale)
-    if limit is not None:
-        check_positive_int("limit", limit, minimum=0)
-    check_synth_options(vocab_size, token_offset, seed)
+    check_options(block_size, scale, limit, vocab_size, token_offset, seed)
     check_positive_int("system_prefix_blocks", system_prefix_blocks, minimum=0)
     if block_coverage not in COVERAGES:
         raise ValueError(f"block_coverage must be one of {', '.join(COVERAGES)}, got {block_coverage!r}")

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from .mooncake import _FixedSynth, parse_row, read_mooncake
+from .mooncake import _FixedSynth, check_options, parse_row, read_mooncake
 from .trace import (
     ABSOLUTE_FROM,
     UNITS,
@@ -29,7 +29,6 @@ from .trace import (
     TokenSynth,
     Trace,
     check_positive_int,
-    check_synth_options,
     read_lines,
     timestamps_to_seconds,
 )
@@ -50,12 +49,7 @@ class MooncakeStream:
 
     def __init__(self, path: str | Path, *, block_size: int = 512, scale: int | None = None, limit: int | None = None,
                  vocab_size: int = 32000, token_offset: int = 16, seed: int = 0, max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
-        check_positive_int("block_size", block_size)
-        if scale is not None:
-            check_positive_int("scale", scale)
-        if limit is not None:
-            check_positive_int("limit", limit, minimum=0)
-        check_synth_options(vocab_size, token_offset, seed)
+        check_options(block_size, scale, limit, vocab_size, token_offset, seed)
         check_positive_int("max_blocks", max_blocks)
         self.path = Path(path)
         self.block_size, self.scale, self.limit = block_size, scale, limit

@@ -2,7 +2,7 @@
 
 Capacity planning over a production trace needs what the cache decides (which pages sit in which
 tier, what moves where, when) and what the cost model charges for it, not the bytes themselves. These
-stores allocate and free exactly as the real ones do (`MemoryKVPool`/`HostKVBuffer` slots, the disk
+stores allocate and free exactly as the real ones do (`DeviceKVPool`/`HostKVBuffer` slots, the disk
 store's content-addressed keys), so the tree, the policies and every counter run unchanged; a copy
 between them moves nothing. `TransferOp.nbytes` is still counted by the cache, and the embedded
 engine's clock still charges every transfer at the model's KV size.
