@@ -163,3 +163,23 @@ def test_synth_keeps_the_shape_of_the_source(tmp_path):
 def test_synth_cli_errors_name_the_problem(tmp_path, capsys):
     assert main(["synth", str(tmp_path / "nope.jsonl"), "--requests", "10", "--out", str(tmp_path / "o.jsonl")]) == 2
     assert "nope.jsonl" in capsys.readouterr().err
+
+
+def test_a_removed_child_leaves_no_traffic_count_behind():
+    """A long replay must not keep a traffic count per conversation it ever saw (memory and the
+    predictor's scan would grow with the trace)."""
+    from conftest import make_cache
+
+    cache = make_cache(device=8, host=0, disk=0, page_size=4)
+    seen = 0
+    for k in range(40):  # 40 conversations through a 2-page device tier: most are dropped
+        tokens = [1, 2, 3, 4] + [100 * k + i for i in range(4)]
+        cache.match(tokens)
+        pages = cache.allocate_device(2)
+        res = cache.insert(tokens, pages)
+        cache.free_device(res.duplicates)
+        cache.match(tokens)  # counts traffic from the shared first page into this conversation
+        seen += 1
+    shared = cache.tree.root.children[(1, 2, 3, 4)]
+    assert len(shared.child_traffic) <= len(shared.children) + 1
+    assert seen == 40

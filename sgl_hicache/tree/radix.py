@@ -175,7 +175,11 @@ class RadixTree:
         self.version += 1
         assert not node.tiers(), f"removing {node} that is still resident"
         assert node.parent is not None
-        del node.parent.children[node.tokens[: self.page_size]]
+        first = node.tokens[: self.page_size]
+        del node.parent.children[first]
+        # its traffic count goes with it: a long replay would otherwise keep a count (and a page of
+        # token ids) for every conversation it ever saw, and the predictor would scan them all
+        node.parent.child_traffic.pop(first, None)
         node.parent = None
         self.node_count -= 1
 
