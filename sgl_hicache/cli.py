@@ -238,7 +238,7 @@ def _replay_embedded(args: argparse.Namespace, progress: Progress) -> dict[str, 
     if args.compare:
         if args.disk_dir is not None:
             raise UserError("--compare runs every policy on a fresh disk tier; leave --disk-dir out")
-        result = compare(requests, base, POLICIES, progress=progress, workers=args.workers,
+        result = compare(requests, base, POLICIES, progress=None if args.quiet else progress, workers=args.workers,
                          checkpoint=args.report if args.checkpoint_every else None, checkpoint_every=args.checkpoint_every or 0)
     else:
         from .engine.run import checkpoint_path

@@ -99,10 +99,19 @@ def run_policy(requests: Iterable[Request], config: EngineConfig, progress: Call
         engine.close()
 
 
-def _run_in_worker(requests: Iterable[Request], config: EngineConfig, queue: Any, checkpoint: Path | None,
+_QUEUE: Any = None  # a worker's progress queue to the parent (set by `_init_worker`)
+
+
+def _init_worker(queue: Any) -> None:
+    global _QUEUE
+    _QUEUE = queue
+
+
+def _run_in_worker(requests: Iterable[Request], config: EngineConfig, checkpoint: Path | None,
                    checkpoint_every: int) -> dict[str, Any]:
-    """One policy in a worker process; progress goes back to the parent over `queue`, throttled."""
+    """One policy in a worker process; progress goes back to the parent over the queue, throttled."""
     last = [0.0]
+    queue = _QUEUE
 
     def progress(done: int, total: int | None, hit_rate: float | None = None) -> None:
         now = time.monotonic()
@@ -163,8 +172,7 @@ def _compare_parallel(requests: Iterable[Request], configs: dict[str, EngineConf
     from concurrent.futures import ProcessPoolExecutor
 
     ctx = multiprocessing.get_context("spawn")
-    manager = ctx.Manager() if progress else None
-    queue = manager.Queue() if manager else None
+    queue = ctx.Queue() if progress else None  # inherited by the workers (no manager process)
     stop = threading.Event()
 
     def drain() -> None:  # progress lines from the workers, shown here
@@ -179,13 +187,13 @@ def _compare_parallel(requests: Iterable[Request], configs: dict[str, EngineConf
     if reader:
         reader.start()
     try:
-        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-            futures = {name: pool.submit(_run_in_worker, requests, cfg, queue, ckpt[name], checkpoint_every)
+        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker, initargs=(queue,)) as pool:
+            futures = {name: pool.submit(_run_in_worker, requests, cfg, ckpt[name], checkpoint_every)
                        for name, cfg in configs.items()}
             return {name: fut.result() for name, fut in futures.items()}
     finally:
         stop.set()
         if reader:
             reader.join(timeout=5)
-        if manager:
-            manager.shutdown()
+        if queue is not None:
+            queue.close()
