@@ -213,6 +213,8 @@ def read_lines(path: str | Path) -> Iterator[tuple[int, str]]:
     seen = False
     with f:
         for number, raw in enumerate(f, start=1):
+            if raw.endswith(b"\n"):  # exactly what split(b"\n") gave: the text without its newline
+                raw = raw[:-1]
             if not raw.strip():
                 continue
             try:
