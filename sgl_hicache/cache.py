@@ -211,6 +211,8 @@ class TieredCache:
         self.outstanding_device_pages = 0
         # (error name, reason) pairs already logged at WARNING: the rest go to DEBUG (one line per reason)
         self._logged_errors: set[tuple[str, str]] = set()
+        # per (src, dst) link, the state in which write-back planning last found nothing to do
+        self._idle_plans: dict[tuple[str, str], tuple] = {}
         if DISK in self.stores and getattr(self.stores[DISK], "overfull_pages", 0):
             # restarted with a smaller disk capacity than the files found: trim to capacity
             self._evict_disk_orphans(self.stores[DISK].overfull_pages)  # type: ignore[attr-defined]
@@ -226,6 +228,7 @@ class TieredCache:
                 path.extend(self._adopt_disk_pages(path, tokens, matched))
             if touch:
                 now = self.clock()
+                self.tree.version += 1  # recency changed: eviction order may have
                 parent = self.tree.root
                 for node in path:
                     node.last_access = now
@@ -372,6 +375,7 @@ class TieredCache:
                 else:
                     duplicates.extend(device_handles[page:])
             now = self.clock()
+            self.tree.version += 1
             for node in new_nodes:
                 node.last_access = now
             if from_allocate_device:
@@ -728,6 +732,20 @@ class TieredCache:
         with self._mutex:
             if src not in self.stores or dst not in self.stores:
                 return []
+            if self._clean_pages(src) >= clean_target_pages:
+                return []  # clean enough already (what the scan below would find, in O(1))
+            # nothing changed since this very plan found nothing to do: it would find nothing again
+            # (the engine asks every scheduler step; most steps only decode)
+            memo = (src, dst, clean_target_pages, max_pages, self.tree.version, self.stores[dst].free_pages)
+            if self._idle_plans.get((src, dst)) == memo:
+                return []
+            ops = self._plan_writeback(src, dst, clean_target_pages, max_pages)
+            if not ops:
+                self._idle_plans[(src, dst)] = memo
+            return ops
+
+    def _plan_writeback(self, src: str, dst: str, clean_target_pages: int, max_pages: int) -> list[TransferOp]:
+        with self._mutex:
             clean = 0
             candidates = []
             for n in self.tree.resident[src]:
@@ -752,6 +770,13 @@ class TieredCache:
                 ops.append(op)
                 budget -= n.num_pages
             return ops
+
+    def _clean_pages(self, tier: str) -> int:
+        """Pages of `tier` that `_clean` holds for, from the tree's O(1) counts."""
+        shared = self.tree.shared_pages
+        if tier == DEVICE:
+            return shared(DEVICE, HOST)
+        return shared(HOST, DISK) + shared(HOST, DEVICE) - shared(DEVICE, HOST, DISK)
 
     @staticmethod
     def _clean(node: TreeNode, tier: str) -> bool:
@@ -846,6 +871,7 @@ class TieredCache:
         before its promotion) and credit prefetches that it used."""
         with self._mutex:
             self.stats.record_request(prompt_tokens, match.device_tokens, match.host_tokens, match.disk_tokens, covered_by_prefetch)
+            self.tree.version += 1  # hit counts changed (lfu orders by them)
             if self.reuse is not None:
                 self.reuse.on_request(match.path)
             for node in match.path:

@@ -100,14 +100,24 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--predictor-budget", type=_non_negative_int, default=8192, help="tokens the predictor may promote per request")
     p.add_argument("--url", help="replay against a running SGLang server (http://HOST:PORT) instead of the embedded engine")
     p.add_argument("--max-new-tokens", type=_positive_int, help="with --url: cap each request's output length")
+    p.add_argument("--bytes", dest="byte_mode", default="real", choices=["real", "metadata"],
+                   help="embedded engine: 'real' copies every page's bytes through the real stores (proves the data path); "
+                        "'metadata' accounts and times the same transfers without holding or copying bytes (capacity "
+                        "planning at scale); hits and virtual times are identical (default: real)")
+    p.add_argument("--workers", type=_positive_int, help="with --compare: processes running the policies side by side "
+                   "(default: one per policy, at most the CPUs available; 1: one after another)")
+    p.add_argument("--checkpoint-every", type=_positive_int, help="with --report: every N finished requests write a partial "
+                   "report to REPORT.<policy>.partial.json (removed when the run ends), so a killed run is not lost")
     p.add_argument("--report", type=Path, help="write the JSON report here")
     p.add_argument("--quiet", action="store_true", help="no progress output (a tqdm bar on a terminal, plain lines every 10 s otherwise)")
     p.set_defaults(func=cmd_replay)
 
 
-def _load_requests(args: argparse.Namespace, vocab_size: int | None = None) -> list:
-    """The trace's requests; Mooncake ids are synthesised below `vocab_size`, plain-JSONL ids are checked against it."""
+def _load_requests(args: argparse.Namespace, vocab_size: int | None = None, stream: bool = False) -> Any:
+    """The trace's requests; Mooncake ids are synthesised below `vocab_size`, plain-JSONL ids are checked against it.
+    With `stream`, a Mooncake trace in arrival order is streamed (`replay/stream.py`), not held in memory."""
     from .replay import detect_format, load_trace
+    from .replay.stream import open_mooncake
 
     path = Path(args.trace)
     if not path.exists():
@@ -127,7 +137,7 @@ def _load_requests(args: argparse.Namespace, vocab_size: int | None = None) -> l
             opts["tokenizer"] = args.tokenizer
         if fmt == "plain" and vocab_size is not None:
             opts["vocab_size"] = vocab_size
-    requests = load_trace(path, fmt=fmt, **opts)
+    requests = open_mooncake(path, **opts) if stream and fmt == "mooncake" else load_trace(path, fmt=fmt, **opts)
     for note in requests.notes:  # each lenient choice of the reader, once
         print(f"sgl-hicache replay: note: {note}", file=sys.stderr)
     return requests
@@ -138,6 +148,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
         raise UserError(f"--report {str(args.report)!r} is a directory; give a file path")
     if args.max_new_tokens is not None and not args.url:
         raise UserError("--max-new-tokens caps a server's outputs; it needs --url (the embedded engine replays the trace's output lengths)")
+    if args.url and (args.byte_mode != "real" or args.checkpoint_every or args.workers):
+        raise UserError("--bytes, --checkpoint-every and --workers are embedded-engine options; a server (--url) takes none of them")
+    if args.checkpoint_every and args.report is None:
+        raise UserError("--checkpoint-every writes partial reports beside the report: give --report FILE")
     progress = Progress(quiet=args.quiet)
     try:
         if args.url:
@@ -201,7 +215,7 @@ def _replay_server(args: argparse.Namespace, progress: Progress) -> dict[str, An
 
 
 def _replay_embedded(args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
-    requests = _load_requests(args, vocab_size=args.vocab_size)
+    requests = _load_requests(args, vocab_size=args.vocab_size, stream=True)
     if not requests:
         raise UserError(f"trace {args.trace!r} holds no requests")
     from .engine.presets import get_hardware, get_model
@@ -215,12 +229,12 @@ def _replay_embedded(args: argparse.Namespace, progress: Progress) -> dict[str, 
         device_tokens=args.device_tokens, host_tokens=args.host_tokens, disk_tokens=args.disk_tokens,
         page_size=args.page_size, disk_dir=args.disk_dir, concurrency=None if args.trace_clock else args.concurrency,
         time_scale=args.time_scale, max_batch_tokens=args.max_batch_tokens, eviction_policy=args.eviction,
-        write_policy=args.write_policy, predictor_budget_tokens=args.predictor_budget,
+        write_policy=args.write_policy, predictor_budget_tokens=args.predictor_budget, byte_mode=args.byte_mode,
         predictor=args.predictor, admission_min_probability=args.admission,
     )
     # the embedded engine holds the device and host tiers in RAM: refuse sizes that cannot fit
     # (a MemoryError traceback at best, the machine swapping or OOM-killed at worst)
-    need = (args.device_tokens + args.host_tokens) * base.storage_layout.bytes_per_token
+    need = (args.device_tokens + args.host_tokens) * base.storage_layout.bytes_per_token if args.byte_mode == "real" else 0
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > ram // 2:
         raise UserError(f"--device-tokens {args.device_tokens} and --host-tokens {args.host_tokens} need {need / 2**30:.1f} GiB "
@@ -228,9 +242,13 @@ def _replay_embedded(args: argparse.Namespace, progress: Progress) -> dict[str, 
     if args.compare:
         if args.disk_dir is not None:
             raise UserError("--compare runs every policy on a fresh disk tier; leave --disk-dir out")
-        result = compare(requests, base, POLICIES, progress=progress)
+        result = compare(requests, base, POLICIES, progress=None if args.quiet else progress, workers=args.workers,
+                         checkpoint=args.report if args.checkpoint_every else None, checkpoint_every=args.checkpoint_every or 0)
     else:
-        rep = run_policy(requests, base, progress.callback(args.policy))
+        from .engine.run import checkpoint_path
+
+        ckpt = checkpoint_path(args.report, args.policy) if args.checkpoint_every else None
+        rep = run_policy(requests, base, progress.callback(args.policy), ckpt, args.checkpoint_every or 0)
         result = {"version": 1, "kind": "replay", "policies": {args.policy: rep}}
     result["trace"] = {"path": str(args.trace), "requests": len(requests), "limit": args.limit, "notes": requests.notes.lines()}
     return result
@@ -368,6 +386,36 @@ def format_snapshot(snap: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# ---- synth -----------------------------------------------------------------------------------
+def _add_synth(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("synth", help="grow a Mooncake trace to N requests for scale tests (same session lengths, gaps, sharing)",
+                       description="Write a Mooncake JSONL trace of N requests grown from SOURCE: sessions resampled, private "
+                                   "hash ids shifted per drawn session, shared ids kept (method: sgl_hicache/replay/synth.py).")
+    p.add_argument("source", help="a Mooncake JSONL trace (e.g. the shipped one)")
+    p.add_argument("--requests", type=_positive_int, required=True, help="requests to write (1e6-style accepted)")
+    p.add_argument("--out", type=Path, required=True, help="the JSONL file to write")
+    p.add_argument("--seed", type=int, default=0, help="resampling seed (default 0)")
+    p.add_argument("--block-size", type=_positive_int, default=512, help="tokens per hash id (default 512)")
+    p.set_defaults(func=cmd_synth)
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    from .replay.synth import synthesise, write_trace
+
+    src = Path(args.source)
+    if not src.is_file():
+        raise UserError(f"source trace {str(src)!r} is not a file")
+    if args.out.is_dir():
+        raise UserError(f"--out {str(args.out)!r} is a directory; give a file path")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(args.out.suffix + ".tmp")
+    with tmp.open("w") as f:
+        n = write_trace(synthesise(src, args.requests, seed=args.seed, block_size=args.block_size), f)
+    tmp.replace(args.out)
+    print(f"wrote {n} requests to {args.out}")
+    return 0
+
+
 # ---- serve -----------------------------------------------------------------------------------
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="launch SGLang with sgl_hicache tiering (flags after -- go to SGLang)", add_help=False)
@@ -388,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_serve(sub)
     _add_replay(sub)
     _add_stats(sub)
+    _add_synth(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -7,6 +7,7 @@ with a message that names the field, never later inside the serving path.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +60,7 @@ class KVLayout:
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
 
-    @property
+    @functools.cached_property  # asked on every transfer; computing it makes a tensor
     def bytes_per_token(self) -> int:
         """K and V of every layer for one token."""
         elem = torch.empty((), dtype=self.torch_dtype).element_size()

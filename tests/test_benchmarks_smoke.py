@@ -193,3 +193,13 @@ def test_tp_consensus_smoke(tmp_path: Path) -> None:
     for name in ("off", "check", "allreduce"):
         assert result["us_per_step_median"][name] > 0
     assert "check / off" in result["ratios"]
+
+
+def test_replay_scale_smoke(tmp_path: Path) -> None:
+    result = _run("replay_scale.py", tmp_path / "scale.json")
+    points = {p["bytes"]: p for p in result["points"]}
+    assert set(points) == {"metadata", "real"} and all(p["requests"] == 60 for p in points.values())
+    assert any(p.get("modes_agree") for p in result["points"])
+    assert points["metadata"]["hit_tokens"] == points["real"]["hit_tokens"]
+    assert all(p["max_rss_mb"] > 0 and p["engine_cpu_s"] > 0 for p in points.values())
+    assert result["compare"]["parallel_wall_s"] > 0 and result["compare"]["sequential_wall_s"] > 0

@@ -1,10 +1,20 @@
-"""Run one policy, or compare several on the same trace and capacities, into a report."""
+"""Run one policy, or compare several on the same trace and capacities, into a report.
+
+`compare` runs the policies in parallel processes (one per policy, up to the CPUs there are) and
+merges their reports in policy order; the merged report is the one the policies would give one
+after another (every figure but `engine.wall_s` is deterministic). `run_policy` can write a partial
+report every N completed requests (`checkpoint_every`), so a long run killed midway is not lost.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 from ..replay.trace import Request
@@ -33,33 +43,107 @@ def settings_of(config: EngineConfig) -> dict[str, Any]:
         "prefetch_window": config.prefetch_window,
         "storage_bytes_per_token": config.storage_layout.bytes_per_token,
         "model_kv_bytes_per_token": config.model.kv_bytes_per_token,
+        "bytes": config.byte_mode,
     }
 
 
-def run_policy(requests: Sequence[Request], config: EngineConfig, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    engine = EmbeddedEngine(config, progress=progress)
+def _report(engine: EmbeddedEngine, config: EngineConfig, wall: float, cpu: float = 0.0) -> dict[str, Any]:
+    records = engine.records
+    duration = (max(records.finish_s) - min(records.arrival_s)) if len(records) else 0.0
+    report = policy_report(records=records, snapshot=engine.cache.snapshot(), duration_s=duration, settings=settings_of(config))
+    report["engine"] = {"steps": engine.steps, "wall_s": wall, "virtual_s": engine.now, "demote_seconds": engine.demote_seconds,
+                        "disk_write_seconds": engine.disk_write_seconds, "bytes": config.byte_mode,
+                        "cpu_s": cpu}
+    report["tree"] = largest_subtrees(engine.cache.tree, config.model.kv_bytes_per_token * config.page_size, now=engine.now)
+    return report
+
+
+def write_json(path: Path, obj: dict[str, Any]) -> None:
+    """Write `obj` as JSON atomically (a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
+def checkpoint_path(report: Path, policy: str) -> Path:
+    """Where a run writes its partial reports: ``REPORT.<policy>.partial.json`` beside the report."""
+    return report.with_name(f"{report.name}.{policy}.partial.json")
+
+
+def run_policy(requests: Iterable[Request], config: EngineConfig, progress: Callable[..., None] | None = None,
+               checkpoint: Path | None = None, checkpoint_every: int = 0) -> dict[str, Any]:
+    """One policy's report. `requests` is a sequence or a streamed source (an iterable in arrival
+    order; its `len()` when it has one feeds the progress). With `checkpoint` and
+    `checkpoint_every` N, a partial report (a valid replay report of the requests finished so far,
+    with ``"partial": {"requests_done": n, "requests_total": N}``) is written there every N
+    completions; it is removed when the run ends normally."""
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+
+    def save(engine: EmbeddedEngine) -> None:
+        rep = _report(engine, config, time.perf_counter() - wall0, time.process_time() - cpu0)
+        partial = {"version": REPORT_VERSION, "kind": "replay", "policies": {config.policy: rep},
+                   "partial": {"requests_done": len(engine.records), "requests_total": engine.total}}
+        write_json(checkpoint, partial)  # type: ignore[arg-type]
+
+    engine = EmbeddedEngine(config, progress=progress, checkpoint=save if checkpoint is not None else None,
+                            checkpoint_every=checkpoint_every)
     try:
-        wall = time.perf_counter()
-        records = engine.run(requests)
-        wall = time.perf_counter() - wall
+        total = len(requests) if hasattr(requests, "__len__") else None  # type: ignore[arg-type]
+        engine.run(requests, total=total)
+        wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
         engine.cache.check()  # a replay that broke an invariant must not produce a report
-        duration = max((r.finish_s for r in records), default=0.0) - min((r.arrival_s for r in records), default=0.0)
-        report = policy_report(records=records, snapshot=engine.cache.snapshot(), duration_s=duration, settings=settings_of(config))
-        report["engine"] = {"steps": engine.steps, "wall_s": wall, "virtual_s": engine.now, "demote_seconds": engine.demote_seconds,
-                            "disk_write_seconds": engine.disk_write_seconds}
-        report["tree"] = largest_subtrees(engine.cache.tree, config.model.kv_bytes_per_token * config.page_size, now=engine.now)
+        report = _report(engine, config, wall, cpu)
+        if checkpoint is not None and checkpoint.exists():
+            checkpoint.unlink()
         return report
     finally:
         engine.close()
 
 
-def compare(requests: Sequence[Request], base: EngineConfig, policies: Sequence[str] = POLICIES,
-            progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
-    """Every policy on the same requests and capacities; ratios against `recompute` and `demote`."""
+_QUEUE: Any = None  # a worker's progress queue to the parent (set by `_init_worker`)
+
+
+def _init_worker(queue: Any) -> None:
+    global _QUEUE
+    _QUEUE = queue
+
+
+def _run_in_worker(requests: Iterable[Request], config: EngineConfig, checkpoint: Path | None,
+                   checkpoint_every: int) -> dict[str, Any]:
+    """One policy in a worker process; progress goes back to the parent over the queue, throttled."""
+    last = [0.0]
+    queue = _QUEUE
+
+    def progress(done: int, total: int | None, hit_rate: float | None = None) -> None:
+        now = time.monotonic()
+        if now - last[0] >= 0.5 or (total is not None and done >= total):
+            last[0] = now
+            queue.put((config.policy, done, total, hit_rate))
+
+    return run_policy(requests, config, progress if queue is not None else None, checkpoint, checkpoint_every)
+
+
+def compare(requests: Iterable[Request], base: EngineConfig, policies: Sequence[str] = POLICIES,
+            progress: Callable[..., None] | None = None, workers: int | None = None,
+            checkpoint: Path | None = None, checkpoint_every: int = 0) -> dict[str, Any]:
+    """Every policy on the same requests and capacities; ratios against `recompute` and `demote`.
+
+    `workers` processes run the policies side by side (default: one per policy, at most the CPUs
+    this process may use; 1 runs them one after another here). `progress(label, done, total,
+    hit_rate)` is called in this process. `checkpoint` is the report path: each policy writes its
+    partial reports to `checkpoint_path(checkpoint, policy)`."""
+    if workers is None:
+        workers = min(len(policies), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
     out: dict[str, Any] = {"version": REPORT_VERSION, "kind": "compare", "policies": {}}
-    for name in policies:
-        cb = (lambda done, total, n=name: progress(n, done, total)) if progress else None
-        out["policies"][name] = run_policy(requests, dataclasses.replace(base, policy=name), cb)
+    configs = {name: dataclasses.replace(base, policy=name) for name in policies}
+    ckpt = {name: checkpoint_path(checkpoint, name) if checkpoint is not None else None for name in policies}
+    if workers <= 1 or len(policies) <= 1:
+        for name in policies:
+            cb = (lambda done, total, hit_rate=None, n=name: progress(n, done, total, hit_rate)) if progress else None
+            out["policies"][name] = run_policy(requests, configs[name], cb, ckpt[name], checkpoint_every)
+    else:
+        out["policies"] = _compare_parallel(requests, configs, workers, progress, ckpt, checkpoint_every)
     ratios: dict[str, Any] = {}
     for base_name in ("recompute", "demote"):
         ref = out["policies"].get(base_name)
@@ -80,3 +164,38 @@ def compare(requests: Sequence[Request], base: EngineConfig, policies: Sequence[
 
 def _ratio(a: float, b: float) -> float | None:
     return a / b if b else None
+
+
+def _compare_parallel(requests: Iterable[Request], configs: dict[str, EngineConfig], workers: int,
+                      progress: Callable[..., None] | None, ckpt: dict[str, Path | None], checkpoint_every: int) -> dict[str, Any]:
+    """The policies in `workers` spawned processes (a fresh interpreter each: no forked locks or
+    threads); reports merged in the order of `configs`."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue() if progress else None  # inherited by the workers (no manager process)
+    stop = threading.Event()
+
+    def drain() -> None:  # progress lines from the workers, shown here
+        while not stop.is_set() or (queue is not None and not queue.empty()):
+            try:
+                label, done, total, hit = queue.get(timeout=0.2)  # type: ignore[union-attr]
+            except Exception:
+                continue
+            progress(label, done, total, hit)  # type: ignore[misc]
+
+    reader = threading.Thread(target=drain, name="compare-progress", daemon=True) if queue is not None else None
+    if reader:
+        reader.start()
+    try:
+        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker, initargs=(queue,)) as pool:
+            futures = {name: pool.submit(_run_in_worker, requests, cfg, ckpt[name], checkpoint_every)
+                       for name, cfg in configs.items()}
+            return {name: fut.result() for name, fut in futures.items()}
+    finally:
+        stop.set()
+        if reader:
+            reader.join(timeout=5)
+        if queue is not None:
+            queue.close()

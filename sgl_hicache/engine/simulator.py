@@ -33,7 +33,7 @@ import math
 import os
 import tempfile
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,10 +46,13 @@ from ..replay.trace import Request
 from ..tiers.base import DEVICE, DISK, HOST
 from ..transfer.executors import VirtualExecutor, VirtualPipes
 from . import cost
-from .report import RequestRecord
+from .records import RecordColumns
 from .presets import HardwarePreset, ModelPreset
 
 POLICIES = ("recompute", "demote", "prefetch", "predict", "oracle")
+BYTE_MODES = ("real", "metadata")
+# a metadata disk tier has no directory; CacheConfig only needs one to size the tier
+_METADATA_DISK_DIR = Path("<metadata: no files>")
 _LINK_TIERS = {"disk->host": (DISK, HOST), "host->device": (HOST, DEVICE), "device->host": (DEVICE, HOST), "host->disk": (HOST, DISK)}
 
 
@@ -79,6 +82,9 @@ class EngineConfig:
     device_writeback_clean_fraction: float = 0.25
     writeback_clean_fraction: float = 0.25
     storage_layout: KVLayout = field(default_factory=lambda: KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="bfloat16"))
+    # "real": bytes really copied through the real stores (proves the data path); "metadata": the
+    # same decisions and virtual times, pages accounted but no bytes held or copied (`tiers/metadata.py`)
+    byte_mode: str = "real"
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -89,6 +95,8 @@ class EngineConfig:
             raise ValueError(f"time_scale must be > 0, got {self.time_scale}")
         if self.max_batch_tokens < 1 or self.max_running < 1:
             raise ValueError("max_batch_tokens and max_running must be >= 1")
+        if self.byte_mode not in BYTE_MODES:
+            raise ValueError(f"unknown byte mode {self.byte_mode!r}; choose one of {', '.join(BYTE_MODES)}")
 
     def cache_config(self, disk_dir: Path | None) -> CacheConfig:
         tiered = self.policy != "recompute"
@@ -108,6 +116,8 @@ class EngineConfig:
 
 @dataclass(eq=False)
 class _Flight:
+    """One request inside the engine, from arrival to completion; its token ids go with it."""
+
     req: Request
     arrival: float
     ticket: Ticket
@@ -145,15 +155,25 @@ class EmbeddedEngine:
     inputs give the same records and statistics (nothing depends on wall time).
     """
 
-    def __init__(self, config: EngineConfig, progress: Callable[[int, int], None] | None = None) -> None:
+    def __init__(self, config: EngineConfig, progress: Callable[..., None] | None = None,
+                 checkpoint: Callable[["EmbeddedEngine"], None] | None = None, checkpoint_every: int = 0) -> None:
         self.config = config
         self._tmp = None
-        disk_dir = config.disk_dir
-        if disk_dir is None and config.disk_tokens > 0 and config.policy != "recompute":
-            self._tmp = tempfile.TemporaryDirectory(prefix="sgl-hicache-replay-", dir=_scratch_dir())
-            disk_dir = Path(self._tmp.name)
         self.now = 0.0
-        self.cache = TieredCache(config.cache_config(disk_dir), clock=lambda: self.now)
+        if config.byte_mode == "metadata":
+            from ..tiers.metadata import metadata_stores
+
+            cache_config = config.cache_config(_METADATA_DISK_DIR)
+            stores = metadata_stores(cache_config.layout, config.page_size, cache_config.device_pages, cache_config.host_pages,
+                                     cache_config.disk_pages)
+            self.cache = TieredCache(cache_config, device=stores["device"], host=stores.get("host"), disk=stores.get("disk"),
+                                     clock=lambda: self.now)
+        else:
+            disk_dir = config.disk_dir
+            if disk_dir is None and config.disk_tokens > 0 and config.policy != "recompute":
+                self._tmp = tempfile.TemporaryDirectory(prefix="sgl-hicache-replay-", dir=_scratch_dir())
+                disk_dir = Path(self._tmp.name)
+            self.cache = TieredCache(config.cache_config(disk_dir), clock=lambda: self.now)
         self.links = VirtualLinks(config.model, config.hardware)
         self.executor = VirtualExecutor(self.cache, self.links, lambda: self.now, config.page_size)
         predictor = make_predictor(self.cache.config.predictor, config.page_size, config.predictor_budget_tokens, model=self.cache.reuse)
@@ -165,8 +185,13 @@ class EmbeddedEngine:
             writeback_clean_fraction=config.writeback_clean_fraction,
         )
         self.controller = RequestController(self.cache, self.executor, predictor, settings, clock=lambda: self.now)
-        self.progress = progress
-        self.records: list[RequestRecord] = []
+        self.progress = progress  # (done, total, hit_rate so far); total is None when unknown
+        self.checkpoint = checkpoint  # called with the engine every `checkpoint_every` completions
+        self.checkpoint_every = checkpoint_every
+        self.records = RecordColumns()
+        self.total: int | None = None
+        self._prompt_tokens = 0
+        self._hit_tokens = 0
         self.demote_seconds = 0.0  # virtual seconds steps spent copying evicted pages device -> host
         self._inline_charged = {"device->host": 0, "host->disk": 0}
         self.steps = 0
@@ -211,6 +236,11 @@ class EmbeddedEngine:
             self.oracle.arrived(self._position[id(req)])
         ticket, _ = self.controller.arrive(req.input_ids)
         waiting.append(_Flight(req, arrival, ticket))
+
+    @property
+    def hit_rate(self) -> float:
+        """Prompt tokens served from any tier / prompt tokens, over the requests finished so far."""
+        return self._hit_tokens / self._prompt_tokens if self._prompt_tokens else 0.0
 
     def _issue_prefetches(self, waiting: deque) -> None:
         """Start the disk -> host prefetch of the first `prefetch_window` waiting requests. Host ->
@@ -279,18 +309,32 @@ class EmbeddedEngine:
         self.cache.free_device(flight.output_pages)
         self.cache.unlock(flight.anchor)  # type: ignore[arg-type]
         hd, hh, hk = flight.hits
-        self.records.append(RequestRecord(flight.req.request_id, flight.arrival, (flight.first_token or 0) - flight.arrival, self.now,
-                                          len(flight.req.input_ids), flight.req.output_length, hd, hh, hk))
+        prompt = len(flight.req.input_ids)
+        self.records.add(flight.arrival, (flight.first_token or 0) - flight.arrival, self.now, prompt, flight.req.output_length, hd, hh, hk)
+        self._prompt_tokens += prompt
+        self._hit_tokens += hd + hh + hk
+        done = len(self.records)
         if self.progress:
-            self.progress(len(self.records), self._total)
+            self.progress(done, self.total, self.hit_rate)
+        if self.checkpoint is not None and self.checkpoint_every and done % self.checkpoint_every == 0:
+            self.checkpoint(self)
 
     # ---- the loop --------------------------------------------------------------------------
-    def run(self, requests: Sequence[Request]) -> list[RequestRecord]:
+    def run(self, requests: Iterable[Request], total: int | None = None) -> RecordColumns:
+        """Replay `requests`: a sequence (sorted by arrival here) or, streaming, an iterator already
+        in arrival order, read one request ahead of its arrival, so that only the requests in
+        flight hold token ids. `total` (the count, when the iterator knows it) feeds the progress."""
         cfg = self.config
-        self._total = len(requests)
-        pending = deque(sorted(requests, key=lambda r: r.arrival_s))
-        if cfg.policy == "oracle":
-            self._install_oracle(list(pending))
+        if isinstance(requests, Sequence) or cfg.policy == "oracle":
+            # the oracle knows the future: it needs the whole trace (a stream is read into memory)
+            ordered = sorted(requests, key=lambda r: r.arrival_s)
+            self.total = len(ordered)
+            pending: _Pending = _Pending(iter(ordered))
+            if cfg.policy == "oracle":
+                self._install_oracle(ordered)
+        else:
+            self.total = total
+            pending = _Pending(iter(requests))
         waiting: deque[_Flight] = deque()
         prefilling: list[_Flight] = []  # admitted, prompt not fully computed yet (chunked prefill)
         running: list[_Flight] = []  # decoding
@@ -301,7 +345,7 @@ class EmbeddedEngine:
                 while pending and len(waiting) + len(prefilling) + len(running) < cfg.concurrency:  # type: ignore[operator]
                     self._arrive(pending.popleft(), self.now, waiting)
             else:
-                while pending and pending[0].arrival_s * cfg.time_scale <= self.now:
+                while pending and pending.head().arrival_s * cfg.time_scale <= self.now:
                     req = pending.popleft()
                     self._arrive(req, req.arrival_s * cfg.time_scale, waiting)
             if cfg.policy in ("prefetch", "predict"):
@@ -390,11 +434,38 @@ class EmbeddedEngine:
                 released = True
         return released
 
-    def _next_event_time(self, pending: deque) -> float | None:
+    def _next_event_time(self, pending: "_Pending") -> float | None:
         times = []
         if pending and self.config.concurrency is None:
-            times.append(pending[0].arrival_s * self.config.time_scale)
+            times.append(pending.head().arrival_s * self.config.time_scale)
         nxt = self.executor.next_event()
         if nxt is not None:
             times.append(max(nxt, self.now))
         return min(times) if times else None
+
+
+class _Pending:
+    """The requests not yet arrived: an iterator read one ahead (the next arrival must be known).
+    An iterator out of arrival order is refused: a replay's clock only goes forward."""
+
+    def __init__(self, it: Iterator[Request]) -> None:
+        self._it = it
+        self._head: Request | None = next(it, None)
+        self._last = -math.inf
+
+    def __bool__(self) -> bool:
+        return self._head is not None
+
+    def head(self) -> Request:
+        assert self._head is not None
+        return self._head
+
+    def popleft(self) -> Request:
+        req = self._head
+        assert req is not None
+        if req.arrival_s < self._last:
+            raise ValueError(f"request {req.request_id} arrives at {req.arrival_s} s, before the one read before it "
+                             f"({self._last} s): a streamed trace must be in arrival order")
+        self._last = req.arrival_s
+        self._head = next(self._it, None)
+        return req

@@ -61,19 +61,25 @@ COVERAGES = ("auto", "fixed", "varying")
 
 
 class _FixedSynth:
-    """Every hash id is `block_tokens` tokens (cached per id)."""
+    """Every hash id is `block_tokens` tokens (cached per id; with `max_blocks`, the most recently
+    used `max_blocks` ids only, so a streamed trace's memory does not grow with its length)."""
 
-    def __init__(self, synth: TokenSynth, block_tokens: int) -> None:
+    def __init__(self, synth: TokenSynth, block_tokens: int, max_blocks: int | None = None) -> None:
         self.synth = synth
         self.block_tokens = block_tokens
+        self.max_blocks = max_blocks
         self.cache: dict[int, array] = {}
 
     def tokens(self, hash_ids: list[int], length: int) -> array:
         out = array("q")
+        cache, bounded = self.cache, self.max_blocks is not None
         for h in hash_ids:
-            block = self.cache.get(h)
+            block = cache.pop(h, None) if bounded else cache.get(h)
             if block is None:
-                block = self.cache[h] = self.synth.tokens(h, self.block_tokens)
+                block = self.synth.tokens(h, self.block_tokens)
+                if bounded and len(cache) >= self.max_blocks:  # type: ignore[operator]
+                    del cache[next(iter(cache))]  # the least recently used id
+            cache[h] = block
             out += block
         del out[length:]
         return out
@@ -150,6 +156,44 @@ class _SessionIndex:
         return best
 
 
+def check_options(block_size: int, scale: int | None, limit: int | None, vocab_size: int, token_offset: int, seed: int) -> None:
+    """The options every Mooncake reader takes (ValueError naming the bad one)."""
+    check_positive_int("block_size", block_size)
+    if scale is not None:
+        check_positive_int("scale", scale)
+    if limit is not None:
+        check_positive_int("limit", limit, minimum=0)
+    check_synth_options(vocab_size, token_offset, seed)
+
+
+def parse_row(path: str | Path, line: int, text: str, notes: ReadNotes, block_size: int,
+              block_coverage: str) -> tuple[int | float, int, int, list[int], bool]:
+    """One line: (raw timestamp, input_length, output_length, hash_ids, whether the ids fit
+    `block_size`). Raises TraceError for anything malformed, and for a misfit under "fixed"."""
+    obj = parse_json_object(path, line, text)
+    ts = get_timestamp(path, line, obj, "timestamp", notes)
+    input_length = get_int(path, line, obj, "input_length", minimum=1)
+    output_length = get_int(path, line, obj, "output_length", minimum=0)
+    if "hash_ids" not in obj:
+        raise TraceError(path, line, "missing field 'hash_ids'")
+    hash_ids = obj["hash_ids"]
+    if not isinstance(hash_ids, list):
+        raise TraceError(path, line, f"field 'hash_ids' must be an array of integers, got {type(hash_ids).__name__}")
+    for i, h in enumerate(hash_ids):
+        if isinstance(h, bool) or not isinstance(h, int) or h < 0:
+            raise TraceError(path, line, f"field 'hash_ids'[{i}] must be a non-negative integer, got {_short(h)}")
+    expected = -(-input_length // block_size)  # type: ignore[operator]
+    fits = len(hash_ids) == expected
+    if not fits and (block_coverage == "fixed" or not hash_ids):
+        raise TraceError(
+            path,
+            line,
+            f"hash_ids has {len(hash_ids)} ids but input_length {input_length} needs "
+            f"ceil({input_length}/{block_size}) = {expected} blocks of {block_size} tokens",
+        )
+    return ts, input_length, output_length, hash_ids, fits  # type: ignore[return-value]
+
+
 def read_mooncake(
     path: str | Path,
     *,
@@ -170,12 +214,7 @@ def read_mooncake(
     Raises TraceError (``FILE:LINE: reason``) for anything malformed, ValueError for a bad option.
     The returned `Trace` carries the read's notes.
     """
-    check_positive_int("block_size", block_size)
-    if scale is not None:
-        check_positive_int("scale", scale)
-    if limit is not None:
-        check_positive_int("limit", limit, minimum=0)
-    check_synth_options(vocab_size, token_offset, seed)
+    check_options(block_size, scale, limit, vocab_size, token_offset, seed)
     check_positive_int("system_prefix_blocks", system_prefix_blocks, minimum=0)
     if block_coverage not in COVERAGES:
         raise ValueError(f"block_coverage must be one of {', '.join(COVERAGES)}, got {block_coverage!r}")
@@ -186,29 +225,9 @@ def read_mooncake(
     rows: list[tuple[int, int | float, int, int, list[int]]] = []
     misfit: tuple[int, int, int] | None = None  # (line, ids, input_length) of the first line that does not fit
     for line, text in read_lines(path):
-        obj = parse_json_object(path, line, text)
-        ts = get_timestamp(path, line, obj, "timestamp", notes)
-        input_length = get_int(path, line, obj, "input_length", minimum=1)
-        output_length = get_int(path, line, obj, "output_length", minimum=0)
-        if "hash_ids" not in obj:
-            raise TraceError(path, line, "missing field 'hash_ids'")
-        hash_ids = obj["hash_ids"]
-        if not isinstance(hash_ids, list):
-            raise TraceError(path, line, f"field 'hash_ids' must be an array of integers, got {type(hash_ids).__name__}")
-        for i, h in enumerate(hash_ids):
-            if isinstance(h, bool) or not isinstance(h, int) or h < 0:
-                raise TraceError(path, line, f"field 'hash_ids'[{i}] must be a non-negative integer, got {_short(h)}")
-        expected = -(-input_length // block_size)
-        if len(hash_ids) != expected:
-            if block_coverage == "fixed" or not hash_ids:
-                raise TraceError(
-                    path,
-                    line,
-                    f"hash_ids has {len(hash_ids)} ids but input_length {input_length} needs "
-                    f"ceil({input_length}/{block_size}) = {expected} blocks of {block_size} tokens",
-                )
-            if misfit is None:
-                misfit = (line, len(hash_ids), input_length)
+        ts, input_length, output_length, hash_ids, fits = parse_row(path, line, text, notes, block_size, block_coverage)
+        if not fits and misfit is None:
+            misfit = (line, len(hash_ids), input_length)
         rows.append((line, ts, input_length, output_length, hash_ids))
         if limit is not None and len(rows) >= limit:
             break

@@ -28,6 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+try:  # optional: vectorises token synthesis; the pure-Python path gives the same ids
+    import numpy as _np
+except ImportError:  # pragma: no cover - numpy comes with torch in every supported environment
+    _np = None
+
 
 class TraceError(ValueError):
     """A trace file is malformed. `str()` is ``FILE:LINE: message``; `path`, `line`, `reason` are kept."""
@@ -198,22 +203,26 @@ def check_positive_int(name: str, value: Any, minimum: int = 1) -> int:
 
 
 def read_lines(path: str | Path) -> Iterator[tuple[int, str]]:
-    """Yield ``(line_number, text)`` for every non-blank line of a text file; bad UTF-8 is a TraceError."""
+    """Yield ``(line_number, text)`` for every non-blank line of a text file (lines end at ``\\n``);
+    bad UTF-8 is a TraceError."""
     p = Path(path)
     try:
-        data = p.read_bytes()
+        f = p.open("rb")  # read line by line: a million-line trace is never held whole
     except IsADirectoryError as e:
         raise TraceError(p, 1, "is a directory, not a trace file") from e
     seen = False
-    for number, raw in enumerate(data.split(b"\n"), start=1):
-        if not raw.strip():
-            continue
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise TraceError(p, number, f"not valid UTF-8 ({e.reason} at byte {e.start})") from e
-        seen = True
-        yield number, text
+    with f:
+        for number, raw in enumerate(f, start=1):
+            if raw.endswith(b"\n"):  # exactly what split(b"\n") gave: the text without its newline
+                raw = raw[:-1]
+            if not raw.strip():
+                continue
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise TraceError(p, number, f"not valid UTF-8 ({e.reason} at byte {e.start})") from e
+            seen = True
+            yield number, text
     if not seen:
         raise TraceError(p, 1, "empty trace: no requests in the file")
 
@@ -409,12 +418,16 @@ class TokenSynth:
     def tokens(self, key: object, n: int) -> array:
         if n <= 0:
             return array("q")
-        bits = random.Random(f"{self.seed}:{key}").getrandbits(32 * n)
+        data = random.Random(f"{self.seed}:{key}").getrandbits(32 * n).to_bytes(4 * n, "little")
+        span, off = self.span, self.offset
+        if _np is not None:  # the same ids, vectorised (a streamed replay synthesises every block it meets)
+            out = array("q")
+            out.frombytes((_np.frombuffer(data, dtype="<u4").astype(_np.int64) % span + off).tobytes())
+            return out
         raw = array("I")
         if raw.itemsize != 4:  # pragma: no cover - every supported platform has a 4-byte 'I'
             raw = array("L")
-        raw.frombytes(bits.to_bytes(4 * n, "little"))
-        span, off = self.span, self.offset
+        raw.frombytes(data)
         return array("q", [x % span + off for x in raw])
 
 

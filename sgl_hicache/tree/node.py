@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from ..hashing import PageKey, chain_keys
+from ..hashing import PageKey, chain_keys, tokens_bytes
 from ..tiers.base import DEVICE, DISK, HOST, Handle
 
 _ids = itertools.count()
@@ -27,6 +27,7 @@ class TreeNode:
         "parent",
         "children",
         "tokens",
+        "_bytes",
         "_keys",
         "num_pages",
         "device",
@@ -48,6 +49,7 @@ class TreeNode:
         self.parent = parent
         self.children: dict[tuple[int, ...], TreeNode] = {}
         self.tokens = tokens
+        self._bytes: bytes | None = None  # `tokens` as int64 bytes, made on first use
         # computed on first use (disk I/O, restart lookups): hashing every page of every insert
         # would cost more than the tree walk itself when pages never reach the disk tier
         self._keys = keys
@@ -73,6 +75,17 @@ class TreeNode:
             assert self.parent is not None, "a detached node has no key chain"
             self._keys = chain_keys(self.parent.last_key, self.tokens, len(self.tokens) // self.num_pages)
         return self._keys
+
+    @property
+    def token_bytes(self) -> bytes:
+        """`tokens` as int64 bytes (`hashing.tokens_bytes`): edges compare at memcmp speed."""
+        if self._bytes is None:
+            self._bytes = tokens_bytes(self.tokens)
+        return self._bytes
+
+    def set_tokens(self, tokens: tuple[int, ...]) -> None:
+        self.tokens = tokens
+        self._bytes = None
 
     def split_keys(self, pages: int) -> tuple[list[PageKey] | None, list[PageKey] | None]:
         """Keys of the first `pages` pages and of the rest, without computing uncomputed keys."""

@@ -7,11 +7,15 @@ invariants that `check()` verifies. The cache (`sgl_hicache.cache`) decides and 
 from __future__ import annotations
 
 import itertools
+from array import array
 from collections.abc import Iterator, Sequence
 
 from ..hashing import Namespace, PageKey, chain_keys
 from ..tiers.base import DISK, TIERS, Handle
 from .node import TreeNode, split_handles
+
+
+_ALL = frozenset(TIERS)
 
 
 class InvariantError(AssertionError):
@@ -27,7 +31,8 @@ class RadixTree:
       copy was lost while in use is removed when released);
     - residency is prefix-closed in every tier: a node resident in a tier has its parent resident in
       that tier too (or the parent is the root), so what a tier keeps is always usable from the root;
-    - `pages[tier]` equals the sum of the pages of the nodes resident in that tier;
+    - `pages[tier]` equals the sum of the pages of the nodes resident in that tier, and `shared`
+      the same for every combination of tiers;
     - lock and pin counts are never negative; a node's lock count is at least the sum of its children's
       (locks are taken on a whole path).
     """
@@ -42,7 +47,13 @@ class RadixTree:
         # pages per tier of locked or pinned nodes, kept on every lock/pin/residency change
         self.protected: dict[str, int] = {tier: 0 for tier in TIERS}
         self.pages: dict[str, int] = {tier: 0 for tier in TIERS}
+        # pages held by nodes resident in each combination of two or more tiers, kept on every
+        # residency change: `clean_pages` in O(1) (background write-back asks every step)
+        self.shared: dict[frozenset[str], int] = {}
         self.node_count = 0
+        # bumped on every change of structure, residency, lock or pin (and by the cache when it
+        # changes what eviction orders by): equal versions mean the same tree for a planner
+        self.version = 0
 
     # ---- structure -------------------------------------------------------------------------
     def page_aligned(self, tokens: Sequence[int]) -> int:
@@ -61,11 +72,16 @@ class RadixTree:
         ps = self.page_size
         limit = self.page_aligned(tokens)
         node, pos, path = self.root, 0, []
+        # an int64 array compares as bytes (memcmp) rather than as a tuple of fresh ints
+        raw = tokens.tobytes() if isinstance(tokens, array) and tokens.typecode == "q" else None
         while pos < limit:
             child = node.children.get(tuple(tokens[pos : pos + ps]))
             if child is None:
                 break
-            n = self._common_pages(child.tokens, tokens, pos, limit)
+            if raw is not None:
+                n = self._common_pages_bytes(child, raw, pos, limit)
+            else:
+                n = self._common_pages(child.tokens, tokens, pos, limit)
             if n < child.num_pages:
                 if not split or child.pins:
                     break
@@ -74,6 +90,24 @@ class RadixTree:
             pos += child.num_pages * ps
             node = child
         return path, pos
+
+    def _common_pages_bytes(self, child: TreeNode, raw: bytes, pos: int, limit: int) -> int:
+        """`_common_pages` for a prompt given as int64 bytes: whole pages in common with `child`'s
+        edge, by a binary search over byte prefixes (each compared at C speed)."""
+        ps = self.page_size
+        edge = child.token_bytes
+        pages = min(child.num_pages, (limit - pos) // ps)
+        start = pos * 8
+        if raw[start : start + pages * ps * 8] == edge[: pages * ps * 8]:
+            return pages
+        lo, hi = 0, pages - 1  # the first page matched already (the child was found by it)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if raw[start : start + mid * ps * 8] == edge[: mid * ps * 8]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _common_pages(self, edge: tuple[int, ...], tokens: Sequence[int], pos: int, limit: int) -> int:
         ps = self.page_size
@@ -93,6 +127,7 @@ class RadixTree:
     def split(self, node: TreeNode, pages: int) -> TreeNode:
         """Split `node` after `pages` pages; returns the new upper node (the old node keeps the rest)."""
         assert 0 < pages < node.num_pages and node.pins == 0, (node, pages)
+        self.version += 1
         cut = pages * self.page_size
         upper_keys, lower_keys = node.split_keys(pages)
         upper = TreeNode(node.parent, node.tokens[:cut], upper_keys, pages, next(self._ids))
@@ -105,7 +140,7 @@ class RadixTree:
         upper.traffic_stamp = node.traffic_stamp
         assert node.parent is not None
         node.parent.children[upper.tokens[: self.page_size]] = upper
-        node.tokens = node.tokens[cut:]
+        node.set_tokens(node.tokens[cut:])
         node.set_keys(lower_keys)
         node.num_pages -= pages
         node.parent = upper
@@ -119,20 +154,32 @@ class RadixTree:
     def add_child(self, parent: TreeNode, tokens: Sequence[int]) -> TreeNode:
         """A new, not yet resident node under `parent` for whole pages `tokens`; the caller sets its
         residency at once (a node resident nowhere breaks the invariants)."""
-        tokens = tuple(tokens)
+        self.version += 1
+        raw = None
+        if isinstance(tokens, array) and tokens.typecode == "q":
+            raw = tokens.tobytes()
+            tokens = tuple(tokens.tolist())  # twice as fast as tuple(array)
+        else:
+            tokens = tuple(tokens)
         assert tokens and len(tokens) % self.page_size == 0
         first = tokens[: self.page_size]
         assert first not in parent.children, "add_child over an existing edge"
         node = TreeNode(parent, tokens, None, len(tokens) // self.page_size, next(self._ids))
+        node._bytes = raw
         parent.children[first] = node
         self.node_count += 1
         return node
 
     def remove_leaf(self, node: TreeNode) -> None:
         assert not node.children and not node.is_root and node.evictable, node
+        self.version += 1
         assert not node.tiers(), f"removing {node} that is still resident"
         assert node.parent is not None
-        del node.parent.children[node.tokens[: self.page_size]]
+        first = node.tokens[: self.page_size]
+        del node.parent.children[first]
+        # its traffic count goes with it: a long replay would otherwise keep a count (and a page of
+        # token ids) for every conversation it ever saw, and the predictor would scan them all
+        node.parent.child_traffic.pop(first, None)
         node.parent = None
         self.node_count -= 1
 
@@ -144,6 +191,8 @@ class RadixTree:
         else:
             assert handles is not None and len(handles) == node.num_pages
             setattr(node, tier, list(handles))
+        self.version += 1
+        self._share(node, tier, +1)
         self.resident[tier].add(node)
         self.pages[tier] += node.num_pages
         if node.lock_ref or node.pins:
@@ -152,6 +201,8 @@ class RadixTree:
     def clear_resident(self, node: TreeNode, tier: str) -> list[Handle]:
         """Forget `node`'s copy in `tier`; returns the handles the store must free."""
         assert node.in_tier(tier), f"{node} not in {tier}"
+        self.version += 1
+        self._share(node, tier, -1)
         if tier == DISK:
             handles: list[Handle] = list(node.keys)
             node.on_disk = False
@@ -163,6 +214,22 @@ class RadixTree:
         if node.lock_ref or node.pins:
             self.protected[tier] -= node.num_pages
         return handles
+
+    def _share(self, node: TreeNode, tier: str, sign: int) -> None:
+        """`node` enters (+1) or leaves (-1) `tier`: update the pages of the tier sets it shares."""
+        others = [t for t in TIERS if t != tier and node.in_tier(t)]
+        if not others:
+            return
+        shared = self.shared
+        for other in others:
+            key = frozenset((tier, other))
+            shared[key] = shared.get(key, 0) + sign * node.num_pages
+        if len(others) == 2:
+            shared[_ALL] = shared.get(_ALL, 0) + sign * node.num_pages
+
+    def shared_pages(self, *tiers: str) -> int:
+        """Pages of the nodes resident in every one of `tiers` (two or three tiers), in O(1)."""
+        return self.shared.get(frozenset(tiers), 0)
 
     def tier_leaves(self, tier: str) -> Iterator[TreeNode]:
         """Nodes resident in `tier` with no child resident there: the only ones a tier may evict."""
@@ -178,6 +245,7 @@ class RadixTree:
 
     # ---- locks -----------------------------------------------------------------------------
     def lock(self, node: TreeNode) -> None:
+        self.version += 1
         while node is not None and not node.is_root:
             if node.lock_ref == 0 and node.pins == 0:
                 self._protect(node, +1)
@@ -185,6 +253,7 @@ class RadixTree:
             node = node.parent  # type: ignore[assignment]
 
     def unlock(self, node: TreeNode) -> None:
+        self.version += 1
         while node is not None and not node.is_root:
             if node.lock_ref <= 0:
                 raise InvariantError(f"unlock of {node} with lock_ref {node.lock_ref}")
@@ -195,11 +264,13 @@ class RadixTree:
 
     def pin(self, node: TreeNode) -> None:
         """A transfer reads or writes `node`: never evict or split it until `unpin`."""
+        self.version += 1
         if node.lock_ref == 0 and node.pins == 0:
             self._protect(node, +1)
         node.pins += 1
 
     def unpin(self, node: TreeNode) -> None:
+        self.version += 1
         if node.pins <= 0:
             raise InvariantError(f"unpin of {node} with pins {node.pins}")
         node.pins -= 1
@@ -237,6 +308,7 @@ class RadixTree:
     def check(self) -> None:
         """Verify every invariant in the class docstring; raise InvariantError naming the first broken one."""
         pages = {tier: 0 for tier in TIERS}
+        shared: dict[frozenset[str], int] = {}
         protected = {tier: 0 for tier in TIERS}
         members = {tier: set() for tier in TIERS}
         count = 0
@@ -250,6 +322,11 @@ class RadixTree:
             if len(node.keys) != node.num_pages or node.keys[0] != chain_keys(self.key_of(parent), node.tokens[: self.page_size], self.page_size)[0]:
                 raise InvariantError(f"{node}'s keys are not chained from its parent")
             tiers = node.tiers()
+            for i, a in enumerate(tiers):
+                for b in tiers[i + 1:]:
+                    shared[frozenset((a, b))] = shared.get(frozenset((a, b)), 0) + node.num_pages
+            if len(tiers) == 3:
+                shared[_ALL] = shared.get(_ALL, 0) + node.num_pages
             if not tiers and node.lock_ref == 0 and node.pins == 0:
                 # (a locked or pinned node may have lost its only copy meanwhile; it is removed when
                 # the last lock or pin goes)
@@ -270,6 +347,8 @@ class RadixTree:
                 raise InvariantError(f"{node} lock_ref {node.lock_ref} < its children's {child_locks}")
         if count != self.node_count:
             raise InvariantError(f"node_count {self.node_count} but {count} nodes reachable")
+        if {k: v for k, v in shared.items() if v} != {k: v for k, v in self.shared.items() if v}:
+            raise InvariantError(f"pages shared by tiers {self.shared} but nodes hold {shared}")
         for tier in TIERS:
             if pages[tier] != self.pages[tier]:
                 raise InvariantError(f"{tier} page count {self.pages[tier]} but nodes hold {pages[tier]}")
