@@ -31,6 +31,7 @@ CORE = [c for c in documented_commands() if not c.needs_sglang]
 SYNTAX_ONLY = {
     "scripts/test.sh": "the test command itself: running it here would recurse (CI runs it)",
     "python3 -m venv .venv": "creates the environment these tests run in",
+    "pip download": "fetches a wheel from PyPI (network; pip's parser is not argparse)",
 }
 
 
