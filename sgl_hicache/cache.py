@@ -221,6 +221,10 @@ class TieredCache:
             from .tiers.disk import DiskPageStore
 
             disk = DiskPageStore(config.layout, config.page_size, config.disk_pages, config.disk_dir, self.namespace, fsync=config.disk_fsync)
+        if disk is None and config.store_url:
+            from .tiers.store import open_store
+
+            disk = open_store(config, self.namespace)
         if disk is not None:
             self.stores[DISK] = disk
         self.priority = eviction_policy(config.eviction_policy)
@@ -295,18 +299,24 @@ class TieredCache:
         """Pages of `tokens` past the tree's match that the disk store holds but the tree does not
         know (written by an earlier process): adopt them as a disk-only node."""
         disk = self.stores[DISK]
-        if disk.stored_pages <= self.tree.pages[DISK]:  # type: ignore[attr-defined]
+        shared = getattr(disk, "shared", False)  # a shared store: other servers add pages any time
+        if not shared and disk.stored_pages <= self.tree.pages[DISK]:  # type: ignore[attr-defined]
             return []  # no orphan pages on disk: nothing to find
         parent = path[-1] if path else self.tree.root
         if not (parent.is_root or parent.on_disk):
             return []  # a disk node must hang under a disk node (prefix closure)
         limit = self.tree.page_aligned(tokens)
+        if matched + self.page_size > limit or tuple(tokens[matched : matched + self.page_size]) in parent.children:
+            return []
         keys = chain_keys(self.tree.key_of(parent), tokens[matched:limit], self.page_size)
-        found = 0
-        for key in keys:
-            if not disk.contains(key):  # type: ignore[attr-defined]
-                break
-            found += 1
+        if shared:
+            found = disk.count_present(keys)  # type: ignore[attr-defined]  # one batched existence check
+        else:
+            found = 0
+            for key in keys:
+                if not disk.contains(key):  # type: ignore[attr-defined]
+                    break
+                found += 1
         if found == 0 or tuple(tokens[matched : matched + self.page_size]) in parent.children:
             return []
         node = self.tree.add_child(parent, tokens[matched : matched + found * self.page_size])
@@ -719,13 +729,19 @@ class TieredCache:
                 return []
             clean = 0
             candidates = []
+            # a shared store takes the pages worth sharing (hit at least `min_hits` times), paced by
+            # `max_pages` per round, whether or not the device also holds them
+            shared_hits = getattr(self.stores[dst], "min_hits", None) if getattr(self.stores[dst], "shared", False) else None
             for n in self.tree.resident[src]:
-                if self._clean(n, src) or dst in n.incoming:  # clean, or about to be
+                done = n.on_disk if shared_hits is not None else self._clean(n, src)
+                if done or dst in n.incoming:  # clean, or about to be
                     clean += n.num_pages
+                    continue
+                if shared_hits is not None and n.hit_count < shared_hits:
                     continue
                 if n.evictable and (n.parent.is_root or n.parent.in_tier(dst)):  # type: ignore[union-attr]
                     candidates.append(n)
-            budget = min(max_pages, clean_target_pages - clean)
+            budget = max_pages if shared_hits is not None else min(max_pages, clean_target_pages - clean)
             if budget <= 0 or not candidates:
                 return []
             candidates.sort(key=self.priority)
@@ -789,7 +805,7 @@ class TieredCache:
         try:
             if tier == DEVICE and not node.host and self.has_tier(HOST):
                 self.ensure(node, HOST, kind="demote", may_evict=True)
-            elif tier == HOST and node.device is None and not node.on_disk and self.has_tier(DISK):
+            elif tier == HOST and node.device is None and not node.on_disk and self.has_tier(DISK) and getattr(self.stores[DISK], "demote_on_evict", True):
                 self.ensure(node, DISK, kind="demote", may_evict=True)
         finally:
             self.tree.unpin(node)
@@ -834,6 +850,11 @@ class TieredCache:
         snap = self.stats.snapshot()
         snap["stored_tokens"] = {t: self.tree.pages[t] * self.page_size for t in TIERS}
         snap["capacity_tokens"] = {t: (self.stores[t].capacity_pages * self.page_size if t in self.stores else 0) for t in TIERS}
+        lower = self.stores.get(DISK)
+        if lower is not None and hasattr(lower, "snapshot"):
+            # the lower-tier slot holds the shared store: its "disk" figures are store figures
+            snap["lower_tier"] = lower.name
+            snap["store"] = lower.snapshot()  # type: ignore[attr-defined]
         return snap
 
     def check(self) -> None:
