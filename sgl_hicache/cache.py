@@ -737,7 +737,7 @@ class TieredCache:
                 if done or dst in n.incoming:  # clean, or about to be
                     clean += n.num_pages
                     continue
-                if shared_hits is not None and n.hit_count < shared_hits:
+                if shared_hits is not None and (n.hit_count < shared_hits or not self.stores[dst].accepts(n.keys)):  # type: ignore[attr-defined]
                     continue
                 if n.evictable and (n.parent.is_root or n.parent.in_tier(dst)):  # type: ignore[union-attr]
                     candidates.append(n)

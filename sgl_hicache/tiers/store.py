@@ -148,6 +148,7 @@ class SharedStoreTier(TierStore):
         self._next_backoff = self.backoff_s
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # started on first use
         self._pending_exists: concurrent.futures.Future | None = None
+        self._refused: set[PageKey] = set()  # puts that failed: not offered again (best-effort)
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -175,6 +176,11 @@ class SharedStoreTier(TierStore):
     def keys(self) -> Iterator[PageKey]:
         with self._lock:
             return iter([k for k, v in self._index.items() if v])
+
+    def accepts(self, keys: Sequence[PageKey]) -> bool:
+        """False for pages whose put already failed once (a full store): write-back skips them
+        instead of retrying forever. Forgotten when the store recovers from an outage."""
+        return not self._refused or not any(k in self._refused for k in keys)
 
     def store_key(self, key: PageKey) -> str:
         return self._prefix + check_key(key).hex()
@@ -205,6 +211,7 @@ class SharedStoreTier(TierStore):
             was = self._down
             self._down = False
             self._next_backoff = self.backoff_s
+            self._refused.clear()
             if was:
                 self.counters["recoveries"] += 1
         if was:
@@ -311,7 +318,9 @@ class SharedStoreTier(TierStore):
             ok = self.backend.put([self.store_key(k) for k in keys], values)
         except StoreUnavailable as exc:
             self._failed(exc)
-            self._count("puts_failed", len(keys))
+            with self._lock:
+                self.counters["puts_failed"] += len(keys)
+                self._remember_refused(keys)
             raise TierIOError(f"store: put of {len(keys)} pages failed: {exc}") from exc
         self._succeeded()
         good = sum(ok)
@@ -322,8 +331,14 @@ class SharedStoreTier(TierStore):
             self.counters["pages_written"] += good
             self.counters["bytes_written"] += good * self.codec.value_bytes
             self.counters["puts_failed"] += len(keys) - good
+            self._remember_refused([k for k, stored in zip(keys, ok) if not stored])
         if good != len(keys):
             raise TierIOError(f"store: {len(keys) - good} of {len(keys)} puts failed (store full?)")
+
+    def _remember_refused(self, keys: Sequence[PageKey]) -> None:
+        if len(self._refused) > 1 << 20:  # bounded: a very long outage forgets the oldest refusals
+            self._refused.clear()
+        self._refused.update(keys)
 
     def read(self, handles: Sequence[Handle]) -> torch.Tensor:
         out = torch.empty((len(handles), *self.page_shape), dtype=self.dtype)

@@ -153,15 +153,16 @@ def start_mooncake(segment_mb: int = 256, snapshot: bool = False, timeout: float
     return store
 
 
-def start_redis(maxmemory_mb: int = 256, timeout: float = 20.0) -> LocalStore:
-    """A `redis-server` on a free port of 127.0.0.1, no persistence, LRU eviction at `maxmemory_mb`."""
+def start_redis(maxmemory_mb: int = 256, timeout: float = 20.0, policy: str = "allkeys-lru") -> LocalStore:
+    """A `redis-server` on a free port of 127.0.0.1, no persistence, `policy` (LRU eviction) at
+    `maxmemory_mb` (`policy="noeviction"`: a full server refuses writes)."""
     exe = shutil.which("redis-server")
     if exe is None:
         raise RuntimeError("the redis store needs `redis-server` (apt-get install -y redis-server)")
     work = Path(tempfile.mkdtemp(prefix="sglh-redis-"))
     port = free_port()
     args = [exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-            "--maxmemory", f"{maxmemory_mb}mb", "--maxmemory-policy", "allkeys-lru", "--dir", str(work)]
+            "--maxmemory", f"{maxmemory_mb}mb", "--maxmemory-policy", policy, "--dir", str(work)]
     store = LocalStore(url=f"redis://127.0.0.1:{port}", workdir=work, ports={"redis": port})
     store._args = {"redis": args}
     store._logs = {"redis": work / "redis.log"}
