@@ -133,7 +133,7 @@ class TieredRadixCache(BasePrefixCache):
         host_tokens = s.host_tokens_for(device_tokens)
         salt = ";".join(x for x in (model_salt, s.tenant_salt) if x)
         namespace = Namespace.for_model(layout, self.page_size, salt)
-        disk_tokens = s.disk_tokens_for(layout.bytes_per_token) if host_tokens >= self.page_size else 0
+        disk_tokens = s.disk_tokens_for(layout.bytes_per_token) if host_tokens >= self.page_size and not s.store else 0
         disk_dir = None
         if disk_tokens >= self.page_size:
             disk_dir = Path(s.disk_dir).expanduser() if s.disk_dir else default_disk_dir() / namespace.root.hex()[:16]
@@ -154,6 +154,8 @@ class TieredRadixCache(BasePrefixCache):
             predictor=s.predictor,
             tenant_salt=salt,
             disk_fsync=s.disk_fsync,
+            store_url=s.store if host_tokens >= self.page_size else None,
+            store_min_hits=s.store_min_hits,
         )
         self.cache = TieredCache(self.config, device=self.device_pool)
         self.engine = TransferEngine(self.cache, workers=s.transfer_workers)  # started on first use
@@ -197,6 +199,9 @@ class TieredRadixCache(BasePrefixCache):
             self._publisher = None
         self._drop_all_jobs()
         self.engine.stop()
+        close = getattr(self.cache.stores.get(DISK), "close", None)  # the shared store's connections
+        if close is not None:
+            close()
 
     def _drop_all_jobs(self) -> None:
         for st in list(self._states.values()):
@@ -583,6 +588,7 @@ class TieredRadixCache(BasePrefixCache):
             "predictor": self.config.predictor,
             "prefetch": self.settings.prefetch,
             "namespace": self.cache.namespace.description,
+            "store": self.config.store_url,
         }
         snap["bandwidth_bytes_per_s"] = self.cache.meter.snapshot()
         snap["time"] = time.time()

@@ -186,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    def stop_on_term(_signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop_on_term)  # a plain kill also stops the store's processes
     print(f"store running: --store '{store.url}'  (pids {', '.join(f'{k}={p.pid}' for k, p in store.procs.items())}); Ctrl-C stops it", flush=True)
     try:
         while all(p.poll() is None for p in store.procs.values()):
