@@ -385,7 +385,9 @@ class TieredCache:
             new_nodes: list[TreeNode] = []
             last = path[-1] if path else self.tree.root
             if matched < limit:
-                if last.is_root or last.device is not None:
+                # the walk stops before a pinned node it would have split (a copy of it in flight):
+                # then the rest stays the caller's (duplicates), never a second edge beside it
+                if (last.is_root or last.device is not None) and tuple(tokens[matched : matched + ps]) not in last.children:
                     node = self.tree.add_child(last, tokens[matched:limit])
                     self.tree.set_resident(node, DEVICE, list(device_handles[page:]))
                     adopted += node.num_pages
@@ -739,7 +741,8 @@ class TieredCache:
                     continue
                 if shared_hits is not None and (n.hit_count < shared_hits or not self.stores[dst].accepts(n.keys)):  # type: ignore[attr-defined]
                     continue
-                if n.evictable and (n.parent.is_root or n.parent.in_tier(dst)):  # type: ignore[union-attr]
+                # (a shared store also takes pages in use: a hot prefix is the one most worth sharing)
+                if (n.evictable or shared_hits is not None) and (n.parent.is_root or n.parent.in_tier(dst)):  # type: ignore[union-attr]
                     candidates.append(n)
             budget = max_pages if shared_hits is not None else min(max_pages, clean_target_pages - clean)
             if budget <= 0 or not candidates:
@@ -748,7 +751,11 @@ class TieredCache:
             ops: list[TransferOp] = []
             for n in candidates:
                 if n.num_pages > budget:
-                    break
+                    if shared_hits is None:
+                        break
+                    if ops:
+                        continue  # the store's pacing: a later round takes it
+                    # else a node larger than a whole batch goes alone, or it would never be shared
                 op = self.prepare(n, dst, "backup", may_evict=True)
                 if op is None:
                     break

@@ -11,6 +11,7 @@ unreachable or unsuitable server); 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -61,6 +62,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return value
+
+
 # ---- replay ----------------------------------------------------------------------------------
 def _add_replay(sub: argparse._SubParsersAction) -> None:
     from .engine.presets import HARDWARE, MODELS
@@ -95,6 +106,11 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eviction", default="lru", choices=EVICTION_POLICIES)
     p.add_argument("--write-policy", default="write_back", choices=WRITE_POLICIES)
     p.add_argument("--predictor-budget", type=_non_negative_int, default=8192, help="tokens the predictor may promote per request")
+    p.add_argument("--fleet", type=_positive_int, help="what-if: N simulated servers replaying the trace together, without and "
+                   "with a shared store in the disk tier's place (docs/store.md); prints both and the ratios")
+    p.add_argument("--route", default="session", choices=["round_robin", "session"], help="with --fleet: how requests reach servers (default session)")
+    p.add_argument("--store-bandwidth", type=_positive_float, default=1.0, help="with --fleet: each server's link to the store, GB/s (default 1.0)")
+    p.add_argument("--store-latency-us", type=_non_negative_float, default=200.0, help="with --fleet: per-transfer store latency, microseconds (default 200)")
     p.add_argument("--url", help="replay against a running SGLang server (http://HOST:PORT) instead of the embedded engine")
     p.add_argument("--max-new-tokens", type=_positive_int, help="with --url: cap each request's output length")
     p.add_argument("--report", type=Path, help="write the JSON report here")
@@ -221,7 +237,16 @@ def _replay_embedded(args: argparse.Namespace, progress: Progress) -> dict[str, 
     if need > ram // 2:
         raise UserError(f"--device-tokens {args.device_tokens} and --host-tokens {args.host_tokens} need {need / 2**30:.1f} GiB "
                         f"of RAM for the embedded engine's tiers; this machine has {ram / 2**30:.1f} GiB")
-    if args.compare:
+    if args.fleet:
+        if args.compare or args.disk_dir is not None:
+            raise UserError("--fleet compares the fleet without and with a store under one --policy; leave --compare and --disk-dir out")
+        if args.policy == "recompute" or args.host_tokens < args.page_size:
+            raise UserError("--fleet needs a tiered policy (demote, prefetch, predict) and a host tier (--host-tokens >= --page-size)")
+        from .engine.fleet import fleet_whatif
+
+        base = dataclasses.replace(base, store_bandwidth=args.store_bandwidth * 1e9, store_latency_s=args.store_latency_us * 1e-6)
+        result = fleet_whatif(requests, base, args.fleet, args.route, progress=progress)
+    elif args.compare:
         if args.disk_dir is not None:
             raise UserError("--compare runs every policy on a fresh disk tier; leave --disk-dir out")
         result = compare(requests, base, POLICIES, progress=progress)

@@ -33,6 +33,8 @@ PS = 4
 class Server:
     """One cache + controller + threaded executor, as `sglang/backend.py` wires them."""
 
+    served = 0  # requests served by every Server of the test (each checked for exact device KV)
+
     def __init__(self, url: str, salt: str, min_hits: int = 0) -> None:
         cfg = CacheConfig(SMALL_LAYOUT, device_tokens=64 * PS, host_tokens=128 * PS, page_size=PS, tenant_salt=salt,
                           store_url=url, store_min_hits=min_hits)
@@ -75,6 +77,7 @@ class Server:
             cache.unlock(m3.last_node)
         assert_device_kv(cache, tokens)  # never wrong KV, whatever the store did
         cache.check()
+        Server.served += 1
         return hits
 
     def write_back(self, timeout: float = 30.0) -> None:
@@ -88,6 +91,12 @@ class Server:
         self.ctrl.shutdown()
         self.engine.stop()
         self.store.close()
+
+
+@pytest.fixture(autouse=True)
+def _count_served():
+    Server.served = 0
+    yield
 
 
 def _prompt(seed: int, pages: int) -> list[int]:
@@ -169,6 +178,14 @@ def test_bad_value_under_a_valid_key_is_a_counted_miss(shared, damage: str) -> N
     assert b.cache.stats.errors["corrupt_pages"] == 1
 
 
+def _report(fault: str, t_fault: float, a: Server, b: Server, attempts: int) -> None:
+    """The figures docs/reliability.md quotes (run with -s to see them)."""
+    ca, cb = a.store.counters, b.store.counters
+    print(f"\n[store fault] {fault}: requests served {Server.served}, wrong KV 0 (each checked); "
+          f"errors A/B {ca['errors']}/{cb['errors']}, read misses B {cb['read_misses']}, puts failed A {ca['puts_failed']}, "
+          f"back after {time.monotonic() - t_fault:.1f} s ({attempts} tries), recoveries A/B {ca['recoveries']}/{cb['recoveries']}")
+
+
 def _comes_back(a: Server, b: Server, seed: int, timeout: float) -> int:
     """A serves and writes back a fresh prompt, B serves it, until B gets store hits (the tier is back
     for both). Returns the attempts it took."""
@@ -197,7 +214,7 @@ def test_mooncake_master_killed(snapshot: bool, caplog) -> None:
             if snapshot:
                 time.sleep(4)  # one snapshot interval (3 s) has passed
             svc.kill("master")
-            t0 = time.monotonic()
+            t_fault = t0 = time.monotonic()
             assert b.request(p) == (0, 0, 0)  # store down: served from local tiers (recomputed)
             assert time.monotonic() - t0 < 2.0  # the existence check answered at once (no 3-4 s block)
             assert b.store.counters["errors"] == 1 and not b.store.available
@@ -205,7 +222,13 @@ def test_mooncake_master_killed(snapshot: bool, caplog) -> None:
             q = _prompt(7, 4)
             assert b.request(q)[2] == 0  # while down: no lookup, no error storm
             svc.restart("master")
-            _comes_back(a, b, 200, timeout=40)
+            _report(f"master killed ({'snapshot' if snapshot else 'plain'})", t_fault, a, b, _comes_back(a, b, 200, timeout=40))
+            c = Server(svc.url, salt)  # a fresh server: were the objects written before the kill restored?
+            try:
+                print(f"[store fault] master killed ({'snapshot' if snapshot else 'plain'}): a fresh server's store hits on the "
+                      f"pre-kill prompt after the restart: {c.request(p)[2]} of {len(p)} tokens")
+            finally:
+                c.close()
             assert b.store.counters["recoveries"] == 1 and b.store.available
         finally:
             a.close()
@@ -221,10 +244,11 @@ def test_mooncake_holder_killed() -> None:
             a.request(p)
             a.write_back()
             svc.kill("holder")  # the data dies with it; is_exist still says yes for ~10 s
+            t_fault = time.monotonic()
             assert b.request(p)[2] == 0  # get_into's status code: nothing served that did not arrive
             assert b.store.counters["read_misses"] >= 1 and b.cache.stats.errors["corrupt_pages"] >= 1
             svc.restart("holder")
-            _comes_back(a, b, 300, timeout=40)
+            _report("holder killed", t_fault, a, b, _comes_back(a, b, 300, timeout=40))
         finally:
             a.close()
             b.close()
@@ -239,10 +263,11 @@ def test_redis_down_and_back() -> None:
             a.request(p)
             a.write_back()
             svc.kill("redis")  # every object is lost with it
+            t_fault = time.monotonic()
             assert b.request(p) == (0, 0, 0)
             assert b.store.counters["errors"] == 1
             svc.restart("redis")
-            _comes_back(a, b, 400, timeout=10)
+            _report("redis killed", t_fault, a, b, _comes_back(a, b, 400, timeout=10))
         finally:
             a.close()
             b.close()
@@ -258,6 +283,31 @@ def test_store_full_puts_counted_as_failed() -> None:
             c = a.store.counters
             assert c["puts_failed"] > 0 and c["pages_written"] > 0
             assert a.store.available  # a full store is not an outage
+            print(f"\n[store fault] redis full (1 MiB, noeviction): pages written {c['pages_written']}, puts failed {c['puts_failed']}, "
+                  f"errors {c['errors']}, requests served {Server.served}")
             assert a.request(_prompt(100, 32))[0] >= 0  # still serving
         finally:
             a.close()
+
+
+def test_insert_beside_a_pinned_node_keeps_the_rest_as_duplicates() -> None:
+    """A write-back copy pins its node; a request diverging inside that node cannot split it, so the
+    walk stops before it: insert must hand the pages back, not add a second edge (found by the fleet
+    what-if, whose store write-back copies nodes in use)."""
+    from conftest import make_cache
+
+    cache = make_cache(None, device=16, host=16, page_size=PS)
+    a = list(range(4 * PS))
+    handles = cache.allocate_device(4)
+    cache.insert(a, handles)
+    node = cache.match(a).last_node
+    cache.tree.pin(node)
+    try:
+        b = a[: 2 * PS] + [999] * (2 * PS)  # diverges inside the pinned node
+        fresh = cache.allocate_device(4)
+        r = cache.insert(b, fresh)
+        assert r.duplicates == fresh and r.adopted_pages == 0
+        cache.free_device(r.duplicates)
+    finally:
+        cache.tree.unpin(node)
+    cache.check()

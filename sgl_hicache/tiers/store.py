@@ -83,6 +83,8 @@ class StoreBackend(ABC):
     """
 
     url: str
+    #: a call can block on a network (the tier bounds the existence check on the caller's thread)
+    may_block: bool = True
 
     @abstractmethod
     def exists(self, keys: list[str]) -> list[bool]: ...
@@ -260,6 +262,8 @@ class SharedStoreTier(TierStore):
         return found
 
     def _exists_bounded(self, names: list[str]) -> list[bool]:
+        if not self.backend.may_block:
+            return self.backend.exists(names)
         if self._pending_exists is not None and not self._pending_exists.done():
             raise StoreUnavailable("an earlier existence check is still blocked")
         if self._pool is None:

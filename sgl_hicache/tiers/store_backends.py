@@ -8,6 +8,8 @@ URLs:
   The client mounts no memory (global segment 0): data lives in the holders, so a server that exits
   takes no pages with it.
 - `redis://HOST:PORT[/DB]` (or `rediss://`, `valkey://`): anything redis-py's `from_url` accepts.
+- `memory://NAME`: a dict in this process, shared by the caches given the same `MemoryBackend`
+  object; what the embedded engine's fleet what-if uses (`engine/fleet.py`). Not for serving.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import urllib.parse
 
 from .store import StoreBackend, StoreUnavailable
 
-SCHEMES = ("mooncake", "redis", "rediss", "valkey")
+SCHEMES = ("mooncake", "redis", "rediss", "valkey", "memory")
 
 # Mooncake error codes (mooncake-store `types.h`) the adapter tells apart
 _MC_OBJECT_NOT_FOUND = -704
@@ -157,6 +159,31 @@ class RedisBackend(StoreBackend):
             pass
 
 
+class MemoryBackend(StoreBackend):
+    """An in-process dict: the shared store of a simulated fleet (no network, no eviction)."""
+
+    may_block = False
+
+    def __init__(self, url: str = "memory://fleet") -> None:
+        self.url = url
+        self._data: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        with self._lock:
+            return [k in self._data for k in keys]
+
+    def get(self, key: str, max_bytes: int) -> bytes | None:
+        with self._lock:
+            value = self._data.get(key)
+        return value if value is None or len(value) <= max_bytes else b""
+
+    def put(self, keys: list[str], values: list[bytes]) -> list[bool]:
+        with self._lock:
+            self._data.update(zip(keys, values))
+        return [True] * len(keys)
+
+
 def open_backend(url: str) -> StoreBackend:
     """The adapter for `url` (its scheme names the product); ValueError naming the URL when it is not one."""
     scheme = urllib.parse.urlparse(url).scheme
@@ -164,7 +191,9 @@ def open_backend(url: str) -> StoreBackend:
         return MooncakeBackend(url)
     if scheme in ("redis", "rediss", "valkey"):
         return RedisBackend(url)
+    if scheme == "memory":
+        return MemoryBackend(url)
     raise ValueError(f"--store {url!r}: unknown store; give mooncake://HOST:PORT or redis://HOST:PORT")
 
 
-__all__ = ["MooncakeBackend", "RedisBackend", "SCHEMES", "open_backend"]
+__all__ = ["MemoryBackend", "MooncakeBackend", "RedisBackend", "SCHEMES", "open_backend"]
