@@ -42,18 +42,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-tokens", type=int, default=2_000_000)
     ap.add_argument("--disk-tokens", type=int, default=16_000_000)
     ap.add_argument("--policy", default="prefetch")
-    ap.add_argument("--quick", action="store_true", help="100 requests, 2 servers, one bandwidth (smoke size)")
+    ap.add_argument("--routes", default=",".join(ROUTES), help="comma-separated: round_robin, session")
+    ap.add_argument("--quick", action="store_true", help="200 requests, 2 servers, round-robin, 10 GB/s, smaller tiers (smoke size)")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
     if args.quick:
-        args.requests, args.servers, args.bandwidths = 100, 2, "10"
+        args.requests, args.servers, args.bandwidths, args.routes = 200, 2, "10", "round_robin"
+        args.device_tokens, args.host_tokens = 200_000, 800_000
     requests = load_trace(TRACE, limit=args.requests)
     base = EngineConfig(policy=args.policy, model=get_model("llama3-8b"), hardware=get_hardware("h200"),
                         device_tokens=args.device_tokens, host_tokens=args.host_tokens, disk_tokens=args.disk_tokens,
                         store_latency_s=args.latency_us * 1e-6)
     rows = []
     t0 = time.perf_counter()
-    for route in ROUTES:
+    for route in args.routes.split(","):
         for gbps in (float(x) for x in args.bandwidths.split(",")):
             cfg = base.__class__(**{**base.__dict__, "store_bandwidth": gbps * 1e9})
             out = fleet_whatif(requests, cfg, args.servers, route)

