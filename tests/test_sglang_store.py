@@ -80,19 +80,23 @@ def test_turn_n_on_a_turn_n_plus_1_on_b(servers):
         assert sum(d1.values()) == 0, d1
         before = _store_stats(a)["pages_written"]
         # the turn's pages reach the store in the background, a batch per scheduler call into the
-        # cache: other traffic (two-page prompts here: SGLang matches a prompt without its last token,
-        # so a one-page prompt never reaches the cache) drives it, as it does on a serving fleet
-        # (each poke adds two pages of its own, so all of turn 1 is written once the count passes both)
-        pokes = [0]
+        # cache: other traffic drives it, as it does on a serving fleet. Here one two-page prompt,
+        # repeated (SGLang matches a prompt without its last token, so a one-page prompt never reaches
+        # the cache): it adds its two pages once, so turn 1 is all written once the count passes both.
+        poke = _prompt(20_000 + c, 2 * PAGE)
 
         def written() -> bool:
-            if _store_stats(a)["pages_written"] >= before + (320 + 8) // PAGE + 2 * pokes[0]:
+            if _store_stats(a)["pages_written"] >= before + (320 + 8) // PAGE + 2:
                 return True
-            _gen(a, _prompt(20_000 + 100 * c + pokes[0], 2 * PAGE), n=1)
-            pokes[0] += 1
+            _gen(a, poke, n=1)
             return False
 
-        _wait_for(written, "A's write-back to the store", timeout_s=90)
+        try:
+            _wait_for(written, f"A's write-back to the store (conversation {c})", timeout_s=90)
+        except BaseException:
+            print("A:", json.loads(a.get("/server_info"))["internal_states"][0]["sgl_hicache"].get("tree_text", "")[:3000])
+            print("A store:", _store_stats(a))
+            raise
         turn2 = turn1 + out1 + _prompt(900 + c, 40)
         ref, d_ref = _gen(b, turn2, salt=f"scratch-{c}")  # computed from scratch, never stored
         assert sum(d_ref.values()) == 0, d_ref
@@ -100,10 +104,13 @@ def test_turn_n_on_a_turn_n_plus_1_on_b(servers):
         assert d2["device"] == 0 and d2["host"] == 0 and d2["storage"] >= 320, d2  # B never saw turn 1
         assert out2 == ref, (c, out2, ref)
         storage_total += d2["storage"]
-        if c == 0:  # the output depends on the shared KV: one token of turn 1 changed changes it
-            t = list(turn2)
-            t[100] = (t[100] - 16 + 1) % (VOCAB - 16) + 16
-            assert _gen(b, t, salt="changed")[0] != ref
+        if c == 0:  # the output depends on the shared KV: a token of turn 1 changed changes it
+            changed = []
+            for k in (2, 40, 150, 300):
+                t = list(turn2)
+                t[k] = (t[k] - 16 + 1) % (VOCAB - 16) + 16
+                changed.append(_gen(b, t, salt=f"changed-{k}")[0])
+            assert any(o != ref for o in changed), changed
     st = _store_stats(b)
     assert st["pages_read"] >= CONVERSATIONS * 320 // PAGE and st["corrupt_values"] == 0 and st["errors"] == 0, st
     lines = fetch_metrics(b.url)
