@@ -151,6 +151,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         raise UserError(f"--report {str(args.report)!r} is a directory; give a file path")
     if args.max_new_tokens is not None and not args.url:
         raise UserError("--max-new-tokens caps a server's outputs; it needs --url (the embedded engine replays the trace's output lengths)")
+    if args.fleet and args.url:
+        raise UserError("--fleet simulates a fleet in the embedded engine; it does not take --url")
     progress = Progress(quiet=args.quiet)
     try:
         if args.url:

@@ -116,4 +116,7 @@ def test_turn_n_on_a_turn_n_plus_1_on_b(servers):
     lines = fetch_metrics(b.url)
     storage = [ln for ln in lines if ln.startswith("sglang:cached_tokens_total") and 'cache_source="storage"' in ln]
     assert storage and float(storage[0].rsplit(" ", 1)[1]) >= storage_total, storage
-    assert any(ln.startswith('sgl_hicache_hit_tokens_total{tier="store"}') for ln in lines), lines[:30]
+    # our own counters name the tier (published by the scheduler every stats interval)
+    _wait_for(lambda: any(ln.startswith('sgl_hicache_hit_tokens_total{tier="store"}') for ln in fetch_metrics(b.url)),
+              "/metrics to name the store tier", timeout_s=30)
+    assert any(ln.startswith('sgl_hicache_store_total{event="pages_read"}') for ln in fetch_metrics(b.url))

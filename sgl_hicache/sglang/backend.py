@@ -684,6 +684,7 @@ class _PromExport:
             "promoted_tokens": Counter("sgl_hicache_promoted_tokens", "Tokens copied up into a tier", ["tier"]),
             "bytes_moved": Counter("sgl_hicache_bytes_moved", "Bytes copied per link", ["link"]),
             "prefetch": Counter("sgl_hicache_prefetch_tokens", "Prefetch / prediction tokens by outcome", ["kind", "outcome"]),
+            "store": Counter("sgl_hicache_store", "Shared store tier events (docs/store.md)", ["event"]),
         }
         self.gauges = {
             "stored_tokens": Gauge("sgl_hicache_stored_tokens", "Tokens resident per tier", ["tier"], multiprocess_mode="mostrecent"),
@@ -700,10 +701,14 @@ class _PromExport:
 
     def update(self, snap: dict) -> None:
         for t in TIERS:
+            label = snap.get("lower_tier", t) if t == DISK else t  # the lower slot is named by what holds it
             for name in ("hit_tokens", "evicted_tokens", "demoted_tokens", "promoted_tokens"):
-                self._inc(name, snap[name][t], tier=t)
-            self.gauges["stored_tokens"].labels(tier=t).set(snap["stored_tokens"][t])
-            self.gauges["capacity_tokens"].labels(tier=t).set(snap["capacity_tokens"][t])
+                self._inc(name, snap[name][t], tier=label)
+            self.gauges["stored_tokens"].labels(tier=label).set(snap["stored_tokens"][t])
+            self.gauges["capacity_tokens"].labels(tier=label).set(snap["capacity_tokens"][t])
+        for event, v in (snap.get("store") or {}).items():
+            if isinstance(v, int) and not isinstance(v, bool) and event != "tracked_pages":
+                self._inc("store", v, event=event)
         self._inc("miss_tokens", snap["miss_tokens"])
         self._inc("requests", snap["requests"])
         for link, v in snap["bytes_moved"].items():
