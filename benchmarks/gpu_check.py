@@ -52,7 +52,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from sgl_hicache.cache import TieredCache, TransferOp  # noqa: E402
+from sgl_hicache.cache import TieredCache  # noqa: E402
+from sgl_hicache.transfer.ops import TransferOp  # noqa: E402
 from sgl_hicache.config import CacheConfig, KVLayout  # noqa: E402
 from sgl_hicache.tiers.base import DEVICE, HOST  # noqa: E402
 from sgl_hicache.tiers.memory import DeviceKVPool, HostKVBuffer  # noqa: E402

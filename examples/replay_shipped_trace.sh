@@ -6,4 +6,4 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 TRACE=${TRACE:-$ROOT/../shared/traces/mooncake_conversation_trace.jsonl}
 OUT=${OUT:-$ROOT/out}
 "$ROOT/scripts/replay.sh" "$TRACE" --limit 2000 --report "$OUT/replay.json"
-"$ROOT/.venv/bin/sgl-hicache" stats "$OUT/replay.json" --plot "$OUT/replay.png"
+"${CORE_VENV:-$ROOT/.venv}/bin/sgl-hicache" stats "$OUT/replay.json" --plot "$OUT/replay.png"

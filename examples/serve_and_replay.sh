@@ -22,7 +22,7 @@ PORT=${3:-30123}
 PY=${PY:-.venv-sglang/bin/python}
 CLI=("$PY" -m sgl_hicache.cli)
 [ -f "$TRACE" ] || { echo "no trace file $TRACE" >&2; exit 2; }
-WORK=$(mktemp -d /tmp/sgl-hicache-example.XXXXXX)
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/sgl-hicache-example.XXXXXX")
 LOAD_FORMAT=()
 [[ "$MODEL" == scripts/cpu/tiny-llama ]] && LOAD_FORMAT=(--load-format dummy)
 

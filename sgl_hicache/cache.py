@@ -28,13 +28,11 @@ from .tiers.base import DEVICE, DISK, HOST, TIERS, Handle, PageCorruptError, Tie
 from .tiers.memory import DeviceKVPool, HostKVBuffer
 from .transfer.bandwidth import BandwidthMeter
 from .transfer.handlers import default_handlers
+from .transfer.ops import TransferOp
 from .tree.node import TreeNode
 from .tree.radix import InvariantError, RadixTree
 
 log = logging.getLogger(__name__)
-
-_LINK = {(DEVICE, HOST): "device->host", (HOST, DEVICE): "host->device", (HOST, DISK): "host->disk", (DISK, HOST): "disk->host"}
-
 
 @dataclass
 class MatchResult:
@@ -93,33 +91,6 @@ class InsertResult:
 
 class Cancelled(Exception):
     """A transfer was cancelled before its bytes were used (not an I/O error)."""
-
-
-@dataclass(eq=False)
-class TransferOp:
-    """One node's pages moving from tier `src` to tier `dst` (see the module docstring).
-
-    `executed` is set when the bytes have been copied (or the copy failed, see `error`);
-    `applied` once the cache has recorded the outcome in the tree.
-    """
-
-    node: TreeNode
-    src: str
-    dst: str
-    src_handles: list[Handle]
-    dst_handles: list[Handle]
-    nbytes: int
-    kind: str  # "demand" | "prefetch" | "predict" | "demote" | "backup"
-    error: BaseException | None = None
-    seconds: float = 0.0
-    executed: threading.Event = field(default_factory=threading.Event)
-    applied: bool = False
-    cancelled: bool = False
-    submitted: bool = False  # handed to a transfer engine, which will set `executed`
-
-    @property
-    def link(self) -> str:
-        return _LINK[(self.src, self.dst)]
 
 
 @dataclass(eq=False)

@@ -16,7 +16,8 @@ import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .cache import MatchResult, PromotionJob, TieredCache, TransferOp
+from .cache import MatchResult, PromotionJob, TieredCache
+from .transfer.ops import TransferOp
 from .policy.predictor import Predictor
 from .tiers.base import DEVICE, DISK, HOST
 from .transfer.executors import Executor, LoadTime

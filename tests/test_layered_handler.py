@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sgl_hicache.cache import TransferOp
+from sgl_hicache.transfer.ops import TransferOp
 from sgl_hicache.config import KVLayout
 from sgl_hicache.sglang.device_pool import SGLangDevicePool
 from sgl_hicache.tiers.base import DEVICE, HOST

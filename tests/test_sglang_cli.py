@@ -1,10 +1,12 @@
 """A new user's sequence, as subprocesses of the real CLI against the real SGLang 0.5.23 server on CPU:
+the README's own lines (its "first run against the real server" block), read from README.md, with a
+free port and a temp dir in place of 30123 and /tmp/kv, and `--report` added to the replay:
 
-    sgl-hicache serve --host-tokens 4096 --disk-dir D --page-size 16 -- \\
-        --model-path scripts/cpu/tiny-llama --load-format dummy --skip-tokenizer-init --port P ...
-    sgl-hicache replay <shipped trace> --url http://127.0.0.1:P --limit 300 --scale 16 --max-new-tokens 4
-    sgl-hicache stats http://127.0.0.1:P
-    sgl-hicache stats http://127.0.0.1:P --prometheus
+    sgl-hicache serve --host-tokens 4096 --disk-dir /tmp/kv --page-size 16 -- \\
+        --model-path scripts/cpu/tiny-llama --load-format dummy --skip-tokenizer-init --port 30123 ...
+    sgl-hicache replay <shipped trace> --url http://127.0.0.1:30123 --limit 300 --scale 16 --max-new-tokens 4 ...
+    sgl-hicache stats http://127.0.0.1:30123
+    sgl-hicache stats http://127.0.0.1:30123 --prometheus
 
 The tiny model's vocabulary is 1,024 tokens; the trace reader's default is 32,000. Before the replayer
 asked the server, this sequence sent ids >= 1,024, SGLang's scheduler died of an IndexError in the
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -28,12 +31,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import NEEDS_SGLANG
+from conftest import NEEDS_SGLANG, mooncake_trace
+from documented import documented_commands
 
 pytestmark = NEEDS_SGLANG  # marked `sglang`, skipped where SGLang is not installed
 
 REPO = Path(__file__).resolve().parent.parent
-TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 VOCAB = 1024  # scripts/cpu/tiny-llama/config.json
 
 
@@ -47,6 +50,22 @@ def _env() -> dict[str, str]:
     env = dict(os.environ)  # this checkout's code, also in the server's processes
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     return env
+
+
+def _readme_commands(port: int, disk_dir: Path) -> dict[str, list[str]]:
+    """The README's first-run block as argv lists keyed by subcommand ("serve", "replay", "stats",
+    "stats --prometheus"), with `port` and `disk_dir` in place of 30123 and /tmp/kv."""
+    out: dict[str, list[str]] = {}
+    for cmd in documented_commands():
+        if not cmd.where.startswith("README.md") or "30123" not in cmd.text:
+            continue
+        words = shlex.split(cmd.text.replace("\\\n", " ").replace("30123", str(port)).replace("/tmp/kv", str(disk_dir)),
+                            comments=True)
+        assert words[0] == "sgl-hicache", cmd
+        key = words[1] + (" --prometheus" if "--prometheus" in words else "")
+        out[key] = [*_cli(), *words[1:]]
+    assert set(out) == {"serve", "replay", "stats", "stats --prometheus"}, sorted(out)
+    return out
 
 
 def _healthy(url: str) -> bool:
@@ -66,9 +85,8 @@ def server(tmp_path_factory):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(work / "server.log", "wb")
-    cmd = [*_cli(), "serve", "--host-tokens", "4096", "--disk-dir", str(work / "disk"), "--disk-tokens", "65536", "--page-size", "16",
-           "--", "--model-path", "scripts/cpu/tiny-llama", "--load-format", "dummy", "--skip-tokenizer-init",
-           "--host", "127.0.0.1", "--port", str(port), "--max-total-tokens", "1024", "--enable-metrics", "--log-level", "warning"]
+    commands = _readme_commands(port, work / "disk")
+    cmd = commands["serve"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True)
     shm: set[Path] = set()
@@ -79,7 +97,7 @@ def server(tmp_path_factory):
                 pytest.fail(f"server not up (exit {proc.poll()}):\n" + (work / "server.log").read_text()[-3000:])
             time.sleep(0.5)
         shm = group_shm_files(proc.pid)
-        yield {"url": url, "work": work, "log": work / "server.log", "start_s": time.monotonic() - t0}
+        yield {"url": url, "work": work, "log": work / "server.log", "start_s": time.monotonic() - t0, "commands": commands}
     finally:
         shm |= group_shm_files(proc.pid)
         for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):  # SGLang can take 20 s+ to exit on SIGTERM
@@ -101,14 +119,14 @@ def server(tmp_path_factory):
         shutil.rmtree(work / "disk", ignore_errors=True)
 
 
-def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([*_cli(), *args], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
+def _run(argv: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def test_replay_the_shipped_trace_against_the_server(server):
+    mooncake_trace()  # fails clearly when ../shared is missing
     report = server["work"] / "report.json"
-    proc = _run("replay", os.path.relpath(TRACE, REPO), "--url", server["url"], "--limit", "300", "--scale", "16",
-                "--max-new-tokens", "4", "--concurrency", "4", "--report", str(report))
+    proc = _run([*server["commands"]["replay"], "--report", str(report)])
     log_tail = server["log"].read_text()[-3000:]
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\nserver log:\n{log_tail}"
     assert "IndexError" not in log_tail
@@ -125,7 +143,7 @@ def test_replay_the_shipped_trace_against_the_server(server):
 
 
 def test_stats_of_the_live_server(server):
-    proc = _run("stats", server["url"])
+    proc = _run(server["commands"]["stats"])
     assert proc.returncode == 0, proc.stderr
     assert "hit rate" in proc.stdout and "largest subtrees" in proc.stdout
     header = next(ln for ln in proc.stdout.splitlines() if ln.startswith("subtree"))
@@ -135,7 +153,7 @@ def test_stats_of_the_live_server(server):
 def test_stats_prometheus_of_the_live_server(server):
     from prometheus_client.parser import text_string_to_metric_families
 
-    proc = _run("stats", server["url"], "--prometheus")
+    proc = _run(server["commands"]["stats --prometheus"])
     assert proc.returncode == 0, proc.stderr
     families = {f.name: f for f in text_string_to_metric_families(proc.stdout)}
     for name in ("sgl_hicache_hit_tokens", "sgl_hicache_evicted_tokens", "sgl_hicache_promoted_tokens", "sgl_hicache_stored_tokens",
@@ -148,3 +166,22 @@ def test_stats_prometheus_of_the_live_server(server):
     assert {s.labels["tier"]: s.value for s in families["sgl_hicache_capacity_tokens"].samples}["host"] == 4096
     cached = {s.labels["cache_source"] for s in families["sglang:cached_tokens"].samples}
     assert cached == {"device", "host", "storage"}
+
+
+@pytest.mark.parametrize("excerpt", ["sharegpt_v3_excerpt.json", "lmbench_trace_excerpt.jsonl"])
+def test_replay_real_trace_formats_against_the_server(server, excerpt):
+    """The ShareGPT (canonical-file format, duplicate ids) and LMBench (string-nanosecond timestamps,
+    varying tokens per hash id) excerpts of tests/data replay against the real server: every request
+    served, the reader's lenient choices noted in the report."""
+    report = server["work"] / f"{excerpt}.report.json"
+    replay = server["commands"]["replay"]
+    argv = [*replay[: replay.index("replay") + 1], str(REPO / "tests" / "data" / excerpt), "--url", server["url"],
+            "--max-new-tokens", "4", "--concurrency", "4", "--report", str(report)]
+    proc = _run(argv)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{server['log'].read_text()[-3000:]}"
+    result = json.loads(report.read_text())
+    rep = result["policies"]["server"]
+    assert rep["requests_failed"] == 0, rep["errors"]
+    assert rep["requests_sent"] > 0 and rep["requests"] == rep["requests_sent"]
+    assert result["trace"].get("notes"), result["trace"]  # duplicate ids / ns timestamps were noted
+    assert _healthy(server["url"])

@@ -124,7 +124,7 @@ def test_layered_moves_on_the_real_pool_are_bit_exact(monkeypatch, page_size):
     import torch
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    from sgl_hicache.cache import TransferOp
+    from sgl_hicache.transfer.ops import TransferOp
     from sgl_hicache.sglang.device_pool import SGLangDevicePool
     from sgl_hicache.tiers.base import DEVICE, HOST
     from sgl_hicache.tiers.memory import HostKVBuffer

@@ -20,7 +20,8 @@ from ..tiers.base import TierIOError
 from .bandwidth import SpeculativePacer
 
 if TYPE_CHECKING:
-    from ..cache import PromotionJob, TieredCache, TransferOp
+    from ..cache import PromotionJob, TieredCache
+    from .ops import TransferOp
 
 # lower runs first: what a waiting request needs, then predictions, then backups and demotions
 DEMAND, PREFETCH, PREDICT, BACKUP = 0, 0, 1, 2

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 from ..tiers.base import DISK
 
 if TYPE_CHECKING:
-    from ..cache import PromotionJob, TieredCache, TransferOp
+    from ..cache import PromotionJob, TieredCache
+    from .ops import TransferOp
     from .engine import TransferEngine
 
 

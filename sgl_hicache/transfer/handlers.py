@@ -14,7 +14,7 @@ import torch
 from ..tiers.base import DEVICE, DISK, HOST, TierStore
 
 if TYPE_CHECKING:
-    from ..cache import TransferOp
+    from .ops import TransferOp
 
 Handler = Callable[["TransferOp", int, int], None]
 
