@@ -18,9 +18,23 @@ CORE=${CORE_VENV:-$ROOT/.venv}
 SGL=${SGLANG_VENV:-$ROOT/.venv-sglang}
 quiet_pip() { grep -v -E "WARNING: Location .* is ignored|^(Requirement already satisfied|  Using cached|Looking in|  Downloading|Collecting)" || true; }
 
+# The store tier's tests start a real Mooncake Store (master + holder) and a real redis-server
+# (tests/conftest.py fixtures): system packages first (CI runs as root on a fresh machine), then the
+# clients into both venvs.
+STORE_PIP=("mooncake-transfer-engine-non-cuda==0.3.13.post1" "redis" "hiredis")
+if ! command -v redis-server >/dev/null || ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then
+    if [ "$(id -u)" = 0 ]; then
+        (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q libibverbs1 redis-server) >/dev/null
+    else
+        echo "error: the store tests need libibverbs1 and redis-server (apt-get install -y libibverbs1 redis-server, as root)" >&2
+        exit 1
+    fi
+fi
+
 t0=$(date +%s)
 [ -x "$CORE/bin/python" ] || "$PY" -m venv "$CORE"
 "$CORE/bin/pip" install -q -e ".[dev]" 2>&1 | quiet_pip
+"$CORE/bin/pip" install -q "${STORE_PIP[@]}" 2>&1 | quiet_pip
 if "$CORE/bin/python" -c "import sglang" 2>/dev/null; then
     echo "error: $CORE has sglang installed; the core suite must run without it" >&2
     exit 1
@@ -35,6 +49,7 @@ if [ "${SKIP_SGLANG:-0}" = 1 ]; then
 fi
 echo "== SGLang suite (real server on CPU) =="
 "$ROOT/scripts/install_sglang_cpu.sh" "$SGL"
+"$SGL/bin/pip" install -q "${STORE_PIP[@]}" 2>&1 | quiet_pip
 # -p no:cacheprovider: no .pytest_cache writes racing the core run's
 SGLHICACHE_REQUIRE_SGLANG=1 "$SGL/bin/python" -m pytest -q -m sglang -p no:cacheprovider -rs "$@"
 echo "[test.sh] all done after $(( $(date +%s) - t0 )) s"

@@ -21,7 +21,7 @@ from itertools import compress
 from operator import ne
 
 from .config import CacheConfig
-from .hashing import Namespace, page_key
+from .hashing import Namespace, chain_keys, page_key
 from .policy.eviction import eviction_policy
 from .policy.reuse import ReuseModel
 from .stats import CacheStats
@@ -194,6 +194,10 @@ class TieredCache:
             from .tiers.disk import DiskPageStore
 
             disk = DiskPageStore(config.layout, config.page_size, config.disk_pages, config.disk_dir, self.namespace, fsync=config.disk_fsync)
+        if disk is None and config.store_url:
+            from .tiers.store import open_store
+
+            disk = open_store(config, self.namespace)
         if disk is not None:
             self.stores[DISK] = disk
         # the reuse model learns from served requests; it orders eviction under `reuse` and feeds
@@ -277,8 +281,9 @@ class TieredCache:
         know (written by an earlier process, or by another process sharing the directory while it
         runs): adopt them as a disk-only node."""
         disk = self.stores[DISK]
-        peers = getattr(disk, "peers_wrote", False)
-        if not peers and disk.stored_pages <= self.tree.pages[DISK]:  # type: ignore[attr-defined]
+        shared = getattr(disk, "shared", False)  # a shared store: other servers add pages any time
+        peers = getattr(disk, "peers_wrote", False)  # a shared directory another process has written to
+        if not (shared or peers) and disk.stored_pages <= self.tree.pages[DISK]:  # type: ignore[attr-defined]
             return []  # no orphan pages on disk and nobody else writes: nothing to find
         parent = path[-1] if path else self.tree.root
         if not (parent.is_root or parent.on_disk):
@@ -286,16 +291,20 @@ class TieredCache:
         ps = self.page_size
         if len(tokens) - matched < ps or tuple(tokens[matched : matched + ps]) in parent.children:
             return []
-        # keys one page at a time: a miss (the common case) hashes one page, not the whole rest
-        find = disk.discover if peers else disk.contains  # type: ignore[attr-defined]
         limit = self.tree.page_aligned(tokens)
         keys: list[bytes] = []
-        key = self.tree.key_of(parent)
-        for start in range(matched, limit, ps):
-            key = page_key(key, tokens[start : start + ps])
-            if not find(key):
-                break
-            keys.append(key)
+        if shared:  # one batched existence check for everything past the match
+            wanted = chain_keys(self.tree.key_of(parent), tokens[matched:limit], ps)
+            keys = list(wanted[: disk.count_present(wanted)])  # type: ignore[attr-defined]
+        else:
+            # keys one page at a time: a miss (the common case) hashes one page, not the whole rest
+            find = disk.discover if peers else disk.contains  # type: ignore[attr-defined]
+            key = self.tree.key_of(parent)
+            for start in range(matched, limit, ps):
+                key = page_key(key, tokens[start : start + ps])
+                if not find(key):
+                    break
+                keys.append(key)
         if not keys:
             return []
         node = self.tree.add_child(parent, tokens[matched : matched + len(keys) * ps])
@@ -748,22 +757,34 @@ class TieredCache:
         with self._mutex:
             clean = 0
             candidates = []
+            # a shared store takes the pages worth sharing (hit at least `min_hits` times), paced by
+            # `max_pages` per round, whether or not the device also holds them
+            shared_hits = getattr(self.stores[dst], "min_hits", None) if getattr(self.stores[dst], "shared", False) else None
             for n in self.tree.resident[src]:
                 # already held in `dst` (a host page also on the device is not on disk yet: evicting
-                # it from the device later would leave the disk tier without it), or about to be
-                if n.in_tier(dst) or dst in n.incoming:
+                # it from the device later would leave the disk tier without it), or about to be;
+                # for the shared store, a page already there
+                done = n.on_disk if shared_hits is not None else n.in_tier(dst)
+                if done or dst in n.incoming:
                     clean += n.num_pages
                     continue
-                if n.evictable and (n.parent.is_root or n.parent.in_tier(dst)):  # type: ignore[union-attr]
+                if shared_hits is not None and (n.hit_count < shared_hits or not self.stores[dst].accepts(n.keys)):  # type: ignore[attr-defined]
+                    continue
+                # (a shared store also takes pages in use: a hot prefix is the one most worth sharing)
+                if (n.evictable or shared_hits is not None) and (n.parent.is_root or n.parent.in_tier(dst)):  # type: ignore[union-attr]
                     candidates.append(n)
-            budget = min(max_pages, clean_target_pages - clean)
+            budget = max_pages if shared_hits is not None else min(max_pages, clean_target_pages - clean)
             if budget <= 0 or not candidates:
                 return []
             candidates.sort(key=self.priority)
             ops: list[TransferOp] = []
             for n in candidates:
                 if n.num_pages > budget:
-                    break
+                    if shared_hits is None:
+                        break
+                    if ops:
+                        continue  # the store's pacing: a later round takes it
+                    # else a node larger than a whole batch goes alone, or it would never be shared
                 op = self.prepare(n, dst, "backup", may_evict=True)
                 if op is None:
                     break
@@ -841,6 +862,8 @@ class TieredCache:
         tokens = node.num_pages * self.page_size
         below = HOST if tier == DEVICE else DISK if tier == HOST else None
         dirty = below is not None and self.has_tier(below) and not self._clean(node, tier)
+        if below == DISK and not getattr(self.stores[DISK], "demote_on_evict", True):
+            dirty = False  # the shared store is written by background write-back only, never here
         # write-back admission (policy/reuse.py): is this page worth a copy below?
         keep = dirty and (self.reuse is None or self.reuse.admit(node))
         if keep and self._demotes(tier):
@@ -895,6 +918,11 @@ class TieredCache:
         snap = self.stats.snapshot()
         snap["stored_tokens"] = {t: self.tree.pages[t] * self.page_size for t in TIERS}
         snap["capacity_tokens"] = {t: (self.stores[t].capacity_pages * self.page_size if t in self.stores else 0) for t in TIERS}
+        lower = self.stores.get(DISK)
+        if lower is not None and hasattr(lower, "snapshot"):
+            # the lower-tier slot holds the shared store: its "disk" figures are store figures
+            snap["lower_tier"] = lower.name
+            snap["store"] = lower.snapshot()  # type: ignore[attr-defined]
         return snap
 
     def check(self) -> None:

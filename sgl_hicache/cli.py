@@ -11,6 +11,7 @@ unreachable or unsuitable server); 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -61,6 +62,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return value
+
+
 # ---- replay ----------------------------------------------------------------------------------
 def _add_replay(sub: argparse._SubParsersAction) -> None:
     from .engine.presets import HARDWARE, MODELS
@@ -98,6 +109,11 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--admission", type=float, default=0.0, help="write-back admission: keep an evicted page one tier down only if its "
                    "expected reuse (reuse model) is at least this (default 0: keep all)")
     p.add_argument("--predictor-budget", type=_non_negative_int, default=8192, help="tokens the predictor may promote per request")
+    p.add_argument("--fleet", type=_positive_int, help="what-if: N simulated servers replaying the trace together, without and "
+                   "with a shared store in the disk tier's place (docs/store.md); prints both and the ratios")
+    p.add_argument("--route", default="session", choices=["round_robin", "session"], help="with --fleet: how requests reach servers (default session)")
+    p.add_argument("--store-bandwidth", type=_positive_float, default=1.0, help="with --fleet: each server's link to the store, GB/s (default 1.0)")
+    p.add_argument("--store-latency-us", type=_non_negative_float, default=200.0, help="with --fleet: per-transfer store latency, microseconds (default 200)")
     p.add_argument("--url", help="replay against a running SGLang server (http://HOST:PORT) instead of the embedded engine")
     p.add_argument("--max-new-tokens", type=_positive_int, help="with --url: cap each request's output length")
     p.add_argument("--bytes", dest="byte_mode", default="real", choices=["real", "metadata"],
@@ -148,6 +164,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         raise UserError(f"--report {str(args.report)!r} is a directory; give a file path")
     if args.max_new_tokens is not None and not args.url:
         raise UserError("--max-new-tokens caps a server's outputs; it needs --url (the embedded engine replays the trace's output lengths)")
+    if args.fleet and args.url:
+        raise UserError("--fleet simulates a fleet in the embedded engine; it does not take --url")
     if args.url and (args.byte_mode != "real" or args.checkpoint_every or args.workers):
         raise UserError("--bytes, --checkpoint-every and --workers are embedded-engine options; a server (--url) takes none of them")
     if args.checkpoint_every and args.report is None:
@@ -239,7 +257,16 @@ def _replay_embedded(args: argparse.Namespace, progress: Progress) -> dict[str, 
     if need > ram // 2:
         raise UserError(f"--device-tokens {args.device_tokens} and --host-tokens {args.host_tokens} need {need / 2**30:.1f} GiB "
                         f"of RAM for the embedded engine's tiers; this machine has {ram / 2**30:.1f} GiB")
-    if args.compare:
+    if args.fleet:
+        if args.compare or args.disk_dir is not None:
+            raise UserError("--fleet compares the fleet without and with a store under one --policy; leave --compare and --disk-dir out")
+        if args.policy == "recompute" or args.host_tokens < args.page_size:
+            raise UserError("--fleet needs a tiered policy (demote, prefetch, predict) and a host tier (--host-tokens >= --page-size)")
+        from .engine.fleet import fleet_whatif
+
+        base = dataclasses.replace(base, store_bandwidth=args.store_bandwidth * 1e9, store_latency_s=args.store_latency_us * 1e-6)
+        result = fleet_whatif(requests, base, args.fleet, args.route, progress=progress)
+    elif args.compare:
         if args.disk_dir is not None:
             raise UserError("--compare runs every policy on a fresh disk tier; leave --disk-dir out")
         result = compare(requests, base, POLICIES, progress=None if args.quiet else progress, workers=args.workers,

@@ -99,6 +99,9 @@ class CacheConfig:
     # to disk here), "none" (eviction never copies). A dirty page not copied is dropped and counted in
     # `dropped_dirty_tokens`; background write-back keeps pages clean ahead of eviction.
     eviction_demotes: str = "all"
+    store_url: str | None = None  # a shared store (mooncake://, redis://) in the disk tier's place
+    store_tokens: int = 1 << 24  # how many of the store's tokens this cache's tree may track
+    store_min_hits: int = 0  # write back to the store only pages hit at least this often
 
     def __post_init__(self) -> None:
         _require(isinstance(self.page_size, int) and self.page_size >= 1, f"page_size must be an integer >= 1, got {self.page_size!r}")
@@ -119,6 +122,11 @@ class CacheConfig:
             _require(not self.disk_dir.exists() or self.disk_dir.is_dir(), f"disk_dir {str(self.disk_dir)!r} exists and is not a directory")
         if self.disk_tokens > 0:
             _require(self.disk_dir is not None, "disk_tokens > 0 needs a disk_dir")
+        if self.store_url:
+            _require(self.disk_pages == 0, "a store tier takes the disk tier's place: give disk_tokens=0 (or no disk_dir) with store_url")
+            _require(self.host_tokens >= self.page_size, "a store tier needs a host tier (host_tokens >= page_size): pages reach it through host")
+            _require(isinstance(self.store_tokens, int) and self.store_tokens >= self.page_size, f"store_tokens must be an integer >= page_size, got {self.store_tokens!r}")
+            _require(isinstance(self.store_min_hits, int) and self.store_min_hits >= 0, f"store_min_hits must be an integer >= 0, got {self.store_min_hits!r}")
 
     @property
     def device_pages(self) -> int:
@@ -131,6 +139,10 @@ class CacheConfig:
     @property
     def disk_pages(self) -> int:
         return self.disk_tokens // self.page_size if self.disk_dir is not None else 0
+
+    @property
+    def store_pages(self) -> int:
+        return self.store_tokens // self.page_size if self.store_url else 0
 
     @property
     def page_bytes(self) -> int:

@@ -118,10 +118,12 @@ def prometheus_text(snapshot: dict[str, Any], stored_pages: dict[str, int] | Non
             lines.append(f"{name}{labels} {value}")
 
     source = {DEVICE: "device", HOST: "host", DISK: "storage"}
+    # the lower-tier slot is labelled by what holds it: "disk", or "store" for a shared store
+    tier_label = {DEVICE: DEVICE, HOST: HOST, DISK: snapshot.get("lower_tier", DISK)}
     metric("sglang:cached_tokens_total", "counter", "Prompt tokens served from cache, by source",
            [(f'{{cache_source="{source[t]}"}}', snapshot["hit_tokens"][t]) for t in TIERS])
     metric(f"{prefix}_hit_tokens_total", "counter", "Prompt tokens served per tier",
-           [(f'{{tier="{t}"}}', snapshot["hit_tokens"][t]) for t in TIERS])
+           [(f'{{tier="{tier_label[t]}"}}', snapshot["hit_tokens"][t]) for t in TIERS])
     metric(f"{prefix}_miss_tokens_total", "counter", "Prompt tokens computed", [("", snapshot["miss_tokens"])])
     metric(f"{prefix}_prompt_tokens_total", "counter", "Prompt tokens seen", [("", snapshot["prompt_tokens"])])
     metric(f"{prefix}_requests_total", "counter", "Requests scheduled", [("", snapshot["requests"])])
@@ -148,4 +150,12 @@ def prometheus_text(snapshot: dict[str, Any], stored_pages: dict[str, int] | Non
     if snapshot.get("capacity_tokens") is not None:
         metric(f"{prefix}_capacity_tokens", "gauge", "Tier capacity in tokens",
                [(f'{{tier="{t}"}}', snapshot["capacity_tokens"].get(t, 0)) for t in TIERS])
+    store = snapshot.get("store")
+    if store:
+        for name, value in sorted(store.items()):
+            if isinstance(value, int) and not isinstance(value, bool) and name != "tracked_pages":
+                metric(f"{prefix}_store_{name}_total", "counter", f"shared store tier: {name.replace('_', ' ')}", [("", value)])
+        metric(f"{prefix}_store_tracked_pages", "gauge", "store pages this server's tree tracks", [("", store.get("tracked_pages", 0))])
+        metric(f"{prefix}_store_available", "gauge", "1 while the shared store answers, 0 while it is backed off",
+               [("", int(bool(store.get("available"))))])
     return "\n".join(lines) + "\n"

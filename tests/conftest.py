@@ -51,6 +51,24 @@ def mooncake_trace() -> Path:
     return shared_file("traces/mooncake_conversation_trace.jsonl")
 
 
+@pytest.fixture(scope="session")
+def mooncake_service():
+    """A real Mooncake master + one holder on free ports of 127.0.0.1, for the whole session."""
+    from sgl_hicache.tiers.store_local import start_mooncake
+
+    with start_mooncake(segment_mb=128) as store:
+        yield store
+
+
+@pytest.fixture(scope="session")
+def redis_service():
+    """A real redis-server on a free port of 127.0.0.1, for the whole session."""
+    from sgl_hicache.tiers.store_local import start_redis
+
+    with start_redis(maxmemory_mb=128) as store:
+        yield store
+
+
 def make_cache(tmp_path=None, device=8, host=16, disk=32, page_size=4, **kw) -> TieredCache:
     """A cache whose capacities are given in pages."""
     cfg = CacheConfig(

@@ -203,3 +203,14 @@ def test_replay_scale_smoke(tmp_path: Path) -> None:
     assert points["metadata"]["hit_tokens"] == points["real"]["hit_tokens"]
     assert all(p["max_rss_mb"] > 0 and p["engine_cpu_s"] > 0 for p in points.values())
     assert result["compare"]["parallel_wall_s"] > 0 and result["compare"]["sequential_wall_s"] > 0
+
+
+def test_fleet_whatif_smoke(tmp_path: Path) -> None:
+    result = _run("fleet_whatif.py", tmp_path / "fleet.json")
+    assert result["benchmark"] == "fleet_whatif" and result["servers"] == 2 and result["requests"] == 200
+    rows = {r["route"]: r for r in result["rows"]}
+    assert set(rows) == {"round_robin"}
+    rr = rows["round_robin"]
+    # round-robin scatters conversations over the servers: the shared store serves what local tiers cannot
+    assert rr["store_hit_tokens"] > 0 and rr["hit_rate_store"] > rr["hit_rate_local"]
+    assert rr["store_pages_written"] > 0 and rr["store_pages_read"] > 0

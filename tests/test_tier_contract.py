@@ -1,4 +1,6 @@
-"""One contract, every store: the TierStore protocol checked over device, host and disk stores.
+"""One contract, every store: the TierStore protocol checked over device, host and disk stores and
+the shared store tier on both of its backends (a real Mooncake Store and a real redis-server,
+started once per session by the fixtures in conftest.py).
 
 A new store joins by adding one entry to STORES; every test below then runs against it.
 """
@@ -15,6 +17,8 @@ from sgl_hicache.hashing import Namespace, page_key
 from sgl_hicache.tiers.base import TIERS, TierStore, page_shape
 from sgl_hicache.tiers.disk import DiskPageStore
 from sgl_hicache.tiers.memory import DeviceKVPool, HostKVBuffer
+from sgl_hicache.tiers.store import STORE, SharedStoreTier
+from sgl_hicache.tiers.store_backends import open_backend
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16")
 PAGE = 4
@@ -33,17 +37,32 @@ def _disk(capacity: int, tmp_path) -> TierStore:
     return DiskPageStore(LAYOUT, PAGE, capacity, tmp_path / "disk", NS)
 
 
-STORES = {"device": _device, "host": _host, "disk": _disk}
+def _shared(service: str):
+    def make(capacity: int, tmp_path, request) -> TierStore:
+        url = request.getfixturevalue(service).url
+        ns = Namespace.for_model(LAYOUT, PAGE, tenant_salt=f"contract-{next(_SALTS)}")  # a cold key space per store
+        store = SharedStoreTier(LAYOUT, PAGE, capacity, open_backend(url), ns)
+        request.addfinalizer(store.close)
+        return store
+
+    return make
+
+
+_SALTS = itertools.count()
+STORES = {"device": _device, "host": _host, "disk": _disk, "store-mooncake": _shared("mooncake_service"), "store-redis": _shared("redis_service")}
 
 
 class Harness:
-    def __init__(self, factory, tmp_path) -> None:
+    def __init__(self, factory, tmp_path, request) -> None:
         self._factory = factory
         self._tmp_path = tmp_path
+        self._request = request
         self._counter = itertools.count()
 
     def store(self, capacity: int) -> TierStore:
-        return self._factory(capacity, self._tmp_path)
+        if self._factory in (_device, _host, _disk):
+            return self._factory(capacity, self._tmp_path)
+        return self._factory(capacity, self._tmp_path, self._request)
 
     def keys(self, n: int) -> list[bytes]:
         """Fresh, distinct page keys (as the cache would compute them)."""
@@ -56,7 +75,7 @@ class Harness:
 
 @pytest.fixture(params=sorted(STORES))
 def h(request, tmp_path) -> Harness:
-    return Harness(STORES[request.param], tmp_path)
+    return Harness(STORES[request.param], tmp_path, request)
 
 
 def _pages(store: TierStore, n: int, seed: int) -> torch.Tensor:
@@ -75,7 +94,7 @@ def _check_accounting(store: TierStore) -> None:
 
 def test_identity(h: Harness) -> None:
     s = h.store(2)
-    assert s.name in TIERS
+    assert s.name in (*TIERS, STORE)
     assert s.page_shape == page_shape(LAYOUT, PAGE)
     assert s.page_bytes == PAGE * LAYOUT.bytes_per_token
     assert isinstance(s.persistent, bool) and isinstance(s.content_addressed, bool)

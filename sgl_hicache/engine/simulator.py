@@ -43,7 +43,7 @@ from ..controller import Admission, ControllerSettings, RequestController, Ticke
 from ..policy.oracle import Oracle
 from ..policy.predictor import make_predictor
 from ..replay.trace import Request
-from ..tiers.base import DEVICE, DISK, HOST
+from ..tiers.base import DEVICE, DISK, HOST, TierStore
 from ..transfer.executors import VirtualExecutor, VirtualPipes
 from . import cost
 from .records import RecordColumns
@@ -85,6 +85,9 @@ class EngineConfig:
     # "real": bytes really copied through the real stores (proves the data path); "metadata": the
     # same decisions and virtual times, pages accounted but no bytes held or copied (`tiers/metadata.py`)
     byte_mode: str = "real"
+    # a shared store in the disk tier's place (`engine/fleet.py`): each server's link to it
+    store_bandwidth: float = 0.0  # bytes/s; 0: no store
+    store_latency_s: float = 0.0  # per transfer
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -97,6 +100,8 @@ class EngineConfig:
             raise ValueError("max_batch_tokens and max_running must be >= 1")
         if self.byte_mode not in BYTE_MODES:
             raise ValueError(f"unknown byte mode {self.byte_mode!r}; choose one of {', '.join(BYTE_MODES)}")
+        if self.store_bandwidth < 0 or self.store_latency_s < 0:
+            raise ValueError(f"store_bandwidth and store_latency_s must be >= 0, got {self.store_bandwidth}, {self.store_latency_s}")
 
     def cache_config(self, disk_dir: Path | None) -> CacheConfig:
         tiered = self.policy != "recompute"
@@ -141,10 +146,16 @@ def _scratch_dir() -> str | None:
 
 class VirtualLinks(VirtualPipes):
     """The tier links as FIFO pipes in virtual time at the hardware preset's bandwidth (disk reads
-    and writes share one pipe, the disk)."""
+    and writes share one pipe, the disk). With `store_bandwidth`, the lower tier is a shared store
+    reached over this server's network link: ``latency + bytes / store_bandwidth`` per transfer."""
 
-    def __init__(self, model: ModelPreset, hw: HardwarePreset) -> None:
-        super().__init__(lambda link, tokens: cost.kv_transfer_seconds(model, hw, tokens, *_LINK_TIERS[link]))
+    def __init__(self, model: ModelPreset, hw: HardwarePreset, store_bandwidth: float = 0.0, store_latency_s: float = 0.0) -> None:
+        def seconds(link: str, tokens: int) -> float:
+            if store_bandwidth > 0 and DISK in _LINK_TIERS[link]:
+                return cost.transfer_seconds(tokens * model.kv_bytes_per_token, store_bandwidth, store_latency_s)
+            return cost.kv_transfer_seconds(model, hw, tokens, *_LINK_TIERS[link])
+
+        super().__init__(seconds)
 
 
 class EmbeddedEngine:
@@ -156,7 +167,13 @@ class EmbeddedEngine:
     """
 
     def __init__(self, config: EngineConfig, progress: Callable[..., None] | None = None,
-                 checkpoint: Callable[["EmbeddedEngine"], None] | None = None, checkpoint_every: int = 0) -> None:
+                 checkpoint: Callable[["EmbeddedEngine"], None] | None = None, checkpoint_every: int = 0,
+                 store: TierStore | None = None) -> None:
+        """`store`: a shared store tier (`tiers/store.py`) in the disk tier's place."""
+        if store is not None and config.store_bandwidth <= 0:
+            raise ValueError("a store tier needs EngineConfig.store_bandwidth > 0 (its link's cost)")
+        if store is not None and config.byte_mode == "metadata":
+            raise ValueError("a store tier moves real bytes: use byte_mode='real' with a store")
         self.config = config
         self._tmp = None
         self.now = 0.0
@@ -170,11 +187,12 @@ class EmbeddedEngine:
                                      clock=lambda: self.now)
         else:
             disk_dir = config.disk_dir
-            if disk_dir is None and config.disk_tokens > 0 and config.policy != "recompute":
+            if disk_dir is None and store is None and config.disk_tokens > 0 and config.policy != "recompute":
                 self._tmp = tempfile.TemporaryDirectory(prefix="sgl-hicache-replay-", dir=_scratch_dir())
                 disk_dir = Path(self._tmp.name)
-            self.cache = TieredCache(config.cache_config(disk_dir), clock=lambda: self.now)
-        self.links = VirtualLinks(config.model, config.hardware)
+            self.cache = TieredCache(config.cache_config(disk_dir), disk=store if config.policy != "recompute" else None,
+                                     clock=lambda: self.now)
+        self.links = VirtualLinks(config.model, config.hardware, config.store_bandwidth if store is not None else 0.0, config.store_latency_s)
         self.executor = VirtualExecutor(self.cache, self.links, lambda: self.now, config.page_size)
         predictor = make_predictor(self.cache.config.predictor, config.page_size, config.predictor_budget_tokens, model=self.cache.reuse)
         settings = ControllerSettings(
@@ -324,102 +342,124 @@ class EmbeddedEngine:
         """Replay `requests`: a sequence (sorted by arrival here) or, streaming, an iterator already
         in arrival order, read one request ahead of its arrival, so that only the requests in
         flight hold token ids. `total` (the count, when the iterator knows it) feeds the progress."""
-        cfg = self.config
-        if isinstance(requests, Sequence) or cfg.policy == "oracle":
+        self.begin(requests, total)
+        while self.step():
+            pass
+        return self.end()
+
+    def begin(self, requests: Iterable[Request], total: int | None = None) -> None:
+        """Queue a replay's requests (as `run`); then `step()` until it returns False, then `end()`.
+        (`run` does all three; a fleet of engines steps several on one virtual timeline, `engine/fleet.py`.)"""
+        if isinstance(requests, Sequence) or self.config.policy == "oracle":
             # the oracle knows the future: it needs the whole trace (a stream is read into memory)
             ordered = sorted(requests, key=lambda r: r.arrival_s)
             self.total = len(ordered)
-            pending: _Pending = _Pending(iter(ordered))
-            if cfg.policy == "oracle":
+            self._pending = _Pending(iter(ordered))
+            if self.config.policy == "oracle":
                 self._install_oracle(ordered)
         else:
             self.total = total
-            pending = _Pending(iter(requests))
-        waiting: deque[_Flight] = deque()
-        prefilling: list[_Flight] = []  # admitted, prompt not fully computed yet (chunked prefill)
-        running: list[_Flight] = []  # decoding
-        closed_loop = cfg.concurrency is not None
-        while pending or waiting or prefilling or running:
-            # arrivals
-            if closed_loop:
-                while pending and len(waiting) + len(prefilling) + len(running) < cfg.concurrency:  # type: ignore[operator]
-                    self._arrive(pending.popleft(), self.now, waiting)
-            else:
-                while pending and pending.head().arrival_s * cfg.time_scale <= self.now:
-                    req = pending.popleft()
-                    self._arrive(req, req.arrival_s * cfg.time_scale, waiting)
-            if cfg.policy in ("prefetch", "predict"):
-                self._issue_prefetches(waiting)
-            self.controller.advance_predictions()
-            self.controller.pump_writeback()
-            # the step's prefill budget goes to prompts already being prefilled first, then to new ones
-            budget = cfg.max_batch_tokens
-            chunks: list[tuple[_Flight, int]] = []
-            for flight in prefilling:
-                if budget <= 0:
-                    break
-                n = min(flight.prefill_left, budget)
-                chunks.append((flight, n))
-                budget -= n
-            blocking_s = overlapped_s = 0.0
-            self._inline_tokens("device->host")  # what came before this step was charged already
-            for flight in list(waiting):
-                if len(running) + len(prefilling) >= cfg.max_running or budget <= 0:
-                    break
-                ok, new_tokens, load = self._try_admit(flight)
-                if ok:
-                    waiting.remove(flight)
-                    prefilling.append(flight)
-                    flight.prefill_left = new_tokens
-                    n = min(new_tokens, budget)
-                    chunks.append((flight, n))
-                    budget -= n
-                    blocking_s = max(blocking_s, load[0])
-                    overlapped_s += load[1]
-                else:
-                    break  # FIFO: a request that does not fit blocks the ones behind it
-            if not chunks and not running:
-                nxt = self._next_event_time(pending)
-                if nxt is None and waiting and self._drop_prefetch_locks(waiting):
-                    continue  # prefetched paths held the pages the head of the queue needs
-                if nxt is None:
-                    if waiting:
-                        raise RuntimeError(f"{len(waiting)} requests cannot be admitted: the device tier ({cfg.device_tokens} tokens) is too small for them")
-                    break
-                self.now = max(self.now, nxt)
-                continue
-            compute = cost.batch_prefill_seconds(cfg.model, cfg.hardware, [(n, f.context - f.prefill_left) for f, n in chunks])
-            compute += cost.decode_step_seconds(cfg.model, cfg.hardware, sum(f.context for f in running), len(running))
-            # evictions that made room for this step and copied device -> host inline (pages the
-            # background write-back had not cleaned yet) delay the forward pass
-            demoted_tokens = self._inline_tokens("device->host")
-            demote_s = self.links.seconds("device->host", demoted_tokens) if demoted_tokens else 0.0
-            self.demote_seconds += demote_s
-            step = demote_s + blocking_s + max(compute, overlapped_s) + overlapped_s / cfg.model.num_layers
-            self._charge_disk_writes()
-            self.now += step
-            self.steps += 1
-            still: list[_Flight] = []
-            for flight in running:
-                flight.remaining -= 1
-                flight.context += 1
-                if flight.remaining <= 0:
-                    self._finish(flight)
-                else:
-                    still.append(flight)
-            for flight, n in chunks:
-                flight.prefill_left -= n
-                if flight.prefill_left > 0:
-                    continue
-                prefilling.remove(flight)
-                flight.first_token = self.now
-                if flight.remaining <= 0:
-                    self._finish(flight)
-                else:
-                    still.append(flight)
-            running = still
+            self._pending = _Pending(iter(requests))
+        self._waiting: deque[_Flight] = deque()
+        self._prefilling: list[_Flight] = []  # admitted, prompt not fully computed yet (chunked prefill)
+        self._running: list[_Flight] = []  # decoding
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._pending or self._waiting or self._prefilling or self._running)
+
+    def end(self) -> RecordColumns:
         self.controller.shutdown()
         return self.records
+
+    def step(self) -> bool:
+        """One scheduler iteration (a forward step, or a jump of the clock to the next event).
+        Returns False when the replay is over."""
+        cfg = self.config
+        pending, waiting, prefilling = self._pending, self._waiting, self._prefilling
+        running = self._running
+        closed_loop = cfg.concurrency is not None
+        if not self.busy:
+            return False
+        # arrivals
+        if closed_loop:
+            while pending and len(waiting) + len(prefilling) + len(running) < cfg.concurrency:  # type: ignore[operator]
+                self._arrive(pending.popleft(), self.now, waiting)
+        else:
+            while pending and pending.head().arrival_s * cfg.time_scale <= self.now:
+                req = pending.popleft()
+                self._arrive(req, req.arrival_s * cfg.time_scale, waiting)
+        if cfg.policy in ("prefetch", "predict"):
+            self._issue_prefetches(waiting)
+        self.controller.advance_predictions()
+        self.controller.pump_writeback()
+        # the step's prefill budget goes to prompts already being prefilled first, then to new ones
+        budget = cfg.max_batch_tokens
+        chunks: list[tuple[_Flight, int]] = []
+        for flight in prefilling:
+            if budget <= 0:
+                break
+            n = min(flight.prefill_left, budget)
+            chunks.append((flight, n))
+            budget -= n
+        blocking_s = overlapped_s = 0.0
+        self._inline_tokens("device->host")  # what came before this step was charged already
+        for flight in list(waiting):
+            if len(running) + len(prefilling) >= cfg.max_running or budget <= 0:
+                break
+            ok, new_tokens, load = self._try_admit(flight)
+            if ok:
+                waiting.remove(flight)
+                prefilling.append(flight)
+                flight.prefill_left = new_tokens
+                n = min(new_tokens, budget)
+                chunks.append((flight, n))
+                budget -= n
+                blocking_s = max(blocking_s, load[0])
+                overlapped_s += load[1]
+            else:
+                break  # FIFO: a request that does not fit blocks the ones behind it
+        if not chunks and not running:
+            nxt = self._next_event_time(pending)
+            if nxt is None and waiting and self._drop_prefetch_locks(waiting):
+                return True  # prefetched paths held the pages the head of the queue needs
+            if nxt is None:
+                if waiting:
+                    raise RuntimeError(f"{len(waiting)} requests cannot be admitted: the device tier ({cfg.device_tokens} tokens) is too small for them")
+                return False
+            self.now = max(self.now, nxt)
+            return True
+        compute = cost.batch_prefill_seconds(cfg.model, cfg.hardware, [(n, f.context - f.prefill_left) for f, n in chunks])
+        compute += cost.decode_step_seconds(cfg.model, cfg.hardware, sum(f.context for f in running), len(running))
+        # evictions that made room for this step and copied device -> host inline (pages the
+        # background write-back had not cleaned yet) delay the forward pass
+        demoted_tokens = self._inline_tokens("device->host")
+        demote_s = self.links.seconds("device->host", demoted_tokens) if demoted_tokens else 0.0
+        self.demote_seconds += demote_s
+        step = demote_s + blocking_s + max(compute, overlapped_s) + overlapped_s / cfg.model.num_layers
+        self._charge_disk_writes()
+        self.now += step
+        self.steps += 1
+        still: list[_Flight] = []
+        for flight in running:
+            flight.remaining -= 1
+            flight.context += 1
+            if flight.remaining <= 0:
+                self._finish(flight)
+            else:
+                still.append(flight)
+        for flight, n in chunks:
+            flight.prefill_left -= n
+            if flight.prefill_left > 0:
+                continue
+            prefilling.remove(flight)
+            flight.first_token = self.now
+            if flight.remaining <= 0:
+                self._finish(flight)
+            else:
+                still.append(flight)
+        self._running = still
+        return True
 
     def _drop_prefetch_locks(self, waiting: deque) -> bool:
         """Finish and release the prefetch jobs of waiting requests (their pages stay cached,

@@ -150,7 +150,7 @@ class TieredRadixCache(BasePrefixCache):
         host_tokens = s.host_tokens_for(device_tokens)
         salt = ";".join(x for x in (model_salt, s.tenant_salt, consensus.salt if consensus is not None else "") if x)
         namespace = Namespace.for_model(layout, self.page_size, salt)
-        disk_tokens = s.disk_tokens_for(layout.bytes_per_token) if host_tokens >= self.page_size else 0
+        disk_tokens = s.disk_tokens_for(layout.bytes_per_token) if host_tokens >= self.page_size and not s.store else 0
         disk_dir = None
         if disk_tokens >= self.page_size:
             disk_dir = Path(s.disk_dir).expanduser() if s.disk_dir else default_disk_dir() / namespace.root.hex()[:16]
@@ -174,6 +174,8 @@ class TieredRadixCache(BasePrefixCache):
             tenant_salt=salt,
             disk_fsync=s.disk_fsync,
             eviction_demotes=s.eviction_demotes,
+            store_url=s.store if host_tokens >= self.page_size else None,
+            store_min_hits=s.store_min_hits,
         )
         self.cache = TieredCache(self.config, device=self.device_pool, clock=clock)
         if s.fault_disk_read_file and DISK in self.cache.stores:
@@ -229,6 +231,9 @@ class TieredRadixCache(BasePrefixCache):
         self.engine.stop()
         if self.layer_loads is not None:
             self.layer_loads.finish_all()
+        close = getattr(self.cache.stores.get(DISK), "close", None)  # the shared store's connections
+        if close is not None:
+            close()
 
     def _drop_all_jobs(self) -> None:
         for st in list(self._states.values()):
@@ -682,6 +687,7 @@ class TieredRadixCache(BasePrefixCache):
             "layerwise_loads": self.layer_loads is not None,
             "skip_waiting_admission": self.settings.skip_waiting_admission,
             "namespace": self.cache.namespace.description,
+            "store": self.config.store_url,
         }
         if self.consensus is not None:
             snap["backend"]["tp"] = {"size": self.consensus.size, "rank": self.consensus.rank, **vars(self.consensus.counts)}
@@ -785,6 +791,7 @@ class _PromExport:
             "promoted_tokens": Counter("sgl_hicache_promoted_tokens", "Tokens copied up into a tier", ["tier"]),
             "bytes_moved": Counter("sgl_hicache_bytes_moved", "Bytes copied per link", ["link"]),
             "prefetch": Counter("sgl_hicache_prefetch_tokens", "Prefetch / prediction tokens by outcome", ["kind", "outcome"]),
+            "store": Counter("sgl_hicache_store", "Shared store tier events (docs/store.md)", ["event"]),
         }
         self.gauges = {
             "stored_tokens": Gauge("sgl_hicache_stored_tokens", "Tokens resident per tier", ["tier"], multiprocess_mode="mostrecent"),
@@ -803,10 +810,14 @@ class _PromExport:
 
     def update(self, snap: dict) -> None:
         for t in TIERS:
+            label = snap.get("lower_tier", t) if t == DISK else t  # the lower slot is named by what holds it
             for name in ("hit_tokens", "evicted_tokens", "demoted_tokens", "promoted_tokens"):
-                self._inc(name, snap[name][t], tier=t)
-            self.gauges["stored_tokens"].labels(tier=t).set(snap["stored_tokens"][t])
-            self.gauges["capacity_tokens"].labels(tier=t).set(snap["capacity_tokens"][t])
+                self._inc(name, snap[name][t], tier=label)
+            self.gauges["stored_tokens"].labels(tier=label).set(snap["stored_tokens"][t])
+            self.gauges["capacity_tokens"].labels(tier=label).set(snap["capacity_tokens"][t])
+        for event, v in (snap.get("store") or {}).items():
+            if isinstance(v, int) and not isinstance(v, bool) and event != "tracked_pages":
+                self._inc("store", v, event=event)
         self._inc("miss_tokens", snap["miss_tokens"])
         self._inc("requests", snap["requests"])
         for call, d in (snap.get("scheduler_calls") or {}).items():

@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disk-dir", help="disk tier directory (default ~/.cache/sgl_hicache/<model namespace>)")
     p.add_argument("--disk-tokens", type=int, help="disk tier capacity in tokens (0 turns it off; default: --disk-gb)")
     p.add_argument("--disk-gb", type=float, help="disk tier capacity in GiB when --disk-tokens is not given (default 16)")
+    p.add_argument("--store", help="shared store tier in the disk tier's place: mooncake://HOST:PORT[?metadata=URL] or redis://HOST:PORT")
+    p.add_argument("--store-min-hits", type=int, help="write back to the store only pages hit at least this often (default 0)")
     p.add_argument("--write-policy", choices=WRITE_POLICIES, help="device -> host copies (default write_back: on eviction)")
     p.add_argument("--disk-write-policy", choices=DISK_WRITE_POLICIES, help="host -> disk copies (default write_back)")
     p.add_argument("--eviction-policy", choices=EVICTION_POLICIES, help="eviction order in every tier (default lru)")
@@ -86,7 +88,7 @@ def build_command(ns: argparse.Namespace, environ: dict[str, str] | None = None)
     # settings: config file (if any) + the flags given here; validated now, in this process
     overrides = {
         "host_tokens": ns.host_tokens, "host_ratio": ns.host_ratio, "disk_dir": ns.disk_dir, "disk_tokens": ns.disk_tokens,
-        "disk_gb": ns.disk_gb, "write_policy": ns.write_policy, "disk_write_policy": ns.disk_write_policy,
+        "disk_gb": ns.disk_gb, "store": ns.store, "store_min_hits": ns.store_min_hits, "write_policy": ns.write_policy, "disk_write_policy": ns.disk_write_policy,
         "eviction_policy": ns.eviction_policy, "predictor": ns.predictor, "load_timeout_s": ns.load_timeout_s,
         "stats_file": ns.stats_file,
     }

@@ -59,6 +59,8 @@ class BackendSettings:
     device_writeback_clean_fraction: float = 0.25  # keep this share of the device pool also on host, copied in the background (0: off)
     load_timeout_s: float = 30.0  # how long a request may wait for its disk pages before it recomputes them
     tenant_salt: str = ""  # extra namespace salt (isolates caches of tenants sharing one disk directory)
+    store: str | None = None  # a shared store in the disk tier's place: mooncake://HOST:PORT or redis://HOST:PORT
+    store_min_hits: int = 0  # write back to the store only pages hit at least this often
     stats_file: str | None = None  # the scheduler writes JSON stats here every stats_interval_s (atomic rename)
     stats_interval_s: float = 2.0
     check_invariants: bool = False  # run the tree's invariant check after every scheduler call (slow; tests)
@@ -93,6 +95,8 @@ class BackendSettings:
         need(0 <= self.device_writeback_clean_fraction <= 1,
              f"device_writeback_clean_fraction must be in [0, 1], got {self.device_writeback_clean_fraction!r}")
         need(self.eviction_demotes in EVICTION_DEMOTES, f"eviction_demotes must be one of {', '.join(EVICTION_DEMOTES)}, got {self.eviction_demotes!r}")
+        need(self.store is None or "://" in self.store, f"store must be a URL (mooncake://HOST:PORT or redis://HOST:PORT), got {self.store!r}")
+        need(isinstance(self.store_min_hits, int) and self.store_min_hits >= 0, f"store_min_hits must be an integer >= 0, got {self.store_min_hits!r}")
         need(self.stats_interval_s > 0, f"stats_interval_s must be > 0, got {self.stats_interval_s!r}")
 
     def host_tokens_for(self, device_tokens: int) -> int:
@@ -120,7 +124,7 @@ def _coerce(name: str, raw: Any, source: str) -> Any:
     default = _FIELDS[name].default
     kind = type(default) if default is not None else None
     optional_int = name in ("host_tokens", "disk_tokens")
-    optional_str = name in ("disk_dir", "eviction_policy", "stats_file", "fault_disk_read_file")
+    optional_str = name in ("disk_dir", "eviction_policy", "stats_file", "fault_disk_read_file", "store")
     if isinstance(raw, str) and source.startswith("env"):
         text = raw.strip()
         if (optional_int or optional_str) and text.lower() in ("", "none", "null", "auto"):

@@ -82,7 +82,6 @@ import logging
 import os
 import re
 import stat
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -94,19 +93,10 @@ import xxhash
 from ..config import KVLayout
 from ..hashing import KEY_BYTES, Namespace, PageKey
 from .base import DISK, Handle, PageCorruptError, PageGoneError, TierIOError, TierStore
+from .codec import FORMAT_VERSION, HEADER_SIZE, MAGIC, PAGE_SUFFIX, PageCodec
 from .shared import OWNER_PATTERN, DirectoryLedger, LocalLedger, is_shared_entry
 
 log = logging.getLogger(__name__)
-
-MAGIC = b"SGLHPAGE"
-FORMAT_VERSION = 1
-HEADER_SIZE = 128
-PAGE_SUFFIX = ".page"
-_STABLE_PREFIX = struct.Struct("<8sHH16s")  # magic, version, header size, namespace: never changes
-_HEADER_BODY = struct.Struct("<8sHH16s16sQ16sI8IQ")  # ... payload checksum (112 bytes)
-_HEADER_SUM = struct.Struct("<Q")
-_MAX_DIMS = 8
-assert _HEADER_BODY.size + _HEADER_SUM.size <= HEADER_SIZE
 
 _PAGE_NAME = re.compile(r"^[0-9a-f]{32}\.page$")
 # group 1: the owner (absent in the legacy `.<hex>.<pid>.<n>.tmp` form, whose owner counts as dead)
@@ -192,9 +182,7 @@ class DiskPageStore(TierStore):
         self.retry_interval_s = float(retry_interval_s)
         self._clock = clock
         self.dtype = layout.torch_dtype
-        self._dtype_name = layout.dtype.encode("ascii")
-        if len(self._dtype_name) > 16 or len(self.page_shape) > _MAX_DIMS:
-            raise ValueError(f"disk: layout {layout!r} cannot be described by the page header")
+        self._codec = PageCodec(namespace, self.page_shape, layout.dtype, self.page_bytes, "disk")
         self._payload_bytes = self.page_bytes
 
         self._lock = threading.Lock()
@@ -511,42 +499,11 @@ class DiskPageStore(TierStore):
 
     # ------------------------------------------------------------------ internals
     def _header(self, key: PageKey, checksum: int) -> bytes:
-        shape = list(self.page_shape) + [0] * (_MAX_DIMS - len(self.page_shape))
-        body = _HEADER_BODY.pack(
-            MAGIC, FORMAT_VERSION, HEADER_SIZE, self.namespace.root, key, self._payload_bytes,
-            self._dtype_name, len(self.page_shape), *shape, checksum,
-        )
-        return (body + _HEADER_SUM.pack(xxhash.xxh3_64_intdigest(body))).ljust(HEADER_SIZE, b"\0")
+        return self._codec.header(key, checksum)
 
     def _parse_header(self, header: bytes, size: int, key: PageKey) -> tuple[dict | None, str]:
-        """(fields, "") for a valid header of ours; (None, reason) otherwise.
-
-        reason "foreign" means: our magic, another namespace (not ours to judge or delete).
-        """
-        if len(header) < _STABLE_PREFIX.size:
-            return None, "zero-length" if size == 0 else "truncated header"
-        magic, version, header_size, ns = _STABLE_PREFIX.unpack_from(header)
-        if magic != MAGIC:
-            return None, "bad magic"
-        if ns != self.namespace.root:
-            return None, "foreign"
-        if version != FORMAT_VERSION:
-            return None, f"format version {version}"
-        if header_size != HEADER_SIZE or len(header) < HEADER_SIZE:
-            return None, "truncated header"
-        body = header[: _HEADER_BODY.size]
-        (stored_sum,) = _HEADER_SUM.unpack_from(header, _HEADER_BODY.size)
-        if xxhash.xxh3_64_intdigest(body) != stored_sum:
-            return None, "header checksum"
-        f = _HEADER_BODY.unpack(body)
-        file_key, length, dtype_name, ndim, shape, checksum = f[4], f[5], f[6].rstrip(b"\0"), f[7], f[8 : 8 + _MAX_DIMS], f[-1]
-        if file_key != key:
-            return None, "key does not match file name"
-        if dtype_name != self._dtype_name or tuple(shape[:ndim]) != self.page_shape or length != self._payload_bytes:
-            return None, "layout mismatch"
-        if size != HEADER_SIZE + length:
-            return None, "truncated" if size < HEADER_SIZE + length else "trailing bytes"
-        return {"checksum": checksum}, ""
+        """(fields, "") for a valid header of ours; (None, reason) otherwise (see `PageCodec`)."""
+        return self._codec.parse_header(header, size, key)
 
     @staticmethod
     def _pread_into(fd: int, view: memoryview, offset: int) -> int:

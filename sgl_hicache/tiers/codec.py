@@ -1,0 +1,98 @@
+"""The page codec shared by every tier that stores pages outside process memory (disk files, the
+shared store): a 128-byte header (namespace, key, layout, payload checksum) then the payload.
+
+The layout is documented in `tiers/disk.py`. A value whose header, length or checksum fails is never
+served: `parse_header` says why, `verify_payload` checks the bytes.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import xxhash
+
+from ..hashing import Namespace, PageKey
+
+MAGIC = b"SGLHPAGE"
+FORMAT_VERSION = 1
+HEADER_SIZE = 128
+PAGE_SUFFIX = ".page"
+_STABLE_PREFIX = struct.Struct("<8sHH16s")  # magic, version, header size, namespace: never changes
+_HEADER_BODY = struct.Struct("<8sHH16s16sQ16sI8IQ")  # ... payload checksum (112 bytes)
+_HEADER_SUM = struct.Struct("<Q")
+_MAX_DIMS = 8
+assert _HEADER_BODY.size + _HEADER_SUM.size <= HEADER_SIZE
+
+
+class PageCodec:
+    """Encode and check page headers of one namespace and page layout.
+
+    Contract: `parse_header(header, size, key)` returns `({"checksum": int}, "")` for a header this
+    codec wrote for `key` with a value of `size` bytes in total, else `(None, reason)`; reason
+    "foreign" means our magic under another namespace (another model or tenant: not corrupt, not ours).
+    """
+
+    def __init__(self, namespace: Namespace, page_shape: tuple[int, ...], dtype: str, payload_bytes: int, owner: str) -> None:
+        self.namespace = namespace
+        self.page_shape = tuple(page_shape)
+        self.dtype_name = dtype.encode("ascii")
+        self.payload_bytes = payload_bytes
+        if len(self.dtype_name) > 16 or len(self.page_shape) > _MAX_DIMS:
+            raise ValueError(f"{owner}: layout {dtype} {self.page_shape} cannot be described by the page header")
+
+    @property
+    def value_bytes(self) -> int:
+        """Header plus payload: the size of one stored page."""
+        return HEADER_SIZE + self.payload_bytes
+
+    def header(self, key: PageKey, checksum: int) -> bytes:
+        shape = list(self.page_shape) + [0] * (_MAX_DIMS - len(self.page_shape))
+        body = _HEADER_BODY.pack(
+            MAGIC, FORMAT_VERSION, HEADER_SIZE, self.namespace.root, key, self.payload_bytes,
+            self.dtype_name, len(self.page_shape), *shape, checksum,
+        )
+        return (body + _HEADER_SUM.pack(xxhash.xxh3_64_intdigest(body))).ljust(HEADER_SIZE, b"\0")
+
+    def encode(self, key: PageKey, payload: memoryview | bytes) -> bytes:
+        """Header + payload as one value (for stores that take whole values)."""
+        return self.header(key, xxhash.xxh3_64_intdigest(payload)) + bytes(payload)
+
+    def parse_header(self, header: bytes, size: int, key: PageKey) -> tuple[dict | None, str]:
+        if len(header) < _STABLE_PREFIX.size:
+            return None, "zero-length" if size == 0 else "truncated header"
+        magic, version, header_size, ns = _STABLE_PREFIX.unpack_from(header)
+        if magic != MAGIC:
+            return None, "bad magic"
+        if ns != self.namespace.root:
+            return None, "foreign"
+        if version != FORMAT_VERSION:
+            return None, f"format version {version}"
+        if header_size != HEADER_SIZE or len(header) < HEADER_SIZE:
+            return None, "truncated header"
+        body = header[: _HEADER_BODY.size]
+        (stored_sum,) = _HEADER_SUM.unpack_from(header, _HEADER_BODY.size)
+        if xxhash.xxh3_64_intdigest(body) != stored_sum:
+            return None, "header checksum"
+        f = _HEADER_BODY.unpack(body)
+        file_key, length, dtype_name, ndim, shape, checksum = f[4], f[5], f[6].rstrip(b"\0"), f[7], f[8 : 8 + _MAX_DIMS], f[-1]
+        if file_key != key:
+            return None, "key does not match file name"
+        if dtype_name != self.dtype_name or tuple(shape[:ndim]) != self.page_shape or length != self.payload_bytes:
+            return None, "layout mismatch"
+        if size != HEADER_SIZE + length:
+            return None, "truncated" if size < HEADER_SIZE + length else "trailing bytes"
+        return {"checksum": checksum}, ""
+
+    def decode(self, value: bytes | memoryview, key: PageKey) -> tuple[memoryview | None, str]:
+        """The payload of a whole stored value, or (None, reason) when it is not a valid page of `key`."""
+        view = memoryview(value).cast("B")
+        fields, reason = self.parse_header(bytes(view[:HEADER_SIZE]), len(view), key)
+        if fields is None:
+            return None, reason
+        payload = view[HEADER_SIZE:]
+        if xxhash.xxh3_64_intdigest(payload) != fields["checksum"]:
+            return None, "checksum"
+        return payload, ""
+
+
+__all__ = ["FORMAT_VERSION", "HEADER_SIZE", "MAGIC", "PAGE_SUFFIX", "PageCodec"]
