@@ -102,3 +102,18 @@ def parse_only(cmd: DocCommand, bin_dirs: list[Path], timeout: float = 300) -> s
     env["PATH"] = os.pathsep.join([*map(str, bin_dirs), env.get("PATH", "")])
     return subprocess.run(["bash", "-euo", "pipefail", "-c", cmd.text], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def check_documented(cmd: DocCommand, bin_dirs: list[Path], syntax_only: dict[str, str]) -> None:
+    """The check both suites run on a documented command: the repo paths it names exist; a command
+    starting with a `syntax_only` prefix (value: why) gets `bash -n`; any other runs in parse-only
+    mode, must exit 0, and at least one Python program must have parsed its flags."""
+    for path in cmd.paths():
+        assert (REPO / path).exists(), f"{cmd.where}: names {path}, which does not exist"
+    if any(cmd.text.startswith(prefix) for prefix in syntax_only):
+        proc = subprocess.run(["bash", "-n", "-c", cmd.text], capture_output=True, text=True)
+        assert proc.returncode == 0, f"{cmd.where}: {proc.stderr}"
+        return
+    proc = parse_only(cmd, bin_dirs)
+    assert proc.returncode == 0, f"{cmd.where}: exit {proc.returncode}\n{cmd.text}\n{proc.stderr[-2000:]}"
+    assert "[parse-only]" in proc.stderr, f"{cmd.where}: no Python program parsed its flags:\n{proc.stderr[-2000:]}"

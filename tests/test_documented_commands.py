@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from conftest import mooncake_trace
-from documented import REPO, DocCommand, documented_commands, fenced_blocks, parse_only
+from documented import REPO, DocCommand, check_documented, documented_commands, fenced_blocks
 
 BIN = Path(sys.executable).parent
 CORE = [c for c in documented_commands() if not c.needs_sglang]
@@ -33,10 +33,6 @@ SYNTAX_ONLY = {
     "python3 -m venv .venv": "creates the environment these tests run in",
     "pip download": "fetches a wheel from PyPI (network; pip's parser is not argparse)",
 }
-
-
-def _syntax_only(cmd: DocCommand) -> bool:
-    return any(cmd.text.startswith(prefix) for prefix in SYNTAX_ONLY)
 
 
 def _env() -> dict[str, str]:
@@ -58,15 +54,7 @@ def test_the_docs_give_the_commands_this_suite_checks() -> None:
 
 @pytest.mark.parametrize("cmd", CORE, ids=[c.where for c in CORE])
 def test_documented_command_parses(cmd: DocCommand) -> None:
-    for path in cmd.paths():
-        assert (REPO / path).exists(), f"{cmd.where}: names {path}, which does not exist"
-    if _syntax_only(cmd):
-        proc = subprocess.run(["bash", "-n", "-c", cmd.text], capture_output=True, text=True)
-        assert proc.returncode == 0, f"{cmd.where}: {proc.stderr}"
-        return
-    proc = parse_only(cmd, [BIN])
-    assert proc.returncode == 0, f"{cmd.where}: exit {proc.returncode}\n{cmd.text}\n{proc.stderr[-2000:]}"
-    assert "[parse-only]" in proc.stderr, f"{cmd.where}: no Python program parsed its flags:\n{proc.stderr[-2000:]}"
+    check_documented(cmd, [BIN], SYNTAX_ONLY)
 
 
 def _documented_hits(doc: str) -> dict[str, dict[str, int]]:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import NEEDS_SGLANG, mooncake_trace
-from documented import REPO, DocCommand, documented_commands, parse_only
+from documented import REPO, DocCommand, check_documented, documented_commands
 
 pytestmark = NEEDS_SGLANG
 
@@ -34,15 +34,7 @@ SYNTAX_ONLY = {
 
 @pytest.mark.parametrize("cmd", SGLANG_CMDS, ids=[c.where for c in SGLANG_CMDS])
 def test_documented_sglang_command_parses(cmd: DocCommand) -> None:
-    for path in cmd.paths():
-        assert (REPO / path).exists(), f"{cmd.where}: names {path}, which does not exist"
-    if any(cmd.text.startswith(p) for p in SYNTAX_ONLY):
-        proc = subprocess.run(["bash", "-n", "-c", cmd.text], capture_output=True, text=True)
-        assert proc.returncode == 0, f"{cmd.where}: {proc.stderr}"
-        return
-    proc = parse_only(cmd, [BIN])
-    assert proc.returncode == 0, f"{cmd.where}: exit {proc.returncode}\n{cmd.text}\n{proc.stderr[-2000:]}"
-    assert "[parse-only]" in proc.stderr, f"{cmd.where}: no Python program parsed its flags:\n{proc.stderr[-2000:]}"
+    check_documented(cmd, [BIN], SYNTAX_ONLY)
 
 
 def test_syntax_only_entries_are_documented() -> None:
