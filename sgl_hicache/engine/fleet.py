@@ -86,7 +86,7 @@ def run_fleet(requests: Sequence[Request], config: EngineConfig, servers: int, h
                 ns = Namespace.for_model(cfg.storage_layout, cfg.page_size)
                 tier = SharedStoreTier(cfg.storage_layout, cfg.page_size, max(1, config.disk_tokens // cfg.page_size), backend, ns)
 
-            def cb(n: int, _t: int, i: int = i) -> None:
+            def cb(n: int, _t: int | None, _hit_rate: float | None = None, *, i: int = i) -> None:
                 done[i] = n
                 if progress:
                     progress(sum(done), total)
