@@ -377,7 +377,10 @@ TP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "SGLHICACHE_CONSENSUS_CHECK": "1
 # copies, finishing at thread-timed moments, pin the coldest pages through some evictions and not
 # others): at concurrency 4 two TP=1 runs of the slice differed by 17 % in host hits. The TP=1 / TP=2
 # comparison runs in that regime; the restarted TP=2 server runs with write-back on.
-DETERMINISTIC_ENV = {"SGLHICACHE_WRITEBACK_CLEAN_FRACTION": "0", "SGLHICACHE_DEVICE_WRITEBACK_CLEAN_FRACTION": "0"}
+# Without background write-back, only eviction puts pages on disk: `eviction_demotes=all` (the server
+# default `host` never writes disk on eviction), so the slice still gets disk hits to compare.
+DETERMINISTIC_ENV = {"SGLHICACHE_WRITEBACK_CLEAN_FRACTION": "0", "SGLHICACHE_DEVICE_WRITEBACK_CLEAN_FRACTION": "0",
+                     "SGLHICACHE_EVICTION_DEMOTES": "all"}
 HANG_S = 120.0  # a request or a shutdown that takes longer is a hang (normal: seconds)
 
 

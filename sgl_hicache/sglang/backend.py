@@ -184,7 +184,11 @@ class TieredRadixCache(BasePrefixCache):
             consensus.start(self.cache)  # a collective: every rank builds its cache at the same point
         self.engine = TransferEngine(self.cache, workers=s.transfer_workers)  # started on first use
         # host -> device loads queued layer by layer, waited for by SGLang's KV pool (factory registers it)
-        self.layer_loads = LayerLoads(self.cache) if s.layerwise_loads and HOST in self.cache.stores else None
+        # (TP >= 2: off. A layer-wise load finishes at a thread-timed moment on each rank and its nodes
+        # stay locked until then, so the ranks' evictable sets would differ; rank agreement on load
+        # completion is not built yet, and the consensus check caught the divergence.)
+        self.layer_loads = (LayerLoads(self.cache) if s.layerwise_loads and HOST in self.cache.stores and consensus is None
+                            else None)
         self.deferred_rid: str | None = None  # the request init_load_back last answered "retry" (scheduler_hooks)
         executor = ThreadExecutor(self.cache, self.engine, layers=self.layer_loads)
         self.controller = RequestController(
