@@ -172,3 +172,14 @@ def test_sizes_that_cannot_fit_are_refused_before_allocating(tmp_path: Path, ext
                           capture_output=True, text=True, timeout=60, preexec_fn=limit)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert words in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_token_count_too_large_to_be_real_is_a_trace_error(tmp_path):
+    """Found by the fuzz test: a 32-digit input length reached the token synthesiser (OverflowError)."""
+    from sgl_hicache.replay import load_trace
+    from sgl_hicache.replay.trace import TraceError
+
+    bad = tmp_path / "bench.jsonl"
+    bad.write_text('{"request_rate": 4.0, "input_lens": [99999999999999999999999999999912, 30], "output_lens": [5, 0]}\n')
+    with pytest.raises(TraceError, match=r"bench.jsonl:1: .*input_lens\[0\].* must be <= 100,000,000"):
+        load_trace(bad, fmt="sglang-bench")

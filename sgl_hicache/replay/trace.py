@@ -269,6 +269,11 @@ def _jtype(value: Any) -> str:
     return type(value).__name__
 
 
+# Every integer field of a trace is a token count or a turn number: beyond this it is certainly corrupt
+# (and a replay would try to synthesise that many token ids)
+MAX_COUNT = 100_000_000
+
+
 def get_int(path: str | Path, line: int, obj: dict, key: str, *, minimum: int = 0, required: bool = True, default: int | None = None) -> int | None:
     if key not in obj:
         if required:
@@ -283,6 +288,8 @@ def get_int(path: str | Path, line: int, obj: dict, key: str, *, minimum: int = 
     if value < minimum:
         what = "negative" if value < 0 else f"less than {minimum}"
         raise TraceError(path, line, f"field {key!r} must be >= {minimum}, got {value} ({what})")
+    if value > MAX_COUNT:
+        raise TraceError(path, line, f"field {key!r} must be <= {MAX_COUNT:,} (a token count), got {_short(value)}")
     return value
 
 
