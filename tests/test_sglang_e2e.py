@@ -249,8 +249,10 @@ def test_e2e_replay_hits_and_kv_correctness(start_server, workdir, shared):
     assert report["requests"] == len(reqs)
     assert report["output_tokens"] == sum(min(8, r.output_length) for r in reqs)
     hits = report["hit_tokens"]
-    assert hits["host"] > 0 and hits["disk"] > 0, hits
-    assert report["bytes_moved"].get("disk->host", 0) > 0, report["bytes_moved"]
+    # disk hits in this concurrent replay depend on background host->disk write-back keeping pace
+    # with eviction (the server default eviction_demotes=host never writes disk inline): 0 in some
+    # runs. The disk path is asserted below (an explicit disk hit) and by the restart test.
+    assert hits["host"] > 0, hits
 
     # 2. KV correctness: from scratch vs. device hit vs. host hit vs. disk hit, on outputs and logprobs
     P = _prompt(1, 320)
