@@ -148,6 +148,7 @@ class TieredCache:
         if config.eviction_policy == "reuse" or config.predictor == "continuation" or config.admission_min_probability > 0:
             self.reuse = ReuseModel(lambda: self.clock(), admit_min_probability=config.admission_min_probability)
         self.priority = self.reuse.priority if config.eviction_policy == "reuse" else eviction_policy(config.eviction_policy)  # type: ignore[union-attr]
+        self._order_leaves()
         self.handlers = default_handlers(self.stores)
         self.meter = BandwidthMeter()
         self.clock = clock
@@ -162,6 +163,13 @@ class TieredCache:
         if DISK in self.stores and self.stores[DISK].overfull_pages:
             # restarted with a smaller disk capacity than the files found: trim to capacity
             self._evict_disk_orphans(self.stores[DISK].overfull_pages)
+
+    def _order_leaves(self) -> None:
+        """Keep the tree's eviction candidates ordered incrementally, where the policy's priorities
+        only grow with use (`lru`, `lfu`: see `tree/leaves.py`); `reuse` priorities move with the
+        clock, so its evictions order the leaves afresh each call."""
+        if self.config.eviction_policy in ("lru", "lfu"):
+            self.tree.order_leaves(self._leaf_key)
 
     # ---- queries ---------------------------------------------------------------------------
     def has_tier(self, tier: str) -> bool:
@@ -456,12 +464,15 @@ class TieredCache:
                 return op.error is None
             node = op.node
             self.tree.unpin(node)
+            if op.locks_path:
+                self.tree.unlock(node)
             node.incoming.pop(op.dst, None)
             op.applied = True
             if op.cancelled and (op.error is None or op.gated):
                 op.error = Cancelled()  # gated: a local I/O error must not change this rank's tree alone
             if op.error is not None:
                 self.stores[op.dst].free(op.dst_handles)
+                self.tree.push_leaf(node.parent, op.dst)  # no longer waiting for this child
                 if not isinstance(op.error, Cancelled):
                     self._on_transfer_error(op)
                 return False
@@ -653,11 +664,13 @@ class TieredCache:
 
     def plan_writeback(self, src: str, dst: str, clean_target_pages: int, max_pages: int) -> list[TransferOp]:
         """Phase one of background write-back, `src` -> the next tier down `dst` (device -> host or
-        host -> disk): while fewer than `clean_target_pages` pages of `src` are *clean* (`dst` already
-        holds them, so evicting them from `src` is a free drop), prepare copies of
-        the coldest dirty ones, at most `max_pages`. Done ahead of need by a transfer engine, this
-        keeps copies off the thread that evicts. Only unlocked nodes whose parent is already in `dst`
-        qualify (`dst` stays prefix-closed; their children follow in a later round). The caller
+        host -> disk): while fewer than `clean_target_pages` evictable pages of `src` are *clean*
+        (`dst` already holds them, so evicting them from `src` is a free drop: the watermark),
+        prepare copies of the coldest dirty ones, at most `max_pages` and no more than the watermark
+        lacks. Done ahead of need by a transfer engine, this keeps copies off the thread that evicts.
+        Only unlocked nodes whose parent is already in `dst` qualify (`dst` stays prefix-closed; their
+        children follow in a later round). Each op locks its node's path until `complete` (so the
+        ancestors a copy keeps from being leaves are not counted as evictable either). The caller
         executes the ops and passes each to `complete`."""
         if (src, dst) not in ((DEVICE, HOST), (HOST, DISK)):
             raise ValueError(f"write-back goes one tier down (device -> host, host -> disk), not {src} -> {dst}")
@@ -678,7 +691,7 @@ class TieredCache:
 
     def _plan_writeback(self, src: str, dst: str, clean_target_pages: int, max_pages: int) -> list[TransferOp]:
         with self._mutex:
-            clean = 0
+            clean = self._clean_pages(src)
             candidates = []
             # a shared store takes the pages worth sharing (hit at least `min_hits` times), paced by
             # `max_pages` per round, whether or not the device also holds them
@@ -689,7 +702,8 @@ class TieredCache:
                 # for the shared store, a page already there
                 done = n.disk is not None if shared_hits is not None else n.in_tier(dst)
                 if done or dst in n.incoming:
-                    clean += n.num_pages
+                    if not done:
+                        clean += n.num_pages  # clean once its copy lands
                     continue
                 if shared_hits is not None and (n.hit_count < shared_hits or not self.stores[dst].accepts(n.keys)):
                     continue
@@ -711,13 +725,15 @@ class TieredCache:
                 op = self.prepare(n, dst, "backup", may_evict=True)
                 if op is None:
                     break
+                self.tree.lock(n)
+                op.locks_path = True
                 ops.append(op)
                 budget -= n.num_pages
             return ops
 
     def _clean_pages(self, tier: str) -> int:
-        """Pages of `tier` that `_clean` holds for, from the tree's O(1) counts."""
-        shared = self.tree.shared_pages
+        """Evictable pages of `tier` that `_clean` holds for, from the tree's O(1) counts."""
+        shared = self.tree.evictable_shared_pages
         if tier == DEVICE:
             return shared(DEVICE, HOST)
         return shared(HOST, DISK) + shared(HOST, DEVICE) - shared(DEVICE, HOST, DISK)
@@ -734,28 +750,69 @@ class TieredCache:
     def evict(self, tier: str, num_pages: int) -> int:
         """Free at least `num_pages` pages of `tier` if possible, leaf-first, coldest first;
         demote where the next tier can take the pages (`eviction_demotes`), else free clean leaves
-        before dirty ones. Returns the pages freed."""
+        before dirty ones (a dirty page dropped is counted in `dropped_dirty_tokens`). Never takes a
+        locked or pinned node (a copy in flight pins it). Returns the pages freed."""
         with self._mutex:
             freed = self._evict_disk_orphans(num_pages) if tier == DISK else 0
-            # without demotion, clean leaves (held one tier down: a free drop) go before dirty ones
-            dirty_last = not self._demotes(tier)
-            key = (lambda n: (not self._clean(n, tier), self.priority(n))) if dirty_last else self.priority
-            heap = [(key(n), n.id, n) for n in self.tree.tier_leaves(tier) if n.evictable]
-            heapq.heapify(heap)
-            while freed < num_pages and heap:
-                _, _, node = heapq.heappop(heap)
-                if not node.in_tier(tier) or not node.evictable or self._has_child_in(node, tier):
-                    continue
-                parent = node.parent
-                freed += self._evict_node(node, tier)
-                if parent is not None and not parent.is_root and parent.in_tier(tier) and parent.evictable:
-                    if not self._has_child_in(parent, tier):
-                        heapq.heappush(heap, (key(parent), parent.id, parent))
+            if self.tree.leaves is not None:
+                freed += self._evict_ordered(tier, num_pages - freed)
+            else:
+                freed += self._evict_rebuilt(tier, num_pages - freed)
             if tier == DISK and freed < num_pages and self.stores[DISK].peers_wrote:
                 # a shared directory full of other processes' pages this one cannot free through its
                 # tree: the oldest of those go, so no process is locked out of the one capacity
                 freed += self.stores[DISK].evict_unindexed(num_pages - freed)
             return freed
+
+    def _leaf_key(self, node: TreeNode, tier: str) -> tuple:
+        """Eviction order in `tier`: the policy's priority; without demotion, clean leaves (held one
+        tier down: a free drop) before dirty ones."""
+        if self._demotes(tier):
+            return self.priority(node)
+        return (not self._clean(node, tier), self.priority(node))
+
+    def _evict_ordered(self, tier: str, num_pages: int) -> int:
+        """`evict` over the tree's incrementally kept leaf queue (`tree/leaves.py`): O(log n) per
+        page freed or stale entry skipped, plus the locked or pinned leaves it must step over."""
+        queue = self.tree.leaves[tier]  # type: ignore[index]
+        freed = 0
+        held: list[TreeNode] = []  # in use now: queued again once this eviction is done
+        while freed < num_pages:
+            entry = queue.pop()
+            if entry is None:
+                break
+            key, node = entry
+            if node.parent is None or not node.in_tier(tier) or self._has_child_in(node, tier):
+                continue  # stale: queued again when it becomes a leaf of `tier` again
+            if not node.evictable:
+                held.append(node)
+                continue
+            now = queue.key(node)
+            if now > key:  # used since it was queued: its turn comes later
+                queue.push(node)
+                continue
+            freed += self._evict_node(node, tier)  # (its parent is queued as it becomes a leaf)
+        for node in held:
+            queue.push(node)
+        return freed
+
+    def _evict_rebuilt(self, tier: str, num_pages: int) -> int:
+        """`evict` for a policy whose priorities change with time (`reuse`): a heap built over the
+        tier's evictable leaves on each call."""
+        freed = 0
+        key = lambda n: self._leaf_key(n, tier)  # noqa: E731
+        heap = [(key(n), n.id, n) for n in self.tree.tier_leaves(tier) if n.evictable]
+        heapq.heapify(heap)
+        while freed < num_pages and heap:
+            _, _, node = heapq.heappop(heap)
+            if not node.in_tier(tier) or not node.evictable or self._has_child_in(node, tier):
+                continue
+            parent = node.parent
+            freed += self._evict_node(node, tier)
+            if parent is not None and not parent.is_root and parent.in_tier(tier) and parent.evictable:
+                if not self._has_child_in(parent, tier):
+                    heapq.heappush(heap, (key(parent), parent.id, parent))
+        return freed
 
     @staticmethod
     def _has_child_in(node: TreeNode, tier: str) -> bool:
@@ -876,6 +933,7 @@ class TieredCache:
                     if node.in_tier(tier):
                         self.stores[tier].free(self.tree.clear_resident(node, tier))
             self.tree = RadixTree(self.page_size, self.namespace)
+            self._order_leaves()
 
     def nodes_in(self, tier: str) -> Iterable[TreeNode]:
         return iter(self.tree.resident[tier])

@@ -64,7 +64,8 @@ class BackendSettings:
     stats_file: str | None = None  # the scheduler writes JSON stats here every stats_interval_s (atomic rename)
     stats_interval_s: float = 2.0
     check_invariants: bool = False  # run the tree's invariant check after every scheduler call (slow; tests)
-    eviction_demotes: str = "host"  # all | host | none: which evictions copy a dirty page down synchronously (CacheConfig)
+    eviction_demotes: str = "none"  # all | host | none: which evictions copy a dirty page down synchronously (CacheConfig); none: never on the scheduler thread
+    writeback_batch_pages: int = 1024  # most pages one background write-back round copies per link (it copies only up to the clean watermark)
     layerwise_loads: bool = True  # init_load_back queues host->device copies per layer; the forward of layer i waits for layer i only
     skip_waiting_admission: bool = True  # a request whose prefetch is in flight is skipped this round, not the end of admission
     time_calls: bool = True  # time every cache call the scheduler makes (p50/p99/max in the stats)
@@ -94,6 +95,8 @@ class BackendSettings:
         need(0 <= self.writeback_clean_fraction <= 1, f"writeback_clean_fraction must be in [0, 1], got {self.writeback_clean_fraction!r}")
         need(0 <= self.device_writeback_clean_fraction <= 1,
              f"device_writeback_clean_fraction must be in [0, 1], got {self.device_writeback_clean_fraction!r}")
+        need(isinstance(self.writeback_batch_pages, int) and self.writeback_batch_pages >= 1,
+             f"writeback_batch_pages must be an integer >= 1, got {self.writeback_batch_pages!r}")
         need(self.eviction_demotes in EVICTION_DEMOTES, f"eviction_demotes must be one of {', '.join(EVICTION_DEMOTES)}, got {self.eviction_demotes!r}")
         need(self.store is None or "://" in self.store, f"store must be a URL (mooncake://HOST:PORT or redis://HOST:PORT), got {self.store!r}")
         need(isinstance(self.store_min_hits, int) and self.store_min_hits >= 0, f"store_min_hits must be an integer >= 0, got {self.store_min_hits!r}")

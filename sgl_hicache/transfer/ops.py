@@ -44,6 +44,7 @@ class TransferOp:
     # (`sglang/rank_consensus.py` sets `agreed`, and the error every rank records)
     gated: bool = False
     agreed: bool = False
+    locks_path: bool = False  # a background write-back: the node's path is locked until `complete`
 
     @property
     def settled(self) -> bool:

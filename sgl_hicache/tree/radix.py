@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import itertools
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from ..hashing import Namespace, PageKey, chain_keys
 from ..tiers.base import DISK, TIERS, Handle
+from .leaves import LeafKey, LeafQueue
 from .node import TreeNode, split_handles
 
 
@@ -50,10 +51,39 @@ class RadixTree:
         # pages held by nodes resident in each combination of two or more tiers, kept on every
         # residency change: `clean_pages` in O(1) (background write-back asks every step)
         self.shared: dict[frozenset[str], int] = {}
+        # the same for locked or pinned nodes only: clean *evictable* pages in O(1) (write-back's
+        # watermark counts only pages an eviction could take)
+        self.protected_shared: dict[frozenset[str], int] = {}
+        # per tier, the eviction candidates in eviction order (`order_leaves`); None: not kept
+        self.leaves: dict[str, LeafQueue] | None = None
         self.node_count = 0
         # bumped on every change of structure, residency, lock or pin (and by the cache when it
         # changes what eviction orders by): equal versions mean the same tree for a planner
         self.version = 0
+
+    def order_leaves(self, key: Callable[[TreeNode, str], tuple]) -> None:
+        """Keep each tier's eviction candidates ordered by `key(node, tier)` from now on (see
+        `tree/leaves.py` for what the key must satisfy), starting from the current leaves."""
+        self.leaves = {}
+        for tier in TIERS:
+            q = LeafQueue(self._tier_key(key, tier))
+            q.rebuild(self.tier_leaves(tier))
+            self.leaves[tier] = q
+
+    @staticmethod
+    def _tier_key(key: Callable[[TreeNode, str], tuple], tier: str) -> LeafKey:
+        return lambda node: key(node, tier)
+
+    def push_leaf(self, node: TreeNode | None, tier: str) -> None:
+        """`node` may have become an eviction candidate in `tier`, or its key there may have
+        dropped: queue it (a no-op unless `order_leaves` was called, or `node` is not there)."""
+        if self.leaves is None or node is None or node.parent is None or not node.in_tier(tier):
+            return
+        q = self.leaves[tier]
+        if q.needs_compaction(len(self.resident[tier])):
+            q.rebuild(self.tier_leaves(tier))
+        else:
+            q.push(node)
 
     # ---- structure -------------------------------------------------------------------------
     def page_aligned(self, tokens: Sequence[int]) -> int:
@@ -196,6 +226,10 @@ class RadixTree:
         self.pages[tier] += node.num_pages
         if node.lock_ref or node.pins:
             self.protected[tier] += node.num_pages
+        if self.leaves is not None:
+            # a candidate in `tier` now, and clean (a lower key) in the tiers above it
+            for t in node.tiers():
+                self.push_leaf(node, t)
 
     def clear_resident(self, node: TreeNode, tier: str) -> list[Handle]:
         """Forget `node`'s copy in `tier`; returns the handles the store must free."""
@@ -208,6 +242,7 @@ class RadixTree:
         self.pages[tier] -= node.num_pages
         if node.lock_ref or node.pins:
             self.protected[tier] -= node.num_pages
+        self.push_leaf(node.parent, tier)  # the parent may be a leaf of `tier` now
         return handles
 
     def _share(self, node: TreeNode, tier: str, sign: int) -> None:
@@ -215,16 +250,22 @@ class RadixTree:
         others = [t for t in TIERS if t != tier and node.in_tier(t)]
         if not others:
             return
-        shared = self.shared
-        for other in others:
-            key = frozenset((tier, other))
-            shared[key] = shared.get(key, 0) + sign * node.num_pages
-        if len(others) == 2:
-            shared[_ALL] = shared.get(_ALL, 0) + sign * node.num_pages
+        books = (self.shared, self.protected_shared) if (node.lock_ref or node.pins) else (self.shared,)
+        for shared in books:
+            for other in others:
+                key = frozenset((tier, other))
+                shared[key] = shared.get(key, 0) + sign * node.num_pages
+            if len(others) == 2:
+                shared[_ALL] = shared.get(_ALL, 0) + sign * node.num_pages
 
     def shared_pages(self, *tiers: str) -> int:
         """Pages of the nodes resident in every one of `tiers` (two or three tiers), in O(1)."""
         return self.shared.get(frozenset(tiers), 0)
+
+    def evictable_shared_pages(self, *tiers: str) -> int:
+        """`shared_pages` of the nodes no request locks and no transfer pins, in O(1)."""
+        key = frozenset(tiers)
+        return self.shared.get(key, 0) - self.protected_shared.get(key, 0)
 
     def tier_leaves(self, tier: str) -> Iterator[TreeNode]:
         """Nodes resident in `tier` with no child resident there: the only ones a tier may evict."""
@@ -273,9 +314,17 @@ class RadixTree:
             self._protect(node, -1)
 
     def _protect(self, node: TreeNode, sign: int) -> None:
-        for tier in TIERS:
-            if node.in_tier(tier):
-                self.protected[tier] += sign * node.num_pages
+        tiers = node.tiers()
+        for tier in tiers:
+            self.protected[tier] += sign * node.num_pages
+        if len(tiers) > 1:
+            ps = self.protected_shared
+            for i, a in enumerate(tiers):
+                for b in tiers[i + 1:]:
+                    key = frozenset((a, b))
+                    ps[key] = ps.get(key, 0) + sign * node.num_pages
+            if len(tiers) == 3:
+                ps[_ALL] = ps.get(_ALL, 0) + sign * node.num_pages
 
     def evictable_pages(self, tier: str) -> int:
         """Pages of `tier` held by nodes no request locks and no transfer pins, in O(1)."""
@@ -304,6 +353,7 @@ class RadixTree:
         """Verify every invariant in the class docstring; raise InvariantError naming the first broken one."""
         pages = {tier: 0 for tier in TIERS}
         shared: dict[frozenset[str], int] = {}
+        protected_shared: dict[frozenset[str], int] = {}
         protected = {tier: 0 for tier in TIERS}
         members = {tier: set() for tier in TIERS}
         count = 0
@@ -317,11 +367,12 @@ class RadixTree:
             if len(node.keys) != node.num_pages or node.keys[0] != chain_keys(self.key_of(parent), node.tokens[: self.page_size], self.page_size)[0]:
                 raise InvariantError(f"{node}'s keys are not chained from its parent")
             tiers = node.tiers()
-            for i, a in enumerate(tiers):
-                for b in tiers[i + 1:]:
-                    shared[frozenset((a, b))] = shared.get(frozenset((a, b)), 0) + node.num_pages
-            if len(tiers) == 3:
-                shared[_ALL] = shared.get(_ALL, 0) + node.num_pages
+            for books in (shared, protected_shared) if (node.lock_ref or node.pins) else (shared,):
+                for i, a in enumerate(tiers):
+                    for b in tiers[i + 1:]:
+                        books[frozenset((a, b))] = books.get(frozenset((a, b)), 0) + node.num_pages
+                if len(tiers) == 3:
+                    books[_ALL] = books.get(_ALL, 0) + node.num_pages
             if not tiers and node.lock_ref == 0 and node.pins == 0:
                 # (a locked or pinned node may have lost its only copy meanwhile; it is removed when
                 # the last lock or pin goes)
@@ -344,6 +395,8 @@ class RadixTree:
             raise InvariantError(f"node_count {self.node_count} but {count} nodes reachable")
         if {k: v for k, v in shared.items() if v} != {k: v for k, v in self.shared.items() if v}:
             raise InvariantError(f"pages shared by tiers {self.shared} but nodes hold {shared}")
+        if {k: v for k, v in protected_shared.items() if v} != {k: v for k, v in self.protected_shared.items() if v}:
+            raise InvariantError(f"protected pages shared by tiers {self.protected_shared} but locked/pinned nodes hold {protected_shared}")
         for tier in TIERS:
             if pages[tier] != self.pages[tier]:
                 raise InvariantError(f"{tier} page count {self.pages[tier]} but nodes hold {pages[tier]}")
