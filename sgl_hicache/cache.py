@@ -308,6 +308,7 @@ class TieredCache:
                 blocked = tuple(tokens[matched : matched + ps]) in last.children
                 if not blocked and (last.is_root or last.device is not None):
                     node = self.tree.add_child(last, tokens[matched:limit])
+                    node.last_access = self.clock()  # before it is queued for eviction with that key
                     self.tree.set_resident(node, DEVICE, list(device_handles[page:]))
                     adopted += node.num_pages
                     new_nodes.append(node)
@@ -842,7 +843,7 @@ class TieredCache:
         tokens = node.num_pages * self.page_size
         below = HOST if tier == DEVICE else DISK if tier == HOST else None
         dirty = below is not None and self.has_tier(below) and not self._clean(node, tier)
-        if below == DISK and not self.stores[DISK].demote_on_evict:
+        if dirty and below == DISK and not self.stores[DISK].demote_on_evict:
             dirty = False  # the shared store is written by background write-back only, never here
         # write-back admission (policy/reuse.py): is this page worth a copy below?
         keep = dirty and (self.reuse is None or self.reuse.admit(node))
