@@ -60,8 +60,8 @@ def test_backend_demotes_and_loads_back_exact_kv(tmp_path, page_size):
 
     alloc = _pools(page_size, size=64)
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=page_size)
-    # eviction_demotes="all": this checks the synchronous demotion chain (the server default, "host",
-    # never writes disk on eviction)
+    # eviction_demotes="all": this checks the synchronous demotion chain (the server default, "none",
+    # never copies on eviction)
     settings = BackendSettings(host_tokens=64, disk_dir=str(tmp_path / "disk"), disk_tokens=1024, check_invariants=True, prefetch=True,
                                eviction_demotes="all")
     cache = TieredRadixCache(params, settings)
