@@ -11,9 +11,11 @@ over HTTP, twice per repeat, interleaved:
 - `before`: main's behaviour: host -> device loads copied inline in `init_load_back`
   (`layerwise_loads=false`), a waiting request ends the admission round (`skip_waiting_admission=false`),
   every eviction demotes synchronously (`eviction_demotes=all`: device -> host and host -> disk);
-- `after`: the defaults: layer-wise loads, skip-and-continue admission, device evictions demote to host
-  (a memory copy), host evictions never write disk (`eviction_demotes=host`);
-- `after_nocopy`: the same with eviction that never copies (`eviction_demotes=none`).
+- `after`: the defaults: layer-wise loads, skip-and-continue admission, eviction that never copies
+  (`eviction_demotes=none`: it frees pages the background write-back made clean, or drops dirty ones,
+  counted in `dropped_dirty_tokens`);
+- `after_demote_host`: the same, but a device eviction copies a dirty page to host inline
+  (`eviction_demotes=host`, the default before the write-back watermark).
 
 The device pool is `--pool` x the slice's working set (so host and disk hits happen), host =
 `--host-ratio` x the pool, disk on (2x the working set). Every cache call SGLang makes is timed in the
@@ -52,7 +54,7 @@ TINY = REPO / "scripts" / "cpu" / "tiny-llama"
 CONFIGS = {
     "before": {"layerwise_loads": False, "skip_waiting_admission": False, "eviction_demotes": "all"},
     "after": {},
-    "after_nocopy": {"eviction_demotes": "none"},
+    "after_demote_host": {"eviction_demotes": "host"},
 }
 GOAL_P99_US, GOAL_MAX_US = 1000.0, 10000.0
 
@@ -119,6 +121,8 @@ def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
             "goal_met": p99 <= GOAL_P99_US and mx <= GOAL_MAX_US,
             "scheduler_io": median["scheduler_io"],
             "hit_tokens": median.get("hit_tokens"),
+            "dropped_dirty_tokens": median.get("dropped_dirty_tokens"),
+            "writeback_pages": {k: (median.get("backend") or {}).get(k) for k in ("device_writeback_pages", "writeback_pages", "evict_short")},
             "ttft_mean_s_median": statistics.median(s["ttft_mean_s"] for s in runs if s.get("ttft_mean_s") is not None) if any(s.get("ttft_mean_s") for s in runs) else None,
             "failed": sum(s.get("failed", 0) for s in runs),
         }
@@ -151,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--output-tokens", type=int, default=8)
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--configs", default="before,after,after_nocopy")
+    p.add_argument("--configs", default="before,after,after_demote_host")
     p.add_argument("--start-timeout", type=float, default=600)
     p.add_argument("--request-timeout", type=float, default=600)
     p.add_argument("--keep-logs", default=None, help="copy each server's log into this directory")
