@@ -214,3 +214,11 @@ def test_fleet_whatif_smoke(tmp_path: Path) -> None:
     # round-robin scatters conversations over the servers: the shared store serves what local tiers cannot
     assert rr["store_hit_tokens"] > 0 and rr["hit_rate_store"] > rr["hit_rate_local"]
     assert rr["store_pages_written"] > 0 and rr["store_pages_read"] > 0
+
+
+def test_evict_calls_smoke(tmp_path: Path) -> None:
+    result = _run("evict_calls.py", tmp_path / "evict.json")
+    assert result["benchmark"] == "evict_calls" and result["config"]["quick"]
+    for mode in ("incremental", "rebuilt"):
+        m = result["median"][mode]
+        assert 0 <= m["p50_us"] <= m["p99_us"] <= m["max_us"] and m["device_leaves_before"] > 0
