@@ -24,10 +24,10 @@ Request path:
 - `checkpoint`: inserts the request's whole pages into the tree (the tree adopts the request's device
   pages), frees the request's duplicates of pages the tree already held, repoints the request's row onto
   the tree's pages and moves its lock.
-- `evict`: `TieredCache.evict(DEVICE)`: leaf-first, coldest first; what it copies is
-  `eviction_demotes` (default `host`: a dirty device page is copied to host in memory, nothing is
-  written to disk here; background write-back, started once per step by `after_batch_formed`, keeps
-  pages clean ahead of it).
+- `evict`: `TieredCache.evict(DEVICE)`: leaf-first, clean before dirty, coldest first; it never
+  copies or waits (`eviction_demotes`, default `none`: a dirty page is dropped and counted). The
+  background write-back watermark, topped up once per step by `after_batch_formed`, keeps at least
+  one step's allocation of evictable pages clean ahead of it (docs/sglang-backend.md).
 
 Tensor parallelism (`--tp N`): every rank runs this cache on its own KV-head shard, with its own host
 buffer and disk directory; the ranks agree on every local fact once per scheduler step
