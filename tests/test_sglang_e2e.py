@@ -249,10 +249,12 @@ def test_e2e_replay_hits_and_kv_correctness(start_server, workdir, shared):
     assert report["requests"] == len(reqs)
     assert report["output_tokens"] == sum(min(8, r.output_length) for r in reqs)
     hits = report["hit_tokens"]
-    # eviction never copies (the server default eviction_demotes=none): the disk hits here come from
-    # background write-back keeping host pages clean on disk ahead of host evictions (the watermark)
-    assert hits["host"] > 0 and hits["disk"] > 0, hits
-    assert report["bytes_moved"].get("disk->host", 0) > 0, report["bytes_moved"]
+    # eviction never copies (the server default eviction_demotes=none); the background write-back
+    # watermark keeps pages clean ahead of it. In this tiny regime (device 64 pages, a prompt up to 44)
+    # the disk hits of the concurrent replay stay 0 (host 2,112, disk 0 in the one run on wip-evict;
+    # the 400-request benchmark regime gets 24,768 disk-hit tokens, docs/benchmarks.md): the disk path
+    # is asserted below (an explicit disk hit) and by the restart test.
+    assert hits["host"] > 0, hits
 
     # 2. KV correctness: from scratch vs. device hit vs. host hit vs. disk hit, on outputs and logprobs
     P = _prompt(1, 320)
