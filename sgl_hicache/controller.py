@@ -69,10 +69,6 @@ class ControllerSettings:
     device_writeback_clean_fraction: float = 0.25
     writeback_clean_fraction: float = 0.25
     writeback_batch_pages: int = 64
-    # the clean watermark is at least this many pages per tier (capped at the tier): what one
-    # scheduling step may allocate (the server: SGLang's chunked prefill), so a step's evictions find
-    # clean pages whatever the fraction gives for a small pool
-    writeback_floor_pages: int = 0
     writeback_interval_s: float = 0.02
     max_predicted_jobs: int = 8
 
@@ -285,7 +281,7 @@ class RequestController:
     def pump_writeback(self, start_new: bool = True) -> bool:
         """Keep a watermark of clean evictable pages in the device tier (also on host) and in the host
         tier (also on disk): `device_writeback_clean_fraction` / `writeback_clean_fraction` of the
-        tier, at least `writeback_floor_pages`; the coldest dirty pages are copied in the background,
+        tier; the coldest dirty pages are copied in the background,
         so that evictions are drops. Records finished copies; plans a new batch at most every
         `writeback_interval_s`, one batch in flight. Returns whether anything changed."""
         self.executor.poll()
@@ -308,7 +304,7 @@ class RequestController:
             store = self.cache.stores.get(src)
             if fraction > 0 and store is not None and dst in self.cache.stores:
                 cap = store.capacity_pages
-                target = min(cap, max(int(cap * fraction), s.writeback_floor_pages))
+                target = int(cap * fraction)
                 planned = self.cache.plan_writeback(src, dst, target, max_pages=s.writeback_batch_pages)
                 pages = sum(len(op.dst_handles) for op in planned)
                 if src == DEVICE:

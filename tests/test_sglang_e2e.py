@@ -251,8 +251,8 @@ def test_e2e_replay_hits_and_kv_correctness(start_server, workdir, shared):
     hits = report["hit_tokens"]
     # eviction never copies (the server default eviction_demotes=none); the background write-back
     # watermark keeps pages clean ahead of it. In this tiny regime (device 64 pages, a prompt up to 44)
-    # the disk hits of the concurrent replay stay 0 (host 2,112, disk 0 in the one run on wip-evict;
-    # the 400-request benchmark regime gets 24,768 disk-hit tokens, docs/benchmarks.md): the disk path
+    # the disk hits of the concurrent replay stay 0 (host 544, disk 0 in the run on wip-evict; the
+    # 400-request benchmark regime gets 24,768 disk-hit tokens, docs/benchmarks.md): the disk path
     # is asserted below (an explicit disk hit) and by the restart test.
     assert hits["host"] > 0, hits
 

@@ -196,8 +196,7 @@ class TieredRadixCache(BasePrefixCache):
             consensus.gate(executor) if consensus is not None else executor,
             make_predictor(s.predictor, self.page_size, s.predictor_budget_tokens, model=self.cache.reuse),
             ControllerSettings(prefetch=s.prefetch, device_writeback_clean_fraction=s.device_writeback_clean_fraction,
-                               writeback_clean_fraction=s.writeback_clean_fraction, writeback_batch_pages=s.writeback_batch_pages,
-                               writeback_floor_pages=self._step_pages(params)),
+                               writeback_clean_fraction=s.writeback_clean_fraction, writeback_batch_pages=s.writeback_batch_pages),
             clock=clock,
         )
         self.counters = BackendCounters()
@@ -378,15 +377,6 @@ class TieredRadixCache(BasePrefixCache):
                 req.storage_hit_length = hi - lo
         self._maybe_check()
         return promised, m2.last_node
-
-    def _step_pages(self, params) -> int:
-        """Pages one scheduling step may allocate: SGLang's chunked prefill size, or the whole pool
-        when chunking is off. The write-back watermark keeps at least this many evictable pages clean,
-        so the evictions of the next step (which never copy) free clean pages, not dirty ones."""
-        chunk = getattr(params, "chunked_prefill_size", None)
-        if isinstance(chunk, int) and chunk > 0:
-            return -(-chunk // self.page_size)
-        return self.device_pool.pool_pages
 
     def after_batch_formed(self) -> None:
         """Once per scheduling step, after SGLang formed (and allocated) the prefill batch
