@@ -259,22 +259,7 @@ class TieredCache:
 
     def _count_traffic(self, parent: TreeNode, child: TreeNode, now: float) -> None:
         """Decayed count of matches going from `parent` into `child` (the predictor's signal)."""
-        half_life = 60.0
-        elapsed = now - parent.traffic_stamp
-        if parent.child_traffic and elapsed > half_life / 64:
-            # counts are kept as of `traffic_stamp`; rebasing them is O(children), so it is done at
-            # most once per 1/64 half-life (a node with thousands of children is matched constantly)
-            decay = 0.5 ** (elapsed / half_life)
-            for k in parent.child_traffic:
-                parent.child_traffic[k] *= decay
-            parent.traffic_stamp = now
-            elapsed = 0.0
-        elif not parent.child_traffic:
-            parent.traffic_stamp = now
-            elapsed = 0.0
-        first = child.tokens[: self.page_size]
-        # one match now, in units of the stamp: it decays to exactly 1.0 by `now`
-        parent.child_traffic[first] = parent.child_traffic.get(first, 0.0) + 2.0 ** (max(0.0, elapsed) / half_life)
+        parent.add_traffic(child.tokens[: self.page_size], now, half_life=60.0)
 
     def _adopt_disk_pages(self, path: list[TreeNode], tokens: Sequence[int], matched: int) -> list[TreeNode]:
         """Pages of `tokens` past the tree's match that the disk store holds but the tree does not

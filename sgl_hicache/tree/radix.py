@@ -44,6 +44,9 @@ class RadixTree:
         self.root = TreeNode(None, (), [namespace.root], 0, next(self._ids))
         self.root.lock_ref = 1  # the root is never evicted
         self.resident: dict[str, set[TreeNode]] = {tier: set() for tier in TIERS}
+        # the resident nodes of each tier with no child resident there (`tier_leaves`), kept on every
+        # residency change so eviction does not rescan the whole tier (and every node's children)
+        self.leaves: dict[str, set[TreeNode]] = {tier: set() for tier in TIERS}
         # pages per tier of locked or pinned nodes, kept on every lock/pin/residency change
         self.protected: dict[str, int] = {tier: 0 for tier in TIERS}
         self.pages: dict[str, int] = {tier: 0 for tier in TIERS}
@@ -136,7 +139,7 @@ class RadixTree:
         upper.on_disk = node.on_disk
         for attr in ("lock_ref", "hit_count", "last_access", "prefetched"):
             setattr(upper, attr, getattr(node, attr))
-        upper.child_traffic = {node.tokens[cut : cut + self.page_size]: 1.0}
+        upper.set_traffic(node.tokens[cut : cut + self.page_size], 1.0)
         upper.traffic_stamp = node.traffic_stamp
         assert node.parent is not None
         node.parent.children[upper.tokens[: self.page_size]] = upper
@@ -148,6 +151,7 @@ class RadixTree:
         for tier in TIERS:
             if node in self.resident[tier]:
                 self.resident[tier].add(upper)
+                upper.children_in[tier] = 1  # `node`, now its only child (the parent's count is unchanged)
         self.node_count += 1
         return upper
 
@@ -179,7 +183,7 @@ class RadixTree:
         del node.parent.children[first]
         # its traffic count goes with it: a long replay would otherwise keep a count (and a page of
         # token ids) for every conversation it ever saw, and the predictor would scan them all
-        node.parent.child_traffic.pop(first, None)
+        node.parent.drop_traffic(first)
         node.parent = None
         self.node_count -= 1
 
@@ -194,6 +198,7 @@ class RadixTree:
         self.version += 1
         self._share(node, tier, +1)
         self.resident[tier].add(node)
+        self._count_child(node, tier, +1)
         self.pages[tier] += node.num_pages
         if node.lock_ref or node.pins:
             self.protected[tier] += node.num_pages
@@ -210,6 +215,7 @@ class RadixTree:
             handles = getattr(node, tier)
             setattr(node, tier, None)
         self.resident[tier].discard(node)
+        self._count_child(node, tier, -1)
         self.pages[tier] -= node.num_pages
         if node.lock_ref or node.pins:
             self.protected[tier] -= node.num_pages
@@ -227,15 +233,34 @@ class RadixTree:
         if len(others) == 2:
             shared[_ALL] = shared.get(_ALL, 0) + sign * node.num_pages
 
+    def _count_child(self, node: TreeNode, tier: str, sign: int) -> None:
+        """`node` enters (+1) or leaves (-1) `tier`: keep its parent's `children_in` and the leaf sets."""
+        leaves = self.leaves[tier]
+        parent = node.parent
+        if sign > 0:
+            if not node.children_in.get(tier):
+                leaves.add(node)
+        else:
+            leaves.discard(node)
+        if parent is None:
+            return
+        n = parent.children_in.get(tier, 0) + sign
+        parent.children_in[tier] = n
+        if parent.is_root or not parent.in_tier(tier):
+            return
+        if n == 0:
+            leaves.add(parent)
+        else:
+            leaves.discard(parent)
+
     def shared_pages(self, *tiers: str) -> int:
         """Pages of the nodes resident in every one of `tiers` (two or three tiers), in O(1)."""
         return self.shared.get(frozenset(tiers), 0)
 
     def tier_leaves(self, tier: str) -> Iterator[TreeNode]:
-        """Nodes resident in `tier` with no child resident there: the only ones a tier may evict."""
-        for node in self.resident[tier]:
-            if not any(child.in_tier(tier) for child in node.children.values()):
-                yield node
+        """Nodes resident in `tier` with no child resident there: the only ones a tier may evict.
+        (In no particular order; kept incrementally, so this is O(leaves), not O(resident nodes).)"""
+        return iter(list(self.leaves[tier]))
 
     def handles_of(self, path: Sequence[TreeNode], tier: str) -> list[Handle]:
         out: list[Handle] = []
@@ -342,6 +367,12 @@ class RadixTree:
                     protected[tier] += node.num_pages
             if node.lock_ref < 0 or node.pins < 0:
                 raise InvariantError(f"{node} has a negative lock or pin count")
+            for tier in TIERS:
+                n_in = sum(1 for c in node.children.values() if c.in_tier(tier))
+                if node.children_in.get(tier, 0) != n_in:
+                    raise InvariantError(f"{node} counts {node.children_in.get(tier, 0)} children in {tier}, holds {n_in}")
+                if (node in self.leaves[tier]) != (node.in_tier(tier) and n_in == 0):
+                    raise InvariantError(f"{tier} leaf set out of sync at {node}")
             child_locks = sum(c.lock_ref for c in node.children.values())
             if node.lock_ref < child_locks:
                 raise InvariantError(f"{node} lock_ref {node.lock_ref} < its children's {child_locks}")
