@@ -259,7 +259,7 @@ class TieredCache:
 
     def _count_traffic(self, parent: TreeNode, child: TreeNode, now: float) -> None:
         """Decayed count of matches going from `parent` into `child` (the predictor's signal)."""
-        parent.add_traffic(child.tokens[: self.page_size], now, half_life=60.0)
+        parent.add_traffic(child.edge_key, now, half_life=60.0)
 
     def _adopt_disk_pages(self, path: list[TreeNode], tokens: Sequence[int], matched: int) -> list[TreeNode]:
         """Pages of `tokens` past the tree's match that the disk store holds but the tree does not

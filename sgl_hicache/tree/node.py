@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+from array import array
+
 from ..hashing import PageKey, chain_keys, tokens_bytes
 from ..tiers.base import DEVICE, DISK, HOST, Handle
 
@@ -17,7 +19,8 @@ HOT_TRAFFIC = 1.5
 
 
 class TreeNode:
-    """One edge of the radix tree: `tokens` (a whole number of pages), their chained `keys`, and the
+    """One edge of the radix tree: `tokens` (a whole number of pages, an int64 array: 8 bytes a token,
+    where a tuple of ints took ~40), their chained `keys`, and the
     tiers that hold a copy: `device` / `host` are per-page handles (None when absent), `on_disk` says
     the disk store holds a file per key.
 
@@ -51,7 +54,7 @@ class TreeNode:
         "traffic_hot",
     )
 
-    def __init__(self, parent: "TreeNode | None", tokens: tuple[int, ...], keys: list[PageKey] | None, num_pages: int,
+    def __init__(self, parent: "TreeNode | None", tokens: "array | tuple[int, ...]", keys: list[PageKey] | None, num_pages: int,
                  node_id: int | None = None) -> None:
         self.id = next(_ids) if node_id is None else node_id
         self.parent = parent
@@ -145,7 +148,12 @@ class TreeNode:
         keys = sorted(hot, key=hot.__getitem__) if len(hot) > 1 else list(hot)
         return [(k, self.child_traffic[k]) for k in keys]
 
-    def set_tokens(self, tokens: tuple[int, ...]) -> None:
+    @property
+    def edge_key(self) -> tuple[int, ...]:
+        """The first page's token ids: this node's key in its parent's `children` and `child_traffic`."""
+        return tuple(self.tokens[: len(self.tokens) // self.num_pages])
+
+    def set_tokens(self, tokens: "array | tuple[int, ...]") -> None:
         self.tokens = tokens
         self._bytes = None
 

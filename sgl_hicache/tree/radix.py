@@ -10,7 +10,7 @@ import itertools
 from array import array
 from collections.abc import Iterator, Sequence
 
-from ..hashing import Namespace, PageKey, chain_keys
+from ..hashing import Namespace, PageKey, chain_keys, int64_tokens
 from ..tiers.base import DISK, TIERS, Handle
 from .node import TreeNode, split_handles
 
@@ -75,16 +75,15 @@ class RadixTree:
         ps = self.page_size
         limit = self.page_aligned(tokens)
         node, pos, path = self.root, 0, []
-        # an int64 array compares as bytes (memcmp) rather than as a tuple of fresh ints
-        raw = tokens.tobytes() if isinstance(tokens, array) and tokens.typecode == "q" else None
+        # edges compare as int64 bytes (memcmp) rather than as tuples of fresh ints
+        if not (isinstance(tokens, array) and tokens.typecode == "q"):
+            tokens = int64_tokens(tokens[:limit])
+        raw = tokens.tobytes()
         while pos < limit:
             child = node.children.get(tuple(tokens[pos : pos + ps]))
             if child is None:
                 break
-            if raw is not None:
-                n = self._common_pages_bytes(child, raw, pos, limit)
-            else:
-                n = self._common_pages(child.tokens, tokens, pos, limit)
+            n = self._common_pages_bytes(child, raw, pos, limit)
             if n < child.num_pages:
                 if not split or child.pins:
                     break
@@ -95,8 +94,8 @@ class RadixTree:
         return path, pos
 
     def _common_pages_bytes(self, child: TreeNode, raw: bytes, pos: int, limit: int) -> int:
-        """`_common_pages` for a prompt given as int64 bytes: whole pages in common with `child`'s
-        edge, by a binary search over byte prefixes (each compared at C speed)."""
+        """Whole pages a prompt (as int64 bytes) has in common with `child`'s edge from `pos`, by a
+        binary search over byte prefixes (each compared at C speed)."""
         ps = self.page_size
         edge = child.token_bytes
         pages = min(child.num_pages, (limit - pos) // ps)
@@ -112,21 +111,6 @@ class RadixTree:
                 hi = mid - 1
         return lo
 
-    def _common_pages(self, edge: tuple[int, ...], tokens: Sequence[int], pos: int, limit: int) -> int:
-        ps = self.page_size
-        end = pos + len(edge)
-        if end <= limit and tuple(tokens[pos:end]) == edge:  # the common case: the whole edge matches
-            return len(edge) // ps
-        # longest common prefix: 64-token slices compared at C speed, then the mismatching slice token
-        # by token (a per-token Python loop over the whole edge dominated inserts at page size 1)
-        seg = tuple(tokens[pos:min(end, limit)])
-        i, n = 0, len(seg)
-        while i + 64 <= n and seg[i:i + 64] == edge[i:i + 64]:
-            i += 64
-        while i < n and seg[i] == edge[i]:
-            i += 1
-        return i // ps
-
     def split(self, node: TreeNode, pages: int) -> TreeNode:
         """Split `node` after `pages` pages; returns the new upper node (the old node keeps the rest)."""
         assert 0 < pages < node.num_pages and node.pins == 0, (node, pages)
@@ -139,15 +123,15 @@ class RadixTree:
         upper.on_disk = node.on_disk
         for attr in ("lock_ref", "hit_count", "last_access", "prefetched"):
             setattr(upper, attr, getattr(node, attr))
-        upper.set_traffic(node.tokens[cut : cut + self.page_size], 1.0)
+        upper.set_traffic(tuple(node.tokens[cut : cut + self.page_size]), 1.0)
         upper.traffic_stamp = node.traffic_stamp
         assert node.parent is not None
-        node.parent.children[upper.tokens[: self.page_size]] = upper
+        node.parent.children[upper.edge_key] = upper
         node.set_tokens(node.tokens[cut:])
         node.set_keys(lower_keys)
         node.num_pages -= pages
         node.parent = upper
-        upper.children[node.tokens[: self.page_size]] = node
+        upper.children[node.edge_key] = node
         for tier in TIERS:
             if node in self.resident[tier]:
                 self.resident[tier].add(upper)
@@ -159,17 +143,11 @@ class RadixTree:
         """A new, not yet resident node under `parent` for whole pages `tokens`; the caller sets its
         residency at once (a node resident nowhere breaks the invariants)."""
         self.version += 1
-        raw = None
-        if isinstance(tokens, array) and tokens.typecode == "q":
-            raw = tokens.tobytes()
-            tokens = tuple(tokens.tolist())  # twice as fast as tuple(array)
-        else:
-            tokens = tuple(tokens)
+        tokens = int64_tokens(tokens)
         assert tokens and len(tokens) % self.page_size == 0
-        first = tokens[: self.page_size]
+        first = tuple(tokens[: self.page_size])
         assert first not in parent.children, "add_child over an existing edge"
         node = TreeNode(parent, tokens, None, len(tokens) // self.page_size, next(self._ids))
-        node._bytes = raw
         parent.children[first] = node
         self.node_count += 1
         return node
@@ -179,7 +157,7 @@ class RadixTree:
         self.version += 1
         assert not node.tiers(), f"removing {node} that is still resident"
         assert node.parent is not None
-        first = node.tokens[: self.page_size]
+        first = node.edge_key
         del node.parent.children[first]
         # its traffic count goes with it: a long replay would otherwise keep a count (and a page of
         # token ids) for every conversation it ever saw, and the predictor would scan them all
@@ -340,7 +318,7 @@ class RadixTree:
         for node in self.nodes():
             count += 1
             parent = node.parent
-            if parent is None or parent.children.get(node.tokens[: self.page_size]) is not node:
+            if parent is None or parent.children.get(node.edge_key) is not node:
                 raise InvariantError(f"{node} is not linked under its parent")
             if node.num_pages == 0 or len(node.tokens) != node.num_pages * self.page_size:
                 raise InvariantError(f"{node} holds {len(node.tokens)} tokens for {node.num_pages} keys")
