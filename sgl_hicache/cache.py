@@ -29,9 +29,10 @@ from .tiers.base import DEVICE, DISK, HOST, TIERS, Handle, PageCorruptError, Pag
 from .tiers.memory import DeviceKVPool, HostKVBuffer
 from .transfer.bandwidth import BandwidthMeter
 from .transfer.handlers import default_handlers
-from .transfer.ops import TransferOp
+from .transfer.ops import Cancelled, NodeStage, PromotionJob, TransferOp
 from .tree.node import TreeNode
 from .tree.radix import InvariantError, RadixTree
+from .tree.traffic import count_edge
 
 log = logging.getLogger(__name__)
 
@@ -88,67 +89,6 @@ class InsertResult:
     duplicates: list[Handle]
     last_node: TreeNode
     adopted_pages: int = 0  # caller's pages the tree took ownership of
-
-
-class Cancelled(Exception):
-    """A transfer was cancelled before its bytes were used (not an I/O error)."""
-
-
-@dataclass(eq=False)
-class NodeStage:
-    """The ops that bring one node of a promotion up (disk->host then host->device, or just
-    host->device), or, when another job is already bringing the node up, that job's op to wait for."""
-
-    node: TreeNode
-    ops: list[TransferOp]
-    waits_for: TransferOp | None = None
-
-
-@dataclass(eq=False)
-class PromotionJob:
-    """An asynchronous promotion of a matched path to the device tier, root first.
-
-    Made by `TieredCache.plan_promotion` (destinations allocated, path locked), executed by anyone
-    (the transfer engine's workers, or inline), advanced by `TieredCache.advance` which applies the
-    stages in path order (device residency stays prefix-closed), and ended by `release`.
-    """
-
-    kind: str
-    anchor: TreeNode
-    stages: list[NodeStage]
-    page_size: int
-    target: str = DEVICE
-    applied: int = 0
-    failed: bool = False
-    released: bool = False
-
-    @property
-    def finished(self) -> bool:
-        return self.failed or self.applied == len(self.stages)
-
-    def ops(self) -> list[TransferOp]:
-        return [op for st in self.stages for op in st.ops]
-
-    def runnable(self) -> list[TransferOp]:
-        """Ops whose predecessor in their stage has executed and that have not executed themselves."""
-        out = []
-        for st in self.stages:
-            for i, op in enumerate(st.ops):
-                if not op.executed.is_set() and (i == 0 or st.ops[i - 1].executed.is_set()):
-                    out.append(op)
-        return out
-
-    @property
-    def tokens(self) -> int:
-        return sum(st.node.num_pages for st in self.stages) * self.page_size
-
-    def remaining_bytes(self) -> dict[str, int]:
-        """Bytes still to copy, per link."""
-        out: dict[str, int] = {}
-        for op in self.ops():
-            if not op.executed.is_set():
-                out[op.link] = out.get(op.link, 0) + op.nbytes
-        return out
 
 
 class TieredCache:
@@ -236,7 +176,7 @@ class TieredCache:
                 parent = self.tree.root
                 for node in path:
                     node.last_access = now
-                    self._count_traffic(parent, node, now)
+                    count_edge(parent, node.edge_key, now)
                     parent = node
             return self._describe(path)
 
@@ -256,10 +196,6 @@ class TieredCache:
             else:
                 disk += tokens
         return MatchResult(path, dev, host, disk, handles, path[-1] if path else self.tree.root, last_device)
-
-    def _count_traffic(self, parent: TreeNode, child: TreeNode, now: float) -> None:
-        """Decayed count of matches going from `parent` into `child` (the predictor's signal)."""
-        parent.add_traffic(child.edge_key, now, half_life=60.0)
 
     def _adopt_disk_pages(self, path: list[TreeNode], tokens: Sequence[int], matched: int) -> list[TreeNode]:
         """Pages of `tokens` past the tree's match that the disk store holds but the tree does not

@@ -16,7 +16,8 @@ import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .cache import MatchResult, PromotionJob, TieredCache
+from .cache import MatchResult, TieredCache
+from .transfer.ops import PromotionJob
 from .policy.guard import PromotionGuard
 from .policy.predictor import Predictor
 from .tiers.base import DEVICE, DISK, HOST

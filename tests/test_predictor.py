@@ -9,6 +9,7 @@ from conftest import make_cache, serve
 from sgl_hicache.cache import TieredCache
 from sgl_hicache.policy.predictor import Predictor, TreeWalkPredictor, make_predictor
 from sgl_hicache.tiers.base import DEVICE, DISK, HOST
+from sgl_hicache.tree.traffic import TRAFFIC_HALF_LIFE_S
 
 PS = 4
 
@@ -139,11 +140,12 @@ def test_budget_counts_only_nodes_that_need_promotion():
 
 def test_old_traffic_decays_away():
     cache, clock = build(hot=5, cold=0)
-    w = walker(min_visits=2, half_life_s=100)
+    w = walker(min_visits=2)
     p = node(cache, P)
-    assert len(w.predict(p, clock() + 100)) == 1  # 5 -> 2.5 visits: still a pattern
-    assert w.predict(p, clock() + 200) == []  # 5 -> 1.25: no longer
-    assert w.predict(p, clock() + 10_000) == []
+    hl = TRAFFIC_HALF_LIFE_S  # the one half-life the cache writes and the predictor reads with
+    assert len(w.predict(p, clock() + hl)) == 1  # 5 -> 2.5 visits: still a pattern
+    assert w.predict(p, clock() + 2 * hl) == []  # 5 -> 1.25: no longer
+    assert w.predict(p, clock() + 100 * hl) == []
 
 
 def test_fresh_traffic_overtakes_old_traffic():

@@ -13,7 +13,8 @@ import time
 import pytest
 
 from conftest import assert_device_kv, make_cache, serve
-from sgl_hicache.cache import Cancelled, TieredCache
+from sgl_hicache.cache import TieredCache
+from sgl_hicache.transfer.ops import Cancelled
 from sgl_hicache.tiers.base import DEVICE, DISK, HOST
 from sgl_hicache.transfer.engine import TransferEngine
 

@@ -27,7 +27,7 @@ from ..hashing import Namespace
 from ..replay.trace import Request
 from ..tiers.store import SharedStoreTier
 from ..tiers.store_backends import MemoryBackend
-from .report import REPORT_VERSION, policy_report
+from ..report import REPORT_VERSION, policy_report
 from .run import settings_of
 from .simulator import EmbeddedEngine, EngineConfig
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..replay.trace import Request
 from ..tree.view import largest_subtrees
-from .report import REPORT_VERSION, policy_report
+from ..report import REPORT_VERSION, policy_report
 from .simulator import POLICIES, EmbeddedEngine, EngineConfig
 
 

@@ -46,7 +46,7 @@ from ..replay.trace import Request
 from ..tiers.base import DEVICE, DISK, HOST, TierStore
 from ..transfer.executors import VirtualExecutor, VirtualPipes
 from . import cost
-from .records import RecordColumns
+from ..records import RecordColumns
 from .presets import HardwarePreset, ModelPreset
 
 POLICIES = ("recompute", "demote", "prefetch", "predict", "oracle")

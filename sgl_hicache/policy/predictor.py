@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..tree.node import TreeNode
+from ..tree.traffic import decay_since_stamp, hot_edges
 
 
 @dataclass(frozen=True)
@@ -40,12 +41,12 @@ class TreeWalkPredictor(Predictor):
     node. Picks the most probable nodes above `min_probability` until `budget_tokens` of nodes not
     already on the device are chosen; `max_nodes` bounds the walk.
 
-    Decayed counts follow a half-life, so traffic that stopped long ago stops pulling pages up.
+    Decayed counts follow the tree's one half-life (`tree.traffic`), so traffic that stopped long ago stops pulling pages up.
     """
 
     name = "tree_walk"
 
-    def __init__(self, page_size: int, budget_tokens: int, min_probability: float = 0.5, min_visits: float = 2.0, half_life_s: float = 300.0, max_nodes: int = 64,
+    def __init__(self, page_size: int, budget_tokens: int, min_probability: float = 0.5, min_visits: float = 2.0, max_nodes: int = 64,
                  needs_promotion: Callable[[TreeNode], bool] = lambda n: n.device is None) -> None:
         if budget_tokens < 0 or not 0 <= min_probability <= 1:
             raise ValueError(f"TreeWalkPredictor: bad budget {budget_tokens} or min_probability {min_probability}")
@@ -53,17 +54,16 @@ class TreeWalkPredictor(Predictor):
         self.budget_tokens = budget_tokens
         self.min_probability = min_probability
         self.min_visits = min_visits
-        self.half_life_s = half_life_s
         self.max_nodes = max_nodes
         self.needs_promotion = needs_promotion
 
     def _shares(self, node: TreeNode, now: float) -> dict[tuple[int, ...], float]:
         if not node.child_traffic:
             return {}
-        decay = 0.5 ** (max(0.0, now - node.traffic_stamp) / self.half_life_s)
+        decay = decay_since_stamp(node, now)
         # a child seen fewer than `min_visits` (decayed) times is no evidence of a pattern
         # (only the node's short list of children matched more than once, when min_visits allows)
-        items = node.hot_traffic(self.min_visits)
+        items = hot_edges(node, self.min_visits)
         if items is None:
             items = node.child_traffic.items()  # type: ignore[assignment]
         counts = {k: v * decay for k, v in items if k in node.children and v * decay >= self.min_visits}

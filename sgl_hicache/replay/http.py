@@ -13,7 +13,7 @@ Pacing: `concurrency` worker threads, closed loop (the next request starts when 
 `trace_clock` each request is sent at its trace arrival time x `time_scale`, at most `concurrency` in
 flight. A failed request (HTTP error, timeout, broken stream) is counted in `errors`, never raised.
 
-The report has the embedded engine's format (`engine.report.policy_report`): requests, prompt_tokens,
+The report has the embedded engine's format (`report.policy_report`): requests, prompt_tokens,
 hit_tokens{device,host,disk}, miss_tokens, hit_rate, ttft_s{mean,p50,p90,p99,max}, throughput_tok_s,
 ... plus `bytes_moved` and `prefetch` taken from the server's `sgl_hicache` stats (the difference
 between before and after the replay) when the server runs the sgl_hicache backend, else `{}` and null
@@ -51,7 +51,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.report import RequestRecord
+from ..records import RequestRecord
 from .trace import Request
 
 
@@ -359,7 +359,7 @@ def replay_http(
     if time_scale <= 0:
         raise ValueError(f"time_scale must be > 0, got {time_scale}")
     _split_url(url)
-    from ..engine.report import policy_report
+    from ..report import policy_report
 
     if server is None:
         server = probe_server(url)

@@ -52,7 +52,8 @@ from ..tiers.base import DISK, HOST, TIERS, PageCorruptError, PeerTierError, Tie
 from ..transfer.executors import Executor, LoadTime
 
 if TYPE_CHECKING:
-    from ..cache import PromotionJob, TieredCache, TransferOp
+    from ..cache import TieredCache
+    from ..transfer.ops import PromotionJob, TransferOp
 
 logger = logging.getLogger(__name__)
 

@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING
 from ..tiers.base import TierIOError
 from .bandwidth import SpeculativePacer
 
+from .ops import Cancelled, PromotionJob, TransferOp
+
 if TYPE_CHECKING:
-    from ..cache import PromotionJob, TieredCache
-    from .ops import TransferOp
+    from ..cache import TieredCache
 
 # lower runs first: what a waiting request needs, then predictions, then backups and demotions
 DEMAND, PREFETCH, PREDICT, BACKUP = 0, 0, 1, 2
@@ -165,7 +166,6 @@ class TransferEngine:
                     if state.chunks_left == 0:
                         self._cancel_state(state, locked=True)
                 elif not op.executed.is_set():  # prepared but never submitted: nothing will run it
-                    from ..cache import Cancelled
 
                     op.error = Cancelled()
                     op.executed.set()
@@ -244,7 +244,6 @@ class TransferEngine:
                     continue
                 self._states.pop(id(op), None)
                 if op.cancelled and op.error is None:
-                    from ..cache import Cancelled
 
                     op.error = Cancelled()
                 op.executed.set()
@@ -259,7 +258,6 @@ class TransferEngine:
                 self._cv.notify_all()
 
     def _cancel_state(self, state: _OpState, locked: bool = False) -> None:
-        from ..cache import Cancelled
 
         op = state.op
         op.cancelled = True

@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, Protocol
 
 from ..tiers.base import DEVICE, DISK, HOST
 
+from .ops import Cancelled, PromotionJob, TransferOp
+
 if TYPE_CHECKING:
-    from ..cache import PromotionJob, TieredCache
-    from .ops import TransferOp
+    from ..cache import TieredCache
     from .engine import TransferEngine
 
 
@@ -202,7 +203,6 @@ class VirtualExecutor(Executor):
                 self._execute(op)
 
     def cancel(self, ops: Iterable["TransferOp"]) -> None:
-        from ..cache import Cancelled
 
         for op in ops:
             op.cancelled = True

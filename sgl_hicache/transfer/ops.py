@@ -54,3 +54,64 @@ class TransferOp:
     @property
     def link(self) -> str:
         return LINKS[(self.src, self.dst)]
+
+
+class Cancelled(Exception):
+    """A transfer was cancelled before its bytes were used (not an I/O error)."""
+
+
+@dataclass(eq=False)
+class NodeStage:
+    """The ops that bring one node of a promotion up (disk->host then host->device, or just
+    host->device), or, when another job is already bringing the node up, that job's op to wait for."""
+
+    node: TreeNode
+    ops: list[TransferOp]
+    waits_for: TransferOp | None = None
+
+
+@dataclass(eq=False)
+class PromotionJob:
+    """An asynchronous promotion of a matched path to the device tier, root first.
+
+    Made by `TieredCache.plan_promotion` (destinations allocated, path locked), executed by anyone
+    (the transfer engine's workers, or inline), advanced by `TieredCache.advance` which applies the
+    stages in path order (device residency stays prefix-closed), and ended by `release`.
+    """
+
+    kind: str
+    anchor: TreeNode
+    stages: list[NodeStage]
+    page_size: int
+    target: str = DEVICE
+    applied: int = 0
+    failed: bool = False
+    released: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.failed or self.applied == len(self.stages)
+
+    def ops(self) -> list[TransferOp]:
+        return [op for st in self.stages for op in st.ops]
+
+    def runnable(self) -> list[TransferOp]:
+        """Ops whose predecessor in their stage has executed and that have not executed themselves."""
+        out = []
+        for st in self.stages:
+            for i, op in enumerate(st.ops):
+                if not op.executed.is_set() and (i == 0 or st.ops[i - 1].executed.is_set()):
+                    out.append(op)
+        return out
+
+    @property
+    def tokens(self) -> int:
+        return sum(st.node.num_pages for st in self.stages) * self.page_size
+
+    def remaining_bytes(self) -> dict[str, int]:
+        """Bytes still to copy, per link."""
+        out: dict[str, int] = {}
+        for op in self.ops():
+            if not op.executed.is_set():
+                out[op.link] = out.get(op.link, 0) + op.nbytes
+        return out

@@ -11,11 +11,6 @@ from ..hashing import PageKey, chain_keys, tokens_bytes
 from ..tiers.base import DEVICE, DISK, HOST, Handle
 
 _ids = itertools.count()
-_traffic_seq = itertools.count()  # order of insertion into any `child_traffic` (see `hot_traffic`)
-
-# a traffic count at or above this (as stored, right after a match) puts the child on its parent's
-# short list (`TreeNode.hot_traffic`): the predictor then skips children matched about once
-HOT_TRAFFIC = 1.5
 
 
 class TreeNode:
@@ -74,9 +69,8 @@ class TreeNode:
         self.last_access = 0.0
         self.child_traffic: dict[tuple[int, ...], float] = {}
         self.traffic_stamp = 0.0
-        # per `child_traffic` key: when it was inserted (its place in the dict's order), and the keys
-        # that reached HOT_TRAFFIC (a superset of those any predictor with min_visits >= HOT_TRAFFIC
-        # can pick: a stored count only grows at a match and decays otherwise)
+        # per `child_traffic` key: when it was inserted (its place in the dict's order), and the short
+        # list of keys counted more than about once (`tree.traffic.hot_edges`)
         self.traffic_seq: dict[tuple[int, ...], int] = {}
         self.traffic_hot: dict[tuple[int, ...], int] = {}
         # set by a prefetch or a prediction until a request uses the node: "prefetch" | "predict" | None
@@ -101,57 +95,6 @@ class TreeNode:
         if self._bytes is None:
             self._bytes = tokens_bytes(self.tokens)
         return self._bytes
-
-    def add_traffic(self, first: tuple[int, ...], now: float, half_life: float) -> None:
-        """Count one match going from this node into the child whose first page is `first`: decayed
-        counts with `half_life`, kept as of `traffic_stamp` and rebased at most once per 1/64
-        half-life (rebasing is O(children); a node with thousands of children is matched constantly)."""
-        traffic = self.child_traffic
-        elapsed = now - self.traffic_stamp
-        if traffic and elapsed > half_life / 64:
-            decay = 0.5 ** (elapsed / half_life)
-            for k in traffic:
-                traffic[k] *= decay
-            self.traffic_stamp = now
-            elapsed = 0.0
-            # drop from the short list what decayed below the mark (it returns at its next match)
-            self.traffic_hot = {k: q for k, q in self.traffic_hot.items() if traffic.get(k, 0.0) >= HOT_TRAFFIC}
-        elif not traffic:
-            self.traffic_stamp = now
-            elapsed = 0.0
-        if first not in traffic:
-            self.traffic_seq[first] = next(_traffic_seq)
-        # one match now, in units of the stamp: it decays to exactly 1.0 by `now`
-        count = traffic[first] = traffic.get(first, 0.0) + 2.0 ** (max(0.0, elapsed) / half_life)
-        if count >= HOT_TRAFFIC:
-            self.traffic_hot[first] = self.traffic_seq[first]
-
-    def set_traffic(self, first: tuple[int, ...], count: float) -> None:
-        """Start this node's traffic counts with one child's (a split's upper half)."""
-        self.child_traffic = {first: count}
-        self.traffic_seq = {first: next(_traffic_seq)}
-        self.traffic_hot = {first: self.traffic_seq[first]} if count >= HOT_TRAFFIC else {}
-
-    def drop_traffic(self, first: tuple[int, ...]) -> None:
-        """Forget the traffic count of a removed child."""
-        self.child_traffic.pop(first, None)
-        self.traffic_seq.pop(first, None)
-        self.traffic_hot.pop(first, None)
-
-    def hot_traffic(self, min_visits: float) -> "list[tuple[tuple[int, ...], float]] | None":
-        """`child_traffic` items that may reach `min_visits`, in the dict's order (so sums over them
-        are the same floats as over the whole dict); None when `min_visits` is below HOT_TRAFFIC
-        (the caller scans `child_traffic`)."""
-        if min_visits < HOT_TRAFFIC:
-            return None
-        hot = self.traffic_hot
-        keys = sorted(hot, key=hot.__getitem__) if len(hot) > 1 else list(hot)
-        return [(k, self.child_traffic[k]) for k in keys]
-
-    @property
-    def edge_key(self) -> tuple[int, ...]:
-        """The first page's token ids: this node's key in its parent's `children` and `child_traffic`."""
-        return tuple(self.tokens[: len(self.tokens) // self.num_pages])
 
     def set_tokens(self, tokens: "array | tuple[int, ...]") -> None:
         self.tokens = tokens

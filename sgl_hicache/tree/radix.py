@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from ..hashing import Namespace, PageKey, chain_keys, int64_tokens
 from ..tiers.base import DISK, TIERS, Handle
 from .node import TreeNode, split_handles
+from .traffic import drop_edge, start_edges
 
 
 _ALL = frozenset(TIERS)
@@ -123,7 +124,7 @@ class RadixTree:
         upper.on_disk = node.on_disk
         for attr in ("lock_ref", "hit_count", "last_access", "prefetched"):
             setattr(upper, attr, getattr(node, attr))
-        upper.set_traffic(tuple(node.tokens[cut : cut + self.page_size]), 1.0)
+        start_edges(upper, tuple(node.tokens[cut : cut + self.page_size]), 1.0)
         upper.traffic_stamp = node.traffic_stamp
         assert node.parent is not None
         node.parent.children[upper.edge_key] = upper
@@ -161,7 +162,7 @@ class RadixTree:
         del node.parent.children[first]
         # its traffic count goes with it: a long replay would otherwise keep a count (and a page of
         # token ids) for every conversation it ever saw, and the predictor would scan them all
-        node.parent.drop_traffic(first)
+        drop_edge(node.parent, first)
         node.parent = None
         self.node_count -= 1
 

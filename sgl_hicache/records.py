@@ -10,9 +10,25 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
-from .report import RequestRecord
+
+@dataclass
+class RequestRecord:
+    """What a report keeps of each request: times in seconds (virtual for the embedded engine,
+    wall clock for the HTTP replayer) and the prompt tokens served from each tier."""
+
+    request_id: str
+    arrival_s: float
+    ttft_s: float
+    finish_s: float
+    prompt_tokens: int
+    output_tokens: int
+    hit_device: int = 0
+    hit_host: int = 0
+    hit_disk: int = 0
+
 
 _FLOATS = ("arrival_s", "ttft_s", "finish_s")
 _INTS = ("prompt_tokens", "output_tokens", "hit_device", "hit_host", "hit_disk")

@@ -8,28 +8,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from ..tiers.base import DEVICE, DISK, HOST
+from .records import RecordColumns
+from .tiers.base import DEVICE, DISK, HOST
 
 REPORT_VERSION = 1
-
-
-@dataclass
-class RequestRecord:
-    """What a report keeps of each request: times in seconds (virtual for the embedded engine,
-    wall clock for the HTTP replayer) and the prompt tokens served from each tier."""
-
-    request_id: str
-    arrival_s: float
-    ttft_s: float
-    finish_s: float
-    prompt_tokens: int
-    output_tokens: int
-    hit_device: int = 0
-    hit_host: int = 0
-    hit_disk: int = 0
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -62,8 +46,6 @@ def policy_report(
     """One policy's report from per-request records (attributes: arrival_s, ttft_s, finish_s,
     prompt_tokens, output_tokens, hit_device, hit_host, hit_disk; or `RecordColumns`) and a cache
     snapshot. Sums run over columns, so a million-request report takes seconds, not minutes."""
-    from .records import RecordColumns
-
     cols = RecordColumns.of(records)
     prompt = sum(cols.prompt_tokens)
     hits = {DEVICE: sum(cols.hit_device), HOST: sum(cols.hit_host), DISK: sum(cols.hit_disk)}
@@ -111,8 +93,6 @@ def policy_report(
 
 def timeline(records: Any, points: int) -> list[dict[str, float]]:
     """Per-tier hit rate over the replay, in `points` buckets of consecutive requests (by arrival)."""
-    from .records import RecordColumns
-
     cols = RecordColumns.of(records)
     n = len(cols)
     if not n:
