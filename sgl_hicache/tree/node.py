@@ -96,6 +96,11 @@ class TreeNode:
             self._bytes = tokens_bytes(self.tokens)
         return self._bytes
 
+    @property
+    def edge_key(self) -> tuple[int, ...]:
+        """The first page's token ids: this node's key in its parent's `children` and `child_traffic`."""
+        return tuple(self.tokens[: len(self.tokens) // self.num_pages])
+
     def set_tokens(self, tokens: "array | tuple[int, ...]") -> None:
         self.tokens = tokens
         self._bytes = None
