@@ -47,7 +47,7 @@ class RadixTree:
         self.resident: dict[str, set[TreeNode]] = {tier: set() for tier in TIERS}
         # the resident nodes of each tier with no child resident there (`tier_leaves`), kept on every
         # residency change so eviction does not rescan the whole tier (and every node's children)
-        self.leaves: dict[str, set[TreeNode]] = {tier: set() for tier in TIERS}
+        self.leaf_sets: dict[str, set[TreeNode]] = {tier: set() for tier in TIERS}
         # pages per tier of locked or pinned nodes, kept on every lock/pin/residency change
         self.protected: dict[str, int] = {tier: 0 for tier in TIERS}
         self.pages: dict[str, int] = {tier: 0 for tier in TIERS}
@@ -214,7 +214,7 @@ class RadixTree:
 
     def _count_child(self, node: TreeNode, tier: str, sign: int) -> None:
         """`node` enters (+1) or leaves (-1) `tier`: keep its parent's `children_in` and the leaf sets."""
-        leaves = self.leaves[tier]
+        leaves = self.leaf_sets[tier]
         parent = node.parent
         if sign > 0:
             if not node.children_in.get(tier):
@@ -239,7 +239,7 @@ class RadixTree:
     def tier_leaves(self, tier: str) -> Iterator[TreeNode]:
         """Nodes resident in `tier` with no child resident there: the only ones a tier may evict.
         (In no particular order; kept incrementally, so this is O(leaves), not O(resident nodes).)"""
-        return iter(list(self.leaves[tier]))
+        return iter(list(self.leaf_sets[tier]))
 
     def handles_of(self, path: Sequence[TreeNode], tier: str) -> list[Handle]:
         out: list[Handle] = []
@@ -350,7 +350,7 @@ class RadixTree:
                 n_in = sum(1 for c in node.children.values() if c.in_tier(tier))
                 if node.children_in.get(tier, 0) != n_in:
                     raise InvariantError(f"{node} counts {node.children_in.get(tier, 0)} children in {tier}, holds {n_in}")
-                if (node in self.leaves[tier]) != (node.in_tier(tier) and n_in == 0):
+                if (node in self.leaf_sets[tier]) != (node.in_tier(tier) and n_in == 0):
                     raise InvariantError(f"{tier} leaf set out of sync at {node}")
             child_locks = sum(c.lock_ref for c in node.children.values())
             if node.lock_ref < child_locks:
