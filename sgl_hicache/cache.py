@@ -25,7 +25,7 @@ from .hashing import Namespace, chain_keys, page_key
 from .policy.eviction import eviction_policy
 from .policy.reuse import ReuseModel
 from .stats import CacheStats
-from .tiers.base import DEVICE, DISK, HOST, TIERS, Handle, PageCorruptError, PageGoneError, PeerTierError, TierIOError, TierStore
+from .tiers.base import DEVICE, DISK, HOST, TIERS, Handle, KeyedStore, PageCorruptError, PageGoneError, PeerTierError, TierIOError, TierStore
 from .tiers.memory import DeviceKVPool, HostKVBuffer
 from .transfer.bandwidth import BandwidthMeter
 from .transfer.handlers import default_handlers
@@ -139,6 +139,8 @@ class TieredCache:
 
             disk = open_store(config, self.namespace)
         if disk is not None:
+            if not isinstance(disk, KeyedStore):
+                raise TypeError(f"TieredCache: the disk slot needs a content-addressed KeyedStore, got {type(disk).__name__}")
             self.stores[DISK] = disk
         # the reuse model learns from served requests; it orders eviction under `reuse` and feeds
         # the `continuation` predictor
@@ -157,9 +159,9 @@ class TieredCache:
         self._logged_errors: set[tuple[str, str]] = set()
         # per (src, dst) link, the state in which write-back planning last found nothing to do
         self._idle_plans: dict[tuple[str, str], tuple] = {}
-        if DISK in self.stores and getattr(self.stores[DISK], "overfull_pages", 0):
+        if DISK in self.stores and self.stores[DISK].overfull_pages:
             # restarted with a smaller disk capacity than the files found: trim to capacity
-            self._evict_disk_orphans(self.stores[DISK].overfull_pages)  # type: ignore[attr-defined]
+            self._evict_disk_orphans(self.stores[DISK].overfull_pages)
 
     # ---- queries ---------------------------------------------------------------------------
     def has_tier(self, tier: str) -> bool:
@@ -202,12 +204,12 @@ class TieredCache:
         know (written by an earlier process, or by another process sharing the directory while it
         runs): adopt them as a disk-only node."""
         disk = self.stores[DISK]
-        shared = getattr(disk, "shared", False)  # a shared store: other servers add pages any time
-        peers = getattr(disk, "peers_wrote", False)  # a shared directory another process has written to
-        if not (shared or peers) and disk.stored_pages <= self.tree.pages[DISK]:  # type: ignore[attr-defined]
+        shared = disk.shared  # a shared store: other servers add pages any time
+        peers = disk.peers_wrote  # a shared directory another process has written to
+        if not (shared or peers) and disk.stored_pages <= self.tree.pages[DISK]:
             return []  # no orphan pages on disk and nobody else writes: nothing to find
         parent = path[-1] if path else self.tree.root
-        if not (parent.is_root or parent.on_disk):
+        if not (parent.is_root or parent.disk is not None):
             return []  # a disk node must hang under a disk node (prefix closure)
         ps = self.page_size
         if len(tokens) - matched < ps or tuple(tokens[matched : matched + ps]) in parent.children:
@@ -216,10 +218,10 @@ class TieredCache:
         keys: list[bytes] = []
         if shared:  # one batched existence check for everything past the match
             wanted = chain_keys(self.tree.key_of(parent), tokens[matched:limit], ps)
-            keys = list(wanted[: disk.count_present(wanted)])  # type: ignore[attr-defined]
+            keys = list(wanted[: disk.count_present(wanted)])
         else:
             # keys one page at a time: a miss (the common case) hashes one page, not the whole rest
-            find = disk.discover if peers else disk.contains  # type: ignore[attr-defined]
+            find = disk.discover if peers else disk.contains
             key = self.tree.key_of(parent)
             for start in range(matched, limit, ps):
                 key = page_key(key, tokens[start : start + ps])
@@ -380,7 +382,7 @@ class TieredCache:
     def _on_disk_already(self, key: Handle) -> bool:
         """The disk store holds the page (a peer sharing the directory may have written it)."""
         disk = self.stores[DISK]
-        return disk.discover(key) if hasattr(disk, "discover") else disk.contains(key)  # type: ignore[attr-defined]
+        return disk.discover(key)
 
     def _source_for(self, node: TreeNode, dst: str, kind: str, may_evict: bool) -> str | None:
         """Which tier to copy from into `dst`: the fastest other tier that holds the node, bringing it
@@ -389,7 +391,7 @@ class TieredCache:
         for src in order:
             if node.in_tier(src):
                 return src
-        if dst == DEVICE and node.on_disk and self.ensure(node, HOST, kind, may_evict):
+        if dst == DEVICE and node.disk is not None and self.ensure(node, HOST, kind, may_evict):
             return HOST
         return None
 
@@ -408,7 +410,7 @@ class TieredCache:
                 src_handles = list(node.keys) if src == DISK else list(getattr(node, src))
             store = self.stores[dst]
             if dst == DISK:  # pages an earlier process left under these keys are rewritten
-                stale = [k for k in node.keys if store.contains(k)]  # type: ignore[attr-defined]
+                stale = [k for k in node.keys if store.contains(k)]
                 if stale:
                     store.free(stale)
             self.tree.pin(node)  # pinned before evicting, so the eviction cannot pick it
@@ -476,7 +478,7 @@ class TieredCache:
                 if op.kind in ("prefetch", "predict") and not node.prefetched:
                     node.prefetched = op.kind
                     self.stats.add_prefetch(op.kind, "promoted_tokens", tokens)
-            if op.dst == HOST and self.config.disk_write_policy == "write_through" and not node.on_disk:
+            if op.dst == HOST and self.config.disk_write_policy == "write_through" and node.disk is None:
                 self.ensure(node, DISK, kind="backup", may_evict=True)
             return True
 
@@ -623,7 +625,7 @@ class TieredCache:
             order.append(n)
             stack.extend(n.children.values())
         for n in reversed(order):  # leaves first
-            if n.on_disk:
+            if n.disk is not None:
                 self._free_disk(self.tree.clear_resident(n, DISK))
             self._prune(n)
 
@@ -680,16 +682,16 @@ class TieredCache:
             candidates = []
             # a shared store takes the pages worth sharing (hit at least `min_hits` times), paced by
             # `max_pages` per round, whether or not the device also holds them
-            shared_hits = getattr(self.stores[dst], "min_hits", None) if getattr(self.stores[dst], "shared", False) else None
+            shared_hits = self.stores[dst].min_hits if self.stores[dst].shared else None
             for n in self.tree.resident[src]:
                 # already held in `dst` (a host page also on the device is not on disk yet: evicting
                 # it from the device later would leave the disk tier without it), or about to be;
                 # for the shared store, a page already there
-                done = n.on_disk if shared_hits is not None else n.in_tier(dst)
+                done = n.disk is not None if shared_hits is not None else n.in_tier(dst)
                 if done or dst in n.incoming:
                     clean += n.num_pages
                     continue
-                if shared_hits is not None and (n.hit_count < shared_hits or not self.stores[dst].accepts(n.keys)):  # type: ignore[attr-defined]
+                if shared_hits is not None and (n.hit_count < shared_hits or not self.stores[dst].accepts(n.keys)):
                     continue
                 # (a shared store also takes pages in use: a hot prefix is the one most worth sharing)
                 if (n.evictable or shared_hits is not None) and (n.parent.is_root or n.parent.in_tier(dst)):  # type: ignore[union-attr]
@@ -726,7 +728,7 @@ class TieredCache:
         (mirrors `_evict_node`: device demotes to host; host to disk unless the device holds it)."""
         if tier == DEVICE:
             return node.host is not None
-        return node.on_disk or node.device is not None
+        return node.disk is not None or node.device is not None
 
     # ---- eviction --------------------------------------------------------------------------
     def evict(self, tier: str, num_pages: int) -> int:
@@ -749,10 +751,10 @@ class TieredCache:
                 if parent is not None and not parent.is_root and parent.in_tier(tier) and parent.evictable:
                     if not self._has_child_in(parent, tier):
                         heapq.heappush(heap, (key(parent), parent.id, parent))
-            if tier == DISK and freed < num_pages and getattr(self.stores[DISK], "peers_wrote", False):
+            if tier == DISK and freed < num_pages and self.stores[DISK].peers_wrote:
                 # a shared directory full of other processes' pages this one cannot free through its
                 # tree: the oldest of those go, so no process is locked out of the one capacity
-                freed += self.stores[DISK].evict_unindexed(num_pages - freed)  # type: ignore[attr-defined]
+                freed += self.stores[DISK].evict_unindexed(num_pages - freed)
             return freed
 
     @staticmethod
@@ -765,12 +767,12 @@ class TieredCache:
         """Free disk pages no tree node refers to (left by an earlier process and not matched since
         the restart): by LRU they are the coldest pages there are."""
         store = self.stores[DISK]
-        if store.stored_pages <= self.tree.pages[DISK]:  # type: ignore[attr-defined]
+        if store.stored_pages <= self.tree.pages[DISK]:
             return 0
         referenced = {k for n in self.tree.resident[DISK] for k in n.keys}
         # in key order, not the store's index order (a directory scan's), so that every rank of a
         # tensor-parallel cache frees the same pages; O(n log num_pages)
-        victims = heapq.nsmallest(num_pages, (k for k in store.keys() if k not in referenced))  # type: ignore[attr-defined]
+        victims = heapq.nsmallest(num_pages, (k for k in store.keys() if k not in referenced))
         self._free_disk(victims)
         return len(victims)
 
@@ -783,7 +785,7 @@ class TieredCache:
         tokens = node.num_pages * self.page_size
         below = HOST if tier == DEVICE else DISK if tier == HOST else None
         dirty = below is not None and self.has_tier(below) and not self._clean(node, tier)
-        if below == DISK and not getattr(self.stores[DISK], "demote_on_evict", True):
+        if below == DISK and not self.stores[DISK].demote_on_evict:
             dirty = False  # the shared store is written by background write-back only, never here
         # write-back admission (policy/reuse.py): is this page worth a copy below?
         keep = dirty and (self.reuse is None or self.reuse.admit(node))
@@ -840,10 +842,11 @@ class TieredCache:
         snap["stored_tokens"] = {t: self.tree.pages[t] * self.page_size for t in TIERS}
         snap["capacity_tokens"] = {t: (self.stores[t].capacity_pages * self.page_size if t in self.stores else 0) for t in TIERS}
         lower = self.stores.get(DISK)
-        if lower is not None and hasattr(lower, "snapshot"):
+        lower_snap = lower.snapshot() if lower is not None else None
+        if lower_snap is not None:
             # the lower-tier slot holds the shared store: its "disk" figures are store figures
             snap["lower_tier"] = lower.name
-            snap["store"] = lower.snapshot()  # type: ignore[attr-defined]
+            snap["store"] = lower_snap
         return snap
 
     def check(self) -> None:
@@ -861,7 +864,7 @@ class TieredCache:
             if DISK in self.stores:
                 disk = self.stores[DISK]
                 # a shared directory's used pages are every process's: compare with what this store indexes
-                held = getattr(disk, "stored_pages", disk.used_pages)
+                held = disk.stored_pages
                 if held < self.tree.pages[DISK]:
                     raise InvariantError(f"disk store holds {held} pages; tree claims {self.tree.pages[DISK]}")
 

@@ -253,14 +253,14 @@ def test_eviction_never_races_a_background_writeback(tmp_path):
     a = seq(0, 2)
     fill(cache, [a, a[:8] + seq(500, 2), seq(9000, 4), seq(9500, 4)])  # a-prefix and its child pushed to host
     parent = cache.match(a, touch=False).path[0]
-    assert parent.host is not None and not parent.on_disk
+    assert parent.host is not None and parent.disk is None
     ops = cache.plan_disk_writeback(clean_target_pages=8, max_pages=parent.num_pages)
     assert [op.node for op in ops] == [parent]
     cache.execute(ops[0])  # bytes written, not yet completed (the engine's worker finished)
     child = next(iter(parent.children.values()))
     assert child.host is not None
     cache.ensure(child, DISK, kind="demote", may_evict=True)  # completes the parent's backup, then writes the child
-    assert ops[0].applied and parent.on_disk and child.on_disk
+    assert ops[0].applied and parent.disk is not None and child.disk is not None
     assert cache.complete(ops[0])  # the worker's own completion later is harmless
     cache.check()
     # and while a copy's bytes are still in flight, the demotion gives up instead of racing it
@@ -271,5 +271,5 @@ def test_eviction_never_races_a_background_writeback(tmp_path):
     c2 = next(iter(p2.children.values()))
     assert not cache2.ensure(c2, DISK, kind="demote", may_evict=True)
     cache2.execute(ops2[0])
-    assert cache2.complete(ops2[0]) and p2.on_disk
+    assert cache2.complete(ops2[0]) and p2.disk is not None
     cache2.check()

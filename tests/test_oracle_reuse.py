@@ -156,7 +156,7 @@ def test_guard_stops_a_wrong_predictor_through_the_controller(tmp_path):
     for p in junk:
         serve(cache, p)
     nodes = [cache.match(p, touch=False).last_node for p in junk]
-    assert all(not n.in_tier(HOST) and n.on_disk for n in nodes[:20])
+    assert all(not n.in_tier(HOST) and n.disk is not None for n in nodes[:20])
     ctl.predictor = _Wrong(nodes[:20])
     for i in range(30):
         cache.evict(HOST, 2)  # room for a promotion
@@ -201,7 +201,7 @@ def test_continuation_predictor_needs_the_model_and_promotes_disk_tips(tmp_path)
     for i in range(6):
         serve(cache, seq(10_000 * (i + 1), 2))
     node = cache.match(tip, touch=False).last_node
-    assert node.on_disk and node.host is None
+    assert node.disk is not None and node.host is None
     assert node in [p.node for p in pred.predict(cache.tree.root, clock())]
 
 

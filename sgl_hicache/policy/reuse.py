@@ -174,7 +174,7 @@ class ContinuationPredictor(Predictor):
         out: list[Prediction] = []
         budget = self.budget_tokens
         for node in self.model.recent(self.scan):
-            if node.device is not None or node.host is not None or not node.on_disk:
+            if node.device is not None or node.host is not None or node.disk is None:
                 continue
             p = self.model.p_reuse(node)
             if p < self.min_probability:

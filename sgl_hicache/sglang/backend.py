@@ -651,7 +651,7 @@ class TieredRadixCache(BasePrefixCache):
             "request_held_tokens": pool - alloc_free - owned,
             "host_used_tokens": self.cache.stores[HOST].used_pages * ps if HOST in self.cache.stores else 0,
             "host_tree_tokens": self.cache.tree.pages[HOST] * ps,
-            "disk_stored_tokens": getattr(self.cache.stores.get(DISK), "stored_pages", 0) * ps,
+            "disk_stored_tokens": (self.cache.stores[DISK].stored_pages if DISK in self.cache.stores else 0) * ps,
             "disk_tree_tokens": self.cache.tree.pages[DISK] * ps,
             "evictable_tokens": self.evictable_size(),
             "protected_tokens": self.protected_size(),

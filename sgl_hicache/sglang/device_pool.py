@@ -26,7 +26,7 @@ import torch
 
 from ..config import _DTYPES, KVLayout
 from ..hashing import PageKey
-from ..tiers.base import DEVICE, Handle, TierStore, page_shape
+from ..tiers.base import DEVICE, Handle, LayeredPages, TierStore, page_shape
 
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
@@ -56,7 +56,7 @@ def layout_of(kvcache, architecture: str = "llama") -> KVLayout:
     return KVLayout(num_layers=len(k_buf), num_kv_heads=int(k0.shape[1]), head_dim=int(k0.shape[2]), dtype=_DTYPE_NAMES[dtype], architecture=architecture)
 
 
-class SGLangDevicePool(TierStore):
+class SGLangDevicePool(TierStore, LayeredPages):
     """`TierStore` over SGLang's `token_to_kv_pool_allocator` and its KV pool (see module docstring)."""
 
     name = DEVICE

@@ -7,7 +7,8 @@ evict; the cache's policies do that.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from enum import Enum
+from collections.abc import Iterator, Sequence
 from typing import Hashable
 
 import torch
@@ -17,8 +18,21 @@ from ..hashing import PageKey
 
 Handle = Hashable  # a slot index for device and host, the page key itself for disk
 
-DEVICE, HOST, DISK = "device", "host", "disk"
-TIERS = (DEVICE, HOST, DISK)
+
+class Tier(str, Enum):
+    """The tiers, fastest first. Members are their names as strings ("device" == Tier.DEVICE), so
+    they key JSON, Prometheus labels and node attributes (`TreeNode.device` / `host` / `disk`)."""
+
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"  # the lower, content-addressed slot: a disk directory or a shared store
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+DEVICE, HOST, DISK = Tier.DEVICE, Tier.HOST, Tier.DISK
+TIERS = tuple(Tier)
 
 
 class TierIOError(OSError):
@@ -65,10 +79,39 @@ class TierStore(ABC):
     """
 
     name: str
+    # Capabilities are declared here, by type, with their defaults; the cache and the byte movers
+    # read them, never probe with hasattr. A subclass that has one overrides it.
     #: survives a restart of the process (the disk tier)
     persistent: bool = False
     #: handles are the page keys (content-addressed) rather than slots
     content_addressed: bool = False
+    #: other servers add and remove pages at any time (a store shared between servers)
+    shared: bool = False
+    #: write back only pages hit at least this often (a shared store's bar; 0 = every page)
+    min_hits: int = 0
+
+    #: an evicted node's pages move down into this store (a shared store takes only hit pages)
+    demote_on_evict: bool = True
+
+    @property
+    def stored_pages(self) -> int:
+        """Pages this store holds for this process (a shared directory's `used_pages` counts
+        every process's)."""
+        return self.used_pages
+
+    @property
+    def overfull_pages(self) -> int:
+        """Pages over capacity found at open (a restart with a smaller capacity) that must go."""
+        return 0
+
+    @property
+    def peers_wrote(self) -> bool:
+        """Another process has written into this store since it opened (a shared directory)."""
+        return False
+
+    def snapshot(self) -> dict | None:
+        """The store's own counters for reports (a shared store's puts, gets, outages); None if none."""
+        return None
 
     def __init__(self, layout: KVLayout, page_size: int, capacity_pages: int) -> None:
         if capacity_pages < 0:
@@ -106,6 +149,69 @@ class TierStore(ABC):
         expected = (len(handles), *self.page_shape)
         if tuple(data.shape) != expected:
             raise ValueError(f"{self.name}: write of shape {tuple(data.shape)}, expected {expected}")
+
+
+class KeyedStore(TierStore):
+    """A content-addressed store, the kind the lower (disk or shared-store) slot holds: handles are
+    the page keys, so pages outlive the tree that wrote them and can be found by hashing a prompt.
+
+    Contract on top of `TierStore`: `contains(key)` answers from the store's own index with no I/O;
+    `keys()` iterates what it indexes; `discover(key)` may also look where other processes write;
+    `count_present(keys)` is how many leading keys the store holds (one batched round trip where
+    the store is remote); `evict_unindexed(n)` frees up to `n` pages other processes wrote (0 when
+    none can be); `accepts(keys)` says whether a write of those pages would be taken.
+    """
+
+    content_addressed = True
+
+    @abstractmethod
+    def contains(self, key: PageKey) -> bool: ...
+
+    @abstractmethod
+    def keys(self) -> Iterator[PageKey]: ...
+
+    def discover(self, key: PageKey) -> bool:
+        return self.contains(key)
+
+    def count_present(self, keys: Sequence[PageKey]) -> int:
+        n = 0
+        for key in keys:
+            if not self.discover(key):
+                break
+            n += 1
+        return n
+
+    def evict_unindexed(self, num_pages: int) -> int:
+        return 0
+
+    def accepts(self, keys: Sequence[PageKey]) -> bool:
+        return True
+
+
+class PageViews(ABC):
+    """Capability: each page is a view of one buffer (`page_view(handle)`, shape `page_shape`), so
+    a copy between two such stores goes view to view with no intermediate tensor."""
+
+    @abstractmethod
+    def page_view(self, handle: Handle) -> torch.Tensor: ...
+
+
+class ReadsInto(ABC):
+    """Capability: `read_into(key, out)` fills a caller's page tensor in place (disk -> host with no
+    intermediate copy)."""
+
+    @abstractmethod
+    def read_into(self, key: PageKey, out: torch.Tensor) -> None: ...
+
+
+class LayeredPages(ABC):
+    """Capability: a device tier kept as separate per-layer K and V buffers (SGLang's pool):
+    `layer_pages(layer, kv)` is one layer's buffer, indexed by slot; `device` is where it lives."""
+
+    device: torch.device
+
+    @abstractmethod
+    def layer_pages(self, layer: int, kv: int) -> torch.Tensor: ...
 
 
 class SlotAllocator:

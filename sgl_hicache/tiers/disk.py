@@ -92,7 +92,7 @@ import xxhash
 
 from ..config import KVLayout
 from ..hashing import KEY_BYTES, Namespace, PageKey
-from .base import DISK, Handle, PageCorruptError, PageGoneError, TierIOError, TierStore
+from .base import DISK, Handle, KeyedStore, PageCorruptError, PageGoneError, ReadsInto, TierIOError
 from .codec import FORMAT_VERSION, HEADER_SIZE, MAGIC, PAGE_SUFFIX, PageCodec
 from .shared import OWNER_PATTERN, DirectoryLedger, LocalLedger, is_shared_entry
 
@@ -151,12 +151,11 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_ubyte * nbytes).from_address(t.data_ptr())).cast("B")
 
 
-class DiskPageStore(TierStore):
+class DiskPageStore(KeyedStore, ReadsInto):
     """Content-addressed page files under one directory; handles are the 16-byte page keys."""
 
     name = DISK
     persistent = True
-    content_addressed = True
 
     def __init__(
         self,

@@ -8,7 +8,7 @@ import torch
 
 from ..config import KVLayout
 from ..hashing import PageKey
-from .base import DEVICE, HOST, Handle, SlotAllocator, TierStore
+from .base import DEVICE, HOST, Handle, LayeredPages, PageViews, SlotAllocator, TierStore
 
 
 class _SlotStore(TierStore):
@@ -32,7 +32,7 @@ class _SlotStore(TierStore):
             raise KeyError(f"{self.name}: {exc.args[0]}") from None
 
 
-class DeviceKVPool(_SlotStore):
+class DeviceKVPool(_SlotStore, PageViews, LayeredPages):
     """The device tier for the embedded engine: a KV pool laid out as SGLang lays out its own,
     `(layers, K/V, slots, kv heads, head dim)`, allocated a page at a time.
 
@@ -85,7 +85,7 @@ class DeviceKVPool(_SlotStore):
             pages[:, :, h].copy_(data[i], non_blocking=True)
 
 
-class HostKVBuffer(_SlotStore):
+class HostKVBuffer(_SlotStore, PageViews):
     """The host tier: one DRAM buffer laid out page-first, `(pages, layers, K/V, tokens, heads, dim)`,
     so that a page is one contiguous run of bytes for disk I/O. Pinned when CUDA is present, so
     host->device copies can run asynchronously on a stream.

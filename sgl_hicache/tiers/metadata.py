@@ -20,7 +20,7 @@ import torch
 
 from ..config import KVLayout
 from ..hashing import PageKey
-from .base import DEVICE, DISK, HOST, Handle, TierStore
+from .base import DEVICE, DISK, HOST, Handle, KeyedStore, TierStore
 from .memory import _SlotStore
 
 _NO_BYTES = torch.empty(0)
@@ -46,14 +46,13 @@ class MetadataSlotStore(_SlotStore):
 _RESERVED, _STORED = 0, 1
 
 
-class MetadataDiskStore(TierStore):
+class MetadataDiskStore(KeyedStore):
     """The disk tier as an index of page keys (reserved -> stored), no files. Contract: the
     `DiskPageStore` accounting the cache relies on (`allocate` by key, all or nothing; `free` by key;
     `contains`, `keys`, `stored_pages`, `overfull_pages`); `read` of a page never written raises
     KeyError, as a missing file would."""
 
     name = DISK
-    content_addressed = True
 
     def __init__(self, layout: KVLayout, page_size: int, capacity_pages: int) -> None:
         super().__init__(layout, page_size, capacity_pages)

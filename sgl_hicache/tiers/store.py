@@ -41,7 +41,7 @@ import torch
 
 from ..config import CacheConfig, KVLayout
 from ..hashing import KEY_BYTES, Namespace, PageKey
-from .base import Handle, PageCorruptError, TierIOError, TierStore
+from .base import Handle, KeyedStore, PageCorruptError, ReadsInto, TierIOError
 from .codec import PageCodec
 from .disk import check_key, tensor_bytes
 
@@ -99,11 +99,10 @@ class StoreBackend(ABC):
         pass
 
 
-class SharedStoreTier(TierStore):
+class SharedStoreTier(KeyedStore, ReadsInto):
     """Pages in a shared store, keyed by page key (module docstring). Handles are the page keys."""
 
     name = STORE
-    content_addressed = True
     #: other processes write pages into it: the cache asks it at match time for pages it did not write
     shared = True
     #: evicting a host page does not write it here synchronously (puts are paced write-back only)

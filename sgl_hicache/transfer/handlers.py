@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from ..tiers.base import DEVICE, DISK, HOST, TierStore
+from ..tiers.base import DEVICE, DISK, HOST, LayeredPages, PageViews, ReadsInto, TierStore
+from ..tiers.memory import HostKVBuffer
 
 if TYPE_CHECKING:
     from .ops import TransferOp
@@ -32,12 +33,12 @@ def copy_via_tensor(stores: dict[str, TierStore]) -> Handler:
 def disk_into_host(stores: dict[str, TierStore]) -> Handler:
     """Disk -> host without an intermediate copy: each page file is read straight into its host page."""
     disk, host = stores[DISK], stores[HOST]
-    if not hasattr(disk, "read_into") or not hasattr(host, "page_view"):
+    if not isinstance(disk, ReadsInto) or not isinstance(host, PageViews):
         return copy_via_tensor(stores)
 
     def handler(op: "TransferOp", start: int, stop: int) -> None:
         for key, slot in zip(op.src_handles[start:stop], op.dst_handles[start:stop]):
-            disk.read_into(key, host.page_view(slot))  # type: ignore[attr-defined]
+            disk.read_into(key, host.page_view(slot))
 
     return handler
 
@@ -46,12 +47,12 @@ def page_to_page(stores: dict[str, TierStore], src: str, dst: str) -> Handler:
     """Device <-> host page by page, view to view: one (strided) copy per page, no intermediate
     tensor. On CUDA the copies are asynchronous on the current stream and synchronised at the end."""
     a, b = stores[src], stores[dst]
-    if not hasattr(a, "page_view") or not hasattr(b, "page_view"):
+    if not isinstance(a, PageViews) or not isinstance(b, PageViews):
         return copy_via_tensor(stores)
 
     def handler(op: "TransferOp", start: int, stop: int) -> None:
         for s_h, d_h in zip(op.src_handles[start:stop], op.dst_handles[start:stop]):
-            b.page_view(d_h).copy_(a.page_view(s_h), non_blocking=True)  # type: ignore[attr-defined]
+            b.page_view(d_h).copy_(a.page_view(s_h), non_blocking=True)
         if torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()
 
@@ -70,12 +71,12 @@ def layered_device_host(stores: dict[str, TierStore], src: str, dst: str) -> Han
     generic path at 64 MiB, 0.75x at 1 MiB, even near 3 MiB on this CPU)."""
     device, host = stores[DEVICE], stores[HOST]
     generic = copy_via_tensor(stores)
-    if not hasattr(device, "layer_pages") or not isinstance(getattr(host, "buffer", None), torch.Tensor):
+    if not isinstance(device, LayeredPages) or not isinstance(host, HostKVBuffer):
         return generic
     layers = device.layout.num_layers
     min_pages = max(1, -(-_LAYERED_MIN_BYTES // device.page_bytes))
-    buffer: torch.Tensor = host.buffer  # type: ignore[attr-defined]
-    on_cuda = buffer.device.type != getattr(device, "device", buffer.device).type
+    buffer: torch.Tensor = host.buffer
+    on_cuda = buffer.device.type != device.device.type
 
     def index(handles, where) -> torch.Tensor:
         return torch.as_tensor(list(handles), dtype=torch.int64, device=where)
@@ -83,22 +84,22 @@ def layered_device_host(stores: dict[str, TierStore], src: str, dst: str) -> Han
     def to_host(op: "TransferOp", start: int, stop: int) -> None:
         if stop - start < min_pages:
             return generic(op, start, stop)
-        d_idx = index(op.src_handles[start:stop], device.device)  # type: ignore[attr-defined]
+        d_idx = index(op.src_handles[start:stop], device.device)
         h_idx = index(op.dst_handles[start:stop], buffer.device)
         for layer in range(layers):
             for kv in (0, 1):
-                pages = device.layer_pages(layer, kv).index_select(0, d_idx)  # type: ignore[attr-defined]
+                pages = device.layer_pages(layer, kv).index_select(0, d_idx)
                 buffer[:, layer, kv].index_copy_(0, h_idx, pages.to(buffer.device))
 
     def to_device(op: "TransferOp", start: int, stop: int) -> None:
         if stop - start < min_pages:
             return generic(op, start, stop)
         h_idx = index(op.src_handles[start:stop], buffer.device)
-        d_idx = index(op.dst_handles[start:stop], device.device)  # type: ignore[attr-defined]
+        d_idx = index(op.dst_handles[start:stop], device.device)
         for layer in range(layers):
             for kv in (0, 1):
                 pages = buffer[:, layer, kv].index_select(0, h_idx)
-                target = device.layer_pages(layer, kv)  # type: ignore[attr-defined]
+                target = device.layer_pages(layer, kv)
                 target.index_copy_(0, d_idx, pages.to(target.device, non_blocking=True))
         if on_cuda:
             torch.cuda.current_stream().synchronize()
@@ -116,7 +117,7 @@ def default_handlers(stores: dict[str, TierStore]) -> dict[tuple[str, str], Hand
         handlers[(DISK, HOST)] = disk_into_host(stores)
     if DEVICE in stores and HOST in stores:
         # one strided copy per page where the device has page views (the embedded pool); else per layer
-        pick = page_to_page if hasattr(stores[DEVICE], "page_view") else layered_device_host
+        pick = page_to_page if isinstance(stores[DEVICE], PageViews) else layered_device_host
         handlers[(DEVICE, HOST)] = pick(stores, DEVICE, HOST)
         handlers[(HOST, DEVICE)] = pick(stores, HOST, DEVICE)
     return handlers

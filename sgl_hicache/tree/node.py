@@ -16,8 +16,9 @@ _ids = itertools.count()
 class TreeNode:
     """One edge of the radix tree: `tokens` (a whole number of pages, an int64 array: 8 bytes a token,
     where a tuple of ints took ~40), their chained `keys`, and the
-    tiers that hold a copy: `device` / `host` are per-page handles (None when absent), `on_disk` says
-    the disk store holds a file per key.
+    tiers that hold a copy: `device`, `host` and `disk` are per-page handles in that tier (None when
+    absent; the disk tier's handles are the page keys). Residency is symmetric: every tier is read and
+    written the same way (`in_tier`, `handles`).
 
     Counters the policies read: `lock_ref` (requests using the node; a locked node is never evicted
     from any tier), `pins` (transfers reading or writing it; a pinned node is never evicted or
@@ -35,7 +36,7 @@ class TreeNode:
         "num_pages",
         "device",
         "host",
-        "on_disk",
+        "disk",
         "lock_ref",
         "pins",
         "hit_count",
@@ -62,7 +63,7 @@ class TreeNode:
         self.num_pages = num_pages
         self.device: list[Handle] | None = None
         self.host: list[Handle] | None = None
-        self.on_disk = False
+        self.disk: list[Handle] | None = None
         self.lock_ref = 0
         self.pins = 0
         self.hit_count = 0
@@ -123,11 +124,11 @@ class TreeNode:
         return self.keys[-1]
 
     def in_tier(self, tier: str) -> bool:
-        if tier == DEVICE:
-            return self.device is not None
-        if tier == HOST:
-            return self.host is not None
-        return self.on_disk
+        return getattr(self, tier) is not None
+
+    def handles(self, tier: str) -> list[Handle] | None:
+        """This node's per-page handles in `tier`, or None when the tier holds no copy."""
+        return getattr(self, tier)
 
     def tiers(self) -> tuple[str, ...]:
         return tuple(t for t in (DEVICE, HOST, DISK) if self.in_tier(t))

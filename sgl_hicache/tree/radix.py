@@ -121,7 +121,7 @@ class RadixTree:
         upper = TreeNode(node.parent, node.tokens[:cut], upper_keys, pages, next(self._ids))
         upper.device, node.device = split_handles(node.device, pages)
         upper.host, node.host = split_handles(node.host, pages)
-        upper.on_disk = node.on_disk
+        upper.disk, node.disk = split_handles(node.disk, pages)
         for attr in ("lock_ref", "hit_count", "last_access", "prefetched"):
             setattr(upper, attr, getattr(node, attr))
         start_edges(upper, tuple(node.tokens[cut : cut + self.page_size]), 1.0)
@@ -169,11 +169,10 @@ class RadixTree:
     # ---- residency -------------------------------------------------------------------------
     def set_resident(self, node: TreeNode, tier: str, handles: Sequence[Handle] | None = None) -> None:
         assert not node.in_tier(tier), f"{node} already in {tier}"
-        if tier == DISK:
-            node.on_disk = True
-        else:
-            assert handles is not None and len(handles) == node.num_pages
-            setattr(node, tier, list(handles))
+        if handles is None and tier == DISK:
+            handles = node.keys  # the lower tier is content-addressed: its handles are the keys
+        assert handles is not None and len(handles) == node.num_pages
+        setattr(node, tier, list(handles))
         self.version += 1
         self._share(node, tier, +1)
         self.resident[tier].add(node)
@@ -187,12 +186,8 @@ class RadixTree:
         assert node.in_tier(tier), f"{node} not in {tier}"
         self.version += 1
         self._share(node, tier, -1)
-        if tier == DISK:
-            handles: list[Handle] = list(node.keys)
-            node.on_disk = False
-        else:
-            handles = getattr(node, tier)
-            setattr(node, tier, None)
+        handles: list[Handle] = node.handles(tier)
+        setattr(node, tier, None)
         self.resident[tier].discard(node)
         self._count_child(node, tier, -1)
         self.pages[tier] -= node.num_pages
@@ -244,7 +239,7 @@ class RadixTree:
     def handles_of(self, path: Sequence[TreeNode], tier: str) -> list[Handle]:
         out: list[Handle] = []
         for node in path:
-            out.extend(node.keys if tier == DISK else getattr(node, tier))
+            out.extend(node.handles(tier))
         return out
 
     # ---- locks -----------------------------------------------------------------------------
@@ -336,8 +331,8 @@ class RadixTree:
                 # the last lock or pin goes)
                 raise InvariantError(f"{node} is resident in no tier")
             for tier in tiers:
-                if tier != DISK and len(getattr(node, tier)) != node.num_pages:
-                    raise InvariantError(f"{node} has {len(getattr(node, tier))} {tier} handles for {node.num_pages} pages")
+                if len(node.handles(tier)) != node.num_pages:
+                    raise InvariantError(f"{node} has {len(node.handles(tier))} {tier} handles for {node.num_pages} pages")
                 if not parent.is_root and not parent.in_tier(tier):
                     raise InvariantError(f"{tier} residency not prefix-closed: {node} is in {tier}, its parent {parent} is not")
                 pages[tier] += node.num_pages
