@@ -49,7 +49,9 @@ def _run(cmd: list[str], repo: Path = REPO) -> dict[str, Any]:
     """Run `cmd` with `repo`'s package; wall, CPU and max RSS of that one process (wait4, not the children total)."""
     env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    # cwd = repo: `python -m` puts the working directory ahead of PYTHONPATH, so a baseline run
+    # started from this tree would import this tree's package
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=repo)
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
     err = proc.stderr.read().decode() if proc.stderr else ""
@@ -85,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--plot", type=Path)
     args = ap.parse_args(argv)
+    args.source = args.source.resolve()  # the runs start in the repo they import (see `_run`)
     if args.quick:
         args.lengths, args.compare_requests, args.repeats = "60", 20, 1
     lengths = [int(float(x)) for x in args.lengths.split(",")]
