@@ -16,6 +16,11 @@ rounds; medians. requests/s = N / engine CPU seconds (and N / wall).
 
 `--compare-requests M` also times `replay --compare` on the first M requests of the shipped trace
 with `--workers 2` against `--workers 1` (interleaved, medians): the parallel/sequential wall ratio.
+
+`--baseline DIR` also runs every replay point with another checkout's package (DIR on PYTHONPATH,
+e.g. `/work/main`), interleaved with this tree's runs (this, baseline, this, baseline ...), and
+reports `speed_over_baseline` = baseline engine CPU / this engine CPU (medians) and whether the hit
+figures are equal.
 """
 
 from __future__ import annotations
@@ -40,11 +45,13 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "sgl_hicache.cli", *args]
 
 
-def _run(cmd: list[str]) -> dict[str, Any]:
-    """Run `cmd`; wall, CPU and max RSS of that one process (wait4, not the children total)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+def _run(cmd: list[str], repo: Path = REPO) -> dict[str, Any]:
+    """Run `cmd` with `repo`'s package; wall, CPU and max RSS of that one process (wait4, not the children total)."""
+    env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    # cwd = repo: `python -m` puts the working directory ahead of PYTHONPATH, so a baseline run
+    # started from this tree would import this tree's package
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=repo)
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
     err = proc.stderr.read().decode() if proc.stderr else ""
@@ -54,9 +61,9 @@ def _run(cmd: list[str]) -> dict[str, Any]:
     return {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime, "max_rss_mb": usage.ru_maxrss / 1024}
 
 
-def replay_point(trace: Path, n: int, mode: str, work: Path) -> dict[str, Any]:
+def replay_point(trace: Path, n: int, mode: str, work: Path, repo: Path = REPO) -> dict[str, Any]:
     report = work / f"r-{n}-{mode}.json"
-    out = _run(_cli("replay", str(trace), "--limit", str(n), "--policy", "predict", "--bytes", mode, "--quiet", "--report", str(report)))
+    out = _run(_cli("replay", str(trace), "--limit", str(n), "--policy", "predict", "--bytes", mode, "--quiet", "--report", str(report)), repo)
     rep = json.loads(report.read_text())["policies"]["predict"]
     out.update(engine_cpu_s=rep["engine"]["cpu_s"], engine_wall_s=rep["engine"]["wall_s"], hit_tokens=rep["hit_tokens"],
                ttft_mean_s=rep["ttft_s"]["mean"], virtual_s=rep["engine"]["virtual_s"], requests=rep["requests"])
@@ -75,10 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--compare-requests", type=int, default=0, help="also time --compare on this many requests (0: skip)")
     ap.add_argument("--source", type=Path, default=TRACE)
+    ap.add_argument("--baseline", type=Path, help="another checkout (its root holds sgl_hicache/) run interleaved on every point")
     ap.add_argument("--quick", action="store_true", help="smoke size: 60 requests, both modes, compare on 20")
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--plot", type=Path)
     args = ap.parse_args(argv)
+    args.source = args.source.resolve()  # the runs start in the repo they import (see `_run`)
     if args.quick:
         args.lengths, args.compare_requests, args.repeats = "60", 20, 1
     lengths = [int(float(x)) for x in args.lengths.split(",")]
@@ -94,12 +103,16 @@ def main(argv: list[str] | None = None) -> int:
             trace = work / f"syn-{n}.jsonl"
             _run(_cli("synth", str(args.source), "--requests", str(n), "--out", str(trace)))
             runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+            base: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
             for _ in range(args.repeats):
                 for mode in modes:
                     if mode == "real" and n > args.real_max:
                         continue
                     runs[mode].append(replay_point(trace, n, mode, work))
                     print(f"{n} {mode}: {runs[mode][-1]}", file=sys.stderr)
+                    if args.baseline:
+                        base[mode].append(replay_point(trace, n, mode, work, args.baseline))
+                        print(f"{n} {mode} baseline: {base[mode][-1]}", file=sys.stderr)
             for mode, rows in runs.items():
                 if not rows:
                     continue
@@ -110,6 +123,12 @@ def main(argv: list[str] | None = None) -> int:
                     "requests_per_s_cpu": n / cpu if cpu else None, "requests_per_s_wall": n / _median(rows, "engine_wall_s"),
                     "hit_tokens": rows[0]["hit_tokens"], "ttft_mean_s": rows[0]["ttft_mean_s"], "virtual_s": rows[0]["virtual_s"],
                 })
+                if base[mode]:
+                    b = base[mode]
+                    out["points"][-1]["baseline"] = {
+                        "repo": str(args.baseline), "runs": b, "engine_cpu_s": _median(b, "engine_cpu_s"), "max_rss_mb": _median(b, "max_rss_mb"),
+                        "speed_over_baseline": _median(b, "engine_cpu_s") / cpu,
+                        "same_hits": all(r["hit_tokens"] == rows[0]["hit_tokens"] and r["virtual_s"] == rows[0]["virtual_s"] for r in b)}
             if len([m for m in modes if runs[m]]) == 2:
                 a, b = runs["metadata"][0], runs["real"][0]
                 out["points"][-1]["modes_agree"] = a["hit_tokens"] == b["hit_tokens"] and a["virtual_s"] == b["virtual_s"]

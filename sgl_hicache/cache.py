@@ -186,7 +186,7 @@ class TieredCache:
                 parent = self.tree.root
                 for node in path:
                     node.last_access = now
-                    count_edge(parent, node.tokens[: self.page_size], now)
+                    count_edge(parent, node.edge_key, now)
                     parent = node
             return self._describe(path)
 

@@ -36,6 +36,13 @@ class Namespace:
         return cls(root=xxhash.xxh3_128_digest(description.encode()), description=description)
 
 
+def int64_tokens(tokens: Sequence[int]) -> array:
+    """`tokens` as an int64 array: a copy (8 bytes a token, compared as bytes at memcmp speed)."""
+    if isinstance(tokens, array) and tokens.typecode == "q":
+        return tokens[:]
+    return array("q", tokens)
+
+
 def tokens_bytes(tokens: Sequence[int]) -> bytes:
     """Canonical byte form of token ids (int64 little-endian, so ids above 2**31 hash distinctly)."""
     if isinstance(tokens, array) and tokens.typecode == "q":

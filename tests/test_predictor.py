@@ -322,3 +322,34 @@ def test_traffic_counts_decay_exactly_whatever_the_match_rate():
     got = p.child_traffic[tuple(seq(100, 1))] * 0.5 ** ((now - p.traffic_stamp) / 60.0)
     want = sum(0.5 ** ((now - t) / 60.0) for t in times)
     assert got == pytest.approx(want, rel=1e-9)
+
+
+def test_short_list_gives_the_full_scans_shares_exactly():
+    """`hot_edges` (the children matched more than about once) must give the very floats a scan of
+    every child gives, at any time and under any mix of matches, splits-free counting and removals."""
+    import random
+
+    from sgl_hicache.tree.node import TreeNode
+    from sgl_hicache.tree.traffic import count_edge, drop_edge
+
+    rng = random.Random(1)
+    parent = TreeNode(None, (), [b"r"], 0)
+    keys = [(i,) for i in range(60)]
+    for k in keys:
+        parent.children[k] = TreeNode(parent, k, [b"k"], 1)
+    fast = TreeWalkPredictor(1, 10**9, min_visits=2.0)
+    now = 0.0
+    for _ in range(3000):
+        now += rng.expovariate(2.0)
+        k = rng.choice(keys[:8]) if rng.random() < 0.5 else rng.choice(keys)
+        if rng.random() < 0.02:
+            drop_edge(parent, k)
+        else:
+            count_edge(parent, k, now)
+        later = now + rng.choice((0.0, 1.0, 30.0, 400.0))
+        hot = fast._shares(parent, later)
+        decay = 0.5 ** (max(0.0, later - parent.traffic_stamp) / TRAFFIC_HALF_LIFE_S)
+        counts = {q: v * decay for q, v in parent.child_traffic.items() if q in parent.children and v * decay >= 2.0}
+        total = sum(counts.values()) + decay
+        full = {q: v / total for q, v in counts.items()}
+        assert hot == full and list(hot) == list(full)  # same floats, same order

@@ -26,7 +26,7 @@ def tree_with(*seqs, page_size=2):
 def test_walk_matches_whole_pages_only():
     t = tree_with([1, 2, 3, 4, 5, 6])
     path, matched = t.walk([1, 2, 3, 4, 5])  # the trailing 5 is a partial page
-    assert matched == 4 and len(path) == 1 and path[0].tokens == (1, 2, 3, 4)
+    assert matched == 4 and len(path) == 1 and tuple(path[0].tokens) == (1, 2, 3, 4)
     t.check()
 
 
@@ -35,7 +35,7 @@ def test_walk_splits_at_page_boundary_and_keeps_handles():
     node = t.root.children[(1, 2)]
     handles = list(node.device)
     path, matched = t.walk([1, 2, 3, 4, 9, 9])
-    assert matched == 4 and path[-1].tokens == (1, 2, 3, 4)
+    assert matched == 4 and tuple(path[-1].tokens) == (1, 2, 3, 4)
     assert path[-1].device + path[-1].children[(5, 6)].device == handles
     assert t.node_count == 2
     t.check()
@@ -95,3 +95,38 @@ def test_locks_cover_the_whole_path():
     assert not lower.evictable
     t.unlock(lower)
     t.check()
+
+
+def test_edges_are_int64_arrays_and_any_sequence_matches_alike():
+    from array import array
+
+    t = tree_with([1, 2, 3, 4, 5, 6])
+    node = t.root.children[(1, 2)]
+    assert isinstance(node.tokens, array) and node.tokens.typecode == "q"  # 8 bytes a token, not a tuple
+    for prompt in ([1, 2, 3, 4, 5, 6, 7], (1, 2, 3, 4, 5, 6, 7), array("q", [1, 2, 3, 4, 5, 6, 7])):
+        assert t.walk(prompt, split=False) == ([node], 6)
+        assert t.walk(prompt[:5], split=False) == ([], 0)  # ends inside the edge: no split, no match
+    t.check()
+
+
+def test_leaf_sets_follow_residency_changes():
+    import random
+
+    rng = random.Random(0)
+    t = RadixTree(2, NS)
+    for _ in range(300):
+        seq = [rng.randrange(4) for _ in range(rng.randrange(2, 12))]
+        path, matched = t.walk(seq)
+        parent = path[-1] if path else t.root
+        limit = t.page_aligned(seq)
+        if matched < limit and (parent.is_root or parent.host is not None):
+            node = t.add_child(parent, seq[matched:limit])
+            t.set_resident(node, "host", list(range(node.num_pages)))
+        leaves = list(t.tier_leaves("host"))
+        if leaves and rng.random() < 0.4:
+            victim = rng.choice(leaves)
+            t.clear_resident(victim, "host")
+            t.remove_leaf(victim) if not victim.children else None
+        # the kept sets equal a rescan of every resident node and its children
+        assert set(t.tier_leaves("host")) == {n for n in t.resident["host"] if not any(c.host is not None for c in n.children.values())}
+        t.check()

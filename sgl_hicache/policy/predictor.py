@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..tree.node import TreeNode
-from ..tree.traffic import decay_since_stamp
+from ..tree.traffic import decay_since_stamp, hot_edges
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,11 @@ class TreeWalkPredictor(Predictor):
             return {}
         decay = decay_since_stamp(node, now)
         # a child seen fewer than `min_visits` (decayed) times is no evidence of a pattern
-        counts = {k: v * decay for k, v in node.child_traffic.items() if k in node.children and v * decay >= self.min_visits}
+        # (only the node's short list of children matched more than once, when min_visits allows)
+        items = hot_edges(node, self.min_visits)
+        if items is None:
+            items = node.child_traffic.items()  # type: ignore[assignment]
+        counts = {k: v * decay for k, v in items if k in node.children and v * decay >= self.min_visits}
         # the decayed mass of traffic that stopped at this node counts as a reason not to go on:
         # one match ending here is worth one unit, so a single past visit into a child is not a certainty
         total = sum(counts.values()) + decay

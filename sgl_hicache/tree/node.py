@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+from array import array
+
 from ..hashing import PageKey, chain_keys, tokens_bytes
 from ..tiers.base import DEVICE, DISK, HOST, Handle
 
@@ -12,7 +14,8 @@ _ids = itertools.count()
 
 
 class TreeNode:
-    """One edge of the radix tree: `tokens` (a whole number of pages), their chained `keys`, and the
+    """One edge of the radix tree: `tokens` (a whole number of pages, an int64 array: 8 bytes a token,
+    where a tuple of ints took ~40), their chained `keys`, and the
     tiers that hold a copy: `device`, `host` and `disk` are per-page handles in that tier (None when
     absent; the disk tier's handles are the page keys). Residency is symmetric: every tier is read and
     written the same way (`in_tier`, `handles`).
@@ -42,9 +45,12 @@ class TreeNode:
         "traffic_stamp",
         "prefetched",
         "incoming",
+        "children_in",
+        "traffic_seq",
+        "traffic_hot",
     )
 
-    def __init__(self, parent: "TreeNode | None", tokens: tuple[int, ...], keys: list[PageKey] | None, num_pages: int,
+    def __init__(self, parent: "TreeNode | None", tokens: "array | tuple[int, ...]", keys: list[PageKey] | None, num_pages: int,
                  node_id: int | None = None) -> None:
         self.id = next(_ids) if node_id is None else node_id
         self.parent = parent
@@ -64,10 +70,17 @@ class TreeNode:
         self.last_access = 0.0
         self.child_traffic: dict[tuple[int, ...], float] = {}
         self.traffic_stamp = 0.0
+        # per `child_traffic` key: when it was inserted (its place in the dict's order), and the short
+        # list of keys counted more than about once (`tree.traffic.hot_edges`)
+        self.traffic_seq: dict[tuple[int, ...], int] = {}
+        self.traffic_hot: dict[tuple[int, ...], int] = {}
         # set by a prefetch or a prediction until a request uses the node: "prefetch" | "predict" | None
         self.prefetched: str | None = None
         # transfers prepared into a tier and not yet completed, by destination tier
         self.incoming: dict[str, object] = {}
+        # children resident in each tier, kept by the tree on every residency change: "is a leaf of
+        # this tier" in O(1), even for a node with thousands of children
+        self.children_in: dict[str, int] = {}
 
     @property
     def keys(self) -> list[PageKey]:
@@ -84,7 +97,12 @@ class TreeNode:
             self._bytes = tokens_bytes(self.tokens)
         return self._bytes
 
-    def set_tokens(self, tokens: tuple[int, ...]) -> None:
+    @property
+    def edge_key(self) -> tuple[int, ...]:
+        """The first page's token ids: this node's key in its parent's `children` and `child_traffic`."""
+        return tuple(self.tokens[: len(self.tokens) // self.num_pages])
+
+    def set_tokens(self, tokens: "array | tuple[int, ...]") -> None:
         self.tokens = tokens
         self._bytes = None
 

@@ -10,10 +10,11 @@ import itertools
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 
-from ..hashing import Namespace, PageKey, chain_keys
+from ..hashing import Namespace, PageKey, chain_keys, int64_tokens
 from ..tiers.base import DISK, TIERS, Handle
 from .leaves import LeafKey, LeafQueue
 from .node import TreeNode, split_handles
+from .traffic import drop_edge, start_edges
 
 
 _ALL = frozenset(TIERS)
@@ -45,6 +46,9 @@ class RadixTree:
         self.root = TreeNode(None, (), [namespace.root], 0, next(self._ids))
         self.root.lock_ref = 1  # the root is never evicted
         self.resident: dict[str, set[TreeNode]] = {tier: set() for tier in TIERS}
+        # the resident nodes of each tier with no child resident there (`tier_leaves`), kept on every
+        # residency change so eviction does not rescan the whole tier (and every node's children)
+        self.leaf_sets: dict[str, set[TreeNode]] = {tier: set() for tier in TIERS}
         # pages per tier of locked or pinned nodes, kept on every lock/pin/residency change
         self.protected: dict[str, int] = {tier: 0 for tier in TIERS}
         self.pages: dict[str, int] = {tier: 0 for tier in TIERS}
@@ -102,16 +106,15 @@ class RadixTree:
         ps = self.page_size
         limit = self.page_aligned(tokens)
         node, pos, path = self.root, 0, []
-        # an int64 array compares as bytes (memcmp) rather than as a tuple of fresh ints
-        raw = tokens.tobytes() if isinstance(tokens, array) and tokens.typecode == "q" else None
+        # edges compare as int64 bytes (memcmp) rather than as tuples of fresh ints
+        if not (isinstance(tokens, array) and tokens.typecode == "q"):
+            tokens = int64_tokens(tokens[:limit])
+        raw = tokens.tobytes()
         while pos < limit:
             child = node.children.get(tuple(tokens[pos : pos + ps]))
             if child is None:
                 break
-            if raw is not None:
-                n = self._common_pages_bytes(child, raw, pos, limit)
-            else:
-                n = self._common_pages(child.tokens, tokens, pos, limit)
+            n = self._common_pages_bytes(child, raw, pos, limit)
             if n < child.num_pages:
                 if not split or child.pins:
                     break
@@ -122,8 +125,8 @@ class RadixTree:
         return path, pos
 
     def _common_pages_bytes(self, child: TreeNode, raw: bytes, pos: int, limit: int) -> int:
-        """`_common_pages` for a prompt given as int64 bytes: whole pages in common with `child`'s
-        edge, by a binary search over byte prefixes (each compared at C speed)."""
+        """Whole pages a prompt (as int64 bytes) has in common with `child`'s edge from `pos`, by a
+        binary search over byte prefixes (each compared at C speed)."""
         ps = self.page_size
         edge = child.token_bytes
         pages = min(child.num_pages, (limit - pos) // ps)
@@ -139,21 +142,6 @@ class RadixTree:
                 hi = mid - 1
         return lo
 
-    def _common_pages(self, edge: tuple[int, ...], tokens: Sequence[int], pos: int, limit: int) -> int:
-        ps = self.page_size
-        end = pos + len(edge)
-        if end <= limit and tuple(tokens[pos:end]) == edge:  # the common case: the whole edge matches
-            return len(edge) // ps
-        # longest common prefix: 64-token slices compared at C speed, then the mismatching slice token
-        # by token (a per-token Python loop over the whole edge dominated inserts at page size 1)
-        seg = tuple(tokens[pos:min(end, limit)])
-        i, n = 0, len(seg)
-        while i + 64 <= n and seg[i:i + 64] == edge[i:i + 64]:
-            i += 64
-        while i < n and seg[i] == edge[i]:
-            i += 1
-        return i // ps
-
     def split(self, node: TreeNode, pages: int) -> TreeNode:
         """Split `node` after `pages` pages; returns the new upper node (the old node keeps the rest)."""
         assert 0 < pages < node.num_pages and node.pins == 0, (node, pages)
@@ -166,18 +154,19 @@ class RadixTree:
         upper.disk, node.disk = split_handles(node.disk, pages)
         for attr in ("lock_ref", "hit_count", "last_access", "prefetched"):
             setattr(upper, attr, getattr(node, attr))
-        upper.child_traffic = {node.tokens[cut : cut + self.page_size]: 1.0}
+        start_edges(upper, tuple(node.tokens[cut : cut + self.page_size]), 1.0)
         upper.traffic_stamp = node.traffic_stamp
         assert node.parent is not None
-        node.parent.children[upper.tokens[: self.page_size]] = upper
+        node.parent.children[upper.edge_key] = upper
         node.set_tokens(node.tokens[cut:])
         node.set_keys(lower_keys)
         node.num_pages -= pages
         node.parent = upper
-        upper.children[node.tokens[: self.page_size]] = node
+        upper.children[node.edge_key] = node
         for tier in TIERS:
             if node in self.resident[tier]:
                 self.resident[tier].add(upper)
+                upper.children_in[tier] = 1  # `node`, now its only child (the parent's count is unchanged)
         self.node_count += 1
         return upper
 
@@ -185,17 +174,11 @@ class RadixTree:
         """A new, not yet resident node under `parent` for whole pages `tokens`; the caller sets its
         residency at once (a node resident nowhere breaks the invariants)."""
         self.version += 1
-        raw = None
-        if isinstance(tokens, array) and tokens.typecode == "q":
-            raw = tokens.tobytes()
-            tokens = tuple(tokens.tolist())  # twice as fast as tuple(array)
-        else:
-            tokens = tuple(tokens)
+        tokens = int64_tokens(tokens)
         assert tokens and len(tokens) % self.page_size == 0
-        first = tokens[: self.page_size]
+        first = tuple(tokens[: self.page_size])
         assert first not in parent.children, "add_child over an existing edge"
         node = TreeNode(parent, tokens, None, len(tokens) // self.page_size, next(self._ids))
-        node._bytes = raw
         parent.children[first] = node
         self.node_count += 1
         return node
@@ -205,11 +188,11 @@ class RadixTree:
         self.version += 1
         assert not node.tiers(), f"removing {node} that is still resident"
         assert node.parent is not None
-        first = node.tokens[: self.page_size]
+        first = node.edge_key
         del node.parent.children[first]
         # its traffic count goes with it: a long replay would otherwise keep a count (and a page of
         # token ids) for every conversation it ever saw, and the predictor would scan them all
-        node.parent.child_traffic.pop(first, None)
+        drop_edge(node.parent, first)
         node.parent = None
         self.node_count -= 1
 
@@ -223,6 +206,7 @@ class RadixTree:
         self.version += 1
         self._share(node, tier, +1)
         self.resident[tier].add(node)
+        self._count_child(node, tier, +1)
         self.pages[tier] += node.num_pages
         if node.lock_ref or node.pins:
             self.protected[tier] += node.num_pages
@@ -239,6 +223,7 @@ class RadixTree:
         handles: list[Handle] = node.handles(tier)
         setattr(node, tier, None)
         self.resident[tier].discard(node)
+        self._count_child(node, tier, -1)
         self.pages[tier] -= node.num_pages
         if node.lock_ref or node.pins:
             self.protected[tier] -= node.num_pages
@@ -258,6 +243,26 @@ class RadixTree:
             if len(others) == 2:
                 shared[_ALL] = shared.get(_ALL, 0) + sign * node.num_pages
 
+    def _count_child(self, node: TreeNode, tier: str, sign: int) -> None:
+        """`node` enters (+1) or leaves (-1) `tier`: keep its parent's `children_in` and the leaf sets."""
+        leaves = self.leaf_sets[tier]
+        parent = node.parent
+        if sign > 0:
+            if not node.children_in.get(tier):
+                leaves.add(node)
+        else:
+            leaves.discard(node)
+        if parent is None:
+            return
+        n = parent.children_in.get(tier, 0) + sign
+        parent.children_in[tier] = n
+        if parent.is_root or not parent.in_tier(tier):
+            return
+        if n == 0:
+            leaves.add(parent)
+        else:
+            leaves.discard(parent)
+
     def shared_pages(self, *tiers: str) -> int:
         """Pages of the nodes resident in every one of `tiers` (two or three tiers), in O(1)."""
         return self.shared.get(frozenset(tiers), 0)
@@ -268,10 +273,9 @@ class RadixTree:
         return self.shared.get(key, 0) - self.protected_shared.get(key, 0)
 
     def tier_leaves(self, tier: str) -> Iterator[TreeNode]:
-        """Nodes resident in `tier` with no child resident there: the only ones a tier may evict."""
-        for node in self.resident[tier]:
-            if not any(child.in_tier(tier) for child in node.children.values()):
-                yield node
+        """Nodes resident in `tier` with no child resident there: the only ones a tier may evict.
+        (In no particular order; kept incrementally, so this is O(leaves), not O(resident nodes).)"""
+        return iter(list(self.leaf_sets[tier]))
 
     def handles_of(self, path: Sequence[TreeNode], tier: str) -> list[Handle]:
         out: list[Handle] = []
@@ -360,7 +364,7 @@ class RadixTree:
         for node in self.nodes():
             count += 1
             parent = node.parent
-            if parent is None or parent.children.get(node.tokens[: self.page_size]) is not node:
+            if parent is None or parent.children.get(node.edge_key) is not node:
                 raise InvariantError(f"{node} is not linked under its parent")
             if node.num_pages == 0 or len(node.tokens) != node.num_pages * self.page_size:
                 raise InvariantError(f"{node} holds {len(node.tokens)} tokens for {node.num_pages} keys")
@@ -388,6 +392,12 @@ class RadixTree:
                     protected[tier] += node.num_pages
             if node.lock_ref < 0 or node.pins < 0:
                 raise InvariantError(f"{node} has a negative lock or pin count")
+            for tier in TIERS:
+                n_in = sum(1 for c in node.children.values() if c.in_tier(tier))
+                if node.children_in.get(tier, 0) != n_in:
+                    raise InvariantError(f"{node} counts {node.children_in.get(tier, 0)} children in {tier}, holds {n_in}")
+                if (node in self.leaf_sets[tier]) != (node.in_tier(tier) and n_in == 0):
+                    raise InvariantError(f"{tier} leaf set out of sync at {node}")
             child_locks = sum(c.lock_ref for c in node.children.values())
             if node.lock_ref < child_locks:
                 raise InvariantError(f"{node} lock_ref {node.lock_ref} < its children's {child_locks}")
