@@ -214,3 +214,14 @@ def test_fleet_whatif_smoke(tmp_path: Path) -> None:
     # round-robin scatters conversations over the servers: the shared store serves what local tiers cannot
     assert rr["store_hit_tokens"] > 0 and rr["hit_rate_store"] > rr["hit_rate_local"]
     assert rr["store_pages_written"] > 0 and rr["store_pages_read"] > 0
+
+
+def test_no_tax_smoke(tmp_path: Path) -> None:
+    """On a slice that fits the device tier the tiered policies cost nothing in the embedded engine's
+    virtual time (deterministic: the cost model, not a wall clock)."""
+    result = _run("no_tax.py", tmp_path / "no_tax.json")
+    assert result["benchmark"] == "no_tax" and result["regime"]["requests"] == 200
+    assert result["regime"]["fits_device"]
+    for policy, ratio in result["ratio_vs_recompute"].items():
+        assert ratio["ttft_mean"] <= 1.0 and ratio["ttft_p90"] <= 1.0, (policy, ratio)
+    assert result["within"]
