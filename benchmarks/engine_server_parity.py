@@ -25,9 +25,10 @@ time on the server), `eviction_demotes` `all` (`--eviction-demotes host`, the se
 makes host evictions drop dirty pages whose background disk write has not landed: thread timing again).
 
 Output (JSON with `--json`, a summary on stdout): per side the hit tokens per tier and in total,
-`relative_difference` per tier = |embedded - server| / server (None where the server's figure is 0
-and the embedded one too: 0), `max_relative_difference`, the first requests whose hits differ, and
-the regime. Exit status 0 when every tier is within `--tolerance` (default 0.02), 1 otherwise.
+`relative_difference` per tier = |embedded - server| / server (0 where both are 0, inf where only the
+server's is), `max_relative_difference`, the first requests whose hits differ (index in the replayed
+list), and the regime. Both sides replay the same list: the requests the server takes (a prompt at or
+over its input limit, which the KV pool bounds, is skipped there: `regime.skipped_by_server`). Exit status 0 when every tier is within `--tolerance` (default 0.02), 1 otherwise.
 """
 
 from __future__ import annotations
@@ -49,26 +50,31 @@ from server_compare import DEFAULT_MODEL, DEFAULT_TRACE, load_slice, pool_tokens
 
 from sgl_hicache.engine.presets import MODELS, get_hardware, get_model  # noqa: E402
 from sgl_hicache.engine.simulator import EmbeddedEngine, EngineConfig  # noqa: E402
-from sgl_hicache.replay.http import replay_http  # noqa: E402
+from sgl_hicache.replay.http import fit_requests, probe_server, replay_http  # noqa: E402
 from sgl_hicache.sglang.settings import BackendSettings, settings_env  # noqa: E402
 
 TIERS = ("device", "host", "disk")
 
 
 def run_server(reqs: list, a: argparse.Namespace, pool: int, host: int, disk: int, workdir: Path) -> dict[str, Any]:
-    """Replay `reqs` on a fresh sgl_hicache server; per-request and total hits, the pool it built."""
+    """Replay `reqs` on a fresh sgl_hicache server; per-request and total hits, the pool it built, the
+    requests it took (`kept`) and what it skipped."""
     from sgl_hicache.sglang.server import SGLangServer
 
     store = workdir / "store"
     settings = BackendSettings(host_tokens=host, disk_dir=str(store), disk_tokens=disk, prefetch=True, predictor=a.predictor,
                                eviction_demotes=a.eviction_demotes)
-    args = ["--page-size", str(a.page_size), "--max-total-tokens", str(pool), "--radix-cache-backend", "sgl_hicache"]
+    args = ["--page-size", str(a.page_size), "--max-total-tokens", str(pool), "--radix-cache-backend", "sgl_hicache", *a.server_arg]
     log = workdir / "server.log"
     srv = SGLangServer.start(a.model, extra_args=args, env=settings_env(settings), log_path=log, load_format="dummy",
                              timeout_s=a.start_timeout)
     try:
-        rep = replay_http(reqs, srv.url, concurrency=a.concurrency, max_new_tokens=a.output_tokens, keep_outputs=True,
-                          timeout_s=a.request_timeout)
+        # the requests the server takes (a prompt at or over its input limit is skipped there, so the
+        # embedded engine replays the same list: `kept`)
+        model = probe_server(srv.url)
+        kept, skipped = fit_requests(reqs, model, a.output_tokens)
+        rep = replay_http(kept, srv.url, concurrency=a.concurrency, max_new_tokens=a.output_tokens, keep_outputs=True,
+                          timeout_s=a.request_timeout, server=model)
     finally:
         srv.stop()
         if a.keep_log:
@@ -77,7 +83,7 @@ def run_server(reqs: list, a: argparse.Namespace, pool: int, host: int, disk: in
         raise RuntimeError(f"{rep['requests_failed']} requests failed on the server: {rep['errors'].get('first_error')}")
     per_request = [(r["hit_device"], r["hit_host"], r["hit_disk"]) for r in rep["records"]]
     cap = (rep.get("capacity_tokens") or {})
-    return {"hit_tokens": dict(rep["hit_tokens"]), "per_request": per_request, "capacity_tokens": cap,
+    return {"hit_tokens": dict(rep["hit_tokens"]), "per_request": per_request, "capacity_tokens": cap, "kept": kept, "skipped": skipped,
             "prompt_tokens": rep["prompt_tokens"], "wall_s": rep["duration_s"]}
 
 
@@ -121,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-tokens", type=int, default=8)
     p.add_argument("--predictor", default="none", help="none | tree_walk (both sides; default none)")
     p.add_argument("--eviction-demotes", default="all", help="all | host | none (both sides; default all)")
+    p.add_argument("--server-arg", action="append", default=[], help="extra SGLang server argument (repeatable), e.g. --server-arg=--disable-overlap-schedule")
     p.add_argument("--tolerance", type=float, default=0.02)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--keep-log", default=None, help="copy the server's log here")
@@ -140,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="sgl-hicache-parity-") as tmp:
         server = run_server(reqs, a, pool, host, disk, Path(tmp))
     device = int(server["capacity_tokens"].get("device") or pool)
-    embedded = run_embedded(reqs, a, device, host, disk)
+    embedded = run_embedded(server["kept"], a, device, host, disk)
     rel = {t: relative(embedded["hit_tokens"][t], server["hit_tokens"][t]) for t in TIERS}
     total_e, total_s = sum(embedded["hit_tokens"].values()), sum(server["hit_tokens"].values())
     rel["total"] = relative(total_e, total_s)
@@ -152,8 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         "regime": {"requests": len(reqs), "prompt_tokens": sum(len(r.input_ids) for r in reqs), "working_set_tokens": ws,
                    "scale": a.scale, "page_size": a.page_size, "max_total_tokens": pool, "device_tokens": device,
                    "host_tokens": host, "disk_tokens": disk, "concurrency": a.concurrency, "output_tokens": a.output_tokens,
-                   "predictor": a.predictor, "eviction_demotes": a.eviction_demotes, "model": str(a.model),
-                   "server_capacity_tokens": server["capacity_tokens"], "loadavg": os.getloadavg()},
+                   "predictor": a.predictor, "eviction_demotes": a.eviction_demotes, "model": str(a.model), "server_args": a.server_arg,
+                   "server_capacity_tokens": server["capacity_tokens"], "loadavg": os.getloadavg(),
+                   "replayed": len(server["kept"]), "skipped_by_server": server["skipped"]},
         "server": {"hit_tokens": server["hit_tokens"], "total": total_s, "wall_s": server["wall_s"]},
         "embedded": {"hit_tokens": embedded["hit_tokens"], "total": total_e, "wall_s": round(embedded["wall_s"], 2)},
         "relative_difference": rel,
