@@ -12,7 +12,7 @@ scaled to `--scale` tokens, `--output-tokens` output tokens each (as `server_com
   `--page-size`, host tier `--host-ratio` x the pool, the disk tier on (2x the working set, a fresh
   temp dir); replayed over HTTP (`replay_http`, greedy, `ignore_eos`); hits per tier are the replies'
   `meta_info.cached_tokens_details` (storage -> disk);
-- the embedded engine (`EmbeddedEngine`, bench-llama / cpu-local presets for its virtual times): the
+- the embedded engine (`EmbeddedEngine`; the served model's preset, or `--engine-model`, on `cpu-local` for its virtual times): the
   same device / host / disk tokens (the device figure is the pool the server actually built, read
   from its stats), the same page size, the same `RequestController` settings.
 
@@ -22,7 +22,11 @@ engine's follow its cost model, so the two interleave inserts and evictions diff
 difference there is timing, not policy; `--concurrency 4` shows it). The settings where the two must
 agree exactly: prefetch on, predictor off (`--predictor`: a prediction is started and lands on wall
 time on the server), `eviction_demotes` `all` (`--eviction-demotes host`, the server's default,
-makes host evictions drop dirty pages whose background disk write has not landed: thread timing again).
+makes host evictions drop dirty pages whose background disk write has not landed, and that write-back
+is paced in time, `writeback_interval_s`: wall time on the server, the cost model's time in the engine;
+on the tiny model the engine's whole replay lasts less than 0.1 virtual seconds, so it plans a handful of
+rounds where the loaded server plans one a step: `--engine-model llama3-8b` gives the engine step times
+of the server's order).
 
 Output (JSON with `--json`, a summary on stdout): per side the hit tokens per tier and in total,
 `relative_difference` per tier = |embedded - server| / server (0 where both are 0, inf where only the
@@ -89,7 +93,7 @@ def run_server(reqs: list, a: argparse.Namespace, pool: int, host: int, disk: in
 
 def run_embedded(reqs: list, a: argparse.Namespace, device: int, host: int, disk: int) -> dict[str, Any]:
     """Replay `reqs` through the embedded engine at the server's capacities."""
-    cfg = EngineConfig(policy="predict" if a.predictor != "none" else "prefetch", model=get_model(a.model.name if a.model.name in MODELS else "bench-llama"),
+    cfg = EngineConfig(policy="predict" if a.predictor != "none" else "prefetch", model=get_model(a.engine_model or (a.model.name if a.model.name in MODELS else "bench-llama")),
                        hardware=get_hardware("cpu-local"), device_tokens=device, host_tokens=host, disk_tokens=disk,
                        page_size=a.page_size, concurrency=a.concurrency, predictor=a.predictor if a.predictor != "none" else "tree_walk",
                        eviction_demotes=a.eviction_demotes)
@@ -128,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--predictor", default="none", help="none | tree_walk (both sides; default none)")
     p.add_argument("--eviction-demotes", default="all", help="all | host | none (both sides; default all)")
     p.add_argument("--server-arg", action="append", default=[], help="extra SGLang server argument (repeatable), e.g. --server-arg=--disable-overlap-schedule")
+    p.add_argument("--engine-model", default=None,
+                   help="the embedded engine's model preset (its virtual step times; default: the served model's preset). "
+                        "Time-paced work (background write-back every writeback_interval_s) follows it")
     p.add_argument("--tolerance", type=float, default=0.02)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--keep-log", default=None, help="copy the server's log here")
@@ -159,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         "regime": {"requests": len(reqs), "prompt_tokens": sum(len(r.input_ids) for r in reqs), "working_set_tokens": ws,
                    "scale": a.scale, "page_size": a.page_size, "max_total_tokens": pool, "device_tokens": device,
                    "host_tokens": host, "disk_tokens": disk, "concurrency": a.concurrency, "output_tokens": a.output_tokens,
-                   "predictor": a.predictor, "eviction_demotes": a.eviction_demotes, "model": str(a.model), "server_args": a.server_arg,
+                   "predictor": a.predictor, "eviction_demotes": a.eviction_demotes, "model": str(a.model), "engine_model": a.engine_model, "server_args": a.server_arg,
                    "server_capacity_tokens": server["capacity_tokens"], "loadavg": os.getloadavg(),
                    "replayed": len(server["kept"]), "skipped_by_server": server["skipped"]},
         "server": {"hit_tokens": server["hit_tokens"], "total": total_s, "wall_s": server["wall_s"]},
