@@ -1,14 +1,16 @@
 """Same controller, same results: one trace slice through the embedded engine and through the real
 SGLang server, at the same capacities and page size; per-tier hit tokens side by side.
 
-    .venv-sglang/bin/python benchmarks/engine_server_parity.py --json parity.json            # ~3 min here
-    .venv-sglang/bin/python benchmarks/engine_server_parity.py --requests 40 --json p.json   # the CI test's size
+    .venv-sglang/bin/python benchmarks/engine_server_parity.py --json parity.json             # ~3 min here (loaded)
+    .venv-sglang/bin/python benchmarks/engine_server_parity.py --requests 150 --json p.json   # the CI test's size
 
-Workload: the first `--requests` requests of the Mooncake conversation trace, every 512-token block
-scaled to `--scale` tokens, `--output-tokens` output tokens each (as `server_compare.py`). Both sides:
+Workload (defaults): the first 250 requests of the Mooncake conversation trace, every 512-token block
+scaled to 4 tokens (`--scale`), page 4, one output token each, device pool at its floor (2 % of the
+working set is below the longest prompt), host 16x the pool, disk 2x the working set: a slice that
+hits all three tiers in a few minutes on a CPU. Both sides:
 
-- the server: `python -m sglang.launch_server --radix-cache-backend sgl_hicache` on the CPU benchmark
-  model (`scripts/cpu/bench-llama`, dummy weights), `--max-total-tokens` = the device pool, page
+- the server: `python -m sglang.launch_server --radix-cache-backend sgl_hicache` on the tiny model
+  (`scripts/cpu/tiny-llama`, dummy weights: hits do not depend on the model), `--max-total-tokens` = the device pool, page
   `--page-size`, host tier `--host-ratio` x the pool, the disk tier on (2x the working set, a fresh
   temp dir); replayed over HTTP (`replay_http`, greedy, `ignore_eos`); hits per tier are the replies'
   `meta_info.cached_tokens_details` (storage -> disk);
@@ -50,7 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from server_compare import DEFAULT_MODEL, DEFAULT_TRACE, load_slice, pool_tokens, working_set_tokens  # noqa: E402
+from server_compare import DEFAULT_TRACE, load_slice, pool_tokens, working_set_tokens  # noqa: E402
 
 from sgl_hicache.engine.presets import MODELS, get_hardware, get_model  # noqa: E402
 from sgl_hicache.engine.simulator import EmbeddedEngine, EngineConfig  # noqa: E402
@@ -119,16 +121,16 @@ def relative(e: int, s: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--requests", type=int, default=120, help="first N requests of the trace (default 120)")
+    p.add_argument("--requests", type=int, default=250, help="first N requests of the trace (default 250)")
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
-    p.add_argument("--scale", type=int, default=32, help="tokens per 512-token trace block (default 32)")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--pool", type=float, default=0.1, help="device pool as a fraction of the working set (default 0.1)")
-    p.add_argument("--host-ratio", type=float, default=2.0, help="host tier = R x device pool (default 2)")
+    p.add_argument("--model", type=Path, default=REPO / "scripts" / "cpu" / "tiny-llama")
+    p.add_argument("--scale", type=int, default=4, help="tokens per 512-token trace block (default 4)")
+    p.add_argument("--page-size", type=int, default=4)
+    p.add_argument("--pool", type=float, default=0.02, help="device pool as a fraction of the working set, floored at the longest prompt (default 0.02)")
+    p.add_argument("--host-ratio", type=float, default=16.0, help="host tier = R x device pool (default 16)")
     p.add_argument("--disk-ratio", type=float, default=2.0, help="disk tier = R x the working set (default 2)")
     p.add_argument("--concurrency", type=int, default=1)
-    p.add_argument("--output-tokens", type=int, default=8)
+    p.add_argument("--output-tokens", type=int, default=1)
     p.add_argument("--predictor", default="none", help="none | tree_walk (both sides; default none)")
     p.add_argument("--eviction-demotes", default="all", help="all | host | none (both sides; default all)")
     p.add_argument("--server-arg", action="append", default=[], help="extra SGLang server argument (repeatable), e.g. --server-arg=--disable-overlap-schedule")

@@ -31,25 +31,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 from sgl_hicache.engine.presets import get_hardware, get_model  # noqa: E402
 from sgl_hicache.engine.simulator import EmbeddedEngine, EngineConfig  # noqa: E402
 from sgl_hicache.replay import load_trace  # noqa: E402
+from server_compare import working_set_tokens  # noqa: E402  (distinct whole pages x page; imports no sglang)
 
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 POLICIES = ("recompute", "demote", "prefetch", "predict")
-
-
-def working_set_pages(reqs: list, page: int) -> int:
-    """Distinct chained whole pages of the slice's prompts (what a device tier must hold)."""
-    seen: set[int] = set()
-    for r in reqs:
-        key = 0
-        ids = r.input_ids
-        for i in range(len(ids) // page):
-            key = hash((key, tuple(ids[i * page:(i + 1) * page])))
-            seen.add(key)
-    return len(seen)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -94,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.quick:
         a.requests = 200
     reqs = load_trace(str(a.trace), limit=a.requests)
-    ws_pages = working_set_pages(reqs, a.page_size)
+    ws_pages = working_set_tokens(reqs, a.page_size) // a.page_size
     device = int(ws_pages * a.device_slack + 64) * a.page_size
     res = {pol: run(reqs, pol, a, device) for pol in POLICIES}
     base = res["recompute"]
