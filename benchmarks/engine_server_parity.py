@@ -34,7 +34,9 @@ Output (JSON with `--json`, a summary on stdout): per side the hit tokens per ti
 `relative_difference` per tier = |embedded - server| / server (0 where both are 0, inf where only the
 server's is), `max_relative_difference`, the first requests whose hits differ (index in the replayed
 list), and the regime. Both sides replay the same list: the requests the server takes (a prompt at or
-over its input limit, which the KV pool bounds, is skipped there: `regime.skipped_by_server`). Exit status 0 when every tier is within `--tolerance` (default 0.02), 1 otherwise.
+over its input limit, which the KV pool bounds, is skipped there: `regime.skipped_by_server`).
+Exit status 0 when every tier is within `--tolerance` (default 0.02), 1 otherwise; a server that does
+not start or a failed request is an error (exit 1 with the reason).
 """
 
 from __future__ import annotations
@@ -83,8 +85,8 @@ def run_server(reqs: list, a: argparse.Namespace, pool: int, host: int, disk: in
                           timeout_s=a.request_timeout, server=model)
     finally:
         srv.stop()
-        if a.keep_log:
-            Path(a.keep_log).write_bytes(log.read_bytes()) if log.exists() else None
+        if a.keep_log and log.exists():
+            Path(a.keep_log).write_bytes(log.read_bytes())
     if rep["requests_failed"]:
         raise RuntimeError(f"{rep['requests_failed']} requests failed on the server: {rep['errors'].get('first_error')}")
     per_request = [(r["hit_device"], r["hit_host"], r["hit_disk"]) for r in rep["records"]]
@@ -95,8 +97,8 @@ def run_server(reqs: list, a: argparse.Namespace, pool: int, host: int, disk: in
 
 def run_embedded(reqs: list, a: argparse.Namespace, device: int, host: int, disk: int) -> dict[str, Any]:
     """Replay `reqs` through the embedded engine at the server's capacities."""
-    cfg = EngineConfig(policy="predict" if a.predictor != "none" else "prefetch", model=get_model(a.engine_model or (a.model.name if a.model.name in MODELS else "bench-llama")),
-                       hardware=get_hardware("cpu-local"), device_tokens=device, host_tokens=host, disk_tokens=disk,
+    preset = a.engine_model or (a.model.name if a.model.name in MODELS else "bench-llama")
+    cfg = EngineConfig(policy="predict" if a.predictor != "none" else "prefetch", model=get_model(preset), hardware=get_hardware("cpu-local"), device_tokens=device, host_tokens=host, disk_tokens=disk,
                        page_size=a.page_size, concurrency=a.concurrency, predictor=a.predictor if a.predictor != "none" else "tree_walk",
                        eviction_demotes=a.eviction_demotes)
     engine = EmbeddedEngine(cfg)
