@@ -222,3 +222,14 @@ def test_evict_calls_smoke(tmp_path: Path) -> None:
     for mode in ("incremental", "rebuilt"):
         m = result["median"][mode]
         assert 0 <= m["p50_us"] <= m["p99_us"] <= m["max_us"] and m["device_leaves_before"] > 0
+
+
+def test_no_tax_smoke(tmp_path: Path) -> None:
+    """On a slice that fits the device tier the tiered policies cost nothing in the embedded engine's
+    virtual time (deterministic: the cost model, not a wall clock)."""
+    result = _run("no_tax.py", tmp_path / "no_tax.json")
+    assert result["benchmark"] == "no_tax" and result["regime"]["requests"] == 200
+    assert result["regime"]["fits_device"]
+    for policy, ratio in result["ratio_vs_recompute"].items():
+        assert ratio["ttft_mean"] <= 1.0 and ratio["ttft_p90"] <= 1.0, (policy, ratio)
+    assert result["within"]

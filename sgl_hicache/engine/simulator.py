@@ -81,6 +81,9 @@ class EngineConfig:
     # background write-back one tier down, as the SGLang backend does (`BackendSettings`)
     device_writeback_clean_fraction: float = 0.25
     writeback_clean_fraction: float = 0.25
+    # which evictions copy a dirty page down synchronously (`CacheConfig.eviction_demotes`; the SGLang
+    # backend's default is "host", see `BackendSettings`)
+    eviction_demotes: str = "all"
     storage_layout: KVLayout = field(default_factory=lambda: KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="bfloat16"))
     # "real": bytes really copied through the real stores (proves the data path); "metadata": the
     # same decisions and virtual times, pages accounted but no bytes held or copied (`tiers/metadata.py`)
@@ -116,6 +119,7 @@ class EngineConfig:
             write_policy=self.write_policy,
             predictor=self.predictor if self.policy == "predict" else "none",
             admission_min_probability=self.admission_min_probability,
+            eviction_demotes=self.eviction_demotes,
         )
 
 
