@@ -247,12 +247,13 @@ class VirtualExecutor(Executor):
         return max(0.0, max(times) - self.clock()) if times else 0.0
 
     def expedite(self, ops: Sequence["TransferOp"]) -> float:
-        """Requeue `ops` still in flight at demand priority (they land no later than queued where they
-        were) and copy them now; returns the seconds until the last one would have landed."""
+        """Requeue the queue-prefetch copies among `ops` at demand priority (they land no later than
+        where they were queued) and copy them now; returns the seconds until the last one would have
+        landed. Speculative copies (predictions) are left alone: they run in idle link time only."""
         now = self.clock()
         end = now
         for op in ops:
-            if id(op) not in self._ops:
+            if id(op) not in self._ops or id(op) not in self._low:
                 continue
             finish = self.finish[id(op)]
             self._low.pop(id(op), None)
