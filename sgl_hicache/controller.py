@@ -226,17 +226,19 @@ class RequestController:
         return sum(st.node.num_pages for st in job.stages[job.applied :]) * self.cache.page_size
 
     # ---- load and accounting -----------------------------------------------------------------
-    def load(self, tokens: Sequence[int], m: MatchResult) -> tuple[MatchResult, LoadTime]:
+    def load(self, tokens: Sequence[int], m: MatchResult, recompute_s: float = float("inf")) -> tuple[MatchResult, LoadTime]:
         """Bring the lower-tier part of `m` (the match of `tokens`) to the device: a demand load,
-        inline on the executor. Returns the match taken afresh and what the load cost."""
+        inline on the executor. Copies other jobs have in flight on the path are waited for when
+        they land within `recompute_s` (what recomputing that part would cost); past them the load
+        stops. Returns the match taken afresh and what the load cost."""
         if not m.lower_tier_tokens:
             return m, LoadTime()
         cost = LoadTime()
-        # nodes a queued request's prefetch is still bringing to host would stop the demand load
-        # there (the rest recomputed): demand preempts prefetch, so those copies go first
+        # nodes another job is still bringing to host would stop the demand load there (the rest
+        # recomputed): demand preempts prefetch, so those copies go first when that is cheaper
         inflight = [n.incoming[HOST] for n in m.path if n.device is None and n.host is None and HOST in n.incoming]
         if inflight:
-            cost = LoadTime(self.executor.expedite(inflight))
+            cost = LoadTime(self.executor.expedite(inflight, recompute_s))
             for op in inflight:
                 if op.executed.is_set():
                     self.cache.complete(op)

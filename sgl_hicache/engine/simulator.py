@@ -303,7 +303,8 @@ class EmbeddedEngine:
         if self.oracle is not None:
             self.oracle.admitted(self._position[id(flight.req)])
         self.controller.release(ticket)
-        m, load = self.controller.load(tokens, m)
+        lower = m.lower_tier_tokens
+        m, load = self.controller.load(tokens, m, cost.prefill_seconds(cfg.model, cfg.hardware, lower, m.device_tokens) if lower else 0.0)
         load_s = (max(load.blocking, waited_s), load.overlapped)
         cache.lock(m.last_node)
         fresh = cache.allocate_device(len(tokens) // ps - len(m.device_handles))

@@ -44,9 +44,10 @@ class Executor(ABC):
     - `cancel(ops)` stops ops not yet copied; each ends with `executed` set (`Cancelled` unless it
       had finished). The caller completes them in the cache.
     - `run_now(job)` executes a job's ops inline (a demand load) and says what it cost.
-    - `expedite(ops)`: a demand load needs nodes another job's queued ops are still bringing up:
-      run those now, at demand priority, where the executor can without waiting on the caller's
-      thread; returns the seconds the demand load must block for them (the base class: nothing).
+    - `expedite(ops, max_wait_s)`: a demand load needs nodes other jobs' ops are still bringing up:
+      finish now those that land within `max_wait_s` (sooner than recomputing them), a queue
+      prefetch at demand priority, where the executor can without waiting on the caller's thread;
+      returns the seconds the demand load must block for them (the base class: nothing).
     Every op given to an executor ends with `executed` set, unless the executor is stopped first.
     """
 
@@ -68,7 +69,7 @@ class Executor(ABC):
     @abstractmethod
     def run_now(self, job: "PromotionJob") -> LoadTime: ...
 
-    def expedite(self, ops: Sequence["TransferOp"]) -> float:
+    def expedite(self, ops: Sequence["TransferOp"], max_wait_s: float = math.inf) -> float:
         return 0.0
 
     def stop(self) -> None:
@@ -246,20 +247,26 @@ class VirtualExecutor(Executor):
         times = [self.finish.get(id(op), math.inf) for op in job.ops() if not op.executed.is_set()]
         return max(0.0, max(times) - self.clock()) if times else 0.0
 
-    def expedite(self, ops: Sequence["TransferOp"]) -> float:
-        """Requeue the queue-prefetch copies among `ops` at demand priority (they land no later than
-        where they were queued) and copy them now; returns the seconds until the last one would have
-        landed. Speculative copies (predictions) are left alone: they run in idle link time only."""
+    def expedite(self, ops: Sequence["TransferOp"], max_wait_s: float = math.inf) -> float:
+        """Copy now the ops still in flight that land within `max_wait_s` (a queue prefetch requeued
+        at demand priority, so no later than where it was queued); the others stay queued (the demand
+        load stops at them and the rest is recomputed). Returns the seconds until the last copied one
+        would have landed."""
         now = self.clock()
         end = now
         for op in ops:
-            if id(op) not in self._ops or id(op) not in self._low:
+            if id(op) not in self._ops:
                 continue
             finish = self.finish[id(op)]
-            self._low.pop(id(op), None)
-            self.finish.pop(id(op), None)  # out of the low queue before it pushes that queue back
-            finish = min(finish, self.pipes.schedule(op.link, self._tokens(op), now))
-            self.finish[id(op)] = finish
+            if id(op) in self._low:
+                pipe = self.pipes.pipe(op.link)
+                finish = min(finish, max(now, self.pipes.high_until.get(pipe, 0.0)) + self.pipes.seconds(op.link, self._tokens(op)))
+            if finish - now > max_wait_s:
+                continue
+            if id(op) in self._low:
+                del self._low[id(op)]
+                del self.finish[id(op)]  # out of the low queue before it pushes that queue back
+                finish = min(finish, self.pipes.schedule(op.link, self._tokens(op), now))
             end = max(end, finish)
             self._execute(op)
         return end - now
