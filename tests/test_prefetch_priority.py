@@ -10,20 +10,7 @@ from sgl_hicache.policy.guard import PromotionGuard
 from sgl_hicache.policy.predictor import Predictor
 from sgl_hicache.tiers.base import DEVICE, HOST
 from sgl_hicache.transfer.executors import VirtualExecutor, VirtualPipes
-
-PS = 4
-
-
-def seq(start: int, pages: int) -> list[int]:
-    return list(range(start, start + pages * PS))
-
-
-class Clock:
-    def __init__(self, t: float = 0.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
+from test_oracle_reuse import PS, Clock, seq
 
 
 def test_a_demand_copy_goes_ahead_of_queued_prefetches():
