@@ -412,10 +412,9 @@ class EmbeddedEngine:
             if len(running) + len(prefilling) >= cfg.max_running or budget <= 0:
                 break
             ok, new_tokens, load = self._try_admit(flight)
-            if not ok and not running and not prefilling and not chunks:
-                # demand preempts prefetch: nothing runs that would free device pages, and the queued
-                # requests' prefetch jobs lock their paths' device pages: without this the head of the
-                # queue stalls until they are admitted (while something runs, the head waits for it)
+            if not ok:
+                # demand preempts prefetch: the queued requests' prefetch jobs lock their paths' device
+                # pages, which would otherwise stall the head of the queue until they are admitted
                 others = [f.ticket for f in waiting if f is not flight and f.ticket.job is not None]
                 if others and self.controller.yield_to_demand(others):
                     ok, new_tokens, load = self._try_admit(flight)
