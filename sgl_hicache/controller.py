@@ -97,6 +97,8 @@ class RequestController:
         self._writeback_at = -float("inf")
         self.writeback_counters = WritebackCounters()
         self.guard = PromotionGuard()
+        self.prefetch_skipped = 0  # queue prefetches the guard refused (no room to spare on host)
+        self.preempted_prefetches = 0  # queued requests' prefetch jobs ended for a demand (yield_to_demand)
 
     # ---- arrival and prefetch ----------------------------------------------------------------
     def arrive(self, tokens: Sequence[int]) -> tuple[Ticket, MatchResult]:
@@ -113,6 +115,12 @@ class RequestController:
             return False
         m = match if match is not None else self.cache.match(ticket.tokens, touch=False)
         if not m.disk_tokens:
+            return False
+        # a prefetch holds its host pages until its request is scheduled: only while the tier has room
+        # to spare for that (the guard) may it start, else the demand load does it at schedule time
+        if not self.guard.prefetch_fits(self.cache.tree.protected[HOST], m.lower_tier_tokens // self.cache.page_size,
+                                        self.cache.stores[HOST].capacity_pages):
+            self.prefetch_skipped += 1
             return False
         job = self.cache.plan_promotion(m, "prefetch", target=HOST)
         if job is None:
@@ -162,6 +170,24 @@ class RequestController:
         ticket.job = None
         self.dropped.append(job)
 
+    def yield_to_demand(self, tickets: Sequence[Ticket]) -> int:
+        """Demand preempts prefetch: a request being scheduled needs device pages that the prefetch
+        jobs of `tickets` (requests still queued) hold locked along their paths (a job locks its whole
+        path, the device-resident prefix included). Each job ends now: what has landed stays cached,
+        unlocked; what has not is cancelled. Returns the number of jobs ended (`preempted_prefetches`
+        counts them all)."""
+        ended = 0
+        for ticket in tickets:
+            if ticket.job is None:
+                continue
+            if self.poll(ticket):
+                self.release(ticket)
+            else:
+                self.drop(ticket)
+            ended += 1
+        self.preempted_prefetches += ended
+        return ended
+
     def _reap_dropped(self, wait: bool = False) -> None:
         keep = []
         for job in self.dropped:
@@ -201,15 +227,26 @@ class RequestController:
         return sum(st.node.num_pages for st in job.stages[job.applied :]) * self.cache.page_size
 
     # ---- load and accounting -----------------------------------------------------------------
-    def load(self, tokens: Sequence[int], m: MatchResult) -> tuple[MatchResult, LoadTime]:
+    def load(self, tokens: Sequence[int], m: MatchResult, recompute_s: float = float("inf")) -> tuple[MatchResult, LoadTime]:
         """Bring the lower-tier part of `m` (the match of `tokens`) to the device: a demand load,
-        inline on the executor. Returns the match taken afresh and what the load cost."""
+        inline on the executor. Copies other jobs have in flight on the path are waited for when
+        they land within `recompute_s` (what recomputing that part would cost); past them the load
+        stops. Returns the match taken afresh and what the load cost."""
         if not m.lower_tier_tokens:
             return m, LoadTime()
-        job = self.cache.plan_promotion(m, "demand")
         cost = LoadTime()
+        # nodes another job is still bringing to host would stop the demand load there (the rest
+        # recomputed): demand preempts prefetch, so those copies go first when that is cheaper
+        inflight = [n.incoming[HOST] for n in m.path if n.device is None and n.host is None and HOST in n.incoming]
+        if inflight:
+            cost = LoadTime(self.executor.expedite(inflight, recompute_s))
+            for op in inflight:
+                if op.executed.is_set():
+                    self.cache.complete(op)
+        job = self.cache.plan_promotion(m, "demand")
         if job is not None:
-            cost = self.executor.run_now(job)
+            ran = self.executor.run_now(job)
+            cost = LoadTime(max(cost.blocking, ran.blocking), ran.overlapped)
             self.cache.advance(job)
             self.cache.release(job)
         return self.cache.match(tokens, touch=False), cost

@@ -289,6 +289,9 @@ class EmbeddedEngine:
         if ticket.job is not None:
             pending = self.controller.pending_tokens(ticket)
             recompute_s = cost.prefill_seconds(cfg.model, cfg.hardware, pending, len(tokens) - pending)
+            # waiting for a low-priority prefetch must not be slower than loading the rest on demand
+            # (which `load` below does when the rest is dropped)
+            recompute_s = min(recompute_s, self.executor.demand_eta(ticket.job))  # type: ignore[arg-type]
             decision, eta = self.controller.admit(ticket, recompute_s)
             if decision is Admission.WAIT:  # wait for the rest inside this step
                 self.executor.finish_all(ticket.job.ops())  # type: ignore[union-attr]
@@ -304,7 +307,8 @@ class EmbeddedEngine:
         if self.oracle is not None:
             self.oracle.admitted(self._position[id(flight.req)])
         self.controller.release(ticket)
-        m, load = self.controller.load(tokens, m)
+        lower = m.lower_tier_tokens
+        m, load = self.controller.load(tokens, m, cost.prefill_seconds(cfg.model, cfg.hardware, lower, m.device_tokens) if lower else 0.0)
         load_s = (max(load.blocking, waited_s), load.overlapped)
         cache.lock(m.last_node)
         fresh = cache.allocate_device(len(tokens) // ps - len(m.device_handles))
@@ -412,6 +416,12 @@ class EmbeddedEngine:
             if len(running) + len(prefilling) >= cfg.max_running or budget <= 0:
                 break
             ok, new_tokens, load = self._try_admit(flight)
+            if not ok:
+                # demand preempts prefetch: the queued requests' prefetch jobs lock their paths' device
+                # pages, which would otherwise stall the head of the queue until they are admitted
+                others = [f.ticket for f in waiting if f is not flight and f.ticket.job is not None]
+                if others and self.controller.yield_to_demand(others):
+                    ok, new_tokens, load = self._try_admit(flight)
             if ok:
                 waiting.remove(flight)
                 prefilling.append(flight)

@@ -25,11 +25,19 @@ class PromotionGuard:
     - `worth_evicting(candidates, pages, node, priority)`: True when the `pages` pages eviction would
       free first (the lowest of `candidates` by `priority`, the eviction order) all rank below
       `node`: a promotion that evicts only ever trades a page for one worth more.
+    - `prefetch_fits(held, need, capacity)`: whether a queue prefetch of `need` pages may start in a
+      tier of `capacity` pages in which `held` pages are already locked or pinned (by running
+      requests and earlier prefetches): only while all of them fit in `prefetch_share` of the tier.
+      A prefetch is a demand load made early, and it holds its pages until its request is
+      scheduled; past that share it takes the room the requests ahead of it need (pages demoted
+      from the device, their own loads). With prompts nearly as long as the host tier is large it
+      made an agentic replay 10x slower than no prefetch (docs/results.md).
     """
 
     min_precision: float = 0.5
     min_resolved_tokens: int = 4096
     probe_every: int = 16
+    prefetch_share: float = 0.5
     _calls: int = 0
     stopped: int = 0  # promotions the guard refused
 
@@ -42,6 +50,9 @@ class PromotionGuard:
             return True
         self.stopped += 1
         return False
+
+    def prefetch_fits(self, held: int, need: int, capacity: int) -> bool:
+        return held + need <= self.prefetch_share * capacity
 
     @staticmethod
     def worth_evicting(candidates: Iterable[TreeNode], pages: int, node: TreeNode, priority: Callable[[TreeNode], tuple]) -> bool:

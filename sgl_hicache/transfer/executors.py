@@ -45,6 +45,10 @@ class Executor(ABC):
     - `cancel(ops)` stops ops not yet copied; each ends with `executed` set (`Cancelled` unless it
       had finished). The caller completes them in the cache.
     - `run_now(job)` executes a job's ops inline (a demand load) and says what it cost.
+    - `expedite(ops, max_wait_s)`: a demand load needs nodes other jobs' ops are still bringing up:
+      finish now those that land within `max_wait_s` (sooner than recomputing them), a queue
+      prefetch at demand priority, where the executor can without waiting on the caller's thread;
+      returns the seconds the demand load must block for them (the base class: nothing).
     Every op given to an executor ends with `executed` set, unless the executor is stopped first.
     """
 
@@ -65,6 +69,9 @@ class Executor(ABC):
 
     @abstractmethod
     def run_now(self, job: "PromotionJob") -> LoadTime: ...
+
+    def expedite(self, ops: Sequence["TransferOp"], max_wait_s: float = math.inf) -> float:
+        return 0.0
 
     def stop(self) -> None:
         return None
@@ -118,19 +125,46 @@ class ThreadExecutor(Executor):
 
 
 class VirtualPipes:
-    """Each link is a FIFO pipe in virtual time; disk reads and writes share one pipe, the disk.
-    `seconds(link, tokens)` is the caller's cost model."""
+    """Each link is a pipe in virtual time; disk reads and writes share one pipe, the disk.
+    `seconds(link, tokens)` is the caller's cost model.
+
+    Two priorities, as in the threaded `TransferEngine`: `schedule` (demand loads, write-back) is
+    FIFO among itself and ignores queued low-priority work; `schedule_low` (the queue prefetch) goes
+    behind everything. A normal copy that starts while low-priority work is queued pushes that work
+    back by its own duration and tells `on_preempt(pipe, start, duration)`, so that the owner of the
+    low-priority copies can move their finish times."""
 
     _PIPES = {"disk->host": "disk", "host->disk": "disk"}
 
     def __init__(self, seconds: Callable[[str, int], float]) -> None:
         self.seconds = seconds
-        self.busy_until: dict[str, float] = {}
+        self.busy_until: dict[str, float] = {}  # every copy, low priority included
+        self.high_until: dict[str, float] = {}  # normal-priority copies only
+        self.on_preempt: Callable[[str, float, float], None] | None = None
+
+    def pipe(self, link: str) -> str:
+        return self._PIPES.get(link, link)
 
     def schedule(self, link: str, tokens: int, earliest: float) -> float:
-        pipe = self._PIPES.get(link, link)
-        start = max(earliest, self.busy_until.get(pipe, 0.0))
-        finish = start + self.seconds(link, tokens)
+        """A normal-priority copy: after the normal copies queued, ahead of queued low-priority ones."""
+        pipe = self.pipe(link)
+        start = max(earliest, self.high_until.get(pipe, 0.0))
+        duration = self.seconds(link, tokens)
+        finish = start + duration
+        self.high_until[pipe] = finish
+        tail = self.busy_until.get(pipe, 0.0)
+        if tail > start:  # low-priority work was queued: it waits for this copy
+            self.busy_until[pipe] = tail + duration
+            if self.on_preempt is not None:
+                self.on_preempt(pipe, start, duration)
+        else:
+            self.busy_until[pipe] = finish
+        return finish
+
+    def schedule_low(self, link: str, tokens: int, earliest: float) -> float:
+        """A low-priority copy: after everything queued on its pipe."""
+        pipe = self.pipe(link)
+        finish = max(earliest, self.busy_until.get(pipe, 0.0)) + self.seconds(link, tokens)
         self.busy_until[pipe] = finish
         return finish
 
@@ -149,20 +183,37 @@ class VirtualExecutor(Executor):
         self.finish: dict[int, float] = {}  # id(op) -> virtual finish time
         self._ops: dict[int, "TransferOp"] = {}
         self.executed_bytes: dict[str, int] = {}
+        self._low: dict[int, str] = {}  # id(op) -> pipe, for queue-prefetch copies (low priority)
+        pipes.on_preempt = self._preempted
 
     def _tokens(self, op: "TransferOp") -> int:
         return len(op.dst_handles) * self.page_size
 
     def submit_job(self, job: "PromotionJob", speculative: bool = False) -> None:
+        """Queue a job's copies. A queue prefetch (`job.kind == "prefetch"`) has low priority: demand
+        loads and write-back go ahead of it (as in `TransferEngine`), so it never delays them."""
         now = self.clock()
-        saved = dict(self.pipes.busy_until) if speculative else None
+        saved = (dict(self.pipes.busy_until), dict(self.pipes.high_until), self.pipes.on_preempt) if speculative else None
+        if speculative:
+            self.pipes.on_preempt = None  # it takes no pipe time, so it delays nothing
+        low = job.kind == "prefetch" and not speculative
         for st in job.stages:
             t = now
             for op in st.ops:  # a stage's ops run in order (disk -> host before host -> device)
-                t = self.pipes.schedule(op.link, self._tokens(op), t)
+                if low:
+                    t = self.pipes.schedule_low(op.link, self._tokens(op), t)
+                    self._low[id(op)] = self.pipes.pipe(op.link)
+                else:
+                    t = self.pipes.schedule(op.link, self._tokens(op), t)
                 self._track(op, t)
         if saved is not None:  # speculative copies use idle time only: they delay no demand copy
-            self.pipes.busy_until = saved
+            self.pipes.busy_until, self.pipes.high_until, self.pipes.on_preempt = saved
+
+    def _preempted(self, pipe: str, start: float, duration: float) -> None:
+        """A normal copy went ahead of queued low-priority ones on `pipe`: they finish later."""
+        for key, p in self._low.items():
+            if p == pipe and self.finish.get(key, -math.inf) > start:
+                self.finish[key] += duration
 
     def submit_ops(self, ops: Sequence["TransferOp"], kind: str = "backup") -> None:
         now = self.clock()
@@ -182,6 +233,7 @@ class VirtualExecutor(Executor):
 
     def _execute(self, op: "TransferOp") -> None:
         self._ops.pop(id(op), None)
+        self._low.pop(id(op), None)
         self.finish.pop(id(op), None)
         if not op.executed.is_set():
             self.cache.execute(op)
@@ -196,6 +248,43 @@ class VirtualExecutor(Executor):
         times = [self.finish.get(id(op), math.inf) for op in job.ops() if not op.executed.is_set()]
         return max(0.0, max(times) - self.clock()) if times else 0.0
 
+    def expedite(self, ops: Sequence["TransferOp"], max_wait_s: float = math.inf) -> float:
+        """Copy now the ops still in flight that land within `max_wait_s` (a queue prefetch requeued
+        at demand priority, so no later than where it was queued); the others stay queued (the demand
+        load stops at them and the rest is recomputed). Returns the seconds until the last copied one
+        would have landed."""
+        now = self.clock()
+        end = now
+        for op in ops:
+            if id(op) not in self._ops:
+                continue
+            finish = self.finish[id(op)]
+            if id(op) in self._low:
+                pipe = self.pipes.pipe(op.link)
+                finish = min(finish, max(now, self.pipes.high_until.get(pipe, 0.0)) + self.pipes.seconds(op.link, self._tokens(op)))
+            if finish - now > max_wait_s:
+                continue
+            if id(op) in self._low:
+                del self._low[id(op)]
+                del self.finish[id(op)]  # out of the low queue before it pushes that queue back
+                finish = min(finish, self.pipes.schedule(op.link, self._tokens(op), now))
+            end = max(end, finish)
+            self._execute(op)
+        return end - now
+
+    def demand_eta(self, job: "PromotionJob") -> float:
+        """Seconds from now until the job's copies not done yet would land if they were queued now
+        as a demand load (normal priority, ahead of queued prefetches)."""
+        now = self.clock()
+        ends: dict[str, float] = {}
+        for op in job.ops():
+            if op.executed.is_set():
+                continue
+            pipe = self.pipes.pipe(op.link)
+            start = ends.get(pipe, max(now, self.pipes.high_until.get(pipe, 0.0)))
+            ends[pipe] = start + self.pipes.seconds(op.link, self._tokens(op))
+        return max(ends.values(), default=now) - now
+
     def finish_all(self, ops: Iterable["TransferOp"]) -> None:
         """Copy now the bytes of ops still in flight (the caller waited for them)."""
         for op in sorted(ops, key=lambda o: self.finish.get(id(o), 0.0)):
@@ -207,6 +296,7 @@ class VirtualExecutor(Executor):
         for op in ops:
             op.cancelled = True
             self._ops.pop(id(op), None)
+            self._low.pop(id(op), None)
             self.finish.pop(id(op), None)
             if not op.executed.is_set():
                 op.error = Cancelled()
