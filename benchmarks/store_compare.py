@@ -19,7 +19,8 @@ seeded by the repeat, identical for both systems) and, per system, in rotated or
    every 0.5 s until the master's put counter has not moved for 2 s (at most `--settle-timeout`);
 3. **turn N+1 on server B**, which never saw turn N: turn N + its output + `--turn2-new-tokens` new
    tokens, concurrency 4. B's prefix can only come from the store;
-4. **idle**: nothing is sent for `--idle-s` seconds; the master's put counter over that window.
+4. **idle**: nothing is sent; once the master's put counter has been still for 2 s (puts B started
+   during its phase land first, counted as `store_after_turn_n1`), the puts over `--idle-s` seconds.
 
 Per phase: TTFT (mean / p50), throughput ((prompt + output tokens) / wall time), hit tokens per tier
 from each reply's `cached_tokens_details` (device / host / storage), and the Mooncake master's own
@@ -173,8 +174,17 @@ def run_pair(system: str, pair: tuple[SGLangServer, SGLangServer], store: LocalS
     sample["turn_n1_on_b"] = _phase(rep2)
     m3 = store.master_metrics()
     sample["store_during_turn_n1"] = _store_view(m2, m3)
+    # puts B started during its phase land after it: wait (sending nothing) until the counter is still
+    t0, last, still_since = time.monotonic(), _put_items(m3), time.monotonic()
+    while time.monotonic() - still_since < 2.0 and time.monotonic() - t0 < a.settle_timeout:
+        time.sleep(0.25)
+        now = _put_items(store.master_metrics())
+        if now != last:
+            last, still_since = now, time.monotonic()
+    m4 = store.master_metrics()
+    sample["store_after_turn_n1"] = _store_view(m3, m4)
     time.sleep(a.idle_s)
-    sample["store_during_idle"] = _store_view(m3, store.master_metrics())
+    sample["store_during_idle"] = _store_view(m4, store.master_metrics())
     sample["idle_s"] = a.idle_s
     sample["loadavg_after"] = os.getloadavg()
     return sample
@@ -196,7 +206,7 @@ def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
             row[phase]["hit_tokens"] = {t: _med([s[phase]["hit_tokens"][t] for s in ok]) for t in TIERS}
             row[phase]["requests_failed"] = sum(s[phase]["requests_failed"] for s in ok)
         row["turn_n_tokens"] = _med([sum(s["turn_n_tokens"]) for s in ok])
-        for view in ("store_during_turn_n", "store_during_settle", "store_during_turn_n1", "store_during_idle"):
+        for view in ("store_during_turn_n", "store_during_settle", "store_during_turn_n1", "store_after_turn_n1", "store_during_idle"):
             row[view] = {k: _med([s[view][k] for s in ok]) for k in ("puts", "puts_failed", "keys_added", "bytes_added")}
         row["settle_s"] = _med([s["settle"]["settle_s"] for s in ok])
         row["settle_timed_out"] = sum(s["settle"]["timed_out"] for s in ok)
@@ -230,9 +240,10 @@ def render(summary: dict[str, Any]) -> str:
     for s_name, row in summary["systems"].items():
         for phase, label in (("turn_n_on_a", "turn N, A"), ("turn_n1_on_b", "turn N+1, B")):
             r, h = row[phase], row[phase]["hit_tokens"]
-            view = row["store_during_turn_n1" if phase == "turn_n1_on_b" else "store_during_turn_n"]
-            puts = view["puts"] if phase == "turn_n1_on_b" else (view["puts"] or 0) + (row["store_during_settle"]["puts"] or 0)
-            mb = view["bytes_added"] if phase == "turn_n1_on_b" else (view["bytes_added"] or 0) + (row["store_during_settle"]["bytes_added"] or 0)
+            views = (("store_during_turn_n1", "store_after_turn_n1") if phase == "turn_n1_on_b"
+                     else ("store_during_turn_n", "store_during_settle"))
+            puts = sum(row[v]["puts"] or 0 for v in views)
+            mb = sum(row[v]["bytes_added"] or 0 for v in views)
             lines.append(f"  {LABELS[s_name]:<28} {label:<12} {_f(r['ttft_mean_s'], '9.3f')} {_f(r['ttft_p50_s'], '7.3f')} "
                          f"{_f(r['throughput_tok_s'], '7.0f')} {_f(h['device'], '7,.0f')} {_f(h['host'], '7,.0f')} {_f(h['disk'], '8,.0f')} "
                          f"{_f(puts, '7,.0f')} {_f(mb and mb / 1e6, '7.1f')} {_f(row['store_during_idle']['puts'], '9,.0f')}")
@@ -324,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"settle {s['settle']['settle_s']:.1f}s ({s['settle']['pokes']} pokes); "
                           f"B: TTFT {b['ttft_mean_s']:.3f}s, {b['throughput_tok_s']:.0f} tok/s, hits {b['hit_tokens']}, "
                           f"failed {b['requests_failed']}; store puts A/B/idle {s['store_during_turn_n']['puts'] + s['store_during_settle']['puts']:.0f}"
-                          f"/{s['store_during_turn_n1']['puts']:.0f}/{s['store_during_idle']['puts']:.0f}", flush=True)
+                          f"/{s['store_during_turn_n1']['puts'] + s['store_after_turn_n1']['puts']:.0f}/{s['store_during_idle']['puts']:.0f}", flush=True)
                 if a.json:
                     Path(a.json).write_text(json.dumps({"benchmark": "store_compare", "partial": True, "samples": samples}, indent=1))
     finally:
