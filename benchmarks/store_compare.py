@@ -42,6 +42,7 @@ import json
 import os
 import platform
 import random
+import re
 import signal
 import statistics
 import sys
@@ -69,15 +70,17 @@ PUT_FAILED = ("master_batch_put_start_failed_items_total", "master_put_start_fai
 
 
 # ------------------------------------------------------------------------------------------ servers
-def server_args(system: str, pool: int, page: int, host_ratio: float, store: LocalStore) -> list[str]:
-    args = ["--page-size", str(page), "--max-total-tokens", str(pool), "--enable-metrics", "--log-level", "warning"]
+def server_args(system: str, pool: int, page: int, host_ratio: float, store: LocalStore,
+                prefetch_policy: str = "timeout", log_level: str = "warning") -> list[str]:
+    args = ["--page-size", str(page), "--max-total-tokens", str(pool), "--enable-metrics", "--log-level", log_level]
     if system == "hicache":
         extra = {"master_server_address": f"127.0.0.1:{store.ports['master']}",
                  "metadata_server": f"http://127.0.0.1:{store.ports['http']}/metadata",
                  "protocol": "tcp", "device_name": "", "global_segment_size": 0, "local_hostname": "127.0.0.1"}
         args += ["--enable-hierarchical-cache", "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
                  "--hicache-ratio", f"{host_ratio:g}", "--hicache-storage-backend", "mooncake",
-                 "--hicache-storage-backend-extra-config", json.dumps(extra)]
+                 "--hicache-storage-backend-extra-config", json.dumps(extra),
+                 "--hicache-storage-prefetch-policy", prefetch_policy]
     else:
         args += ["--radix-cache-backend", "sgl_hicache"]
     return args
@@ -190,6 +193,22 @@ def run_pair(system: str, pair: tuple[SGLangServer, SGLangServer], store: LocalS
     return sample
 
 
+_PREFETCH_LINE = re.compile(r"HiCache prefetch (\w+) req=\S+ completed=(\d+) matched=(\d+) loaded=(\d+)")
+
+
+def hicache_prefetch_lines(log: Path) -> dict[str, Any]:
+    """What HiCache server B said about its storage prefetches (info log level): how many finished,
+    and the tokens they completed / loaded. Prefetches that never finish log nothing."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return {}
+    found = _PREFETCH_LINE.findall(text)
+    return {"finished": len(found), "by_outcome": {o: sum(1 for f in found if f[0] == o) for o in {f[0] for f in found}},
+            "completed_tokens": sum(int(f[1]) for f in found), "loaded_tokens": sum(int(f[3]) for f in found),
+            "declined_lines": text.count("HiCache prefetch declined")}
+
+
 # ------------------------------------------------------------------------------------------ summary
 def _med(xs: list[float | None]) -> float | None:
     xs = [x for x in xs if x is not None]
@@ -268,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--segment-mb", type=int, default=1024, help="the Mooncake holder's memory (default 1024 MiB)")
     p.add_argument("--idle-s", type=float, default=3.0, help="idle window after each pair's turn N+1 (default 3 s)")
     p.add_argument("--settle-timeout", type=float, default=60.0)
+    p.add_argument("--hicache-prefetch-policy", default="timeout", choices=("timeout", "wait_complete", "best_effort"),
+                   help="HiCache's --hicache-storage-prefetch-policy (default timeout, SGLang's default)")
+    p.add_argument("--hicache-log-level", default="info",
+                   help="HiCache servers' --log-level (default info: its 'HiCache prefetch' lines are counted)")
     p.add_argument("--sgl-hicache-env", action="append", default=[], metavar="SGLHICACHE_X=VALUE",
                    help="extra environment for the sgl_hicache servers, repeatable")
     p.add_argument("--quick", action="store_true", help="1 repeat, 2 conversations (proves it runs)")
@@ -311,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
             for side in ("a", "b"):
                 srv = SGLangServer.start(
                     a.model, python=python, load_format="dummy", wait=False, log_path=workdir / f"{s_name}-{side}.log",
-                    extra_args=server_args(s_name, a.max_total_tokens, a.page_size, a.host_ratio, store),
+                    extra_args=server_args(s_name, a.max_total_tokens, a.page_size, a.host_ratio, store,
+                                           a.hicache_prefetch_policy, a.hicache_log_level if s_name == "hicache" else "warning"),
                     env=server_env(s_name, a.max_total_tokens, a.page_size, a.host_ratio, store, extra_env))
                 servers[s_name].append(srv)
                 pending.append(srv)
@@ -341,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for srv in (x for v in servers.values() for x in v):
             srv.stop()
+        prefetch_log = hicache_prefetch_lines(workdir / "hicache-b.log")
         if a.keep_logs:
             import shutil
 
@@ -354,12 +379,15 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = summarize(samples)
     print(render(summary))
+    print(f"HiCache B's storage prefetches (its log): {prefetch_log}")
     result = {
         "benchmark": "store_compare",
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
-        "server_args": {s: server_args(s, a.max_total_tokens, a.page_size, a.host_ratio, store) for s in SYSTEMS},
+        "server_args": {s: server_args(s, a.max_total_tokens, a.page_size, a.host_ratio, store, a.hicache_prefetch_policy)
+                        for s in SYSTEMS},
+        "hicache_b_prefetch_log": prefetch_log,
         "wall_s": time.monotonic() - t_start,
         "summary": summary,
         "samples": samples,
