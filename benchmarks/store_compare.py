@@ -44,7 +44,6 @@ import platform
 import random
 import re
 import signal
-import statistics
 import sys
 import tempfile
 import time
@@ -59,6 +58,9 @@ from sgl_hicache.replay.http import replay_http  # noqa: E402
 from sgl_hicache.replay.trace import Request  # noqa: E402
 from sgl_hicache.sglang.server import SGLangServer  # noqa: E402
 from sgl_hicache.tiers.store_local import LocalStore, start_mooncake  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from server_compare import _f, _med  # noqa: E402  (one median, one number format for both server benchmarks)
 
 DEFAULT_MODEL = REPO / "scripts" / "cpu" / "bench-llama"
 DEFAULT_PEER_PYTHON = REPO / ".venv-hicache-peer" / "bin" / "python"
@@ -210,11 +212,6 @@ def hicache_prefetch_lines(log: Path) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ summary
-def _med(xs: list[float | None]) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
 def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
     per: dict[str, Any] = {}
     for s_name in SYSTEMS:
@@ -247,10 +244,6 @@ def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
                             pr[m].append(x[0][phase][m] / y[0][phase][m])
             paired[phase] = {m: {"median": _med(v), "samples": v} for m, v in pr.items()}
     return {"systems": per, "ratios": ratios, "paired_ratios": paired}
-
-
-def _f(x: float | None, fmt: str) -> str:
-    return "-" if x is None else format(x, fmt)
 
 
 def render(summary: dict[str, Any]) -> str:
