@@ -233,3 +233,39 @@ def test_no_tax_smoke(tmp_path: Path) -> None:
     for policy, ratio in result["ratio_vs_recompute"].items():
         assert ratio["ttft_mean"] <= 1.0 and ratio["ttft_p90"] <= 1.0, (policy, ratio)
     assert result["within"]
+
+
+def test_store_compare_summary_and_bad_input(tmp_path: Path) -> None:
+    """The side-by-side store benchmark's arithmetic (its runs need two venvs and four servers: run by
+    hand, `docs/benchmarks.md`): medians, ratios sgl_hicache / HiCache, the HiCache log parser, and a
+    missing peer venv as a clear error."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import store_compare as sc
+
+    def phase(ttft: float, tput: float, storage: int) -> dict:
+        return {"ttft_mean_s": ttft, "ttft_p50_s": ttft, "throughput_tok_s": tput, "requests_failed": 0,
+                "hit_tokens": {"device": 0, "host": 0, "disk": storage}}
+
+    views = ("store_during_turn_n", "store_during_settle", "store_during_turn_n1", "store_after_turn_n1", "store_during_idle")
+
+    def sample(system: str, r: int, ttft_b: float, tput_b: float, storage: int) -> dict:
+        return {"system": system, "repeat": r, "turn_n_on_a": phase(2.0, 100.0, 0), "turn_n1_on_b": phase(ttft_b, tput_b, storage),
+                "turn_n_tokens": [1032, 1032], "settle": {"settle_s": 1.0, "pokes": 2, "timed_out": False},
+                **{v: {"puts": 4.0, "puts_failed": 0.0, "keys_added": 4.0, "bytes_added": 1e6} for v in views}}
+
+    samples = [sample("sgl_hicache", r, 1.0 + r, 200.0, 2048) for r in range(3)]
+    samples += [sample("hicache", r, 4.0, 100.0 * (r + 1), 2016) for r in range(3)]
+    out = sc.summarize(samples)
+    assert out["systems"]["sgl_hicache"]["turn_n1_on_b"]["ttft_mean_s"] == 2.0  # median of 1, 2, 3
+    assert out["systems"]["hicache"]["turn_n1_on_b"]["hit_tokens"]["disk"] == 2016
+    assert out["ratios"]["turn_n1_on_b"]["ttft_mean_s"] == 0.5 and out["ratios"]["turn_n1_on_b"]["throughput_tok_s"] == 1.0
+    assert out["paired_ratios"]["turn_n1_on_b"]["throughput_tok_s"]["samples"] == [2.0, 1.0, 200.0 / 300.0]
+    assert "sgl_hicache / HiCache" in sc.render(out)
+    log = tmp_path / "b.log"
+    log.write_text("x\n[t] HiCache prefetch success req=ab completed=1008 matched=0 loaded=1008 occupied=0\n"
+                   "[t] HiCache prefetch success req=cd completed=64 matched=0 loaded=48 occupied=0\n")
+    assert sc.hicache_prefetch_lines(log) == {"finished": 2, "by_outcome": {"success": 2}, "completed_tokens": 1072,
+                                              "loaded_tokens": 1056, "declined_lines": 0}
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "store_compare.py"), "--quick", "--peer-python", str(tmp_path / "none")],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "install_hicache_peer.sh" in r.stderr, r.stderr

@@ -8,13 +8,18 @@ sets). Turn N of a conversation runs on server A; turn N+1 on server B, which ne
   request, which the backend serves without the cache), and one token changed in turn N changes it
   (the outputs depend on the cached KV, so equal outputs mean equal KV).
 
-Lean: one launch per server, several conversations per launch.
+- an idle server writes nothing: once its write-back has drained, a few seconds without requests
+  leave the Mooncake master's put counter and both servers' store counters where they were.
+
+Lean: one launch per server, several conversations per launch, the idle check on the same servers.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import time
+
 import pytest
 
 from conftest import NEEDS_SGLANG
@@ -120,3 +125,34 @@ def test_turn_n_on_a_turn_n_plus_1_on_b(servers):
     _wait_for(lambda: any(ln.startswith('sgl_hicache_hit_tokens_total{tier="store"}') for ln in fetch_metrics(b.url)),
               "/metrics to name the store tier", timeout_s=30)
     assert any(ln.startswith('sgl_hicache_store_total{event="pages_read"}') for ln in fetch_metrics(b.url))
+
+
+def test_idle_servers_write_nothing(servers, mooncake_service):
+    """After the replay (the test above), with no requests, neither server puts anything into the store.
+    First each server's write-back drains (a repeated two-page prompt drives it, as in the test above,
+    until its `pages_written` stops moving: the known gap is that write-back advances only when a
+    request reaches the cache), then 4 s of idle."""
+    for k, srv in enumerate(servers):
+        poke = _prompt(30_000 + k, 2 * PAGE)
+        last = [-1, time.monotonic()]
+
+        def drained() -> bool:
+            n = _store_stats(srv)["pages_written"]
+            if n != last[0]:
+                last[0], last[1] = n, time.monotonic()
+            elif time.monotonic() - last[1] >= 1.5:
+                return True
+            _gen(srv, poke, n=1)
+            time.sleep(0.2)
+            return False
+
+        _wait_for(drained, f"server {k}'s write-back to drain", timeout_s=90)
+    time.sleep(0.5)  # a put already on a transfer thread lands
+    puts = ("master_batch_put_start_items_total", "master_put_start_requests_total")
+    before = [mooncake_service.master_metrics().get(k, 0.0) for k in puts], [_store_stats(s) for s in servers]
+    time.sleep(4.0)
+    after = [mooncake_service.master_metrics().get(k, 0.0) for k in puts], [_store_stats(s) for s in servers]
+    assert after[0] == before[0], (before[0], after[0])  # the store's own view: no put at all
+    for b, a in zip(before[1], after[1]):
+        for c in ("pages_written", "bytes_written", "puts_failed", "puts_skipped", "exists_calls", "pages_read", "errors"):
+            assert a[c] == b[c], (c, b, a)

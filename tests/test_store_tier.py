@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from sgl_hicache.cache import TieredCache
-from sgl_hicache.config import CacheConfig
+from sgl_hicache.config import CacheConfig, KVLayout
 from sgl_hicache.controller import Admission, ControllerSettings, RequestController
 from sgl_hicache.hashing import Namespace
 from sgl_hicache.policy.predictor import make_predictor
@@ -37,8 +37,8 @@ class Server:
 
     served = 0  # requests served by every Server of the test (each checked for exact device KV)
 
-    def __init__(self, url: str, salt: str, min_hits: int = 0) -> None:
-        cfg = CacheConfig(SMALL_LAYOUT, device_tokens=64 * PS, host_tokens=128 * PS, page_size=PS, tenant_salt=salt,
+    def __init__(self, url: str, salt: str, min_hits: int = 0, layout: KVLayout = SMALL_LAYOUT) -> None:
+        cfg = CacheConfig(layout, device_tokens=64 * PS, host_tokens=128 * PS, page_size=PS, tenant_salt=salt,
                           store_url=url, store_min_hits=min_hits)
         self.cache = TieredCache(cfg)
         self.engine = TransferEngine(self.cache, workers=2)
@@ -280,6 +280,41 @@ def test_store_full_puts_counted_as_failed() -> None:
             assert a.request(_prompt(100, 32))[0] >= 0  # still serving
         finally:
             a.close()
+
+
+BIG_LAYOUT = KVLayout(num_layers=8, num_kv_heads=8, head_dim=64, dtype="bfloat16")  # 64 KiB pages of PS tokens
+
+
+def test_mooncake_full_puts_counted_as_dropped() -> None:
+    """A full Mooncake Store refuses puts for lack of space (and its master evicts objects in the
+    background at 90 % full): refused puts are counted, the tier stays available, and a second server
+    gets what survived, bit-exact, and misses the rest."""
+    with start_mooncake(16) as svc:  # 16 MiB, the smallest segment a holder accepts: 256 pages of 64 KiB
+        salt = f"mc-full-{time.time_ns()}"
+        a, b = Server(svc.url, salt, layout=BIG_LAYOUT), Server(svc.url, salt, layout=BIG_LAYOUT)
+        try:
+            prompts = [_prompt(600 + i, 16) for i in range(24)]  # 384 pages: 1.5x what the store holds
+            for p in prompts:
+                a.request(p)
+                a.write_back()
+            c = a.store.counters
+            master = svc.master_metrics()
+            assert c["puts_failed"] > 0 and c["pages_written"] > 0, c
+            assert c["errors"] == 0 and a.store.available  # a full store is not an outage
+            # the store's own count of refused objects agrees with ours
+            assert master["master_batch_put_start_failed_items_total"] == c["puts_failed"], master
+            hits = [b.request(p)[2] for p in prompts]  # every request checks its device KV bit for bit
+            cb = b.store.counters
+            assert 0 < sum(hits) < 16 * PS * len(prompts), hits
+            assert cb["corrupt_values"] == cb["foreign_values"] == cb["errors"] == 0, cb
+            print(f"\n[store fault] mooncake full (16 MiB holder, 384 pages of 64 KiB offered): pages written "
+                  f"{c['pages_written']}, puts failed (dropped) {c['puts_failed']}, master evicted "
+                  f"{master.get('master_evicted_key_count', 0):.0f} objects, errors {c['errors']}; B's store hits "
+                  f"{sum(hits)} of {16 * PS * len(prompts)} tokens, read misses {cb['read_misses']}; requests served "
+                  f"{Server.served}, wrong KV 0")
+        finally:
+            a.close()
+            b.close()
 
 
 def test_insert_beside_a_pinned_node_keeps_the_rest_as_duplicates() -> None:

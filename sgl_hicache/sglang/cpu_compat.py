@@ -10,11 +10,17 @@ SGLang's own HiCache (``--enable-hierarchical-cache``) fails on CPU torch becaus
 With these three replaced (no registration, no pinning, a pure-torch copy) it runs with
 ``--hicache-io-backend direct --hicache-mem-layout layer_first``, which is what lets the project
 measure SGLang's own HiCache as a baseline on CPU.
+
+One opt-in knob for benchmarks on a shared machine: HiCache refuses to start unless the host has
+10 GiB free beyond its host pool (``HICACHE_HOST_MEMORY_RESERVE_BYTES``, a margin sized for GPU
+nodes). ``SGLHICACHE_CPU_HICACHE_HOST_RESERVE_BYTES=N`` sets that margin to N bytes in this process;
+the pool HiCache allocates is unchanged. Unset (the default): SGLang's own margin.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +72,12 @@ def apply() -> bool:
         self.pin_memory = False
 
     HostKVCache.__init__ = init_without_pinning
+    reserve = os.environ.get("SGLHICACHE_CPU_HICACHE_HOST_RESERVE_BYTES")
+    if reserve:
+        from sglang.srt.mem_cache.pool_host import base as host_base
+
+        host_base.HICACHE_HOST_MEMORY_RESERVE_BYTES = int(reserve)
+        logger.info("sgl_hicache cpu_compat: HiCache host memory reserve set to %s bytes", reserve)
     if not hasattr(torch.cpu.Stream, "synchronize"):
         torch.cpu.Stream.synchronize = lambda self: None
     _applied = True

@@ -190,7 +190,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> BackendSettings:
 def unknown_env(env: Mapping[str, str] | None = None) -> list[str]:
     """`SGLHICACHE_*` variables that name no setting (likely typos; the backend logs them)."""
     env = os.environ if env is None else env
-    known = {ENV_PREFIX + n.upper() for n in _FIELDS} | {CONFIG_ENV, "SGLHICACHE_DIR"}
+    known = {ENV_PREFIX + n.upper() for n in _FIELDS} | {CONFIG_ENV, "SGLHICACHE_DIR", "SGLHICACHE_CPU_HICACHE_HOST_RESERVE_BYTES"}
     return sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known)
 
 

@@ -67,6 +67,7 @@ class MooncakeBackend(StoreBackend):
     def _staging(self, size: int) -> tuple[int, ctypes.Array]:
         buf = getattr(self._tls, "buf", None)
         if buf is None or len(buf) < size:
+            size = 1 << max(size - 1, 1).bit_length()  # powers of two: a growing batch registers few buffers
             buf = ctypes.create_string_buffer(size)
             rc = self._store.register_buffer(ctypes.addressof(buf), size)
             if rc != 0:
@@ -94,10 +95,19 @@ class MooncakeBackend(StoreBackend):
         return ctypes.string_at(ptr, n)
 
     def put(self, keys: list[str], values: list[bytes]) -> list[bool]:
-        rc = self._store.upsert_batch(keys, values)  # upsert: a page another server wrote is equal anyway
-        if rc == _MC_RPC_FAIL:
-            raise StoreUnavailable(f"mooncake: upsert_batch returned {rc} (master unreachable)")
-        return [rc == 0] * len(keys)
+        # batch_upsert_from answers per key (upsert_batch has one code for the batch): a store with
+        # room for some of the pages keeps those, and only the refused ones count as failed.
+        # Upsert: a page another server wrote is equal anyway.
+        ptr, _buf = self._staging(sum(len(v) for v in values))
+        ptrs, off = [], 0
+        for v in values:
+            ctypes.memmove(ptr + off, v, len(v))
+            ptrs.append(ptr + off)
+            off += len(v)
+        rcs = self._store.batch_upsert_from(keys, ptrs, [len(v) for v in values])
+        if _MC_RPC_FAIL in rcs:
+            raise StoreUnavailable(f"mooncake: batch_upsert_from returned {_MC_RPC_FAIL} (master unreachable)")
+        return [rc == 0 for rc in rcs]
 
     def close(self) -> None:
         try:

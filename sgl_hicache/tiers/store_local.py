@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,6 +69,24 @@ class LocalStore:
     _logs: dict[str, Path] = field(default_factory=dict)
     _env: dict[str, str] = field(default_factory=dict)
 
+    def master_metrics(self, timeout: float = 5.0) -> dict[str, float]:
+        """The Mooncake master's Prometheus counters and gauges (`master_key_count`,
+        `master_batch_put_start_items_total`, `master_evicted_key_count`, ...), by metric name as
+        printed (labels included). The store's own view, independent of any client's counters."""
+        if "metrics" not in self.ports:
+            raise ValueError(f"{self.url}: only a local Mooncake store publishes master metrics")
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.ports['metrics']}/metrics", timeout=timeout) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            name, _, value = line.rpartition(" ")
+            if name and not line.startswith("#"):
+                try:
+                    out[name] = float(value)
+                except ValueError:
+                    continue  # not a sample line
+        return out
+
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Kill one of the processes (fault tests): `name` is "master", "holder" or "redis"."""
         proc = self.procs[name]
@@ -82,7 +101,28 @@ class LocalStore:
         if name in ("master", "redis"):
             _wait_port(self.ports[name], self.procs[name], timeout, name)
         if name == "holder":
-            time.sleep(0.5)  # the holder mounts its segment within ~0.1 s of starting
+            time.sleep(0.5)  # the old holder's segment may still count until its lease ends: give the new one time
+            self.wait_mounted(timeout)
+
+    def wait_mounted(self, timeout: float = 20.0) -> None:
+        """Wait until the master reports memory mounted by a holder (`master_total_capacity_bytes`
+        > 0): a holder takes 0.1 s to seconds on a loaded machine, and puts fail until then.
+        RuntimeError, with the holder's log, if it exits (e.g. a segment below 16 MB) or times out."""
+        deadline = time.monotonic() + timeout
+        while True:
+            holder = self.procs["holder"]
+            if holder.poll() is not None:
+                raise RuntimeError(f"mooncake_client exited with code {holder.returncode}: "
+                                   f"{self._logs['holder'].read_text(errors='replace')[-2000:]}")
+            try:
+                if self.master_metrics(timeout=2.0).get("master_total_capacity_bytes", 0.0) > 0:
+                    return
+            except OSError:
+                pass  # the metrics endpoint is not up yet
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"mooncake_client mounted no memory within {timeout:g} s: "
+                                   f"{self._logs['holder'].read_text(errors='replace')[-2000:]}")
+            time.sleep(0.05)
 
     def stop(self) -> None:
         """Stop every process (holder before master), then remove the work directory."""
@@ -134,7 +174,7 @@ def start_mooncake(segment_mb: int = 256, snapshot: bool = False, timeout: float
         "-protocol=tcp", "--logtostderr",
     ]
     store = LocalStore(url=f"mooncake://127.0.0.1:{rpc}?metadata=http://127.0.0.1:{http}/metadata", workdir=work,
-                       ports={"master": rpc, "http": http, "holder": holder})
+                       ports={"master": rpc, "http": http, "holder": holder, "metrics": metrics})
     store._args = {"master": master, "holder": client}
     store._logs = {"master": work / "master.log", "holder": work / "holder.log"}
     if snapshot:
@@ -144,9 +184,7 @@ def start_mooncake(segment_mb: int = 256, snapshot: bool = False, timeout: float
         _wait_port(rpc, store.procs["master"], timeout, "mooncake_master")
         _wait_port(http, store.procs["master"], timeout, "mooncake_master's metadata server")
         store.procs["holder"] = _spawn(client, store._logs["holder"])
-        time.sleep(0.5)
-        if store.procs["holder"].poll() is not None:
-            raise RuntimeError(f"mooncake_client exited: {store._logs['holder'].read_text()[-2000:]}")
+        store.wait_mounted(timeout)
     except BaseException:
         store.stop()
         raise
