@@ -31,7 +31,7 @@ def _disk_only(cache, tokens):
     node = cache.match(tokens, touch=False).last_node
     cache.evict(DEVICE, cache.stores[DEVICE].capacity_pages)
     cache.evict(HOST, cache.stores[HOST].capacity_pages)
-    assert node.on_disk and node.host is None and node.device is None
+    assert node.disk is not None and node.host is None and node.device is None
     return node
 
 
