@@ -84,6 +84,8 @@ def test_prefetch_starts_only_while_host_has_room_to_spare(tmp_path):
     guard = PromotionGuard(prefetch_share=0.5)
     assert guard.prefetch_fits(held=2, need=2, capacity=8)
     assert not guard.prefetch_fits(held=2, need=3, capacity=8)
+    assert guard.prefetch_fits(held=0, need=6, capacity=8)  # a lone prefetch crowds no other
+    assert not guard.prefetch_fits(held=0, need=9, capacity=8)
     clock = Clock()
     cache = make_cache(tmp_path, device=8, host=8, disk=64)
     cache.clock = clock
@@ -92,8 +94,6 @@ def test_prefetch_starts_only_while_host_has_room_to_spare(tmp_path):
     _disk_only(cache, long)
     _disk_only(cache, short)
     ticket, m = ctl.arrive(long)
-    assert not ctl.prefetch(ticket, m) and ctl.prefetch_skipped == 1  # 6 pages of an 8-page host tier: left to the demand load
-    ticket, m = ctl.arrive(short)
-    assert ctl.prefetch(ticket, m)
+    assert ctl.prefetch(ticket, m) and ctl.prefetch_skipped == 0  # 6 of 8 host pages, but no other prefetch holds any
     ctl.drop(ticket)
     cache.check()

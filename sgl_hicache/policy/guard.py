@@ -52,7 +52,8 @@ class PromotionGuard:
         return False
 
     def prefetch_fits(self, held: int, need: int, capacity: int) -> bool:
-        return held + need <= self.prefetch_share * capacity
+        # a lone prefetch (no other holds host pages) crowds no one: it may use the whole tier
+        return held + need <= self.prefetch_share * capacity or (held == 0 and need <= capacity)
 
     @staticmethod
     def worth_evicting(candidates: Iterable[TreeNode], pages: int, node: TreeNode, priority: Callable[[TreeNode], tuple]) -> bool:
