@@ -234,7 +234,8 @@ def _med(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-METRICS = ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "throughput_tok_s", "hit_rate")
+METRICS = ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "throughput_tok_s", "latency_mean_s", "hit_rate")
+RATIO_METRICS = METRICS[:5]  # hit rates are compared as tokens, not as a ratio
 
 
 def summarize(samples: list[dict[str, Any]], pools: list[float]) -> dict[str, Any]:
@@ -259,8 +260,8 @@ def summarize(samples: list[dict[str, Any]], pools: list[float]) -> dict[str, An
         for peer in (c for c in ran if c != "sgl_hicache" and "sgl_hicache" in ran):
             key = f"sgl_hicache / {peer}"
             ratios[key] = {m: (per["sgl_hicache"][m] / per[peer][m]) if per["sgl_hicache"][m] and per[peer][m] else None
-                           for m in METRICS[:4]}
-            pr: dict[str, list[float]] = {m: [] for m in METRICS[:4]}
+                           for m in RATIO_METRICS}
+            pr: dict[str, list[float]] = {m: [] for m in RATIO_METRICS}
             for r in sorted({s["repeat"] for s in ps}):
                 mine = [s for s in ps if s["repeat"] == r and s["config"] == "sgl_hicache" and "error" not in s]
                 theirs = [s for s in ps if s["repeat"] == r and s["config"] == peer and "error" not in s]
@@ -282,17 +283,17 @@ def render(summary: dict[str, Any], ws: int) -> str:
     lines = []
     for frac, s in summary.items():
         lines.append(f"device pool {float(frac):.0%} of the working set ({ws:,} tokens): --max-total-tokens {s['max_total_tokens']}")
-        lines.append(f"  {'config':<30} {'TTFT mean':>9} {'p50':>7} {'p90':>7} {'tok/s':>7} {'hit dev':>8} {'host':>7} {'disk':>7} {'hit %':>6} {'fail':>5} {'prefills':>8} {'seq/pf':>6}")
+        lines.append(f"  {'config':<30} {'TTFT mean':>9} {'p50':>7} {'p90':>7} {'tok/s':>7} {'e2e s':>6} {'hit dev':>8} {'host':>7} {'disk':>7} {'hit %':>6} {'fail':>5} {'prefills':>8} {'seq/pf':>6}")
         for c in s["configs"]:
             r = s["configs"][c]
             h = r["hit_tokens"]
             lines.append(f"  {LABELS[c]:<30} {_f(r['ttft_mean_s'], '9.3f')} {_f(r['ttft_p50_s'], '7.3f')} {_f(r['ttft_p90_s'], '7.3f')} "
-                         f"{_f(r['throughput_tok_s'], '7.0f')} {_f(h['device'], '8,.0f')} {_f(h['host'], '7,.0f')} {_f(h['disk'], '7,.0f')} "
+                         f"{_f(r['throughput_tok_s'], '7.0f')} {_f(r.get('latency_mean_s'), '6.3f')} {_f(h['device'], '8,.0f')} {_f(h['host'], '7,.0f')} {_f(h['disk'], '7,.0f')} "
                          f"{_f(r['hit_rate'] and 100 * r['hit_rate'], '6.1f')} {r['requests_failed'] + r['runs_failed']:>5} "
                          f"{_f(r.get('prefill_batches'), '8.0f')} {_f(r.get('mean_new_seqs_per_prefill'), '6.2f')}")
         for k, rr in s["ratios"].items():
             lines.append(f"  {k:<30} {_f(rr['ttft_mean_s'], '9.2f')} {_f(rr['ttft_p50_s'], '7.2f')} {_f(rr['ttft_p90_s'], '7.2f')} "
-                         f"{_f(rr['throughput_tok_s'], '7.2f')}")
+                         f"{_f(rr['throughput_tok_s'], '7.2f')} {_f(rr.get('latency_mean_s'), '6.2f')}")
     return "\n".join(lines)
 
 

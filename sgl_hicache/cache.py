@@ -156,6 +156,8 @@ class TieredCache:
         self._mutex = threading.RLock()
         # device pages handed out by allocate_device and not yet inserted or freed
         self.outstanding_device_pages = 0
+        # cancelled copies of failed promotions still running on a worker (`_fail`, `reap_orphans`)
+        self.orphans: list[TransferOp] = []
         # (error name, reason) pairs already logged at WARNING: the rest go to DEBUG (one line per reason)
         self._logged_errors: set[tuple[str, str]] = set()
         # per (src, dst) link, the state in which write-back planning last found nothing to do
@@ -556,6 +558,7 @@ class TieredCache:
         """Apply, in path order, the stages whose bytes have arrived. Returns True when the job is
         finished (every stage applied, or a stage failed and the rest was cancelled)."""
         with self._mutex:
+            self.reap_orphans()
             while not job.failed and job.applied < len(job.stages):
                 st = job.stages[job.applied]
                 if st.waits_for is not None:
@@ -563,7 +566,7 @@ class TieredCache:
                         job.applied += 1
                         continue
                     if st.waits_for.applied or st.node.parent is None:
-                        self._fail(job)  # the other job's transfer failed
+                        self._fail(job, wait=False)  # the other job's transfer failed
                         break
                     return False
                 for op in st.ops:
@@ -572,7 +575,7 @@ class TieredCache:
                     if not op.settled:
                         return False
                     if not self.complete(op):
-                        self._fail(job)
+                        self._fail(job, wait=False)
                         return True
                 job.applied += 1
             return True
@@ -583,9 +586,17 @@ class TieredCache:
         with self._mutex:
             self.advance(job)
             if not job.finished:
-                self._fail(job)
+                self._fail(job, wait=True)
+            for op in job.ops():  # a stage that failed inside `advance` may have orphaned the rest
+                if op in self.orphans and not op.executed.wait(timeout=60):
+                    raise RuntimeError(f"transfer {op.link} did not finish within 60 s; cannot free its pages")
+            self.reap_orphans()
 
-    def _fail(self, job: PromotionJob) -> None:
+    def _fail(self, job: PromotionJob, wait: bool) -> None:
+        """End `job`'s stages not applied yet as cancelled. A copy a worker is still running keeps its
+        destination pages until it ends: with `wait` (an explicit `cancel`) wait for it here; without
+        (a stage failed inside `advance`, on the caller's scheduling thread) hand it to `orphans`,
+        which `reap_orphans` completes once its bytes stop moving."""
         job.failed = True
         for st in job.stages[job.applied :]:
             for op in st.ops:
@@ -594,9 +605,21 @@ class TieredCache:
                 op.cancelled = True
                 if not op.submitted:
                     op.executed.set()  # nobody else will run it
+                if not op.executed.is_set() and not wait:
+                    self.orphans.append(op)
+                    continue
                 if not op.executed.wait(timeout=60):
                     raise RuntimeError(f"transfer {op.link} did not finish within 60 s; cannot free its pages")
                 self.complete(op)
+
+    def reap_orphans(self) -> None:
+        """Complete (as cancelled: free their destination pages) the orphaned copies that ended. Never waits."""
+        with self._mutex:
+            if self.orphans:
+                ended = [op for op in self.orphans if op.executed.is_set()]
+                self.orphans = [op for op in self.orphans if not op.executed.is_set()]
+                for op in ended:
+                    self.complete(op)
 
     def release(self, job: PromotionJob) -> None:
         """End a finished job: unlock its path."""

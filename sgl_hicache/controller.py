@@ -323,6 +323,7 @@ class RequestController:
         `writeback_interval_s`, one batch in flight. Returns whether anything changed."""
         self.executor.poll()
         changed = False
+        self.cache.reap_orphans()
         if self.dropped:
             self._reap_dropped()
         if self.writeback:
@@ -366,7 +367,7 @@ class RequestController:
         self.pump_writeback(start_new=False)
 
     def inflight(self) -> bool:
-        return bool(self.predicted) or bool(self.writeback) or bool(self.dropped)
+        return bool(self.predicted) or bool(self.writeback) or bool(self.dropped) or bool(self.cache.orphans)
 
     def shutdown(self) -> None:
         """Cancel and release everything in flight (tickets are dropped by their owner)."""
@@ -376,7 +377,9 @@ class RequestController:
         self.predicted = []
         self._reap_dropped(wait=True)
         self.executor.cancel(self.writeback)
-        for op in self.writeback:
+        for op in self.writeback + self.cache.orphans:
             op.executed.wait(timeout=60)
+        for op in self.writeback:
             self.cache.complete(op)
         self.writeback = []
+        self.cache.reap_orphans()

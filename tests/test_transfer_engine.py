@@ -359,6 +359,46 @@ def test_failing_disk_read_is_a_counted_miss(tmp_path, use_engine):
     assert_quiescent(cache)
 
 
+def test_a_failed_stage_never_waits_for_the_copies_still_running(tmp_path):
+    """A stage of a promotion fails while a worker still copies a later stage: `advance` (on the
+    scheduling thread) ends the job at once and leaves the running copy as an orphan, whose pages are
+    freed when it ends (`reap_orphans`); nothing leaks, nothing is served from the failed path."""
+    cache = make_cache(tmp_path, device=8, host=8, disk=64)
+    first, a = seq(0, 2), seq(0, 2) + seq(300, 2)
+    serve(cache, first)  # a's first node is its own node
+    to_disk(cache, a, [seq(1000 * i, 2) for i in range(1, 9)])
+    second_entered, second_go = threading.Event(), threading.Event()
+    inner = cache.handlers[(DISK, HOST)]
+
+    def handler(op, start, stop):
+        if op.node.parent is cache.tree.root:
+            raise OSError(5, "injected I/O error")
+        second_entered.set()
+        assert second_go.wait(30), "the test never released the second copy"
+        inner(op, start, stop)
+
+    cache.handlers[(DISK, HOST)] = handler
+    engine = TransferEngine(cache, workers=2, chunk_pages=2).start()
+    job = engine.submit(cache.plan_promotion(cache.match(a), "demand"))
+    assert second_entered.wait(10)
+    failed_op = job.stages[0].ops[0]
+    assert failed_op.executed.wait(10) and failed_op.error is not None
+    t0 = time.monotonic()
+    assert cache.advance(job) and job.failed
+    assert time.monotonic() - t0 < 5.0  # it did not wait for the held copy (the old code waited up to 60 s)
+    running = job.stages[1].ops[0]
+    assert not running.executed.is_set() and running in cache.orphans
+    cache.release(job)
+    second_go.set()
+    assert running.executed.wait(10)
+    cache.reap_orphans()
+    assert not cache.orphans and running.applied and isinstance(running.error, Cancelled)
+    engine.stop()
+    assert cache.match(a, touch=False).device_tokens == 0  # a miss, not wrong KV
+    assert cache.stats.errors.get("disk->host_errors", 0) == 1
+    assert_quiescent(cache)
+
+
 def test_failing_host_to_device_is_a_miss(tmp_path):
     cache = make_cache(None, device=8, host=8)
     a = seq(0, 2)
