@@ -692,8 +692,9 @@ class TieredCache:
         (`dst` already holds them, so evicting them from `src` is a free drop: the watermark),
         prepare copies of the coldest dirty ones, at most `max_pages` and no more than the watermark
         lacks. Done ahead of need by a transfer engine, this keeps copies off the thread that evicts.
-        Only unlocked nodes whose parent is already in `dst` qualify (`dst` stays prefix-closed; their
-        children follow in a later round). Each op locks its node's path until `complete` (so the
+        Only nodes whose parent is already in `dst` qualify (`dst` stays prefix-closed; their children
+        follow in a later round), in use or not (a locked prefix would otherwise keep every node below
+        it out of `dst` for as long as requests hold it), but not one a transfer is moving (pinned). Each op locks its node's path until `complete` (so the
         ancestors a copy keeps from being leaves are not counted as evictable either). The caller
         executes the ops and passes each to `complete`."""
         if (src, dst) not in ((DEVICE, HOST), (HOST, DISK)):
@@ -731,8 +732,11 @@ class TieredCache:
                     continue
                 if shared_hits is not None and (n.hit_count < shared_hits or not self.stores[dst].accepts(n.keys)):
                     continue
-                # (a shared store also takes pages in use: a hot prefix is the one most worth sharing)
-                if (n.evictable or shared_hits is not None) and (n.parent.is_root or n.parent.in_tier(dst)):  # type: ignore[union-attr]
+                # a node in use qualifies too (not one being moved): a prefix every request holds
+                # locked (a shared system prompt) must reach `dst` first, or nothing below it ever
+                # could; its bytes are final. (A shared store takes pages in use anyway: a hot prefix
+                # is the one most worth sharing.)
+                if (n.pins == 0 or shared_hits is not None) and (n.parent.is_root or n.parent.in_tier(dst)):  # type: ignore[union-attr]
                     candidates.append(n)
             budget = max_pages if shared_hits is not None else min(max_pages, clean_target_pages - clean)
             if budget <= 0 or not candidates:

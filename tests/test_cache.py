@@ -221,6 +221,33 @@ def test_background_writeback_makes_host_eviction_a_free_drop(tmp_path):
     cache.check()
 
 
+def test_writeback_copies_a_prefix_in_use_so_its_children_can_follow(tmp_path):
+    """A shared prefix that running requests always hold locked (a system prompt) is still written
+    back: otherwise no node below it could ever reach the tier below (it stays prefix-closed) and every
+    eviction of them would drop them (the real server got 0 host hits on the shipped trace this way)."""
+    cache = make_cache(tmp_path, device=16, host=16, disk=32)
+    system = seq(90_000, 1)
+    turns = [system + seq(1000 * i, 2) for i in range(1, 4)]
+    fill(cache, turns)
+    held = cache.match(system + seq(5000, 1)).path[0]  # a running request holds the shared prefix
+    cache.tree.lock(held)
+    ops = cache.plan_writeback(DEVICE, HOST, clean_target_pages=8, max_pages=8)
+    assert [op.node for op in ops] == [held]  # the prefix first: nothing below it qualifies yet
+    run_backups(cache, ops, "device->host")
+    ops = cache.plan_writeback(DEVICE, HOST, clean_target_pages=8, max_pages=8)
+    assert ops and {op.node.parent for op in ops} == {held}  # then the turns below it
+    for op in ops:
+        cache.execute(op)
+        assert cache.complete(op)
+    cache.tree.unlock(held)
+    copied = cache.snapshot()["bytes_moved"]["device->host"]
+    assert cache.evict(DEVICE, cache.tree.pages[DEVICE]) > 0
+    assert cache.snapshot()["bytes_moved"]["device->host"] == copied  # every page was clean: free drops
+    for t in turns:  # and every turn is still served, from host
+        assert cache.match(t, touch=False).host_tokens == len(t)
+    cache.check()
+
+
 def test_background_device_writeback_makes_device_eviction_a_free_drop(tmp_path):
     cache = make_cache(tmp_path, device=8, host=16, disk=32)
     prompts = [seq(1000 * i, 4) for i in range(2)]
