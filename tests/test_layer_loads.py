@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 
 from conftest import kv_for, make_cache, serve
@@ -71,6 +72,39 @@ def test_layerwise_load_copies_nothing_inline_and_hands_over_each_layer(tmp_path
         assert node.lock_ref == 0
         cache.check()
         assert loads.snapshot()["loads"] == 1 and loads.snapshot()["pages"] == 4
+    finally:
+        engine.stop()
+
+
+def test_agreed_layer_loads_unlock_only_what_every_rank_finished(tmp_path):
+    """TP >= 2 (`LayerLoads(agreed=True)`): a finished load stays locked until the step's agreement
+    names it (`reap_agreed`, in queue order); asking for more than this rank finished is an error."""
+    cache = make_cache(None, device=8, host=32)
+    prompts = [seq(1000 * i, 2) for i in range(6)]
+    for p in prompts:
+        serve(cache, p)
+    loads = LayerLoads(cache, agreed=True)
+    ctl, engine = _controller(cache, loads)
+    try:
+        nodes = []
+        for p in prompts[:2]:
+            m = cache.match(p, touch=False)
+            assert m.host_tokens == 8 and m.device_tokens == 0
+            cache.evict(DEVICE, 2)
+            m2, _ = ctl.load(p, m)
+            assert m2.device_tokens == 8
+            nodes.append(m2.last_node)
+        assert loads.queued == 2
+        loads.synchronize()
+        assert loads.done_prefix() == 2
+        assert loads.reap() is True and all(n.lock_ref >= 1 for n in nodes)  # not agreed yet: still locked
+        loads.reap_agreed(1)  # the other rank finished only the first
+        assert nodes[0].lock_ref == 0 and nodes[1].lock_ref >= 1 and loads.queued == 1
+        with pytest.raises(RuntimeError, match="only 1 of 1"):
+            loads.reap_agreed(2)
+        loads.reap_agreed(1)
+        assert nodes[1].lock_ref == 0 and not loads.inflight
+        cache.check()
     finally:
         engine.stop()
 

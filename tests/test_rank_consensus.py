@@ -56,6 +56,13 @@ def _rank_main(rank: int, size: int, store_path: str, out_dir: str) -> None:
         out["gave_up"] = c.gave_up(ticket)
         out["clock"] = c.clock()
         out["counts"] = vars(c.counts)
+        # layer-wise loads: rank 0 finished both queued loads, rank 1 only the first: one is agreed on
+        out["loads_agreed"] = c.step([], [], layer_loads=(2, 2 if rank == 0 else 1))
+        try:  # a different number of loads queued: both raise
+            c.step([], [], layer_loads=(1 + rank, 0))
+            out["loads_count"] = "no error"
+        except RankDivergenceError as e:
+            out["loads_count"] = str(e)
         # a tree that differs on one rank: both ranks raise at the same step
         if rank == 1:
             cache.insert(list(range(200, 204)), cache.allocate_device(1))
@@ -106,3 +113,5 @@ def test_two_ranks_agree_and_fail_together(tmp_path):
     assert r0["counts"]["ops_failed_elsewhere"] == 2 and r1["counts"]["ops_failed_elsewhere"] == 0
     assert "digest differs" in r0["digest"] and "digest differs" in r1["digest"]
     assert "disagree" in r0["count"] and "disagree" in r1["count"]
+    assert r0["loads_agreed"] == r1["loads_agreed"] == 1  # MIN of the loads finished in queue order
+    assert "layer-wise loads" in r0["loads_count"] and "layer-wise loads" in r1["loads_count"]

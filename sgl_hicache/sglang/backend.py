@@ -183,12 +183,10 @@ class TieredRadixCache(BasePrefixCache):
         if consensus is not None:
             consensus.start(self.cache)  # a collective: every rank builds its cache at the same point
         self.engine = TransferEngine(self.cache, workers=s.transfer_workers)  # started on first use
-        # host -> device loads queued layer by layer, waited for by SGLang's KV pool (factory registers it)
-        # (TP >= 2: off. A layer-wise load finishes at a thread-timed moment on each rank and its nodes
-        # stay locked until then, so the ranks' evictable sets would differ; rank agreement on load
-        # completion is not built yet, and the consensus check caught the divergence.)
-        self.layer_loads = (LayerLoads(self.cache) if s.layerwise_loads and HOST in self.cache.stores and consensus is None
-                            else None)
+        # host -> device loads queued layer by layer, waited for by SGLang's KV pool (factory registers it).
+        # TP >= 2: a load's nodes unlock only once every rank reported it done (sgl_hicache_on_step)
+        self.layer_loads = (LayerLoads(self.cache, agreed=consensus is not None)
+                            if s.layerwise_loads and HOST in self.cache.stores else None)
         self.deferred_rid: str | None = None  # the request init_load_back last answered "retry" (scheduler_hooks)
         executor = ThreadExecutor(self.cache, self.engine, layers=self.layer_loads)
         self.controller = RequestController(
@@ -585,7 +583,11 @@ class TieredRadixCache(BasePrefixCache):
             ops += ticket.job.ops()  # type: ignore[union-attr]
             budget = self.settings.load_timeout_s - (now - st.created)
             flags.append((ticket, self.controller.executor.eta(ticket.job) > budget))  # type: ignore[arg-type]
-        c.step(ops, flags, digest=lambda: tree_digest(self.cache, (len(self._states),)))
+        loads = self.layer_loads
+        agreed_loads = c.step(ops, flags, digest=lambda: tree_digest(self.cache, (len(self._states),)),
+                              layer_loads=(loads.queued, loads.done_prefix()) if loads is not None else (0, 0))
+        if loads is not None:
+            loads.reap_agreed(agreed_loads)
         self.controller.pump_writeback(start_new=False)
 
     def sgl_hicache_after_step(self) -> None:
@@ -632,7 +634,10 @@ class TieredRadixCache(BasePrefixCache):
         for op in self.controller.writeback:  # background disk writes are short: finish them for exact figures
             op.executed.wait(timeout=10)
         if self.layer_loads is not None:
-            self.layer_loads.finish_all()
+            if self.consensus is None:
+                self.layer_loads.finish_all()
+            else:  # this may run on one rank only: unlocking stays with the agreed step
+                self.layer_loads.synchronize()
         self.controller.pump_writeback(start_new=False)
         ps = self.page_size
         alloc_free = int(self.token_to_kv_pool_allocator.available_size())

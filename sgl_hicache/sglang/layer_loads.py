@@ -49,8 +49,12 @@ class LayerLoads:
     `queue`, `batch_index`, `reap` and `finish_all` run on the scheduler thread; `wait_until` on the
     thread that runs the forward."""
 
-    def __init__(self, cache: "TieredCache", forward_stream: Any = None) -> None:
+    def __init__(self, cache: "TieredCache", forward_stream: Any = None, agreed: bool = False) -> None:
         self.cache = cache
+        # TP >= 2: a load finishes at a thread-timed moment on each rank, so its nodes unlock only
+        # when every rank reports it done (`done_prefix` into the step's all-reduce, then `reap_agreed`):
+        # the ranks' evictable sets stay equal
+        self.agreed = agreed
         self.forward_stream = forward_stream  # CUDA: the copies start after the work queued on it
         self.device = cache.stores[DEVICE]
         self.host = cache.stores[HOST]
@@ -107,28 +111,60 @@ class LayerLoads:
         return index
 
     def reap(self) -> bool:
-        """Unlock the nodes of finished loads (never blocks). True while loads remain in flight."""
+        """Unlock the nodes of finished loads (never blocks). True while loads remain in flight.
+        With `agreed`, nothing: only `reap_agreed` unlocks."""
         pending = self._pending
         if not pending:
             return False
-        done = [g for g in pending if g.loader.done()]
-        if done:
-            with self._lock:
-                self._pending = [g for g in self._pending if g not in done]
-            for g in done:
-                for node in g.nodes:
-                    self.cache.tree.unlock(node)
+        if self.agreed:
+            return True
+        self._unlock([g for g in pending if g.loader.done()])
         return bool(self._pending)
 
-    def finish_all(self) -> None:
-        """Wait for every queued load and reap it (flush, shutdown, exact stats: not the serving path)."""
+    def done_prefix(self) -> int:
+        """How many of the loads, in queue order, have finished here (the fact the ranks agree on)."""
+        n = 0
+        for g in self._pending:
+            if not g.loader.done():
+                break
+            n += 1
+        return n
+
+    def reap_agreed(self, count: int) -> None:
+        """Unlock the first `count` loads: every rank reported them done (`count` <= `done_prefix()`)."""
+        pending = self._pending
+        if count > len(pending) or not all(g.loader.done() for g in pending[:count]):
+            raise RuntimeError(f"reap_agreed({count}): only {self.done_prefix()} of {len(pending)} loads are done on this rank")
+        self._unlock(pending[:count])
+
+    def _unlock(self, groups: list[_Group]) -> None:
+        if not groups:
+            return
+        with self._lock:
+            self._pending = [g for g in self._pending if g not in groups]
+        for g in groups:
+            for node in g.nodes:
+                self.cache.tree.unlock(node)
+
+    def synchronize(self) -> None:
+        """Wait until every queued load's bytes have arrived (unlocking is `reap`'s)."""
         for g in self._pending:
             g.loader.synchronize()
-        self.reap()
+
+    def finish_all(self) -> None:
+        """Wait for every queued load and unlock it (flush, shutdown: points every rank reaches alike;
+        not the serving path)."""
+        self.synchronize()
+        self._unlock(list(self._pending))
 
     @property
     def inflight(self) -> bool:
         return bool(self._pending)
+
+    @property
+    def queued(self) -> int:
+        """Loads whose nodes are still locked (running, or finished and not reaped)."""
+        return len(self._pending)
 
     # ---- SGLang's layer transfer counter (forward thread) --------------------------------------
     def set_consumer(self, index: int) -> None:

@@ -22,6 +22,9 @@ facts that are local to a rank are agreed here, at fixed points outside the tree
   - per request waiting for its prefetch: "give up and recompute" (MAX: any rank past its load timeout
     or expecting to be);
   - the clock (MAX): LRU stamps and write-back pacing read the agreed clock, never the local one;
+  - the layer-wise host -> device loads (`layer_loads.py`): how many are queued (MIN and MAX) and how
+    many, in queue order, have finished (MIN): a load's nodes stay locked until every rank finished
+    it, so the ranks' evictable sets stay equal;
   - the op and request counts (MIN and MAX) and, with `consensus_check`, a digest of each rank's tree
     and tier residency: a difference raises `RankDivergenceError` (the scheduler dies, the server
     exits) instead of letting the ranks run different batches into a hang.
@@ -58,7 +61,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 STEP_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run"
-_HEADER = 9  # ops count MIN/MAX, waiting count MIN/MAX, clock MAX, digest low half MIN/MAX, high half MIN/MAX
+# ops count MIN/MAX, waiting count MIN/MAX, clock MAX, digest low half MIN/MAX, high half MIN/MAX,
+# layer-wise loads queued MIN/MAX, loads done in queue order MIN
+_HEADER = 12
 _MASK31 = (1 << 31) - 1
 
 
@@ -128,6 +133,7 @@ class StepCounts:
     give_ups: int = 0
     digests_checked: int = 0
     startup_pages_dropped: int = 0  # disk pages only some ranks held at start
+    layer_loads_agreed: int = 0  # layer-wise loads unlocked once every rank had finished them
     collective_seconds: float = 0.0
 
 
@@ -195,16 +201,19 @@ class RankConsensus:
         self.counts.startup_pages_dropped = len(drop)
 
     def step(self, ops: Iterable["TransferOp"], waiting: Sequence[tuple[Any, bool]],
-             digest: Callable[[], int] | None = None) -> None:
+             digest: Callable[[], int] | None = None, layer_loads: tuple[int, int] = (0, 0)) -> int:
         """One scheduler step's agreement. `ops`: the background transfers in flight, in the same
         order on every rank; `waiting`: (ticket, this rank would give up on it now) for the requests
-        whose prefetch is unfinished, in the same order on every rank."""
+        whose prefetch is unfinished, in the same order on every rank; `layer_loads`: (layer-wise
+        loads queued, how many of them in queue order have finished here). Returns how many of those
+        loads have finished on every rank (MIN)."""
         todo = [op for op in ops if op.gated and not op.agreed and not op.applied and not op.cancelled][: self.max_ops]
         waiting = list(waiting)[: self.max_waiting]
         d = digest() if (self.check and digest is not None) else 0
         # built as a list and converted once: item assignment into a tensor costs ~10 µs per element
         vals = [len(todo), -len(todo), len(waiting), -len(waiting), -time.monotonic_ns(),
-                d & _MASK31, -(d & _MASK31), d >> 31, -(d >> 31)]
+                d & _MASK31, -(d & _MASK31), d >> 31, -(d >> 31),
+                layer_loads[0], -layer_loads[0], layer_loads[1]]
         base = _HEADER
         for op in todo:
             done = op.executed.is_set()
@@ -220,6 +229,10 @@ class RankConsensus:
                 f"sgl_hicache rank {self.rank}: the TP ranks disagree on the transfers in flight "
                 f"({out[0]}..{-out[1]}) or the requests waiting ({out[2]}..{-out[3]}); this rank has "
                 f"{len(todo)} and {len(waiting)}")
+        if out[9] != -out[10]:
+            raise RankDivergenceError(
+                f"sgl_hicache rank {self.rank}: the TP ranks disagree on the layer-wise loads queued "
+                f"({out[9]}..{-out[10]}); this rank has {layer_loads[0]}")
         if self.check and digest is not None:
             self.counts.digests_checked += 1
             if out[5] != -out[6] or out[7] != -out[8]:
@@ -243,6 +256,8 @@ class RankConsensus:
             if -out[base2 + j] and id(ticket) not in self._gave_up:
                 self._gave_up.add(id(ticket))
                 self.counts.give_ups += 1
+        self.counts.layer_loads_agreed += out[11]
+        return out[11]
 
     def gave_up(self, ticket: Any) -> bool:
         """Every rank agreed that this request stops waiting for its prefetch and recomputes."""
