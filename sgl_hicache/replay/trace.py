@@ -18,6 +18,8 @@ choice with a count, so the command line can print each choice once and the repo
 
 from __future__ import annotations
 
+import _random
+import hashlib
 import json
 import math
 import random
@@ -425,7 +427,10 @@ class TokenSynth:
 
     def _raw(self, key: object, n: int) -> bytes:
         rng = self._rng
-        rng.seed(f"{self.seed}:{key}")
+        # what `Random.seed(str)` does (version 2: the string and its SHA-512 as one big integer),
+        # without its Python-level dispatch: the same generator state, so the same draws
+        s = f"{self.seed}:{key}".encode()
+        _random.Random.seed(rng, int.from_bytes(s + hashlib.sha512(s).digest(), "big"))
         return rng.getrandbits(32 * n).to_bytes(4 * n, "little")
 
     def tokens_many(self, keys: Sequence[object], n: int) -> list[array]:
