@@ -3,6 +3,7 @@ in both byte modes, and `--compare` in parallel processes against one after anot
 
     .venv/bin/python benchmarks/replay_scale.py --lengths 2000,10000,30000 --json replay_scale.json --plot replay_scale.png
     .venv/bin/python benchmarks/replay_scale.py --quick --json replay_scale.json     # seconds (the smoke size)
+    .venv/bin/python benchmarks/replay_scale.py --lengths 2000,10000 --long-requests 1000000 --json long.json --plot long.png
 
 Each length N is a trace of N requests grown from the shipped trace by `sgl-hicache synth` (seed 0;
 the shipped trace's session lengths, gaps and prefix sharing), replayed by the real command line in
@@ -16,6 +17,12 @@ rounds; medians. requests/s = N / engine CPU seconds (and N / wall).
 
 `--compare-requests M` also times `replay --compare` on the first M requests of the shipped trace
 with `--workers 2` against `--workers 1` (interleaved, medians): the parallel/sequential wall ratio.
+
+`--long-requests N` also replays one trace of N synthesised requests (metadata mode, one policy:
+`replay`'s default) with `--checkpoint-every K` (`--long-checkpoint`) and records, at every checkpoint
+the run writes, the requests done, the engine's CPU and wall seconds (from the partial report) and the
+process's RSS and high-water mark (`/proc/PID/status`): time and RSS against trace length from one
+run. `--long-limit` stops it at that many requests (`--limit`); the trend so far is kept either way.
 
 `--baseline DIR` also runs every replay point with another checkout's package (DIR on PYTHONPATH,
 e.g. `/work/main`), interleaved with this tree's runs (this, baseline, this, baseline ...), and
@@ -70,6 +77,62 @@ def replay_point(trace: Path, n: int, mode: str, work: Path, repo: Path = REPO) 
     return out
 
 
+def _proc_mb(pid: int, field: str) -> float | None:
+    """A `/proc/PID/status` memory field (VmRSS, VmHWM) in MB, or None once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def long_run(trace: Path, work: Path, every: int, limit: int | None = None, poll_s: float = 2.0) -> dict[str, Any]:
+    """One metadata replay of `trace` (replay's default policy) with checkpoints every `every`
+    requests: a row per checkpoint (requests done, engine CPU / wall seconds, RSS and its high-water
+    mark), then the process's wall, CPU and max RSS and the final report's engine figures."""
+    report = work / "long.json"
+    cmd = _cli("replay", str(trace), "--bytes", "metadata", "--quiet", "--report", str(report), "--checkpoint-every", str(every))
+    if limit:
+        cmd += ["--limit", str(limit)]
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=REPO)
+    rows: list[dict[str, Any]] = []
+    seen = None
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:  # ended: its own CPU and max RSS (wait4), not the children total
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            break
+        partial = next(work.glob("long.json.*.partial.json"), None)
+        stamp = partial.stat().st_mtime_ns if partial is not None and partial.exists() else None
+        if stamp is not None and stamp != seen:
+            try:
+                data = json.loads(partial.read_text())  # type: ignore[union-attr]
+            except (OSError, ValueError):
+                data = None  # replaced while read: the next poll reads it
+            if data is not None:
+                seen = stamp
+                rep = next(iter(data["policies"].values()))
+                rows.append({"requests_done": data["partial"]["requests_done"], "engine_cpu_s": rep["engine"]["cpu_s"],
+                             "engine_wall_s": rep["engine"]["wall_s"], "rss_mb": _proc_mb(proc.pid, "VmRSS"),
+                             "rss_hwm_mb": _proc_mb(proc.pid, "VmHWM"), "load_avg": os.getloadavg()[0]})
+                print(f"long: {rows[-1]}", file=sys.stderr)
+        time.sleep(poll_s)
+    err = proc.stderr.read().decode() if proc.stderr else ""
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {err[-2000:]}")
+    out: dict[str, Any] = {"every": every, "limit": limit, "checkpoints": rows, "wall_s": time.perf_counter() - t0,
+                           "cpu_s": usage.ru_utime + usage.ru_stime, "max_rss_mb": usage.ru_maxrss / 1024}
+    if report.exists():
+        rep = next(iter(json.loads(report.read_text())["policies"].values()))
+        out.update(requests=rep["requests"], engine=rep["engine"], hit_tokens=rep["hit_tokens"])
+    return out
+
+
 def _median(rows: list[dict[str, Any]], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
@@ -83,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare-requests", type=int, default=0, help="also time --compare on this many requests (0: skip)")
     ap.add_argument("--source", type=Path, default=TRACE)
     ap.add_argument("--baseline", type=Path, help="another checkout (its root holds sgl_hicache/) run interleaved on every point")
+    ap.add_argument("--long-requests", type=int, default=0, help="also one metadata replay of this many synthesised requests, "
+                    "with checkpoints: time and RSS against requests done (0: skip)")
+    ap.add_argument("--long-checkpoint", type=int, default=100000, help="checkpoint every this many requests of the long run")
+    ap.add_argument("--long-limit", type=int, default=0, help="stop the long run at this many requests (0: the whole trace)")
     ap.add_argument("--quick", action="store_true", help="smoke size: 60 requests, both modes, compare on 20")
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--plot", type=Path)
@@ -90,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     args.source = args.source.resolve()  # the runs start in the repo they import (see `_run`)
     if args.quick:
         args.lengths, args.compare_requests, args.repeats = "60", 20, 1
+        args.long_requests, args.long_checkpoint = 60, 20
     lengths = [int(float(x)) for x in args.lengths.split(",")]
     modes = args.modes.split(",")
     out: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
@@ -142,6 +210,11 @@ def main(argv: list[str] | None = None) -> int:
             par, seq = _median(cmp["workers2"], "wall_s"), _median(cmp["workers1"], "wall_s")
             out["compare"] = {"requests": args.compare_requests, "bytes": "metadata", "parallel_wall_s": par, "sequential_wall_s": seq,
                               "parallel_over_sequential": par / seq, "runs": cmp}
+        if args.long_requests:
+            trace = work / f"syn-{args.long_requests}.jsonl"
+            _run(_cli("synth", str(args.source), "--requests", str(args.long_requests), "--out", str(trace)))
+            out["long"] = long_run(trace, work, args.long_checkpoint, args.long_limit or None, poll_s=0.2 if args.quick else 2.0)
+            out["long"]["trace_requests"] = args.long_requests
     out["machine"]["load_avg_end"] = os.getloadavg()
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=2))
@@ -167,6 +240,12 @@ def plot(out: dict[str, Any], path: Path) -> None:
         xs = [p["requests"] for p in pts]
         ax1.plot(xs, [p["engine_cpu_s"] for p in pts], style, label=f"{mode}: engine CPU s")
         ax2.plot(xs, [p["max_rss_mb"] for p in pts], style, label=f"{mode}: max RSS MB")
+    long = out.get("long") or {}
+    pts = long.get("checkpoints") or []
+    if pts:
+        xs = [p["requests_done"] for p in pts]
+        ax1.plot(xs, [p["engine_cpu_s"] for p in pts], "^-", label="metadata, one long run: engine CPU s")
+        ax2.plot(xs, [p["rss_hwm_mb"] for p in pts], "^-", label="metadata, one long run: RSS high-water MB")
     for ax, title in ((ax1, "time against trace length"), (ax2, "max RSS against trace length")):
         ax.set_xscale("log")
         ax.set_xlabel("requests")

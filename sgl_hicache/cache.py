@@ -717,31 +717,22 @@ class TieredCache:
     def _plan_writeback(self, src: str, dst: str, clean_target_pages: int, max_pages: int) -> list[TransferOp]:
         with self._mutex:
             clean = self._clean_pages(src)
-            candidates = []
             # a shared store takes the pages worth sharing (hit at least `min_hits` times), paced by
             # `max_pages` per round, whether or not the device also holds them
             shared_hits = self.stores[dst].min_hits if self.stores[dst].shared else None
-            for n in self.tree.resident[src]:
-                # already held in `dst` (a host page also on the device is not on disk yet: evicting
-                # it from the device later would leave the disk tier without it), or about to be;
-                # for the shared store, a page already there
-                done = n.disk is not None if shared_hits is not None else n.in_tier(dst)
-                if done or dst in n.incoming:
-                    if not done:
-                        clean += n.num_pages  # clean once its copy lands
-                    continue
-                if shared_hits is not None and (n.hit_count < shared_hits or not self.stores[dst].accepts(n.keys)):
-                    continue
-                # a node in use qualifies too (not one being moved): a prefix every request holds
-                # locked (a shared system prompt) must reach `dst` first, or nothing below it ever
-                # could; its bytes are final. (A shared store takes pages in use anyway: a hot prefix
-                # is the one most worth sharing.)
-                if (n.pins == 0 or shared_hits is not None) and (n.parent.is_root or n.parent.in_tier(dst)):  # type: ignore[union-attr]
-                    candidates.append(n)
+            if shared_hits is None:
+                candidates, incoming = self._writeback_candidates(src, dst)
+                clean += incoming  # clean once their copies land
+            else:
+                candidates = self._shared_candidates(src, dst, shared_hits)
             budget = max_pages if shared_hits is not None else min(max_pages, clean_target_pages - clean)
             if budget <= 0 or not candidates:
                 return []
-            candidates.sort(key=self.priority)
+            if shared_hits is None and budget + 1 < len(candidates):
+                # at most `budget` nodes are taken (a page each at least), then one that does not fit
+                candidates = heapq.nsmallest(budget + 1, candidates, key=self.priority)
+            else:
+                candidates.sort(key=self.priority)
             ops: list[TransferOp] = []
             for n in candidates:
                 if n.num_pages > budget:
@@ -758,6 +749,44 @@ class TieredCache:
                 ops.append(op)
                 budget -= n.num_pages
             return ops
+
+    def _writeback_candidates(self, src: str, dst: str) -> tuple[list[TreeNode], int]:
+        """`_plan_writeback`'s scan for a tier below that is not a shared store: the unpinned nodes
+        of `src` not in `dst` nor on their way there whose parent `dst` holds (or is the root), and
+        the pages on their way to `dst`. (A host page also on the device is not on disk yet:
+        evicting it from the device later would leave the disk tier without it.) One pass over
+        `src`'s resident nodes with the attribute reads inlined: it runs whenever the watermark is
+        short."""
+        candidates: list[TreeNode] = []
+        incoming = 0
+        append = candidates.append
+        for n in self.tree.resident[src]:
+            if getattr(n, dst) is not None:
+                continue
+            if dst in n.incoming:
+                incoming += n.num_pages
+                continue
+            parent = n.parent
+            # in use or not (a prefix every request holds locked, a shared system prompt, must reach
+            # `dst` first or nothing below it ever could; its bytes are final), but not being moved
+            if n.pins == 0 and parent is not None and (parent.parent is None or getattr(parent, dst) is not None):
+                append(n)
+        return candidates, incoming
+
+    def _shared_candidates(self, src: str, dst: str, min_hits: int) -> list[TreeNode]:
+        """`_plan_writeback`'s scan for a shared store below: nodes of `src` not in the store nor
+        on their way, hit at least `min_hits` times, that the store accepts, whose parent the store
+        holds (or is the root). A shared store also takes pages in use: a hot prefix is the one most
+        worth sharing."""
+        out = []
+        for n in self.tree.resident[src]:
+            if n.disk is not None or dst in n.incoming:
+                continue
+            if n.hit_count < min_hits or not self.stores[dst].accepts(n.keys):
+                continue
+            if n.parent.is_root or n.parent.in_tier(dst):  # type: ignore[union-attr]
+                out.append(n)
+        return out
 
     def _clean_pages(self, tier: str) -> int:
         """Evictable pages of `tier` that `_clean` holds for, from the tree's O(1) counts."""

@@ -203,6 +203,11 @@ def test_replay_scale_smoke(tmp_path: Path) -> None:
     assert points["metadata"]["hit_tokens"] == points["real"]["hit_tokens"]
     assert all(p["max_rss_mb"] > 0 and p["engine_cpu_s"] > 0 for p in points.values())
     assert result["compare"]["parallel_wall_s"] > 0 and result["compare"]["sequential_wall_s"] > 0
+    # the long run: the finished report's figures, and a row per checkpoint the poll saw (a 60-request
+    # run may end before the first poll: which ones it sees is timing)
+    long = result["long"]
+    assert long["requests"] == 60 and long["max_rss_mb"] > 0 and long["engine"]["bytes"] == "metadata"
+    assert all(r["requests_done"] in (20, 40, 60) and r["engine_cpu_s"] > 0 for r in long["checkpoints"])
 
 
 def test_fleet_whatif_smoke(tmp_path: Path) -> None:

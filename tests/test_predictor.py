@@ -353,3 +353,32 @@ def test_short_list_gives_the_full_scans_shares_exactly():
         total = sum(counts.values()) + decay
         full = {q: v / total for q, v in counts.items()}
         assert hot == full and list(hot) == list(full)  # same floats, same order
+
+
+def test_edge_counts_match_a_dict_float_for_float():
+    """`EdgeCounts` (the traffic counts' store) reads exactly like the dict it replaces: same keys
+    in the same order, the very same floats after any mix of sets, pops and rebases (vectorised
+    above a few dozen slots, a loop below)."""
+    import random
+
+    from sgl_hicache.tree.edge_counts import EdgeCounts
+
+    rnd = random.Random(7)
+    ref: dict[tuple[int, ...], float] = {}
+    got = EdgeCounts()
+    for _ in range(5000):
+        op = rnd.random()
+        key = (rnd.randrange(120),)
+        if op < 0.5:
+            add = 2.0 ** rnd.random()
+            ref[key] = ref.get(key, 0.0) + add
+            got[key] = got.get(key, 0.0) + add
+        elif op < 0.7:
+            assert got.pop(key, None) == ref.pop(key, None)
+        else:
+            f = 0.5 ** rnd.random()
+            for k in ref:
+                ref[k] *= f
+            got.scale(f)
+        assert list(got) == list(ref) and got.items() == list(ref.items()) and len(got) == len(ref)
+    assert len(ref) >= 32  # the vectorised path ran (a few dozen live keys)

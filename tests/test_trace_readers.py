@@ -323,3 +323,20 @@ def test_shipped_trace_first_200_lines():
     scaled = load_trace(SHIPPED, limit=200, scale=32)
     assert len(scaled[0].input_ids) == -(-first["input_length"] * 32 // 512)
     assert [r.session for r in scaled] == sessions
+
+
+def test_token_synth_draws_are_random_random_of_the_key_string():
+    """`TokenSynth` (one re-seeded generator, ids mapped in one numpy pass per request) gives the
+    very ids of its documented definition: ``random.Random(f"{seed}:{key}")``'s 32-bit words mod the
+    span, plus the offset; `tokens_many` equals `tokens` key by key."""
+    import random
+
+    from sgl_hicache.replay.trace import TokenSynth
+
+    synth = TokenSynth(vocab_size=32000, token_offset=10, seed=3)
+    keys = [0, 7, 123456789012, "x+pad", "unique:4:2"]
+    for key in keys:
+        bits = random.Random(f"3:{key}").getrandbits(32 * 300)
+        ref = [((bits >> (32 * i)) & 0xFFFFFFFF) % 31990 + 10 for i in range(300)]
+        assert list(synth.tokens(key, 300)) == ref
+    assert synth.tokens_many(keys, 300) == [synth.tokens(k, 300) for k in keys]

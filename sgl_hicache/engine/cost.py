@@ -38,6 +38,8 @@ from .presets import HardwarePreset, ModelPreset
 
 def _check_nonneg(**values: float) -> None:
     for name, v in values.items():
+        if (type(v) is int or type(v) is float) and v >= 0:
+            continue  # the common case, decided without isinstance calls (it runs every step)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
             raise ValueError(f"{name} must be a non-negative number, got {v!r}")
 

@@ -35,6 +35,7 @@ import tempfile
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 
 from ..cache import TieredCache
@@ -53,6 +54,7 @@ POLICIES = ("recompute", "demote", "prefetch", "predict", "oracle")
 BYTE_MODES = ("real", "metadata")
 # a metadata disk tier has no directory; CacheConfig only needs one to size the tier
 _METADATA_DISK_DIR = Path("<metadata: no files>")
+_context = attrgetter("context")
 _LINK_TIERS = {"disk->host": (DISK, HOST), "host->device": (HOST, DEVICE), "device->host": (DEVICE, HOST), "host->disk": (HOST, DISK)}
 
 
@@ -270,8 +272,13 @@ class EmbeddedEngine:
         prefetched paths would crowd running requests out. The window paces prefetch under
         overload: pages fetched for a request far back in the queue would only push out pages
         needed sooner (and hold their locks for as long as it waits)."""
+        window = min(self.config.prefetch_window, len(waiting))
+        if not window or waiting[window - 1].prefetch_tried:
+            # the flights tried are always a prefix of the queue (tried front to back; arrivals join
+            # at the back; admission takes from the front): the window is done, O(1) per step
+            return
         for i, flight in enumerate(waiting):
-            if i >= self.config.prefetch_window:
+            if i >= window:
                 break
             if not flight.prefetch_tried:
                 flight.prefetch_tried = True
@@ -444,7 +451,7 @@ class EmbeddedEngine:
             self.now = max(self.now, nxt)
             return True
         compute = cost.batch_prefill_seconds(cfg.model, cfg.hardware, [(n, f.context - f.prefill_left) for f, n in chunks])
-        compute += cost.decode_step_seconds(cfg.model, cfg.hardware, sum(f.context for f in running), len(running))
+        compute += cost.decode_step_seconds(cfg.model, cfg.hardware, sum(map(_context, running)), len(running))
         # evictions that made room for this step and copied device -> host inline (pages the
         # background write-back had not cleaned yet) delay the forward pass
         demoted_tokens = self._inline_tokens("device->host")

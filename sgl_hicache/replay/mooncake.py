@@ -73,10 +73,15 @@ class _FixedSynth:
     def tokens(self, hash_ids: list[int], length: int) -> array:
         blocks = []
         cache, bounded = self.cache, self.max_blocks is not None
+        # the ids not cached, drawn together (one vectorised mapping for all of them)
+        new = [h for h in dict.fromkeys(hash_ids) if h not in cache]
+        fresh = dict(zip(new, self.synth.tokens_many(new, self.block_tokens))) if new else {}
         for h in hash_ids:
             block = cache.pop(h, None) if bounded else cache.get(h)
             if block is None:
-                block = self.synth.tokens(h, self.block_tokens)
+                block = fresh.get(h)
+                if block is None:  # cached a moment ago, but pushed out by this very request's ids
+                    block = self.synth.tokens(h, self.block_tokens)
                 if bounded and len(cache) >= self.max_blocks:  # type: ignore[operator]
                     del cache[next(iter(cache))]  # the least recently used id
             cache[h] = block

@@ -18,6 +18,8 @@ choice with a count, so the command line can print each choice once and the repo
 
 from __future__ import annotations
 
+import _random
+import hashlib
 import json
 import math
 import random
@@ -421,11 +423,36 @@ class TokenSynth:
         self.span = vocab_size - token_offset
         self.offset = token_offset
         self.seed = seed
+        self._rng = random.Random()  # re-seeded per key: the same draws as a fresh Random(key string)
+
+    def _raw(self, key: object, n: int) -> bytes:
+        rng = self._rng
+        # what `Random.seed(str)` does (version 2: the string and its SHA-512 as one big integer),
+        # without its Python-level dispatch: the same generator state, so the same draws
+        s = f"{self.seed}:{key}".encode()
+        _random.Random.seed(rng, int.from_bytes(s + hashlib.sha512(s).digest(), "big"))
+        return rng.getrandbits(32 * n).to_bytes(4 * n, "little")
+
+    def tokens_many(self, keys: Sequence[object], n: int) -> list[array]:
+        """``[tokens(key, n) for key in keys]``, the ids mapped in one vectorised pass when numpy is
+        present (a streamed replay synthesises a dozen new blocks a request)."""
+        if n <= 0 or _np is None or len(keys) < 2:
+            return [self.tokens(k, n) for k in keys]
+        ids = _np.frombuffer(b"".join([self._raw(k, n) for k in keys]), dtype="<u4").astype(_np.int64)
+        ids %= self.span
+        ids += self.offset
+        buf = memoryview(ids.tobytes())
+        out = []
+        for i in range(len(keys)):
+            a = array("q")
+            a.frombytes(buf[8 * n * i : 8 * n * (i + 1)])
+            out.append(a)
+        return out
 
     def tokens(self, key: object, n: int) -> array:
         if n <= 0:
             return array("q")
-        data = random.Random(f"{self.seed}:{key}").getrandbits(32 * n).to_bytes(4 * n, "little")
+        data = self._raw(key, n)
         span, off = self.span, self.offset
         if _np is not None:  # the same ids, vectorised (a streamed replay synthesises every block it meets)
             out = array("q")

@@ -226,9 +226,14 @@ class VirtualExecutor(Executor):
         self._ops[id(op)] = op
 
     def poll(self) -> None:
+        if not self._ops:
+            return  # (the engine polls several times a step; most steps have nothing in flight)
         now = self.clock()
-        due = [op for key, op in self._ops.items() if self.finish[key] <= now]
-        for op in sorted(due, key=lambda o: self.finish[id(o)]):
+        finish = self.finish
+        due = [op for key, op in self._ops.items() if finish[key] <= now]
+        if len(due) > 1:
+            due.sort(key=lambda o: finish[id(o)])
+        for op in due:
             self._execute(op)
 
     def _execute(self, op: "TransferOp") -> None:

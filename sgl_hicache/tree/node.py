@@ -9,6 +9,7 @@ from array import array
 
 from ..hashing import PageKey, chain_keys, tokens_bytes
 from ..tiers.base import DEVICE, DISK, HOST, Handle
+from .edge_counts import EdgeCounts
 
 _ids = itertools.count()
 
@@ -68,7 +69,7 @@ class TreeNode:
         self.pins = 0
         self.hit_count = 0
         self.last_access = 0.0
-        self.child_traffic: dict[tuple[int, ...], float] = {}
+        self.child_traffic = EdgeCounts()
         self.traffic_stamp = 0.0
         # per `child_traffic` key: when it was inserted (its place in the dict's order), and the short
         # list of keys counted more than about once (`tree.traffic.hot_edges`)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 
+from .edge_counts import EdgeCounts
 from .node import TreeNode
 
 # Turns of one conversation arrive seconds to a few minutes apart; a minute's half-life lets a
@@ -31,8 +32,7 @@ def count_edge(parent: TreeNode, first_page: tuple[int, ...], now: float) -> Non
         # counts are kept as of `traffic_stamp`; rebasing them is O(children), so it is done at
         # most once per 1/64 half-life (a node with thousands of children is matched constantly)
         decay = 0.5 ** (elapsed / TRAFFIC_HALF_LIFE_S)
-        for k in traffic:
-            traffic[k] *= decay
+        traffic.scale(decay)
         parent.traffic_stamp = now
         elapsed = 0.0
         # what decayed below the mark leaves the short list (it returns at its next match)
@@ -50,7 +50,7 @@ def count_edge(parent: TreeNode, first_page: tuple[int, ...], now: float) -> Non
 
 def start_edges(node: TreeNode, first_page: tuple[int, ...], count: float) -> None:
     """Start `node`'s counts with one child's (the upper half of a split)."""
-    node.child_traffic = {first_page: count}
+    node.child_traffic = EdgeCounts({first_page: count})
     node.traffic_seq = {first_page: next(_seq)}
     node.traffic_hot = {first_page: node.traffic_seq[first_page]} if count >= HOT_COUNT else {}
 
