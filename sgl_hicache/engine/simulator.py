@@ -138,6 +138,7 @@ class _Flight:
     prefill_left: int = 0
     prefetch_tried: bool = False
     hits: tuple[int, int, int] = (0, 0, 0)
+    short_pages: int = 0  # device pages it lacked at its last failed admission (beyond free + evictable)
 
 
 def _scratch_dir() -> str | None:
@@ -301,7 +302,8 @@ class EmbeddedEngine:
         m = cache.match(tokens)
         out_pages = math.ceil((flight.req.output_length + len(tokens) % ps) / ps)
         need_pages = len(tokens) // ps - m.device_tokens // ps
-        if need_pages + out_pages > cache.stores[DEVICE].free_pages + self._evictable_device_pages():
+        flight.short_pages = need_pages + out_pages - cache.stores[DEVICE].free_pages - self._evictable_device_pages()
+        if flight.short_pages > 0:
             return False, 0, (0.0, 0.0)
         flight.hits = self.controller.account(ticket, len(tokens), m)
         if self.oracle is not None:
@@ -418,9 +420,10 @@ class EmbeddedEngine:
             ok, new_tokens, load = self._try_admit(flight)
             if not ok:
                 # demand preempts prefetch: the queued requests' prefetch jobs lock their paths' device
-                # pages, which would otherwise stall the head of the queue until they are admitted
+                # pages, which would otherwise stall the head of the queue until they are admitted; only
+                # the jobs holding the pages it lacks end (the controller decides which)
                 others = [f.ticket for f in waiting if f is not flight and f.ticket.job is not None]
-                if others and self.controller.yield_to_demand(others):
+                if others and self.controller.yield_to_demand(others, flight.short_pages):
                     ok, new_tokens, load = self._try_admit(flight)
             if ok:
                 waiting.remove(flight)
