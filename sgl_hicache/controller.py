@@ -99,6 +99,7 @@ class RequestController:
         self.guard = PromotionGuard()
         self.prefetch_skipped = 0  # queue prefetches the guard refused (no room to spare on host)
         self.preempted_prefetches = 0  # queued requests' prefetch jobs ended for a demand (yield_to_demand)
+        self.disk_reads_recomputed = 0  # disk-only tokens recomputed: reading them would land later (read_or_recompute)
 
     # ---- arrival and prefetch ----------------------------------------------------------------
     def arrive(self, tokens: Sequence[int]) -> tuple[Ticket, MatchResult]:
@@ -109,8 +110,10 @@ class RequestController:
             self.predict(m)
         return ticket, m
 
-    def prefetch(self, ticket: Ticket, match: MatchResult | None = None) -> bool:
-        """Start moving the disk-only part of the request's match up to host. True if a job started."""
+    def prefetch(self, ticket: Ticket, match: MatchResult | None = None, head: bool = True) -> bool:
+        """Start moving the disk-only part of the request's match up to host. True if a job started.
+        `head`: the request is the next to be scheduled (the guard lets it alone use the whole host
+        tier); an adapter that cannot see the queue (the SGLang backend) leaves it True."""
         if not self.settings.prefetch or ticket.job is not None:
             return False
         m = match if match is not None else self.cache.match(ticket.tokens, touch=False)
@@ -119,7 +122,7 @@ class RequestController:
         # a prefetch holds its host pages until its request is scheduled: only while the tier has room
         # to spare for that (the guard) may it start, else the demand load does it at schedule time
         if not self.guard.prefetch_fits(self.cache.tree.protected[HOST], m.lower_tier_tokens // self.cache.page_size,
-                                        self.cache.stores[HOST].capacity_pages):
+                                        self.cache.stores[HOST].capacity_pages, head=head):
             self.prefetch_skipped += 1
             return False
         job = self.cache.plan_promotion(m, "prefetch", target=HOST)
@@ -267,6 +270,18 @@ class RequestController:
         return sum(st.node.num_pages for st in job.stages[job.applied :]) * self.cache.page_size
 
     # ---- load and accounting -----------------------------------------------------------------
+    def read_or_recompute(self, m: MatchResult, recompute_s: float) -> MatchResult:
+        """Whether a request being admitted reads the disk-only part of its match `m` on demand: only
+        when the read lands (`Executor.read_eta`, behind the disk's queued writes) before recomputing
+        that part would finish (`recompute_s`). Otherwise `m` is cut where the disk part begins and the
+        request recomputes it (the server never reads disk at admission; a disk busy with write-back
+        made a 1,536-token read wait 42 s where recomputing took 0.07 s). `disk_reads_recomputed`
+        counts the tokens."""
+        if not m.disk_tokens or self.executor.read_eta(m.disk_tokens) <= recompute_s:
+            return m
+        self.disk_reads_recomputed += m.disk_tokens
+        return m.head(m.device_tokens + m.host_tokens)
+
     def load(self, tokens: Sequence[int], m: MatchResult, recompute_s: float = float("inf")) -> tuple[MatchResult, LoadTime]:
         """Bring the lower-tier part of `m` (the match of `tokens`) to the device: a demand load,
         inline on the executor. Copies other jobs have in flight on the path are waited for when

@@ -276,7 +276,7 @@ class EmbeddedEngine:
                 break
             if not flight.prefetch_tried:
                 flight.prefetch_tried = True
-                self.controller.prefetch(flight.ticket)
+                self.controller.prefetch(flight.ticket, head=i == 0)
 
     def _try_admit(self, flight: _Flight) -> tuple[bool, int, tuple[float, float]]:
         """Admit `flight` into this step if it fits. Returns (admitted, new tokens, load seconds as
@@ -289,17 +289,19 @@ class EmbeddedEngine:
         waited_s = 0.0
         if ticket.job is not None:
             pending = self.controller.pending_tokens(ticket)
-            recompute_s = cost.prefill_seconds(cfg.model, cfg.hardware, pending, len(tokens) - pending)
+            prefill_s = cost.prefill_seconds(cfg.model, cfg.hardware, pending, len(tokens) - pending)
             # waiting for a low-priority prefetch must not be slower than loading the rest on demand
             # (which `load` below does when the rest is dropped)
-            recompute_s = min(recompute_s, self.executor.demand_eta(ticket.job))  # type: ignore[arg-type]
-            decision, eta = self.controller.admit(ticket, recompute_s)
+            demand_s = self.executor.demand_eta(ticket.job)  # type: ignore[arg-type]
+            decision, eta = self.controller.admit(ticket, min(prefill_s, demand_s))
             if decision is Admission.WAIT:  # wait for the rest inside this step
                 self.executor.finish_all(ticket.job.ops())  # type: ignore[union-attr]
-                self.controller.admit(ticket, recompute_s)
+                self.controller.admit(ticket, min(prefill_s, demand_s))
                 waited_s = eta
                 cache.stats.add("load_wait_seconds", eta)
         m = cache.match(tokens)
+        if m.disk_tokens:
+            m = self.controller.read_or_recompute(m, cost.prefill_seconds(cfg.model, cfg.hardware, m.disk_tokens, m.device_tokens + m.host_tokens))
         out_pages = math.ceil((flight.req.output_length + len(tokens) % ps) / ps)
         need_pages = len(tokens) // ps - m.device_tokens // ps
         flight.short_pages = need_pages + out_pages - cache.stores[DEVICE].free_pages - self._evictable_device_pages()
