@@ -99,6 +99,7 @@ class RequestController:
         self.guard = PromotionGuard()
         self.prefetch_skipped = 0  # queue prefetches the guard refused (no room to spare on host)
         self.preempted_prefetches = 0  # queued requests' prefetch jobs ended for a demand (yield_to_demand)
+        self.disk_reads_recomputed = 0  # disk-only tokens recomputed: reading them would land later (read_or_recompute)
 
     # ---- arrival and prefetch ----------------------------------------------------------------
     def arrive(self, tokens: Sequence[int]) -> tuple[Ticket, MatchResult]:
@@ -109,8 +110,10 @@ class RequestController:
             self.predict(m)
         return ticket, m
 
-    def prefetch(self, ticket: Ticket, match: MatchResult | None = None) -> bool:
-        """Start moving the disk-only part of the request's match up to host. True if a job started."""
+    def prefetch(self, ticket: Ticket, match: MatchResult | None = None, head: bool = True) -> bool:
+        """Start moving the disk-only part of the request's match up to host. True if a job started.
+        `head`: the request is the next to be scheduled (the guard lets it alone use the whole host
+        tier); an adapter that cannot see the queue (the SGLang backend) leaves it True."""
         if not self.settings.prefetch or ticket.job is not None:
             return False
         m = match if match is not None else self.cache.match(ticket.tokens, touch=False)
@@ -119,7 +122,7 @@ class RequestController:
         # a prefetch holds its host pages until its request is scheduled: only while the tier has room
         # to spare for that (the guard) may it start, else the demand load does it at schedule time
         if not self.guard.prefetch_fits(self.cache.tree.protected[HOST], m.lower_tier_tokens // self.cache.page_size,
-                                        self.cache.stores[HOST].capacity_pages):
+                                        self.cache.stores[HOST].capacity_pages, head=head):
             self.prefetch_skipped += 1
             return False
         job = self.cache.plan_promotion(m, "prefetch", target=HOST)
@@ -170,23 +173,63 @@ class RequestController:
         ticket.job = None
         self.dropped.append(job)
 
-    def yield_to_demand(self, tickets: Sequence[Ticket]) -> int:
-        """Demand preempts prefetch: a request being scheduled needs device pages that the prefetch
-        jobs of `tickets` (requests still queued) hold locked along their paths (a job locks its whole
-        path, the device-resident prefix included). Each job ends now: what has landed stays cached,
-        unlocked; what has not is cancelled. Returns the number of jobs ended (`preempted_prefetches`
-        counts them all)."""
-        ended = 0
-        for ticket in tickets:
-            if ticket.job is None:
-                continue
+    def yield_to_demand(self, tickets: Sequence[Ticket], short_pages: int) -> int:
+        """Demand preempts prefetch, as little as it must: a request being scheduled is `short_pages`
+        device pages short of fitting (beyond the free and evictable ones), and the prefetch jobs of
+        `tickets` (requests still queued, front of the queue first) may hold some of the device pages
+        it needs locked along their paths (a job locks its whole path, the device-resident prefix
+        included). `yield_plan` picks the jobs to end; each ends now: what has landed stays cached,
+        unlocked; what has not is cancelled. When ending every job would not make the request fit,
+        none is ended (their prefetches would be lost for nothing). Returns the number of jobs ended
+        (`preempted_prefetches` counts them all)."""
+        chosen = self.yield_plan(tickets, short_pages)
+        for ticket in chosen:
             if self.poll(ticket):
                 self.release(ticket)
             else:
                 self.drop(ticket)
-            ended += 1
-        self.preempted_prefetches += ended
-        return ended
+        self.preempted_prefetches += len(chosen)
+        return len(chosen)
+
+    @staticmethod
+    def yield_plan(tickets: Sequence[Ticket], short_pages: int) -> list[Ticket]:
+        """Which prefetch jobs `yield_to_demand` ends (pure decision, nothing changes). A device node
+        is freeable when only the jobs of `tickets` hold it (its lock count equals the number of
+        those jobs whose path crosses it, and no transfer pins it); it becomes evictable once all of
+        them end (queued requests sharing a prefix lock it together). From the back of the queue
+        forward (those requests are served last), the jobs crossing a freeable node are chosen until
+        the nodes all of whose holders are chosen cover `short_pages`; jobs crossing none are kept.
+        Empty when `short_pages` <= 0 or when ending every job would free fewer than `short_pages`."""
+        if short_pages <= 0:
+            return []
+        paths: list[tuple[Ticket, list[TreeNode]]] = []
+        holders: dict[int, int] = {}  # device node id -> jobs of `tickets` crossing it
+        for ticket in tickets:
+            job = ticket.job
+            if job is None or job.released:
+                continue
+            path = [n for n in job.anchor.path_from_root() if not n.is_root and n.device is not None]
+            for n in path:
+                holders[n.id] = holders.get(n.id, 0) + 1
+            paths.append((ticket, path))
+        freeable = {n.id: n.num_pages for _, path in paths for n in path if n.pins == 0 and n.lock_ref == holders[n.id]}
+        if sum(freeable.values()) < short_pages:
+            return []
+        left = {k: holders[k] for k in freeable}  # holders not chosen yet
+        chosen: list[Ticket] = []
+        freed = 0
+        for ticket, path in reversed(paths):
+            mine = [n.id for n in path if n.id in left]
+            if not mine:
+                continue
+            chosen.append(ticket)
+            for k in mine:
+                left[k] -= 1
+                if left[k] == 0:
+                    freed += freeable[k]
+            if freed >= short_pages:
+                return chosen
+        return chosen
 
     def _reap_dropped(self, wait: bool = False) -> None:
         keep = []
@@ -227,6 +270,18 @@ class RequestController:
         return sum(st.node.num_pages for st in job.stages[job.applied :]) * self.cache.page_size
 
     # ---- load and accounting -----------------------------------------------------------------
+    def read_or_recompute(self, m: MatchResult, recompute_s: float) -> MatchResult:
+        """Whether a request being admitted reads the disk-only part of its match `m` on demand: only
+        when the read lands (`Executor.read_eta`, behind the disk's queued writes) before recomputing
+        that part would finish (`recompute_s`). Otherwise `m` is cut where the disk part begins and the
+        request recomputes it (the server never reads disk at admission; a disk busy with write-back
+        made a 1,536-token read wait 42 s where recomputing took 0.07 s). `disk_reads_recomputed`
+        counts the tokens."""
+        if not m.disk_tokens or self.executor.read_eta(m.disk_tokens) <= recompute_s:
+            return m
+        self.disk_reads_recomputed += m.disk_tokens
+        return m.head(m.device_tokens + m.host_tokens)
+
     def load(self, tokens: Sequence[int], m: MatchResult, recompute_s: float = float("inf")) -> tuple[MatchResult, LoadTime]:
         """Bring the lower-tier part of `m` (the match of `tokens`) to the device: a demand load,
         inline on the executor. Copies other jobs have in flight on the path are waited for when

@@ -53,8 +53,75 @@ def test_yield_to_demand_unlocks_the_device_pages_a_prefetch_held(tmp_path):
     assert m.device_tokens == len(shared) and m.disk_tokens == len(tail)
     assert ctl.prefetch(ticket, m)
     assert cache.tree.evictable_pages(DEVICE) == before - 4  # the prefetch locks the device prefix too
-    assert ctl.yield_to_demand([ticket]) == 1 and ticket.job is None
+    assert ctl.yield_to_demand([ticket], short_pages=4) == 1 and ticket.job is None
     assert cache.tree.evictable_pages(DEVICE) == before and ctl.preempted_prefetches == 1
+    cache.check()
+
+
+def _three_queued_prefetches(tmp_path):
+    """Three queued requests with prefetches: two whose device-resident prefixes (2 pages each) the
+    prefetch locks, one whose path is on disk only (it locks no device page)."""
+    clock = Clock()
+    cache = make_cache(tmp_path, device=8, host=16, disk=64)
+    cache.clock = clock
+    ex, ctl = _controller(cache, clock)
+    a, b, c = seq(0, 2), seq(2000, 2), seq(4000, 3)
+    _disk_only(cache, a + seq(1000, 2))
+    _disk_only(cache, b + seq(3000, 2))
+    _disk_only(cache, c)
+    serve(cache, a)
+    serve(cache, b)
+    tickets = []
+    for tokens in (a + seq(1000, 2), b + seq(3000, 2), c):
+        ticket, m = ctl.arrive(tokens)
+        assert ctl.prefetch(ticket, m)
+        tickets.append(ticket)
+    return cache, ctl, tickets
+
+
+def test_yield_to_demand_ends_only_the_jobs_holding_what_the_head_lacks(tmp_path):
+    # the 480b regression: ending every queued prefetch whenever the head did not fit gave back what
+    # prefetch gained; only the jobs whose locks keep the head out may end, the back of the queue first
+    cache, ctl, (ta, tb, tc) = _three_queued_prefetches(tmp_path)
+    before = cache.tree.evictable_pages(DEVICE)
+    assert ctl.yield_plan([ta, tb, tc], 2) == [tb]  # tc (back of the queue) holds no device page
+    assert ctl.yield_to_demand([ta, tb, tc], short_pages=2) == 1
+    assert tb.job is None and ta.job is not None and tc.job is not None
+    assert cache.tree.evictable_pages(DEVICE) == before + 2 and ctl.preempted_prefetches == 1
+    for t in (ta, tc):
+        ctl.drop(t)
+    cache.check()
+
+
+def test_yield_to_demand_ends_nothing_when_ending_all_would_not_make_room(tmp_path):
+    cache, ctl, tickets = _three_queued_prefetches(tmp_path)
+    assert ctl.yield_plan(tickets, 4) == [tickets[1], tickets[0]]  # both device holders cover 4 pages
+    assert ctl.yield_to_demand(tickets, short_pages=5) == 0  # they hold 4: the head would not fit anyway
+    assert ctl.yield_to_demand(tickets, short_pages=0) == 0  # the head fits: nothing to yield
+    assert all(t.job is not None for t in tickets) and ctl.preempted_prefetches == 0
+    for t in tickets:
+        ctl.drop(t)
+    cache.check()
+
+
+def test_yield_to_demand_ends_together_the_jobs_sharing_a_locked_prefix(tmp_path):
+    # queued agent steps share their tool documentation: no one job frees it, both together do
+    clock = Clock()
+    cache = make_cache(tmp_path, device=8, host=16, disk=64)
+    cache.clock = clock
+    ex, ctl = _controller(cache, clock)
+    shared = seq(0, 2)
+    _disk_only(cache, shared + seq(1000, 2))
+    _disk_only(cache, shared + seq(2000, 2))
+    serve(cache, shared)
+    tickets = []
+    for tail in (seq(1000, 2), seq(2000, 2)):
+        ticket, m = ctl.arrive(shared + tail)
+        assert ctl.prefetch(ticket, m)
+        tickets.append(ticket)
+    before = cache.tree.evictable_pages(DEVICE)
+    assert ctl.yield_to_demand(tickets, short_pages=2) == 2
+    assert cache.tree.evictable_pages(DEVICE) == before + 2
     cache.check()
 
 
@@ -86,6 +153,10 @@ def test_prefetch_starts_only_while_host_has_room_to_spare(tmp_path):
     assert not guard.prefetch_fits(held=2, need=3, capacity=8)
     assert guard.prefetch_fits(held=0, need=6, capacity=8)  # a lone prefetch crowds no other
     assert not guard.prefetch_fits(held=0, need=9, capacity=8)
+    # a request behind the head may not: its path would push out what the ones ahead need (agentic
+    # trace: 1.03x `demote` TTFT with it, 0.98x without)
+    assert not guard.prefetch_fits(held=0, need=6, capacity=8, head=False)
+    assert guard.prefetch_fits(held=0, need=4, capacity=8, head=False)
     clock = Clock()
     cache = make_cache(tmp_path, device=8, host=8, disk=64)
     cache.clock = clock
@@ -94,6 +165,44 @@ def test_prefetch_starts_only_while_host_has_room_to_spare(tmp_path):
     _disk_only(cache, long)
     _disk_only(cache, short)
     ticket, m = ctl.arrive(long)
-    assert ctl.prefetch(ticket, m) and ctl.prefetch_skipped == 0  # 6 of 8 host pages, but no other prefetch holds any
+    assert not ctl.prefetch(ticket, m, head=False) and ctl.prefetch_skipped == 1
+    assert ctl.prefetch(ticket, m) and ctl.prefetch_skipped == 1  # 6 of 8 host pages, but no other prefetch holds any
     ctl.drop(ticket)
     cache.check()
+
+
+def test_the_server_sizes_a_refused_request_shortfall_as_sglang_admits_it():
+    # the SGLang hook's input to the controller's yield: extend input + clipped output + overhead + a page,
+    # less what the adder can still give
+    from types import SimpleNamespace
+
+    from sgl_hicache.sglang.scheduler_hooks import demand_shortfall_tokens
+
+    req = SimpleNamespace(full_untruncated_fill_ids=list(range(1000)), prefix_len=200, output_ids=[1, 2],
+                          sampling_params=SimpleNamespace(max_new_tokens=100))
+    adder = SimpleNamespace(rem_total_tokens=500, per_req_token_overhead=0, page_size=16)
+    assert demand_shortfall_tokens(adder, req, clip_max_new_tokens=4096) == 800 + 98 + 16 - 500
+    assert demand_shortfall_tokens(adder, req, clip_max_new_tokens=50) == 800 + 50 + 16 - 500
+    adder.rem_total_tokens = 10_000
+    assert demand_shortfall_tokens(adder, req, clip_max_new_tokens=4096) < 0  # it fits: nothing to yield
+
+
+def test_a_demand_read_behind_a_busy_disk_is_recomputed_when_that_is_sooner(tmp_path):
+    # 0.98 GB/s regime map cell: a disk busy with write-back made a 1,536-token read block the step for
+    # 42 s where recomputing took 0.07 s; every policy then sat 2-3x slower than it needed
+    clock = Clock()
+    cache = make_cache(tmp_path, device=8, host=16, disk=64)
+    cache.clock = clock
+    ex, ctl = _controller(cache, clock)  # 1,000 tokens a second on every link
+    tokens = seq(0, 2) + seq(1000, 2)
+    serve(cache, seq(0, 2))
+    _disk_only(cache, tokens)
+    serve(cache, seq(0, 2))  # the first 2 pages back on the device, the last 2 on disk only
+    m = cache.match(tokens, touch=False)
+    assert m.disk_tokens == 2 * PS
+    assert ctl.read_or_recompute(m, recompute_s=1.0) is m  # an idle disk reads 8 tokens in 8 ms
+    ex.pipes.schedule("host->disk", 5000, clock())  # 5 s of write-back queued on the disk
+    cut = ctl.read_or_recompute(m, recompute_s=1.0)
+    assert cut.tokens == m.device_tokens + m.host_tokens and not cut.disk_tokens
+    assert ctl.disk_reads_recomputed == 2 * PS
+    assert ctl.read_or_recompute(m, recompute_s=10.0) is m  # recomputing would take longer: read it

@@ -278,6 +278,33 @@ def test_admission_hook_skips_only_a_request_told_to_retry():
     assert keep_admitting(retry, other, req, False, None) == AddReqResult.OTHER
 
 
+def test_admission_hook_yields_prefetch_locks_to_a_request_short_of_room_and_retries_it():
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    from sgl_hicache.sglang.backend import BackendCounters, TieredRadixCache
+    from sgl_hicache.sglang.scheduler_hooks import keep_admitting
+    from sgl_hicache.sglang.settings import BackendSettings
+
+    cache = object.__new__(TieredRadixCache)
+    cache.settings, cache.counters, cache.deferred_rid = BackendSettings(), BackendCounters(), None
+    asked = []
+    cache.yield_to_demand = lambda req, short: asked.append(short) or (1 if short > 0 else 0)
+    adder = SimpleNamespace(tree_cache=cache, can_run_list=[], rem_total_tokens=100, per_req_token_overhead=0, page_size=1)
+    req = SimpleNamespace(rid="r1", full_untruncated_fill_ids=list(range(300)), prefix_len=0, output_ids=[],
+                          sampling_params=SimpleNamespace(max_new_tokens=10))
+    calls = []
+
+    def no_room_then_fits(adder, req, *a, **k):
+        calls.append(1)
+        return AddReqResult.NO_TOKEN if len(calls) == 1 else AddReqResult.CONTINUE
+
+    assert keep_admitting(no_room_then_fits, adder, req, False, None) == AddReqResult.CONTINUE
+    assert asked == [300 + 10 + 1 - 100] and len(calls) == 2  # the controller was asked for the shortfall, then a retry
+    calls.clear()
+    adder.rem_total_tokens = 1000  # refused for another reason: nothing yielded, no retry
+    assert keep_admitting(no_room_then_fits, adder, req, False, None) == AddReqResult.NO_TOKEN and len(calls) == 1
+
+
 @pytest.mark.parametrize("change, words", [
     ({"enable_dp_attention": True}, "DP attention"),
     ({"dp_size": 8}, "dp_size=8 in one server is not supported: run one server per replica"),

@@ -140,6 +140,7 @@ class _Flight:
     prefill_left: int = 0
     prefetch_tried: bool = False
     hits: tuple[int, int, int] = (0, 0, 0)
+    short_pages: int = 0  # device pages it lacked at its last failed admission (beyond free + evictable)
 
 
 def _scratch_dir() -> str | None:
@@ -282,7 +283,7 @@ class EmbeddedEngine:
                 break
             if not flight.prefetch_tried:
                 flight.prefetch_tried = True
-                self.controller.prefetch(flight.ticket)
+                self.controller.prefetch(flight.ticket, head=i == 0)
 
     def _try_admit(self, flight: _Flight) -> tuple[bool, int, tuple[float, float]]:
         """Admit `flight` into this step if it fits. Returns (admitted, new tokens, load seconds as
@@ -295,20 +296,23 @@ class EmbeddedEngine:
         waited_s = 0.0
         if ticket.job is not None:
             pending = self.controller.pending_tokens(ticket)
-            recompute_s = cost.prefill_seconds(cfg.model, cfg.hardware, pending, len(tokens) - pending)
+            prefill_s = cost.prefill_seconds(cfg.model, cfg.hardware, pending, len(tokens) - pending)
             # waiting for a low-priority prefetch must not be slower than loading the rest on demand
             # (which `load` below does when the rest is dropped)
-            recompute_s = min(recompute_s, self.executor.demand_eta(ticket.job))  # type: ignore[arg-type]
-            decision, eta = self.controller.admit(ticket, recompute_s)
+            demand_s = self.executor.demand_eta(ticket.job)  # type: ignore[arg-type]
+            decision, eta = self.controller.admit(ticket, min(prefill_s, demand_s))
             if decision is Admission.WAIT:  # wait for the rest inside this step
                 self.executor.finish_all(ticket.job.ops())  # type: ignore[union-attr]
-                self.controller.admit(ticket, recompute_s)
+                self.controller.admit(ticket, min(prefill_s, demand_s))
                 waited_s = eta
                 cache.stats.add("load_wait_seconds", eta)
         m = cache.match(tokens)
+        if m.disk_tokens:
+            m = self.controller.read_or_recompute(m, cost.prefill_seconds(cfg.model, cfg.hardware, m.disk_tokens, m.device_tokens + m.host_tokens))
         out_pages = math.ceil((flight.req.output_length + len(tokens) % ps) / ps)
         need_pages = len(tokens) // ps - m.device_tokens // ps
-        if need_pages + out_pages > cache.stores[DEVICE].free_pages + self._evictable_device_pages():
+        flight.short_pages = need_pages + out_pages - cache.stores[DEVICE].free_pages - self._evictable_device_pages()
+        if flight.short_pages > 0:
             return False, 0, (0.0, 0.0)
         flight.hits = self.controller.account(ticket, len(tokens), m)
         if self.oracle is not None:
@@ -425,9 +429,10 @@ class EmbeddedEngine:
             ok, new_tokens, load = self._try_admit(flight)
             if not ok:
                 # demand preempts prefetch: the queued requests' prefetch jobs lock their paths' device
-                # pages, which would otherwise stall the head of the queue until they are admitted
+                # pages, which would otherwise stall the head of the queue until they are admitted; only
+                # the jobs holding the pages it lacks end (the controller decides which)
                 others = [f.ticket for f in waiting if f is not flight and f.ticket.job is not None]
-                if others and self.controller.yield_to_demand(others):
+                if others and self.controller.yield_to_demand(others, flight.short_pages):
                     ok, new_tokens, load = self._try_admit(flight)
             if ok:
                 waiting.remove(flight)

@@ -25,9 +25,11 @@ class PromotionGuard:
     - `worth_evicting(candidates, pages, node, priority)`: True when the `pages` pages eviction would
       free first (the lowest of `candidates` by `priority`, the eviction order) all rank below
       `node`: a promotion that evicts only ever trades a page for one worth more.
-    - `prefetch_fits(held, need, capacity)`: whether a queue prefetch of `need` pages may start in a
-      tier of `capacity` pages in which `held` pages are already locked or pinned (by running
-      requests and earlier prefetches): only while all of them fit in `prefetch_share` of the tier.
+    - `prefetch_fits(held, need, capacity, head)`: whether a queue prefetch of `need` pages may start
+      in a tier of `capacity` pages in which `held` pages are already locked or pinned (by running
+      requests and earlier prefetches): only while all of them fit in `prefetch_share` of the tier,
+      or, for the request at the head of the queue (`head`) while nothing else holds pages, the
+      whole tier.
       A prefetch is a demand load made early, and it holds its pages until its request is
       scheduled; past that share it takes the room the requests ahead of it need (pages demoted
       from the device, their own loads). With prompts nearly as long as the host tier is large it
@@ -51,9 +53,10 @@ class PromotionGuard:
         self.stopped += 1
         return False
 
-    def prefetch_fits(self, held: int, need: int, capacity: int) -> bool:
-        # a lone prefetch (no other holds host pages) crowds no one: it may use the whole tier
-        return held + need <= self.prefetch_share * capacity or (held == 0 and need <= capacity)
+    def prefetch_fits(self, held: int, need: int, capacity: int, head: bool = True) -> bool:
+        # the next request to be scheduled, alone in holding host pages, crowds no one ahead of it: it
+        # may use the whole tier (a request further back would push out what the ones ahead need)
+        return held + need <= self.prefetch_share * capacity or (head and held == 0 and need <= capacity)
 
     @staticmethod
     def worth_evicting(candidates: Iterable[TreeNode], pages: int, node: TreeNode, priority: Callable[[TreeNode], tuple]) -> bool:

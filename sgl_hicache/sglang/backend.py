@@ -121,6 +121,7 @@ class BackendCounters:
     evicted_tokens: int = 0
     uncacheable_requests: int = 0  # extra_key / cache_salt / bigram: served without the cache
     admission_skips: int = 0  # a waiting request skipped while the requests behind it were admitted
+    prefetch_yields: int = 0  # waiting requests' prefetch jobs ended so a request short of device room fits
     evict_short: int = 0  # evictions that freed fewer pages than asked (never waited for a copy in flight)
     extra: dict = field(default_factory=dict)
 
@@ -375,6 +376,24 @@ class TieredRadixCache(BasePrefixCache):
                 req.storage_hit_length = hi - lo
         self._maybe_check()
         return promised, m2.last_node
+
+    def yield_to_demand(self, req, short_tokens: int) -> int:
+        """Demand preempts prefetch, with the embedded engine's rule (`RequestController.yield_to_demand`
+        decides): `req` was refused for want of `short_tokens` device tokens, and the prefetch jobs of
+        the other waiting requests lock their paths' device pages; the jobs holding pages it lacks end
+        (the back of the queue first; none when ending all would not make room). Called by
+        `scheduler_hooks.keep_admitting`, which then retries the request once. Nothing with TP >= 2
+        (the ranks would have to agree on it first: not built) or without a shortfall. Returns the
+        number of jobs ended."""
+        if self.disable or short_tokens <= 0 or self.consensus is not None:
+            return 0
+        rid = getattr(req, "rid", None)
+        tickets = [st.ticket for r, st in self._states.items() if r != rid and st.ticket is not None and st.ticket.job is not None]
+        if not tickets:
+            return 0
+        ended = self.controller.yield_to_demand(tickets, -(-int(short_tokens) // self.page_size))
+        self.counters.prefetch_yields += ended
+        return ended
 
     def after_batch_formed(self) -> None:
         """Once per scheduling step, after SGLang formed (and allocated) the prefill batch

@@ -8,6 +8,10 @@ Both do nothing unless the scheduler's tree cache is ours.
    `AddReqResult.CONTINUE`: the request stays in the waiting queue (retried next round) and the
    requests behind it are still admitted this round. Nothing was committed for it: `add_one_req`
    returns before committing when `init_load_back` returns None.
+   Demand preempts prefetch (as in the embedded engine): when the request is refused for want of
+   device room (`AddReqResult.NO_TOKEN`), `TieredRadixCache.yield_to_demand` ends the waiting
+   requests' prefetch jobs that hold the device pages it lacks (`demand_shortfall_tokens`; the
+   controller decides which) and, if any ended, the request is tried once more.
 2. After the prefill batch is formed (AFTER `Scheduler.get_new_batch_prefill`, every scheduling step):
    `TieredRadixCache.after_batch_formed` (background write-back starts here, once the batch's
    allocations are done), then the consumer index of layer-wise loads. SGLang sets
@@ -33,16 +37,39 @@ def _our_cache(cache: Any) -> Any:
     return cache if isinstance(cache, TieredRadixCache) else None
 
 
+def demand_shortfall_tokens(adder, req, clip_max_new_tokens: int | None = None) -> int:
+    """Device tokens `req` lacks beyond what `adder` can still give (`rem_total_tokens`: free plus
+    evictable, less what running and admitted requests reserve), sized as `add_one_req` sizes it:
+    its extend input (host hits included: they are loaded into device pages), its output clipped to
+    `CLIP_MAX_NEW_TOKENS`, the per-request overhead and one page of alignment. <= 0 when the tokens
+    fit (it was refused for another reason)."""
+    if clip_max_new_tokens is None:
+        from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
+
+        clip_max_new_tokens = CLIP_MAX_NEW_TOKENS
+    max_new = min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), clip_max_new_tokens)
+    need = (len(req.full_untruncated_fill_ids) - req.prefix_len + max_new + getattr(adder, "per_req_token_overhead", 0)
+            + getattr(adder, "page_size", 1))
+    return int(need - adder.rem_total_tokens)
+
+
 def keep_admitting(original, adder, req, *args, **kwargs):
     """AROUND `PrefillAdder.add_one_req` (module docstring, 1)."""
     cache = _our_cache(getattr(adder, "tree_cache", None))
-    if cache is None or not cache.settings.skip_waiting_admission:
+    if cache is None:
         return original(adder, req, *args, **kwargs)
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
     cache.deferred_rid = None
     result = original(adder, req, *args, **kwargs)
+    # NO_TOKEN returns before anything is committed for the request: trying it again is safe
+    if result == AddReqResult.NO_TOKEN and cache.yield_to_demand(req, demand_shortfall_tokens(adder, req)):
+        cache.deferred_rid = None
+        result = original(adder, req, *args, **kwargs)
+    if not cache.settings.skip_waiting_admission:
+        return result
     if cache.deferred_rid is not None and cache.deferred_rid == getattr(req, "rid", None):
         cache.deferred_rid = None
-        from sglang.srt.managers.schedule_policy import AddReqResult
 
         if result == AddReqResult.OTHER and req not in adder.can_run_list:
             cache.counters.admission_skips += 1
@@ -72,4 +99,4 @@ def register_hooks() -> None:
     HookRegistry.register(GET_NEW_BATCH_PREFILL, set_consumer_index, HookType.AFTER)
 
 
-__all__ = ["keep_admitting", "register_hooks", "set_consumer_index"]
+__all__ = ["demand_shortfall_tokens", "keep_admitting", "register_hooks", "set_consumer_index"]

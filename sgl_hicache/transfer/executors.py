@@ -73,6 +73,11 @@ class Executor(ABC):
     def expedite(self, ops: Sequence["TransferOp"], max_wait_s: float = math.inf) -> float:
         return 0.0
 
+    def read_eta(self, tokens: int) -> float:
+        """Seconds from now until a demand read of `tokens` disk -> host would land (0 where the
+        executor cannot tell: the server never reads disk at admission)."""
+        return 0.0
+
     def stop(self) -> None:
         return None
 
@@ -276,6 +281,11 @@ class VirtualExecutor(Executor):
             end = max(end, finish)
             self._execute(op)
         return end - now
+
+    def read_eta(self, tokens: int) -> float:
+        """A demand read queues behind the disk's normal-priority work (write-back included)."""
+        now = self.clock()
+        return max(now, self.pipes.high_until.get(self.pipes.pipe("disk->host"), 0.0)) + self.pipes.seconds("disk->host", tokens) - now
 
     def demand_eta(self, job: "PromotionJob") -> float:
         """Seconds from now until the job's copies not done yet would land if they were queued now
