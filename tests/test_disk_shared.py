@@ -261,15 +261,19 @@ def _cache_worker(worker: int, directory: str, barrier, results) -> None:
     results.put((worker, out))
 
 
-def _count_under_lock(directory: Path, ledger: Path) -> tuple[int, int]:
+def _count_under_lock(directory: Path, ledger: Path) -> tuple[int, int] | None:
     """(page files, the ledger's count) taken under the ledger's lock: every rename into and unlink
-    of a page path happens under it, so the two must be equal."""
+    of a page path happens under it, so the two must be equal. None while the first process has
+    created the file but not sized it yet (it sizes it before taking the lock)."""
     fd = os.open(ledger, os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             files = len(page_files(directory))
-            (counted,) = struct.unpack("<q", os.pread(fd, 8, 16))
+            head = os.pread(fd, 8, 16)
+            if len(head) < 8:
+                return None
+            (counted,) = struct.unpack("<q", head)
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
@@ -291,8 +295,8 @@ def test_processes_write_read_and_evict_one_directory_at_once(tmp_path: Path) ->
 
     def monitor() -> None:
         while not stop.is_set():
-            if ledger.exists():
-                samples.append(_count_under_lock(disk, ledger))
+            if ledger.exists() and (sample := _count_under_lock(disk, ledger)) is not None:
+                samples.append(sample)
             time.sleep(0.01)
 
     watcher = threading.Thread(target=monitor, daemon=True)
