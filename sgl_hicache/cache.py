@@ -616,8 +616,10 @@ class TieredCache:
         """Complete (as cancelled: free their destination pages) the orphaned copies that ended. Never waits."""
         with self._mutex:
             if self.orphans:
-                ended = [op for op in self.orphans if op.executed.is_set()]
-                self.orphans = [op for op in self.orphans if not op.executed.is_set()]
+                ended, running = [], []
+                for op in self.orphans:  # one read per op: a copy ending between two reads is lost to both lists
+                    (ended if op.executed.is_set() else running).append(op)
+                self.orphans = running
                 for op in ended:
                     self.complete(op)
 
