@@ -463,3 +463,31 @@ def test_a_process_locked_out_by_a_peers_pages_reclaims_the_oldest(tmp_path: Pat
     errors = a.snapshot()["errors"]
     assert errors.get("vanished_pages") == 1 and errors.get("corrupt_pages", 0) == 0  # ... and is not corrupt
     assert len(page_files(tmp_path / "disk")) <= 24
+
+
+def test_a_collected_store_never_waits_on_a_ledger_lock_its_own_thread_holds(tmp_path: Path) -> None:
+    """Garbage collection can finalize a dropped store in whatever thread allocates -- also one
+    inside a live store's critical section on the same directory's ledger. flock is per open file,
+    so a blocking release would wait on its own thread forever (a hung test run). The release is
+    deferred instead, and the dropped store's reservations are freed once the section ends."""
+    from sgl_hicache.tiers.shared import DirectoryLedger
+
+    dropped, live = DirectoryLedger(tmp_path, NS.root), DirectoryLedger(tmp_path, NS.root)
+    assert dropped.reserve(3, capacity=10) and live.reserve(2, capacity=10)
+    released = threading.Event()
+
+    def collect_inside_the_section() -> None:
+        with live.locked():
+            dropped.close()  # what the finalizer runs on collection
+            released.set()
+            assert live.used == 5  # the drop waits for the section to end
+
+    t = threading.Thread(target=collect_inside_the_section, daemon=True)
+    t.start()
+    t.join(20)
+    assert released.is_set(), "releasing a store blocked on a ledger lock its own thread held"
+    deadline = time.monotonic() + 20
+    while live.used != 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert live.used == 2 and not live.is_alive(dropped.owner)
+    live.close()

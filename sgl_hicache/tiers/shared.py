@@ -80,6 +80,17 @@ _OWNER_NAME = re.compile(rf"^({OWNER_PATTERN})\.lock$")
 _OPEN = getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
 
 
+_THREAD = threading.local()
+
+
+def _held_here() -> dict[Path, int]:
+    """Ledger paths whose flock this thread holds, with how many of this process's stores hold it."""
+    held = getattr(_THREAD, "ledgers", None)
+    if held is None:
+        held = _THREAD.ledgers = {}
+    return held
+
+
 def new_owner_id() -> str:
     return f"{os.getpid()}-{secrets.token_hex(8)}"
 
@@ -167,25 +178,55 @@ class DirectoryLedger:
 
     # ---- lifetime -----------------------------------------------------------------------------
     @staticmethod
-    def _release(owner_path: Path, owner_fd: int, fd: int, path: Path, mapping: mmap.mmap) -> None:
-        # drop our slot (its reservations die with us), then the owner lock
-        with contextlib.suppress(OSError, ValueError):
-            fcntl.flock(fd, fcntl.LOCK_EX)
+    def _release(owner_path: Path, owner_fd: int, fd: int, path: Path, mapping: mmap.mmap, wait: bool = False) -> None:
+        # The finalizer (wait=False) runs at any allocation, in any thread -- also one inside another
+        # store's critical section on this same ledger (two stores of one directory in one process),
+        # or holding locks that ledger's holder needs. flock is per open file description, so
+        # waiting there could wait on ourselves forever: take the lock only if it is free now, and
+        # otherwise leave the wait to a helper thread. `close()` waits (wait=True) when it can.
+        if wait:
+            DirectoryLedger._finish_release(owner_path, owner_fd, fd, path, mapping, wait=True)
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            args = (owner_path, owner_fd, fd, path, mapping, True)
             try:
-                own = owner_path.name[: -len(".lock")].encode()
-                for i in range(SLOTS):
-                    at = _HEAD_SIZE + i * _SLOT.size
-                    name, reserved = _SLOT.unpack_from(mapping, at)
-                    if name.rstrip(b"\0") == own:
-                        wfd = os.open(path, os.O_RDWR | _OPEN)
-                        try:
-                            total = struct.unpack_from("<q", mapping, _RESERVED_AT)[0]
-                            os.pwrite(wfd, struct.pack("<q", total - reserved), _RESERVED_AT)
-                            os.pwrite(wfd, _SLOT.pack(b"", 0), at)
-                        finally:
-                            os.close(wfd)
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
+                threading.Thread(target=DirectoryLedger._finish_release, args=args, name="sgl-hicache-ledger-release", daemon=True).start()
+                return
+            except RuntimeError:  # the interpreter is exiting: the slot is reclaimed as a dead owner's
+                DirectoryLedger._finish_release(owner_path, owner_fd, fd, path, mapping, False)
+                return
+        except (OSError, ValueError):
+            DirectoryLedger._finish_release(owner_path, owner_fd, fd, path, mapping, False)
+            return
+        DirectoryLedger._finish_release(owner_path, owner_fd, fd, path, mapping, False, locked=True)
+
+    @staticmethod
+    def _finish_release(owner_path: Path, owner_fd: int, fd: int, path: Path, mapping: mmap.mmap, wait: bool, locked: bool = False) -> None:
+        """Drop our slot (its reservations die with us) if we hold, or `wait` for, the ledger's
+        flock; then give up the owner lock. Without the slot drop, the next store that runs short
+        reclaims the slot as a dead owner's (`reclaim_dead`)."""
+        with contextlib.suppress(OSError, ValueError):
+            if wait:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                locked = True
+            if locked:
+                try:
+                    own = owner_path.name[: -len(".lock")].encode()
+                    for i in range(SLOTS):
+                        at = _HEAD_SIZE + i * _SLOT.size
+                        name, reserved = _SLOT.unpack_from(mapping, at)
+                        if name.rstrip(b"\0") == own:
+                            wfd = os.open(path, os.O_RDWR | _OPEN)
+                            try:
+                                total = struct.unpack_from("<q", mapping, _RESERVED_AT)[0]
+                                os.pwrite(wfd, struct.pack("<q", total - reserved), _RESERVED_AT)
+                                os.pwrite(wfd, _SLOT.pack(b"", 0), at)
+                            finally:
+                                os.close(wfd)
+                finally:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
         with contextlib.suppress(OSError, ValueError, BufferError):
             mapping.close()
         with contextlib.suppress(OSError):
@@ -195,9 +236,12 @@ class DirectoryLedger:
                 os.close(f)
 
     def close(self) -> None:
-        """Give up the slot and the owner lock (idempotent)."""
+        """Give up the slot and the owner lock (idempotent). Waits for the ledger's lock unless this
+        thread holds it through another store of the directory (then the slot goes once it is free)."""
         with self._mutex:
-            self._closer()
+            detached = self._closer.detach()
+            if detached is not None:
+                DirectoryLedger._release(*detached[2], wait=_held_here().get(self.path, 0) == 0)
 
     @property
     def closed(self) -> bool:
@@ -217,6 +261,8 @@ class DirectoryLedger:
         with self._mutex:  # re-entrant for this thread; flock itself is taken once
             if self._depth == 0:
                 fcntl.flock(self._fd, fcntl.LOCK_EX)
+                held = _held_here()
+                held[self.path] = held.get(self.path, 0) + 1
             self._depth += 1
             try:
                 yield
@@ -228,6 +274,7 @@ class DirectoryLedger:
                             os.close(self._wfd)
                         self._wfd = None
                     fcntl.flock(self._fd, fcntl.LOCK_UN)
+                    _held_here()[self.path] -= 1
 
     def _write(self, at: int, data: bytes, strict: bool = False) -> bool:
         """Write ledger bytes (inside the critical section) through a descriptor opened for this
