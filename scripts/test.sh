@@ -40,7 +40,10 @@ if "$CORE/bin/python" -c "import sglang" 2>/dev/null; then
     exit 1
 fi
 echo "== core suite (no sglang) =="
-SGLHICACHE_REQUIRE_SGLANG=0 "$CORE/bin/python" -m pytest -q -m "not sglang" "$@"
+# Each suite has a wall limit too (pytest-timeout bounds a test, not a hang at interpreter exit), so
+# a hang fails here with a message rather than running CI out of its time.
+limited() { local s=$1; shift; timeout -k 30 "$s" "$@" || { rc=$?; [ $rc = 124 ] && echo "[test.sh] error: the suite ran past ${s} s" >&2; return $rc; }; }
+SGLHICACHE_REQUIRE_SGLANG=0 limited 1800 "$CORE/bin/python" -m pytest -q -m "not sglang" "$@"
 echo "[test.sh] core suite done after $(( $(date +%s) - t0 )) s"
 
 if [ "${SKIP_SGLANG:-0}" = 1 ]; then
@@ -51,5 +54,5 @@ echo "== SGLang suite (real server on CPU) =="
 "$ROOT/scripts/install_sglang_cpu.sh" "$SGL"
 "$SGL/bin/pip" install -q "${STORE_PIP[@]}" 2>&1 | quiet_pip
 # -p no:cacheprovider: no .pytest_cache writes racing the core run's
-SGLHICACHE_REQUIRE_SGLANG=1 "$SGL/bin/python" -m pytest -q -m sglang -p no:cacheprovider -rs "$@"
+SGLHICACHE_REQUIRE_SGLANG=1 limited 2700 "$SGL/bin/python" -m pytest -q -m sglang -p no:cacheprovider -rs "$@"
 echo "[test.sh] all done after $(( $(date +%s) - t0 )) s"
