@@ -1,10 +1,12 @@
 """Time spent on SGLang's scheduler thread inside each cache call, and a guard that catches I/O there.
 
 `CallTimer.instrument(cache, names)` wraps the named methods of one cache object (on the instance:
-the class and SGLang are untouched) so that every call records its wall time. `snapshot()` gives,
-per call name, `count`, `total_s`, `mean_us`, `p50_us`, `p99_us`, `max_us`; percentiles are over the
-last `window` calls of that name (max and count over all of them). Recording is a `perf_counter` pair
-and an append: well under a microsecond, so it stays on by default.
+the class and SGLang are untouched) so that every call records its wall time and the scheduler
+thread's CPU time in it. `snapshot()` gives, per call name, `count`, `total_s`, `mean_us`, `p50_us`,
+`p99_us`, `max_us` (wall) and `cpu_p50_us`, `cpu_p99_us`, `cpu_max_us`; percentiles are over the last
+`window` calls of that name (max and count over all of them). Wall minus CPU is time the thread was
+not running: waiting for the GIL (another thread of the process) or for a core (another process).
+Recording is two clock pairs and two appends, about a microsecond, so it stays on by default.
 
 `IOGuard` (a test and diagnosis aid, off by default: setting `check_scheduler_io`) counts what must
 never run on the scheduler thread while it is inside one of those calls: a copy of bytes between tiers
@@ -82,24 +84,28 @@ class CallTimer:
     def __init__(self, window: int = 65536) -> None:
         self.window = window
         self.series: dict[str, _Series] = {}
+        self.cpu_series: dict[str, _Series] = {}
 
-    def record(self, name: str, seconds: float) -> None:
-        s = self.series.get(name)
-        if s is None:
-            s = self.series[name] = _Series(self.window)
-        s.add(seconds)
+    def record(self, name: str, seconds: float, cpu_seconds: float | None = None) -> None:
+        for table, value in ((self.series, seconds), (self.cpu_series, cpu_seconds)):
+            if value is None:
+                continue
+            s = table.get(name)
+            if s is None:
+                s = table[name] = _Series(self.window)
+            s.add(value)
 
     def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        record, clock = self.record, time.perf_counter
+        record, clock, cpu_clock = self.record, time.perf_counter, time.thread_time
 
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
             _tls.depth = getattr(_tls, "depth", 0) + 1
-            t0 = clock()
+            t0, c0 = clock(), cpu_clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                record(name, clock() - t0)
+                record(name, clock() - t0, cpu_clock() - c0)
                 _tls.depth -= 1
 
         return timed
@@ -113,7 +119,14 @@ class CallTimer:
         return self
 
     def snapshot(self) -> dict[str, dict[str, float]]:
-        return {name: s.summary() for name, s in sorted(list(self.series.items()))}
+        out = {}
+        for name, s in sorted(list(self.series.items())):
+            out[name] = s.summary()
+            cpu = self.cpu_series.get(name)
+            if cpu is not None:
+                c = cpu.summary()
+                out[name].update(cpu_p50_us=c["p50_us"], cpu_p99_us=c["p99_us"], cpu_max_us=c["max_us"])
+        return out
 
 
 class IOGuard:
