@@ -47,6 +47,36 @@ def test_device_pool_round_trip_in_sglang_layout(page_size):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
+def test_deferred_frees_reach_the_allocator_once_and_count_as_free_meanwhile(page_size):
+    """Inside `deferred_frees` an eviction's node-by-node frees are collected: `free_pages` counts
+    them at once, the allocator gets them in one call at the end, and an allocation made meanwhile
+    can use them (the collected pages are handed over first)."""
+    from sgl_hicache.sglang.device_pool import SGLangDevicePool
+
+    alloc = _pools(page_size)
+    dev = SGLangDevicePool(alloc)
+    n = dev.pool_pages
+    held = dev.allocate([b"k"] * n)
+    assert held is not None and dev.free_pages == 0
+    calls = []
+    real_free = alloc.free
+    alloc.free = lambda idx: (calls.append(idx.numel()), real_free(idx))[1]
+    with dev.deferred_frees():
+        with dev.deferred_frees():  # re-entrant: the outer block gives them back
+            for i in range(0, 6, 2):
+                dev.free(held[i : i + 2])
+        assert calls == [] and dev.free_pages == 6 and dev.used_pages == n - 6
+        assert int(alloc.available_size()) == 0
+        again = dev.allocate([b"k"] * 6)  # needs the collected pages: they go back first
+        assert again is not None and sorted(again) == sorted(held[:6])
+        assert calls == [6 * page_size]
+        dev.free(again[:3])
+    assert calls == [6 * page_size, 3 * page_size] and dev.free_pages == 3
+    dev.free(held[6:])
+    assert dev.free_pages == n - 3 and len(calls) == 3  # outside the block: at once
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
 def test_backend_demotes_and_loads_back_exact_kv(tmp_path, page_size):
     """insert -> evict (device -> host -> disk) -> match reports host+disk -> init_load_back queues the
     same bytes back into device slots, layer by layer, there once the counter says so."""

@@ -41,6 +41,7 @@ Requests with a LoRA `extra_key` or a `cache_salt` are served without the cache 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -90,6 +91,21 @@ logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "sgl_hicache"
 _MAX_REQ_STATES = 65536
+
+
+def _frees_batched(method):
+    """Run a scheduler call with the device pool's frees batched into one allocator call (its
+    evictions free node by node; see `SGLangDevicePool.deferred_frees`)."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        pool = getattr(self, "device_pool", None)
+        if pool is None:
+            return method(self, *args, **kwargs)
+        with pool.deferred_frees():
+            return method(self, *args, **kwargs)
+
+    return call
 
 
 @dataclass(eq=False)
@@ -281,6 +297,7 @@ class TieredRadixCache(BasePrefixCache):
                 self._drop_job(old)
         return st
 
+    @_frees_batched
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         key = params.key
         if self.disable or len(key) == 0:
@@ -320,6 +337,7 @@ class TieredRadixCache(BasePrefixCache):
             host_hit_length=m.lower_tier_tokens,
         )
 
+    @_frees_batched
     def init_load_back(self, params: InitLoadBackParams) -> Optional[tuple[int, Any]]:
         req = params.req
         promised = int(params.host_hit_length)
@@ -395,6 +413,7 @@ class TieredRadixCache(BasePrefixCache):
         self.counters.prefetch_yields += ended
         return ended
 
+    @_frees_batched
     def after_batch_formed(self) -> None:
         """Once per scheduling step, after SGLang formed (and allocated) the prefill batch
         (`scheduler_hooks.set_consumer_index`): record finished layer-wise loads and background copies
@@ -467,6 +486,7 @@ class TieredRadixCache(BasePrefixCache):
         self.device_pool.adopt(r.adopted_pages)
         return InsertResult(prefix_len=r.prefix_tokens, total_len=aligned, last_device_node=r.last_node)
 
+    @_frees_batched
     def evict(self, params: EvictParams) -> EvictResult:
         if self.disable or params.num_tokens <= 0:
             return EvictResult()

@@ -20,7 +20,8 @@ Anything else raises `UnsupportedPool` at start, naming what was found.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -73,11 +74,35 @@ class SGLangDevicePool(TierStore, LayeredPages):
         self._dtype = self.layout.torch_dtype
         self._owned = 0
         self._offsets = torch.arange(self.page_size, dtype=torch.int64, device=self.device)
+        self._deferred: list[Handle] | None = None  # pages freed inside `deferred_frees`, not yet given back
+
+    # ---- batched frees -----------------------------------------------------------------
+    @contextlib.contextmanager
+    def deferred_frees(self) -> Iterator[None]:
+        """Inside, `free` only collects pages; they go to SGLang's allocator in one call when the
+        block ends or before the next `allocate`. One eviction frees node by node, and each
+        allocator free costs a sort of its pages (`torch.unique`): batching makes it one sort per
+        scheduler call. `free_pages` counts the collected pages meanwhile. Re-entrant."""
+        if self._deferred is not None:
+            yield
+            return
+        self._deferred = []
+        try:
+            yield
+        finally:
+            self._flush_frees()
+            self._deferred = None
+
+    def _flush_frees(self) -> None:
+        pages = self._deferred
+        if pages:
+            self._deferred = []
+            self.allocator.free(self.token_slots(pages))
 
     # ---- accounting --------------------------------------------------------------------
     @property
     def free_pages(self) -> int:  # type: ignore[override]
-        return int(self.allocator.available_size()) // self.page_size
+        return int(self.allocator.available_size()) // self.page_size + len(self._deferred or ())
 
     @property
     def used_pages(self) -> int:  # type: ignore[override]
@@ -116,6 +141,7 @@ class SGLangDevicePool(TierStore, LayeredPages):
         n = len(keys)
         if n == 0:
             return []
+        self._flush_frees()  # pages freed earlier in this call are free for this allocation
         slots = self.allocator.alloc(n * self.page_size)
         if slots is None:
             return None
@@ -127,7 +153,10 @@ class SGLangDevicePool(TierStore, LayeredPages):
             return
         if len(set(handles)) != len(handles):
             raise KeyError("device: free got the same page twice")
-        self.allocator.free(self.token_slots(handles))
+        if self._deferred is not None:
+            self._deferred.extend(handles)
+        else:
+            self.allocator.free(self.token_slots(handles))
         self._owned -= len(handles)
 
     def _k(self, layer: int) -> torch.Tensor:
