@@ -21,6 +21,7 @@ Anything else raises `UnsupportedPool` at start, naming what was found.
 from __future__ import annotations
 
 import contextlib
+from array import array
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -125,10 +126,16 @@ class SGLangDevicePool(TierStore, LayeredPages):
 
     # ---- pages <-> token slots ---------------------------------------------------------
     def token_slots(self, handles: Sequence[Handle]) -> torch.Tensor:
-        pages = torch.as_tensor(list(handles), dtype=torch.int64, device=self.device)
+        if not handles:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        # through an int64 array: 2-3x faster than a tensor from a list of ints (a long path's
+        # hundreds of pages, on the scheduler thread)
+        pages = torch.frombuffer(array("q", handles), dtype=torch.int64)
+        if pages.device != self.device:
+            pages = pages.to(self.device)
         if self.page_size == 1:
-            return pages
-        return (pages[:, None] * self.page_size + self._offsets[None, :]).reshape(-1)
+            return pages.clone() if pages.device.type == "cpu" else pages
+        return (pages * self.page_size).unsqueeze(1).add(self._offsets).view(-1)
 
     def pages_of(self, slots: torch.Tensor) -> list[int]:
         """Page handles of a page-aligned run of token slots (one per page)."""
