@@ -81,9 +81,11 @@ def test_turn_n_on_a_turn_n_plus_1_on_b(servers):
     storage_total = 0
     for c in range(CONVERSATIONS):
         turn1 = _prompt(500 + c, 320)
+        # counted before the turn runs: write-back may copy the turn's pages while it is still
+        # running (a node in use qualifies), so a count read after it could already include some
+        before = _store_stats(a)["pages_written"]
         out1, d1 = _gen(a, turn1)
         assert sum(d1.values()) == 0, d1
-        before = _store_stats(a)["pages_written"]
         # the turn's pages reach the store in the background, a batch per scheduler call into the
         # cache: other traffic drives it, as it does on a serving fleet. Here one two-page prompt,
         # repeated (SGLang matches a prompt without its last token, so a one-page prompt never reaches
