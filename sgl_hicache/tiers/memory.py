@@ -50,6 +50,7 @@ class DeviceKVPool(_SlotStore, PageViews, LayeredPages):
             dtype=layout.torch_dtype,
             device=self.device,
         )
+        self._pages = self.kv.view(layout.num_layers, 2, capacity_pages, page_size, *self.page_shape[3:])
 
     def token_slots(self, handles: Sequence[Handle]) -> torch.Tensor:
         """Token indices of the pages, in order: what an attention kernel reads."""
@@ -60,7 +61,7 @@ class DeviceKVPool(_SlotStore, PageViews, LayeredPages):
     @property
     def pages(self) -> torch.Tensor:
         """The pool viewed page by page: `(layers, K/V, pages, page tokens, heads, dim)`, no copy."""
-        return self.kv.view(self.layout.num_layers, 2, self.capacity_pages, self.page_size, *self.page_shape[3:])
+        return self._pages
 
     def layer_pages(self, layer: int, kv: int) -> torch.Tensor:
         """K (`kv=0`) or V (`kv=1`) of one layer, page by page: `(pages, page tokens, heads, dim)`, no copy."""
@@ -68,7 +69,7 @@ class DeviceKVPool(_SlotStore, PageViews, LayeredPages):
 
     def page_view(self, handle: Handle) -> torch.Tensor:
         """One page in place, in the canonical page shape (strided: one run per layer and K/V)."""
-        return self.pages[:, :, handle]  # type: ignore[index]
+        return self._pages[:, :, handle]  # type: ignore[index]
 
     def read(self, handles: Sequence[Handle]) -> torch.Tensor:
         # one strided copy per page into the output: no gathered intermediate, no second permute pass
