@@ -108,6 +108,7 @@ _UNPROVEN_REASONS = frozenset({"zero-length", "truncated header", "bad magic", "
 _FANOUT_NAME = re.compile(r"^[0-9a-f]{2}$")
 
 _RESERVED, _STORED = 0, 1
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _EVICT_LIST_LIMIT = 4096  # directory entries one evict_unindexed call lists before settling for what it found
 
 COUNTER_NAMES = (
@@ -184,6 +185,7 @@ class DiskPageStore(KeyedStore, ReadsInto, WritesFrom):
         self.dtype = layout.torch_dtype
         self._codec = PageCodec(namespace, self.page_shape, layout.dtype, self.page_bytes, "disk")
         self._payload_bytes = self.page_bytes
+        self._page_ctype = ctypes.c_ubyte * self._payload_bytes  # a page's bytes in place (see _write_pages)
 
         self._lock = threading.Lock()
         self._index: dict[PageKey, int] = {}
@@ -527,7 +529,7 @@ class DiskPageStore(KeyedStore, ReadsInto, WritesFrom):
 
     def _write_fd(self, fd: int, buffers: list) -> None:
         """The one low-level write (tests inject ENOSPC here)."""
-        views = [memoryview(b).cast("B") for b in buffers]
+        views = [b if type(b) is bytes else memoryview(b).cast("B") for b in buffers]
         total = sum(map(len, views))
         done = 0
         while True:
@@ -546,8 +548,7 @@ class DiskPageStore(KeyedStore, ReadsInto, WritesFrom):
                     n = 0
 
     def _write_file(self, path: str | Path, buffers: list) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-        fd = os.open(path, flags, 0o600)
+        fd = os.open(path, _CREATE, 0o600)
         try:
             self._write_fd(fd, buffers)
             if self.fsync:
@@ -591,11 +592,13 @@ class DiskPageStore(KeyedStore, ReadsInto, WritesFrom):
         written: list[tuple[PageKey, str, str]] = []  # (key, temp path, page path)
         failed: tuple[PageKey, OSError] | None = None
         dir_str, owner, seq, made, digest, header = self._dir_str, self.owner, self._tmp_seq, self._made_dirs, xxhash.xxh3_64_intdigest, self._codec.header
+        page_ctype = self._page_ctype
         for key, page in zip(keys, pages):
             hexkey = key.hex()
             fan = hexkey[:2]
             tmp = f"{dir_str}/{fan}/.{hexkey}.{owner}.{next(seq)}.tmp"
-            payload = tensor_bytes(page)
+            # `tensor_bytes` without its checks: `write` and `write_from` checked the pages
+            payload = memoryview(page_ctype.from_address(page.data_ptr())).cast("B")
             try:
                 if fan not in made:
                     self._ensure_dir(fan)
