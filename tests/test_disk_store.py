@@ -562,3 +562,13 @@ def test_a_failure_mid_batch_keeps_the_pages_before_it(tmp_path: Path) -> None:
     assert torch.equal(bits(s.read(ks[:2])), bits(data[:2]))
     s.free(ks)
     assert s._ledger.files == 0 and s._ledger.reserved == 0
+
+
+def test_a_write_after_close_fails_cleanly(tmp_path: Path) -> None:
+    s = open_store(tmp_path)
+    ks = keys_for(2)
+    s.allocate(ks)
+    s.close()  # the ledger refuses its critical section: the batch is not published
+    with pytest.raises(TierIOError):
+        s.write(ks, pages(s, 2))
+    assert temp_files(tmp_path) == [] and not any(s.contains(k) for k in ks)

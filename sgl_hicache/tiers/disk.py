@@ -612,7 +612,7 @@ class DiskPageStore(KeyedStore, ReadsInto, WritesFrom):
         try:
             published = self._publish(written)
         except OSError as exc:
-            published = exc.published  # type: ignore[attr-defined]
+            published = getattr(exc, "published", 0)  # none when the lock itself failed (a closed store)
             for _, tmp, _ in written[published:]:  # the failing page's and those after it
                 self._unlink(tmp, quiet=True)
             failed = (written[published][0], exc)
