@@ -15,6 +15,9 @@ the engine's own `cpu_s`, max RSS (`wait4`'s ru_maxrss), and the hit figures (wh
 across modes). Modes are interleaved per length (metadata, real, metadata, real ...) over `--repeats`
 rounds; medians. requests/s = N / engine CPU seconds (and N / wall).
 
+`--source-requests N` also replays the first N requests of the source trace itself (not synthesised;
+a point with `"trace": "source"`), in the same interleaving and with the same `--baseline`.
+
 `--compare-requests M` also times `replay --compare` on the first M requests of the shipped trace
 with `--workers 2` against `--workers 1` (interleaved, medians): the parallel/sequential wall ratio.
 
@@ -145,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--compare-requests", type=int, default=0, help="also time --compare on this many requests (0: skip)")
     ap.add_argument("--source", type=Path, default=TRACE)
+    ap.add_argument("--source-requests", type=int, default=0,
+                    help="also replay the first N requests of --source itself (not synthesised), as a point with trace 'source'")
     ap.add_argument("--baseline", type=Path, help="another checkout (its root holds sgl_hicache/) run interleaved on every point")
     ap.add_argument("--long-requests", type=int, default=0, help="also one metadata replay of this many synthesised requests, "
                     "with checkpoints: time and RSS against requests done (0: skip)")
@@ -167,9 +172,13 @@ def main(argv: list[str] | None = None) -> int:
                            "points": []}
     with tempfile.TemporaryDirectory(prefix="replay-scale-") as tmp:
         work = Path(tmp)
-        for n in lengths:
-            trace = work / f"syn-{n}.jsonl"
-            _run(_cli("synth", str(args.source), "--requests", str(n), "--out", str(trace)))
+        points: list[tuple[str, int, Path | None]] = [("synth", n, None) for n in lengths]
+        if args.source_requests:
+            points.append(("source", args.source_requests, args.source))
+        for kind, n, trace in points:
+            if trace is None:
+                trace = work / f"syn-{n}.jsonl"
+                _run(_cli("synth", str(args.source), "--requests", str(n), "--out", str(trace)))
             runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
             base: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
             for _ in range(args.repeats):
@@ -186,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 cpu = _median(rows, "engine_cpu_s")
                 out["points"].append({
-                    "requests": n, "bytes": mode, "runs": len(rows), "wall_s": _median(rows, "wall_s"), "cpu_s": _median(rows, "cpu_s"),
+                    "requests": n, "trace": kind, "bytes": mode, "runs": len(rows), "wall_s": _median(rows, "wall_s"), "cpu_s": _median(rows, "cpu_s"),
                     "engine_cpu_s": cpu, "engine_wall_s": _median(rows, "engine_wall_s"), "max_rss_mb": _median(rows, "max_rss_mb"),
                     "requests_per_s_cpu": n / cpu if cpu else None, "requests_per_s_wall": n / _median(rows, "engine_wall_s"),
                     "hit_tokens": rows[0]["hit_tokens"], "ttft_mean_s": rows[0]["ttft_mean_s"], "virtual_s": rows[0]["virtual_s"],
@@ -219,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=2))
     print(json.dumps({k: v for k, v in out.items() if k != "points"} | {"points": [
-        {k: p[k] for k in ("requests", "bytes", "engine_cpu_s", "engine_wall_s", "max_rss_mb", "requests_per_s_cpu")} for p in out["points"]]},
+        {k: p[k] for k in ("requests", "trace", "bytes", "engine_cpu_s", "engine_wall_s", "max_rss_mb", "requests_per_s_cpu")} for p in out["points"]]},
         indent=1, default=str))
     if args.plot:
         plot(out, args.plot)
@@ -234,7 +243,7 @@ def plot(out: dict[str, Any], path: Path) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.6))
     for mode, style in (("metadata", "o-"), ("real", "s--")):
-        pts = [p for p in out["points"] if p["bytes"] == mode]
+        pts = [p for p in out["points"] if p["bytes"] == mode and p.get("trace", "synth") == "synth"]
         if not pts:
             continue
         xs = [p["requests"] for p in pts]

@@ -34,6 +34,18 @@ def test_disk_bandwidth_smoke(tmp_path: Path) -> None:
     assert not any((tmp_path / "bw").iterdir())  # the benchmark cleans up after itself
 
 
+def test_disk_page_cpu_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "cpu.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "disk_page_cpu.py"), "--pages", "40", "--batch", "16", "--repeats", "2",
+           "--dir", str(tmp_path / "d"), "--json", str(out)]
+    (tmp_path / "d").mkdir()
+    subprocess.run(cmd, check=True, cwd=REPO, capture_output=True, timeout=120)
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "disk_page_cpu" and len(result["rounds"]) == 2
+    assert all(result["median_us_per_page"][k] > 0 for k in ("write_us", "read_us", "free_us"))
+    assert not any((tmp_path / "d").iterdir())  # the benchmark cleans up after itself
+
+
 def _sglang_importable() -> bool:
     import importlib.util
 

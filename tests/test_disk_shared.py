@@ -214,18 +214,21 @@ def _cache_worker(worker: int, directory: str, barrier, results) -> None:
     # is one clock for every process of the machine)
     acked: dict[bytes, float] = {}
     deleted: dict[bytes, float] = {}
-    write, free = store.write, store.free
+    write, write_from, free = store.write, store.write_from, store.free
 
-    def logged_write(handles, data):
-        t = time.monotonic()
-        write(handles, data)
-        acked.update(dict.fromkeys(handles, t))
+    def logged(real):  # `write` and `write_from` (host -> disk writes from the host's page views)
+        def logged_write(handles, data):
+            t = time.monotonic()
+            real(handles, data)
+            acked.update(dict.fromkeys(handles, t))
+
+        return logged_write
 
     def logged_free(handles):
         free(handles)
         deleted.update(dict.fromkeys(handles, time.monotonic()))
 
-    store.write, store.free = logged_write, logged_free  # type: ignore[method-assign]
+    store.write, store.write_from, store.free = logged(write), logged(write_from), logged_free  # type: ignore[method-assign]
     out = dict(peer_prompts_hit=0, peer_tokens_hit=0, peer_prompts_tried=0, verified_tokens=0)
     for i in range(PROMPTS):
         serve(cache, _prompt(worker, 0, i))

@@ -501,3 +501,74 @@ def test_concurrent_reads_and_writes_bit_exact(tmp_path: Path) -> None:
     assert s.counters["corrupt_removed"] == 0 and temp_files(tmp_path) == []
     s2 = open_store(tmp_path, capacity=2 * threads * per)
     assert torch.equal(bits(s2.read(new)), bits(new_data)) and torch.equal(bits(s2.read(pre)), bits(pre_data))
+
+
+# ----------------------------------------------------------------------------- batched writes
+def test_write_from_host_pages_stores_their_bytes_in_one_ledger_section(tmp_path: Path) -> None:
+    s = open_store(tmp_path, capacity=16)
+    host = HostKVBuffer(s.layout, s.page_size, 8, pin_memory=False)
+    slots = host.allocate([b""] * 5)
+    data = pages(s, 5, seed=3)
+    host.write(slots, data)
+    ks = keys_for(5)
+    assert s.allocate(ks) == ks
+    sections = []
+    real = s._ledger.locked
+
+    def counted():
+        sections.append(1)
+        return real()
+
+    s._ledger.locked = counted  # type: ignore[method-assign]
+    s.write_from(ks, [host.page_view(h) for h in slots])
+    assert len(sections) == 1  # the five renames and the count updates: one critical section
+    assert s.stored_pages == 5 and s._ledger.files == 5 and s._ledger.reserved == 0 and s._ledger.writes == 5
+    assert torch.equal(bits(s.read(ks)), bits(data)) and temp_files(tmp_path) == []
+    s.free(ks[:3])  # one critical section, one count update, for the batch
+    assert s._ledger.files == 2 and len(sections) == 2
+
+
+def test_write_from_refuses_a_wrong_page_and_writes_nothing(tmp_path: Path) -> None:
+    s = open_store(tmp_path)
+    ks = keys_for(2)
+    s.allocate(ks)
+    good = pages(s, 1)[0]
+    for bad in (good.float(), good[..., :4], torch.zeros(3)):
+        with pytest.raises(ValueError):
+            s.write_from(ks, [good, bad])
+    with pytest.raises(ValueError):
+        s.write_from(ks, [good])
+    assert s.stored_pages == 0 and s._ledger.files == 0 and temp_files(tmp_path) == []
+
+
+def test_a_failure_mid_batch_keeps_the_pages_before_it(tmp_path: Path) -> None:
+    s = open_store(tmp_path)
+    ks = keys_for(4)
+    s.allocate(ks)
+    real, calls = s._write_fd, []
+
+    def third_fails(fd, buffers):
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError(errno.EIO, "injected")
+        return real(fd, buffers)
+
+    s._write_fd = third_fails  # type: ignore[method-assign]
+    data = pages(s, 4)
+    with pytest.raises(TierIOError):
+        s.write(ks, data)
+    assert [s.contains(k) for k in ks] == [True, True, False, False]
+    assert s._ledger.files == 2 and temp_files(tmp_path) == [] and s.write_disabled
+    assert torch.equal(bits(s.read(ks[:2])), bits(data[:2]))
+    s.free(ks)
+    assert s._ledger.files == 0 and s._ledger.reserved == 0
+
+
+def test_a_write_after_close_fails_cleanly(tmp_path: Path) -> None:
+    s = open_store(tmp_path)
+    ks = keys_for(2)
+    s.allocate(ks)
+    s.close()  # the ledger refuses its critical section: the batch is not published
+    with pytest.raises(TierIOError):
+        s.write(ks, pages(s, 2))
+    assert temp_files(tmp_path) == [] and not any(s.contains(k) for k in ks)

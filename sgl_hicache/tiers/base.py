@@ -204,6 +204,14 @@ class ReadsInto(ABC):
     def read_into(self, key: PageKey, out: torch.Tensor) -> None: ...
 
 
+class WritesFrom(ABC):
+    """Capability: `write_from(keys, pages)` writes each page from a caller's page tensor (a host
+    tier's page views), with no gathered intermediate copy (host -> disk)."""
+
+    @abstractmethod
+    def write_from(self, handles: Sequence[Handle], pages: Sequence[torch.Tensor]) -> None: ...
+
+
 class LayeredPages(ABC):
     """Capability: a device tier kept as separate per-layer K and V buffers (SGLang's pool):
     `layer_pages(layer, kv)` is one layer's buffer, indexed by slot; `device` is where it lives."""

@@ -21,6 +21,8 @@ _STABLE_PREFIX = struct.Struct("<8sHH16s")  # magic, version, header size, names
 _HEADER_BODY = struct.Struct("<8sHH16s16sQ16sI8IQ")  # ... payload checksum (112 bytes)
 _HEADER_SUM = struct.Struct("<Q")
 _MAX_DIMS = 8
+_KEY_AT = _STABLE_PREFIX.size  # the page key follows the stable prefix
+_PADDING = bytes(HEADER_SIZE - _HEADER_BODY.size - _HEADER_SUM.size)
 assert _HEADER_BODY.size + _HEADER_SUM.size <= HEADER_SIZE
 
 
@@ -39,6 +41,12 @@ class PageCodec:
         self.payload_bytes = payload_bytes
         if len(self.dtype_name) > 16 or len(self.page_shape) > _MAX_DIMS:
             raise ValueError(f"{owner}: layout {dtype} {self.page_shape} cannot be described by the page header")
+        # every header of this codec is `_before_key + key + _after_key + checksum`: pack the fixed
+        # fields once (a store writes one header per page)
+        shape = list(self.page_shape) + [0] * (_MAX_DIMS - len(self.page_shape))
+        fixed = _HEADER_BODY.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, namespace.root, bytes(16), payload_bytes,
+                                  self.dtype_name, len(self.page_shape), *shape, 0)
+        self._before_key, self._after_key = fixed[:_KEY_AT], fixed[_KEY_AT + 16 : -_HEADER_SUM.size]
 
     @property
     def value_bytes(self) -> int:
@@ -46,12 +54,10 @@ class PageCodec:
         return HEADER_SIZE + self.payload_bytes
 
     def header(self, key: PageKey, checksum: int) -> bytes:
-        shape = list(self.page_shape) + [0] * (_MAX_DIMS - len(self.page_shape))
-        body = _HEADER_BODY.pack(
-            MAGIC, FORMAT_VERSION, HEADER_SIZE, self.namespace.root, key, self.payload_bytes,
-            self.dtype_name, len(self.page_shape), *shape, checksum,
-        )
-        return (body + _HEADER_SUM.pack(xxhash.xxh3_64_intdigest(body))).ljust(HEADER_SIZE, b"\0")
+        if len(key) != 16:
+            raise ValueError(f"page key must be 16 bytes, got {len(key)}")
+        body = b"".join((self._before_key, key, self._after_key, _HEADER_SUM.pack(checksum)))
+        return body + _HEADER_SUM.pack(xxhash.xxh3_64_intdigest(body)) + _PADDING
 
     def encode(self, key: PageKey, payload: memoryview | bytes) -> bytes:
         """Header + payload as one value (for stores that take whole values)."""

@@ -24,9 +24,10 @@ File format (version 1, little endian, 128-byte header then payload)::
 Crash safety: a page is written to a temp name (`.<hex>.<owner>.<n>.tmp`, owner = `<pid>-<16 hex>`)
 in its final directory and then `os.replace`d, so a page file is either absent or complete. With
 `fsync=True` the file and its directory are fsynced too (survives power loss, not only a process
-crash). Temp files whose owner is dead are deleted when the next store opens the directory; a live
-owner's are left alone (temp names without an owner, written before directories were shared, are
-treated as dead).
+crash). A write batch's temp files are written first, then renamed into place together in one
+critical section of the shared ledger (one lock, one update of each count). Temp files whose owner
+is dead are deleted when the next store opens the directory; a live owner's are left alone (temp
+names without an owner, written before directories were shared, are treated as dead).
 
 Sharing (see `shared.py`): any number of processes may open one directory at once. Per namespace
 they share one capacity (`capacity_pages` is checked against the pages of every process, through
@@ -92,7 +93,7 @@ import xxhash
 
 from ..config import KVLayout
 from ..hashing import KEY_BYTES, Namespace, PageKey
-from .base import DISK, Handle, KeyedStore, PageCorruptError, PageGoneError, ReadsInto, TierIOError
+from .base import DISK, Handle, KeyedStore, PageCorruptError, PageGoneError, ReadsInto, TierIOError, WritesFrom
 from .codec import FORMAT_VERSION, HEADER_SIZE, MAGIC, PAGE_SUFFIX, PageCodec
 from .shared import OWNER_PATTERN, DirectoryLedger, LocalLedger, is_shared_entry
 
@@ -107,6 +108,7 @@ _UNPROVEN_REASONS = frozenset({"zero-length", "truncated header", "bad magic", "
 _FANOUT_NAME = re.compile(r"^[0-9a-f]{2}$")
 
 _RESERVED, _STORED = 0, 1
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _EVICT_LIST_LIMIT = 4096  # directory entries one evict_unindexed call lists before settling for what it found
 
 COUNTER_NAMES = (
@@ -151,7 +153,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_ubyte * nbytes).from_address(t.data_ptr())).cast("B")
 
 
-class DiskPageStore(KeyedStore, ReadsInto):
+class DiskPageStore(KeyedStore, ReadsInto, WritesFrom):
     """Content-addressed page files under one directory; handles are the 16-byte page keys."""
 
     name = DISK
@@ -183,6 +185,7 @@ class DiskPageStore(KeyedStore, ReadsInto):
         self.dtype = layout.torch_dtype
         self._codec = PageCodec(namespace, self.page_shape, layout.dtype, self.page_bytes, "disk")
         self._payload_bytes = self.page_bytes
+        self._page_ctype = ctypes.c_ubyte * self._payload_bytes  # a page's bytes in place (see _write_pages)
 
         self._lock = threading.Lock()
         self._index: dict[PageKey, int] = {}
@@ -267,7 +270,7 @@ class DiskPageStore(KeyedStore, ReadsInto):
         if state is not None or not self.peers_wrote:
             return state == _STORED
         hexkey = check_key(key).hex()
-        path = f"{self._dir_str}/{hexkey[:2]}/{hexkey}{PAGE_SUFFIX}"  # page_path without pathlib's cost
+        path = self._page_str(hexkey)
         reason = self._scan_file(path, key)
         if reason == "":
             with self._lock:
@@ -347,8 +350,11 @@ class DiskPageStore(KeyedStore, ReadsInto):
         return iter(snapshot)
 
     def page_path(self, key: PageKey) -> Path:
-        hexkey = check_key(key).hex()
-        return self.directory / hexkey[:2] / (hexkey + PAGE_SUFFIX)
+        return Path(self._page_str(check_key(key).hex()))
+
+    def _page_str(self, hexkey: str) -> str:
+        """`page_path` as a string, without pathlib's cost (paid on every page read, write and free)."""
+        return f"{self._dir_str}/{hexkey[:2]}/{hexkey}{PAGE_SUFFIX}"
 
     # ------------------------------------------------------------------ protocol
     def allocate(self, keys: Sequence[PageKey]) -> list[Handle] | None:
@@ -385,28 +391,38 @@ class DiskPageStore(KeyedStore, ReadsInto):
                 states = [self._index.pop(k) for k in keys]
                 self._n_reserved -= sum(1 for s in states if s == _RESERVED)
                 ledgered = sum(1 for k, s in zip(keys, states) if s == _RESERVED and not self._unledger(k))
-            self._ledger.unreserve(ledgered)
+            if ledgered:
+                self._ledger.unreserve(ledgered)
+            removed = 0
             for k, state in zip(keys, states):
                 # a reserved page has no file of ours (a write racing this free drops its own temp
                 # file); whatever sits at its path is not ours to delete. A stored page's file may
                 # already be gone (another process evicted it): then it is not counted twice.
-                if state == _STORED and self._unlink(self.page_path(k)):
-                    self._ledger.file_removed()
+                if state == _STORED and self._unlink(self._page_str(k.hex())):
+                    removed += 1
+            if removed:  # one update for the batch, still inside the critical section
+                self._ledger.file_removed(removed)
 
     def write(self, handles: Sequence[Handle], data: torch.Tensor) -> None:
         keys = [check_key(k) for k in handles]
         self._check_data(keys, data)
         if data.dtype != self.dtype:
             raise ValueError(f"disk: write of dtype {data.dtype}, expected {self.dtype}")
-        for k in keys:
-            if k not in self._index:
-                raise KeyError(f"disk: page {k.hex()} was not allocated")
-        if self._write_disabled:
-            raise TierIOError(f"disk: writes are disabled ({self._disabled_reason}); retrying after {self.retry_interval_s:g} s")
         if data.device.type != "cpu":
             data = data.to("cpu")
-        for i, k in enumerate(keys):
-            self._write_page(k, data[i].contiguous())
+        self._write_pages(keys, data.contiguous().unbind(0))
+
+    def write_from(self, handles: Sequence[Handle], pages: Sequence[torch.Tensor]) -> None:
+        """`write`, from one caller's tensor per page (CPU, `page_shape`, layout dtype; a host
+        tier's page views), with no gathered intermediate copy. Same errors as `write`."""
+        keys = [check_key(k) for k in handles]
+        if len(pages) != len(keys):
+            raise ValueError(f"disk: write_from got {len(pages)} pages for {len(keys)} keys")
+        shape, dtype = self.page_shape, self.dtype
+        for p in pages:
+            if p.dtype != dtype or p.shape != shape or p.device.type != "cpu":
+                raise ValueError(f"disk: write_from a page of {tuple(p.shape)} / {p.dtype} on {p.device}, expected {shape} / {dtype} on cpu")
+        self._write_pages(keys, [p if p.is_contiguous() else p.contiguous() for p in pages])
 
     def read(self, handles: Sequence[Handle]) -> torch.Tensor:
         keys = [check_key(k) for k in handles]
@@ -427,7 +443,7 @@ class DiskPageStore(KeyedStore, ReadsInto):
             raise ValueError("disk: read_into needs a contiguous CPU tensor")
         if self._index.get(key) != _STORED:
             raise KeyError(f"disk: page {key.hex()} is not stored")
-        path = self.page_path(key)
+        path = self._page_str(key.hex())
         try:
             # O_NONBLOCK: a FIFO planted at the path must not block the reader (no effect on files)
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
@@ -497,9 +513,6 @@ class DiskPageStore(KeyedStore, ReadsInto):
         return True
 
     # ------------------------------------------------------------------ internals
-    def _header(self, key: PageKey, checksum: int) -> bytes:
-        return self._codec.header(key, checksum)
-
     def _parse_header(self, header: bytes, size: int, key: PageKey) -> tuple[dict | None, str]:
         """(fields, "") for a valid header of ours; (None, reason) otherwise (see `PageCodec`)."""
         return self._codec.parse_header(header, size, key)
@@ -516,15 +529,17 @@ class DiskPageStore(KeyedStore, ReadsInto):
 
     def _write_fd(self, fd: int, buffers: list) -> None:
         """The one low-level write (tests inject ENOSPC here)."""
-        total = sum(len(b) for b in buffers)
+        views = [b if type(b) is bytes else memoryview(b).cast("B") for b in buffers]
+        total = sum(map(len, views))
         done = 0
-        views = [memoryview(b).cast("B") for b in buffers]
-        while done < total:
+        while True:
             n = os.writev(fd, views)
             if n <= 0:
                 raise OSError(errno.EIO, "writev wrote nothing")
             done += n
-            while n > 0 and views:
+            if done >= total:  # the usual case: the first call wrote everything
+                return
+            while n > 0 and views:  # a short write: drop what was written
                 if n >= len(views[0]):
                     n -= len(views[0])
                     views.pop(0)
@@ -532,9 +547,8 @@ class DiskPageStore(KeyedStore, ReadsInto):
                     views[0] = views[0][n:]
                     n = 0
 
-    def _write_file(self, path: Path, buffers: list) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-        fd = os.open(path, flags, 0o600)
+    def _write_file(self, path: str | Path, buffers: list) -> None:
+        fd = os.open(path, _CREATE, 0o600)
         try:
             self._write_fd(fd, buffers)
             if self.fsync:
@@ -542,72 +556,136 @@ class DiskPageStore(KeyedStore, ReadsInto):
         finally:
             os.close(fd)
 
-    def _ensure_dir(self, sub: Path) -> None:
-        name = sub.name
+    def _ensure_dir(self, name: str) -> None:
+        """Create the fan-out directory `name` (two hex digits) once per store."""
         if name in self._made_dirs:
             return
+        sub = f"{self._dir_str}/{name}"
         try:
             os.mkdir(sub, 0o700)
         except FileExistsError:
-            if not sub.is_dir() or sub.is_symlink():
-                raise NotADirectoryError(errno.ENOTDIR, "fan-out entry is not a directory", str(sub))
+            st = os.lstat(sub)
+            if not stat.S_ISDIR(st.st_mode):
+                raise NotADirectoryError(errno.ENOTDIR, "fan-out entry is not a directory", sub) from None
         self._made_dirs.add(name)
         if self.fsync:
             self._fsync_dir(self.directory)
 
     @staticmethod
-    def _fsync_dir(path: Path) -> None:
+    def _fsync_dir(path: str | Path) -> None:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
 
-    def _write_page(self, key: PageKey, page: torch.Tensor) -> None:
-        final = self.page_path(key)
-        tmp = final.parent / f".{key.hex()}.{self.owner}.{next(self._tmp_seq)}.tmp"
-        payload = tensor_bytes(page)
-        header = self._header(key, xxhash.xxh3_64_intdigest(payload))
+    def _write_pages(self, keys: list[PageKey], pages: Sequence[torch.Tensor]) -> None:
+        """Write a batch of allocated pages (contiguous CPU tensors of `page_shape` and dtype): each
+        to its own temp file, then all renamed into place in ONE critical section of the ledger
+        (`_publish`). On an OSError the pages before the failing one are stored, the rest are not
+        (their temp files are removed), and TierIOError is raised."""
+        for k in keys:
+            if k not in self._index:
+                raise KeyError(f"disk: page {k.hex()} was not allocated")
+        if self._write_disabled:
+            raise TierIOError(f"disk: writes are disabled ({self._disabled_reason}); retrying after {self.retry_interval_s:g} s")
+        written: list[tuple[PageKey, str, str]] = []  # (key, temp path, page path)
+        failed: tuple[PageKey, OSError] | None = None
+        dir_str, owner, seq, made, digest, header = self._dir_str, self.owner, self._tmp_seq, self._made_dirs, xxhash.xxh3_64_intdigest, self._codec.header
+        page_ctype = self._page_ctype
+        for key, page in zip(keys, pages):
+            hexkey = key.hex()
+            fan = hexkey[:2]
+            tmp = f"{dir_str}/{fan}/.{hexkey}.{owner}.{next(seq)}.tmp"
+            # `tensor_bytes` without its checks: `write` and `write_from` checked the pages
+            payload = memoryview(page_ctype.from_address(page.data_ptr())).cast("B")
+            try:
+                if fan not in made:
+                    self._ensure_dir(fan)
+                self._write_file(tmp, [header(key, digest(payload)), payload])
+            except OSError as exc:
+                self._unlink(tmp, quiet=True)
+                failed = (key, exc)
+                break
+            written.append((key, tmp, f"{dir_str}/{fan}/{hexkey}{PAGE_SUFFIX}"))
+        published = 0
         try:
-            self._ensure_dir(final.parent)
-            self._write_file(tmp, [header, payload])
-            stale = not self._publish(key, tmp, final)
-            if self.fsync and not stale:
-                self._fsync_dir(final.parent)
+            published = self._publish(written)
         except OSError as exc:
-            self._unlink(tmp, quiet=True)
+            published = getattr(exc, "published", 0)  # none when the lock itself failed (a closed store)
+            for _, tmp, _ in written[published:]:  # the failing page's and those after it
+                self._unlink(tmp, quiet=True)
+            failed = (written[published][0], exc)
+        if self.fsync and published:
+            for sub in {w[2].rsplit("/", 1)[0] for w in written[:published]}:
+                try:
+                    self._fsync_dir(sub)
+                except OSError as exc:
+                    if failed is None:
+                        failed = (written[0][0], exc)
+        with self._lock:
+            self.counters["pages_written"] += published
+            self.counters["bytes_written"] += published * self._payload_bytes
+        if failed is not None:
+            key, exc = failed
             with self._lock:
                 self.counters["write_errors"] += 1
-            if isinstance(exc, IsADirectoryError) or (isinstance(exc, NotADirectoryError) and self.directory.is_dir()):
-                # one key's path is blocked (a directory on the page's name, a file on its fan-out
-                # directory's); the medium is fine
-                raise TierIOError(f"disk: cannot write page {key.hex()}: {exc}") from exc
-            self._disable(exc)
+            if not (isinstance(exc, IsADirectoryError) or (isinstance(exc, NotADirectoryError) and self.directory.is_dir())):
+                self._disable(exc)
+            # else: one key's path is blocked (a directory on the page's name, a file on its fan-out
+            # directory's); the medium is fine
             raise TierIOError(f"disk: cannot write page {key.hex()}: {exc}") from exc
-        with self._lock:
-            self.counters["pages_written"] += 1
-            self.counters["bytes_written"] += len(payload)
 
-    def _publish(self, key: PageKey, tmp: Path, final: Path) -> bool:
-        """Rename a written temp file to its page path and account for it, under the ledger's lock.
-        False (and the temp file removed) when the key was freed while being written."""
+    def _publish(self, batch: list[tuple[PageKey, str, str]]) -> int:
+        """Rename written temp files to their page paths and account for them, all under one hold
+        of the ledger's lock, with one update of each shared count: the ledger's file count equals
+        the files when the lock is released. A key freed while being written has its temp file
+        removed instead (no unaccounted file). Returns how many entries of `batch` were handled
+        (published pages, including freed ones); an OSError from a rename is raised after the
+        entries before it are accounted for, with `.published` set to their number."""
+        if not batch:
+            return 0
+        index = self._index
+        done = created = 0
+        stored: list[PageKey] = []
         with self._ledger.locked():
-            if key not in self._index:  # freed while being written: leave no unaccounted file
-                self._unlink(tmp, quiet=True)
-                return False
-            existed = os.path.lexists(final)  # another process's copy of the same page (same bytes)
-            os.replace(tmp, final)
-            if not existed:
-                self._ledger.file_created()
-            self._own_writes += 1  # before the shared count, so `peers_wrote` never sees ours as a peer's
-            self._ledger.page_written()
-            with self._lock:
-                if self._index.get(key) == _RESERVED:
-                    self._n_reserved -= 1
-                    if not self._unledger(key):
-                        self._ledger.unreserve(1)
-                self._index[key] = _STORED
-        return True
+            try:
+                for key, tmp, final in batch:
+                    if key not in index:  # freed while being written: leave no unaccounted file
+                        self._unlink(tmp, quiet=True)
+                        done += 1
+                        continue
+                    if self._rename_new(tmp, final):
+                        created += 1
+                    stored.append(key)
+                    done += 1
+            except OSError as exc:
+                exc.published = done  # type: ignore[attr-defined]
+                raise
+            finally:
+                if created:
+                    self._ledger.file_created(created)
+                if stored:
+                    self._own_writes += len(stored)  # before the shared count, so `peers_wrote` never sees ours as a peer's
+                    self._ledger.page_written(len(stored))
+                    unreserve = 0
+                    with self._lock:
+                        for key in stored:
+                            if index.get(key) == _RESERVED:
+                                self._n_reserved -= 1
+                                if not self._unledger(key):
+                                    unreserve += 1
+                            index[key] = _STORED
+                    if unreserve:
+                        self._ledger.unreserve(unreserve)
+        return done
+
+    def _rename_new(self, tmp: str, final: str) -> bool:
+        """Rename a temp file onto its page path; True if no file was there (another process's copy
+        of the same page -- same bytes -- is replaced and not counted again). Call under the ledger."""
+        existed = os.path.lexists(final)
+        os.replace(tmp, final)
+        return not existed
 
     def _disable(self, exc: OSError) -> None:
         with self._lock:
@@ -621,7 +699,7 @@ class DiskPageStore(KeyedStore, ReadsInto):
                 self.directory, self._disabled_reason, self.retry_interval_s,
             )
 
-    def _corrupt(self, key: PageKey, path: Path, reason: str, detail: str, delete: bool = True) -> None:
+    def _corrupt(self, key: PageKey, path: str | Path, reason: str, detail: str, delete: bool = True) -> None:
         """Discard a page that failed verification and raise PageCorruptError."""
         if delete:
             with self._ledger.locked():
@@ -667,7 +745,7 @@ class DiskPageStore(KeyedStore, ReadsInto):
             if self._unlink(path, quiet=True) and reason not in _UNPROVEN_REASONS:
                 self._ledger.file_removed()
 
-    def _unlink(self, path: Path, quiet: bool = False) -> bool:
+    def _unlink(self, path: str | Path, quiet: bool = False) -> bool:
         """Delete a file; True if this call removed it (False: already gone, or the unlink failed)."""
         try:
             os.unlink(path)

@@ -50,6 +50,8 @@ class DeviceKVPool(_SlotStore, PageViews, LayeredPages):
             dtype=layout.torch_dtype,
             device=self.device,
         )
+        self._pages = self.kv.view(layout.num_layers, 2, capacity_pages, page_size, *self.page_shape[3:])
+        self._views: list[torch.Tensor | None] = [None] * capacity_pages  # page_view's, made on first use
 
     def token_slots(self, handles: Sequence[Handle]) -> torch.Tensor:
         """Token indices of the pages, in order: what an attention kernel reads."""
@@ -60,7 +62,7 @@ class DeviceKVPool(_SlotStore, PageViews, LayeredPages):
     @property
     def pages(self) -> torch.Tensor:
         """The pool viewed page by page: `(layers, K/V, pages, page tokens, heads, dim)`, no copy."""
-        return self.kv.view(self.layout.num_layers, 2, self.capacity_pages, self.page_size, *self.page_shape[3:])
+        return self._pages
 
     def layer_pages(self, layer: int, kv: int) -> torch.Tensor:
         """K (`kv=0`) or V (`kv=1`) of one layer, page by page: `(pages, page tokens, heads, dim)`, no copy."""
@@ -68,7 +70,10 @@ class DeviceKVPool(_SlotStore, PageViews, LayeredPages):
 
     def page_view(self, handle: Handle) -> torch.Tensor:
         """One page in place, in the canonical page shape (strided: one run per layer and K/V)."""
-        return self.pages[:, :, handle]  # type: ignore[index]
+        view = self._views[handle]  # type: ignore[index]
+        if view is None:  # (two threads may both make it: the same view)
+            view = self._views[handle] = self._pages[:, :, handle]  # type: ignore[index]
+        return view
 
     def read(self, handles: Sequence[Handle]) -> torch.Tensor:
         # one strided copy per page into the output: no gathered intermediate, no second permute pass
@@ -98,6 +103,9 @@ class HostKVBuffer(_SlotStore, PageViews):
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.pinned = bool(pin)
         self.buffer = torch.zeros((capacity_pages, *self.page_shape), dtype=layout.torch_dtype, pin_memory=self.pinned)
+        # page_view's views, made on first use: a transfer asks for every page's view, and indexing
+        # the buffer each time cost more than the copy of a small page (a few hundred bytes a view)
+        self._views: list[torch.Tensor | None] = [None] * capacity_pages
 
     def read(self, handles: Sequence[Handle]) -> torch.Tensor:
         # one contiguous page copy each: advanced indexing over this many-dimensional bf16 buffer
@@ -109,7 +117,10 @@ class HostKVBuffer(_SlotStore, PageViews):
 
     def page_view(self, handle: Handle) -> torch.Tensor:
         """The page's bytes in place (no copy): what the disk tier writes from and reads into."""
-        return self.buffer[handle]  # type: ignore[index]
+        view = self._views[handle]  # type: ignore[index]
+        if view is None:  # (two threads may both make it: the same view)
+            view = self._views[handle] = self.buffer[handle]  # type: ignore[index]
+        return view
 
     def write(self, handles: Sequence[Handle], data: torch.Tensor) -> None:
         self._check_data(handles, data)

@@ -30,8 +30,9 @@ before). Fixed little-endian record::
 reservation, a page file created by a rename, a page file unlinked -- happens under the ledger's
 flock (plus a thread lock: flock does not exclude threads sharing one file description), so the
 count of page files equals `files` at every lock release, and `files + reserved <= capacity` holds
-for whoever allocates. A SIGKILL between a rename (or unlink) and the count's update, both under
-the lock, can leave `files` one off; the next process that opens the directory while no other
+for whoever allocates. A store publishes a write batch's pages (renames) and a free batch's unlinks
+in one critical section and updates each count once for the batch, so a SIGKILL between the renames
+(or unlinks) and the count's update, both under the lock, can leave `files` off by up to one batch; the next process that opens the directory while no other
 owner is alive recounts the files (its start-up scan runs under the lock) and resets the record.
 A dead owner's slot, and its reservations, are reclaimed by the first allocation that finds the
 directory full, and by every open (which also removes dead owners' lock files).
@@ -330,15 +331,18 @@ class DirectoryLedger:
     def unreserve(self, n: int) -> None:
         self._slot_add(-n)
 
-    def file_created(self) -> None:
-        self._add(_FILES_AT, 1)
+    def file_created(self, n: int = 1) -> None:
+        """`n` page files appeared (renamed into place) in this critical section."""
+        self._add(_FILES_AT, n)
 
-    def file_removed(self) -> None:
-        if self.files > 0:
-            self._add(_FILES_AT, -1)
+    def file_removed(self, n: int = 1) -> None:
+        """`n` page files were unlinked in this critical section (the count never goes below 0)."""
+        n = min(n, self.files)
+        if n > 0:
+            self._add(_FILES_AT, -n)
 
-    def page_written(self) -> None:
-        self._add(_WRITES_AT, 1)
+    def page_written(self, n: int = 1) -> None:
+        self._add(_WRITES_AT, n)
 
     def recount(self, files: int) -> None:
         """Reset the file count to what a scan found (only when no other owner is alive)."""
@@ -437,14 +441,14 @@ class LocalLedger:
     def unreserve(self, n: int) -> None:
         self.reserved -= n
 
-    def file_created(self) -> None:
-        self.files += 1
+    def file_created(self, n: int = 1) -> None:
+        self.files += n
 
-    def file_removed(self) -> None:
-        self.files = max(0, self.files - 1)
+    def file_removed(self, n: int = 1) -> None:
+        self.files = max(0, self.files - n)
 
-    def page_written(self) -> None:
-        self.writes += 1
+    def page_written(self, n: int = 1) -> None:
+        self.writes += n
 
     def recount(self, files: int) -> None:
         self.files = files

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from ..tiers.base import DEVICE, DISK, HOST, LayeredPages, PageViews, ReadsInto, TierStore
+from ..tiers.base import DEVICE, DISK, HOST, LayeredPages, PageViews, ReadsInto, TierStore, WritesFrom
 from ..tiers.memory import HostKVBuffer
 
 if TYPE_CHECKING:
@@ -39,6 +39,18 @@ def disk_into_host(stores: dict[str, TierStore]) -> Handler:
     def handler(op: "TransferOp", start: int, stop: int) -> None:
         for key, slot in zip(op.src_handles[start:stop], op.dst_handles[start:stop]):
             disk.read_into(key, host.page_view(slot))
+
+    return handler
+
+
+def host_into_disk(stores: dict[str, TierStore]) -> Handler:
+    """Host -> disk without an intermediate copy: each page file is written straight from its host page."""
+    host, disk = stores[HOST], stores[DISK]
+    if not isinstance(disk, WritesFrom) or not isinstance(host, PageViews):
+        return copy_via_tensor(stores)
+
+    def handler(op: "TransferOp", start: int, stop: int) -> None:
+        disk.write_from(op.dst_handles[start:stop], [host.page_view(slot) for slot in op.src_handles[start:stop]])
 
     return handler
 
@@ -115,6 +127,7 @@ def default_handlers(stores: dict[str, TierStore]) -> dict[tuple[str, str], Hand
             handlers[(src, dst)] = generic
     if DISK in stores and HOST in stores:
         handlers[(DISK, HOST)] = disk_into_host(stores)
+        handlers[(HOST, DISK)] = host_into_disk(stores)
     if DEVICE in stores and HOST in stores:
         # one strided copy per page where the device has page views (the embedded pool); else per layer
         pick = page_to_page if isinstance(stores[DEVICE], PageViews) else layered_device_host
