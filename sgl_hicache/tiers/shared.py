@@ -345,8 +345,11 @@ class DirectoryLedger:
         self._add(_WRITES_AT, n)
 
     def recount(self, files: int) -> None:
-        """Reset the file count to what a scan found (only when no other owner is alive)."""
+        """Reset the file count to what a scan found, and the reservation total to the sum of the
+        slots' (only when no other owner is alive). A SIGKILL between a slot's update and the
+        total's (two writes) leaves the total off; a lone start puts it right, as it does the count."""
         self._write(_FILES_AT, struct.pack("<q", files))
+        self._write(_RESERVED_AT, struct.pack("<q", sum(self._slot_reserved(i) for i in range(SLOTS))))
 
     def others_alive(self) -> bool:
         """Any other live owner of a slot (dead owners' slots are reclaimed on the way)."""
