@@ -183,3 +183,15 @@ def test_a_removed_child_leaves_no_traffic_count_behind():
     shared = cache.tree.root.children[(1, 2, 3, 4)]
     assert len(shared.child_traffic) <= len(shared.children) + 1
     assert seen == 40
+
+
+@pytest.mark.xfail(strict=True, reason="known bug, found 2026-12-01: after ~5,000 requests of the shipped trace with "
+                   "--policy predict, tree nodes claim disk pages the disk store no longer holds (2 nodes, 39 pages); "
+                   "cache.check() at the end of the replay refuses the report. Present since at least a4139b0.")
+def test_predict_replay_keeps_the_trees_disk_residency_equal_to_the_store(tmp_path: Path) -> None:
+    """The end-of-run invariant check (every disk page the tree claims is in the disk store) holds
+    after a long `predict` replay; the command exits 0 and writes its report."""
+    report = tmp_path / "r.json"
+    rc = main(["replay", str(mooncake_trace()), "--limit", "5000", "--policy", "predict", "--bytes", "metadata",
+               "--quiet", "--report", str(report)])
+    assert rc == 0 and report.exists()
