@@ -158,6 +158,9 @@ class TieredCache:
         self.outstanding_device_pages = 0
         # cancelled copies of failed promotions still running on a worker (`_fail`, `reap_orphans`)
         self.orphans: list[TransferOp] = []
+        # copies into the disk tier not applied yet: their pages may be stored before the tree
+        # claims them, and must not be taken for orphaned files (`_evict_disk_orphans`)
+        self._disk_writes: set[TransferOp] = set()
         # (error name, reason) pairs already logged at WARNING: the rest go to DEBUG (one line per reason)
         self._logged_errors: set[tuple[str, str]] = set()
         # per (src, dst) link, the state in which write-back planning last found nothing to do
@@ -445,6 +448,8 @@ class TieredCache:
                 return None
             op = TransferOp(node, src, dst, list(src_handles or []), list(handles), node.num_pages * self.config.page_bytes, kind)
             node.incoming[dst] = op
+            if dst == DISK:
+                self._disk_writes.add(op)
             return op
 
     def execute(self, op: TransferOp) -> None:
@@ -470,6 +475,7 @@ class TieredCache:
             if op.locks_path:
                 self.tree.unlock(node)
             node.incoming.pop(op.dst, None)
+            self._disk_writes.discard(op)
             op.applied = True
             if op.cancelled and (op.error is None or op.gated):
                 op.error = Cancelled()  # gated: a local I/O error must not change this rank's tree alone
@@ -886,6 +892,9 @@ class TieredCache:
         if store.stored_pages <= self.tree.pages[DISK]:
             return 0
         referenced = {k for n in self.tree.resident[DISK] for k in n.keys}
+        # a write in flight (or an orphaned one still running) may have stored its pages already:
+        # they are the tree's a moment later, or freed by the copy's own completion
+        referenced.update(k for op in (*self._disk_writes, *self.orphans) if op.dst == DISK for k in op.dst_handles)
         # in key order, not the store's index order (a directory scan's), so that every rank of a
         # tensor-parallel cache frees the same pages; O(n log num_pages)
         victims = heapq.nsmallest(num_pages, (k for k in store.keys() if k not in referenced))

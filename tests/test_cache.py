@@ -203,6 +203,28 @@ def run_backups(cache: TieredCache, ops, link: str) -> int:
     return moved
 
 
+def test_a_disk_eviction_never_frees_the_pages_of_a_write_still_in_flight(tmp_path):
+    """A background host -> disk copy stores its pages before the tree claims them (the claim comes
+    when the copy is completed). A disk eviction in between must not take those pages for files no
+    node refers to (orphans): before, it freed them and the tree then claimed pages the store no
+    longer held (found by a long `predict` replay's end-of-run check)."""
+    cache = make_cache(tmp_path, device=4, host=8, disk=32)
+    prompts = [seq(1000 * i, 4) for i in range(3)]
+    fill(cache, prompts)  # 2 prompts demoted to host, not yet on disk
+    ops = cache.plan_disk_writeback(clean_target_pages=8, max_pages=8)
+    assert ops
+    for op in ops:
+        cache.execute(op)  # the bytes are on disk; the tree does not claim them yet
+    disk = cache.stores[DISK]
+    assert disk.stored_pages > cache.tree.pages[DISK]
+    cache.evict(DISK, 2)
+    assert all(disk.contains(k) for op in ops for k in op.dst_handles)
+    for op in ops:
+        assert cache.complete(op)
+    cache.check()
+    assert cache.tree.pages[DISK] == disk.stored_pages
+
+
 def test_background_writeback_makes_host_eviction_a_free_drop(tmp_path):
     cache = make_cache(tmp_path, device=4, host=8, disk=32)
     prompts = [seq(1000 * i, 4) for i in range(3)]
