@@ -54,3 +54,18 @@ def test_cpu_time_is_the_calling_threads_only() -> None:
         t.join()
     got = timer.snapshot()["match_prefix"]
     assert got["max_us"] >= 45_000 and got["cpu_max_us"] < 20_000
+
+
+def test_the_io_guard_counts_disk_writes_made_through_write_from(tmp_path) -> None:
+    """The host -> disk handler writes pages straight from the host's views (`write_from`), not
+    through `write`: the guard must see those writes too, or a disk write on the scheduler thread
+    would go uncounted (the e2e test's `disk_write_elsewhere` read 0)."""
+    from conftest import make_cache, serve
+
+    from sgl_hicache.sglang.call_timer import IOGuard
+
+    cache = make_cache(tmp_path, device=4, host=8, disk=32, write_policy="write_through", disk_write_policy="write_through")
+    guard = IOGuard().install(cache)
+    serve(cache, list(range(16)))
+    assert cache.stores["disk"].stored_pages > 0
+    assert guard.snapshot().get("disk_write_elsewhere", 0) > 0

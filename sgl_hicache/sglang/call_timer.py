@@ -155,7 +155,7 @@ class IOGuard:
             cache.handlers[(src, dst)] = self._watch("copy", handler, f"{src}->{dst}")
         disk = cache.stores.get("disk")
         if disk is not None:
-            for name in ("write",):
+            for name in ("write", "write_from"):  # every way a page reaches the disk
                 fn = getattr(disk, name, None)
                 if callable(fn):
                     setattr(disk, name, self._watch("disk_write", fn))
