@@ -490,7 +490,8 @@ def test_a_collected_store_never_waits_on_a_ledger_lock_its_own_thread_holds(tmp
     t.join(20)
     assert released.is_set(), "releasing a store blocked on a ledger lock its own thread held"
     deadline = time.monotonic() + 20
-    while live.used != 2 and time.monotonic() < deadline:
+    # the helper thread drops the slot, then the owner lock: wait for both
+    while (live.used != 2 or live.is_alive(dropped.owner)) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert live.used == 2 and not live.is_alive(dropped.owner)
     live.close()
