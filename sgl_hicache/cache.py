@@ -892,9 +892,9 @@ class TieredCache:
         if store.stored_pages <= self.tree.pages[DISK]:
             return 0
         referenced = {k for n in self.tree.resident[DISK] for k in n.keys}
-        # a write in flight (or an orphaned one still running) may have stored its pages already:
-        # they are the tree's a moment later, or freed by the copy's own completion
-        referenced.update(k for op in (*self._disk_writes, *self.orphans) if op.dst == DISK for k in op.dst_handles)
+        # a write in flight may have stored its pages already: they are the tree's a moment later,
+        # or freed by the copy's own completion (an orphaned copy stays in `_disk_writes` until then)
+        referenced.update(k for op in self._disk_writes for k in op.dst_handles)
         # in key order, not the store's index order (a directory scan's), so that every rank of a
         # tensor-parallel cache frees the same pages; O(n log num_pages)
         victims = heapq.nsmallest(num_pages, (k for k in store.keys() if k not in referenced))

@@ -134,7 +134,7 @@ class SGLangDevicePool(TierStore, LayeredPages):
         if pages.device != self.device:
             pages = pages.to(self.device)
         if self.page_size == 1:
-            return pages.clone() if pages.device.type == "cpu" else pages
+            return pages  # (a tensor over the array keeps the array alive)
         return (pages * self.page_size).unsqueeze(1).add(self._offsets).view(-1)
 
     def pages_of(self, slots: torch.Tensor) -> list[int]:

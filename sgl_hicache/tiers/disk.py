@@ -607,7 +607,7 @@ class DiskPageStore(KeyedStore, ReadsInto, WritesFrom):
                 self._unlink(tmp, quiet=True)
                 failed = (key, exc)
                 break
-            written.append((key, tmp, f"{dir_str}/{fan}/{hexkey}{PAGE_SUFFIX}"))
+            written.append((key, tmp, self._page_str(hexkey)))
         published = 0
         try:
             published = self._publish(written)
