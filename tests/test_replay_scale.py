@@ -14,7 +14,7 @@ import pytest
 from conftest import mooncake_trace
 from sgl_hicache.cli import format_report, main
 from sgl_hicache.engine.presets import get_hardware, get_model
-from sgl_hicache.engine.run import checkpoint_path, compare, run_policy
+from sgl_hicache.engine.run import checkpoint_path, compare, longest_first, run_policy
 from sgl_hicache.engine.simulator import EmbeddedEngine, EngineConfig
 from sgl_hicache.replay import load_trace
 from sgl_hicache.replay.mooncake import read_mooncake
@@ -126,6 +126,11 @@ def test_parallel_compare_equals_sequential():
     for name in policies:
         assert _strip(par["policies"][name]) == _strip(seq["policies"][name])
     assert par["ratios"] == seq["ratios"]
+
+
+def test_a_pool_starts_the_longest_policies_first():
+    assert longest_first(["recompute", "demote", "prefetch", "predict", "oracle"]) == ["oracle", "predict", "prefetch", "demote", "recompute"]
+    assert longest_first(["demote", "mine", "recompute"]) == ["mine", "demote", "recompute"]  # unknown work: start it early
 
 
 def test_cli_streams_with_checkpoints_and_says_the_byte_mode(tmp_path, capsys):
