@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import subprocess
+import sys
 import weakref
 from pathlib import Path
 
@@ -131,6 +133,20 @@ def test_parallel_compare_equals_sequential():
 def test_a_pool_starts_the_longest_policies_first():
     assert longest_first(["recompute", "demote", "prefetch", "predict", "oracle"]) == ["oracle", "predict", "prefetch", "demote", "recompute"]
     assert longest_first(["demote", "mine", "recompute"]) == ["mine", "demote", "recompute"]  # unknown work: start it early
+
+
+def test_a_forked_compare_survives_a_parent_that_ran_torchs_thread_pool(tmp_path):
+    # the command line forks its workers; a parent that already ran OpenMP work (a library caller)
+    # must not leave a forked worker hanging in the pool it did not inherit (real bytes touch torch)
+    out = tmp_path / "r.json"
+    argv = ["replay", str(mooncake_trace()), "--limit", "30", "--scale", "16", "--bytes", "real", "--compare", "--workers", "2",
+            "--device-tokens", "8192", "--host-tokens", "16384", "--disk-tokens", "65536", "--page-size", "16", "--quiet",
+            "--report", str(out)]
+    code = ("import torch; a = torch.randn(1024, 1024); (a @ a).sum(); "
+            f"from sgl_hicache.cli import main; raise SystemExit(main({argv!r}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert list(json.loads(out.read_text())["policies"]) == ["recompute", "demote", "prefetch", "predict", "oracle"]
 
 
 def test_cli_streams_with_checkpoints_and_says_the_byte_mode(tmp_path, capsys):

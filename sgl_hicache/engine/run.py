@@ -107,6 +107,11 @@ _QUEUE: Any = None  # a worker's progress queue to the parent (set by `_init_wor
 def _init_worker(queue: Any) -> None:
     global _QUEUE
     _QUEUE = queue
+    import torch
+
+    # one thread each: the workers already share the cores, and a forked worker must not enter an
+    # OpenMP region with the parent's thread pool, whose threads it did not inherit (it hangs)
+    torch.set_num_threads(1)
 
 
 def _run_in_worker(requests: Iterable[Request], config: EngineConfig, checkpoint: Path | None,
@@ -182,14 +187,18 @@ def _compare_parallel(requests: Iterable[Request], configs: dict[str, EngineConf
                       progress: Callable[..., None] | None, ckpt: dict[str, Path | None], checkpoint_every: int) -> dict[str, Any]:
     """The policies in `workers` processes; reports merged in the order of `configs`.
 
-    Workers are forked where the platform can (Linux): they start with this process's imports
-    (~2 s of torch and the package a spawned interpreter spends before its first request). The
-    fork happens at the first submission, before this function starts any thread of its own, and
-    the engine has run nothing on torch's thread pools here. Elsewhere they are spawned."""
+    Workers are forked when that is safe: on a platform that can (Linux) and while this process
+    runs no other Python thread (one holding a lock at the fork would leave it held forever in the
+    worker: the command line has none; a caller's threads, a test runner's, do). Forked, they start
+    with this process's imports (~2 s of torch and the package a spawned interpreter spends before
+    its first request). The fork happens at the first submission, before this function starts its
+    progress thread; each worker runs torch on one thread (`_init_worker`), so the parent's OpenMP
+    pool, if it made one, is never entered. Otherwise they are spawned."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    fork = "fork" in multiprocessing.get_all_start_methods() and threading.active_count() == 1
+    ctx = multiprocessing.get_context("fork" if fork else "spawn")
     queue = ctx.Queue() if progress else None  # inherited by the workers (no manager process)
     stop = threading.Event()
 
