@@ -256,6 +256,25 @@ def test_foreign_page_planted_under_our_key_is_not_served(tmp_path: Path) -> Non
     assert open_store(tmp_path).stored_pages == 0
 
 
+def test_a_page_rewritten_over_a_file_whose_unlink_failed_is_counted_once(tmp_path: Path, monkeypatch) -> None:
+    # alone in its directory a store renames without looking first, unless an unlink failed: that
+    # file stays counted, so rewriting its page over it must not count it again
+    s, ks, data = filled(tmp_path, 2)
+    real_unlink = os.unlink
+
+    def refuse(path, *a, **kw):
+        raise PermissionError(errno.EACCES, "refused by the test", path)
+
+    monkeypatch.setattr(os, "unlink", refuse)
+    s.free(ks[:1])
+    monkeypatch.setattr(os, "unlink", real_unlink)
+    assert s.counters["unlink_errors"] == 1 and s._ledger.files == 2 and s.page_path(ks[0]).exists()
+    s.write(s.allocate(ks[:1]), data[:1])
+    s.write(s.allocate(keys_for(1, 10)), pages(s, 1))
+    assert s._ledger.files == 3 == len(list(tmp_path.glob("*/*.page")))
+    assert torch.equal(bits(s.read(ks)), bits(data))
+
+
 def test_stray_files_and_dirs_ignored(tmp_path: Path) -> None:
     s, ks, data = filled(tmp_path, 2)
     sub = s.page_path(ks[0]).parent

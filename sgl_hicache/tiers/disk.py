@@ -199,6 +199,9 @@ class DiskPageStore(KeyedStore, ReadsInto, WritesFrom):
         self._disabled_reason = ""
         self._own_writes = 0
         self._peers_wrote = False
+        # a page file whose unlink failed outlives its index entry and is still counted by the
+        # ledger: from then on a rename must look before replacing a file
+        self._kept_files = False
         self._evict_cursor = 0
         self._unledgered: set[PageKey] = set()  # reserved while the ledger could not be written
 
@@ -649,13 +652,17 @@ class DiskPageStore(KeyedStore, ReadsInto, WritesFrom):
         done = created = 0
         stored: list[PageKey] = []
         with self._ledger.locked():
+            # while no peer has written, a counted file sits at a page path only if we index it (we
+            # free before rewriting) or its unlink failed: otherwise no look is needed. (Files the
+            # start-up scan left, foreign or unreadable, are not counted: replacing one counts it.)
+            look = self._kept_files or self.peers_wrote
             try:
                 for key, tmp, final in batch:
                     if key not in index:  # freed while being written: leave no unaccounted file
                         self._unlink(tmp, quiet=True)
                         done += 1
                         continue
-                    if self._rename_new(tmp, final):
+                    if self._rename_new(tmp, final, look):
                         created += 1
                     stored.append(key)
                     done += 1
@@ -680,10 +687,11 @@ class DiskPageStore(KeyedStore, ReadsInto, WritesFrom):
                         self._ledger.unreserve(unreserve)
         return done
 
-    def _rename_new(self, tmp: str, final: str) -> bool:
+    def _rename_new(self, tmp: str, final: str, look: bool = True) -> bool:
         """Rename a temp file onto its page path; True if no file was there (another process's copy
-        of the same page -- same bytes -- is replaced and not counted again). Call under the ledger."""
-        existed = os.path.lexists(final)
+        of the same page -- same bytes -- is replaced and not counted again). Without `look` the
+        caller knows no file is there (one `lstat` a page saved). Call under the ledger."""
+        existed = look and os.path.lexists(final)
         os.replace(tmp, final)
         return not existed
 
@@ -755,6 +763,7 @@ class DiskPageStore(KeyedStore, ReadsInto, WritesFrom):
         except OSError as exc:
             with self._lock:
                 self.counters["unlink_errors"] += 1
+                self._kept_files = True  # if it was a page, its file outlives its index entry
             if not quiet:
                 log.warning("disk tier: cannot delete %s: %s", path, exc)
             return False
