@@ -454,22 +454,16 @@ class TieredCache:
 
     def execute(self, op: TransferOp) -> None:
         """Phase two, inline: copy the bytes with the link's handler; records the error, never raises."""
-        if op.cancelled:
-            op.error, op.seconds = Cancelled(), 0.0
-        else:
-            op.error, op.seconds = self.copy_bytes(op)
-        op.executed.set()
-
-    def copy_bytes(self, op: TransferOp) -> tuple[BaseException | None, float]:
-        """The bytes of `op` copied with the link's handler, on any thread; returns the error (None
-        when it worked) and the seconds it took. Touches no bookkeeping: the op's outcome is the
-        caller's to record."""
         start = time.perf_counter()
-        try:
-            self.handlers[(op.src, op.dst)](op, 0, len(op.dst_handles))
-        except (TierIOError, OSError, KeyError, ValueError, RuntimeError) as exc:
-            return exc, time.perf_counter() - start
-        return None, time.perf_counter() - start
+        if op.cancelled:
+            op.error = Cancelled()
+        else:
+            try:
+                self.handlers[(op.src, op.dst)](op, 0, len(op.dst_handles))
+            except (TierIOError, OSError, KeyError, ValueError, RuntimeError) as exc:
+                op.error = exc
+        op.seconds = time.perf_counter() - start
+        op.executed.set()
 
     def complete(self, op: TransferOp) -> bool:
         """Phase three: record the new copy (or undo the allocation if the copy failed or was cancelled)."""

@@ -200,9 +200,7 @@ class EmbeddedEngine:
             self.cache = TieredCache(config.cache_config(disk_dir), disk=store if config.policy != "recompute" else None,
                                      clock=lambda: self.now)
         self.links = VirtualLinks(config.model, config.hardware, config.store_bandwidth if store is not None else 0.0, config.store_latency_s)
-        # real bytes on a disk tier of its own: write-back copies run early on an I/O thread
-        self.executor = VirtualExecutor(self.cache, self.links, lambda: self.now, config.page_size,
-                                        background_writes=config.byte_mode == "real" and store is None and DISK in self.cache.stores)
+        self.executor = VirtualExecutor(self.cache, self.links, lambda: self.now, config.page_size)
         predictor = make_predictor(self.cache.config.predictor, config.page_size, config.predictor_budget_tokens, model=self.cache.reuse)
         settings = ControllerSettings(
             # the oracle's prefetch is its predictor (the next requests' paths, before they arrive), not
@@ -233,7 +231,6 @@ class EmbeddedEngine:
         self.controller.predictor = self.oracle.predictor
 
     def close(self) -> None:
-        self.executor.close()  # its I/O thread may still be writing into the disk tier
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

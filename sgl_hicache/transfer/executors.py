@@ -7,8 +7,7 @@ executor calls back into the cache's bookkeeping.
   priority `TransferEngine`.
 - `VirtualExecutor`: the same ops for the embedded engine: each link is a FIFO pipe in virtual
   time at a bandwidth the caller gives (the cost model); an op's bytes are really copied when its
-  virtual finish time is reached, or, for background host -> disk write-back with
-  `background_writes`, copied early on an I/O thread and only made visible at that time.
+  virtual finish time is reached.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ..tiers.base import DEVICE, DISK, HOST
 
@@ -181,8 +180,7 @@ class VirtualExecutor(Executor):
     `executed_bytes[link]` counts what it copied, so the engine can tell these copies from the ones
     the cache made inline."""
 
-    def __init__(self, cache: "TieredCache", pipes: VirtualPipes, clock: Callable[[], float], page_size: int,
-                 background_writes: bool = False) -> None:
+    def __init__(self, cache: "TieredCache", pipes: VirtualPipes, clock: Callable[[], float], page_size: int) -> None:
         self.cache = cache
         self.pipes = pipes
         self.clock = clock
@@ -192,7 +190,6 @@ class VirtualExecutor(Executor):
         self.executed_bytes: dict[str, int] = {}
         self._low: dict[int, str] = {}  # id(op) -> pipe, for queue-prefetch copies (low priority)
         pipes.on_preempt = self._preempted
-        self._early = EarlyCopies(cache) if background_writes else None
 
     def _tokens(self, op: "TransferOp") -> int:
         return len(op.dst_handles) * self.page_size
@@ -227,10 +224,6 @@ class VirtualExecutor(Executor):
         now = self.clock()
         for op in ops:
             self._track(op, self.pipes.schedule(op.link, self._tokens(op), now))
-        if self._early is not None:
-            # write-back's bytes are final at submission (the source is a settled host copy,
-            # pinned until the op completes): copy them now, beside the engine's own work
-            self._early.start([op for op in ops if op.src == HOST and op.dst == DISK])
 
     def _track(self, op: "TransferOp", finish: float) -> None:
         op.submitted = True
@@ -253,8 +246,7 @@ class VirtualExecutor(Executor):
         self._low.pop(id(op), None)
         self.finish.pop(id(op), None)
         if not op.executed.is_set():
-            if self._early is None or not self._early.finish(op):
-                self.cache.execute(op)
+            self.cache.execute(op)
             if op.error is None:
                 self.executed_bytes[op.link] = self.executed_bytes.get(op.link, 0) + op.nbytes
 
@@ -321,17 +313,9 @@ class VirtualExecutor(Executor):
             self._ops.pop(id(op), None)
             self._low.pop(id(op), None)
             self.finish.pop(id(op), None)
-            if self._early is not None:
-                self._early.drop(op)  # its destination pages are freed once it completes: no copy may still run
             if not op.executed.is_set():
                 op.error = Cancelled()
                 op.executed.set()
-
-    def close(self) -> None:
-        """Stop the I/O thread, after the copies it started (their ops end as they would at their
-        virtual finish)."""
-        if self._early is not None:
-            self._early.close()
 
     def run_now(self, job: "PromotionJob") -> LoadTime:
         """A demand load at schedule time: disk reads must land in host before the forward can use
@@ -348,48 +332,3 @@ class VirtualExecutor(Executor):
                 if not op.executed.is_set():
                     self.cache.execute(op)
         return LoadTime(blocking, overlapped)
-
-
-class EarlyCopies:
-    """Background write-back's bytes copied ahead of their virtual finish, on one I/O thread, so
-    that the real-bytes replay's disk writes (system calls, mostly in the kernel, the GIL released)
-    overlap the engine's own work on another core. The virtual outcome does not change: an op
-    still ends (`executed`, `error`) only when `finish(op)` is called at its virtual finish time,
-    and a cancelled op still ends cancelled (`drop`), its copy waited for or never started.
-
-    Contract: `start(ops)` queues copies whose sources stay valid until the op completes; every
-    started op is later passed to `finish` or `drop` exactly once, on the caller's thread; `close`
-    waits for the thread's work."""
-
-    def __init__(self, cache: "TieredCache") -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.cache = cache
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-io")
-        self._running: dict[int, Any] = {}  # id(op) -> Future of (error, seconds)
-
-    def start(self, ops: Sequence["TransferOp"]) -> None:
-        for op in ops:
-            self._running[id(op)] = self._pool.submit(self.cache.copy_bytes, op)
-
-    def finish(self, op: "TransferOp") -> bool:
-        """End `op` with its early copy's outcome (waiting for it if it still runs); False when no
-        early copy was started for it (the caller copies inline)."""
-        fut = self._running.pop(id(op), None)
-        if fut is None:
-            return False
-        op.error, op.seconds = fut.result()
-        if op.cancelled and op.error is None:
-            op.error = Cancelled()
-        op.executed.set()
-        return True
-
-    def drop(self, op: "TransferOp") -> None:
-        """`op` is cancelled: stop its copy if it has not started, else wait for it to end."""
-        fut = self._running.pop(id(op), None)
-        if fut is not None and not fut.cancel():
-            fut.result()
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=False)
-        self._running.clear()
