@@ -461,7 +461,7 @@ class TieredCache:
             try:
                 self.handlers[(op.src, op.dst)](op, 0, len(op.dst_handles))
             except (TierIOError, OSError, KeyError, ValueError, RuntimeError) as exc:
-                op.error = exc
+                op.record_error(exc)
         op.seconds = time.perf_counter() - start
         op.executed.set()
 
@@ -650,12 +650,15 @@ class TieredCache:
             name = "peer_rank_errors"
         else:
             name = "corrupt_pages" if isinstance(op.error, PageCorruptError) else f"{op.link}_errors"
-        self.stats.errors[name] += 1
+        if name != "corrupt_pages":
+            self.stats.errors[name] += 1
+        if op.corrupt_pages or name == "corrupt_pages":  # per page: one op's chunks may each meet one
+            self.stats.errors["corrupt_pages"] += max(1, op.corrupt_pages)
         reason = getattr(op.error, "reason", None) or str(getattr(op.error.__cause__, "errno", None) or type(op.error).__name__)
         first = (name, reason) not in self._logged_errors
         self._logged_errors.add((name, reason))
         (log.warning if first else log.debug)("tier transfer %s of %d pages failed: %s", op.link, op.node.num_pages, op.error)
-        if op.src == DISK and (isinstance(op.error, (PageCorruptError, KeyError)) or getattr(op.error, "page_gone", False)):
+        if op.src == DISK and (op.corrupt_pages or isinstance(op.error, (PageCorruptError, KeyError)) or getattr(op.error, "page_gone", False)):
             self._drop_disk_subtree(op.node)
 
     def _drop_disk_subtree(self, node: TreeNode) -> None:

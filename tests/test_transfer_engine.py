@@ -359,6 +359,39 @@ def test_failing_disk_read_is_a_counted_miss(tmp_path, use_engine):
     assert_quiescent(cache)
 
 
+def test_corrupt_pages_in_chunks_read_at_once_are_each_counted(tmp_path):
+    """One node's pages read by two workers at once (one chunk each), both pages corrupt: the store
+    drops both, and the cache counts two corrupt pages, not one per transfer (the stats must agree
+    with the store's `corrupt_removed`); the node is a miss, never served."""
+    cache = make_cache(tmp_path, device=8, host=8, disk=64)
+    a = seq(0, 2)
+    to_disk(cache, a, [seq(1000 * i, 2) for i in range(1, 9)])
+    disk = cache.stores[DISK]
+    for key in cache.match(a, touch=False).path[0].keys:
+        path = disk.page_path(key)
+        raw = bytearray(path.read_bytes())
+        raw[-1] ^= 0xFF
+        path.write_bytes(bytes(raw))
+    both_in = threading.Barrier(2, timeout=30)  # both chunks enter the read before either fails
+    inner = cache.handlers[(DISK, HOST)]
+
+    def handler(op, start, stop):
+        both_in.wait()
+        inner(op, start, stop)
+
+    cache.handlers[(DISK, HOST)] = handler
+    engine = TransferEngine(cache, workers=2, chunk_pages=1).start()
+    job = engine.submit(cache.plan_promotion(cache.match(a), "demand"))
+    assert finish(engine, job)
+    assert job.failed
+    cache.release(job)
+    engine.stop()
+    assert disk.counters["corrupt_removed"] == 2
+    assert cache.snapshot()["errors"].get("corrupt_pages") == 2
+    assert cache.match(a, touch=False).tokens == 0
+    assert_quiescent(cache)
+
+
 def test_a_failed_stage_never_waits_for_the_copies_still_running(tmp_path):
     """A stage of a promotion fails while a worker still copies a later stage: `advance` (on the
     scheduling thread) ends the job at once and leaves the running copy as an orphan, whose pages are

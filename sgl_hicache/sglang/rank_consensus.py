@@ -94,7 +94,7 @@ def fail_kind(op: "TransferOp") -> int:
     err = op.error
     if err is None:
         return 0
-    if isinstance(err, (PageCorruptError, KeyError)) or getattr(err, "page_gone", False):
+    if op.corrupt_pages or isinstance(err, (PageCorruptError, KeyError)) or getattr(err, "page_gone", False):
         return 2
     return 1
 

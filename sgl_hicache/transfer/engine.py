@@ -226,15 +226,18 @@ class TransferEngine:
             state, start, stop = item
             op = state.op
             t0 = time.perf_counter()
+            failure: BaseException | None = None
             if not op.cancelled and op.error is None and stop > start:
                 try:
                     self.cache.handlers[(op.src, op.dst)](op, start, stop)
                 except (TierIOError, OSError, KeyError, ValueError, RuntimeError) as exc:
-                    op.error = exc
+                    failure = exc
             elapsed = time.perf_counter() - t0
-            if op.error is None and not op.cancelled:
+            if failure is None and op.error is None and not op.cancelled:
                 self.cache.meter.record(op.link, self._chunk_bytes(op, start, stop), elapsed)
             with self._cv:
+                if failure is not None:  # under the lock: another worker may be failing a chunk of this op
+                    op.record_error(failure)
                 op.seconds += elapsed
                 if state.priority == PREDICT:
                     self._speculative_inflight -= 1

@@ -11,7 +11,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..tiers.base import DEVICE, DISK, HOST, Handle
+from ..tiers.base import DEVICE, DISK, HOST, Handle, PageCorruptError
 
 if TYPE_CHECKING:
     from ..tree.node import TreeNode
@@ -45,6 +45,16 @@ class TransferOp:
     gated: bool = False
     agreed: bool = False
     locks_path: bool = False  # a background write-back: the node's path is locked until `complete`
+    # pages found corrupt while copying: chunks of one op run on several workers, and each may meet one
+    corrupt_pages: int = 0
+
+    def record_error(self, exc: BaseException) -> None:
+        """Note a failed copy (of the whole op or of one chunk): the first error is the op's outcome,
+        and every corrupt page is counted. Callers serialise calls for one op."""
+        if isinstance(exc, PageCorruptError):
+            self.corrupt_pages += 1
+        if self.error is None:
+            self.error = exc
 
     @property
     def settled(self) -> bool:
