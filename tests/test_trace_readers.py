@@ -325,18 +325,33 @@ def test_shipped_trace_first_200_lines():
     assert [r.session for r in scaled] == sessions
 
 
-def test_token_synth_draws_are_random_random_of_the_key_string():
-    """`TokenSynth` (one re-seeded generator, ids mapped in one numpy pass per request) gives the
-    very ids of its documented definition: ``random.Random(f"{seed}:{key}")``'s 32-bit words mod the
-    span, plus the offset; `tokens_many` equals `tokens` key by key."""
-    import random
+def test_token_synth_ids_follow_their_definition():
+    """`TokenSynth`'s vectorised draws (numpy, all keys at once) are the ids of its documented
+    definition, computed here from scratch (xxh3 of the key string, splitmix64 per position);
+    `tokens_many` equals `tokens` key by key; a shorter draw is a prefix; ids stay in the vocabulary
+    and differ between keys and seeds."""
+    import xxhash
 
     from sgl_hicache.replay.trace import TokenSynth
+
+    mask = (1 << 64) - 1
+
+    def splitmix(z: int) -> int:
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
 
     synth = TokenSynth(vocab_size=32000, token_offset=10, seed=3)
     keys = [0, 7, 123456789012, "x+pad", "unique:4:2"]
     for key in keys:
-        bits = random.Random(f"3:{key}").getrandbits(32 * 300)
-        ref = [((bits >> (32 * i)) & 0xFFFFFFFF) % 31990 + 10 for i in range(300)]
+        h = xxhash.xxh3_64_intdigest(f"3:{key}".encode())
+        ref = [(splitmix((h + (j + 1) * 0x9E3779B97F4A7C15) & mask) >> 32) % 31990 + 10 for j in range(300)]
         assert list(synth.tokens(key, 300)) == ref
-    assert synth.tokens_many(keys, 300) == [synth.tokens(k, 300) for k in keys]
+        assert list(synth._reference(key, 300)) == ref
+        assert list(synth.tokens(key, 17)) == ref[:17]
+    many = synth.tokens_many(keys, 300)
+    assert many == [synth.tokens(k, 300) for k in keys]
+    assert all(10 <= t < 32000 for ids in many for t in ids)
+    assert len({tuple(ids) for ids in many}) == len(keys)
+    assert list(TokenSynth(32000, 10, seed=4).tokens(0, 300)) != list(synth.tokens(0, 300))
+    assert synth.tokens_many(keys, 0) == [array("q") for _ in keys]

@@ -18,17 +18,16 @@ choice with a count, so the command line can print each choice once and the repo
 
 from __future__ import annotations
 
-import _random
-import hashlib
 import json
 import math
-import random
 import re
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+
+import xxhash
 
 try:  # optional: vectorises token synthesis; the pure-Python path gives the same ids
     import numpy as _np
@@ -411,37 +410,71 @@ def timestamps_to_seconds(path: str | Path, rows: Sequence[tuple[int, int | floa
 # ---- synthetic tokens ------------------------------------------------------------------------
 
 
+# splitmix64 (Steele, Lea, Flood 2014): a counter-based generator, so every id is a pure function of
+# (key, position) and a whole request's blocks are drawn in one vectorised pass
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(z: int) -> int:
+    z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
+    return z ^ (z >> 31)
+
+
 class TokenSynth:
     """Deterministic pseudo-random token ids for formats that give lengths, not text.
 
-    ``tokens(key, n)`` draws `n` ids from ``random.Random(f"{seed}:{key}")`` (string seeding is SHA-512
-    based: the same on every run, machine and Python >= 3.2), mapped into ``[token_offset,
-    vocab_size)``. A shorter draw for the same key is a prefix of a longer one.
+    Definition: with ``h = xxh3_64(f"{seed}:{key}")``, id ``j`` (from 0) of ``tokens(key, n)`` is
+    ``(splitmix64((h + (j + 1) * 0x9E3779B97F4A7C15) mod 2**64) >> 32) % (vocab_size - token_offset)
+    + token_offset``: the same on every run, machine and Python, and a shorter draw for the same key
+    is a prefix of a longer one. Drawn in numpy when present (`tokens_many`: all of a request's new
+    blocks in one pass); `_reference` is the definition in plain Python.
+
+    (Before 2026-12 the ids were ``random.Random(f"{seed}:{key}")``'s 32-bit words: SHA-512 seeding and
+    a Mersenne Twister per block were a tenth of a long replay. Hits and times do not depend on which
+    ids a block gets, only on which blocks are equal; a disk tier written by a replay of the older
+    version does not match the new ids.)
     """
 
     def __init__(self, vocab_size: int, token_offset: int, seed: int) -> None:
         self.span = vocab_size - token_offset
         self.offset = token_offset
         self.seed = seed
-        self._rng = random.Random()  # re-seeded per key: the same draws as a fresh Random(key string)
 
-    def _raw(self, key: object, n: int) -> bytes:
-        rng = self._rng
-        # what `Random.seed(str)` does (version 2: the string and its SHA-512 as one big integer),
-        # without its Python-level dispatch: the same generator state, so the same draws
-        s = f"{self.seed}:{key}".encode()
-        _random.Random.seed(rng, int.from_bytes(s + hashlib.sha512(s).digest(), "big"))
-        return rng.getrandbits(32 * n).to_bytes(4 * n, "little")
+    def _key_hash(self, key: object) -> int:
+        return xxhash.xxh3_64_intdigest(f"{self.seed}:{key}".encode())
 
-    def tokens_many(self, keys: Sequence[object], n: int) -> list[array]:
-        """``[tokens(key, n) for key in keys]``, the ids mapped in one vectorised pass when numpy is
-        present (a streamed replay synthesises a dozen new blocks a request)."""
-        if n <= 0 or _np is None or len(keys) < 2:
-            return [self.tokens(k, n) for k in keys]
-        ids = _np.frombuffer(b"".join([self._raw(k, n) for k in keys]), dtype="<u4").astype(_np.int64)
+    def _reference(self, key: object, n: int) -> array:
+        h, span, off = self._key_hash(key), self.span, self.offset
+        return array("q", [(_splitmix64((h + (j + 1) * _GOLDEN) & _MASK64) >> 32) % span + off for j in range(n)])
+
+    def _ids(self, keys: Sequence[object], n: int) -> "_np.ndarray":
+        """The ids of every key, one row a key (int64, numpy)."""
+        u64 = _np.uint64
+        h = _np.fromiter((self._key_hash(k) for k in keys), dtype=u64, count=len(keys))
+        with _np.errstate(over="ignore"):  # uint64 arithmetic wraps mod 2**64, as the definition says
+            z = h[:, None] + _np.arange(1, n + 1, dtype=u64)[None, :] * u64(_GOLDEN)
+            z ^= z >> u64(30)
+            z *= u64(_MIX1)
+            z ^= z >> u64(27)
+            z *= u64(_MIX2)
+            z ^= z >> u64(31)
+        ids = (z >> u64(32)).astype(_np.int64)
         ids %= self.span
         ids += self.offset
-        buf = memoryview(ids.tobytes())
+        return ids
+
+    def tokens_many(self, keys: Sequence[object], n: int) -> list[array]:
+        """``[tokens(key, n) for key in keys]``, drawn in one vectorised pass when numpy is present
+        (a streamed replay synthesises a dozen new blocks a request)."""
+        if n <= 0 or not keys:
+            return [array("q") for _ in keys]
+        if _np is None:
+            return [self._reference(k, n) for k in keys]
+        buf = memoryview(self._ids(keys, n).tobytes())
         out = []
         for i in range(len(keys)):
             a = array("q")
@@ -450,19 +483,7 @@ class TokenSynth:
         return out
 
     def tokens(self, key: object, n: int) -> array:
-        if n <= 0:
-            return array("q")
-        data = self._raw(key, n)
-        span, off = self.span, self.offset
-        if _np is not None:  # the same ids, vectorised (a streamed replay synthesises every block it meets)
-            out = array("q")
-            out.frombytes((_np.frombuffer(data, dtype="<u4").astype(_np.int64) % span + off).tobytes())
-            return out
-        raw = array("I")
-        if raw.itemsize != 4:  # pragma: no cover - every supported platform has a 4-byte 'I'
-            raw = array("L")
-        raw.frombytes(data)
-        return array("q", [x % span + off for x in raw])
+        return self.tokens_many([key], n)[0]
 
 
 def check_synth_options(vocab_size: int, token_offset: int, seed: int) -> None:
