@@ -30,7 +30,7 @@ from .tiers.memory import DeviceKVPool, HostKVBuffer
 from .transfer.bandwidth import BandwidthMeter
 from .transfer.handlers import default_handlers
 from .transfer.ops import Cancelled, NodeStage, PromotionJob, TransferOp
-from .tree.node import TreeNode
+from .tree.node import TreeNode, edge_key_of
 from .tree.radix import InvariantError, RadixTree
 from .tree.traffic import count_edge
 
@@ -225,7 +225,7 @@ class TieredCache:
         if not (parent.is_root or parent.disk is not None):
             return []  # a disk node must hang under a disk node (prefix closure)
         ps = self.page_size
-        if len(tokens) - matched < ps or tuple(tokens[matched : matched + ps]) in parent.children:
+        if len(tokens) - matched < ps or edge_key_of(tokens[matched : matched + ps]) in parent.children:
             return []
         limit = self.tree.page_aligned(tokens)
         keys: list[bytes] = []
@@ -310,7 +310,7 @@ class TieredCache:
             last = path[-1] if path else self.tree.root
             if matched < limit:
                 # a pinned node the walk could not split holds the next page: the caller keeps its copy
-                blocked = tuple(tokens[matched : matched + ps]) in last.children
+                blocked = edge_key_of(tokens[matched : matched + ps]) in last.children
                 if not blocked and (last.is_root or last.device is not None):
                     node = self.tree.add_child(last, tokens[matched:limit])
                     node.last_access = self.clock()  # before it is queued for eviction with that key

@@ -10,6 +10,7 @@ from sgl_hicache.cache import TieredCache
 from sgl_hicache.policy.predictor import Predictor, TreeWalkPredictor, make_predictor
 from sgl_hicache.tiers.base import DEVICE, DISK, HOST
 from sgl_hicache.tree.traffic import TRAFFIC_HALF_LIFE_S
+from sgl_hicache.tree.node import edge_key_of
 
 PS = 4
 
@@ -57,8 +58,8 @@ def walker(budget: int = 1000, **kw) -> TreeWalkPredictor:
 def test_traffic_counts_follow_matches():
     cache, _ = build(hot=5, cold=1)
     p = node(cache, P)
-    assert p.child_traffic[tuple(seq(100, 1))] == pytest.approx(5)
-    assert p.child_traffic[tuple(seq(200, 1))] == pytest.approx(1)
+    assert p.child_traffic[edge_key_of(seq(100, 1))] == pytest.approx(5)
+    assert p.child_traffic[edge_key_of(seq(200, 1))] == pytest.approx(1)
 
 
 def test_promotes_the_hot_child_not_the_cold_one():
@@ -319,7 +320,7 @@ def test_traffic_counts_decay_exactly_whatever_the_match_rate():
         cache.match(H)
     p = node(cache, P)
     now = 1200.0
-    got = p.child_traffic[tuple(seq(100, 1))] * 0.5 ** ((now - p.traffic_stamp) / 60.0)
+    got = p.child_traffic[edge_key_of(seq(100, 1))] * 0.5 ** ((now - p.traffic_stamp) / 60.0)
     want = sum(0.5 ** ((now - t) / 60.0) for t in times)
     assert got == pytest.approx(want, rel=1e-9)
 

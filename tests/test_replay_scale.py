@@ -22,6 +22,7 @@ from sgl_hicache.replay import load_trace
 from sgl_hicache.replay.mooncake import read_mooncake
 from sgl_hicache.replay.stream import MooncakeStream, open_mooncake
 from sgl_hicache.replay.synth import _sessions, synthesise, write_trace
+from sgl_hicache.tree.node import edge_key_of
 
 N = 150  # the shipped trace's first N requests: enough for host and disk hits at these capacities
 
@@ -201,7 +202,7 @@ def test_a_removed_child_leaves_no_traffic_count_behind():
         cache.free_device(res.duplicates)
         cache.match(tokens)  # counts traffic from the shared first page into this conversation
         seen += 1
-    shared = cache.tree.root.children[(1, 2, 3, 4)]
+    shared = cache.tree.root.children[edge_key_of((1, 2, 3, 4))]
     assert len(shared.child_traffic) <= len(shared.children) + 1
     assert seen == 40
 

@@ -544,3 +544,24 @@ def test_speculative_pacer_keeps_predictions_to_their_share_of_the_link():
     assert not pacer.try_take("disk->host", 2000)  # -3500 + 5000
     now[0] += 0.2
     assert pacer.try_take("disk->host", 2000)  # + 1000
+
+
+def test_done_flag_wakes_every_waiter_whenever_it_is_set():
+    """`DoneFlag` (an op's `executed`): a wait returns True for a set made before it, during it (from
+    another thread, many waiters at once) and False only on a timeout with no set."""
+    from sgl_hicache.transfer.ops import DoneFlag
+
+    early = DoneFlag()
+    early.set()
+    assert early.is_set() and early.wait(0)
+    assert DoneFlag().wait(0.01) is False
+    for _ in range(200):  # set races the waiters' first look and the event's birth
+        flag = DoneFlag()
+        got: list[bool] = []
+        waiters = [threading.Thread(target=lambda: got.append(flag.wait(10))) for _ in range(3)]
+        for t in waiters:
+            t.start()
+        flag.set()
+        for t in waiters:
+            t.join(15)
+        assert got == [True, True, True]

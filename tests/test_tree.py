@@ -7,6 +7,7 @@ import pytest
 from sgl_hicache.config import KVLayout
 from sgl_hicache.hashing import Namespace, chain_keys, page_key
 from sgl_hicache.tree.radix import InvariantError, RadixTree
+from sgl_hicache.tree.node import edge_key_of
 
 NS = Namespace.for_model(KVLayout(2, 2, 8), 2)
 
@@ -32,11 +33,11 @@ def test_walk_matches_whole_pages_only():
 
 def test_walk_splits_at_page_boundary_and_keeps_handles():
     t = tree_with([1, 2, 3, 4, 5, 6])
-    node = t.root.children[(1, 2)]
+    node = t.root.children[edge_key_of((1, 2))]
     handles = list(node.device)
     path, matched = t.walk([1, 2, 3, 4, 9, 9])
     assert matched == 4 and tuple(path[-1].tokens) == (1, 2, 3, 4)
-    assert path[-1].device + path[-1].children[(5, 6)].device == handles
+    assert path[-1].device + path[-1].children[edge_key_of((5, 6))].device == handles
     assert t.node_count == 2
     t.check()
 
@@ -60,7 +61,7 @@ def test_keys_are_chained_and_namespaced():
 def test_tier_leaves_are_leaf_first_per_tier():
     t = tree_with([1, 2, 3, 4])
     t.walk([1, 2, 5, 6])
-    upper = t.root.children[(1, 2)]
+    upper = t.root.children[edge_key_of((1, 2))]
     t.check()
     assert set(t.tier_leaves("device")) == set(upper.children.values())
 
@@ -68,8 +69,8 @@ def test_tier_leaves_are_leaf_first_per_tier():
 def test_check_catches_broken_prefix_closure():
     t = tree_with([1, 2, 3, 4])
     t.walk([1, 2, 5, 6])  # split: upper (1,2) + lower (3,4)
-    upper = t.root.children[(1, 2)]
-    lower = upper.children[(3, 4)]
+    upper = t.root.children[edge_key_of((1, 2))]
+    lower = upper.children[edge_key_of((3, 4))]
     t.set_resident(lower, "host", [7])
     with pytest.raises(InvariantError, match="prefix-closed"):
         t.check()
@@ -81,7 +82,7 @@ def test_check_catches_page_count_drift_and_negative_locks():
     with pytest.raises(InvariantError, match="page count"):
         t.check()
     t.pages["device"] -= 1
-    node = t.root.children[(1, 2)]
+    node = t.root.children[edge_key_of((1, 2))]
     with pytest.raises(InvariantError):
         t.unlock(node)
 
@@ -89,7 +90,7 @@ def test_check_catches_page_count_drift_and_negative_locks():
 def test_locks_cover_the_whole_path():
     t = tree_with([1, 2, 3, 4])
     t.walk([1, 2, 5, 6])
-    lower = t.root.children[(1, 2)].children[(3, 4)]
+    lower = t.root.children[edge_key_of((1, 2))].children[edge_key_of((3, 4))]
     t.lock(lower)
     assert lower.lock_ref == 1 and lower.parent.lock_ref == 1
     assert not lower.evictable
@@ -101,7 +102,7 @@ def test_edges_are_int64_arrays_and_any_sequence_matches_alike():
     from array import array
 
     t = tree_with([1, 2, 3, 4, 5, 6])
-    node = t.root.children[(1, 2)]
+    node = t.root.children[edge_key_of((1, 2))]
     assert isinstance(node.tokens, array) and node.tokens.typecode == "q"  # 8 bytes a token, not a tuple
     for prompt in ([1, 2, 3, 4, 5, 6, 7], (1, 2, 3, 4, 5, 6, 7), array("q", [1, 2, 3, 4, 5, 6, 7])):
         assert t.walk(prompt, split=False) == ([node], 6)

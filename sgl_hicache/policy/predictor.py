@@ -57,7 +57,7 @@ class TreeWalkPredictor(Predictor):
         self.max_nodes = max_nodes
         self.needs_promotion = needs_promotion
 
-    def _shares(self, node: TreeNode, now: float) -> dict[tuple[int, ...], float]:
+    def _shares(self, node: TreeNode, now: float) -> dict[bytes, float]:
         if not node.child_traffic:
             return {}
         decay = decay_since_stamp(node, now)

@@ -19,6 +19,43 @@ if TYPE_CHECKING:
 LINKS = {(DEVICE, HOST): "device->host", (HOST, DEVICE): "host->device", (HOST, DISK): "host->disk", (DISK, HOST): "disk->host"}
 
 
+_DONE_LOCK = threading.Lock()  # makes a `DoneFlag`'s event at most once
+
+
+class DoneFlag:
+    """`threading.Event`'s `set` / `is_set` / `wait`, with the event (a Condition and a lock) made
+    only when somebody waits. Most ops are never waited for (the replay's virtual executor, the
+    scheduler's polls), and making an Event per op was ~5 % of a long replay.
+
+    Contract: `set` is final (there is no `clear`); `wait` returns True once `set` was called, from
+    any thread, whether it came before or during the wait."""
+
+    __slots__ = ("_flag", "_event")
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._event: threading.Event | None = None
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def set(self) -> None:
+        self._flag = True
+        event = self._event
+        if event is not None:
+            event.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._flag:
+            return True
+        with _DONE_LOCK:
+            if self._event is None:
+                self._event = threading.Event()
+        if self._flag:  # a `set` between the first look and the event's birth did not see the event
+            self._event.set()
+        return self._event.wait(timeout)
+
+
 @dataclass(eq=False)
 class TransferOp:
     """One node's pages moving from tier `src` to tier `dst` (see the module docstring).
@@ -36,7 +73,7 @@ class TransferOp:
     kind: str  # "demand" | "prefetch" | "predict" | "demote" | "backup"
     error: BaseException | None = None
     seconds: float = 0.0
-    executed: threading.Event = field(default_factory=threading.Event)
+    executed: DoneFlag = field(default_factory=DoneFlag)
     applied: bool = False
     cancelled: bool = False
     submitted: bool = False  # handed to a transfer engine, which will set `executed`

@@ -27,8 +27,8 @@ class EdgeCounts:
 
     __slots__ = ("_slot", "_vals", "_free")
 
-    def __init__(self, items: dict[tuple[int, ...], float] | None = None) -> None:
-        self._slot: dict[tuple[int, ...], int] = {}
+    def __init__(self, items: dict[bytes, float] | None = None) -> None:
+        self._slot: dict[bytes, int] = {}
         self._vals = array("d")
         self._free: list[int] = []
         for k, v in (items or {}).items():
@@ -43,17 +43,17 @@ class EdgeCounts:
     def __contains__(self, key: object) -> bool:
         return key in self._slot
 
-    def __iter__(self) -> Iterator[tuple[int, ...]]:
+    def __iter__(self) -> Iterator[bytes]:
         return iter(self._slot)
 
-    def __getitem__(self, key: tuple[int, ...]) -> float:
+    def __getitem__(self, key: bytes) -> float:
         return self._vals[self._slot[key]]
 
-    def get(self, key: tuple[int, ...], default: float | None = None) -> float | None:
+    def get(self, key: bytes, default: float | None = None) -> float | None:
         i = self._slot.get(key)
         return default if i is None else self._vals[i]
 
-    def __setitem__(self, key: tuple[int, ...], value: float) -> None:
+    def __setitem__(self, key: bytes, value: float) -> None:
         i = self._slot.get(key)
         if i is None:
             if self._free:
@@ -64,14 +64,14 @@ class EdgeCounts:
             self._slot[key] = i
         self._vals[i] = value
 
-    def pop(self, key: tuple[int, ...], default: float | None = None) -> float | None:
+    def pop(self, key: bytes, default: float | None = None) -> float | None:
         i = self._slot.pop(key, None)
         if i is None:
             return default
         self._free.append(i)
         return self._vals[i]
 
-    def items(self) -> list[tuple[tuple[int, ...], float]]:
+    def items(self) -> list[tuple[bytes, float]]:
         vals = self._vals
         return [(k, vals[i]) for k, i in self._slot.items()]
 

@@ -13,6 +13,16 @@ from .edge_counts import EdgeCounts
 
 _ids = itertools.count()
 
+# A child's key in its parent's `children` and traffic counts: its first page as int64 bytes. Bytes,
+# not a tuple of ints: a bytes object hashes once (the hash is cached) and compares by memcmp, where
+# a tuple of a page's ints is rebuilt, rehashed and compared int by int at every lookup.
+EdgeKey = bytes
+
+
+def edge_key_of(page: Sequence[int]) -> EdgeKey:
+    """The key of the edge whose first page is `page` (exactly one page of token ids)."""
+    return tokens_bytes(page)
+
 
 class TreeNode:
     """One edge of the radix tree: `tokens` (a whole number of pages, an int64 array: 8 bytes a token,
@@ -33,6 +43,7 @@ class TreeNode:
         "children",
         "tokens",
         "_bytes",
+        "_edge",
         "_keys",
         "num_pages",
         "device",
@@ -55,9 +66,10 @@ class TreeNode:
                  node_id: int | None = None) -> None:
         self.id = next(_ids) if node_id is None else node_id
         self.parent = parent
-        self.children: dict[tuple[int, ...], TreeNode] = {}
+        self.children: dict[EdgeKey, TreeNode] = {}
         self.tokens = tokens
         self._bytes: bytes | None = None  # `tokens` as int64 bytes, made on first use
+        self._edge: EdgeKey | None = None  # `edge_key`, made on first use (or given by the tree)
         # computed on first use (disk I/O, restart lookups): hashing every page of every insert
         # would cost more than the tree walk itself when pages never reach the disk tier
         self._keys = keys
@@ -73,8 +85,8 @@ class TreeNode:
         self.traffic_stamp = 0.0
         # per `child_traffic` key: when it was inserted (its place in the dict's order), and the short
         # list of keys counted more than about once (`tree.traffic.hot_edges`)
-        self.traffic_seq: dict[tuple[int, ...], int] = {}
-        self.traffic_hot: dict[tuple[int, ...], int] = {}
+        self.traffic_seq: dict[EdgeKey, int] = {}
+        self.traffic_hot: dict[EdgeKey, int] = {}
         # set by a prefetch or a prediction until a request uses the node: "prefetch" | "predict" | None
         self.prefetched: str | None = None
         # transfers prepared into a tier and not yet completed, by destination tier
@@ -99,13 +111,17 @@ class TreeNode:
         return self._bytes
 
     @property
-    def edge_key(self) -> tuple[int, ...]:
-        """The first page's token ids: this node's key in its parent's `children` and `child_traffic`."""
-        return tuple(self.tokens[: len(self.tokens) // self.num_pages])
+    def edge_key(self) -> EdgeKey:
+        """The first page's token ids (`edge_key_of`): this node's key in its parent's `children` and
+        `child_traffic`. Kept once made: it is the very object the parent's dicts hold."""
+        if self._edge is None:
+            self._edge = edge_key_of(self.tokens[: len(self.tokens) // self.num_pages])
+        return self._edge
 
     def set_tokens(self, tokens: "array | tuple[int, ...]") -> None:
         self.tokens = tokens
         self._bytes = None
+        self._edge = None
 
     def split_keys(self, pages: int) -> tuple[list[PageKey] | None, list[PageKey] | None]:
         """Keys of the first `pages` pages and of the rest, without computing uncomputed keys."""

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from ..hashing import Namespace, PageKey, chain_keys, int64_tokens
 from ..tiers.base import DISK, TIERS, Handle
 from .leaves import LeafKey, LeafQueue
-from .node import TreeNode, split_handles
+from .node import TreeNode, edge_key_of, split_handles
 from .traffic import drop_edge, start_edges
 
 
@@ -111,7 +111,7 @@ class RadixTree:
             tokens = int64_tokens(tokens[:limit])
         raw = tokens.tobytes()
         while pos < limit:
-            child = node.children.get(tuple(tokens[pos : pos + ps]))
+            child = node.children.get(raw[8 * pos : 8 * (pos + ps)])  # `edge_key_of` that page
             if child is None:
                 break
             n = self._common_pages_bytes(child, raw, pos, limit)
@@ -154,7 +154,9 @@ class RadixTree:
         upper.disk, node.disk = split_handles(node.disk, pages)
         for attr in ("lock_ref", "hit_count", "last_access", "prefetched"):
             setattr(upper, attr, getattr(node, attr))
-        start_edges(upper, tuple(node.tokens[cut : cut + self.page_size]), 1.0)
+        upper._edge = node._edge  # the same first page: the very key the parent's dicts hold
+        lower_edge = edge_key_of(node.tokens[cut : cut + self.page_size])
+        start_edges(upper, lower_edge, 1.0)
         upper.traffic_stamp = node.traffic_stamp
         assert node.parent is not None
         node.parent.children[upper.edge_key] = upper
@@ -162,7 +164,8 @@ class RadixTree:
         node.set_keys(lower_keys)
         node.num_pages -= pages
         node.parent = upper
-        upper.children[node.edge_key] = node
+        node._edge = lower_edge
+        upper.children[lower_edge] = node
         for tier in TIERS:
             if node in self.resident[tier]:
                 self.resident[tier].add(upper)
@@ -176,9 +179,10 @@ class RadixTree:
         self.version += 1
         tokens = int64_tokens(tokens)
         assert tokens and len(tokens) % self.page_size == 0
-        first = tuple(tokens[: self.page_size])
+        first = edge_key_of(tokens[: self.page_size])
         assert first not in parent.children, "add_child over an existing edge"
         node = TreeNode(parent, tokens, None, len(tokens) // self.page_size, next(self._ids))
+        node._edge = first
         parent.children[first] = node
         self.node_count += 1
         return node

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 
 from .edge_counts import EdgeCounts
-from .node import TreeNode
+from .node import EdgeKey, TreeNode
 
 # Turns of one conversation arrive seconds to a few minutes apart; a minute's half-life lets a
 # pattern that stopped fade within a few turns' time without forgetting one between two turns.
@@ -24,7 +24,7 @@ HOT_COUNT = 1.5
 _seq = itertools.count()  # insertion order into any `child_traffic` (`traffic_seq`)
 
 
-def count_edge(parent: TreeNode, first_page: tuple[int, ...], now: float) -> None:
+def count_edge(parent: TreeNode, first_page: EdgeKey, now: float) -> None:
     """Record one match going from `parent` into the child whose first page is `first_page`."""
     traffic = parent.child_traffic
     elapsed = now - parent.traffic_stamp
@@ -48,14 +48,14 @@ def count_edge(parent: TreeNode, first_page: tuple[int, ...], now: float) -> Non
         parent.traffic_hot[first_page] = parent.traffic_seq[first_page]
 
 
-def start_edges(node: TreeNode, first_page: tuple[int, ...], count: float) -> None:
+def start_edges(node: TreeNode, first_page: EdgeKey, count: float) -> None:
     """Start `node`'s counts with one child's (the upper half of a split)."""
     node.child_traffic = EdgeCounts({first_page: count})
     node.traffic_seq = {first_page: next(_seq)}
     node.traffic_hot = {first_page: node.traffic_seq[first_page]} if count >= HOT_COUNT else {}
 
 
-def drop_edge(parent: TreeNode, first_page: tuple[int, ...]) -> None:
+def drop_edge(parent: TreeNode, first_page: EdgeKey) -> None:
     """Forget the count of a removed child (a long replay would otherwise keep one for every
     conversation it ever saw, and a reader would scan them all)."""
     parent.child_traffic.pop(first_page, None)
@@ -63,7 +63,7 @@ def drop_edge(parent: TreeNode, first_page: tuple[int, ...]) -> None:
     parent.traffic_hot.pop(first_page, None)
 
 
-def hot_edges(node: TreeNode, min_visits: float) -> list[tuple[tuple[int, ...], float]] | None:
+def hot_edges(node: TreeNode, min_visits: float) -> list[tuple[EdgeKey, float]] | None:
     """The `child_traffic` items whose decayed count may reach `min_visits`, in the dict's own order
     (so sums over them are the same floats as over the whole dict); None when `min_visits` is below
     HOT_COUNT (the caller reads all of `child_traffic`)."""
