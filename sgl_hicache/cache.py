@@ -658,7 +658,7 @@ class TieredCache:
         first = (name, reason) not in self._logged_errors
         self._logged_errors.add((name, reason))
         (log.warning if first else log.debug)("tier transfer %s of %d pages failed: %s", op.link, op.node.num_pages, op.error)
-        if op.src == DISK and (op.corrupt_pages or isinstance(op.error, (PageCorruptError, KeyError)) or getattr(op.error, "page_gone", False)):
+        if op.src == DISK and op.source_lost:
             self._drop_disk_subtree(op.node)
 
     def _drop_disk_subtree(self, node: TreeNode) -> None:

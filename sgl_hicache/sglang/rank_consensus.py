@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import xxhash
 
-from ..tiers.base import DISK, HOST, TIERS, PageCorruptError, PeerTierError, TierIOError
+from ..tiers.base import DISK, HOST, TIERS, PeerTierError, TierIOError
 from ..transfer.executors import Executor, LoadTime
 
 if TYPE_CHECKING:
@@ -91,12 +91,9 @@ class AgreedClock:
 
 def fail_kind(op: "TransferOp") -> int:
     """0: the copy worked; 1: an I/O error (the page may still be there); 2: the page is gone."""
-    err = op.error
-    if err is None:
+    if op.error is None:
         return 0
-    if op.corrupt_pages or isinstance(err, (PageCorruptError, KeyError)) or getattr(err, "page_gone", False):
-        return 2
-    return 1
+    return 2 if op.source_lost else 1
 
 
 def tree_digest(cache: "TieredCache", extra: Sequence[int] = ()) -> int:

@@ -94,6 +94,14 @@ class TransferOp:
             self.error = exc
 
     @property
+    def source_lost(self) -> bool:
+        """The copy failed because a source page is gone for good (corrupt, not stored, removed by
+        another process or on another rank), not for an I/O error that may pass."""
+        err = self.error
+        return err is not None and (
+            self.corrupt_pages > 0 or isinstance(err, (PageCorruptError, KeyError)) or bool(getattr(err, "page_gone", False)))
+
+    @property
     def settled(self) -> bool:
         """Its outcome may be recorded: the bytes are copied (or it failed) and, if gated, every rank
         agreed on that. A cancel is decided alike on every rank, so a cancelled op settles locally."""
