@@ -152,6 +152,56 @@ class CacheConfig:
         return dataclasses.replace(self, **changes)
 
 
+@dataclass(frozen=True)
+class TieringPolicy:
+    """The policy knobs both engines share, with the one set of defaults that ships.
+
+    The SGLang backend (`sglang/settings.py: BackendSettings`) and the embedded engine
+    (`engine/simulator.py: EngineConfig`) take their defaults from here, so a replay measures the
+    configuration the server runs; `tests/test_defaults.py` asserts they agree. Why each default:
+    - `write_policy="write_through"`: every committed device page gets a host copy in the
+      background at commit (the pump's first job), so a page is clean by the time it is evictable
+      and eviction never copies nor drops (SGLang HiCache's default too);
+    - `eviction_demotes="none"`: eviction never copies on the thread that evicts (SGLang's
+      scheduler thread); a dirty victim is taken only when no clean one is left, and counted;
+    - `writeback_clean_fraction`: the host tier keeps at least this share also on disk, and more
+      when the measured host eviction rate needs more (`policy/writeback.py: watermark_pages`);
+    - `predictor="none"`: the queue prefetch is on; descendant prediction is opt-in (`predict`).
+    """
+
+    eviction_policy: str = "lru"
+    write_policy: str = "write_through"
+    write_through_threshold: int = 2
+    disk_write_policy: str = "write_back"
+    eviction_demotes: str = "none"
+    predictor: str = "none"
+    predictor_budget_tokens: int = 8192
+    prefetch: bool = True
+    device_writeback_clean_fraction: float = 0.25
+    writeback_clean_fraction: float = 0.25
+    writeback_batch_pages: int = 1024
+    admission_min_probability: float = 0.0
+
+    def __post_init__(self) -> None:
+        _require(self.eviction_policy in EVICTION_POLICIES, f"unknown eviction policy {self.eviction_policy!r}; choose one of {', '.join(EVICTION_POLICIES)}")
+        _require(self.write_policy in WRITE_POLICIES, f"unknown write policy {self.write_policy!r}; choose one of {', '.join(WRITE_POLICIES)}")
+        _require(self.disk_write_policy in DISK_WRITE_POLICIES,
+                 f"unknown disk write policy {self.disk_write_policy!r}; choose one of {', '.join(DISK_WRITE_POLICIES)}")
+        _require(self.eviction_demotes in EVICTION_DEMOTES, f"eviction_demotes must be one of {', '.join(EVICTION_DEMOTES)}, got {self.eviction_demotes!r}")
+        _require(self.predictor in PREDICTORS, f"unknown predictor {self.predictor!r}; choose one of {', '.join(PREDICTORS)}")
+        for name in ("device_writeback_clean_fraction", "writeback_clean_fraction"):
+            value = getattr(self, name)
+            _require(0.0 <= value <= 1.0, f"{name} must be in [0, 1], got {value!r}")
+        _require(isinstance(self.writeback_batch_pages, int) and self.writeback_batch_pages >= 1,
+                 f"writeback_batch_pages must be an integer >= 1, got {self.writeback_batch_pages!r}")
+
+    def replace(self, **changes: object) -> "TieringPolicy":
+        return dataclasses.replace(self, **changes)
+
+
+DEFAULT_POLICY = TieringPolicy()
+
+
 def default_disk_dir() -> Path:
     """Where the disk tier lives when the user names no directory."""
     base = os.environ.get("SGLHICACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "sgl_hicache")
@@ -161,6 +211,8 @@ def default_disk_dir() -> Path:
 __all__ = [
     "CacheConfig",
     "ConfigError",
+    "DEFAULT_POLICY",
+    "TieringPolicy",
     "DISK_WRITE_POLICIES",
     "EVICTION_POLICIES",
     "KVLayout",

@@ -13,13 +13,16 @@ answers "retry", the embedded engine stalls its step): never in a policy.
 from __future__ import annotations
 
 import enum
+from functools import partial
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .cache import MatchResult, TieredCache
+from .cache import PrefixMatch, TieredCache
+from .config import DEFAULT_POLICY
 from .transfer.ops import PromotionJob
 from .policy.guard import PromotionGuard
 from .policy.predictor import Predictor
+from .policy.writeback import EvictionRate, selective_write_through_due, watermark_pages
 from .tiers.base import DEVICE, DISK, HOST
 from .transfer.executors import Executor, LoadTime
 from .transfer.ops import TransferOp
@@ -65,10 +68,10 @@ class ControllerSettings:
     """The lifecycle's knobs, shared by both engines (the server reads them from its settings, the
     embedded engine from its policy)."""
 
-    prefetch: bool = True
-    device_writeback_clean_fraction: float = 0.25
-    writeback_clean_fraction: float = 0.25
-    writeback_batch_pages: int = 64
+    prefetch: bool = DEFAULT_POLICY.prefetch
+    device_writeback_clean_fraction: float = DEFAULT_POLICY.device_writeback_clean_fraction
+    writeback_clean_fraction: float = DEFAULT_POLICY.writeback_clean_fraction
+    writeback_batch_pages: int = DEFAULT_POLICY.writeback_batch_pages
     writeback_interval_s: float = 0.02
     max_predicted_jobs: int = 8
 
@@ -96,13 +99,16 @@ class RequestController:
         self.dropped: list[PromotionJob] = []  # cancelled jobs waiting for a running copy to end
         self._writeback_at = -float("inf")
         self.writeback_counters = WritebackCounters()
+        self._eviction_rates = {DEVICE: EvictionRate(), HOST: EvictionRate()}
+        self._round_started: float | None = None
+        self._round_seconds = 0.0
         self.guard = PromotionGuard()
         self.prefetch_skipped = 0  # queue prefetches the guard refused (no room to spare on host)
         self.preempted_prefetches = 0  # queued requests' prefetch jobs ended for a demand (yield_to_demand)
         self.disk_reads_recomputed = 0  # disk-only tokens recomputed: reading them would land later (read_or_recompute)
 
     # ---- arrival and prefetch ----------------------------------------------------------------
-    def arrive(self, tokens: Sequence[int]) -> tuple[Ticket, MatchResult]:
+    def arrive(self, tokens: Sequence[int]) -> tuple[Ticket, PrefixMatch]:
         """First sight of a request: match (counting traffic), remember its disk range, predict."""
         m = self.cache.match(tokens)
         ticket = Ticket(tokens, disk_start=m.device_tokens + m.host_tokens, disk_end=m.tokens)
@@ -110,7 +116,7 @@ class RequestController:
             self.predict(m)
         return ticket, m
 
-    def prefetch(self, ticket: Ticket, match: MatchResult | None = None, head: bool = True) -> bool:
+    def prefetch(self, ticket: Ticket, match: PrefixMatch | None = None, head: bool = True) -> bool:
         """Start moving the disk-only part of the request's match up to host. True if a job started.
         `head`: the request is the next to be scheduled (the guard lets it alone use the whole host
         tier); an adapter that cannot see the queue (the SGLang backend) leaves it True."""
@@ -270,7 +276,7 @@ class RequestController:
         return sum(st.node.num_pages for st in job.stages[job.applied :]) * self.cache.page_size
 
     # ---- load and accounting -----------------------------------------------------------------
-    def read_or_recompute(self, m: MatchResult, recompute_s: float) -> MatchResult:
+    def read_or_recompute(self, m: PrefixMatch, recompute_s: float) -> PrefixMatch:
         """Whether a request being admitted reads the disk-only part of its match `m` on demand: only
         when the read lands (`Executor.read_eta`, behind the disk's queued writes) before recomputing
         that part would finish (`recompute_s`). Otherwise `m` is cut where the disk part begins and the
@@ -282,7 +288,7 @@ class RequestController:
         self.disk_reads_recomputed += m.disk_tokens
         return m.head(m.device_tokens + m.host_tokens)
 
-    def load(self, tokens: Sequence[int], m: MatchResult, recompute_s: float = float("inf")) -> tuple[MatchResult, LoadTime]:
+    def load(self, tokens: Sequence[int], m: PrefixMatch, recompute_s: float = float("inf")) -> tuple[PrefixMatch, LoadTime]:
         """Bring the lower-tier part of `m` (the match of `tokens`) to the device: a demand load,
         inline on the executor. Copies other jobs have in flight on the path are waited for when
         they land within `recompute_s` (what recomputing that part would cost); past them the load
@@ -295,9 +301,11 @@ class RequestController:
         inflight = [n.incoming[HOST] for n in m.path if n.device is None and n.host is None and HOST in n.incoming]
         if inflight:
             cost = LoadTime(self.executor.expedite(inflight, recompute_s))
-            for op in inflight:
-                if op.executed.is_set():
-                    self.cache.complete(op)
+            for op in inflight:  # path order, and only under a parent already on host (prefix closure)
+                parent = op.node.parent
+                if not op.executed.is_set() or parent is None or not (parent.is_root or parent.host is not None):
+                    break
+                self.cache.complete(op)
         job = self.cache.plan_promotion(m, "demand")
         if job is not None:
             ran = self.executor.run_now(job)
@@ -306,7 +314,7 @@ class RequestController:
             self.cache.release(job)
         return self.cache.match(tokens, touch=False), cost
 
-    def attribute(self, ticket: Ticket | None, m: MatchResult) -> tuple[int, int, int]:
+    def attribute(self, ticket: Ticket | None, m: PrefixMatch) -> tuple[int, int, int]:
         """(device, host, disk) hit tokens of a request admitted with match `m`: the lower-tier part
         counts as disk where it was disk-only at the request's first match, or is disk-only now."""
         dev, total = m.device_tokens, m.tokens
@@ -316,7 +324,7 @@ class RequestController:
         disk = max(0, total - max(dev, disk_from))
         return dev, total - dev - disk, disk
 
-    def account(self, ticket: Ticket | None, prompt_tokens: int, m: MatchResult, hit_tokens: int | None = None) -> tuple[int, int, int]:
+    def account(self, ticket: Ticket | None, prompt_tokens: int, m: PrefixMatch, hit_tokens: int | None = None) -> tuple[int, int, int]:
         """Count one admitted request's hits (the match taken before its load). `hit_tokens` caps
         the hit where the engine served less than the match (a recomputed tail). Returns the
         (device, host, disk) split."""
@@ -324,12 +332,12 @@ class RequestController:
             m = m.head(hit_tokens)
         dev, host, disk = self.attribute(ticket, m)
         covered = min(ticket.prefetched_disk_tokens + self._brought_from_disk(ticket.job), disk) if ticket is not None else 0
-        self.cache.record_request(prompt_tokens, MatchResult(m.path, dev, host, disk, m.device_handles, m.last_node, m.last_device_node),
+        self.cache.record_request(prompt_tokens, PrefixMatch(m.path, dev, host, disk, m.device_handles, m.last_node, m.last_device_node),
                                   covered_by_prefetch=covered)
         return dev, host, disk
 
     # ---- prediction --------------------------------------------------------------------------
-    def predict(self, m: MatchResult) -> None:
+    def predict(self, m: PrefixMatch) -> None:
         """Bring likely nodes (the predictor's choice) disk -> host in idle link time; at most
         `max_predicted_jobs` in flight. Into free host pages only, unless the predictor may evict
         (`Predictor.may_evict`), and then only over pages that rank below the one it brings. The
@@ -387,28 +395,55 @@ class RequestController:
                 self.cache.complete(op)
             self.writeback = [op for op in self.writeback if not op.applied]
             changed = bool(done)
+            if not self.writeback and self._round_started is not None:
+                self._round_seconds = self.clock() - self._round_started  # how long a round took to land
+                self._round_started = None
         now = self.clock()
         if not start_new or self.writeback or now - self._writeback_at < self.settings.writeback_interval_s:
             return changed
         self._writeback_at = now
-        ops: list[TransferOp] = []
-        s = self.settings
-        for src, dst, fraction in ((DEVICE, HOST, s.device_writeback_clean_fraction), (HOST, DISK, s.writeback_clean_fraction)):
-            store = self.cache.stores.get(src)
-            if fraction > 0 and store is not None and dst in self.cache.stores:
-                cap = store.capacity_pages
-                target = int(cap * fraction)
-                planned = self.cache.plan_writeback(src, dst, target, max_pages=s.writeback_batch_pages)
-                pages = sum(len(op.dst_handles) for op in planned)
-                if src == DEVICE:
-                    self.writeback_counters.device_pages += pages
-                else:
-                    self.writeback_counters.host_pages += pages
-                ops += planned
+        ops = self._plan_copies_down(now)
         if ops:
             self.writeback = ops
             self.executor.submit_ops(ops, kind="backup")
         return changed or bool(ops)
+
+    def _plan_copies_down(self, now: float) -> list[TransferOp]:
+        """This round's background copies one tier down: write-through of committed device pages
+        (`write_policy`), then each link's watermark of clean evictable pages, sized from the
+        fraction and from the tier's measured eviction rate over the time a round takes to land."""
+        cache, s = self.cache, self.settings
+        config = cache.config
+        ops: list[TransferOp] = []
+        horizon = 2 * s.writeback_interval_s + self._round_seconds
+        for src, dst, fraction in ((DEVICE, HOST, s.device_writeback_clean_fraction), (HOST, DISK, s.writeback_clean_fraction)):
+            store = cache.stores.get(src)
+            if store is None or dst not in cache.stores:
+                continue
+            cap = store.capacity_pages
+            rate = self._eviction_rates[src].update(now, cache.stats.evicted_tokens[src] // cache.page_size)
+            only = None
+            if src == DEVICE and config.write_policy == "write_through":
+                target = cap  # every committed page: copied at commit, whatever the watermark
+            elif src == HOST and config.disk_write_policy == "write_through":
+                target = cap
+            else:
+                target = watermark_pages(cap, fraction, rate, horizon)
+            if src == DEVICE and config.write_policy == "write_through_selective":
+                only = partial(selective_write_through_due, config)
+                target = cap
+            if target <= 0:
+                continue
+            planned = cache.plan_writeback(src, dst, target, max_pages=s.writeback_batch_pages, only=only)
+            pages = sum(len(op.dst_handles) for op in planned)
+            if src == DEVICE:
+                self.writeback_counters.device_pages += pages
+            else:
+                self.writeback_counters.host_pages += pages
+            ops += planned
+        if ops:
+            self._round_started = now
+        return ops
 
     def cancel_device_writeback(self) -> None:
         """Stop the device -> host copies not started yet and record them, so their device pages are

@@ -69,7 +69,7 @@ def redis_service():
         yield store
 
 
-def make_cache(tmp_path=None, device=8, host=16, disk=32, page_size=4, **kw) -> TieredCache:
+def make_cache(tmp_path=None, device=8, host=16, disk=32, page_size=4, priority=None, **kw) -> TieredCache:
     """A cache whose capacities are given in pages."""
     cfg = CacheConfig(
         SMALL_LAYOUT,
@@ -80,7 +80,7 @@ def make_cache(tmp_path=None, device=8, host=16, disk=32, page_size=4, **kw) -> 
         disk_dir=(tmp_path / "disk") if tmp_path is not None else None,
         **kw,
     )
-    return TieredCache(cfg)
+    return TieredCache(cfg, priority=priority)
 
 
 def kv_for(cache: TieredCache, tokens, seed: int = 0) -> torch.Tensor:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import assert_device_kv, kv_for, make_cache, serve
+from sgl_hicache.transfer.handlers import execute
 from sgl_hicache.cache import TieredCache
 from sgl_hicache.tiers.base import DEVICE, DISK, HOST
 
@@ -183,7 +184,7 @@ def test_a_job_waiting_on_another_jobs_host_copy_succeeds(tmp_path):
     assert first is not None and second is not None
     assert all(st.waits_for is not None for st in second.stages)  # nothing copied twice
     for op in first.ops():
-        cache.execute(op)
+        execute(op, cache.handlers)
     assert cache.advance(first) and not first.failed
     assert cache.advance(second) and not second.failed
     cache.release(first)
@@ -195,7 +196,7 @@ def test_a_job_waiting_on_another_jobs_host_copy_succeeds(tmp_path):
 def run_backups(cache: TieredCache, ops, link: str) -> int:
     """Execute and complete planned background copies inline; returns the bytes the link moved."""
     for op in ops:
-        cache.execute(op)
+        execute(op, cache.handlers)
         assert cache.complete(op)
     cache.check()
     moved = cache.snapshot()["bytes_moved"][link]
@@ -214,7 +215,7 @@ def test_a_disk_eviction_never_frees_the_pages_of_a_write_still_in_flight(tmp_pa
     ops = cache.plan_disk_writeback(clean_target_pages=8, max_pages=8)
     assert ops
     for op in ops:
-        cache.execute(op)  # the bytes are on disk; the tree does not claim them yet
+        execute(op, cache.handlers)  # the bytes are on disk; the tree does not claim them yet
     disk = cache.stores[DISK]
     assert disk.stored_pages > cache.tree.pages[DISK]
     cache.evict(DISK, 2)
@@ -259,7 +260,7 @@ def test_writeback_copies_a_prefix_in_use_so_its_children_can_follow(tmp_path):
     ops = cache.plan_writeback(DEVICE, HOST, clean_target_pages=8, max_pages=8)
     assert ops and {op.node.parent for op in ops} == {held}  # then the turns below it
     for op in ops:
-        cache.execute(op)
+        execute(op, cache.handlers)
         assert cache.complete(op)
     cache.tree.unlock(held)
     copied = cache.snapshot()["bytes_moved"]["device->host"]
@@ -305,10 +306,10 @@ def test_eviction_never_races_a_background_writeback(tmp_path):
     assert parent.host is not None and parent.disk is None
     ops = cache.plan_disk_writeback(clean_target_pages=8, max_pages=parent.num_pages)
     assert [op.node for op in ops] == [parent]
-    cache.execute(ops[0])  # bytes written, not yet completed (the engine's worker finished)
+    execute(ops[0], cache.handlers)  # bytes written, not yet completed (the engine's worker finished)
     child = next(iter(parent.children.values()))
     assert child.host is not None
-    cache.ensure(child, DISK, kind="demote", may_evict=True)  # completes the parent's backup, then writes the child
+    cache.copy_now(child, DISK, kind="demote", may_evict=True)  # completes the parent's backup, then writes the child
     assert ops[0].applied and parent.disk is not None and child.disk is not None
     assert cache.complete(ops[0])  # the worker's own completion later is harmless
     cache.check()
@@ -318,7 +319,7 @@ def test_eviction_never_races_a_background_writeback(tmp_path):
     p2 = cache2.match(a, touch=False).path[0]
     ops2 = cache2.plan_disk_writeback(clean_target_pages=8, max_pages=p2.num_pages)
     c2 = next(iter(p2.children.values()))
-    assert not cache2.ensure(c2, DISK, kind="demote", may_evict=True)
-    cache2.execute(ops2[0])
+    assert not cache2.copy_now(c2, DISK, kind="demote", may_evict=True)
+    execute(ops2[0], cache2.handlers)
     assert cache2.complete(ops2[0]) and p2.disk is not None
     cache2.check()

@@ -15,6 +15,7 @@ import random
 import pytest
 
 from conftest import make_cache, serve
+from sgl_hicache.transfer.handlers import execute
 from sgl_hicache.tiers.base import DEVICE, HOST
 
 
@@ -50,7 +51,7 @@ def test_incremental_leaves_evict_what_a_rebuilt_heap_evicts(policy, demotes):
                 locked.append((c, m.last_node))
             ops = c.plan_writeback(DEVICE, HOST, clean_target_pages=6, max_pages=3) if step % 5 == 0 else []
             for op in ops:
-                c.execute(op)
+                execute(op, c.handlers)
                 c.complete(op)
         n = rng.randrange(1, 6)
         for tier in (DEVICE, HOST):
@@ -96,7 +97,7 @@ def test_writeback_locks_its_path_so_evictable_size_is_exact():
     claimed = cache.tree.evictable_pages(DEVICE)
     assert cache.evict(DEVICE, 100) == claimed  # every page it claimed, and no more
     for op in ops:
-        cache.execute(op)
+        execute(op, cache.handlers)
         cache.complete(op)
     assert node.lock_ref == 0 and cache.tree.evictable_pages(DEVICE) == cache.tree.pages[DEVICE]
     cache.check()
@@ -109,7 +110,7 @@ def test_eviction_without_demotion_takes_clean_pages_first_and_counts_dropped_di
     serve(cache, warm)
     # copy the *warm* prompt to host by hand: clean, though the cold one is older
     op = cache.prepare(cache.match(warm, touch=False).path[-1], HOST, "backup", may_evict=False)
-    cache.execute(op)
+    execute(op, cache.handlers)
     cache.complete(op)
     assert cache.evict(DEVICE, 2) == 2
     assert cache.match(cold, touch=False).device_tokens == 8  # the dirty cold prompt stayed

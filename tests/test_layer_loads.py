@@ -19,12 +19,19 @@ import pytest
 import torch
 
 from conftest import kv_for, make_cache, serve
+from sgl_hicache.transfer.handlers import execute
 from sgl_hicache.controller import ControllerSettings, RequestController
-from sgl_hicache.policy.predictor import make_predictor
+from sgl_hicache.policy.predictors import make_predictor
 from sgl_hicache.sglang.layer_loads import LayerLoads
 from sgl_hicache.tiers.base import DEVICE, HOST
 from sgl_hicache.transfer.engine import TransferEngine
 from sgl_hicache.transfer.executors import ThreadExecutor
+
+
+def _spy_copies(cache, record) -> None:
+    """Call `record(op)` for every copy any of the cache's handlers makes, on the copying thread."""
+    for key, handler in list(cache.handlers.items()):
+        cache.handlers[key] = (lambda h: lambda op, start, stop: (record(op), h(op, start, stop))[1])(handler)
 
 
 def seq(start: int, pages: int, page_size: int = 4) -> list[int]:
@@ -49,8 +56,7 @@ def test_layerwise_load_copies_nothing_inline_and_hands_over_each_layer(tmp_path
     ctl, engine = _controller(cache, loads)
     cache.evict(DEVICE, 4)  # room for the load
     inline = []
-    execute = cache.execute
-    cache.execute = lambda op: (inline.append((op.link, threading.get_ident())), execute(op))[1]
+    _spy_copies(cache, lambda op: inline.append((op.link, threading.get_ident())))
     try:
         m2, _ = ctl.load(prompts[0], cache.match(prompts[0], touch=False))
         assert m2.device_tokens == 16
@@ -123,10 +129,9 @@ def test_eviction_without_demotion_frees_clean_pages_and_counts_dirty_drops():
     serve(cache, a)
     serve(cache, b)
     node_a = cache.match(a, touch=False).last_node
-    assert cache.ensure(node_a, HOST, kind="backup", may_evict=False)  # a is clean (on host too)
+    assert cache.copy_now(node_a, HOST, kind="backup", may_evict=False)  # a is clean (on host too)
     copies = []
-    execute = cache.execute
-    cache.execute = lambda op: (copies.append(op.link), execute(op))[1]
+    _spy_copies(cache, lambda op: copies.append(op.link))
     assert cache.evict(DEVICE, 4) == 4
     assert copies == []  # eviction copied nothing
     assert cache.match(a, touch=False).host_tokens == 8  # the clean one survives on host
@@ -158,11 +163,11 @@ def test_eviction_keeps_a_parent_whose_child_is_being_copied_into_the_tier():
     serve(cache, a)
     serve(cache, a + seq(7000, 2))
     parent = cache.match(a, touch=False).last_node
-    assert cache.ensure(parent, HOST, kind="backup", may_evict=False)
+    assert cache.copy_now(parent, HOST, kind="backup", may_evict=False)
     [op] = cache.plan_writeback(DEVICE, HOST, clean_target_pages=8, max_pages=8)  # the child, device -> host
     assert op.node.parent is parent
     assert cache.evict(HOST, 2) == 0  # the parent is the only host leaf, and its child is on its way
-    cache.execute(op)
+    execute(op, cache.handlers)
     cache.complete(op)
     cache.check()
 
@@ -175,7 +180,7 @@ def test_a_copy_that_must_evict_for_room_never_evicts_its_own_parent():
     serve(cache, a)
     serve(cache, a + seq(7000, 2))
     parent = cache.match(a, touch=False).last_node
-    assert cache.ensure(parent, HOST, kind="backup", may_evict=False)  # host is full with the parent
+    assert cache.copy_now(parent, HOST, kind="backup", may_evict=False)  # host is full with the parent
     ops = cache.plan_writeback(DEVICE, HOST, clean_target_pages=8, max_pages=8)
     assert ops == []  # no room without evicting the parent: nothing planned
     assert parent.host is not None

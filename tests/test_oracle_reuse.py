@@ -15,7 +15,8 @@ from sgl_hicache.engine.run import run_policy
 from sgl_hicache.engine.simulator import EngineConfig
 from sgl_hicache.policy.guard import PromotionGuard
 from sgl_hicache.policy.oracle import Oracle
-from sgl_hicache.policy.predictor import Prediction, Predictor, make_predictor
+from sgl_hicache.policy.predictor import Prediction, Predictor
+from sgl_hicache.policy.predictors import make_predictor
 from sgl_hicache.policy.reuse import ContinuationPredictor, ReuseModel
 from sgl_hicache.replay.trace import Request
 from sgl_hicache.tiers.base import DEVICE, DISK, HOST
@@ -66,11 +67,11 @@ def test_oracle_never_fewer_hits_than_lru(seed):
 
 
 def test_oracle_evicts_the_page_used_last():
-    cache = make_cache(None, device=8, host=0)
     a, b, c = seq(0, 2), seq(1000, 2), seq(2000, 2)
     future = [a, b, c, b, a, c]  # after the first three: b is used next, then a, then c
-    oracle = Oracle(future, cache.tree, PS)
-    cache.priority = oracle.priority
+    oracle = Oracle(PS)
+    cache = make_cache(None, device=8, host=0, priority=oracle.priority)
+    oracle.bind(future, cache.tree)
     for i, p in enumerate(future[:3]):
         serve(cache, p)
         oracle.admitted(i)

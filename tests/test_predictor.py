@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 
 from conftest import make_cache, serve
+from sgl_hicache.transfer.handlers import execute
 from sgl_hicache.cache import TieredCache
-from sgl_hicache.policy.predictor import Predictor, TreeWalkPredictor, make_predictor
+from sgl_hicache.policy.predictor import Predictor, TreeWalkPredictor
+from sgl_hicache.policy.predictors import make_predictor
 from sgl_hicache.tiers.base import DEVICE, DISK, HOST
 from sgl_hicache.tree.traffic import TRAFFIC_HALF_LIFE_S
 from sgl_hicache.tree.node import edge_key_of
@@ -212,7 +214,7 @@ def test_prediction_through_the_cache_never_evicts():
     job = cache.plan_promotion(out[0].node.path_from_root(), kind="predict", target=DEVICE, evict=False)
     assert job is not None
     for op in job.ops():
-        cache.execute(op)
+        execute(op, cache.handlers)
     assert cache.advance(job) and not job.failed
     cache.release(job)
     after = device_state(cache)
@@ -247,7 +249,7 @@ def test_prediction_to_host_never_evicts_host(tmp_path):
 def run_job(cache: TieredCache, job) -> None:
     assert job is not None
     for op in job.ops():
-        cache.execute(op)
+        execute(op, cache.handlers)
     assert cache.advance(job) and not job.failed
     cache.release(job)
 
@@ -301,9 +303,9 @@ def test_coverage_counter():
     cache = make_cache(None)
     m = cache.match(seq(0, 2))
     assert cache.snapshot()["coverage"] is None
-    from sgl_hicache.cache import MatchResult
+    from sgl_hicache.cache import PrefixMatch
 
-    fake = MatchResult(m.path, 0, 8, 8, [], m.last_node, m.last_device_node)
+    fake = PrefixMatch(m.path, 0, 8, 8, [], m.last_node, m.last_device_node)
     cache.record_request(20, fake, covered_by_prefetch=12)
     snap = cache.snapshot()
     assert snap["coverage"] == pytest.approx(12 / 16)

@@ -16,7 +16,7 @@ from conftest import make_cache
 
 
 def _op(cache, tokens):
-    from sgl_hicache.cache import TransferOp
+    from sgl_hicache.transfer.ops import TransferOp
 
     cache.insert(tokens, cache.allocate_device(len(tokens) // cache.page_size))
     node = cache.match(tokens).last_node

@@ -139,7 +139,7 @@ def test_storm_of_threads_with_a_failing_disk_keeps_every_invariant(tmp_path: Pa
         try:
             engine.submit(job)
             end = time.monotonic() + 30
-            while not engine.wait(job, timeout=1.0):
+            while not (engine.wait(job, timeout=1.0) and engine.links.advance(job)):
                 assert time.monotonic() < end, "a prefetch job never finished"
             if target == DEVICE and not job.failed:
                 bump("checked_tokens", assert_device_kv(cache, p))
@@ -192,7 +192,7 @@ def test_storm_of_threads_with_a_failing_disk_keeps_every_invariant(tmp_path: Pa
         try:
             engine.submit(job)
             end = time.monotonic() + 60
-            while not engine.wait(job, timeout=1.0):
+            while not (engine.wait(job, timeout=1.0) and engine.links.advance(job)):
                 assert time.monotonic() < end, "a prefetch job never finished"
             assert isinstance(op.error, PageCorruptError), f"a flipped page was read without error: {op.error!r}"
             assert not disk.contains(key), "the corrupt page is still in the store"

@@ -265,7 +265,7 @@ def test_layer_loads_through_sglangs_own_kv_pool_read_path():
     d_slots = dev.allocate([b"a", b"b"])
     data = torch.randn((2, *dev.page_shape)).to(torch.bfloat16)
     host.write(h_slots, data)
-    from sgl_hicache.cache import TransferOp
+    from sgl_hicache.transfer.ops import TransferOp
 
     node = cache.tree.root  # any node: the lock is what LayerLoads takes (root locks are no-ops)
     op = TransferOp(node, HOST, DEVICE, list(h_slots), list(d_slots), 0, "demand")

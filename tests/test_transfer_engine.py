@@ -26,7 +26,7 @@ def seq(start: int, pages: int, page_size: int = 4) -> list[int]:
 def finish(engine: TransferEngine, job, timeout: float = 30.0) -> bool:
     """Wait for a job; a stage that waits on another job's copy finishes once that job applies it."""
     deadline = time.monotonic() + timeout
-    while not engine.wait(job, timeout=max(0.0, deadline - time.monotonic())):
+    while not (engine.wait(job, timeout=max(0.0, deadline - time.monotonic())) and engine.links.advance(job)):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.002)
@@ -178,7 +178,7 @@ def test_predicted_promotions_concurrent_with_demand(tmp_path):
         if job is not None:
             jobs.append(engine.submit(job))
     for job in jobs:
-        engine.wait(job, timeout=30)
+        (engine.wait(job, timeout=30) and engine.links.advance(job))
         cache.release(job)
     engine.stop()
     assert_quiescent(cache)
@@ -214,7 +214,7 @@ def test_cancel_a_job_whose_ops_are_queued(tmp_path):
     for op in job_b.ops():
         assert op.executed.is_set() and op.applied and isinstance(op.error, Cancelled)
     assert all(kind == "demand" for _, kind, _ in gate.calls)
-    assert engine.wait(job_a, timeout=30) and not job_a.failed
+    assert (engine.wait(job_a, timeout=30) and engine.links.advance(job_a)) and not job_a.failed
     cache.release(job_b)
     cache.release(job_a)
     engine.stop()
@@ -307,7 +307,7 @@ def test_engine_restarts_after_stop(tmp_path):
     engine.stop()
     engine.start()
     job = engine.submit(cache.plan_promotion(cache.match(a), "predict", target=HOST, evict=False))
-    assert engine.wait(job, timeout=10) and not job.failed  # a predicted op still runs after a restart
+    assert (engine.wait(job, timeout=10) and engine.links.advance(job)) and not job.failed  # a predicted op still runs after a restart
     cache.release(job)
     engine.stop()
     assert cache.match(a, touch=False).host_tokens == 8
@@ -335,7 +335,7 @@ def test_failing_disk_read_is_a_counted_miss(tmp_path, use_engine):
     if use_engine:
         engine = TransferEngine(cache, workers=2, chunk_pages=1).start()
         job = engine.submit(cache.plan_promotion(m, "demand"))
-        assert engine.wait(job, timeout=10)
+        assert (engine.wait(job, timeout=10) and engine.links.advance(job))
         assert job.failed
         cache.release(job)
         engine.stop()
@@ -446,7 +446,7 @@ def test_failing_host_to_device_is_a_miss(tmp_path):
     cache.handlers[(HOST, DEVICE)] = broken
     engine = TransferEngine(cache, workers=1).start()
     job = engine.submit(cache.plan_promotion(cache.match(a), "demand"))
-    engine.wait(job, timeout=10)
+    (engine.wait(job, timeout=10) and engine.links.advance(job))
     cache.release(job)
     engine.stop()
     assert job.failed
@@ -482,7 +482,7 @@ def test_predicted_ops_wait_while_demand_ops_are_queued(tmp_path):
         jobs.append(engine.submit(cache.plan_promotion(cache.match(p), "demand", target=HOST)))
     gate.open.set()
     for job in jobs:
-        assert engine.wait(job, timeout=30) and not job.failed
+        assert (engine.wait(job, timeout=30) and engine.links.advance(job)) and not job.failed
         cache.release(job)
     engine.stop()
     kinds = [kind for _, kind, _ in gate.calls]
@@ -503,7 +503,7 @@ def test_one_big_disk_read_is_spread_over_workers(tmp_path):
     engine = TransferEngine(cache, workers=4, chunk_pages=1).start()
     job = engine.submit(cache.plan_promotion(cache.match(big), "demand"))
     assert len(job.ops()) == 2 and job.ops()[0].link == "disk->host"
-    assert engine.wait(job, timeout=30) and not job.failed
+    assert (engine.wait(job, timeout=30) and engine.links.advance(job)) and not job.failed
     cache.release(job)
     engine.stop()
     readers = {name for name, _, link in gate.calls if link == "disk->host"}

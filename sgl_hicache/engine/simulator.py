@@ -38,11 +38,10 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from pathlib import Path
 
-from ..cache import TieredCache
-from ..config import CacheConfig, KVLayout
-from ..controller import Admission, ControllerSettings, RequestController, Ticket
+from ..assemble import build_cache, build_controller
+from ..config import DEFAULT_POLICY, CacheConfig, KVLayout, TieringPolicy
+from ..controller import Admission, Ticket
 from ..policy.oracle import Oracle
-from ..policy.predictor import make_predictor
 from ..replay.trace import Request
 from ..tiers.base import DEVICE, DISK, HOST, TierStore
 from ..transfer.executors import VirtualExecutor, VirtualPipes
@@ -74,18 +73,19 @@ class EngineConfig:
     time_scale: float = 1.0
     max_batch_tokens: int = 16384
     max_running: int = 64
-    eviction_policy: str = "lru"
-    write_policy: str = "write_back"
-    predictor_budget_tokens: int = 8192
-    predictor: str = "tree_walk"  # what `predict` runs (config.PREDICTORS)
-    admission_min_probability: float = 0.0  # write-back admission under the reuse model (CacheConfig)
+    # the policy knobs: the shipped defaults (`config.TieringPolicy`), the same as the server's
+    eviction_policy: str = DEFAULT_POLICY.eviction_policy
+    write_policy: str = DEFAULT_POLICY.write_policy
+    write_through_threshold: int = DEFAULT_POLICY.write_through_threshold
+    disk_write_policy: str = DEFAULT_POLICY.disk_write_policy
+    eviction_demotes: str = DEFAULT_POLICY.eviction_demotes
+    predictor_budget_tokens: int = DEFAULT_POLICY.predictor_budget_tokens
+    predictor: str = "tree_walk"  # what `predict` runs (config.PREDICTORS); the other policies run none
+    admission_min_probability: float = DEFAULT_POLICY.admission_min_probability
+    device_writeback_clean_fraction: float = DEFAULT_POLICY.device_writeback_clean_fraction
+    writeback_clean_fraction: float = DEFAULT_POLICY.writeback_clean_fraction
+    writeback_batch_pages: int = DEFAULT_POLICY.writeback_batch_pages
     prefetch_window: int = 16
-    # background write-back one tier down, as the SGLang backend does (`BackendSettings`)
-    device_writeback_clean_fraction: float = 0.25
-    writeback_clean_fraction: float = 0.25
-    # which evictions copy a dirty page down synchronously (`CacheConfig.eviction_demotes`; the SGLang
-    # backend's default is "host", see `BackendSettings`)
-    eviction_demotes: str = "all"
     storage_layout: KVLayout = field(default_factory=lambda: KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="bfloat16"))
     # "real": bytes really copied through the real stores (proves the data path); "metadata": the
     # same decisions and virtual times, pages accounted but no bytes held or copied (`tiers/metadata.py`)
@@ -108,6 +108,17 @@ class EngineConfig:
         if self.store_bandwidth < 0 or self.store_latency_s < 0:
             raise ValueError(f"store_bandwidth and store_latency_s must be >= 0, got {self.store_bandwidth}, {self.store_latency_s}")
 
+    def tiering(self) -> TieringPolicy:
+        """The policy this replay runs: the knobs above, with the predictor and the queue prefetch
+        that `policy` implies (`predict` runs `predictor`; `prefetch` and `predict` prefetch)."""
+        return TieringPolicy(eviction_policy=self.eviction_policy, write_policy=self.write_policy,
+                             write_through_threshold=self.write_through_threshold, disk_write_policy=self.disk_write_policy,
+                             eviction_demotes=self.eviction_demotes, predictor=self.predictor if self.policy == "predict" else "none",
+                             predictor_budget_tokens=self.predictor_budget_tokens, prefetch=self.policy in ("prefetch", "predict"),
+                             device_writeback_clean_fraction=self.device_writeback_clean_fraction,
+                             writeback_clean_fraction=self.writeback_clean_fraction, writeback_batch_pages=self.writeback_batch_pages,
+                             admission_min_probability=self.admission_min_probability)
+
     def cache_config(self, disk_dir: Path | None) -> CacheConfig:
         tiered = self.policy != "recompute"
         return CacheConfig(
@@ -119,6 +130,8 @@ class EngineConfig:
             disk_dir=disk_dir if tiered else None,
             eviction_policy=self.eviction_policy,
             write_policy=self.write_policy,
+            write_through_threshold=self.write_through_threshold,
+            disk_write_policy=self.disk_write_policy,
             predictor=self.predictor if self.policy == "predict" else "none",
             admission_min_probability=self.admission_min_probability,
             eviction_demotes=self.eviction_demotes,
@@ -184,32 +197,31 @@ class EmbeddedEngine:
         self.config = config
         self._tmp = None
         self.now = 0.0
+        # `oracle`: Belady eviction in every tier and perfect prefetch; it learns the future in `run`
+        self.oracle: Oracle | None = Oracle(config.page_size, lookahead=config.prefetch_window) if config.policy == "oracle" else None
+        priority = self.oracle.priority if self.oracle is not None else None
+        clock = lambda: self.now  # noqa: E731
         if config.byte_mode == "metadata":
             from ..tiers.metadata import metadata_stores
 
             cache_config = config.cache_config(_METADATA_DISK_DIR)
             stores = metadata_stores(cache_config.layout, config.page_size, cache_config.device_pages, cache_config.host_pages,
                                      cache_config.disk_pages)
-            self.cache = TieredCache(cache_config, device=stores["device"], host=stores.get("host"), disk=stores.get("disk"),
-                                     clock=lambda: self.now)
+            self.cache = build_cache(cache_config, device=stores["device"], host=stores.get("host"), lower=stores.get("disk"),
+                                     clock=clock, priority=priority)
         else:
             disk_dir = config.disk_dir
             if disk_dir is None and store is None and config.disk_tokens > 0 and config.policy != "recompute":
                 self._tmp = tempfile.TemporaryDirectory(prefix="sgl-hicache-replay-", dir=_scratch_dir())
                 disk_dir = Path(self._tmp.name)
-            self.cache = TieredCache(config.cache_config(disk_dir), disk=store if config.policy != "recompute" else None,
-                                     clock=lambda: self.now)
+            self.cache = build_cache(config.cache_config(disk_dir), lower=store if config.policy != "recompute" else None,
+                                     clock=clock, priority=priority)
         self.links = VirtualLinks(config.model, config.hardware, config.store_bandwidth if store is not None else 0.0, config.store_latency_s)
-        self.executor = VirtualExecutor(self.cache, self.links, lambda: self.now, config.page_size)
-        predictor = make_predictor(self.cache.config.predictor, config.page_size, config.predictor_budget_tokens, model=self.cache.reuse)
-        settings = ControllerSettings(
-            # the oracle's prefetch is its predictor (the next requests' paths, before they arrive), not
-            # the queue prefetch, which on long agentic prompts crowds the host tier (docs/results.md)
-            prefetch=config.policy in ("prefetch", "predict"),
-            device_writeback_clean_fraction=config.device_writeback_clean_fraction,
-            writeback_clean_fraction=config.writeback_clean_fraction,
-        )
-        self.controller = RequestController(self.cache, self.executor, predictor, settings, clock=lambda: self.now)
+        self.executor = VirtualExecutor(self.cache, self.links, clock, config.page_size)
+        # the oracle's prefetch is its predictor (the next requests' paths, before they arrive), not
+        # the queue prefetch, which on long agentic prompts crowds the host tier (docs/results.md)
+        self.controller = build_controller(self.cache, self.executor, config.tiering(), clock,
+                                           predictor=self.oracle.predictor if self.oracle is not None else None)
         self.progress = progress  # (done, total, hit_rate so far); total is None when unknown
         self.checkpoint = checkpoint  # called with the engine every `checkpoint_every` completions
         self.checkpoint_every = checkpoint_every
@@ -220,15 +232,12 @@ class EmbeddedEngine:
         self.demote_seconds = 0.0  # virtual seconds steps spent copying evicted pages device -> host
         self._inline_charged = {"device->host": 0, "host->disk": 0}
         self.steps = 0
-        self.oracle: Oracle | None = None  # the `oracle` policy's view of the future, set by `run`
         self._position: dict[int, int] = {}
 
     def _install_oracle(self, ordered: Sequence[Request]) -> None:
-        """`oracle`: Belady eviction in every tier and perfect prefetch, from the requests to come."""
+        """`oracle`: the requests to come, in arrival order."""
         self._position = {id(r): i for i, r in enumerate(ordered)}
-        self.oracle = Oracle([r.input_ids for r in ordered], self.cache.tree, self.config.page_size, lookahead=self.config.prefetch_window)
-        self.cache.priority = self.oracle.priority
-        self.controller.predictor = self.oracle.predictor
+        self.oracle.bind([r.input_ids for r in ordered], self.cache.tree)  # type: ignore[union-attr]
 
     def close(self) -> None:
         if self._tmp is not None:

@@ -58,19 +58,28 @@ class Oracle:
       arrived) will match but that are not on host or device: a prefetch that is never wrong.
     """
 
-    def __init__(self, prompts: Sequence[Sequence[int]], tree: RadixTree, page_size: int, lookahead: int = 8) -> None:
-        self.prompts = prompts
-        self.tree = tree
-        self.index = FutureIndex(prompts, tree.root.last_key, page_size)
+    def __init__(self, page_size: int, lookahead: int = 8) -> None:
+        """Made before the cache it orders (its `priority` and `predictor` are passed to the cache
+        and the controller at construction); `bind` gives it the future and the tree."""
+        self.page_size = page_size
+        self.prompts: Sequence[Sequence[int]] = ()
+        self.tree: RadixTree | None = None
+        self.index: FutureIndex | None = None
         self.lookahead = lookahead
         self.arrived_upto = 0
         self.predictor = _OraclePredictor(self)
 
+    def bind(self, prompts: Sequence[Sequence[int]], tree: RadixTree) -> None:
+        """The requests to come, in arrival order, and the tree they will be matched in."""
+        self.prompts = prompts
+        self.tree = tree
+        self.index = FutureIndex(prompts, tree.root.last_key, self.page_size)
+
     def priority(self, node: TreeNode) -> tuple:
-        return (-self.index.next_use(node), node.last_access, node.id)
+        return (-self.index.next_use(node), node.last_access, node.id)  # type: ignore[union-attr]
 
     def admitted(self, position: int) -> None:
-        self.index.cursor = max(self.index.cursor, position + 1)
+        self.index.cursor = max(self.index.cursor, position + 1)  # type: ignore[union-attr]
 
     def arrived(self, position: int) -> None:
         self.arrived_upto = max(self.arrived_upto, position + 1)
@@ -80,7 +89,7 @@ class Oracle:
         out: list[TreeNode] = []
         seen: set[int] = set()
         for pos in range(self.arrived_upto, min(len(self.prompts), self.arrived_upto + self.lookahead)):
-            path, _ = self.tree.walk(self.prompts[pos], split=False)
+            path, _ = self.tree.walk(self.prompts[pos], split=False)  # type: ignore[union-attr]
             for node in path:
                 if node.id not in seen:
                     seen.add(node.id)

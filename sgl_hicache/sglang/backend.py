@@ -71,12 +71,12 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     MatchResult,
 )
 
-from ..cache import MatchResult as _Match
+from ..cache import PrefixMatch
 from ..cache import TieredCache
 from ..config import CacheConfig, default_disk_dir
-from ..controller import Admission, ControllerSettings, RequestController, Ticket
+from ..assemble import build_cache, build_controller
+from ..controller import Admission, Ticket
 from ..hashing import Namespace
-from ..policy.predictor import make_predictor
 from ..stats import prometheus_text
 from ..tiers.base import DEVICE, DISK, HOST, TIERS
 from ..transfer.engine import TransferEngine
@@ -115,7 +115,7 @@ class _ReqState:
 
     created: float
     ticket: Ticket | None = None
-    last_match: _Match | None = None
+    last_match: PrefixMatch | None = None
 
 
 @dataclass
@@ -175,7 +175,8 @@ class TieredRadixCache(BasePrefixCache):
                 disk_dir = consensus.rank_dir(disk_dir)  # each rank's shard of every page in its own files
         else:
             disk_tokens = 0
-        eviction = s.eviction_policy or (params.eviction_policy.lower() if getattr(params, "eviction_policy", "lru").lower() in ("lru", "lfu") else "lru")
+        policy = s.tiering(getattr(params, "eviction_policy", None))
+        eviction = policy.eviction_policy
         self.config = CacheConfig(
             layout=layout,
             device_tokens=device_tokens,
@@ -194,7 +195,7 @@ class TieredRadixCache(BasePrefixCache):
             store_url=s.store if host_tokens >= self.page_size else None,
             store_min_hits=s.store_min_hits,
         )
-        self.cache = TieredCache(self.config, device=self.device_pool, clock=clock)
+        self.cache = build_cache(self.config, device=self.device_pool, clock=clock)
         if s.fault_disk_read_file and DISK in self.cache.stores:
             inject_read_faults(self.cache.stores[DISK], consensus.rank if consensus is not None else 0, s.fault_disk_read_file)
         if consensus is not None:
@@ -206,14 +207,7 @@ class TieredRadixCache(BasePrefixCache):
                             if s.layerwise_loads and HOST in self.cache.stores else None)
         self.deferred_rid: str | None = None  # the request init_load_back last answered "retry" (scheduler_hooks)
         executor = ThreadExecutor(self.cache, self.engine, layers=self.layer_loads)
-        self.controller = RequestController(
-            self.cache,
-            consensus.gate(executor) if consensus is not None else executor,
-            make_predictor(s.predictor, self.page_size, s.predictor_budget_tokens, model=self.cache.reuse),
-            ControllerSettings(prefetch=s.prefetch, device_writeback_clean_fraction=s.device_writeback_clean_fraction,
-                               writeback_clean_fraction=s.writeback_clean_fraction, writeback_batch_pages=s.writeback_batch_pages),
-            clock=clock,
-        )
+        self.controller = build_controller(self.cache, consensus.gate(executor) if consensus is not None else executor, policy, clock)
         self.counters = BackendCounters()
         self.server_port = server_port
         self._states: OrderedDict[str, _ReqState] = OrderedDict()

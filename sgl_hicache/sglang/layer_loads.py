@@ -33,7 +33,8 @@ from ..tiers.base import DEVICE, HOST
 from ..transfer.layerwise import LayerwiseLoader
 
 if TYPE_CHECKING:
-    from ..cache import TieredCache, TransferOp
+    from ..cache import TieredCache
+    from ..transfer.ops import TransferOp
     from ..tree.node import TreeNode
 
 

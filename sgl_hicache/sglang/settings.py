@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..config import DISK_WRITE_POLICIES, EVICTION_DEMOTES, EVICTION_POLICIES, PREDICTORS, WRITE_POLICIES
+from ..config import DEFAULT_POLICY, DISK_WRITE_POLICIES, EVICTION_DEMOTES, EVICTION_POLICIES, PREDICTORS, WRITE_POLICIES, TieringPolicy
 
 ENV_PREFIX = "SGLHICACHE_"
 CONFIG_ENV = "SGLHICACHE_CONFIG"
@@ -47,16 +47,17 @@ class BackendSettings:
     disk_tokens: int | None = None
     disk_gb: float = 16.0
     disk_fsync: bool = False
-    write_policy: str = "write_back"  # device -> host: write_back (on eviction) | write_through | write_through_selective
-    write_through_threshold: int = 2
-    disk_write_policy: str = "write_back"  # host -> disk: write_back (on host eviction) | write_through
+    # device -> host: write_through (a background copy at commit) | write_through_selective | write_back
+    write_policy: str = DEFAULT_POLICY.write_policy
+    write_through_threshold: int = DEFAULT_POLICY.write_through_threshold
+    disk_write_policy: str = DEFAULT_POLICY.disk_write_policy  # host -> disk: write_back (watermark) | write_through
     eviction_policy: str | None = None  # lru | lfu; None: SGLang's --radix-eviction-policy when we support it, else lru
-    predictor: str = "none"  # none | tree_walk (promotes likely descendants disk -> host)
-    predictor_budget_tokens: int = 4096
-    prefetch: bool = True  # start disk -> host promotion when a request is matched (while it waits)
+    predictor: str = DEFAULT_POLICY.predictor  # none | tree_walk (promotes likely descendants disk -> host)
+    predictor_budget_tokens: int = DEFAULT_POLICY.predictor_budget_tokens
+    prefetch: bool = DEFAULT_POLICY.prefetch  # start disk -> host promotion when a request is matched (while it waits)
     transfer_workers: int = 2
-    writeback_clean_fraction: float = 0.25  # keep this share of the host tier also on disk, written in the background (0: off)
-    device_writeback_clean_fraction: float = 0.25  # keep this share of the device pool also on host, copied in the background (0: off)
+    writeback_clean_fraction: float = DEFAULT_POLICY.writeback_clean_fraction  # keep this share of the host tier also on disk, written in the background (0: off)
+    device_writeback_clean_fraction: float = DEFAULT_POLICY.device_writeback_clean_fraction  # keep this share of the device pool also on host, copied in the background (0: off)
     load_timeout_s: float = 30.0  # how long a request may wait for its disk pages before it recomputes them
     tenant_salt: str = ""  # extra namespace salt (isolates caches of tenants sharing one disk directory)
     store: str | None = None  # a shared store in the disk tier's place: mooncake://HOST:PORT or redis://HOST:PORT
@@ -64,8 +65,8 @@ class BackendSettings:
     stats_file: str | None = None  # the scheduler writes JSON stats here every stats_interval_s (atomic rename)
     stats_interval_s: float = 2.0
     check_invariants: bool = False  # run the tree's invariant check after every scheduler call (slow; tests)
-    eviction_demotes: str = "none"  # all | host | none: which evictions copy a dirty page down synchronously (CacheConfig); none: never on the scheduler thread
-    writeback_batch_pages: int = 1024  # most pages one background write-back round copies per link (it copies only up to the clean watermark)
+    eviction_demotes: str = DEFAULT_POLICY.eviction_demotes  # all | host | none: which evictions copy a dirty page down synchronously (CacheConfig); none: never on the scheduler thread
+    writeback_batch_pages: int = DEFAULT_POLICY.writeback_batch_pages  # most pages one background write-back round copies per link (it copies only up to the clean watermark)
     layerwise_loads: bool = True  # init_load_back queues host->device copies per layer; the forward of layer i waits for layer i only
     skip_waiting_admission: bool = True  # a request whose prefetch is in flight is skipped this round, not the end of admission
     time_calls: bool = True  # time every cache call the scheduler makes (p50/p99/max in the stats)
@@ -101,6 +102,16 @@ class BackendSettings:
         need(self.store is None or "://" in self.store, f"store must be a URL (mooncake://HOST:PORT or redis://HOST:PORT), got {self.store!r}")
         need(isinstance(self.store_min_hits, int) and self.store_min_hits >= 0, f"store_min_hits must be an integer >= 0, got {self.store_min_hits!r}")
         need(self.stats_interval_s > 0, f"stats_interval_s must be > 0, got {self.stats_interval_s!r}")
+
+    def tiering(self, sglang_eviction: str | None = None) -> TieringPolicy:
+        """The policy the server runs: these settings, with the eviction order resolved
+        (`eviction_policy`, else SGLang's `--radix-eviction-policy` when it is one we have, else lru)."""
+        eviction = self.eviction_policy or (sglang_eviction.lower() if sglang_eviction and sglang_eviction.lower() in ("lru", "lfu") else "lru")
+        return TieringPolicy(eviction_policy=eviction, write_policy=self.write_policy, write_through_threshold=self.write_through_threshold,
+                             disk_write_policy=self.disk_write_policy, eviction_demotes=self.eviction_demotes, predictor=self.predictor,
+                             predictor_budget_tokens=self.predictor_budget_tokens, prefetch=self.prefetch,
+                             device_writeback_clean_fraction=self.device_writeback_clean_fraction,
+                             writeback_clean_fraction=self.writeback_clean_fraction, writeback_batch_pages=self.writeback_batch_pages)
 
     def host_tokens_for(self, device_tokens: int) -> int:
         return self.host_tokens if self.host_tokens is not None else int(device_tokens * self.host_ratio)

@@ -14,15 +14,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from ..tiers.base import TierIOError
 from .bandwidth import SpeculativePacer
-
+from .handlers import CopyLinks
 from .ops import Cancelled, PromotionJob, TransferOp
-
-if TYPE_CHECKING:
-    from ..cache import TieredCache
 
 # lower runs first: what a waiting request needs, then predictions, then backups and demotions
 DEMAND, PREFETCH, PREDICT, BACKUP = 0, 0, 1, 2
@@ -50,20 +46,20 @@ class TransferEngine:
       `max_speculative_inflight` chunks at a time, and within `speculative_share` of the link's
       measured bandwidth (`SpeculativePacer`), so prediction never delays a waiting request nor
       saturates a link.
-    - `wait(job, timeout)` blocks until every op of the job has executed, then advances it in the
-      cache; returns whether the job finished.
+    - `wait(job, timeout)` blocks until every op of the job has executed; returns whether they all
+      did (the caller then advances the job in the cache).
     - Handler failures are recorded on the op (`op.error`) and reported by the cache as a miss.
     """
 
-    def __init__(self, cache: "TieredCache", workers: int = 4, chunk_pages: int = 4, max_speculative_inflight: int = 1,
+    def __init__(self, links: "CopyLinks", workers: int = 4, chunk_pages: int = 4, max_speculative_inflight: int = 1,
                  speculative_share: float = 0.5, clock: Callable[[], float] = time.monotonic) -> None:
         if workers < 1 or chunk_pages < 1:
             raise ValueError(f"TransferEngine needs workers >= 1 and chunk_pages >= 1, got {workers}, {chunk_pages}")
-        self.cache = cache
+        self.links = links
         self.workers = workers
         self.chunk_pages = chunk_pages
         self.max_speculative_inflight = max_speculative_inflight
-        self.pacer = SpeculativePacer(cache.meter, share=speculative_share, clock=clock)
+        self.pacer = SpeculativePacer(links.meter, share=speculative_share, clock=clock)
         self._queue: list[tuple[int, int, _OpState, int, int]] = []
         self._seq = itertools.count()
         self._cv = threading.Condition()
@@ -185,8 +181,8 @@ class TransferEngine:
         for op in job.ops():
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not op.executed.wait(remaining):
-                return self.cache.advance(job)
-        return self.cache.advance(job)
+                return False
+        return True
 
     def queued(self) -> int:
         with self._cv:
@@ -229,12 +225,12 @@ class TransferEngine:
             failure: BaseException | None = None
             if not op.cancelled and op.error is None and stop > start:
                 try:
-                    self.cache.handlers[(op.src, op.dst)](op, start, stop)
+                    self.links.handlers[(op.src, op.dst)](op, start, stop)
                 except (TierIOError, OSError, KeyError, ValueError, RuntimeError) as exc:
                     failure = exc
             elapsed = time.perf_counter() - t0
             if failure is None and op.error is None and not op.cancelled:
-                self.cache.meter.record(op.link, self._chunk_bytes(op, start, stop), elapsed)
+                self.links.meter.record(op.link, self._chunk_bytes(op, start, stop), elapsed)
             with self._cv:
                 if failure is not None:  # under the lock: another worker may be failing a chunk of this op
                     op.record_error(failure)

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Protocol
 
 from ..tiers.base import DEVICE, DISK, HOST
 
+from .handlers import CopyLinks, execute
 from .ops import Cancelled, PromotionJob, TransferOp
 
 if TYPE_CHECKING:
-    from ..cache import TieredCache
     from .engine import TransferEngine
 
 
@@ -94,8 +94,8 @@ class ThreadExecutor(Executor):
     demand load's host -> device ops are queued there (layer by layer, off the calling thread)
     instead of copied inline by `run_now`."""
 
-    def __init__(self, cache: "TieredCache", engine: "TransferEngine", layers: LayerSink | None = None) -> None:
-        self.cache = cache
+    def __init__(self, links: CopyLinks, engine: "TransferEngine", layers: LayerSink | None = None) -> None:
+        self.links = links
         self.engine = engine
         self.layers = layers
 
@@ -106,7 +106,7 @@ class ThreadExecutor(Executor):
         self.engine.start().submit_ops(ops, kind=kind)
 
     def eta(self, job: "PromotionJob") -> float:
-        return sum(self.cache.meter.seconds_for(link, n) for link, n in job.remaining_bytes().items())
+        return sum(self.links.meter.seconds_for(link, n) for link, n in job.remaining_bytes().items())
 
     def cancel(self, ops: Iterable["TransferOp"]) -> None:
         self.engine.cancel(ops)
@@ -120,7 +120,7 @@ class ThreadExecutor(Executor):
                 if self.layers is not None and (op.src, op.dst) == (HOST, DEVICE):
                     layered.append(op)
                 else:
-                    self.cache.execute(op)
+                    execute(op, self.links.handlers)
         if layered:
             self.layers.queue(layered)  # type: ignore[union-attr]
         return LoadTime()
@@ -180,8 +180,8 @@ class VirtualExecutor(Executor):
     `executed_bytes[link]` counts what it copied, so the engine can tell these copies from the ones
     the cache made inline."""
 
-    def __init__(self, cache: "TieredCache", pipes: VirtualPipes, clock: Callable[[], float], page_size: int) -> None:
-        self.cache = cache
+    def __init__(self, links: CopyLinks, pipes: VirtualPipes, clock: Callable[[], float], page_size: int) -> None:
+        self.links = links
         self.pipes = pipes
         self.clock = clock
         self.page_size = page_size
@@ -246,7 +246,7 @@ class VirtualExecutor(Executor):
         self._low.pop(id(op), None)
         self.finish.pop(id(op), None)
         if not op.executed.is_set():
-            self.cache.execute(op)
+            execute(op, self.links.handlers)
             if op.error is None:
                 self.executed_bytes[op.link] = self.executed_bytes.get(op.link, 0) + op.nbytes
 
@@ -330,5 +330,5 @@ class VirtualExecutor(Executor):
                 else:
                     overlapped += self.pipes.seconds(op.link, tokens)
                 if not op.executed.is_set():
-                    self.cache.execute(op)
+                    execute(op, self.links.handlers)
         return LoadTime(blocking, overlapped)

@@ -7,17 +7,41 @@ concurrently without a lock. Raising is the only way to report a failure.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+import time
+from typing import Callable, Protocol
 
 import torch
 
-from ..tiers.base import DEVICE, DISK, HOST, LayeredPages, PageViews, ReadsInto, TierStore, WritesFrom
+from ..tiers.base import DEVICE, DISK, HOST, LayeredPages, PageViews, ReadsInto, TierIOError, TierStore, WritesFrom
 from ..tiers.memory import HostKVBuffer
-
-if TYPE_CHECKING:
-    from .ops import TransferOp
+from .bandwidth import BandwidthMeter
+from .ops import Cancelled, TransferOp
 
 Handler = Callable[["TransferOp", int, int], None]
+Handlers = dict[tuple[str, str], Handler]
+
+
+class CopyLinks(Protocol):
+    """What a byte mover needs of its owner: a handler per (source, destination) and the meter that
+    learns each link's bandwidth (a `TieredCache` is one)."""
+
+    handlers: Handlers
+    meter: BandwidthMeter
+
+
+def execute(op: TransferOp, handlers: Handlers) -> None:
+    """Run a prepared op inline with its link's handler: the error is recorded on the op, never
+    raised; `op.executed` is set either way (the cache completes it)."""
+    start = time.perf_counter()
+    if op.cancelled:
+        op.error = Cancelled()
+    else:
+        try:
+            handlers[(op.src, op.dst)](op, 0, len(op.dst_handles))
+        except (TierIOError, OSError, KeyError, ValueError, RuntimeError) as exc:
+            op.record_error(exc)
+    op.seconds = time.perf_counter() - start
+    op.executed.set()
 
 
 def copy_via_tensor(stores: dict[str, TierStore]) -> Handler:

@@ -90,6 +90,14 @@ class RadixTree:
             q.push(node)
 
     # ---- structure -------------------------------------------------------------------------
+    def touched(self) -> None:
+        """Recency or hit counts changed: plans memoised on the tree's version are stale."""
+        self.version += 1
+
+    def leaf_queue(self, tier: str) -> LeafQueue:
+        """`tier`'s eviction candidates in order (only where `order_leaves` was called)."""
+        return self.leaves[tier]  # type: ignore[index]
+
     def page_aligned(self, tokens: Sequence[int]) -> int:
         return len(tokens) - len(tokens) % self.page_size
 

@@ -1,0 +1,146 @@
+"""Eviction: frees pages of one tier, leaf-first, in the eviction policy's order.
+
+Where a victim is dirty and its policy keeps it (`policy/writeback.py`, `policy/reuse.py`), the
+evictor makes room one tier down first and copies it there synchronously (`Copies.copy_now`);
+otherwise a dirty victim is dropped and counted. It never re-enters itself through a transfer step:
+a copy it starts never evicts (room was made before it was prepared).
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import TYPE_CHECKING
+
+from ..policy.writeback import below, eviction_demotes, is_clean
+from ..tiers.base import DEVICE, DISK, HOST
+from ..tree.node import TreeNode
+
+if TYPE_CHECKING:
+    from .residency import TieredCache
+
+
+class Evictor:
+    """Frees pages of a tier of one `TieredCache` (the caller holds the cache's lock).
+
+    Contract: `evict(tier, n)` frees at least `n` pages of `tier` if possible and returns the pages
+    freed; it never takes a locked or pinned node (a copy in flight pins it); it keeps every tier
+    prefix-closed; evicting 0 pages is always safe and frees nothing.
+    """
+
+    def __init__(self, cache: "TieredCache") -> None:
+        self.cache = cache
+
+    def evict(self, tier: str, num_pages: int) -> int:
+        c = self.cache
+        freed = c.lower.evict_orphans(num_pages) if tier == DISK else 0
+        if c.tree.leaves is not None:
+            freed += self._evict_ordered(tier, num_pages - freed)
+        else:
+            freed += self._evict_rebuilt(tier, num_pages - freed)
+        if tier == DISK and freed < num_pages and c.stores[DISK].peers_wrote:
+            # a shared directory full of other processes' pages this one cannot free through its
+            # tree: the oldest of those go, so no process is locked out of the one capacity
+            freed += c.stores[DISK].evict_unindexed(num_pages - freed)
+        return freed
+
+    def make_room(self, tier: str, num_pages: int, keep: tuple[TreeNode, ...] = ()) -> None:
+        """Evict from `tier` until `num_pages` pages are free (or nothing more can go), never one of
+        `keep` (pinned meanwhile)."""
+        store = self.cache.stores[tier]
+        if store.free_pages >= num_pages:
+            return
+        tree = self.cache.tree
+        for n in keep:
+            tree.pin(n)
+        try:
+            self.evict(tier, num_pages - store.free_pages)
+        finally:
+            for n in keep:
+                tree.unpin(n)
+
+    def leaf_key(self, node: TreeNode, tier: str) -> tuple:
+        """Eviction order in `tier`: the policy's priority; without demotion, clean leaves (held one
+        tier down: a free drop) before dirty ones."""
+        if eviction_demotes(self.cache.config, tier):
+            return self.cache.priority(node)
+        return (not is_clean(node, tier), self.cache.priority(node))
+
+    def _evict_ordered(self, tier: str, num_pages: int) -> int:
+        """`evict` over the tree's incrementally kept leaf queue (`tree/leaves.py`): O(log n) per
+        page freed or stale entry skipped, plus the locked or pinned leaves it must step over."""
+        queue = self.cache.tree.leaf_queue(tier)
+        freed = 0
+        held: list[TreeNode] = []  # in use now: queued again once this eviction is done
+        while freed < num_pages:
+            entry = queue.pop()
+            if entry is None:
+                break
+            key, node = entry
+            if node.parent is None or not node.in_tier(tier) or has_child_in(node, tier):
+                continue  # stale: queued again when it becomes a leaf of `tier` again
+            if not node.evictable:
+                held.append(node)
+                continue
+            if queue.key(node) > key:  # used since it was queued: its turn comes later
+                queue.push(node)
+                continue
+            freed += self.evict_node(node, tier)  # (its parent is queued as it becomes a leaf)
+        for node in held:
+            queue.push(node)
+        return freed
+
+    def _evict_rebuilt(self, tier: str, num_pages: int) -> int:
+        """`evict` for a policy whose priorities change with time (`reuse`): a heap built over the
+        tier's evictable leaves on each call."""
+        freed = 0
+        key = lambda n: self.leaf_key(n, tier)  # noqa: E731
+        heap = [(key(n), n.id, n) for n in self.cache.tree.tier_leaves(tier) if n.evictable]
+        heapq.heapify(heap)
+        while freed < num_pages and heap:
+            _, _, node = heapq.heappop(heap)
+            if not node.in_tier(tier) or not node.evictable or has_child_in(node, tier):
+                continue
+            parent = node.parent
+            freed += self.evict_node(node, tier)
+            if parent is not None and not parent.is_root and parent.in_tier(tier) and parent.evictable:
+                if not has_child_in(parent, tier):
+                    heapq.heappush(heap, (key(parent), parent.id, parent))
+        return freed
+
+    def evict_node(self, node: TreeNode, tier: str) -> int:
+        """Take `node` out of `tier` (demoting it first where the policy keeps it); returns its pages."""
+        c = self.cache
+        tokens = node.num_pages * c.page_size
+        dst = below(tier)
+        dirty = dst is not None and c.has_tier(dst) and not is_clean(node, tier)
+        if dirty and dst == DISK and not c.stores[DISK].demote_on_evict:
+            dirty = False  # the shared store is written by background write-back only, never here
+        # write-back admission (policy/reuse.py): is this page worth a copy below?
+        keep = dirty and (c.reuse is None or c.reuse.admit(node))
+        if keep and eviction_demotes(c.config, tier):
+            c.tree.pin(node)  # keep it out of the evictions that make room for it below
+            try:
+                c.copies.copy_now(node, dst, kind="demote", evict=True)  # type: ignore[arg-type]
+            finally:
+                c.tree.unpin(node)
+        elif dirty:  # never copy here: the page is lost to the tiers below
+            c.stats.add("dropped_dirty_tokens", tokens, tier)
+        handles = c.tree.clear_resident(node, tier)
+        if tier == DISK:
+            c.lower.free_disk(handles)
+        else:
+            c.stores[tier].free(handles)
+        c.stats.add("evicted_tokens", tokens, tier)
+        if node.prefetched and (tier == DEVICE or (tier == HOST and node.device is None)):
+            c.stats.add_prefetch(node.prefetched, "wasted_tokens", tokens)
+            node.prefetched = None
+        if not node.tiers():
+            c.tree.remove_leaf(node)
+            c.stats.add("dropped_tokens", tokens)
+        return node.num_pages
+
+
+def has_child_in(node: TreeNode, tier: str) -> bool:
+    """A child is in `tier`, or a copy into `tier` is on its way (a background write-back prepared
+    while `node` was there): evicting `node` would break prefix closure."""
+    return any(c.in_tier(tier) or tier in c.incoming for c in node.children.values())

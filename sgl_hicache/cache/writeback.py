@@ -1,0 +1,83 @@
+"""Background write-back ops: the write-back policy's picks (`policy/writeback.py`) turned into
+prepared copies one tier down, each locking its node's path until it completes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ..policy.writeback import clean_pages, pick_writeback, shared_candidates, writeback_candidates
+from ..tiers.base import DEVICE, DISK, HOST
+from ..transfer.ops import TransferOp
+from ..tree.node import TreeNode
+
+if TYPE_CHECKING:
+    from .residency import TieredCache
+
+
+class WritebackPlanner:
+    """Plans background copies device -> host and host -> disk for one `TieredCache`.
+
+    Contract: `plan(src, dst, target, max_pages)` returns prepared ops (possibly none) and changes
+    nothing else; the caller executes them anywhere and passes each to `complete`. The caller
+    holds the cache's lock.
+    """
+
+    def __init__(self, cache: "TieredCache") -> None:
+        self.cache = cache
+        # per (src, dst) link, the state in which planning last found nothing to do
+        self._idle: dict[tuple[str, str], tuple] = {}
+
+    def plan(self, src: str, dst: str, clean_target_pages: int, max_pages: int,
+             only: Callable[[TreeNode], bool] | None = None) -> list[TransferOp]:
+        """While fewer than `clean_target_pages` evictable pages of `src` are *clean* (`dst` already
+        holds them, so evicting them from `src` is a free drop: the watermark), prepare copies of
+        the coldest dirty ones, at most `max_pages` and no more than the watermark lacks. Only nodes
+        whose parent is already in `dst` qualify (`dst` stays prefix-closed; their children follow
+        in a later round). `only` narrows the candidates (selective write-through)."""
+        if (src, dst) not in ((DEVICE, HOST), (HOST, DISK)):
+            raise ValueError(f"write-back goes one tier down (device -> host, host -> disk), not {src} -> {dst}")
+        c = self.cache
+        if src not in c.stores or dst not in c.stores:
+            return []
+        if clean_pages(c.tree, src) >= clean_target_pages:
+            return []  # clean enough already (what the scan would find, in O(1))
+        # nothing changed since this very plan found nothing to do: it would find nothing again
+        # (the engine asks every scheduler step; most steps only decode)
+        memo = (src, dst, clean_target_pages, max_pages, only, c.tree.version, c.stores[dst].free_pages)
+        if self._idle.get((src, dst)) == memo:
+            return []
+        ops = self._plan(src, dst, clean_target_pages, max_pages, only)
+        if not ops:
+            self._idle[(src, dst)] = memo
+        return ops
+
+    def _plan(self, src: str, dst: str, clean_target_pages: int, max_pages: int,
+              only: Callable[[TreeNode], bool] | None) -> list[TransferOp]:
+        c = self.cache
+        clean = clean_pages(c.tree, src)
+        store = c.stores[dst]
+        # a shared store takes the pages worth sharing (hit at least `min_hits` times), paced by
+        # `max_pages` per round, whether or not the device also holds them
+        shared = store.shared
+        if not shared:
+            candidates, incoming = writeback_candidates(c.tree, src, dst)
+            clean += incoming  # clean once their copies land
+            budget = min(max_pages, clean_target_pages - clean)
+        else:
+            candidates = shared_candidates(c.tree, src, dst, store.min_hits, lambda n: store.accepts(n.keys))
+            budget = max_pages
+        if only is not None:
+            candidates = [n for n in candidates if only(n)]
+        ops: list[TransferOp] = []
+        for n in pick_writeback(candidates, budget, c.priority, shared):
+            parent = n.parent
+            if parent is None or not (parent.is_root or parent.in_tier(dst)):
+                continue  # room made for an earlier pick evicted its parent from `dst`: a later round
+            op = c.copies.reserve(n, dst, "backup", evict=True)
+            if op is None:
+                break
+            c.tree.lock(n)
+            op.locks_path = True
+            ops.append(op)
+        return ops
