@@ -35,7 +35,8 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from sgl_hicache.cache import TieredCache, TransferOp
+    from sgl_hicache.cache import TieredCache
+    from sgl_hicache.transfer.ops import TransferOp
     from sgl_hicache.config import CacheConfig, KVLayout
     from sgl_hicache.sglang.rank_consensus import RankConsensus, tree_digest
 
