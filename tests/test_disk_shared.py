@@ -1,4 +1,4 @@
-"""One disk directory shared by several processes at once (tiers/shared.py, DiskPageStore).
+"""One disk directory shared by several processes at once (tiers/disk/ledger.py, DiskPageStore).
 
 In-process tests open two stores on one directory (two owners, exactly as two processes would be:
 each has its own owner lock and ledger slot). The multi-process tests run real OS processes
@@ -24,7 +24,7 @@ from conftest import assert_device_kv, make_cache, serve
 from sgl_hicache.hashing import Namespace, page_key
 from sgl_hicache.tiers.base import DISK, PageCorruptError, PageGoneError
 from sgl_hicache.tiers.disk import DiskPageStore
-from sgl_hicache.tiers.shared import SHARED_DIR
+from sgl_hicache.tiers.disk.ledger import SHARED_DIR
 from test_disk_crash import LAYOUT, PAGE, CrashHelper, page_data
 
 NS = Namespace.for_model(LAYOUT, PAGE)
@@ -473,7 +473,7 @@ def test_a_collected_store_never_waits_on_a_ledger_lock_its_own_thread_holds(tmp
     inside a live store's critical section on the same directory's ledger. flock is per open file,
     so a blocking release would wait on its own thread forever (a hung test run). The release is
     deferred instead, and the dropped store's reservations are freed once the section ends."""
-    from sgl_hicache.tiers.shared import DirectoryLedger
+    from sgl_hicache.tiers.disk.ledger import DirectoryLedger
 
     dropped, live = DirectoryLedger(tmp_path, NS.root), DirectoryLedger(tmp_path, NS.root)
     assert dropped.reserve(3, capacity=10) and live.reserve(2, capacity=10)
@@ -506,7 +506,7 @@ def test_a_lone_start_puts_a_drifted_reservation_total_right(tmp_path: Path) -> 
     ~30 runs.)"""
     import struct as _struct
 
-    from sgl_hicache.tiers import shared as sh
+    from sgl_hicache.tiers.disk import ledger as sh
 
     a = open_store(tmp_path, 10)
     keys = [key(i) for i in range(3)]

@@ -1,17 +1,20 @@
 """The page codec shared by every tier that stores pages outside process memory (disk files, the
-shared store): a 128-byte header (namespace, key, layout, payload checksum) then the payload.
+shared store): a 128-byte header (namespace, key, layout, payload checksum) then the payload, and
+the two byte helpers both tiers use (`check_key`, `tensor_bytes`).
 
-The layout is documented in `tiers/disk.py`. A value whose header, length or checksum fails is never
-served: `parse_header` says why, `verify_payload` checks the bytes.
+The layout is documented in `docs/disk-format.md`. A value whose header, length or checksum fails is
+never served: `parse_header` says why, `decode` checks the bytes.
 """
 
 from __future__ import annotations
 
+import ctypes
 import struct
 
+import torch
 import xxhash
 
-from ..hashing import Namespace, PageKey
+from ..hashing import KEY_BYTES, Namespace, PageKey
 
 MAGIC = b"SGLHPAGE"
 FORMAT_VERSION = 1
@@ -26,6 +29,29 @@ _PADDING = bytes(HEADER_SIZE - _HEADER_BODY.size - _HEADER_SUM.size)
 assert _HEADER_BODY.size + _HEADER_SUM.size <= HEADER_SIZE
 
 
+def check_key(key: object) -> PageKey:
+    """A page key is exactly KEY_BYTES `bytes`; anything else is refused before it names a path."""
+    if type(key) is not bytes or len(key) != KEY_BYTES:
+        shown = repr(key)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        raise ValueError(f"disk: a page key must be {KEY_BYTES} bytes, got {type(key).__name__} {shown}")
+    return key
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's storage, without a copy.
+
+    The view does not keep the tensor alive: the caller must hold the tensor while using it.
+    """
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("disk: tensor_bytes needs a contiguous CPU tensor")
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(t.data_ptr())).cast("B")
+
+
 class PageCodec:
     """Encode and check page headers of one namespace and page layout.
 
@@ -34,7 +60,9 @@ class PageCodec:
     "foreign" means our magic under another namespace (another model or tenant: not corrupt, not ours).
     """
 
-    def __init__(self, namespace: Namespace, page_shape: tuple[int, ...], dtype: str, payload_bytes: int, owner: str) -> None:
+    def __init__(
+        self, namespace: Namespace, page_shape: tuple[int, ...], dtype: str, payload_bytes: int, owner: str
+    ) -> None:
         self.namespace = namespace
         self.page_shape = tuple(page_shape)
         self.dtype_name = dtype.encode("ascii")
@@ -80,7 +108,8 @@ class PageCodec:
         if xxhash.xxh3_64_intdigest(body) != stored_sum:
             return None, "header checksum"
         f = _HEADER_BODY.unpack(body)
-        file_key, length, dtype_name, ndim, shape, checksum = f[4], f[5], f[6].rstrip(b"\0"), f[7], f[8 : 8 + _MAX_DIMS], f[-1]
+        file_key, length, dtype_name, ndim = f[4], f[5], f[6].rstrip(b"\0"), f[7]
+        shape, checksum = f[8 : 8 + _MAX_DIMS], f[-1]
         if file_key != key:
             return None, "key does not match file name"
         if dtype_name != self.dtype_name or tuple(shape[:ndim]) != self.page_shape or length != self.payload_bytes:
@@ -101,4 +130,4 @@ class PageCodec:
         return payload, ""
 
 
-__all__ = ["FORMAT_VERSION", "HEADER_SIZE", "MAGIC", "PAGE_SUFFIX", "PageCodec"]
+__all__ = ["FORMAT_VERSION", "HEADER_SIZE", "MAGIC", "PAGE_SUFFIX", "PageCodec", "check_key", "tensor_bytes"]

@@ -34,7 +34,6 @@ import concurrent.futures
 import logging
 import threading
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -42,8 +41,8 @@ import torch
 from ..config import CacheConfig, KVLayout
 from ..hashing import KEY_BYTES, Namespace, PageKey
 from .base import Handle, KeyedStore, PageCorruptError, ReadsInto, TierIOError
-from .codec import PageCodec
-from .disk import check_key, tensor_bytes
+from .codec import PageCodec, check_key, tensor_bytes
+from .store_protocol import StoreBackend, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -65,38 +64,6 @@ COUNTER_NAMES = (
     "errors",  # transitions to unavailable
     "recoveries",
 )
-
-
-class StoreUnavailable(OSError):
-    """The backend could not be reached or failed the call (not: the key is missing)."""
-
-
-class StoreBackend(ABC):
-    """One small adapter per store product. Keys are strings, values bytes.
-
-    Contract:
-    - `exists(keys)` returns one bool per key; `get(key, max_bytes)` returns the value, or None when
-      the key is missing, and never returns bytes that did not arrive (a transfer failure raises);
-      `put(keys, values)` returns one bool per key (True: stored).
-    - Any failure of the store itself raises `StoreUnavailable`; nothing else escapes.
-    - Thread-safe: the tier calls it from the scheduler thread and from transfer workers.
-    """
-
-    url: str
-    #: a call can block on a network (the tier bounds the existence check on the caller's thread)
-    may_block: bool = True
-
-    @abstractmethod
-    def exists(self, keys: list[str]) -> list[bool]: ...
-
-    @abstractmethod
-    def get(self, key: str, max_bytes: int) -> bytes | None: ...
-
-    @abstractmethod
-    def put(self, keys: list[str], values: list[bytes]) -> list[bool]: ...
-
-    def close(self) -> None:  # noqa: B027 - optional
-        pass
 
 
 class SharedStoreTier(KeyedStore, ReadsInto):

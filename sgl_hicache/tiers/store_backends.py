@@ -20,7 +20,7 @@ import socket
 import threading
 import urllib.parse
 
-from .store import StoreBackend, StoreUnavailable
+from .store_protocol import StoreBackend, StoreUnavailable
 
 SCHEMES = ("mooncake", "redis", "rediss", "valkey", "memory")
 

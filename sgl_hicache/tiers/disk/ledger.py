@@ -1,50 +1,11 @@
 """What every process sharing one disk-tier directory agrees on: who is alive, and how full it is.
 
-A node runs many processes over one local disk (8 data-parallel servers, or 8 TP ranks). They share
-one directory, so they must share its capacity and must not delete each other's work in progress.
-This module is the mechanism; `DiskPageStore` uses it for every page file it creates or deletes.
-
-Layout, under `<dir>/.shared/` (0700; files 0600)::
-
-    owners/<owner>.lock      one per live store; its owner holds an exclusive flock on it for life
-    <namespace hex>.ledger   the capacity owner of one namespace: a flock'ed record
-
-Owners. A store's owner id is `<pid>-<16 random hex>` (the random part makes it unique across pid
-reuse, pid namespaces and restarts). The owner holds `flock(LOCK_EX)` on its lock file until it
-closes or dies; the kernel drops the lock when the process dies, however it dies (SIGKILL
-included). So "is owner X alive?" is one non-blocking flock attempt on X's file: it fails while X
-lives; it succeeds (or the file is gone) once X is dead. This needs no clock, no pid check (pids
-of another pid namespace -- a container -- would be unreadable) and no heartbeat. A temp file
-carries its owner in its name and is deleted only when its owner is dead.
-
-Ledger (one per namespace: another model's pages are not counted against this one's capacity, as
-before). Fixed little-endian record::
-
-    0   8  magic b"SGLHLEDG"
-    8   4  version (u32)            12  4  slot count (u32)
-    16  8  page files (i64)         24  8  reserved pages, all slots (i64)
-    32  8  page writes, ever (u64)  40 24  zero
-    64 + 48*i: slot i: owner id (40 bytes ASCII, NUL padded), pages it has reserved (i64)
-
-`used = files + reserved` is the directory's occupancy for the namespace. Every change -- a
-reservation, a page file created by a rename, a page file unlinked -- happens under the ledger's
-flock (plus a thread lock: flock does not exclude threads sharing one file description), so the
-count of page files equals `files` at every lock release, and `files + reserved <= capacity` holds
-for whoever allocates. A store publishes a write batch's pages (renames) and a free batch's unlinks
-in one critical section and updates each count once for the batch, so a SIGKILL between the renames
-(or unlinks) and the count's update, both under the lock, can leave `files` off by up to one batch; the next process that opens the directory while no other
-owner is alive recounts the files (its start-up scan runs under the lock) and resets the record.
-A dead owner's slot, and its reservations, are reclaimed by the first allocation that finds the
-directory full, and by every open (which also removes dead owners' lock files).
-
-No file here stays open for writing: the record is read through a read-only mapping and written
-through a descriptor opened for one critical section (a writable descriptor would keep the file
-system from being remounted read-only under a running server). A ledger that cannot be written
-makes `reserve` raise OSError; the store then reserves locally and lets the page write meet the
-failure. A directory whose shared state cannot be created at all is served by `LocalLedger`, the
-same accounting for one process alone.
-
-Not for network file systems: flock is node-local.
+Under `<dir>/.shared/`: one owner lock file per live store (an exclusive flock the kernel drops when
+the process dies, however it dies) and one capacity ledger per namespace (a flock'ed record of page
+files, reservations and writes). `DiskPageStore` does every rename into and unlink of a page path
+inside the ledger's critical section (`locked()`). The layout of both, and why it holds up under
+SIGKILL and a read-only remount: `docs/disk-format.md` ("Shared state"). Not for network file
+systems: flock is node-local.
 """
 
 from __future__ import annotations
@@ -105,7 +66,7 @@ def _mkdir(path: Path) -> None:
 
 
 def owner_alive(owners_dir: Path, owner: str) -> bool:
-    """True while the process that holds `owner`'s lock file lives (see the module docstring).
+    """True while the process that holds `owner`'s lock file lives (see `docs/disk-format.md`).
     A dead owner's lock file is removed on the way."""
     path = owners_dir / f"{owner}.lock"
     try:
@@ -155,7 +116,8 @@ class DirectoryLedger:
         self._write_failed = False
         # No file of ours stays open for writing: a writable descriptor (or shared writable mapping)
         # would keep the file system from being remounted read-only under a running server.
-        self._owner_fd = os.open(self.owners_dir / f"{self.owner}.lock", os.O_RDONLY | os.O_CREAT | os.O_EXCL | _OPEN, 0o600)
+        owner_path = self.owners_dir / f"{self.owner}.lock"
+        self._owner_fd = os.open(owner_path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | _OPEN, 0o600)
         fcntl.flock(self._owner_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | _OPEN, 0o600)
         try:
@@ -166,13 +128,19 @@ class DirectoryLedger:
         self._fd = os.open(self.path, os.O_RDONLY | _OPEN)
         self._map = mmap.mmap(self._fd, LEDGER_SIZE, access=mmap.ACCESS_READ)
         self._slot = -1
-        self._closer = weakref.finalize(self, DirectoryLedger._release, self.owners_dir / f"{self.owner}.lock", self._owner_fd, self._fd, self.path, self._map)
+        self._closer = weakref.finalize(
+            self, DirectoryLedger._release, owner_path, self._owner_fd, self._fd, self.path, self._map
+        )
         with self._flock():
             magic, version, slots, *_ = _HEAD.unpack_from(self._map, 0)
             if (magic, version, slots) != (LEDGER_MAGIC, LEDGER_VERSION, SLOTS):
                 if magic != b"\0" * 8:
-                    log.warning("disk tier: ledger %s was unreadable (magic %r, version %d); starting it afresh", self.path, magic, version)
-                self._write(0, _HEAD.pack(LEDGER_MAGIC, LEDGER_VERSION, SLOTS, 0, 0, 0).ljust(LEDGER_SIZE, b"\0"), strict=True)
+                    log.warning(
+                        "disk tier: ledger %s was unreadable (magic %r, version %d); starting it afresh",
+                        self.path, magic, version,
+                    )
+                fresh = _HEAD.pack(LEDGER_MAGIC, LEDGER_VERSION, SLOTS, 0, 0, 0).ljust(LEDGER_SIZE, b"\0")
+                self._write(0, fresh, strict=True)
             self._claim_slot()
             self._sweep_owner_files()
             self.writes_at_open = self.writes  # under the lock: every later write is someone's since we opened
@@ -193,7 +161,9 @@ class DirectoryLedger:
         except BlockingIOError:
             args = (owner_path, owner_fd, fd, path, mapping, True)
             try:
-                threading.Thread(target=DirectoryLedger._finish_release, args=args, name="sgl-hicache-ledger-release", daemon=True).start()
+                threading.Thread(
+                    target=DirectoryLedger._finish_release, args=args, name="sgl-hicache-ledger-release", daemon=True
+                ).start()
                 return
             except RuntimeError:  # the interpreter is exiting: the slot is reclaimed as a dead owner's
                 DirectoryLedger._finish_release(owner_path, owner_fd, fd, path, mapping, False)
@@ -204,7 +174,9 @@ class DirectoryLedger:
         DirectoryLedger._finish_release(owner_path, owner_fd, fd, path, mapping, False, locked=True)
 
     @staticmethod
-    def _finish_release(owner_path: Path, owner_fd: int, fd: int, path: Path, mapping: mmap.mmap, wait: bool, locked: bool = False) -> None:
+    def _finish_release(
+        owner_path: Path, owner_fd: int, fd: int, path: Path, mapping: mmap.mmap, wait: bool, locked: bool = False
+    ) -> None:
         """Drop our slot (its reservations die with us) if we hold, or `wait` for, the ledger's
         flock; then give up the owner lock. Without the slot drop, the next store that runs short
         reclaims the slot as a dead owner's (`reclaim_dead`)."""
@@ -290,7 +262,9 @@ class DirectoryLedger:
             if strict:
                 raise
             if not self._write_failed:  # once: the store's own write failure says the rest
-                log.warning("disk tier: cannot update the shared ledger %s (%s); no new pages until it can", self.path, exc)
+                log.warning(
+                    "disk tier: cannot update the shared ledger %s (%s); no new pages until it can", self.path, exc
+                )
             self._write_failed = True
             return False
 
@@ -471,4 +445,13 @@ def is_shared_entry(name: str) -> bool:
     return name == SHARED_DIR
 
 
-__all__ = ["DirectoryLedger", "LEDGER_SIZE", "LocalLedger", "OWNER_PATTERN", "SHARED_DIR", "is_shared_entry", "new_owner_id", "owner_alive"]
+__all__ = [
+    "DirectoryLedger",
+    "LEDGER_SIZE",
+    "LocalLedger",
+    "OWNER_PATTERN",
+    "SHARED_DIR",
+    "is_shared_entry",
+    "new_owner_id",
+    "owner_alive",
+]

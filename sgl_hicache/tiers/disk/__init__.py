@@ -1,0 +1,22 @@
+"""The disk tier: content-addressed page files that survive a restart and never serve wrong KV.
+
+`DiskPageStore` (`store.py`) is the public API; `files.py` is the file protocol, `recovery.py` the
+start-up scan and the pages other processes wrote, `ledger.py` what the processes sharing one
+directory agree on. The on-disk format, the rules and the errors: `docs/disk-format.md`.
+"""
+
+from __future__ import annotations
+
+from ..codec import FORMAT_VERSION, HEADER_SIZE, MAGIC, PAGE_SUFFIX, check_key, tensor_bytes
+from .store import COUNTER_NAMES, DiskPageStore
+
+__all__ = [
+    "COUNTER_NAMES",
+    "DiskPageStore",
+    "FORMAT_VERSION",
+    "HEADER_SIZE",
+    "MAGIC",
+    "PAGE_SUFFIX",
+    "check_key",
+    "tensor_bytes",
+]
