@@ -341,7 +341,7 @@ def test_admission_hook_yields_prefetch_locks_to_a_request_short_of_room_and_ret
     ({"pp_size": 2}, "pp_size=2 (pipeline parallelism)"),
 ])
 def test_factory_refuses_dp_and_pp_with_a_clear_message(change, words):
-    from sgl_hicache.sglang.backend import factory
+    from sgl_hicache.sglang.factory import factory
 
     sa = SimpleNamespace(enable_dp_attention=False, dp_size=1, pp_size=1)
     for k, v in change.items():

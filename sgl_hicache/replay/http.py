@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..records import RequestRecord
+from ..sglang.model_facts import model_facts, special_token_ids  # re-exported (__all__)
 from .trace import Request
 
 
@@ -90,26 +91,6 @@ class ServerModel:
         if self.page_size is not None:
             parts.append(f"page {self.page_size}")
         return ", ".join(parts)
-
-
-def special_token_ids(config: dict[str, Any]) -> list[int]:
-    """Ids a model config names as special (``*_token_id`` / ``*_token_ids`` keys, also in a
-    ``text_config``), sorted."""
-    out: set[int] = set()
-    for cfg in (config, config.get("text_config") if isinstance(config.get("text_config"), dict) else {}):
-        for key, value in cfg.items():
-            if not (key.endswith("_token_id") or key.endswith("_token_ids") or key.endswith("_token_index")):
-                continue
-            for v in value if isinstance(value, (list, tuple)) else [value]:
-                if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
-                    out.add(v)
-    return sorted(out)
-
-
-def model_facts(vocab_size: int, context_len: int | None, hf_config: dict[str, Any]) -> dict[str, Any]:
-    """The `sgl_hicache_model` entry the plugin adds to `/server_info` (built in the scheduler)."""
-    return {"vocab_size": int(vocab_size), "context_len": None if context_len is None else int(context_len),
-            "special_token_ids": special_token_ids(hf_config)}
 
 
 def _get_json(url: str, timeout: float) -> Any:

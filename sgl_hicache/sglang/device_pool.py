@@ -21,8 +21,10 @@ Anything else raises `UnsupportedPool` at start, naming what was found.
 from __future__ import annotations
 
 import contextlib
+import functools
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -205,3 +207,22 @@ class SGLangDevicePool(TierStore, LayeredPages):
         for layer in range(L):
             self._k(layer).index_copy_(0, idx, src[layer, 0])
             self._v(layer).index_copy_(0, idx, src[layer, 1])
+
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def frees_batched(method: _Method) -> _Method:
+    """Decorator for a scheduler call of an object with a `device_pool`: the pool's frees during the
+    call go to SGLang's allocator in one call (its evictions free node by node; see
+    `SGLangDevicePool.deferred_frees`)."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        pool = getattr(self, "device_pool", None)
+        if pool is None:
+            return method(self, *args, **kwargs)
+        with pool.deferred_frees():
+            return method(self, *args, **kwargs)
+
+    return call  # type: ignore[return-value]

@@ -26,11 +26,12 @@ logger = logging.getLogger(__name__)
 _registered = False
 
 BACKEND_NAME = "sgl_hicache"
-INTERNAL_STATE_TARGET = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state"
+INTERNAL_STATE_TARGET = ("sglang.srt.managers.scheduler_components.internal_state."
+                         "SchedulerInternalStateController.get_internal_state")
 
 
 def _backend_factory(ctx):
-    from sgl_hicache.sglang.backend import factory
+    from sgl_hicache.sglang.factory import factory
 
     return factory(ctx)
 
@@ -51,7 +52,7 @@ def _add_internal_state(result, controller, *args, **kwargs):
         state = getattr(result, "internal_state", None)
         mc = getattr(getattr(controller, "scheduler", None), "model_config", None)
         if isinstance(state, dict) and mc is not None:
-            from sgl_hicache.replay.http import model_facts
+            from sgl_hicache.sglang.model_facts import model_facts
 
             hf = getattr(mc, "hf_config", None)
             state["sgl_hicache_model"] = model_facts(mc.vocab_size, getattr(mc, "context_len", None),

@@ -1,0 +1,117 @@
+"""Composing the parts a `TieredRadixCache` drives, from SGLang's cache parameters and our settings.
+
+`cache_config(...)` turns `BackendSettings` and SGLang's device pool into the core's `CacheConfig`
+(capacities per tier, the disk directory and namespace salt, policies); `assemble(...)` builds the
+device pool adapter, `TieredCache`, `TransferEngine`, the layer-wise loads, the executor and the
+`RequestController`, in the order TP ranks must share (the consensus start is a collective).
+No decision of the request path is made here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from ..assemble import build_cache, build_controller
+from ..cache import TieredCache
+from ..config import CacheConfig, default_disk_dir
+from ..controller import RequestController
+from ..hashing import Namespace
+from ..tiers.base import DISK, HOST
+from ..transfer.engine import TransferEngine
+from ..transfer.executors import ThreadExecutor
+from .device_pool import SGLangDevicePool
+from .layer_loads import LayerLoads
+from .rank_consensus import RankConsensus, inject_read_faults
+from .settings import BackendSettings
+
+logger = logging.getLogger(__name__)
+
+@dataclass(eq=False)
+class Assembly:
+    """The parts of one backend instance, built by `assemble` (the adapter keeps them as attributes)."""
+
+    device_pool: SGLangDevicePool
+    config: CacheConfig
+    cache: TieredCache
+    engine: TransferEngine
+    layer_loads: LayerLoads | None
+    controller: RequestController
+
+
+def cache_config(settings: BackendSettings, device_pool: SGLangDevicePool, page_size: int, *,
+                 sglang_eviction: Any = "lru", model_salt: str = "",
+                 consensus: RankConsensus | None = None) -> CacheConfig:
+    """The core's configuration: host capacity from the device pool's, disk only with a host tier
+    and no shared store, the disk directory under the namespace (one per TP rank), the eviction
+    policy ours or else SGLang's when it is one we support."""
+    s = settings
+    layout = device_pool.layout
+    device_tokens = device_pool.pool_pages * page_size
+    host_tokens = s.host_tokens_for(device_tokens)
+    salt = ";".join(x for x in (model_salt, s.tenant_salt, consensus.salt if consensus is not None else "") if x)
+    namespace = Namespace.for_model(layout, page_size, salt)
+    has_host = host_tokens >= page_size
+    disk_tokens = s.disk_tokens_for(layout.bytes_per_token) if has_host and not s.store else 0
+    disk_dir = None
+    if disk_tokens >= page_size:
+        disk_dir = Path(s.disk_dir).expanduser() if s.disk_dir else default_disk_dir() / namespace.root.hex()[:16]
+        if consensus is not None:
+            disk_dir = consensus.rank_dir(disk_dir)  # each rank's shard of every page in its own files
+    else:
+        disk_tokens = 0
+    policy = s.tiering(str(sglang_eviction))
+    return CacheConfig(
+        layout=layout,
+        device_tokens=device_tokens,
+        host_tokens=host_tokens,
+        disk_tokens=disk_tokens,
+        page_size=page_size,
+        disk_dir=disk_dir,
+        eviction_policy=policy.eviction_policy,
+        write_policy=policy.write_policy,
+        write_through_threshold=policy.write_through_threshold,
+        disk_write_policy=policy.disk_write_policy,
+        predictor=policy.predictor,
+        tenant_salt=salt,
+        disk_fsync=s.disk_fsync,
+        eviction_demotes=policy.eviction_demotes,
+        store_url=s.store if has_host else None,
+        store_min_hits=s.store_min_hits,
+    )
+
+
+def assemble(params: Any, settings: BackendSettings, *, architecture: str = "llama", model_salt: str = "",
+             consensus: RankConsensus | None = None, clock: Callable[[], float]) -> Assembly:
+    """Build one backend's parts over SGLang's KV pool (`params`: SGLang's `CacheInitParams`)."""
+    s = settings
+    page_size = int(params.page_size)
+    device_pool = SGLangDevicePool(params.token_to_kv_pool_allocator, architecture=architecture)
+    config = cache_config(s, device_pool, page_size, sglang_eviction=getattr(params, "eviction_policy", "lru"),
+                          model_salt=model_salt, consensus=consensus)
+    cache = build_cache(config, device=device_pool, clock=clock)
+    if s.fault_disk_read_file and DISK in cache.stores:
+        rank = consensus.rank if consensus is not None else 0
+        inject_read_faults(cache.stores[DISK], rank, s.fault_disk_read_file)
+    if consensus is not None:
+        consensus.start(cache)  # a collective: every rank builds its cache at the same point
+    engine = TransferEngine(cache, workers=s.transfer_workers)  # started on first use
+    # host -> device loads queued layer by layer, waited for by SGLang's KV pool (the factory registers
+    # it). TP >= 2: a load's nodes unlock only once every rank reported it done (sgl_hicache_on_step)
+    layer_loads = (LayerLoads(cache, agreed=consensus is not None)
+                   if s.layerwise_loads and HOST in cache.stores else None)
+    executor = ThreadExecutor(cache, engine, layers=layer_loads)
+    controller = build_controller(cache, consensus.gate(executor) if consensus is not None else executor,
+                                  s.tiering(str(getattr(params, "eviction_policy", "lru"))), clock)
+    logger.info(
+        "sgl_hicache: device %d tokens (SGLang pool), host %d tokens, disk %d tokens at %s, page %d, write %s, "
+        "disk write %s, eviction %s, predictor %s, prefetch %s",
+        config.device_tokens, config.host_tokens, config.disk_tokens, config.disk_dir, page_size, s.write_policy,
+        s.disk_write_policy, config.eviction_policy, s.predictor, s.prefetch,
+    )
+    return Assembly(device_pool, config, cache, engine, layer_loads, controller)
+
+
+__all__ = ["Assembly", "assemble", "cache_config"]

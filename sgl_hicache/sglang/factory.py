@@ -1,0 +1,107 @@
+"""The `sgl_hicache` radix-cache backend's factory, called by SGLang's `create_tree_cache(ctx)`.
+
+`factory(ctx)` refuses the configurations we do not support with one clear error naming them all:
+PP > 1, DP attention and `--dp-size > 1` in one server (run one server per replica instead,
+docs/sglang-backend.md), `--enable-hierarchical-cache` (SGLang's own HiCache), hybrid SWA / Mamba /
+DSA models. (MLA / quantised KV pools are refused by `device_pool`, EAGLE by the adapter.) Then it
+reads the settings, sets up the TP ranks' agreement, builds the `TieredRadixCache` under a namespace
+salted by the model (`model_salt`), registers the layer-wise loads as SGLang's layer transfer counter,
+and starts it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from .backend import TieredRadixCache
+from .rank_consensus import RankConsensus, step_hook_installed
+from .settings import BackendSettings, load_settings, unknown_env
+
+logger = logging.getLogger(__name__)
+
+_REFUSAL = "--radix-cache-backend sgl_hicache: "
+
+
+def model_salt(server_args: Any) -> str:
+    """What, besides the KV layout, makes two servers' pages differ: the model folder (resolved) and
+    revision, load format, quantisation, KV dtype when not the default."""
+    path = str(getattr(server_args, "model_path", "") or "")
+    if path and os.path.isdir(path):
+        path = os.path.realpath(path)
+    parts = [f"model={path}"]
+    for name in ("revision", "load_format", "quantization", "kv_cache_dtype"):
+        v = getattr(server_args, name, None)
+        if v not in (None, "", "auto"):
+            parts.append(f"{name}={v}")
+    return ";".join(parts)
+
+
+
+def unsupported(ctx: Any) -> list[str]:
+    """What in SGLang's cache context we cannot serve, one phrase each (empty: all supported)."""
+    problems = []
+    if ctx.enable_hierarchical_cache:
+        problems.append("--enable-hierarchical-cache (SGLang's own HiCache) cannot be combined with it; drop that flag")
+    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or getattr(ctx, "is_dsa", False):
+        problems.append("hybrid SWA / Mamba / DSA models are not supported")
+    sa = ctx.server_args
+    if getattr(sa, "enable_dp_attention", False):
+        problems.append("DP attention (--enable-dp-attention) is not supported: its attention-DP ranks schedule "
+                        "different requests, so one tree cannot be agreed across the TP group; use --tp alone")
+    if (getattr(sa, "dp_size", 1) or 1) > 1:
+        problems.append(f"dp_size={sa.dp_size} in one server is not supported: run one server per replica "
+                        "(--tp N each) behind a router, sharing SGLHICACHE_DISK_DIR (docs/sglang-backend.md)")
+    if (getattr(sa, "pp_size", 1) or 1) > 1:
+        problems.append(f"pp_size={sa.pp_size} (pipeline parallelism) is not supported")
+    return problems
+
+
+def _consensus(ctx: Any, settings: BackendSettings) -> RankConsensus | None:
+    """TP >= 2: the ranks' per-step agreement over SGLang's TP CPU group (None at TP = 1)."""
+    tp = int(ctx.tp_size or 1)
+    if tp <= 1:
+        return None
+    group = ctx.params.tp_cache_group or getattr(ctx.tp_group, "cpu_group", None)
+    if group is None:
+        raise ValueError(f"{_REFUSAL}tp_size={tp} but SGLang gave the cache no TP group")
+    if not step_hook_installed():
+        raise ValueError(f"{_REFUSAL}tp_size={tp} needs the per-step hook on the scheduler, "
+                         "which the sgl_hicache plugin did not install (see the log); run with --tp 1")
+    return RankConsensus(group, int(ctx.tp_rank), tp, check=settings.consensus_check)
+
+
+def _architecture(ctx: Any) -> str:
+    try:
+        archs = getattr(ctx.model_config.hf_config, "architectures", None) or []
+        if archs:
+            return str(archs[0])
+    except Exception:
+        pass
+    return "llama"
+
+
+def factory(ctx: Any) -> TieredRadixCache:
+    """`register_radix_cache_backend` factory: validates what we support and builds the cache."""
+    problems = unsupported(ctx)
+    if problems:
+        raise ValueError(_REFUSAL + "; ".join(problems))
+    settings = load_settings()
+    consensus = _consensus(ctx, settings)
+    for var in unknown_env():
+        logger.warning("sgl_hicache: ignoring unknown environment variable %s", var)
+    sa = ctx.server_args
+    cache = TieredRadixCache(ctx.params, settings, architecture=_architecture(ctx), model_salt=model_salt(sa),
+                             server_port=getattr(sa, "port", None), consensus=consensus)
+    if cache.layer_loads is not None:
+        cache.layer_loads.forward_stream = getattr(getattr(ctx.tp_worker, "model_runner", None), "forward_stream", None)
+        # SGLang's supported seam for layer-wise loads (mem_cache/registry.py does the same for its
+        # unified-cache linker): the KV pool calls wait_until(layer) before reading a layer, and the
+        # TP worker sets the consumer from batch.hicache_consumer_index (scheduler_hooks sets it)
+        ctx.params.token_to_kv_pool_allocator.get_kvcache().register_layer_transfer_counter(cache.layer_loads)
+        ctx.tp_worker.register_hicache_layer_transfer_counter(cache.layer_loads)
+    return cache.start()
+
+
+__all__ = ["factory", "model_salt", "unsupported"]

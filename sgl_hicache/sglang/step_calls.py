@@ -1,0 +1,104 @@
+"""The calls our own scheduler hooks make on the SGLang backend, once per admission or step.
+
+SGLang's `BasePrefixCache` API is translated in `backend.py`; these four methods are what the hooks
+this package installs on SGLang's scheduler call (`scheduler_hooks.py`: admission and batch forming;
+`rank_consensus.install_step_hook`: the TP ranks' per-step agreement). `TieredRadixCache` inherits
+them from `StepCalls`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from .device_pool import frees_batched
+from .rank_consensus import tree_digest
+
+if TYPE_CHECKING:
+    from ..cache import TieredCache
+    from ..controller import RequestController
+    from .backend import BackendCounters
+    from .layer_loads import LayerLoads
+    from .rank_consensus import RankConsensus
+    from .requests import RequestStates
+    from .settings import BackendSettings
+
+
+class StepCalls:
+    """Mixin of `TieredRadixCache`: the entry points of our scheduler hooks (module docstring). Each
+    does nothing when the cache is disabled; the TP ones do nothing at TP = 1."""
+
+    disable: bool
+    page_size: int
+    settings: BackendSettings
+    consensus: RankConsensus | None
+    cache: TieredCache
+    controller: RequestController
+    layer_loads: LayerLoads | None
+    req_states: RequestStates
+    counters: BackendCounters
+
+    def yield_to_demand(self, req: Any, short_tokens: int) -> int:
+        """Demand preempts prefetch, with the embedded engine's rule (`RequestController.yield_to_demand`
+        decides): `req` was refused for want of `short_tokens` device tokens, and the prefetch jobs of
+        the other waiting requests lock their paths' device pages; the jobs holding pages it lacks end
+        (the back of the queue first; none when ending all would not make room). Called by
+        `scheduler_hooks.keep_admitting`, which then retries the request once. Nothing with TP >= 2
+        (the ranks would have to agree on it first: not built) or without a shortfall. Returns the
+        number of jobs ended."""
+        if self.disable or short_tokens <= 0 or self.consensus is not None:
+            return 0
+        mine = self.req_states.get(getattr(req, "rid", None))
+        tickets = [st.ticket for st in self.req_states.prefetching() if st is not mine]
+        if not tickets:
+            return 0
+        ended = self.controller.yield_to_demand(tickets, -(-int(short_tokens) // self.page_size))
+        self.counters.prefetch_yields += ended
+        return ended
+
+    @frees_batched
+    def after_batch_formed(self) -> None:
+        """Once per scheduling step, after SGLang formed (and allocated) the prefill batch
+        (`scheduler_hooks.set_consumer_index`): record finished layer-wise loads and background copies
+        and start new write-back. Not in `match_prefix`: a copy started there pins the coldest device
+        nodes while the admission round that counted them as evictable is still allocating."""
+        if self.disable:
+            return
+        if self.layer_loads is not None:
+            self.layer_loads.reap()
+        # TP >= 2: new copies start in sgl_hicache_after_step, on every rank at the same point
+        self.controller.pump_writeback(start_new=self.consensus is None)
+
+    def sgl_hicache_on_step(self) -> None:
+        """Once per scheduler step on every rank (rank_consensus.install_step_hook): with TP >= 2,
+        agree on the background transfers' outcomes and on which waiting requests give up, then
+        record the finished write-backs. Nothing at TP=1."""
+        c = self.consensus
+        if c is None or self.disable:
+            return
+        ops = list(self.controller.writeback)
+        for job in self.controller.predicted:
+            ops += job.ops()
+        now = time.monotonic()
+        flags = []
+        for st in self.req_states.prefetching():
+            job = st.ticket.job  # type: ignore[union-attr]
+            ops += job.ops()  # type: ignore[union-attr]
+            budget = self.settings.load_timeout_s - (now - st.created)
+            flags.append((st.ticket, self.controller.executor.eta(job) > budget))  # type: ignore[arg-type]
+        loads = self.layer_loads
+        agreed_loads = c.step(ops, flags, digest=lambda: tree_digest(self.cache, (len(self.req_states),)),
+                              layer_loads=(loads.queued, loads.done_prefix()) if loads is not None else (0, 0))
+        if loads is not None:
+            loads.reap_agreed(agreed_loads)
+        self.controller.pump_writeback(start_new=False)
+
+    def sgl_hicache_after_step(self) -> None:
+        """After the scheduler chose its batch (and evicted for it), on every rank: with TP >= 2, start
+        the next background write-back batch here, so it copies during the forward pass and is agreed
+        at the next step rather than pinning the coldest pages through this step's evictions."""
+        if self.consensus is not None and not self.disable:
+            self.controller.pump_writeback()
+
+
+__all__ = ["StepCalls"]
