@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, EVICTION_POLICIES, PREDICTORS, WRITE_POLICIES
+from .config import DEFAULT_POLICY, ConfigError, EVICTION_POLICIES, PREDICTORS, WRITE_POLICIES
 from .progress import Progress
 from .replay.trace import TraceError
 
@@ -103,12 +103,13 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace-clock", action="store_true", help="send requests at the trace's timestamps instead of at a fixed concurrency")
     p.add_argument("--time-scale", type=_positive_float, default=1.0, help="with --trace-clock: multiply the trace's timestamps")
     p.add_argument("--max-batch-tokens", type=_positive_int, default=16384, help="prefill tokens per scheduler step")
-    p.add_argument("--eviction", default="lru", choices=EVICTION_POLICIES)
-    p.add_argument("--write-policy", default="write_back", choices=WRITE_POLICIES)
+    p.add_argument("--eviction", default=DEFAULT_POLICY.eviction_policy, choices=EVICTION_POLICIES)
+    p.add_argument("--write-policy", default=DEFAULT_POLICY.write_policy, choices=WRITE_POLICIES,
+                   help=f"device -> host copies (default {DEFAULT_POLICY.write_policy}: a background copy at commit)")
     p.add_argument("--predictor", default="tree_walk", choices=[p for p in PREDICTORS if p != "none"], help="what --policy predict runs (default tree_walk)")
-    p.add_argument("--admission", type=float, default=0.0, help="write-back admission: keep an evicted page one tier down only if its "
+    p.add_argument("--admission", type=float, default=DEFAULT_POLICY.admission_min_probability, help="write-back admission: keep an evicted page one tier down only if its "
                    "expected reuse (reuse model) is at least this (default 0: keep all)")
-    p.add_argument("--predictor-budget", type=_non_negative_int, default=8192, help="tokens the predictor may promote per request")
+    p.add_argument("--predictor-budget", type=_non_negative_int, default=DEFAULT_POLICY.predictor_budget_tokens, help="tokens the predictor may promote per request")
     p.add_argument("--fleet", type=_positive_int, help="what-if: N simulated servers replaying the trace together, without and "
                    "with a shared store in the disk tier's place (docs/store.md); prints both and the ratios")
     p.add_argument("--route", default="session", choices=["round_robin", "session"], help="with --fleet: how requests reach servers (default session)")
@@ -449,6 +450,16 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=None)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sgl-hicache", description="A memory hierarchy for SGLang's radix prefix cache.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    _add_replay(sub)
+    _add_stats(sub)
+    _add_synth(sub)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "serve":
@@ -458,13 +469,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"sgl-hicache serve: SGLang is not installed ({exc}); run scripts/install_sglang_cpu.sh", file=sys.stderr)
             return 2
         return serve_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="sgl-hicache", description="A memory hierarchy for SGLang's radix prefix cache.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    _add_serve(sub)
-    _add_replay(sub)
-    _add_stats(sub)
-    _add_synth(sub)
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (UserError, TraceError, ConfigError) as exc:

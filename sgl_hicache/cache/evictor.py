@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING
 
-from ..policy.writeback import below, eviction_demotes, is_clean
+from ..policy.writeback import below, eviction_demotes, host_eviction_rank, is_clean
 from ..tiers.base import DEVICE, DISK, HOST
 from ..tree.node import TreeNode
 
@@ -60,9 +60,11 @@ class Evictor:
 
     def leaf_key(self, node: TreeNode, tier: str) -> tuple:
         """Eviction order in `tier`: the policy's priority; without demotion, clean leaves (held one
-        tier down: a free drop) before dirty ones."""
+        tier down: a free drop) before dirty ones, and on host the copies of device pages last."""
         if eviction_demotes(self.cache.config, tier):
             return self.cache.priority(node)
+        if tier == HOST:
+            return (host_eviction_rank(node), self.cache.priority(node))
         return (not is_clean(node, tier), self.cache.priority(node))
 
     def _evict_ordered(self, tier: str, num_pages: int) -> int:

@@ -29,11 +29,20 @@ def is_clean(node: TreeNode, tier: str) -> bool:
 
 
 def clean_pages(tree: RadixTree, tier: str) -> int:
-    """Evictable pages of `tier` that `is_clean` holds for, from the tree's O(1) counts."""
-    shared = tree.evictable_shared_pages
-    if tier == DEVICE:
-        return shared(DEVICE, HOST)
-    return shared(HOST, DISK) + shared(HOST, DEVICE) - shared(DEVICE, HOST, DISK)
+    """Evictable pages of `tier` whose eviction is a free drop because the tier below holds them,
+    from the tree's O(1) counts. (A host copy of a device page is not counted: it is what keeps the
+    device page clean, so host eviction takes it last, `host_eviction_rank`.)"""
+    return tree.evictable_shared_pages(tier, below(tier))  # type: ignore[arg-type]
+
+
+def host_eviction_rank(node: TreeNode) -> int:
+    """Where a host page stands in host eviction without demotion, lowest first: 0 also on disk
+    and not on the device (a free drop); 1 only on host (lost if dropped: counted); 2 also on the
+    device (its host copy keeps the device page clean; dropping it would only make the write-through
+    copy it again, pushing out another)."""
+    if node.device is not None:
+        return 2
+    return 0 if node.disk is not None else 1
 
 
 def eviction_demotes(config: CacheConfig, tier: str) -> bool:

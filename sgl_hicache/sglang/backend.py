@@ -505,12 +505,3 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
     def prometheus(self) -> str:
         """The cache's figures as Prometheus text."""
         return prometheus_text(self.cache.snapshot(), self.cache.stored_pages(), self.page_size)
-
-
-def __getattr__(name: str) -> Any:
-    """`backend.factory` (its home before the split) lives in `factory.py`, which imports this module."""
-    if name == "factory":
-        from .factory import factory
-
-        return factory
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -90,12 +90,10 @@ class RadixTree:
             q.push(node)
 
     # ---- structure -------------------------------------------------------------------------
-    def touched(self) -> None:
-        """Recency or hit counts changed: plans memoised on the tree's version are stale."""
+    def touched(self) -> None:  # recency or hit counts changed: plans memoised on `version` are stale
         self.version += 1
 
-    def leaf_queue(self, tier: str) -> LeafQueue:
-        """`tier`'s eviction candidates in order (only where `order_leaves` was called)."""
+    def leaf_queue(self, tier: str) -> LeafQueue:  # `tier`'s eviction candidates (after `order_leaves`)
         return self.leaves[tier]  # type: ignore[index]
 
     def page_aligned(self, tokens: Sequence[int]) -> int:
@@ -240,6 +238,9 @@ class RadixTree:
         if node.lock_ref or node.pins:
             self.protected[tier] -= node.num_pages
         self.push_leaf(node.parent, tier)  # the parent may be a leaf of `tier` now
+        if self.leaves is not None:
+            for t in node.tiers():  # its key may have dropped where it stays (host: no longer on the device)
+                self.push_leaf(node, t)
         return handles
 
     def _share(self, node: TreeNode, tier: str, sign: int) -> None:
