@@ -18,7 +18,7 @@ from sgl_hicache.cache import TieredCache
 from sgl_hicache.config import CacheConfig, KVLayout
 from sgl_hicache.controller import Admission, ControllerSettings, RequestController
 from sgl_hicache.hashing import Namespace
-from sgl_hicache.policy.predictor import make_predictor
+from sgl_hicache.policy.predictors import make_predictor
 from sgl_hicache.tiers.base import DISK
 from sgl_hicache.tiers.codec import PageCodec
 from sgl_hicache.tiers.disk import tensor_bytes
