@@ -102,6 +102,7 @@ class RequestController:
         self._eviction_rates = {DEVICE: EvictionRate(), HOST: EvictionRate()}
         self._round_started: float | None = None
         self._round_seconds = 0.0
+        self._committed_seen = (0, 0)
         self.guard = PromotionGuard()
         self.prefetch_skipped = 0  # queue prefetches the guard refused (no room to spare on host)
         self.preempted_prefetches = 0  # queued requests' prefetch jobs ended for a demand (yield_to_demand)
@@ -399,14 +400,27 @@ class RequestController:
                 self._round_seconds = self.clock() - self._round_started  # how long a round took to land
                 self._round_started = None
         now = self.clock()
-        if not start_new or self.writeback or now - self._writeback_at < self.settings.writeback_interval_s:
+        if not start_new or self.writeback:
+            return changed
+        # write-through copies what was committed (or landed on host) since the last round at once;
+        # a watermark round waits `writeback_interval_s` (it only tops up what evictions used)
+        fresh = self._write_through_due()
+        if not fresh and now - self._writeback_at < self.settings.writeback_interval_s:
             return changed
         self._writeback_at = now
+        self._committed_seen = (self.cache.committed_pages, self.cache.landed_copies)
         ops = self._plan_copies_down(now)
         if ops:
             self.writeback = ops
             self.executor.submit_ops(ops, kind="backup")
         return changed or bool(ops)
+
+    def _write_through_due(self) -> bool:
+        """New pages were committed (or landed on host) since the last round, under a write-through
+        policy."""
+        config = self.cache.config
+        through = config.write_policy != "write_back" or config.disk_write_policy == "write_through"
+        return through and (self.cache.committed_pages, self.cache.landed_copies) != self._committed_seen
 
     def _plan_copies_down(self, now: float) -> list[TransferOp]:
         """This round's background copies one tier down: write-through of committed device pages

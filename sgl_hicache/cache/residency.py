@@ -90,6 +90,10 @@ class TieredCache:
         self._mutex = threading.RLock()
         # device pages handed out by allocate_device and not yet inserted or freed
         self.outstanding_device_pages = 0
+        # pages inserted as new nodes, and copies completed, so far (the controller's pump starts a
+        # write-through round when either moved)
+        self.committed_pages = 0
+        self.landed_copies = 0
         self.tx = Transactions(self)
         self.copies = Copies(self)
         self.jobs = PromotionJobs(self)
@@ -228,6 +232,7 @@ class TieredCache:
                 node.last_access = now
             if from_allocate_device:
                 self.outstanding_device_pages -= adopted
+            self.committed_pages += adopted
             if self.reuse is not None:
                 self.reuse.on_insert(new_nodes)
             if self.inline_writes and write_through_on_insert(self.config) and self.has_tier(HOST):
@@ -274,6 +279,7 @@ class TieredCache:
         when the disk write policy says so."""
         with self._mutex:
             done = self.tx.complete(op)
+            self.landed_copies += done
             if done and self.inline_writes and op.dst == HOST and disk_write_through_due(self.config, op.node) and self.has_tier(DISK):
                 self.copies.copy_now(op.node, DISK, kind="backup", evict=True)
             return done

@@ -196,11 +196,11 @@ class VirtualExecutor(Executor):
 
     def submit_job(self, job: "PromotionJob", speculative: bool = False) -> None:
         """Queue a job's copies. A queue prefetch (`job.kind == "prefetch"`) has low priority: demand
-        loads and write-back go ahead of it (as in `TransferEngine`), so it never delays them."""
+        loads and write-back go ahead of it (as in `TransferEngine`), so it never delays them. A
+        speculative copy (a prediction) pays its link time like any other: queued FIFO with demand
+        loads and write-back, it delays what is queued after it (before, it ran in idle time for
+        free, which flattered every `predict` figure)."""
         now = self.clock()
-        saved = (dict(self.pipes.busy_until), dict(self.pipes.high_until), self.pipes.on_preempt) if speculative else None
-        if speculative:
-            self.pipes.on_preempt = None  # it takes no pipe time, so it delays nothing
         low = job.kind == "prefetch" and not speculative
         for st in job.stages:
             t = now
@@ -211,8 +211,6 @@ class VirtualExecutor(Executor):
                 else:
                     t = self.pipes.schedule(op.link, self._tokens(op), t)
                 self._track(op, t)
-        if saved is not None:  # speculative copies use idle time only: they delay no demand copy
-            self.pipes.busy_until, self.pipes.high_until, self.pipes.on_preempt = saved
 
     def _preempted(self, pipe: str, start: float, duration: float) -> None:
         """A normal copy went ahead of queued low-priority ones on `pipe`: they finish later."""
