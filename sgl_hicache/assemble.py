@@ -21,7 +21,8 @@ from .transfer.executors import Executor
 
 def controller_settings(policy: TieringPolicy) -> ControllerSettings:
     """The lifecycle's knobs of `policy`."""
-    return ControllerSettings(prefetch=policy.prefetch, device_writeback_clean_fraction=policy.device_writeback_clean_fraction,
+    return ControllerSettings(prefetch=policy.prefetch,
+                              device_writeback_clean_fraction=policy.device_writeback_clean_fraction,
                               writeback_clean_fraction=policy.writeback_clean_fraction,
                               writeback_batch_pages=policy.writeback_batch_pages)
 
@@ -31,7 +32,8 @@ def build_cache(config: CacheConfig, *, device: TierStore | None = None, host: T
                 priority: Callable | None = None) -> TieredCache:
     """A cache a controller drives: its write-through copies are the controller's background work,
     never made inline by the thread that inserts."""
-    return TieredCache(config, device=device, host=host, disk=lower, clock=clock, priority=priority, inline_writes=False)
+    return TieredCache(config, device=device, host=host, disk=lower, clock=clock, priority=priority,
+                       inline_writes=False)
 
 
 def build_controller(cache: TieredCache, executor: Executor, policy: TieringPolicy, clock: Callable[[], float],

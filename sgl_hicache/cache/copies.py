@@ -70,7 +70,8 @@ class Copies:
                         return False
                     continue
                 if tier == DISK and all(map(c.lower.holds, n.keys)):
-                    c.tree.set_resident(n, DISK)  # content-addressed: already written, by us, an earlier process or a peer
+                    # content-addressed: already written, by us, an earlier process or a peer
+                    c.tree.set_resident(n, DISK)
                     continue
                 if tier == DEVICE and n.host is None and n.device is None and n.disk is not None:
                     if not self.copy_now(n, HOST, kind, evict):

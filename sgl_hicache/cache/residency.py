@@ -78,10 +78,14 @@ class TieredCache:
         # the reuse model learns from served requests; it orders eviction under `reuse` and feeds
         # the `continuation` predictor
         self.reuse: ReuseModel | None = None
-        if config.eviction_policy == "reuse" or config.predictor == "continuation" or config.admission_min_probability > 0:
+        if (config.eviction_policy == "reuse" or config.predictor == "continuation"
+                or config.admission_min_probability > 0):
             self.reuse = ReuseModel(lambda: self.clock(), admit_min_probability=config.admission_min_probability)
         if priority is None:
-            priority = self.reuse.priority if config.eviction_policy == "reuse" else eviction_policy(config.eviction_policy)  # type: ignore[union-attr]
+            if config.eviction_policy == "reuse":
+                priority = self.reuse.priority  # type: ignore[union-attr]
+            else:
+                priority = eviction_policy(config.eviction_policy)
         self.priority: Priority = priority
         self._incremental_order = config.eviction_policy in ("lru", "lfu")
         self.handlers = default_handlers(self.stores)
@@ -182,7 +186,8 @@ class TieredCache:
             self.stores[DEVICE].free(handles)
             self.outstanding_device_pages -= len(handles)
 
-    def insert(self, tokens: Sequence[int], device_handles: Sequence[Handle], from_allocate_device: bool = True) -> InsertOutcome:
+    def insert(self, tokens: Sequence[int], device_handles: Sequence[Handle],
+               from_allocate_device: bool = True) -> InsertOutcome:
         """Insert the whole pages of `tokens`, whose KV the caller holds in `device_handles` (one per
         page, from `allocate_device` or from an earlier match). With `from_allocate_device=False`
         the new pages came from the device store's own allocator (SGLang's), not from
@@ -204,7 +209,8 @@ class TieredCache:
                         duplicates.extend(compress(mine, map(ne, mine, node.device)))
                     if prefix_tokens == page * ps:
                         prefix_tokens += node.num_pages * ps
-                elif node.parent is not None and DEVICE not in node.incoming and (node.parent.is_root or node.parent.device is not None):
+                elif (node.parent is not None and DEVICE not in node.incoming
+                      and (node.parent.is_root or node.parent.device is not None)):
                     # the caller recomputed pages the tree holds only in lower tiers: keep its copy
                     # (not while a copy to the device is in flight: that one lands there)
                     self.tree.set_resident(node, DEVICE, mine)
@@ -280,7 +286,8 @@ class TieredCache:
         with self._mutex:
             done = self.tx.complete(op)
             self.landed_copies += done
-            if done and self.inline_writes and op.dst == HOST and disk_write_through_due(self.config, op.node) and self.has_tier(DISK):
+            if (done and self.inline_writes and op.dst == HOST and self.has_tier(DISK)
+                    and disk_write_through_due(self.config, op.node)):
                 self.copies.copy_now(op.node, DISK, kind="backup", evict=True)
             return done
 
@@ -345,7 +352,8 @@ class TieredCache:
         """Count one scheduled request's hits per tier (call once per request, with the match taken
         before its promotion) and credit prefetches that it used."""
         with self._mutex:
-            self.stats.record_request(prompt_tokens, match.device_tokens, match.host_tokens, match.disk_tokens, covered_by_prefetch)
+            self.stats.record_request(prompt_tokens, match.device_tokens, match.host_tokens, match.disk_tokens,
+                                      covered_by_prefetch)
             self.tree.touched()  # hit counts changed (lfu orders by them)
             if self.reuse is not None:
                 self.reuse.on_request(match.path)
@@ -363,7 +371,8 @@ class TieredCache:
     def snapshot(self) -> dict:
         snap = self.stats.snapshot()
         snap["stored_tokens"] = {t: self.tree.pages[t] * self.page_size for t in TIERS}
-        snap["capacity_tokens"] = {t: (self.stores[t].capacity_pages * self.page_size if t in self.stores else 0) for t in TIERS}
+        snap["capacity_tokens"] = {t: (self.stores[t].capacity_pages * self.page_size if t in self.stores else 0)
+                                   for t in TIERS}
         lower = self.stores.get(DISK)
         lower_snap = lower.snapshot() if lower is not None else None
         if lower_snap is not None:
@@ -382,7 +391,8 @@ class TieredCache:
                 raise InvariantError(f"device store uses {dev.used_pages} pages; tree holds {self.tree.pages[DEVICE]} "
                                      f"and {self.outstanding_device_pages} are outstanding")
             if HOST in self.stores and self.stores[HOST].used_pages != self.tree.pages[HOST]:
-                raise InvariantError(f"host store uses {self.stores[HOST].used_pages} pages; tree holds {self.tree.pages[HOST]}")
+                raise InvariantError(f"host store uses {self.stores[HOST].used_pages} pages; "
+                                     f"tree holds {self.tree.pages[HOST]}")
             if DISK in self.stores:
                 # a shared directory's used pages are every process's: compare with what this store indexes
                 held = self.stores[DISK].stored_pages

@@ -75,7 +75,8 @@ class Transactions:
         if handles is None:
             return None
         c.tree.pin(node)
-        op = TransferOp(node, src, dst, list(src_handles or []), list(handles), node.num_pages * c.config.page_bytes, kind)
+        op = TransferOp(node, src, dst, list(src_handles or []), list(handles), node.num_pages * c.config.page_bytes,
+                        kind)
         node.incoming[dst] = op
         if dst == DISK:
             c.lower.writes_in_flight.add(op)
@@ -134,6 +135,7 @@ class Transactions:
         reason = getattr(op.error, "reason", None) or str(cause or type(op.error).__name__)
         first = (name, reason) not in self._logged_errors
         self._logged_errors.add((name, reason))
-        (log.warning if first else log.debug)("tier transfer %s of %d pages failed: %s", op.link, op.node.num_pages, op.error)
+        (log.warning if first else log.debug)("tier transfer %s of %d pages failed: %s", op.link, op.node.num_pages,
+                                              op.error)
         if op.src == DISK and op.source_lost:
             c.lower.drop_subtree(op.node)
