@@ -120,3 +120,32 @@ def test_eviction_without_demotion_takes_clean_pages_first_and_counts_dropped_di
     assert cache.evict(DEVICE, 2) == 2  # now the dirty one: dropped and counted
     assert cache.snapshot()["dropped_dirty_tokens"][DEVICE] == 8
     cache.check()
+
+
+def _land(cache, ops) -> None:
+    for op in ops:
+        execute(op, cache.handlers)
+        assert cache.complete(op)
+
+
+@pytest.mark.parametrize("policy", ["lru", "reuse"])
+def test_write_through_never_pushes_out_another_device_pages_host_copy(policy):
+    """Host holds only copies of device pages: a write-through copy of one more device page finds no
+    room and waits, instead of evicting a copy the next round would make again (churn)."""
+    cache = make_cache(None, device=8, host=4, eviction_demotes="none", eviction_policy=policy)
+    a, b, c = list(range(0, 8)), list(range(100, 108)), list(range(200, 208))
+    serve(cache, a)
+    serve(cache, b)
+    _land(cache, cache.plan_writeback(DEVICE, HOST, clean_target_pages=8, max_pages=8))
+    held = {n.id for n in cache.nodes_in(HOST)}
+    assert len(held) == 2 and cache.tree.pages[HOST] == 4
+    serve(cache, c)
+    assert cache.plan_writeback(DEVICE, HOST, clean_target_pages=8, max_pages=8) == []
+    assert {n.id for n in cache.nodes_in(HOST)} == held
+    # a host page the device no longer holds is fair game: evict a's device copy, then c goes in
+    cache.evict(DEVICE, 2)
+    ops = cache.plan_writeback(DEVICE, HOST, clean_target_pages=8, max_pages=8)
+    assert len(ops) == 1 and cache.tree.pages[HOST] == 2
+    _land(cache, ops)
+    assert cache.tree.pages[HOST] == 4
+    cache.check()

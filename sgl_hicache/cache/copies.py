@@ -44,7 +44,7 @@ class Copies:
             # nor its parent: evicting the parent from `dst` now would leave the copy's destination
             # tier not prefix-closed once it lands (the caller checked the parent is there)
             keep = (node,) if node.parent.is_root else (node, node.parent)
-            c.evictor.make_room(dst, node.num_pages, keep)
+            c.evictor.make_room(dst, node.num_pages, keep, spare_device_copies=kind == "backup")
         return c.tx.prepare(node, dst, kind, src, src_handles)
 
     def copy_now(self, node: TreeNode, tier: str, kind: str, evict: bool) -> bool:

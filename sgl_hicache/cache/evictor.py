@@ -30,20 +30,24 @@ class Evictor:
     def __init__(self, cache: "TieredCache") -> None:
         self.cache = cache
 
-    def evict(self, tier: str, num_pages: int) -> int:
+    def evict(self, tier: str, num_pages: int, spare_device_copies: bool = False) -> int:
+        """`spare_device_copies`: never take a host page the device also holds (room for a
+        write-through copy must not push out another one: it would only be copied again)."""
         c = self.cache
+        spare = spare_device_copies and tier == HOST
         freed = c.lower.evict_orphans(num_pages) if tier == DISK else 0
         if c.tree.leaves is not None:
-            freed += self._evict_ordered(tier, num_pages - freed)
+            freed += self._evict_ordered(tier, num_pages - freed, spare)
         else:
-            freed += self._evict_rebuilt(tier, num_pages - freed)
+            freed += self._evict_rebuilt(tier, num_pages - freed, spare)
         if tier == DISK and freed < num_pages and c.stores[DISK].peers_wrote:
             # a shared directory full of other processes' pages this one cannot free through its
             # tree: the oldest of those go, so no process is locked out of the one capacity
             freed += c.stores[DISK].evict_unindexed(num_pages - freed)
         return freed
 
-    def make_room(self, tier: str, num_pages: int, keep: tuple[TreeNode, ...] = ()) -> None:
+    def make_room(self, tier: str, num_pages: int, keep: tuple[TreeNode, ...] = (),
+                  spare_device_copies: bool = False) -> None:
         """Evict from `tier` until `num_pages` pages are free (or nothing more can go), never one of
         `keep` (pinned meanwhile)."""
         store = self.cache.stores[tier]
@@ -53,10 +57,14 @@ class Evictor:
         for n in keep:
             tree.pin(n)
         try:
-            self.evict(tier, num_pages - store.free_pages)
+            self.evict(tier, num_pages - store.free_pages, spare_device_copies)
         finally:
             for n in keep:
                 tree.unpin(n)
+
+    def _ranked(self, tier: str) -> bool:
+        """The leaf order of `tier` puts host copies of device pages last (`leaf_key`)."""
+        return tier == HOST and not eviction_demotes(self.cache.config, tier)
 
     def leaf_key(self, node: TreeNode, tier: str) -> tuple:
         """Eviction order in `tier`: the policy's priority; without demotion, clean leaves (held one
@@ -67,7 +75,7 @@ class Evictor:
             return (host_eviction_rank(node), self.cache.priority(node))
         return (not is_clean(node, tier), self.cache.priority(node))
 
-    def _evict_ordered(self, tier: str, num_pages: int) -> int:
+    def _evict_ordered(self, tier: str, num_pages: int, spare: bool = False) -> int:
         """`evict` over the tree's incrementally kept leaf queue (`tree/leaves.py`): O(log n) per
         page freed or stale entry skipped, plus the locked or pinned leaves it must step over."""
         queue = self.cache.tree.leaf_queue(tier)
@@ -83,6 +91,11 @@ class Evictor:
             if not node.evictable:
                 held.append(node)
                 continue
+            if spare and node.device is not None:
+                held.append(node)
+                if self._ranked(tier):
+                    break  # the queue ranks device copies last: only such pages are left
+                continue
             if queue.key(node) > key:  # used since it was queued: its turn comes later
                 queue.push(node)
                 continue
@@ -91,7 +104,7 @@ class Evictor:
             queue.push(node)
         return freed
 
-    def _evict_rebuilt(self, tier: str, num_pages: int) -> int:
+    def _evict_rebuilt(self, tier: str, num_pages: int, spare: bool = False) -> int:
         """`evict` for a policy whose priorities change with time (`reuse`): a heap built over the
         tier's evictable leaves on each call."""
         freed = 0
@@ -101,6 +114,8 @@ class Evictor:
         while freed < num_pages and heap:
             _, _, node = heapq.heappop(heap)
             if not node.in_tier(tier) or not node.evictable or has_child_in(node, tier):
+                continue
+            if spare and node.device is not None:
                 continue
             parent = node.parent
             freed += self.evict_node(node, tier)
