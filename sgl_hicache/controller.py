@@ -21,6 +21,7 @@ from .cache import PrefixMatch, TieredCache
 from .config import DEFAULT_POLICY
 from .transfer.ops import PromotionJob
 from .policy.guard import PromotionGuard
+from .policy.yielding import yield_plan
 from .policy.predictor import Predictor
 from .policy.writeback import EvictionRate, selective_write_through_due, watermark_pages
 from .tiers.base import DEVICE, DISK, HOST
@@ -200,43 +201,8 @@ class RequestController:
 
     @staticmethod
     def yield_plan(tickets: Sequence[Ticket], short_pages: int) -> list[Ticket]:
-        """Which prefetch jobs `yield_to_demand` ends (pure decision, nothing changes). A device node
-        is freeable when only the jobs of `tickets` hold it (its lock count equals the number of
-        those jobs whose path crosses it, and no transfer pins it); it becomes evictable once all of
-        them end (queued requests sharing a prefix lock it together). From the back of the queue
-        forward (those requests are served last), the jobs crossing a freeable node are chosen until
-        the nodes all of whose holders are chosen cover `short_pages`; jobs crossing none are kept.
-        Empty when `short_pages` <= 0 or when ending every job would free fewer than `short_pages`."""
-        if short_pages <= 0:
-            return []
-        paths: list[tuple[Ticket, list[TreeNode]]] = []
-        holders: dict[int, int] = {}  # device node id -> jobs of `tickets` crossing it
-        for ticket in tickets:
-            job = ticket.job
-            if job is None or job.released:
-                continue
-            path = [n for n in job.anchor.path_from_root() if not n.is_root and n.device is not None]
-            for n in path:
-                holders[n.id] = holders.get(n.id, 0) + 1
-            paths.append((ticket, path))
-        freeable = {n.id: n.num_pages for _, path in paths for n in path if n.pins == 0 and n.lock_ref == holders[n.id]}
-        if sum(freeable.values()) < short_pages:
-            return []
-        left = {k: holders[k] for k in freeable}  # holders not chosen yet
-        chosen: list[Ticket] = []
-        freed = 0
-        for ticket, path in reversed(paths):
-            mine = [n.id for n in path if n.id in left]
-            if not mine:
-                continue
-            chosen.append(ticket)
-            for k in mine:
-                left[k] -= 1
-                if left[k] == 0:
-                    freed += freeable[k]
-            if freed >= short_pages:
-                return chosen
-        return chosen
+        """Which prefetch jobs `yield_to_demand` ends (`policy/yielding.py`: a pure decision)."""
+        return yield_plan(tickets, short_pages)
 
     def _reap_dropped(self, wait: bool = False) -> None:
         keep = []

@@ -28,8 +28,9 @@ N = 150  # the shipped trace's first N requests: enough for host and disk hits a
 
 
 def base(policy: str = "predict", **kw) -> EngineConfig:
-    # small tiers so that all three serve hits within N requests (scale 16: 32 tokens a block)
-    return EngineConfig(policy, get_model("llama3-8b"), get_hardware("h200"), device_tokens=8192, host_tokens=32768,
+    # small tiers so that all three serve hits within N requests (scale 16: 32 tokens a block); host 6x the
+    # device: under write-through host holds a copy of every device page, and hits only beyond those
+    return EngineConfig(policy, get_model("llama3-8b"), get_hardware("h200"), device_tokens=8192, host_tokens=49152,
                         disk_tokens=65536, page_size=16, concurrency=2, **kw)
 
 

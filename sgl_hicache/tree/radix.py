@@ -89,7 +89,6 @@ class RadixTree:
         else:
             q.push(node)
 
-    # ---- structure -------------------------------------------------------------------------
     def touched(self) -> None:  # recency or hit counts changed: plans memoised on `version` are stale
         self.version += 1
 
@@ -155,9 +154,10 @@ class RadixTree:
         cut = pages * self.page_size
         upper_keys, lower_keys = node.split_keys(pages)
         upper = TreeNode(node.parent, node.tokens[:cut], upper_keys, pages, next(self._ids))
-        upper.device, node.device = split_handles(node.device, pages)
-        upper.host, node.host = split_handles(node.host, pages)
-        upper.disk, node.disk = split_handles(node.disk, pages)
+        for tier in TIERS:  # each tier's handles: the first `pages` go to the upper node
+            upper_handles, node_handles = split_handles(getattr(node, tier), pages)
+            setattr(upper, tier, upper_handles)
+            setattr(node, tier, node_handles)
         for attr in ("lock_ref", "hit_count", "last_access", "prefetched"):
             setattr(upper, attr, getattr(node, attr))
         upper._edge = node._edge  # the same first page: the very key the parent's dicts hold
@@ -180,8 +180,7 @@ class RadixTree:
         return upper
 
     def add_child(self, parent: TreeNode, tokens: Sequence[int]) -> TreeNode:
-        """A new, not yet resident node under `parent` for whole pages `tokens`; the caller sets its
-        residency at once (a node resident nowhere breaks the invariants)."""
+        """A new node under `parent` for whole pages `tokens`; the caller sets its residency at once."""
         self.version += 1
         tokens = int64_tokens(tokens)
         assert tokens and len(tokens) % self.page_size == 0
@@ -206,7 +205,6 @@ class RadixTree:
         node.parent = None
         self.node_count -= 1
 
-    # ---- residency -------------------------------------------------------------------------
     def set_resident(self, node: TreeNode, tier: str, handles: Sequence[Handle] | None = None) -> None:
         assert not node.in_tier(tier), f"{node} already in {tier}"
         if handles is None and tier == DISK:
@@ -296,7 +294,6 @@ class RadixTree:
             out.extend(node.handles(tier))
         return out
 
-    # ---- locks -----------------------------------------------------------------------------
     def lock(self, node: TreeNode) -> None:
         self.version += 1
         while node is not None and not node.is_root:
@@ -347,7 +344,6 @@ class RadixTree:
         """Pages of `tier` held by nodes no request locks and no transfer pins, in O(1)."""
         return self.pages[tier] - self.protected[tier]
 
-    # ---- walking ---------------------------------------------------------------------------
     def nodes(self) -> Iterator[TreeNode]:
         stack = list(self.root.children.values())
         while stack:
@@ -365,7 +361,6 @@ class RadixTree:
             stack.extend(n.children.values())
         return totals
 
-    # ---- invariants ------------------------------------------------------------------------
     def check(self) -> None:
         """Verify every invariant in the class docstring; raise InvariantError naming the first broken one."""
         pages = {tier: 0 for tier in TIERS}
