@@ -29,7 +29,6 @@ A family whose file is missing is skipped (named in the JSON's `skipped`).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -41,10 +40,10 @@ sys.path.insert(0, str(BENCH.parent))
 sys.path.insert(0, str(BENCH))
 
 from regime_map import MODELS, TRACE, working_set  # noqa: E402
+from regime_map import load_slice as load_family  # noqa: E402  (requests start.., clock rebased)
 from sgl_hicache.engine.presets import get_hardware, get_model  # noqa: E402
 from sgl_hicache.engine.run import run_policy  # noqa: E402
 from sgl_hicache.engine.simulator import EngineConfig  # noqa: E402
-from sgl_hicache.replay import load_trace  # noqa: E402
 
 # name -> (EngineConfig.policy, eviction policy, prefetch window)
 POLICIES = {
@@ -56,12 +55,6 @@ POLICIES = {
     "oracle": ("oracle", "lru", 16),
 }
 CEILINGS = ("belady", "oracle")
-
-
-def load_family(path: Path, start: int, count: int) -> list:
-    reqs = list(load_trace(path, limit=start + count))[start:]
-    t0 = min(r.arrival_s for r in reqs)
-    return [dataclasses.replace(r, arrival_s=r.arrival_s - t0) for r in reqs]
 
 
 def run_cell(requests: list, frac: float, ws: int, policies: list[str], page_size: int) -> dict[str, Any]:
