@@ -11,7 +11,8 @@ page 16, a device pool that holds them all), then makes `--calls` rounds of what
 under memory pressure: match a prompt (touching its path, so queued keys go stale) and evict
 `--pages` pages. Each eviction is timed with `time.thread_time()` (CPU time of the calling thread: a
 loaded 2-core machine deschedules the process for tens of ms, which wall time would report as the
-call's). Rounds alternate incremental / rebuilt (`--repeats`, medians of p50 / p99 / max).
+call's). Rounds alternate incremental / rebuilt (`--repeats`, medians of p50 / p99 / max), then the
+incremental queue under each of `--policies` (issue 25: `ratio_over_lru_p50`, at most 1.2).
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace
 PAGE = 16
 
 
-def build(prompts: list[list[int]], incremental: bool) -> TieredCache:
+def build(prompts: list[list[int]], incremental: bool, policy: str = "lru") -> TieredCache:
     tokens = sum(len(p) for p in prompts) + PAGE
-    cfg = CacheConfig(KVLayout(num_layers=1, num_kv_heads=1, head_dim=8), device_tokens=tokens, host_tokens=0, disk_tokens=0, page_size=PAGE)
+    cfg = CacheConfig(KVLayout(num_layers=1, num_kv_heads=1, head_dim=8), device_tokens=tokens, host_tokens=0, disk_tokens=0, page_size=PAGE,
+                      eviction_policy=policy)
     clock = [0.0]
     cache = TieredCache(cfg, clock=lambda: clock[0])
     if not incremental:
@@ -53,8 +55,8 @@ def build(prompts: list[list[int]], incremental: bool) -> TieredCache:
     return cache
 
 
-def one_round(prompts: list[list[int]], incremental: bool, calls: int, pages: int) -> dict[str, float]:
-    cache = build(prompts, incremental)
+def one_round(prompts: list[list[int]], incremental: bool, calls: int, pages: int, policy: str = "lru") -> dict[str, float]:
+    cache = build(prompts, incremental, policy)
     leaves = sum(1 for _ in cache.tree.tier_leaves(DEVICE))
     clock = float(len(prompts))
     times = []
@@ -78,6 +80,7 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--pages", type=int, default=4, help="pages per eviction")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--policies", default="probation,slru", help="incremental policies timed beside LRU (issue 25: <= 1.2x LRU's p50)")
     ap.add_argument("--quick", action="store_true", help="smallest size: 60 requests, 20 calls, 1 round")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
@@ -85,10 +88,12 @@ def main() -> int:
         a.requests, a.calls, a.repeats = 60, 20, 1
     reqs = load_trace(a.trace, scale=a.scale, limit=a.requests, vocab_size=1024)
     prompts = [list(r.input_ids) for r in reqs if len(r.input_ids) >= PAGE]
-    rounds: dict[str, list[dict[str, float]]] = {"incremental": [], "rebuilt": []}
+    extra = [p for p in a.policies.split(",") if p]
+    rounds: dict[str, list[dict[str, float]]] = {"incremental": [], "rebuilt": [], **{p: [] for p in extra}}
     for _ in range(a.repeats):
-        for mode in rounds:  # interleaved
-            rounds[mode].append(one_round(prompts, mode == "incremental", a.calls, a.pages))
+        for mode in rounds:  # interleaved; "incremental" and "rebuilt" are LRU's two paths
+            policy = mode if mode in extra else "lru"
+            rounds[mode].append(one_round(prompts, mode != "rebuilt", a.calls, a.pages, policy))
     med = {mode: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for mode, rs in rounds.items()}
     out = {
         "benchmark": "evict_calls",
@@ -98,6 +103,7 @@ def main() -> int:
         "median": med,
         "rounds": rounds,
         "ratio_rebuilt_over_incremental_p50": med["rebuilt"]["p50_us"] / max(med["incremental"]["p50_us"], 1e-9),
+        "ratio_over_lru_p50": {p: med[p]["p50_us"] / max(med["incremental"]["p50_us"], 1e-9) for p in extra},
     }
     text = json.dumps(out, indent=1)
     if a.json:

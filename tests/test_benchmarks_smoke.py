@@ -306,3 +306,12 @@ def test_store_compare_summary_and_bad_input(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "store_compare.py"), "--quick", "--peer-python", str(tmp_path / "none")],
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "install_hicache_peer.sh" in r.stderr, r.stderr
+
+
+def test_retention_smoke(tmp_path: Path) -> None:
+    result = _run("retention.py", tmp_path / "retention.json")
+    assert result["benchmark"] == "retention" and len(result["families"]) == 1
+    cell = result["families"][0]["cells"][0]
+    assert set(cell["policies"]) == {"lru", "probation", "slru", "belady", "oracle"}
+    assert cell["policies"]["oracle"]["hit_rate"] >= cell["policies"]["lru"]["hit_rate"]
+    assert "| mooncake | 0.3 |" in result["table"]

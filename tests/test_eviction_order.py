@@ -149,3 +149,56 @@ def test_write_through_never_pushes_out_another_device_pages_host_copy(policy):
     _land(cache, ops)
     assert cache.tree.pages[HOST] == 4
     cache.check()
+
+
+def _served_tree(policy: str):
+    """Three one-page paths a, b, c served at t = 1, 2, 3; a hit twice more (t = 4, 5), b once (t = 6):
+    hit counts a 2, b 1, c 0; LRU order c (3) < a (5) < b (6)."""
+    cache = make_cache(None, device=3, host=0, disk=0, eviction_policy=policy)
+    a, b, c = [1] * 4, [2] * 4, [3] * 4
+    for t, p in enumerate([a, b, c, a, a, b], start=1):
+        cache.clock = lambda t=t: float(t)
+        serve(cache, p)
+    return cache, {cache.match(p, touch=False).last_node.tokens[0]: p for p in (a, b, c)}
+
+
+def _eviction_order(cache) -> list[int]:
+    order = []
+    while cache.tree.pages[DEVICE]:
+        before = {n.tokens[0] for n in cache.nodes_in(DEVICE)}
+        assert cache.evict(DEVICE, 1) == 1
+        order += sorted(before - {n.tokens[0] for n in cache.nodes_in(DEVICE)})
+    return order
+
+
+@pytest.mark.parametrize("policy,order", [
+    ("lru", [3, 1, 2]),        # by last use: c (3), a (5), b (6)
+    ("probation", [3, 1, 2]),  # c was never hit: first; a and b were reused: LRU between them
+    ("slru", [3, 2, 1]),       # protected from 2 hits: c and b are probationary (c older), a protected
+    ("lfu", [3, 2, 1]),
+])
+def test_policy_order_on_a_small_tree(policy, order):
+    cache, _ = _served_tree(policy)
+    assert cache.tree.leaves is not None  # every one of these keeps the incremental queue
+    assert _eviction_order(cache) == order
+    cache.check()
+
+
+def test_probation_puts_a_new_path_before_an_older_reused_one():
+    """The one-hit-wonder filter: a path hit once at t = 2 outlives a newer, never reused one (LRU
+    would evict the older reused path first)."""
+    orders = {}
+    for policy in ("lru", "probation"):
+        cache = make_cache(None, device=2, host=0, disk=0, eviction_policy=policy)
+        for t, p in enumerate([[1] * 4, [1] * 4, [2] * 4], start=1):
+            cache.clock = lambda t=t: float(t)
+            serve(cache, p)
+        orders[policy] = _eviction_order(cache)
+    assert orders == {"lru": [1, 2], "probation": [2, 1]}
+
+
+def test_a_given_priority_is_never_kept_incrementally():
+    """The oracle's Belady key falls as the future comes closer (a node whose next use passed is
+    never used again): a queue built on keys that only grow would evict in a stale order."""
+    cache = make_cache(None, device=4, host=0, disk=0, priority=lambda n: (n.last_access, n.id))
+    assert cache.tree.leaves is None

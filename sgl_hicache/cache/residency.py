@@ -16,7 +16,7 @@ from operator import ne
 
 from ..config import CacheConfig
 from ..hashing import Namespace
-from ..policy.eviction import eviction_policy
+from ..policy.eviction import eviction_policy, orders_incrementally
 from ..policy.reuse import ReuseModel
 from ..policy.writeback import disk_write_through_due, selective_write_through_due, write_through_on_insert
 from ..stats import CacheStats
@@ -81,13 +81,14 @@ class TieredCache:
         if (config.eviction_policy == "reuse" or config.predictor == "continuation"
                 or config.admission_min_probability > 0):
             self.reuse = ReuseModel(lambda: self.clock(), admit_min_probability=config.admission_min_probability)
+        # a given priority (the oracle's Belady key) falls as the future comes closer: never incremental
+        self._incremental_order = orders_incrementally(config.eviction_policy, custom_priority=priority is not None)
         if priority is None:
             if config.eviction_policy == "reuse":
                 priority = self.reuse.priority  # type: ignore[union-attr]
             else:
                 priority = eviction_policy(config.eviction_policy)
         self.priority: Priority = priority
-        self._incremental_order = config.eviction_policy in ("lru", "lfu")
         self.handlers = default_handlers(self.stores)
         self.meter = BandwidthMeter()
         self.stats = CacheStats()
@@ -111,7 +112,7 @@ class TieredCache:
 
     def _order_leaves(self) -> None:
         """Keep the tree's eviction candidates ordered incrementally, where the policy's priorities
-        only grow with use (`lru`, `lfu`: see `tree/leaves.py`); other orders (`reuse`, the oracle's)
+        only grow with use (`lru`, `lfu`, `probation`, `slru`: see `tree/leaves.py`); other orders (`reuse`, the oracle's)
         move with the clock, so their evictions order the leaves afresh each call."""
         if self._incremental_order:
             self.tree.order_leaves(self.evictor.leaf_key)

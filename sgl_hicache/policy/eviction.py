@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..tree.node import TreeNode
+from .probation import probation, slru
 
 EvictionPriority = Callable[[TreeNode], tuple]
 
@@ -23,7 +24,17 @@ def lfu(node: TreeNode) -> tuple:
     return (node.hit_count, node.last_access, node.id)
 
 
-_POLICIES: dict[str, EvictionPriority] = {"lru": lru, "lfu": lfu}
+_POLICIES: dict[str, EvictionPriority] = {"lru": lru, "lfu": lfu, "probation": probation, "slru": slru}
+
+# policies whose keys only grow with use: the tree keeps their order incrementally (`tree/leaves.py`)
+INCREMENTAL = frozenset(_POLICIES)
+
+
+def orders_incrementally(name: str, custom_priority: bool = False) -> bool:
+    """Whether `name`'s eviction order can live in the tree's incremental leaf queue. Never for a
+    priority given in its place (the oracle's Belady key drops as the future comes closer), nor for
+    `reuse` (its values move with the clock)."""
+    return not custom_priority and name in INCREMENTAL
 
 
 def eviction_policy(name: str) -> EvictionPriority:
