@@ -349,8 +349,9 @@ class RequestController:
         """Keep a watermark of clean evictable pages in the device tier (also on host) and in the host
         tier (also on disk): `device_writeback_clean_fraction` / `writeback_clean_fraction` of the
         tier; the coldest dirty pages are copied in the background,
-        so that evictions are drops. Records finished copies; plans a new batch at most every
-        `writeback_interval_s`, one batch in flight. Returns whether anything changed."""
+        so that evictions are drops. Records finished copies; plans a new round at most every
+        `writeback_interval_s`, while earlier rounds (and `commit`'s copies) may still be in flight.
+        Returns whether anything changed."""
         self.executor.poll()
         changed = False
         self.cache.reap_orphans()
@@ -366,19 +367,20 @@ class RequestController:
                 self._round_seconds = self.clock() - self._round_started  # how long a round took to land
                 self._round_started = None
         now = self.clock()
-        if not start_new or self.writeback:
+        if not start_new:
             return changed
         # write-through copies what was committed (or landed on host) since the last round at once;
         # a watermark round waits `writeback_interval_s` (it only tops up what evictions used)
         fresh = self._write_through_due()
         if not fresh and now - self._writeback_at < self.settings.writeback_interval_s:
             return changed
+        # a round may start while earlier ones are in flight (planning skips the pages on their
+        # way): with one round at a time, the children of a path whose copy was in flight, and
+        # everything committed meanwhile, waited a whole round and were evicted dirty first
         self._writeback_at = now
         self._committed_seen = (self.cache.committed_pages, self.cache.landed_copies)
         ops = self._plan_copies_down(now)
-        if ops:
-            self.writeback = ops
-            self.executor.submit_ops(ops, kind="backup")
+        self._submit(ops)
         return changed or bool(ops)
 
     def _write_through_due(self) -> bool:
@@ -387,6 +389,28 @@ class RequestController:
         config = self.cache.config
         through = config.write_policy != "write_back" or config.disk_write_policy == "write_through"
         return through and (self.cache.committed_pages, self.cache.landed_copies) != self._committed_seen
+
+    def _submit(self, ops: list[TransferOp]) -> None:
+        if not ops:
+            return
+        if not self.writeback:
+            self._round_started = self.clock()
+        self.writeback += ops
+        self.executor.submit_ops(ops, kind="backup")
+
+    def commit(self, path: Sequence[TreeNode]) -> int:
+        """Write-through at commit (`write_policy=write_through`): a request's newly committed device
+        pages (`path`, root first) get their host copies started now, on the transfer threads, so that
+        they are clean by the time they are evictable. Only plans and enqueues (O(path)); the copies
+        land in a later `pump_writeback`. Returns the pages planned."""
+        cache = self.cache
+        if cache.config.write_policy != "write_through" or not cache.has_tier(HOST) or not cache.has_tier(DEVICE):
+            return 0
+        ops = cache.plan_write_through(DEVICE, HOST, list(path), self.settings.writeback_batch_pages)
+        pages = sum(len(op.dst_handles) for op in ops)
+        self.writeback_counters.device_pages += pages
+        self._submit(ops)
+        return pages
 
     def _plan_copies_down(self, now: float) -> list[TransferOp]:
         """This round's background copies one tier down: write-through of committed device pages
@@ -421,8 +445,6 @@ class RequestController:
             else:
                 self.writeback_counters.host_pages += pages
             ops += planned
-        if ops:
-            self._round_started = now
         return ops
 
     def cancel_device_writeback(self) -> None:

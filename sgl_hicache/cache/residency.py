@@ -335,6 +335,11 @@ class TieredCache:
         with self._mutex:
             return self.writeback.plan(src, dst, clean_target_pages, max_pages, only)
 
+    def plan_write_through(self, src: str, dst: str, nodes: list[TreeNode], max_pages: int) -> list[TransferOp]:
+        """Write-through at commit of one committed path (`WritebackPlanner.plan_path`)."""
+        with self._mutex:
+            return self.writeback.plan_path(src, dst, nodes, max_pages)
+
     def plan_disk_writeback(self, clean_target_pages: int, max_pages: int) -> list[TransferOp]:
         """`plan_writeback(HOST, DISK, ...)`: background host -> disk write-back."""
         return self.plan_writeback(HOST, DISK, clean_target_pages, max_pages)

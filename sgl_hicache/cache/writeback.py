@@ -52,6 +52,32 @@ class WritebackPlanner:
             self._idle[(src, dst)] = memo
         return ops
 
+    def plan_path(self, src: str, dst: str, nodes: list[TreeNode], max_pages: int) -> list[TransferOp]:
+        """Write-through at commit: prepare copies to a local tier `dst` of the nodes of `nodes` (a
+        path, root first) that are in `src` and neither in `dst` nor on their way there, unpinned,
+        with their parent in `dst` (or the root), at most `max_pages`. Stops at the first node whose
+        parent is not in `dst` (prefix closure: its copy follows in a later round). O(path): it runs
+        on every commit, where a scan of the whole tier would not do."""
+        c = self.cache
+        if src not in c.stores or dst not in c.stores or c.stores[dst].shared:
+            return []
+        ops: list[TransferOp] = []
+        budget = max_pages
+        for n in nodes:
+            parent = n.parent
+            if parent is None or getattr(n, src) is None or getattr(n, dst) is not None:
+                continue
+            if dst in n.incoming or n.pins or not (parent.is_root or parent.in_tier(dst)) or n.num_pages > budget:
+                break
+            op = c.copies.reserve(n, dst, "backup", evict=True)
+            if op is None:
+                break
+            c.tree.lock(n)
+            op.locks_path = True
+            ops.append(op)
+            budget -= n.num_pages
+        return ops
+
     def _plan(self, src: str, dst: str, clean_target_pages: int, max_pages: int,
               only: Callable[[TreeNode], bool] | None) -> list[TransferOp]:
         c = self.cache

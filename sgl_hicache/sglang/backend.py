@@ -23,11 +23,13 @@ Request path:
   from disk as `storage`.
 - `checkpoint`: inserts the request's whole pages into the tree (the tree adopts the request's device
   pages), frees the request's duplicates of pages the tree already held, repoints the request's row onto
-  the tree's pages and moves its lock.
+  the tree's pages and moves its lock. Under `write_policy=write_through` (the default) it starts the
+  host copies of the committed pages (`RequestController.commit`: planned and enqueued only, copied on
+  the transfer threads); `before_batch_formed` records those that landed before the next admission.
 - `evict`: `TieredCache.evict(DEVICE)`: leaf-first, clean before dirty, coldest first; it never
   copies or waits (`eviction_demotes`, default `none`: a dirty page is dropped and counted). The
-  background write-back watermark, topped up once per step by `after_batch_formed`, keeps at least
-  one step's allocation of evictable pages clean ahead of it (docs/sglang-backend.md).
+  write-through at commit (above), and the background write-back topped up once per step by
+  `after_batch_formed`, keep evictable pages clean ahead of it (docs/sglang-backend.md).
 
 Tensor parallelism (`--tp N`): every rank runs this cache on its own KV-head shard, with its own host
 buffer and disk directory; the ranks agree on every local fact once per scheduler step
@@ -341,6 +343,9 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
         self.unlock(req.lock)
         req.lock = self.lock(new_last)
         req.last_node = new_last
+        # write-through at commit: the host copies of these pages start now, on the transfer threads,
+        # not at the next step's pump, which runs after the next admission has evicted them dirty
+        self.controller.commit(m.path)
         self._maybe_check()
 
     def insert(self, params: InsertParams) -> InsertResult:

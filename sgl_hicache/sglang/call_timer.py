@@ -33,7 +33,7 @@ from typing import Any
 SCHEDULER_CALLS = (
     "match_prefix", "init_load_back", "checkpoint", "insert", "evict", "inc_lock_ref", "dec_lock_ref",
     "on_release", "release_aborted_request", "touch_prefix", "path_device_indices", "cache_finished_req",
-    "cache_unfinished_req", "after_batch_formed",
+    "cache_unfinished_req", "before_batch_formed", "after_batch_formed",
 )
 
 _tls = threading.local()  # .depth: how many instrumented calls the current thread is inside

@@ -1,4 +1,4 @@
-"""Two hooks on SGLang 0.5.23's scheduler, registered through its `HookRegistry` by `plugin.register`.
+"""Three hooks on SGLang 0.5.23's scheduler, registered through its `HookRegistry` by `plugin.register`.
 Both do nothing unless the scheduler's tree cache is ours.
 
 1. Admission that never stalls the queue (AROUND `PrefillAdder.add_one_req`). When our
@@ -18,6 +18,10 @@ Both do nothing unless the scheduler's tree cache is ours.
    `batch.hicache_consumer_index` itself only with its own HiCache or the unified-cache linker; the
    hook sets it to the index of the batch whose admissions queued layer-wise loads (-1 when none), so
    the TP worker hands it to our counter (`layer_loads.LayerLoads`) before the forward.
+3. Before the prefill batch is formed (BEFORE `Scheduler.get_new_batch_prefill`):
+   `TieredRadixCache.before_batch_formed` records the write-through copies that landed since the
+   last step (started at commit, `RequestController.commit`), so this admission counts their pages
+   as evictable (clean) rather than protected by the copy; it starts nothing.
 """
 
 from __future__ import annotations
@@ -77,6 +81,14 @@ def keep_admitting(original, adder, req, *args, **kwargs):
     return result
 
 
+def record_landed_copies(scheduler, *args, **kwargs):
+    """BEFORE `Scheduler.get_new_batch_prefill` (module docstring, 3)."""
+    cache = _our_cache(getattr(scheduler, "tree_cache", None))
+    if cache is not None:
+        cache.before_batch_formed()
+    return None
+
+
 def set_consumer_index(result, scheduler, *args, **kwargs):
     """AFTER `Scheduler.get_new_batch_prefill` (module docstring, 2)."""
     cache = _our_cache(getattr(scheduler, "tree_cache", None))
@@ -96,7 +108,8 @@ def register_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(ADD_ONE_REQ, keep_admitting, HookType.AROUND)
+    HookRegistry.register(GET_NEW_BATCH_PREFILL, record_landed_copies, HookType.BEFORE)
     HookRegistry.register(GET_NEW_BATCH_PREFILL, set_consumer_index, HookType.AFTER)
 
 
-__all__ = ["demand_shortfall_tokens", "keep_admitting", "register_hooks", "set_consumer_index"]
+__all__ = ["demand_shortfall_tokens", "keep_admitting", "record_landed_copies", "register_hooks", "set_consumer_index"]

@@ -57,6 +57,16 @@ class StepCalls:
         return ended
 
     @frees_batched
+    def before_batch_formed(self) -> None:
+        """Once per scheduling step, before SGLang forms the prefill batch
+        (`scheduler_hooks.record_landed_copies`): record the background copies that landed (their
+        pages are clean and evictable for this admission); start none. Nothing at TP >= 2 (there the
+        ranks agree on the outcomes first, `sgl_hicache_on_step`)."""
+        if self.disable or self.consensus is not None or not self.controller.writeback:
+            return
+        self.controller.pump_writeback(start_new=False)
+
+    @frees_batched
     def after_batch_formed(self) -> None:
         """Once per scheduling step, after SGLang formed (and allocated) the prefill batch
         (`scheduler_hooks.set_consumer_index`): record finished layer-wise loads and background copies

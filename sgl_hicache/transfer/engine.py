@@ -22,6 +22,7 @@ from .ops import Cancelled, PromotionJob, TransferOp
 
 # lower runs first: what a waiting request needs, then predictions, then backups and demotions
 DEMAND, PREFETCH, PREDICT, BACKUP = 0, 0, 1, 2
+DISK_BACKUP = 3  # host -> disk copies queue behind device -> host ones: those keep device evictions clean
 PRIORITY = {"demand": DEMAND, "prefetch": PREFETCH, "predict": PREDICT, "backup": BACKUP, "demote": BACKUP}
 
 
@@ -128,7 +129,10 @@ class TransferEngine:
         """Queue independent prepared ops (backups, demotions); the caller completes them."""
         with self._cv:
             for op in ops:
-                state = _OpState(op, PRIORITY.get(kind, BACKUP), 0)
+                priority = PRIORITY.get(kind, BACKUP)
+                if priority == BACKUP and op.src != "device":
+                    priority = DISK_BACKUP
+                state = _OpState(op, priority, 0)
                 op.submitted = True
                 self._states[id(op)] = state
                 self._enqueue(state)
