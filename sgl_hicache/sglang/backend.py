@@ -154,7 +154,6 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
         self.call_timer = CallTimer().instrument(self) if s.time_calls else None
         self.io_guard = IOGuard().install(self.cache) if s.check_scheduler_io else None
 
-    # ---- lifecycle -----------------------------------------------------------------------
     @property
     def root_node(self):
         return self.cache.tree.root
@@ -485,7 +484,6 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
         """The tree, one node a line (`export.tree_text`)."""
         return tree_text(self.cache.tree, self.page_size, max_nodes)
 
-    # ---- checks and stats ----------------------------------------------------------------
     def transfers_in_flight(self) -> bool:
         """A layer-wise load, a background copy or a prefetch job is still moving pages."""
         if self.layer_loads is not None and self.layer_loads.inflight:
