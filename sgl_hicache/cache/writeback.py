@@ -69,11 +69,9 @@ class WritebackPlanner:
                 continue
             if dst in n.incoming or n.pins or not (parent.is_root or parent.in_tier(dst)) or n.num_pages > budget:
                 break
-            op = c.copies.reserve(n, dst, "backup", evict=True)
+            op = self._backup(n, dst)
             if op is None:
                 break
-            c.tree.lock(n)
-            op.locks_path = True
             ops.append(op)
             budget -= n.num_pages
         return ops
@@ -100,10 +98,17 @@ class WritebackPlanner:
             parent = n.parent
             if parent is None or not (parent.is_root or parent.in_tier(dst)):
                 continue  # room made for an earlier pick evicted its parent from `dst`: a later round
-            op = c.copies.reserve(n, dst, "backup", evict=True)
+            op = self._backup(n, dst)
             if op is None:
                 break
-            c.tree.lock(n)
-            op.locks_path = True
             ops.append(op)
         return ops
+
+    def _backup(self, node: TreeNode, dst: str) -> TransferOp | None:
+        """A background copy of `node` into `dst`, its path locked until the copy completes (so the
+        ancestors it keeps from being leaves are not counted as evictable either)."""
+        op = self.cache.copies.reserve(node, dst, "backup", evict=True)
+        if op is not None:
+            self.cache.tree.lock(node)
+            op.locks_path = True
+        return op
