@@ -131,3 +131,24 @@ def test_leaf_sets_follow_residency_changes():
         # the kept sets equal a rescan of every resident node and its children
         assert set(t.tier_leaves("host")) == {n for n in t.resident["host"] if not any(c.host is not None for c in n.children.values())}
         t.check()
+
+
+def test_writeback_gaps_follow_residency_and_splits():
+    """`tree.gaps` holds exactly the nodes of each write-back link's upper tier that lack the lower
+    copy, through copies landing, copies dropped and splits (the planner walks only these)."""
+    t = tree_with([1, 2, 3, 4, 5, 6])
+    node = t.root.children[edge_key_of((1, 2))]
+    assert t.gaps.missing[("device", "host")] == {node} and not t.gaps.missing[("host", "disk")]
+    t.set_resident(node, "host", [7, 8, 9])  # its host copy landed: no longer a device gap, now a host one
+    assert not t.gaps.missing[("device", "host")] and t.gaps.missing[("host", "disk")] == {node}
+    path, _ = t.walk([1, 2, 9, 9])  # a split: the upper half has the same copies, so the same gaps
+    upper = path[-1]
+    assert upper is not node and t.gaps.missing[("host", "disk")] == {upper, node}
+    t.set_resident(upper, "disk")
+    t.set_resident(node, "disk")
+    t.clear_resident(node, "host")  # on device and disk: a device gap again, not a host one
+    assert t.gaps.missing[("device", "host")] == {node} and not t.gaps.missing[("host", "disk")]
+    t.check()
+    t.gaps.missing[("device", "host")].clear()
+    with pytest.raises(InvariantError, match="gap"):
+        t.check()

@@ -72,14 +72,13 @@ def writeback_candidates(tree: RadixTree, src: str, dst: str) -> tuple[list[Tree
     already on their way there: unpinned, not in `dst` nor on their way, with their parent in `dst`
     (or the root), in use or not (a prefix every request holds locked must reach `dst` first, or
     nothing below it ever could; its bytes are final). A host page also on the device is not on disk
-    yet: evicting it from the device later would leave the disk tier without it. One pass, with the
-    attribute reads inlined: it runs whenever the watermark is short."""
+    yet: evicting it from the device later would leave the disk tier without it. One pass over the
+    nodes of `src` missing from `dst` (`tree.gaps`: under write-through only the freshly committed
+    ones), with the attribute reads inlined: it runs whenever the watermark is short."""
     candidates: list[TreeNode] = []
     incoming = 0
     append = candidates.append
-    for n in tree.resident[src]:
-        if getattr(n, dst) is not None:
-            continue
+    for n in tree.gaps.missing[(src, dst)]:
         if dst in n.incoming:
             incoming += n.num_pages
             continue
@@ -95,8 +94,8 @@ def shared_candidates(tree: RadixTree, src: str, dst: str, min_hits: int,
     `min_hits` times, accepted by the store, with their parent there (or the root). A shared store
     also takes pages in use: a hot prefix is the one most worth sharing."""
     out = []
-    for n in tree.resident[src]:
-        if n.disk is not None or dst in n.incoming:
+    for n in tree.gaps.missing[(src, dst)]:
+        if dst in n.incoming:
             continue
         if n.hit_count < min_hits or not accepts(n):
             continue

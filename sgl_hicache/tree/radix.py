@@ -10,18 +10,16 @@ import itertools
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 
-from ..hashing import Namespace, PageKey, chain_keys, int64_tokens
+from ..hashing import Namespace, PageKey, int64_tokens
 from ..tiers.base import DISK, TIERS, Handle
+from .gaps import TierGaps
+from .invariants import InvariantError, check_tree
 from .leaves import LeafKey, LeafQueue
 from .node import TreeNode, edge_key_of, split_handles
 from .traffic import drop_edge, start_edges
 
 
 _ALL = frozenset(TIERS)
-
-
-class InvariantError(AssertionError):
-    """`RadixTree.check()` found the tree in a state it must never be in."""
 
 
 class RadixTree:
@@ -49,6 +47,7 @@ class RadixTree:
         # the resident nodes of each tier with no child resident there (`tier_leaves`), kept on every
         # residency change so eviction does not rescan the whole tier (and every node's children)
         self.leaf_sets: dict[str, set[TreeNode]] = {tier: set() for tier in TIERS}
+        self.gaps = TierGaps()  # per write-back link, the resident nodes without their lower copy
         # pages per tier of locked or pinned nodes, kept on every lock/pin/residency change
         self.protected: dict[str, int] = {tier: 0 for tier in TIERS}
         self.pages: dict[str, int] = {tier: 0 for tier in TIERS}
@@ -176,6 +175,7 @@ class RadixTree:
             if node in self.resident[tier]:
                 self.resident[tier].add(upper)
                 upper.children_in[tier] = 1  # `node`, now its only child (the parent's count is unchanged)
+        self.gaps.split(upper, node)
         self.node_count += 1
         return upper
 
@@ -214,6 +214,7 @@ class RadixTree:
         self.version += 1
         self._share(node, tier, +1)
         self.resident[tier].add(node)
+        self.gaps.entered(node, tier)
         self._count_child(node, tier, +1)
         self.pages[tier] += node.num_pages
         if node.lock_ref or node.pins:
@@ -231,6 +232,7 @@ class RadixTree:
         handles: list[Handle] = node.handles(tier)
         setattr(node, tier, None)
         self.resident[tier].discard(node)
+        self.gaps.left(node, tier)
         self._count_child(node, tier, -1)
         self.pages[tier] -= node.num_pages
         if node.lock_ref or node.pins:
@@ -363,62 +365,4 @@ class RadixTree:
 
     def check(self) -> None:
         """Verify every invariant in the class docstring; raise InvariantError naming the first broken one."""
-        pages = {tier: 0 for tier in TIERS}
-        shared: dict[frozenset[str], int] = {}
-        protected_shared: dict[frozenset[str], int] = {}
-        protected = {tier: 0 for tier in TIERS}
-        members = {tier: set() for tier in TIERS}
-        count = 0
-        for node in self.nodes():
-            count += 1
-            parent = node.parent
-            if parent is None or parent.children.get(node.edge_key) is not node:
-                raise InvariantError(f"{node} is not linked under its parent")
-            if node.num_pages == 0 or len(node.tokens) != node.num_pages * self.page_size:
-                raise InvariantError(f"{node} holds {len(node.tokens)} tokens for {node.num_pages} keys")
-            if len(node.keys) != node.num_pages or node.keys[0] != chain_keys(self.key_of(parent), node.tokens[: self.page_size], self.page_size)[0]:
-                raise InvariantError(f"{node}'s keys are not chained from its parent")
-            tiers = node.tiers()
-            for books in (shared, protected_shared) if (node.lock_ref or node.pins) else (shared,):
-                for i, a in enumerate(tiers):
-                    for b in tiers[i + 1:]:
-                        books[frozenset((a, b))] = books.get(frozenset((a, b)), 0) + node.num_pages
-                if len(tiers) == 3:
-                    books[_ALL] = books.get(_ALL, 0) + node.num_pages
-            if not tiers and node.lock_ref == 0 and node.pins == 0:
-                # (a locked or pinned node may have lost its only copy meanwhile; it is removed when
-                # the last lock or pin goes)
-                raise InvariantError(f"{node} is resident in no tier")
-            for tier in tiers:
-                if len(node.handles(tier)) != node.num_pages:
-                    raise InvariantError(f"{node} has {len(node.handles(tier))} {tier} handles for {node.num_pages} pages")
-                if not parent.is_root and not parent.in_tier(tier):
-                    raise InvariantError(f"{tier} residency not prefix-closed: {node} is in {tier}, its parent {parent} is not")
-                pages[tier] += node.num_pages
-                members[tier].add(node)
-                if node.lock_ref or node.pins:
-                    protected[tier] += node.num_pages
-            if node.lock_ref < 0 or node.pins < 0:
-                raise InvariantError(f"{node} has a negative lock or pin count")
-            for tier in TIERS:
-                n_in = sum(1 for c in node.children.values() if c.in_tier(tier))
-                if node.children_in.get(tier, 0) != n_in:
-                    raise InvariantError(f"{node} counts {node.children_in.get(tier, 0)} children in {tier}, holds {n_in}")
-                if (node in self.leaf_sets[tier]) != (node.in_tier(tier) and n_in == 0):
-                    raise InvariantError(f"{tier} leaf set out of sync at {node}")
-            child_locks = sum(c.lock_ref for c in node.children.values())
-            if node.lock_ref < child_locks:
-                raise InvariantError(f"{node} lock_ref {node.lock_ref} < its children's {child_locks}")
-        if count != self.node_count:
-            raise InvariantError(f"node_count {self.node_count} but {count} nodes reachable")
-        if {k: v for k, v in shared.items() if v} != {k: v for k, v in self.shared.items() if v}:
-            raise InvariantError(f"pages shared by tiers {self.shared} but nodes hold {shared}")
-        if {k: v for k, v in protected_shared.items() if v} != {k: v for k, v in self.protected_shared.items() if v}:
-            raise InvariantError(f"protected pages shared by tiers {self.protected_shared} but locked/pinned nodes hold {protected_shared}")
-        for tier in TIERS:
-            if pages[tier] != self.pages[tier]:
-                raise InvariantError(f"{tier} page count {self.pages[tier]} but nodes hold {pages[tier]}")
-            if protected[tier] != self.protected[tier]:
-                raise InvariantError(f"{tier} protected page count {self.protected[tier]} but locked/pinned nodes hold {protected[tier]}")
-            if members[tier] != self.resident[tier]:
-                raise InvariantError(f"{tier} resident set out of sync with the nodes")
+        check_tree(self)

@@ -1,0 +1,50 @@
+"""Which resident nodes still lack their copy one tier down: the write-back planner's candidates.
+
+Under write-through almost every page already has its lower copy, so a round that scanned every
+resident node (as it did) paid O(resident nodes) on the scheduler thread to find the few that were
+just committed. The tree keeps these sets on every residency change instead (O(1) each), and a
+round walks only the gaps.
+"""
+
+from __future__ import annotations
+
+from ..tiers.base import DEVICE, DISK, HOST, Tier
+from .node import TreeNode
+
+# the links background write-back copies along: device -> host, host -> disk
+WRITEBACK_LINKS: tuple[tuple[Tier, Tier], ...] = ((DEVICE, HOST), (HOST, DISK))
+
+
+class TierGaps:
+    """For each write-back link `(src, dst)`, the set of nodes resident in `src` and not in `dst`.
+
+    Contract: the owner (`RadixTree`) calls `entered` after a node became resident in a tier,
+    `left` after it stopped being resident there, and `split` after a split gave a new upper node
+    the residency of the node it was cut from. `missing[(src, dst)]` then always equals
+    `{n in resident[src] : n not in dst}` (checked by `RadixTree.check`)."""
+
+    def __init__(self) -> None:
+        self.missing: dict[tuple[Tier, Tier], set[TreeNode]] = {link: set() for link in WRITEBACK_LINKS}
+
+    def entered(self, node: TreeNode, tier: str) -> None:
+        for (src, dst), gap in self.missing.items():
+            if tier == src and getattr(node, dst) is None:
+                gap.add(node)
+            elif tier == dst:
+                gap.discard(node)
+
+    def left(self, node: TreeNode, tier: str) -> None:
+        for (src, dst), gap in self.missing.items():
+            if tier == src:
+                gap.discard(node)
+            elif tier == dst and getattr(node, src) is not None:
+                gap.add(node)
+
+    def split(self, upper: TreeNode, node: TreeNode) -> None:
+        for gap in self.missing.values():
+            if node in gap:
+                gap.add(upper)
+
+    def expected(self, resident: dict[str, set[TreeNode]]) -> dict[tuple[Tier, Tier], set[TreeNode]]:
+        """What the sets must hold, recomputed from the resident sets (for the tree's check)."""
+        return {(src, dst): {n for n in resident[src] if getattr(n, dst) is None} for src, dst in WRITEBACK_LINKS}
