@@ -51,6 +51,7 @@ import re
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -70,10 +71,12 @@ DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace
 if not DEFAULT_TRACE.exists():
     DEFAULT_TRACE = REPO / "traces" / "mooncake_conversation_trace.jsonl"
 DEFAULT_MODEL = REPO / "scripts" / "cpu" / "bench-llama"
-CONFIGS = ("default", "hicache", "sgl_hicache", "hicache_host")
+CONFIGS = ("default", "hicache", "sgl_hicache", "hicache_host", "sgl_hicache_noskip")
+# sgl_hicache variants: the same server with these backend settings changed (an A/B in one run)
+VARIANTS: dict[str, dict[str, Any]] = {"sgl_hicache": {}, "sgl_hicache_noskip": {"skip_waiting_admission": False}}
 DEFAULT_CONFIGS = CONFIGS[:3]
 LABELS = {"default": "SGLang default cache", "hicache": "SGLang HiCache (host + file)", "sgl_hicache": "sgl_hicache",
-          "hicache_host": "SGLang HiCache (host only)"}
+          "hicache_host": "SGLang HiCache (host only)", "sgl_hicache_noskip": "sgl_hicache, skip_waiting_admission off"}
 TIERS = ("device", "host", "disk")
 
 
@@ -110,7 +113,7 @@ def server_args(config: str, pool: int, page: int, host_ratio: float) -> list[st
                  "--hicache-mem-layout", "layer_first", "--hicache-ratio", f"{host_ratio:g}"]
         if config == "hicache":
             args += ["--hicache-storage-backend", "file"]
-    elif config == "sgl_hicache":
+    elif config in VARIANTS:
         args += ["--radix-cache-backend", "sgl_hicache"]
     return args
 
@@ -120,10 +123,10 @@ def server_env(config: str, pool: int, host_ratio: float, store_dir: Path, disk_
     env: dict[str, str] = {}  # (main() removed the caller's SGLHICACHE_* variables from os.environ)
     if config == "hicache":
         env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = str(store_dir)
-    elif config == "sgl_hicache":
+    elif config in VARIANTS:
         host = int(pool * host_ratio) // page * page
         s = BackendSettings(host_tokens=host, disk_dir=str(store_dir), disk_tokens=disk_tokens,
-                            prefetch=True, predictor="tree_walk").replace(**(extra or {}))
+                            prefetch=True, predictor="tree_walk").replace(**(extra or {}), **VARIANTS[config])
         env.update(settings_env(s))
         env["SGLHICACHE_PREFETCH"] = "1"  # explicit, though it is the default
     return env
@@ -196,8 +199,12 @@ def run_one(config: str, pool: int, reqs: list, a: argparse.Namespace, workdir: 
             env=server_env(config, pool, a.host_ratio, store, a.disk_tokens, a.page_size, a.sgl_hicache_extra),
             log_path=log, load_format="dummy", timeout_s=a.start_timeout)
         sample["server_ready_s"] = srv.ready_after_s
-        rep = replay_http(reqs, srv.url, concurrency=a.concurrency, max_new_tokens=a.output_tokens,
-                          timeout_s=a.request_timeout)
+        spy = start_profiler(srv.proc.pid, Path(a.profile) / f"{tag}.txt") if a.profile else None
+        try:
+            rep = replay_http(reqs, srv.url, concurrency=a.concurrency, max_new_tokens=a.output_tokens,
+                              timeout_s=a.request_timeout)
+        finally:
+            stop_profiler(spy)
         sample.update(_summary(rep))
         sample["server_info"] = _server_info(srv.url)
         if not srv.alive():
@@ -226,6 +233,32 @@ def run_one(config: str, pool: int, reqs: list, a: argparse.Namespace, workdir: 
     sample["wall_s"] = time.monotonic() - t0
     sample["loadavg_after"] = os.getloadavg()
     return sample
+
+
+def start_profiler(server_pid: int, out: Path) -> subprocess.Popen | None:
+    """py-spy sampling SGLang's scheduler process (the server's child titled `sglang::scheduler`) for
+    the replay, collapsed stacks to `out` (read them with `benchmarks/profile_summary.py`)."""
+    import psutil
+
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    sched = [p for p in psutil.Process(server_pid).children(recursive=True)
+             if "scheduler" in " ".join(p.cmdline()) or "scheduler" in p.name()]
+    if not sched or not Path(spy).exists():
+        print(f"--profile: no scheduler process or no py-spy ({spy}); not profiled", file=sys.stderr)
+        return None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen([spy, "record", "--pid", str(sched[0].pid), "--rate", "200", "--format", "raw",
+                             "--nonblocking", "--idle", "-o", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def stop_profiler(spy: subprocess.Popen | None) -> None:
+    if spy is None:
+        return
+    spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+    try:
+        spy.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        spy.kill()
 
 
 # ------------------------------------------------------------------------------------------ summary
@@ -314,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=200, help="first N requests of the trace (default 200)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default 3)")
     p.add_argument("--pools", default="0.1,0.3", help="device pool sizes as fractions of the working set (default 0.1,0.3)")
+    p.add_argument("--profile", metavar="DIR", default=None,
+                   help="py-spy each run's scheduler process during the replay (collapsed stacks DIR/<run>.txt)")
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                    help=f"subset of {','.join(CONFIGS)} (default {','.join(DEFAULT_CONFIGS)}; hicache_host: HiCache without a storage backend)")
     p.add_argument("--quick", action="store_true", help="tiny: 20 requests, 1 repeat, the first pool only (proves it runs)")

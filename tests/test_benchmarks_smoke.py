@@ -315,3 +315,27 @@ def test_retention_smoke(tmp_path: Path) -> None:
     assert set(cell["policies"]) == {"lru", "probation", "slru", "belady", "oracle"}
     assert cell["policies"]["oracle"]["hit_rate"] >= cell["policies"]["lru"]["hit_rate"]
     assert "| mooncake | 0.3 |" in result["table"]
+
+
+def test_profile_summary_attributes_samples_to_phases_and_cache_calls(tmp_path: Path) -> None:
+    """py-spy's collapsed stacks (as `server_compare.py --profile` writes them) summed per scheduler
+    phase and per outermost sgl_hicache frame."""
+    prof = tmp_path / "p.txt"
+    prof.write_text(
+        "event_loop_overlap (scheduler.py:1);run_batch (scheduler.py:2);forward_extend (model_runner.py:3) 60\n"
+        "event_loop_overlap (scheduler.py:1);get_new_batch_prefill (scheduler.py:4);"
+        "match_prefix (sgl_hicache/sglang/backend.py:5);walk (sgl_hicache/tree/radix.py:6) 30\n"
+        "event_loop_overlap (scheduler.py:1);recv_requests (scheduler.py:7) 10\n"
+        "garbage line without a count\n")
+    out = tmp_path / "s.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "profile_summary.py"), str(prof), "--json", str(out)],
+                   check=True, cwd=REPO, capture_output=True, timeout=60)
+    s = json.loads(out.read_text())[str(prof)]
+    assert s["samples"] == 100
+    assert s["phases"] == {"forward": 0.6, "batch formation": 0.3, "receive requests": 0.1}
+    assert s["sgl_hicache_share"] == 0.3
+    assert s["sgl_hicache_calls"] == {"match_prefix (sglang/backend.py:5)": 0.3}
+    assert s["top_self"]["forward_extend (model_runner.py:3)"] == 0.6
+    bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "profile_summary.py"), str(tmp_path / "none.txt")],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "no such profile" in bad.stderr
