@@ -342,8 +342,6 @@ class EmbeddedEngine:
         cache.free_device(result.duplicates)
         cache.unlock(m.last_node)
         cache.lock(result.last_node)
-        # write-through at commit, as the server's checkpoint does: the host copies start now
-        self.controller.commit(cache.match(tokens, touch=False).path)
         flight.anchor = result.last_node
         flight.output_pages = outs
         flight.context = len(tokens)
