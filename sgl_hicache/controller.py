@@ -269,7 +269,7 @@ class RequestController:
         if inflight:
             cost = LoadTime(self.executor.expedite(inflight, recompute_s))
             for op in inflight:  # path order, and only under a parent already on host (prefix closure)
-                parent = op.node.parent
+                parent = self.cache.tx.parts(op)[0].parent  # above the parts split off while it ran
                 if not op.executed.is_set() or parent is None or not (parent.is_root or parent.host is not None):
                     break
                 self.cache.complete(op)

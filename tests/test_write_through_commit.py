@@ -4,6 +4,7 @@ has evicted them), so an eviction right after finds them clean. Behaviour, not f
 
 from __future__ import annotations
 
+import torch
 from conftest import SMALL_LAYOUT, kv_for
 from sgl_hicache.assemble import build_cache
 from sgl_hicache.config import CacheConfig
@@ -71,3 +72,37 @@ def test_commit_does_nothing_under_write_back():
     ex = VirtualExecutor(cache, VirtualPipes(lambda link, tokens: tokens / 1000.0), clock, PS)
     ctl = RequestController(cache, ex, Predictor(), ControllerSettings(), clock)
     assert ctl.commit(_insert(cache, seq(0, 4))) == 0 and not ctl.writeback
+
+
+def test_a_node_whose_copy_is_in_flight_splits_and_both_parts_get_the_copy():
+    """A request that shares the first pages of a committed node whose host copy is still in
+    flight splits it (it used to stop at the pinned node and insert its own pages as duplicates,
+    losing the shared prefix's device hits); the landed copy then covers both parts."""
+    clock, cache, ex, ctl = _setup(device=16, host=16)
+    a = seq(0, 4)
+    path = _insert(cache, a)
+    assert ctl.commit(path) == 4 and HOST in path[-1].incoming
+    b = seq(0, 2) + seq(700, 2)  # the same first two pages, then its own
+    m = cache.match(b, touch=False)
+    assert m.device_tokens == 2 * PS  # the split makes the shared part a hit
+    fresh = cache.allocate_device(2)
+    cache.stores[DEVICE].write(fresh, kv_for(cache, b)[2:])
+    r = cache.insert(b, m.device_handles + fresh)
+    assert r.duplicates == [] and r.prefix_tokens == 2 * PS
+    upper, lower = cache.match(a, touch=False).path
+    assert upper.num_pages == lower.num_pages == 2 and upper.pins == lower.pins == 1
+    assert upper.incoming[HOST] is lower.incoming[HOST]
+    cache.tree.check()  # (the host store's pages of a copy in flight are not the tree's yet)
+    clock.t += 1.0
+    ctl.pump_writeback(start_new=False)
+    assert upper.host is not None and lower.host is not None and not upper.pins and not lower.pins
+    assert HOST not in upper.incoming and HOST not in lower.incoming
+    # the host copy holds each part's own bytes: evict the device and read the prompt back from host
+    want = kv_for(cache, a)
+    cache.lock(r.last_node)  # b's own pages were never committed: keep them out of this eviction
+    assert cache.evict(DEVICE, 16) == 2 and cache.stats.dropped_dirty_tokens[DEVICE] == 0
+    m = cache.match(a, touch=False)
+    assert (m.device_tokens, m.host_tokens) == (2 * PS, 2 * PS)  # the shared part is b's, locked
+    got = cache.stores[HOST].read(list(upper.host) + list(lower.host))
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    cache.check()

@@ -222,9 +222,8 @@ class TieredCache:
             new_nodes: list[TreeNode] = []
             last = path[-1] if path else self.tree.root
             if matched < limit:
-                # a pinned node the walk could not split holds the next page: the caller keeps its copy
-                blocked = edge_key_of(tokens[matched : matched + ps]) in last.children
-                if not blocked and (last.is_root or last.device is not None):
+                # the walk splits every node it ends inside, so no child holds the next page here
+                if last.is_root or last.device is not None:
                     node = self.tree.add_child(last, tokens[matched:limit])
                     node.last_access = self.clock()  # before it is queued for eviction with that key
                     self.tree.set_resident(node, DEVICE, list(device_handles[page:]))

@@ -82,27 +82,48 @@ class Transactions:
             c.lower.writes_in_flight.add(op)
         return op
 
+    @staticmethod
+    def parts(op: TransferOp) -> list[TreeNode]:
+        """The nodes `op`'s pages span now, root first: its node, and the upper parts split off it
+        while the copy was in flight (`RadixTree.split` keeps the lower part in the old node)."""
+        parts = [op.node]
+        pages = op.node.num_pages
+        while pages < len(op.dst_handles):
+            upper = parts[-1].parent
+            assert upper is not None and not upper.is_root and op.dst in upper.incoming, (op, parts)
+            parts.append(upper)
+            pages += upper.num_pages
+        assert pages == len(op.dst_handles), (op, parts)
+        parts.reverse()
+        return parts
+
     def complete(self, op: TransferOp) -> bool:
         c = self.cache
         if op.applied:  # completed already (a background copy an eviction used early)
             return op.error is None
-        node = op.node
-        c.tree.unpin(node)
+        parts = self.parts(op)
+        for part in parts:
+            c.tree.unpin(part)
+            if part.incoming.get(op.dst) is op:
+                del part.incoming[op.dst]
         if op.locks_path:
-            c.tree.unlock(node)
-        node.incoming.pop(op.dst, None)
+            c.tree.unlock(op.node)
         c.lower.writes_in_flight.discard(op)
         op.applied = True
         if op.cancelled and (op.error is None or op.gated):
             op.error = Cancelled()  # gated: a local I/O error must not change this rank's tree alone
         if op.error is not None:
             c.stores[op.dst].free(op.dst_handles)
-            c.tree.push_leaf(node.parent, op.dst)  # no longer waiting for this child
+            c.tree.push_leaf(parts[0].parent, op.dst)  # no longer waiting for this child
             if not isinstance(op.error, Cancelled):
-                self._on_error(op)
+                self._on_error(op, parts[0])
             return False
-        c.tree.set_resident(node, op.dst, op.dst_handles)
-        tokens = node.num_pages * c.page_size
+        start = 0
+        for part in parts:
+            c.tree.set_resident(part, op.dst, op.dst_handles[start : start + part.num_pages])
+            start += part.num_pages
+        node = op.node
+        tokens = len(op.dst_handles) * c.page_size
         c.stats.add("bytes_moved", op.nbytes, op.link)
         c.stats.add("transfer_seconds", op.seconds, op.link)
         c.meter.record(op.link, op.nbytes, op.seconds)
@@ -116,12 +137,13 @@ class Transactions:
                 c.stats.add_prefetch(op.kind, "promoted_tokens", tokens)
         return True
 
-    def _on_error(self, op: TransferOp) -> None:
+    def _on_error(self, op: TransferOp, top: TreeNode) -> None:
+        """`top`: the highest node `op`'s pages span (dropping its subtree drops them all)."""
         c = self.cache
         if isinstance(op.error, PageGoneError):  # another process sharing the directory evicted it: a miss
             c.stats.errors["vanished_pages"] += 1
             log.debug("tier transfer %s of %d pages missed: %s", op.link, op.node.num_pages, op.error)
-            c.lower.drop_subtree(op.node)
+            c.lower.drop_subtree(top)
             return
         if isinstance(op.error, PeerTierError):
             name = "peer_rank_errors"
@@ -138,4 +160,4 @@ class Transactions:
         (log.warning if first else log.debug)("tier transfer %s of %d pages failed: %s", op.link, op.node.num_pages,
                                               op.error)
         if op.src == DISK and op.source_lost:
-            c.lower.drop_subtree(op.node)
+            c.lower.drop_subtree(top)

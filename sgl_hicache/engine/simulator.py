@@ -489,6 +489,9 @@ class EmbeddedEngine:
                 continue
             prefilling.remove(flight)
             flight.first_token = self.now
+            # write-through at commit, as the server's checkpoint does once a prompt's KV is
+            # computed: its host copies start now (`RequestController.commit`, the one commit path)
+            self.controller.commit(flight.anchor.path_from_root())  # type: ignore[union-attr]
             if flight.remaining <= 0:
                 self._finish(flight)
             else:

@@ -104,8 +104,9 @@ class RadixTree:
         """Longest whole-page prefix of `tokens` in the tree, whatever tier holds it.
 
         Returns the path (root excluded) and the matched token count. With `split`, a match that
-        ends inside a node splits it there so the path ends exactly at the match; a pinned node is
-        never split (the match then stops before it).
+        ends inside a node splits it there so the path ends exactly at the match. A node pinned by
+        transfers in flight splits too: both parts keep its pins and its incoming transfers, whose
+        completion spreads the pages over the parts (`cache/transaction.py`).
         """
         ps = self.page_size
         limit = self.page_aligned(tokens)
@@ -120,7 +121,7 @@ class RadixTree:
                 break
             n = self._common_pages_bytes(child, raw, pos, limit)
             if n < child.num_pages:
-                if not split or child.pins:
+                if not split:
                     break
                 child = self.split(child, n)
             path.append(child)
@@ -147,8 +148,10 @@ class RadixTree:
         return lo
 
     def split(self, node: TreeNode, pages: int) -> TreeNode:
-        """Split `node` after `pages` pages; returns the new upper node (the old node keeps the rest)."""
-        assert 0 < pages < node.num_pages and node.pins == 0, (node, pages)
+        """Split `node` after `pages` pages; returns the new upper node (the old node keeps the rest).
+        The upper node shares the transfers in flight on `node` (its pins and `incoming`): each one's
+        pages now span both, and its completion records them on both (`Transactions.complete`)."""
+        assert 0 < pages < node.num_pages, (node, pages)
         self.version += 1
         cut = pages * self.page_size
         upper_keys, lower_keys = node.split_keys(pages)
@@ -157,8 +160,9 @@ class RadixTree:
             upper_handles, node_handles = split_handles(getattr(node, tier), pages)
             setattr(upper, tier, upper_handles)
             setattr(node, tier, node_handles)
-        for attr in ("lock_ref", "hit_count", "last_access", "prefetched"):
+        for attr in ("lock_ref", "pins", "hit_count", "last_access", "prefetched"):
             setattr(upper, attr, getattr(node, attr))
+        upper.incoming = dict(node.incoming)
         upper._edge = node._edge  # the same first page: the very key the parent's dicts hold
         lower_edge = edge_key_of(node.tokens[cut : cut + self.page_size])
         start_edges(upper, lower_edge, 1.0)
