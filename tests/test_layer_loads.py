@@ -6,8 +6,7 @@
   (not evictable) until `reap` sees the copies done;
 - eviction that never copies (`eviction_demotes="none"`): clean pages are freed, dirty ones dropped
   and counted;
-- an insert that meets a node it may not split (pinned by a transfer) keeps the caller's pages
-  instead of breaking the tree.
+- an insert that diverges inside a node a transfer has pinned splits it; the copy lands on both parts.
 """
 
 from __future__ import annotations
@@ -140,18 +139,27 @@ def test_eviction_without_demotion_frees_clean_pages_and_counts_dirty_drops():
     cache.check()
 
 
-def test_insert_beside_a_pinned_node_keeps_the_callers_pages():
-    cache = make_cache(None, device=8, host=8)
+def test_insert_beside_a_node_whose_copy_is_in_flight_splits_it_and_adopts_the_callers_branch():
+    """A host copy in flight pins its node; a request diverging inside that node still splits it (a
+    pinned node used to stop the walk, and the request's pages all became duplicates): the shared
+    part is the tree's, the divergent part is adopted, and the copy lands on both parts."""
+    cache = make_cache(None, device=8, host=8, eviction_demotes="none")
     a = seq(0, 4)
     serve(cache, a)
     node = cache.match(a, touch=False).last_node
-    cache.tree.pin(node)  # a transfer reads it: the walk may not split it
+    op = cache.prepare(node, HOST, kind="backup", may_evict=False)
+    assert op is not None and node.pins == 1
     b = a[:8] + seq(9000, 2)  # shares 2 of its 4 pages, then diverges
-    handles = cache.allocate_device(4)
-    r = cache.insert(b, handles)
-    assert r.adopted_pages == 0 and sorted(r.duplicates) == sorted(handles)
-    cache.free_device(r.duplicates)
-    cache.tree.unpin(node)
+    m = cache.match(b, touch=False)
+    assert m.device_tokens == 8
+    fresh = cache.allocate_device(2)
+    r = cache.insert(b, m.device_handles + fresh)
+    assert r.adopted_pages == 2 and r.duplicates == []
+    upper = node.parent
+    assert upper.num_pages == node.num_pages == 2 and upper.incoming[HOST] is op and upper.pins == 1
+    execute(op, cache.handlers)
+    assert cache.complete(op)
+    assert upper.host is not None and node.host is not None and upper.pins == node.pins == 0
     cache.check()
 
 

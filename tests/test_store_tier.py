@@ -317,24 +317,32 @@ def test_mooncake_full_puts_counted_as_dropped() -> None:
             b.close()
 
 
-def test_insert_beside_a_pinned_node_keeps_the_rest_as_duplicates() -> None:
-    """A write-back copy pins its node; a request diverging inside that node cannot split it, so the
-    walk stops before it: insert must hand the pages back, not add a second edge (found by the fleet
-    what-if, whose store write-back copies nodes in use)."""
+def test_insert_beside_a_node_being_written_to_the_lower_tier_splits_it(tmp_path) -> None:
+    """A write-back copy into the lower tier (the store's or the disk's place) pins its node; a request
+    diverging inside that node splits it (found by the fleet what-if, whose store write-back copies
+    nodes in use: the walk used to stop there and the request's pages all became duplicates). The
+    write lands on both parts, under each part's own keys."""
     from conftest import make_cache
 
-    cache = make_cache(None, device=16, host=16, page_size=PS)
+    cache = make_cache(tmp_path, device=16, host=16, page_size=PS)
     a = list(range(4 * PS))
     handles = cache.allocate_device(4)
     cache.insert(a, handles)
     node = cache.match(a).last_node
-    cache.tree.pin(node)
-    try:
-        b = a[: 2 * PS] + [999] * (2 * PS)  # diverges inside the pinned node
-        fresh = cache.allocate_device(4)
-        r = cache.insert(b, fresh)
-        assert r.duplicates == fresh and r.adopted_pages == 0
-        cache.free_device(r.duplicates)
-    finally:
-        cache.tree.unpin(node)
+    assert cache.copy_now(node, "host", kind="backup", may_evict=False)
+    op = cache.prepare(node, DISK, kind="backup", may_evict=False)
+    assert op is not None
+    b = a[: 2 * PS] + [999] * (2 * PS)  # diverges inside the node being written
+    m = cache.match(b, touch=False)
+    fresh = cache.allocate_device(2)
+    r = cache.insert(b, m.device_handles + fresh)
+    assert r.duplicates == [] and r.adopted_pages == 2
+    upper = node.parent
+    assert upper.num_pages == node.num_pages == 2 and DISK in upper.incoming
+    from sgl_hicache.transfer.handlers import execute
+
+    execute(op, cache.handlers)
+    assert cache.complete(op)
+    assert upper.disk is not None and node.disk is not None and not upper.pins and not node.pins
+    assert all(cache.lower.holds(k) for k in upper.keys + node.keys)
     cache.check()
