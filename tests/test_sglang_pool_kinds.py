@@ -197,3 +197,19 @@ def test_eagle_is_refused_with_what_to_run_instead():
                              page_size=PAGE, is_eagle=True)
     with pytest.raises(ValueError, match="EAGLE.*Instead: drop --speculative-algorithm"):
         TieredRadixCache(params)
+
+
+def test_a_pool_with_a_kv_quant_method_is_refused_naming_it():
+    """SGLang's CPU fp8 pool (`CPUFP8KVCacheMethod`, what `--kv-cache-dtype fp8_e4m3` builds on a CPU
+    with AMX) quantises through a method of its own: refused, naming the method and what to run."""
+    import torch
+    from sglang.srt.layers.quantization.fp4_kv_cache_quant_method import CPUFP8KVCacheMethod
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from sgl_hicache.sglang.pool_adapters import UnsupportedPool, adapter_for
+
+    pool = MHATokenToKVPool(size=POOL_TOKENS, page_size=PAGE, dtype=torch.float8_e4m3fn, head_num=2, head_dim=8,
+                            layer_num=LAYERS, device="cpu", enable_memory_saver=False, enable_alt_stream=False,
+                            quant_method=CPUFP8KVCacheMethod())
+    with pytest.raises(UnsupportedPool, match="CPUFP8KVCacheMethod.*Instead: on a GPU --kv-cache-dtype fp8_e4m3"):
+        adapter_for(pool)

@@ -64,9 +64,11 @@ REFUSED: dict[str, Refusal] = {
         "the DSA pool adds an indexer key cache beside the MLA latent; its adapter is not built",
         _SGLANG_HICACHE),
     "scaled_quant_kv": Refusal(
-        "quantised KV with per-block scales (--kv-cache-dtype nvfp4 / fp4_mx_block16 / mxfp8)",
+        "quantised KV with a quantisation method and scale buffers (--kv-cache-dtype nvfp4 / fp4_mx_block16 / "
+        "mxfp8; fp8_e4m3 on CPU, whose pool takes SGLang's CPUFP8KVCacheMethod)",
         "their scale buffers are not carried through host and disk yet",
-        "--kv-cache-dtype fp8_e4m3 (tiered: bytes only, the scale is the model's) or auto"),
+        "on a GPU --kv-cache-dtype fp8_e4m3 / fp8_e5m2 (tiered: bytes only, the scale is the model's); on CPU "
+        "--kv-cache-dtype auto"),
     "mla_tp": Refusal(
         "MLA models at --tp > 1",
         "every rank holds the same latent, so one rank should write and all read one rank-free copy; that "

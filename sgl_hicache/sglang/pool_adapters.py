@@ -106,7 +106,8 @@ class MHAPoolAdapter(PoolAdapter):
         if layout_name not in ("nhd", None):
             raise UnsupportedPool(refusal("kv_layout", f"{kind} with kv_cache_layout={layout_name!r}"))
         if getattr(kv, "is_quantized_kv_cache", False) or getattr(kv, "k_scale_buffer", None) is not None:
-            raise UnsupportedPool(refusal("scaled_quant_kv", f"{kind} has scale buffers"))
+            method = type(getattr(kv, "quant_method", None)).__name__
+            raise UnsupportedPool(refusal("scaled_quant_kv", f"{kind} with {method}"))
         k0, v0 = k_buf[0], v_buf[0]
         if k0.dim() != 3 or tuple(k0.shape) != tuple(v0.shape):
             raise UnsupportedPool(f"KV pool {kind}: k_buffer[0] {tuple(k0.shape)} / v_buffer[0] {tuple(v0.shape)}; "
