@@ -3,15 +3,18 @@
 of realistic scale, `--radix-cache-backend sgl_hicache` at TP = 1. SGLang builds an
 `MLATokenToKVPool`; the backend tiers its latent + rope rows through the MLA adapter.
 
-Greedy outputs and logprobs of a prompt from scratch equal those served from device, host and disk
-hits, and from disk after a restart; a token changed in the last cached page moves the logprobs
-(so the check is not vacuous).
+Greedy outputs and logprobs of a prompt served from host and disk hits, and from disk after a
+restart, equal those of the same prompt served from a device hit (SGLang's own prefix reuse, no tier
+movement); a token changed in the last cached page moves the logprobs (so the check is not vacuous).
 
 Caveat, measured here: SGLang 0.5.23 has no MLA attention kernel on CPU except `intel_amx` (needs
 sgl-kernel's CPU build, not on PyPI, and AMX). `torch_native` reads the MLA pool as if it were MHA K /
 V, which runs only when `kv_lora_rank == qk_nope_head_dim` (hence the config's 32). The outputs are
-then not DeepSeek's attention, but they are a deterministic function of every cached latent row:
-exactly what a tiering test needs to compare.
+then not DeepSeek's attention: a prefill from scratch (decompressed K / V) and an extend over a cached
+prefix (the latent rows read as K) differ, with SGLang's default radix cache exactly as with this
+backend (same outputs, measured: scratch [271, 643, 256, ...], device hit [467, 834, 0, ...]). So the
+reference here is the device hit; the extend is a deterministic function of every cached latent row,
+which is what a tiering test needs to compare.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from conftest import NEEDS_SGLANG
-from test_sglang_e2e import LOGPROB_TOL, _flood, _gen, _gen_lp, _logprob_diff, _prompt, _settled_pool
+from test_sglang_e2e import LOGPROB_TOL, _flood, _gen_lp, _logprob_diff, _prompt, _settled_pool
 
 pytestmark = NEEDS_SGLANG
 
@@ -106,9 +109,9 @@ def test_mla_server_outputs_equal_from_scratch_and_from_every_tier_and_after_a_r
     st = _settled_pool(srv)
     assert st["config"]["pool_kind"] == "mla" and "planes=1" in st["config"]["namespace"], st["config"]
     P = _prompt(1, 320)
-    out_scratch, d0, lp_scratch = _gen_lp(srv, P, 0)
+    _, d0, _ = _gen_lp(srv, P, 0)
     assert sum(d0.values()) == 0, d0
-    out_dev, d1, lp_dev = _gen_lp(srv, P, HIT)
+    out_dev, d1, lp_dev = _gen_lp(srv, P, HIT)  # the reference: SGLang's own device-pool reuse
     assert d1["device"] == HIT, d1
     _flood(srv, 2, 4)  # P leaves the device, stays on host
     out_host, d2, lp_host = _gen_lp(srv, P, HIT)
@@ -116,19 +119,17 @@ def test_mla_server_outputs_equal_from_scratch_and_from_every_tier_and_after_a_r
     _flood(srv, 3, 20)  # P leaves device and host, stays on disk
     out_disk, d3, lp_disk = _gen_lp(srv, P, HIT)
     assert d3["storage"] > 0 and d3["device"] + d3["host"] + d3["storage"] == HIT, d3
-    assert out_scratch == out_dev == out_host == out_disk, (out_scratch, out_dev, out_host, out_disk)
-    diffs = {n: _logprob_diff(lp_scratch, lp) for n, lp in (("device", lp_dev), ("host", lp_host), ("disk", lp_disk))}
-    print(f"\nMLA logprob |diff| vs scratch: {diffs}")
+    assert out_dev == out_host == out_disk, (out_dev, out_host, out_disk)
+    diffs = {n: _logprob_diff(lp_dev, lp) for n, lp in (("host", lp_host), ("disk", lp_disk))}
+    print(f"\nMLA logprob |diff| vs the device hit: {diffs}")
     assert all(d <= LOGPROB_TOL for d in diffs.values()), diffs
     # not vacuous: one token changed in the last cached page moves the tail's logprobs far past the tolerance
     P3 = list(P)
     P3[HIT - 3] = (P[HIT - 3] - 16 + 1) % (VOCAB - 16) + 16
     lp3 = _gen_lp(srv, P3, HIT)[2]
-    late = max(abs(lp3["input"][q][1] - lp_scratch["input"][q][1]) for q in range(HIT + 1, len(P)))
+    late = max(abs(lp3["input"][q][1] - lp_dev["input"][q][1]) for q in range(HIT + 1, len(P)))
     print(f"MLA logprob |diff| with a token of the last cached page changed: {late:.4f}")
     assert late > 1000 * LOGPROB_TOL, late
-    changed = [_gen(srv, [*P[:k], (P[k] - 15) % (VOCAB - 16) + 16, *P[k + 1:]])[0] for k in (2, 40, 150)]
-    assert any(o != out_scratch for o in changed), changed
     pool = _settled_pool(srv)["pool"]
     assert pool["request_held_tokens"] == 0 and pool["check"] == "ok", pool
     srv.stop()
@@ -136,7 +137,7 @@ def test_mla_server_outputs_equal_from_scratch_and_from_every_tier_and_after_a_r
     again = start_server("restart", disk)
     out, d, lp = _gen_lp(again, P, HIT)
     assert d["storage"] > 0 and d["device"] == 0, d
-    assert out == out_scratch, (out, out_scratch)
-    diff = _logprob_diff(lp_scratch, lp)
+    assert out == out_dev, (out, out_dev)
+    diff = _logprob_diff(lp_dev, lp)
     print(f"MLA logprob |diff| after the restart: {diff}")
     assert diff <= LOGPROB_TOL, diff
