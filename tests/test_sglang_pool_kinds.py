@@ -213,3 +213,22 @@ def test_a_pool_with_a_kv_quant_method_is_refused_naming_it():
                             quant_method=CPUFP8KVCacheMethod())
     with pytest.raises(UnsupportedPool, match="CPUFP8KVCacheMethod.*Instead: on a GPU --kv-cache-dtype fp8_e4m3"):
         adapter_for(pool)
+
+
+def test_mla_at_tp_above_one_is_refused_before_anything_is_built(tmp_path):
+    """MLA's latent is the same on every TP rank: per-rank copies would multiply host and disk use, and
+    the single-writer path is not built, so `assemble` refuses it, naming it and what to run instead."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+    from sgl_hicache.sglang.assembly import assemble
+    from sgl_hicache.sglang.pool_adapters import UnsupportedPool
+    from sgl_hicache.sglang.settings import BackendSettings
+
+    params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=_pool("mla-bf16"),
+                             page_size=PAGE)
+    settings = BackendSettings(host_tokens=64, disk_dir=str(tmp_path / "disk"), disk_tokens=1024)
+    tp2 = SimpleNamespace(size=2, rank=0)  # (refused before the consensus is used)
+    with pytest.raises(UnsupportedPool, match=r"MLA models at --tp > 1 \(tp_size=2\).*Instead: --tp 1"):
+        assemble(params, settings, consensus=tp2, clock=time.monotonic)
+    assert not (tmp_path / "disk").exists()
+    assemble(params, settings, consensus=None, clock=time.monotonic).engine.stop()  # TP 1: built
