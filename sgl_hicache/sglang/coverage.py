@@ -1,8 +1,8 @@
 """Which SGLang model and deployment kinds the backend serves, and for each one it refuses, why and
 what to run instead (no sglang import).
 
-One table, `REFUSED`, is the source of the refusal messages (`refusal(kind)`) and of the "Model
-coverage" table in docs/sglang-backend.md. The factory, the backend and the device-pool adapters
+One table, `REFUSED`, is the source of the refusal messages (`refusal(kind)`); the "Model coverage"
+table in docs/sglang-backend.md gives the same reasons and lists what is supported. The factory, the backend and the device-pool adapters
 refuse through it; nothing else words a refusal.
 """
 
@@ -90,12 +90,4 @@ def refusal(kind: str, detail: str = "") -> str:
     return REFUSED[kind].message(detail)
 
 
-#: what the backend tiers (docs/sglang-backend.md, "Model coverage")
-SUPPORTED = (
-    "MHA / GQA models (Llama, Qwen, Mistral, ...): SGLang's MHATokenToKVPool, NHD layout",
-    "KV dtypes bfloat16, float16, float32, and fp8 (--kv-cache-dtype fp8_e4m3 / fp8_e5m2): bytes as stored",
-    "MLA models (DeepSeek V2/V3/R1, Kimi K2): MLATokenToKVPool's latent + rope rows, at --tp 1",
-    "tensor parallelism (--tp N) for MHA pools",
-)
-
-__all__ = ["PREFIX", "REFUSED", "Refusal", "SUPPORTED", "refusal"]
+__all__ = ["PREFIX", "REFUSED", "Refusal", "refusal"]
