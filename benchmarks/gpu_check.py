@@ -28,6 +28,9 @@ Per size (KV of `--layers` x `--kv-heads` x `--head-dim` bf16, `--page-size` tok
    loader `--ahead` layers ahead of the compute. hidden = 1 - (t_overlapped - t_compute) / t_copy
    (1: the load is fully hidden; 0: none of it). `issue_ms` is the host time spent queueing the copies
    of one load: when it is close to t_copy the load is bound by the host, not by the link.
+0. Pool kinds (`gpu_check_kinds.py`, issue 26): an MLA-shaped pool (DeepSeek's 576-wide latent row,
+   one plane) and fp8 pools (e4m3, e5m2), each device -> host -> disk -> host -> device bit for bit
+   (`kinds` in the JSON).
 4. Correctness under overlap: every overlapped run's per-layer checksums equal the serial run's (load
    all, then compute) and the source's; the pool is zeroed before each run. A run without the waits
    is reported (`race_visible_without_wait`), not asserted: it shows the check can see a missing wait.
@@ -58,6 +61,9 @@ from sgl_hicache.config import CacheConfig, KVLayout  # noqa: E402
 from sgl_hicache.tiers.base import DEVICE, HOST  # noqa: E402
 from sgl_hicache.tiers.memory import DeviceKVPool, HostKVBuffer  # noqa: E402
 from sgl_hicache.transfer.layerwise import LayerwiseLoader, link_stream  # noqa: E402
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from gpu_check_kinds import check_kinds  # noqa: E402
 
 NO_CUDA = 2
 
@@ -395,6 +401,16 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(json.dumps(result, indent=2) + "\n")
 
     ok = True
+    try:  # the pool kinds first (issue 26): small, and they must not be lost to the budget
+        result["kinds"] = check_kinds(device, *((3, 4) if args.cpu_smoke else (16, 64)))
+        ok &= all(k["bit_exact"] for k in result["kinds"].values())
+    except Exception as exc:
+        traceback.print_exc()
+        result["kinds"] = {"error": f"{type(exc).__name__}: {exc}"}
+        ok = False
+    print("kinds: " + ", ".join(f"{k} {'bit-exact' if v.get('bit_exact') else 'MISMATCH'}"
+                                for k, v in result["kinds"].items() if isinstance(v, dict)), flush=True)
+    write()
     for n in page_counts:
         page_bytes = args.page_size * KVLayout(args.layers, args.kv_heads, args.head_dim).bytes_per_token
         name = f"{n * page_bytes / 2**20:g}MiB"

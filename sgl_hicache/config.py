@@ -19,6 +19,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "float32": torch.float32,
     "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
 }
 
 EVICTION_POLICIES = ("lru", "lfu", "reuse", "probation", "slru")
@@ -41,6 +42,8 @@ class KVLayout:
     """Shape of one token's KV cache: what a page holds and what the namespace fingerprints.
 
     Two caches whose layouts differ in any field never share a page key (see `hashing.Namespace`).
+    `kv_planes` is how many per-layer buffers a token has: 2 for K and V (MHA / GQA), 1 for MLA's
+    one latent + rope row (then `num_kv_heads` is 1 and `head_dim` is the row's width).
     """
 
     num_layers: int
@@ -48,6 +51,7 @@ class KVLayout:
     head_dim: int
     dtype: str = "bfloat16"
     architecture: str = "llama"
+    kv_planes: int = 2
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
@@ -55,6 +59,7 @@ class KVLayout:
             _require(isinstance(value, int) and value > 0, f"KVLayout.{name} must be a positive integer, got {value!r}")
         _require(self.dtype in _DTYPES, f"KVLayout.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         _require(bool(self.architecture), "KVLayout.architecture must not be empty")
+        _require(self.kv_planes in (1, 2), f"KVLayout.kv_planes must be 1 (MLA latent) or 2 (K and V), got {self.kv_planes!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -62,9 +67,9 @@ class KVLayout:
 
     @functools.cached_property  # asked on every transfer; computing it makes a tensor
     def bytes_per_token(self) -> int:
-        """K and V of every layer for one token."""
+        """Every plane (K and V, or MLA's latent) of every layer for one token."""
         elem = torch.empty((), dtype=self.torch_dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        return self.kv_planes * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
 
 EVICTION_DEMOTES = ("all", "host", "none")

@@ -1,7 +1,7 @@
 """Chained page keys: key(page) = xxh3_128(parent key || page tokens), rooted in a namespace.
 
 A namespace fingerprints everything that changes the bytes of a page (model architecture, layer
-count, KV heads, head dim, dtype, page size) plus an optional tenant salt. Because the root of every
+count, KV heads, head dim, dtype, K/V planes, page size) plus an optional tenant salt. Because the root of every
 chain is the namespace, two namespaces never share a key, and an equal key means an equal token
 prefix under an equal model: equal KV.
 """
@@ -33,6 +33,8 @@ class Namespace:
             f"arch={layout.architecture};layers={layout.num_layers};kv_heads={layout.num_kv_heads};"
             f"head_dim={layout.head_dim};dtype={layout.dtype};page={page_size};tenant={tenant_salt}"
         )
+        if layout.kv_planes != 2:  # (K/V layouts keep the description, and so the keys, they always had)
+            description += f";planes={layout.kv_planes}"
         return cls(root=xxhash.xxh3_128_digest(description.encode()), description=description)
 
 

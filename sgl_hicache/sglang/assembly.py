@@ -22,7 +22,10 @@ from ..hashing import Namespace
 from ..tiers.base import DISK, HOST
 from ..transfer.engine import TransferEngine
 from ..transfer.executors import ThreadExecutor
+from .coverage import PREFIX as REFUSAL_PREFIX
+from .coverage import refusal
 from .device_pool import SGLangDevicePool
+from .pool_adapters import UnsupportedPool
 from .layer_loads import LayerLoads
 from .rank_consensus import RankConsensus, inject_read_faults
 from .settings import BackendSettings
@@ -89,6 +92,9 @@ def assemble(params: Any, settings: BackendSettings, *, architecture: str = "lla
     s = settings
     page_size = int(params.page_size)
     device_pool = SGLangDevicePool(params.token_to_kv_pool_allocator, architecture=architecture)
+    if device_pool.adapter.replicated_across_tp and consensus is not None:
+        # (one rank writing one rank-free copy that every rank reads is not built: coverage "mla_tp")
+        raise UnsupportedPool(REFUSAL_PREFIX + refusal("mla_tp", f"tp_size={consensus.size}"))
     config = cache_config(s, device_pool, page_size, sglang_eviction=getattr(params, "eviction_policy", "lru"),
                           model_salt=model_salt, consensus=consensus)
     cache = build_cache(config, device=device_pool, clock=clock)

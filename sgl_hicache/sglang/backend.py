@@ -37,7 +37,7 @@ buffer and disk directory; the ranks agree on every local fact once per schedule
 
 Built by `factory.factory` (which refuses what is not supported: PP, DP, SGLang's own HiCache, hybrid
 models) from the parts `assembly.assemble` composes; the stats it shows are put together in `export`.
-EAGLE (bigram keys) is refused here, MLA / quantised KV pools by `device_pool`. Requests with a LoRA
+EAGLE (bigram keys) is refused here, pool kinds without an adapter by `pool_adapters`. Requests with a LoRA
 `extra_key` or a `cache_salt` are served without the cache (a miss, never stored).
 """
 
@@ -73,6 +73,8 @@ from ..stats import prometheus_text
 from ..tiers.base import DEVICE, DISK
 from .assembly import assemble
 from .call_timer import CallTimer, IOGuard
+from .coverage import PREFIX as REFUSAL_PREFIX
+from .coverage import refusal
 from .device_pool import frees_batched
 from .export import StatsPublisher, pool_accounting, stats_snapshot, tree_text
 from .rank_consensus import RankConsensus
@@ -132,7 +134,7 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
         self.sliding_window_size = getattr(params, "sliding_window_size", None)
         self.kv_events = None
         if self.is_eagle:
-            raise ValueError("sgl_hicache: EAGLE speculative decoding (bigram radix keys) is not supported")
+            raise ValueError(REFUSAL_PREFIX + refusal("eagle"))
         parts = assemble(params, s, architecture=architecture, model_salt=model_salt, consensus=consensus,
                          clock=consensus.clock if consensus is not None else time.monotonic)
         self.device_pool = parts.device_pool

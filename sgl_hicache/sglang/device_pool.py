@@ -1,8 +1,8 @@
 """The device tier of the SGLang backend: SGLang's own KV pool and allocator behind `TierStore`.
 
 Handles are SGLang page indices (token slot // page_size; with page size 1 a handle is a token slot).
-Pages move in the canonical page shape `(layers, 2, page_size, kv_heads, head_dim)`, so the host and
-disk stores of `sgl_hicache.tiers` work unchanged.
+Pages move in the canonical page shape `(layers, planes, page_size, kv_heads, head_dim)` (planes: K and
+V, or MLA's one latent row), so the host and disk stores of `sgl_hicache.tiers` work unchanged.
 
 Accounting. SGLang's pool is shared: the tree owns some pages, running requests own the rest of the
 used ones (allocated by SGLang's scheduler, not through this store). So:
@@ -13,9 +13,9 @@ used ones (allocated by SGLang's scheduler, not through this store). So:
   held KV. `pool_pages` is the pool's full size. When no request runs,
   `pool_pages == free_pages + used_pages` must hold (checked by the backend's `pool_accounting`).
 
-Supported pools: SGLang's `MHATokenToKVPool` with the default NHD layout (`k_buffer[layer]` /
-`v_buffer[layer]` of shape `[slots, kv_heads, head_dim]`, K and V of one head dim), unquantised.
-Anything else raises `UnsupportedPool` at start, naming what was found.
+The pool's kind is addressed through its adapter (`pool_adapters.PoolAdapter`: MHA, fp8 MHA, MLA);
+nothing here depends on the kind. An unsupported pool raises `UnsupportedPool` at start, naming
+what was found and what to run instead.
 """
 
 from __future__ import annotations
@@ -28,36 +28,15 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..config import _DTYPES, KVLayout
+from ..config import KVLayout
 from ..hashing import PageKey
 from ..tiers.base import DEVICE, Handle, LayeredPages, TierStore, page_shape
-
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
-
-
-class UnsupportedPool(ValueError):
-    """SGLang's KV pool is of a kind this device tier cannot address (the message says which)."""
+from .pool_adapters import PoolAdapter, UnsupportedPool, adapter_for  # noqa: F401 (UnsupportedPool: re-exported)
 
 
 def layout_of(kvcache, architecture: str = "llama") -> KVLayout:
-    """The `KVLayout` of an SGLang MHA KV pool, validated."""
-    k_buf = getattr(kvcache, "k_buffer", None)
-    v_buf = getattr(kvcache, "v_buffer", None)
-    kind = type(kvcache).__name__
-    if not isinstance(k_buf, (list, tuple)) or not isinstance(v_buf, (list, tuple)) or not k_buf:
-        raise UnsupportedPool(f"KV pool {kind} has no per-layer k_buffer/v_buffer lists (MLA, hybrid and quantised pools are not supported)")
-    layout_name = getattr(kvcache, "kv_cache_layout", "nhd")
-    if layout_name not in ("nhd", None):
-        raise UnsupportedPool(f"KV pool {kind} uses kv_cache_layout={layout_name!r}; only 'nhd' is supported")
-    if getattr(kvcache, "is_quantized_kv_cache", False):
-        raise UnsupportedPool(f"KV pool {kind} is quantised; not supported")
-    k0, v0 = k_buf[0], v_buf[0]
-    if k0.dim() != 3 or tuple(k0.shape) != tuple(v0.shape):
-        raise UnsupportedPool(f"KV pool {kind}: k_buffer[0] {tuple(k0.shape)} / v_buffer[0] {tuple(v0.shape)}; expected equal [slots, kv_heads, head_dim]")
-    dtype = getattr(kvcache, "dtype", k0.dtype)
-    if dtype not in _DTYPE_NAMES:
-        raise UnsupportedPool(f"KV pool {kind} has dtype {dtype}; supported: {sorted(_DTYPES)}")
-    return KVLayout(num_layers=len(k_buf), num_kv_heads=int(k0.shape[1]), head_dim=int(k0.shape[2]), dtype=_DTYPE_NAMES[dtype], architecture=architecture)
+    """The `KVLayout` of an SGLang KV pool, validated (`pool_adapters.adapter_for`)."""
+    return adapter_for(kvcache, architecture).layout
 
 
 class SGLangDevicePool(TierStore, LayeredPages):
@@ -69,11 +48,13 @@ class SGLangDevicePool(TierStore, LayeredPages):
         # TierStore.__init__ would set capacity_pages, which is derived here: set the fields directly.
         self.allocator = allocator
         self.kvcache = allocator.get_kvcache()
-        self.layout = layout_of(self.kvcache, architecture)
+        self.adapter: PoolAdapter = adapter_for(self.kvcache, architecture)
+        self.layout = self.adapter.layout
         self.page_size = int(allocator.page_size)
         self.page_shape = page_shape(self.layout, self.page_size)
         self.pool_pages = int(allocator.size) // self.page_size
-        self.device = self.kvcache.k_buffer[0].device
+        self.device = self.adapter.device
+        self.planes = self.layout.kv_planes
         self._dtype = self.layout.torch_dtype
         self._owned = 0
         self._offsets = torch.arange(self.page_size, dtype=torch.int64, device=self.device)
@@ -168,45 +149,37 @@ class SGLangDevicePool(TierStore, LayeredPages):
             self.allocator.free(self.token_slots(handles))
         self._owned -= len(handles)
 
-    def _k(self, layer: int) -> torch.Tensor:
-        buf = self.kvcache.k_buffer[layer]
-        return buf if buf.dtype == self._dtype else buf.view(self._dtype)
-
-    def _v(self, layer: int) -> torch.Tensor:
-        buf = self.kvcache.v_buffer[layer]
-        return buf if buf.dtype == self._dtype else buf.view(self._dtype)
-
     def layer_pages(self, layer: int, kv: int) -> torch.Tensor:
-        """K (`kv=0`) or V (`kv=1`) of one layer, page by page: `(pages, page tokens, heads, dim)`, no
-        copy. (SGLang's buffers carry `page_size` padding rows; whole pages only.)"""
-        buf = self._k(layer) if kv == 0 else self._v(layer)
+        """Plane `kv` (K=0 / V=1, or MLA's latent=0) of one layer, page by page: `(pages, page tokens,
+        heads, dim)`, no copy. (SGLang's buffers carry `page_size` padding rows; whole pages only.)"""
+        buf = self.adapter.plane(layer, kv)
         rows = buf.shape[0] - buf.shape[0] % self.page_size
         return buf[:rows].view(-1, self.page_size, self.layout.num_kv_heads, self.layout.head_dim)
 
     def read(self, handles: Sequence[Handle]) -> torch.Tensor:
         n = len(handles)
         idx = self.token_slots(handles)
-        L, ps = self.layout.num_layers, self.page_size
+        L, P, ps = self.layout.num_layers, self.planes, self.page_size
         H, D = self.layout.num_kv_heads, self.layout.head_dim
-        out = torch.empty((L, 2, n * ps, H, D), dtype=self._dtype, device=self.device)
+        out = torch.empty((L, P, n * ps, H, D), dtype=self._dtype, device=self.device)
         for layer in range(L):
-            torch.index_select(self._k(layer), 0, idx, out=out[layer, 0])
-            torch.index_select(self._v(layer), 0, idx, out=out[layer, 1])
-        # (L, 2, n, ps, H, D) -> (n, L, 2, ps, H, D)
-        return out.view(L, 2, n, ps, H, D).permute(2, 0, 1, 3, 4, 5).contiguous()
+            for p in range(P):
+                torch.index_select(self.adapter.plane(layer, p), 0, idx, out=out[layer, p])
+        # (L, P, n, ps, H, D) -> (n, L, P, ps, H, D)
+        return out.view(L, P, n, ps, H, D).permute(2, 0, 1, 3, 4, 5).contiguous()
 
     def write(self, handles: Sequence[Handle], data: torch.Tensor) -> None:
         self._check_data(handles, data)
         n = len(handles)
         idx = self.token_slots(handles)
-        L, ps = self.layout.num_layers, self.page_size
+        L, P, ps = self.layout.num_layers, self.planes, self.page_size
         H, D = self.layout.num_kv_heads, self.layout.head_dim
-        src = data.to(self.device, non_blocking=True).permute(1, 2, 0, 3, 4, 5).reshape(L, 2, n * ps, H, D)
+        src = data.to(self.device, non_blocking=True).permute(1, 2, 0, 3, 4, 5).reshape(L, P, n * ps, H, D)
         if src.dtype != self._dtype:
             raise ValueError(f"device: write of dtype {src.dtype}, pool holds {self._dtype}")
         for layer in range(L):
-            self._k(layer).index_copy_(0, idx, src[layer, 0])
-            self._v(layer).index_copy_(0, idx, src[layer, 1])
+            for p in range(P):
+                self.adapter.plane(layer, p).index_copy_(0, idx, src[layer, p])
 
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])

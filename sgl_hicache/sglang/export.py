@@ -120,6 +120,7 @@ def stats_snapshot(rc: TieredRadixCache, exact: bool = False) -> dict[str, Any]:
         "layerwise_loads": rc.layer_loads is not None,
         "skip_waiting_admission": rc.settings.skip_waiting_admission,
         "namespace": cache.namespace.description,
+        "pool_kind": rc.device_pool.adapter.kind,  # the device-pool adapter serving SGLang's pool (mha, mla)
         "store": config.store_url,
     }
     if rc.consensus is not None:

@@ -1,9 +1,10 @@
 """The `sgl_hicache` radix-cache backend's factory, called by SGLang's `create_tree_cache(ctx)`.
 
-`factory(ctx)` refuses the configurations we do not support with one clear error naming them all:
-PP > 1, DP attention and `--dp-size > 1` in one server (run one server per replica instead,
-docs/sglang-backend.md), `--enable-hierarchical-cache` (SGLang's own HiCache), hybrid SWA / Mamba /
-DSA models. (MLA / quantised KV pools are refused by `device_pool`, EAGLE by the adapter.) Then it
+`factory(ctx)` refuses the configurations we do not support with one clear error naming them all,
+each with what to run instead (`coverage.REFUSED`): PP > 1, DP attention and `--dp-size > 1` in one
+server, `--enable-hierarchical-cache` (SGLang's own HiCache), hybrid SWA / Mamba / DSA models. (Pool
+kinds without an adapter are refused by `pool_adapters`, MLA at TP > 1 by `assembly`, EAGLE by the
+backend.) Then it
 reads the settings, sets up the TP ranks' agreement, builds the `TieredRadixCache` under a namespace
 salted by the model (`model_salt`), registers the layer-wise loads as SGLang's layer transfer counter,
 and starts it.
@@ -16,12 +17,12 @@ import os
 from typing import Any
 
 from .backend import TieredRadixCache
+from .coverage import PREFIX as _REFUSAL
+from .coverage import refusal
 from .rank_consensus import RankConsensus, step_hook_installed
 from .settings import BackendSettings, load_settings, unknown_env
 
 logger = logging.getLogger(__name__)
-
-_REFUSAL = "--radix-cache-backend sgl_hicache: "
 
 
 def model_salt(server_args: Any) -> str:
@@ -40,21 +41,24 @@ def model_salt(server_args: Any) -> str:
 
 
 def unsupported(ctx: Any) -> list[str]:
-    """What in SGLang's cache context we cannot serve, one phrase each (empty: all supported)."""
+    """What in SGLang's cache context we cannot serve, one message each naming the kind and what to
+    run instead (`coverage.REFUSED`; empty: all supported)."""
     problems = []
     if ctx.enable_hierarchical_cache:
-        problems.append("--enable-hierarchical-cache (SGLang's own HiCache) cannot be combined with it; drop that flag")
-    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or getattr(ctx, "is_dsa", False):
-        problems.append("hybrid SWA / Mamba / DSA models are not supported")
+        problems.append(refusal("sglang_hicache"))
+    if ctx.is_hybrid_swa:
+        problems.append(refusal("swa"))
+    if ctx.is_hybrid_ssm:
+        problems.append(refusal("mamba"))
+    if getattr(ctx, "is_dsa", False):
+        problems.append(refusal("dsa"))
     sa = ctx.server_args
     if getattr(sa, "enable_dp_attention", False):
-        problems.append("DP attention (--enable-dp-attention) is not supported: its attention-DP ranks schedule "
-                        "different requests, so one tree cannot be agreed across the TP group; use --tp alone")
+        problems.append(refusal("dp_attention"))
     if (getattr(sa, "dp_size", 1) or 1) > 1:
-        problems.append(f"dp_size={sa.dp_size} in one server is not supported: run one server per replica "
-                        "(--tp N each) behind a router, sharing SGLHICACHE_DISK_DIR (docs/sglang-backend.md)")
+        problems.append(refusal("dp_size", f"dp_size={sa.dp_size}"))
     if (getattr(sa, "pp_size", 1) or 1) > 1:
-        problems.append(f"pp_size={sa.pp_size} (pipeline parallelism) is not supported")
+        problems.append(refusal("pp", f"pp_size={sa.pp_size}"))
     return problems
 
 

@@ -59,8 +59,9 @@ class PageGoneError(TierIOError):
 
 
 def page_shape(layout: KVLayout, page_size: int) -> tuple[int, int, int, int, int]:
-    """Canonical shape of one page as moved between stores: (layers, K/V, tokens, kv heads, head dim)."""
-    return (layout.num_layers, 2, page_size, layout.num_kv_heads, layout.head_dim)
+    """Canonical shape of one page as moved between stores: (layers, planes, tokens, kv heads, head
+    dim); planes are K and V, or MLA's one latent row (`KVLayout.kv_planes`)."""
+    return (layout.num_layers, layout.kv_planes, page_size, layout.num_kv_heads, layout.head_dim)
 
 
 class TierStore(ABC):
@@ -213,8 +214,9 @@ class WritesFrom(ABC):
 
 
 class LayeredPages(ABC):
-    """Capability: a device tier kept as separate per-layer K and V buffers (SGLang's pool):
-    `layer_pages(layer, kv)` is one layer's buffer, indexed by slot; `device` is where it lives."""
+    """Capability: a device tier kept as separate per-layer buffers, one per plane (K and V, or MLA's
+    latent; SGLang's pool): `layer_pages(layer, kv)` for `kv` in `range(layout.kv_planes)` is one
+    layer's buffer, indexed by page; `device` is where it lives."""
 
     device: torch.device
 

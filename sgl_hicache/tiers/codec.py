@@ -20,6 +20,7 @@ MAGIC = b"SGLHPAGE"
 FORMAT_VERSION = 1
 HEADER_SIZE = 128
 PAGE_SUFFIX = ".page"
+DTYPE_MISMATCH = "dtype mismatch"  # parse_header's reason for a page of another element type
 _STABLE_PREFIX = struct.Struct("<8sHH16s")  # magic, version, header size, namespace: never changes
 _HEADER_BODY = struct.Struct("<8sHH16s16sQ16sI8IQ")  # ... payload checksum (112 bytes)
 _HEADER_SUM = struct.Struct("<Q")
@@ -57,7 +58,9 @@ class PageCodec:
 
     Contract: `parse_header(header, size, key)` returns `({"checksum": int}, "")` for a header this
     codec wrote for `key` with a value of `size` bytes in total, else `(None, reason)`; reason
-    "foreign" means our magic under another namespace (another model or tenant: not corrupt, not ours).
+    "foreign" means our magic under another namespace (another model or tenant: not corrupt, not ours);
+    `DTYPE_MISMATCH` a page of our namespace and key whose header names another element type (e.g.
+    written as float8_e5m2, read as float8_e4m3fn): never served, the stores count it apart.
     """
 
     def __init__(
@@ -112,7 +115,10 @@ class PageCodec:
         shape, checksum = f[8 : 8 + _MAX_DIMS], f[-1]
         if file_key != key:
             return None, "key does not match file name"
-        if dtype_name != self.dtype_name or tuple(shape[:ndim]) != self.page_shape or length != self.payload_bytes:
+        if dtype_name != self.dtype_name:
+            # (fp8_e4m3 and fp8_e5m2 pages have the same shape and length: only this tells them apart)
+            return None, DTYPE_MISMATCH
+        if tuple(shape[:ndim]) != self.page_shape or length != self.payload_bytes:
             return None, "layout mismatch"
         if size != HEADER_SIZE + length:
             return None, "truncated" if size < HEADER_SIZE + length else "trailing bytes"
@@ -130,4 +136,4 @@ class PageCodec:
         return payload, ""
 
 
-__all__ = ["FORMAT_VERSION", "HEADER_SIZE", "MAGIC", "PAGE_SUFFIX", "PageCodec", "check_key", "tensor_bytes"]
+__all__ = ["DTYPE_MISMATCH", "FORMAT_VERSION", "HEADER_SIZE", "MAGIC", "PAGE_SUFFIX", "PageCodec", "check_key", "tensor_bytes"]

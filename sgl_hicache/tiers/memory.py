@@ -46,11 +46,11 @@ class DeviceKVPool(_SlotStore, PageViews, LayeredPages):
         super().__init__(layout, page_size, capacity_pages)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.kv = torch.zeros(
-            (layout.num_layers, 2, capacity_pages * page_size, layout.num_kv_heads, layout.head_dim),
+            (layout.num_layers, layout.kv_planes, capacity_pages * page_size, layout.num_kv_heads, layout.head_dim),
             dtype=layout.torch_dtype,
             device=self.device,
         )
-        self._pages = self.kv.view(layout.num_layers, 2, capacity_pages, page_size, *self.page_shape[3:])
+        self._pages = self.kv.view(layout.num_layers, layout.kv_planes, capacity_pages, page_size, *self.page_shape[3:])
         self._views: list[torch.Tensor | None] = [None] * capacity_pages  # page_view's, made on first use
 
     def token_slots(self, handles: Sequence[Handle]) -> torch.Tensor:

@@ -41,7 +41,7 @@ import torch
 from ..config import CacheConfig, KVLayout
 from ..hashing import KEY_BYTES, Namespace, PageKey
 from .base import Handle, KeyedStore, PageCorruptError, ReadsInto, TierIOError
-from .codec import PageCodec, check_key, tensor_bytes
+from .codec import DTYPE_MISMATCH, PageCodec, check_key, tensor_bytes
 from .store_protocol import StoreBackend, StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ COUNTER_NAMES = (
     "read_misses",  # the store no longer held a page it had said it held
     "corrupt_values",  # a value failed the codec (truncated, bad checksum, other layout)
     "foreign_values",  # a value of another namespace under one of our keys
+    "dtype_mismatch",  # of corrupt_values: a value whose header named another KV dtype (never served)
     "puts_failed",
     "puts_skipped",  # not attempted: the store was unavailable
     "errors",  # transitions to unavailable
@@ -337,6 +338,9 @@ class SharedStoreTier(KeyedStore, ReadsInto):
             self._miss(key, "missing", "the store no longer holds the page", "read_misses")
         payload, reason = self.codec.decode(value, key)  # type: ignore[arg-type]
         if payload is None:
+            if reason == DTYPE_MISMATCH:
+                with self._lock:
+                    self.counters["dtype_mismatch"] += 1
             self._miss(key, reason, f"bad value: {reason}", "foreign_values" if reason == "foreign" else "corrupt_values")
         tensor_bytes(out)[:] = payload
         with self._lock:

@@ -109,7 +109,7 @@ def layered_device_host(stores: dict[str, TierStore], src: str, dst: str) -> Han
     generic = copy_via_tensor(stores)
     if not isinstance(device, LayeredPages) or not isinstance(host, HostKVBuffer):
         return generic
-    layers = device.layout.num_layers
+    layers, planes = device.layout.num_layers, device.layout.kv_planes
     min_pages = max(1, -(-_LAYERED_MIN_BYTES // device.page_bytes))
     buffer: torch.Tensor = host.buffer
     on_cuda = buffer.device.type != device.device.type
@@ -123,7 +123,7 @@ def layered_device_host(stores: dict[str, TierStore], src: str, dst: str) -> Han
         d_idx = index(op.src_handles[start:stop], device.device)
         h_idx = index(op.dst_handles[start:stop], buffer.device)
         for layer in range(layers):
-            for kv in (0, 1):
+            for kv in range(planes):
                 pages = device.layer_pages(layer, kv).index_select(0, d_idx)
                 buffer[:, layer, kv].index_copy_(0, h_idx, pages.to(buffer.device))
 
@@ -133,7 +133,7 @@ def layered_device_host(stores: dict[str, TierStore], src: str, dst: str) -> Han
         h_idx = index(op.src_handles[start:stop], buffer.device)
         d_idx = index(op.dst_handles[start:stop], device.device)
         for layer in range(layers):
-            for kv in (0, 1):
+            for kv in range(planes):
                 pages = buffer[:, layer, kv].index_select(0, h_idx)
                 target = device.layer_pages(layer, kv)
                 target.index_copy_(0, d_idx, pages.to(target.device, non_blocking=True))

@@ -58,6 +58,7 @@ class LayerwiseLoader:
         if ahead is not None and ahead < 1:
             raise ValueError(f"LayerwiseLoader: ahead must be >= 1 or None, got {ahead}")
         self.layers = device.layout.num_layers
+        self.planes = device.layout.kv_planes
         self.to_device = to_device
         self.ahead = self.layers if ahead is None else ahead
         self.device = device.device
@@ -86,7 +87,7 @@ class LayerwiseLoader:
         self._future: "Future | None" = None
 
     def _copy_layer(self, layer: int) -> None:
-        for kv in (0, 1):
+        for kv in range(self.planes):
             dev = self._dev_pages(layer, kv)[self._d0:self._d1].unbind(0)
             host = self._host[self._h0:self._h1, layer, kv].unbind(0)
             for d, h in self._pairs:

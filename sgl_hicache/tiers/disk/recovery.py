@@ -16,7 +16,7 @@ import torch
 
 from ...hashing import KEY_BYTES, PageKey
 from ..base import PageCorruptError, PageGoneError, TierIOError
-from ..codec import HEADER_SIZE, check_key
+from ..codec import DTYPE_MISMATCH, HEADER_SIZE, check_key
 from .files import FANOUT_NAME, PAGE_NAME, PROBE_NAME, READ_FLAGS, STORED, TEMP_NAME, PageFiles, log
 from .ledger import is_shared_entry
 
@@ -67,6 +67,8 @@ class DirectoryScan(PageFiles):
             self._remove_bad_file(Path(path), reason)
             with self._lock:
                 self.counters["corrupt_removed"] += 1
+                if reason == DTYPE_MISMATCH:
+                    self.counters["dtype_mismatch"] += 1
         return False
 
     def evict_unindexed(self, num_pages: int) -> int:
@@ -206,6 +208,8 @@ class DirectoryScan(PageFiles):
                 elif reason not in ("unreadable", "absent", "not a file"):
                     self._remove_bad_file(Path(entry.path), reason)
                     c["corrupt_removed"] += 1
+                    if reason == DTYPE_MISMATCH:
+                        c["dtype_mismatch"] += 1
                     reasons[reason] = reasons.get(reason, 0) + 1
         if reasons:
             log.warning(

@@ -23,7 +23,7 @@ import xxhash
 from ...config import KVLayout
 from ...hashing import KEY_BYTES, Namespace, PageKey
 from ..base import DISK, Handle, KeyedStore, PageCorruptError, PageGoneError, ReadsInto, TierIOError, WritesFrom
-from ..codec import HEADER_SIZE, PageCodec, check_key, tensor_bytes
+from ..codec import DTYPE_MISMATCH, HEADER_SIZE, PageCodec, check_key, tensor_bytes
 from .files import READ_FLAGS, RESERVED, STORED, log
 from .ledger import DirectoryLedger, LocalLedger
 from .recovery import DirectoryScan
@@ -34,6 +34,7 @@ COUNTER_NAMES = (
     "bytes_written",
     "bytes_read",
     "corrupt_removed",
+    "dtype_mismatch",  # of corrupt_removed: a page whose header named another KV dtype (never served)
     "foreign_ignored",
     "partial_removed",
     "write_errors",
@@ -340,6 +341,8 @@ class DiskPageStore(DirectoryScan, KeyedStore, ReadsInto, WritesFrom):
             if state == RESERVED:
                 self._n_reserved -= 1
             self.counters["corrupt_removed"] += 1
+            if reason == DTYPE_MISMATCH:
+                self.counters["dtype_mismatch"] += 1
             first = reason not in self._logged_reasons
             self._logged_reasons.add(reason)
         (log.warning if first else log.debug)("disk tier: page %s discarded (%s): %s", key.hex(), reason, detail)

@@ -1,0 +1,93 @@
+"""Which SGLang model and deployment kinds the backend serves, and for each one it refuses, why and
+what to run instead (no sglang import).
+
+One table, `REFUSED`, is the source of the refusal messages (`refusal(kind)`); the "Model coverage"
+table in docs/sglang-backend.md gives the same reasons and lists what is supported. The factory, the backend and the device-pool adapters
+refuse through it; nothing else words a refusal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX = "--radix-cache-backend sgl_hicache: "
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A kind the backend refuses: `what` names it, `why` gives the reason, `instead` says what to run."""
+
+    what: str
+    why: str
+    instead: str
+
+    def message(self, detail: str = "") -> str:
+        found = f" ({detail})" if detail else ""
+        return f"{self.what}{found} is not supported: {self.why}. Instead: {self.instead}"
+
+
+_SGLANG_HICACHE = "SGLang's own HiCache (drop --radix-cache-backend sgl_hicache, add --enable-hierarchical-cache)"
+
+REFUSED: dict[str, Refusal] = {
+    "eagle": Refusal(
+        "EAGLE speculative decoding (--speculative-algorithm EAGLE/EAGLE3, bigram radix keys)",
+        "the tree would have to key pages by token bigrams and the draft model's KV pool would need its own "
+        "tiers; neither is built",
+        f"drop --speculative-algorithm to keep the tiers, or run {_SGLANG_HICACHE}"),
+    "dp_attention": Refusal(
+        "DP attention (--enable-dp-attention)",
+        "its attention-DP ranks of one TP group schedule different requests, so one tree cannot be agreed "
+        "across the group the way TP ranks agree theirs",
+        "one server per replica (--tp N, no --enable-dp-attention) behind a router, sharing SGLHICACHE_DISK_DIR "
+        f"(docs/sglang-backend.md), or {_SGLANG_HICACHE}"),
+    "dp_size": Refusal(
+        "--dp-size > 1 in one server",
+        "the replicas' caches are built without knowing their DP rank, so they could not keep their files apart",
+        "one server per replica (--tp N each) behind a router, sharing SGLHICACHE_DISK_DIR (docs/sglang-backend.md)"),
+    "pp": Refusal(
+        "pipeline parallelism (--pp-size > 1)",
+        "each PP stage holds only its layers' KV and schedules micro-batches the others see later; the page "
+        "layout and the per-step agreement assume one rank holds every layer",
+        "--pp-size 1 with --tp over the same GPUs"),
+    "swa": Refusal(
+        "hybrid sliding-window models (SWA pools: gpt-oss, Gemma 2/3, ...)",
+        "their pool keeps two KV pools (window and full layers) and frees window pages behind the window; the "
+        "tree keeps one page set per node",
+        "--disable-hybrid-swa-memory (every layer in one full MHA pool, which the backend tiers), "
+        f"or {_SGLANG_HICACHE}"),
+    "mamba": Refusal(
+        "hybrid Mamba / linear-attention models (Qwen3-Next, Nemotron-H, ...)",
+        "their per-request recurrent state is not a page of tokens; a per-node state snapshot tier is not built",
+        _SGLANG_HICACHE),
+    "dsa": Refusal(
+        "DSA sparse-attention models (DeepSeek V3.2)",
+        "the DSA pool adds an indexer key cache beside the MLA latent; its adapter is not built",
+        _SGLANG_HICACHE),
+    "scaled_quant_kv": Refusal(
+        "quantised KV with a quantisation method and scale buffers (--kv-cache-dtype nvfp4 / fp4_mx_block16 / "
+        "mxfp8; fp8_e4m3 on CPU, whose pool takes SGLang's CPUFP8KVCacheMethod)",
+        "their scale buffers are not carried through host and disk yet",
+        "on a GPU --kv-cache-dtype fp8_e4m3 / fp8_e5m2 (tiered: bytes only, the scale is the model's); on CPU "
+        "--kv-cache-dtype auto"),
+    "mla_tp": Refusal(
+        "MLA models at --tp > 1",
+        "every rank holds the same latent, so one rank should write and all read one rank-free copy; that "
+        "path is not built and tested yet (per-rank copies would multiply host and disk use by the TP size)",
+        f"--tp 1 (supported), or {_SGLANG_HICACHE}"),
+    "kv_layout": Refusal(
+        "a KV pool layout other than NHD (SGLANG_USE_HND_KVCACHE, page-major, AITER vectorized_5d)",
+        "the device adapter addresses per-token rows",
+        "the default NHD layout (unset SGLANG_USE_HND_KVCACHE)"),
+    "sglang_hicache": Refusal(
+        "--enable-hierarchical-cache together with this backend",
+        "that flag is SGLang's own HiCache, a second tree cache",
+        "drop --enable-hierarchical-cache (this backend is the tiered cache), or drop --radix-cache-backend"),
+}
+
+
+def refusal(kind: str, detail: str = "") -> str:
+    """The refusal message of one refused `kind` (a key of `REFUSED`), with an optional detail."""
+    return REFUSED[kind].message(detail)
+
+
+__all__ = ["PREFIX", "REFUSED", "Refusal", "refusal"]

@@ -1,0 +1,196 @@
+"""Device-pool adapters: one per SGLang KV pool kind, all behind one protocol, `PoolAdapter`.
+
+An adapter says what a page of the pool holds (`layout`: the `KVLayout`, whose `kv_planes` is 2 for
+K and V, 1 for MLA's latent + rope row) and hands out, per layer and plane, the pool's own buffer as
+`[rows, heads, dim]` in the layout's dtype, with no copy. `SGLangDevicePool` moves pages through
+that alone, so the host and disk tiers work unchanged for every kind; `replicated_across_tp` says
+every TP rank holds the same bytes (MLA).
+
+`adapter_for(kvcache)` picks the adapter. A pool of SGLang's own classes must be one an adapter
+names in `pool_classes` (a subclass may change the layout); every other SGLang pool is refused
+with `coverage.refusal(...)`, naming the kind and what to run instead. This module (no sglang
+import: it reads the pool's attributes) is the only place that tells pool kinds apart.
+
+Supported:
+- `MHATokenToKVPool`, NHD layout: `k_buffer[layer]` / `v_buffer[layer]` of `[slots, kv_heads,
+  head_dim]`, K and V of one head dim; dtypes bf16 / fp16 / fp32 / fp8 e4m3 / fp8 e5m2 (SGLang
+  stores fp8 as uint8; pages move as the fp8 dtype, bytes unchanged). An fp8 pool has no scale
+  buffer: its scale is the model's (per layer, `layer.k_scale`), part of the model, not of a page.
+- `MLATokenToKVPool`: `kv_buffer[layer]` of `[slots, 1, kv_lora_rank + qk_rope_head_dim]`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from ..config import _DTYPES, KVLayout
+from .coverage import refusal
+
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+class UnsupportedPool(ValueError):
+    """SGLang's KV pool is of a kind this device tier cannot address (the message says which and what
+    to run instead)."""
+
+
+class PoolAdapter(ABC):
+    """One SGLang KV pool kind seen as pages.
+
+    Contract: `layout` describes one token of the pool (every plane of every layer);
+    `plane(layer, p)` for `p in range(layout.kv_planes)` is the pool's own buffer of that layer and
+    plane, `[rows, layout.num_kv_heads, layout.head_dim]` in `layout.torch_dtype`, a view (writes
+    through it land where SGLang's attention reads); `device` is where the buffers live;
+    `replicated_across_tp` is True when every TP rank holds the same bytes for a token.
+    """
+
+    kind: str = ""
+    #: the SGLang pool classes (exact names) this adapter serves
+    pool_classes: tuple[str, ...] = ()
+    replicated_across_tp: bool = False
+
+    def __init__(self, kvcache: Any, architecture: str) -> None:
+        self.kvcache = kvcache
+        self.layout = self._layout(architecture)
+
+    @staticmethod
+    @abstractmethod
+    def matches(kvcache: Any) -> bool:
+        """Whether the pool has this kind's buffers (for pools not of SGLang's own classes)."""
+
+    @abstractmethod
+    def _layout(self, architecture: str) -> KVLayout: ...
+
+    @abstractmethod
+    def _buffer(self, layer: int, p: int) -> torch.Tensor: ...
+
+    def plane(self, layer: int, p: int) -> torch.Tensor:
+        buf = self._buffer(layer, p)
+        dtype = self.layout.torch_dtype
+        return buf if buf.dtype == dtype else buf.view(dtype)
+
+    @property
+    def device(self) -> torch.device:
+        return self._buffer(0, 0).device
+
+    def _dtype_name(self, buf: torch.Tensor) -> str:
+        kind = type(self.kvcache).__name__
+        dtype = getattr(self.kvcache, "dtype", buf.dtype)
+        if dtype not in _DTYPE_NAMES:
+            raise UnsupportedPool(f"KV pool {kind} has dtype {dtype}; supported: {sorted(_DTYPES)}")
+        if torch.empty((), dtype=buf.dtype).element_size() != torch.empty((), dtype=dtype).element_size():
+            raise UnsupportedPool(f"KV pool {kind} stores {dtype} as {buf.dtype} of another width; not supported")
+        return _DTYPE_NAMES[dtype]
+
+
+class MHAPoolAdapter(PoolAdapter):
+    """SGLang's `MHATokenToKVPool` (NHD): a K and a V buffer per layer (see the module docstring)."""
+
+    kind = "mha"
+    pool_classes = ("MHATokenToKVPool",)
+
+    @staticmethod
+    def matches(kvcache: Any) -> bool:
+        return hasattr(kvcache, "k_buffer") and hasattr(kvcache, "v_buffer")
+
+    def _layout(self, architecture: str) -> KVLayout:
+        kv = self.kvcache
+        kind = type(kv).__name__
+        k_buf, v_buf = kv.k_buffer, kv.v_buffer
+        if not isinstance(k_buf, (list, tuple)) or not isinstance(v_buf, (list, tuple)) or not k_buf:
+            raise UnsupportedPool(f"KV pool {kind} has no per-layer k_buffer/v_buffer lists")
+        layout_name = getattr(kv, "kv_cache_layout", "nhd")
+        if layout_name not in ("nhd", None):
+            raise UnsupportedPool(refusal("kv_layout", f"{kind} with kv_cache_layout={layout_name!r}"))
+        if getattr(kv, "is_quantized_kv_cache", False) or getattr(kv, "k_scale_buffer", None) is not None:
+            method = type(getattr(kv, "quant_method", None)).__name__
+            raise UnsupportedPool(refusal("scaled_quant_kv", f"{kind} with {method}"))
+        k0, v0 = k_buf[0], v_buf[0]
+        if k0.dim() != 3 or tuple(k0.shape) != tuple(v0.shape):
+            raise UnsupportedPool(f"KV pool {kind}: k_buffer[0] {tuple(k0.shape)} / v_buffer[0] {tuple(v0.shape)}; "
+                                  "expected equal [slots, kv_heads, head_dim]")
+        return KVLayout(num_layers=len(k_buf), num_kv_heads=int(k0.shape[1]), head_dim=int(k0.shape[2]),
+                        dtype=self._dtype_name(k0), architecture=architecture)
+
+    def _buffer(self, layer: int, p: int) -> torch.Tensor:
+        return (self.kvcache.k_buffer if p == 0 else self.kvcache.v_buffer)[layer]
+
+
+class MLAPoolAdapter(PoolAdapter):
+    """SGLang's `MLATokenToKVPool`: one latent + rope row per token and layer (`kv_planes=1`), the same
+    on every TP rank (see the module docstring)."""
+
+    kind = "mla"
+    pool_classes = ("MLATokenToKVPool",)
+    replicated_across_tp = True
+
+    @staticmethod
+    def matches(kvcache: Any) -> bool:
+        return hasattr(kvcache, "kv_buffer") and hasattr(kvcache, "kv_lora_rank")
+
+    def _layout(self, architecture: str) -> KVLayout:
+        kv = self.kvcache
+        kind = type(kv).__name__
+        bufs = kv.kv_buffer
+        if getattr(kv, "use_dsa", False):
+            raise UnsupportedPool(refusal("dsa", kind))
+        if getattr(kv, "kv_scale_buffer", None) is not None:
+            raise UnsupportedPool(refusal("scaled_quant_kv", f"{kind} has scale buffers"))
+        if not isinstance(bufs, (list, tuple)) or not bufs:
+            raise UnsupportedPool(f"KV pool {kind} has no per-layer kv_buffer list")
+        b0 = bufs[0]
+        width = int(kv.kv_lora_rank) + int(kv.qk_rope_head_dim)
+        if b0.dim() != 3 or int(b0.shape[1]) != 1 or int(b0.shape[2]) != width:
+            raise UnsupportedPool(f"KV pool {kind}: kv_buffer[0] {tuple(b0.shape)}; expected [slots, 1, "
+                                  f"kv_lora_rank + qk_rope_head_dim = {width}]")
+        return KVLayout(num_layers=len(bufs), num_kv_heads=1, head_dim=width, dtype=self._dtype_name(b0),
+                        architecture=architecture, kv_planes=1)
+
+    def _buffer(self, layer: int, p: int) -> torch.Tensor:
+        if p != 0:
+            raise IndexError(f"MLA pool has one plane, asked for plane {p}")
+        return self.kvcache.kv_buffer[layer]
+
+
+ADAPTERS: tuple[type[PoolAdapter], ...] = (MHAPoolAdapter, MLAPoolAdapter)
+
+# SGLang pool classes refused, by (a base of) their class name: the `coverage.REFUSED` kind
+_REFUSED_POOLS = {
+    "MHATokenToKVPoolFP4": "scaled_quant_kv",
+    "MHATokenToKVPoolMXFP8": "scaled_quant_kv",
+    "MLATokenToKVPoolFP4": "scaled_quant_kv",
+    "PageMajorMHATokenToKVPool": "kv_layout",
+    "DSATokenToKVPool": "dsa",
+    "BaseSWAKVPool": "swa",
+    "HybridLinearKVPool": "mamba",
+}
+
+
+def _is_sglang_pool(kvcache: Any) -> bool:
+    return type(kvcache).__module__.split(".")[0] == "sglang"
+
+
+def adapter_for(kvcache: Any, architecture: str = "llama") -> PoolAdapter:
+    """The adapter of SGLang's KV pool `kvcache`, or UnsupportedPool naming the kind and what to run
+    instead (see the module docstring)."""
+    kind = type(kvcache).__name__
+    if _is_sglang_pool(kvcache):
+        for cls in ADAPTERS:
+            if kind in cls.pool_classes:
+                return cls(kvcache, architecture)
+        for base in type(kvcache).__mro__:
+            if base.__name__ in _REFUSED_POOLS:
+                raise UnsupportedPool(refusal(_REFUSED_POOLS[base.__name__], kind))
+        served = ", ".join(c for a in ADAPTERS for c in a.pool_classes)
+        raise UnsupportedPool(f"KV pool {kind} is not supported (served: {served}; docs/sglang-backend.md, "
+                              "Model coverage)")
+    for cls in ADAPTERS:  # a pool of another origin (a wrapper, a test's stand-in): by its buffers
+        if cls.matches(kvcache):
+            return cls(kvcache, architecture)
+    raise UnsupportedPool(f"KV pool {kind} has neither k_buffer/v_buffer (MHA) nor kv_buffer/kv_lora_rank (MLA)")
+
+
+__all__ = ["ADAPTERS", "MHAPoolAdapter", "MLAPoolAdapter", "PoolAdapter", "UnsupportedPool", "adapter_for"]
