@@ -21,7 +21,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "float8_e4m3fn": torch.float8_e4m3fn,
 }
 
-EVICTION_POLICIES = ("lru", "lfu", "reuse", "probation", "slru")
+EVICTION_POLICIES = ("lru", "lfu", "reuse", "probation", "slru", "stretch")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 DISK_WRITE_POLICIES = ("write_back", "write_through")
 PREDICTORS = ("none", "tree_walk", "continuation")
