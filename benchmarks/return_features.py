@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
+import math
 import statistics as st
 from collections import defaultdict
 from pathlib import Path
@@ -64,7 +65,7 @@ def summary(sel: list[dict], name: str) -> str:
     if not sel:
         return f"{name:24s} n=0"
     q = (lambda p: g[int(p * (len(g) - 1))]) if g else (lambda p: 0)
-    return f"{name:24s} n={len(sel):5d} P(return)={len(g) / len(sel):.2f} gap p25/p50/p90 = {q(.25):.0f}/{q(.5):.0f}/{q(.9):.0f} s"
+    return f"{name:40s} n={len(sel):5d} P(return)={len(g) / len(sel):.2f} gap p25/p50/p90 = {q(.25):.0f}/{q(.5):.0f}/{q(.9):.0f} s"
 
 
 def main() -> int:
@@ -79,6 +80,7 @@ def main() -> int:
     classes = {
         "turn 1": lambda x: x["turn"] == 1, "turn 2": lambda x: x["turn"] == 2, "turn 3": lambda x: x["turn"] == 3,
         "turn >= 4": lambda x: x["turn"] >= 4,
+        "turn >= 2 (a hit beyond the first block)": lambda x: x["turn"] >= 2,
         "prev gap < 60 s": lambda x: x["prev_gap"] is not None and x["prev_gap"] < 60,
         "prev gap 60-300 s": lambda x: x["prev_gap"] is not None and 60 <= x["prev_gap"] < 300,
         "prev gap >= 300 s": lambda x: x["prev_gap"] is not None and x["prev_gap"] >= 300,
@@ -91,6 +93,9 @@ def main() -> int:
     }
     for name, pred in classes.items():
         print(summary([x for x in res if pred(x)], name))
+    pairs = [(math.log1p(x["prev_gap"]), math.log1p(x["next_use_s"])) for x in res
+             if x["prev_gap"] is not None and x["next_use_s"] is not None]
+    print(f"correlation of log(previous gap), log(next gap): {st.correlation(*zip(*pairs)):.2f} over {len(pairs)} requests")
     gaps = sorted(x["next_use_s"] for x in res if x["next_use_s"] is not None)
     n = len(res)
     for t in (10, 30, 60, 120, 240, 480, 960):
