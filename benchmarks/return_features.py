@@ -8,16 +8,18 @@ session is the chain of requests that extend an earlier request's blocks (beyond
 one). For each request with new blocks it records: turn in its session, the session's previous
 inter-turn gap, prompt and output length, number of new blocks, and the trace time until another
 request uses its first new block (none = never). Prints P(return) and gap quantiles per class, the
-hazard by idle time, and a fluid bound: with `C` seconds of page-time per page (capacity fraction x
-slice duration), LRU keeps pages returning within C; a policy that cannot tell which pages return
-keeps a fraction f of them for C/f at best (max over f of f * F(C/f)); Belady keeps the returning
-pages with the shortest gaps until the budget is spent.
+hazard by idle time, and a fluid bound (`fluid_bound`): with `c` seconds of page-time per token
+(capacity fraction x slice duration), LRU keeps returns within c; a policy that cannot tell which
+requests return keeps a fraction f of them for c/f at best (max over f of f * F(c/f)); one that knows
+each request's new-block class (the one feature that separates) splits the budget over the classes;
+Belady keeps the returns with the shortest gaps until the budget is spent. Token-weighted, per request,
+an approximation (a returning session hits its whole prompt; ancestors shared between turns are
+counted once per turn).
 """
 
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
 import math
 import statistics as st
@@ -68,6 +70,47 @@ def summary(sel: list[dict], name: str) -> str:
     return f"{name:40s} n={len(sel):5d} P(return)={len(g) / len(sel):.2f} gap p25/p50/p90 = {q(.25):.0f}/{q(.5):.0f}/{q(.9):.0f} s"
 
 
+def _caught(pts: list[tuple[float, int]], t: float) -> int:
+    return sum(w for g, w in pts if g <= t)
+
+
+def _blind(pts: list[tuple[float, int]], total: int, budget: float) -> float:
+    """Most tokens caught by keeping a fraction f of a class (unable to tell its members apart) for
+    budget / (f * total) seconds each, over f."""
+    if budget <= 0 or total == 0:
+        return 0.0
+    return max(f * _caught(pts, budget / (f * total)) for f in (i / 50 for i in range(1, 51)))
+
+
+def fluid_bound(res: list[dict], c: float, frac: float) -> str:
+    """Token-weighted (a request's prompt is what its return hits and what keeping it costs): with
+    c seconds of page-time per token, LRU catches returns within c; a blind policy max over f of
+    f * F(c / f); a class-aware one splits the budget over the new-block classes (1 / 2-4 / 5+),
+    blind within each; Belady keeps the shortest gaps until the budget is spent."""
+    total = sum(x["input"] for x in res)
+    budget = c * total
+    groups = {"1": lambda x: x["new_blocks"] == 1, "2-4": lambda x: 2 <= x["new_blocks"] <= 4,
+              "5+": lambda x: x["new_blocks"] >= 5}
+    curves = []
+    for pred in groups.values():
+        sel = [x for x in res if pred(x)]
+        curves.append((sorted((x["next_use_s"], x["input"]) for x in sel if x["next_use_s"] is not None),
+                       sum(x["input"] for x in sel)))
+    pts = sorted((x["next_use_s"], x["input"]) for x in res if x["next_use_s"] is not None)
+    lru = _caught(pts, c) / total
+    blind = _blind(pts, total, budget) / total
+    aware = max(sum(_blind(p, t, s * budget) for (p, t), s in zip(curves, (i / 10, j / 10, (10 - i - j) / 10)))
+                for i in range(11) for j in range(11 - i)) / total
+    used = kept = 0.0
+    for g, w in pts:
+        if used + g * w > budget:
+            break
+        used, kept = used + g * w, kept + w
+    bel = kept / total
+    return (f"  {frac}x WS (c = {c:.0f} s): LRU {lru:.3f}, blind {blind:.3f}, class-aware {aware:.3f}, Belady {bel:.3f}; "
+            f"share of Belady's gain: blind {(blind - lru) / (bel - lru):.2f}, class-aware {(aware - lru) / (bel - lru):.2f}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", type=Path, default=TRACE)
@@ -96,28 +139,15 @@ def main() -> int:
     pairs = [(math.log1p(x["prev_gap"]), math.log1p(x["next_use_s"])) for x in res
              if x["prev_gap"] is not None and x["next_use_s"] is not None]
     print(f"correlation of log(previous gap), log(next gap): {st.correlation(*zip(*pairs)):.2f} over {len(pairs)} requests")
-    gaps = sorted(x["next_use_s"] for x in res if x["next_use_s"] is not None)
     n = len(res)
     for t in (10, 30, 60, 120, 240, 480, 960):
         alive = [x for x in (x["next_use_s"] for x in res) if x is None or x >= t]
         back = sum(1 for x in alive if x is not None and x < 2 * t)
         print(f"idle {t:4d} s: not yet back {len(alive) / n:.2f}, back within [t, 2t) {back / len(alive):.3f}")
 
-    def caught(t: float) -> float:
-        return bisect.bisect_right(gaps, t) / n
-
     print(f"fluid bound (slice of {a.requests} requests spans {span:.0f} s; 1,000 requests ~ {1000 * span / a.requests:.0f} s):")
     for frac in (0.1, 0.2, 0.3):
-        c = frac * 1000 * span / a.requests
-        blind, f = max((g * caught(c / g), g) for g in (i / 100 for i in range(1, 101)))
-        budget, used, k = c * n, 0.0, 0
-        for g in gaps:
-            if used + g > budget:
-                break
-            used, k = used + g, k + 1
-        lru, bel = caught(c), k / n
-        print(f"  {frac}x WS (C = {c:.0f} s): LRU {lru:.3f}, best blind {blind:.3f} (f = {f:.2f}), Belady {bel:.3f}; "
-              f"blind share of Belady's gain {(blind - lru) / (bel - lru):.2f}")
+        print(fluid_bound(res, frac * 1000 * span / a.requests, frac))
     return 0
 
 
