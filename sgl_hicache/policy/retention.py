@@ -13,7 +13,10 @@ in [0, 1) and its key is `last_access + u * scale` (lowest evicted first).
 
 `SCALE_S` (seconds of the cache's clock) was chosen on requests 0-999 and 3,000-3,999 of the shipped
 trace at trace clock x4 (2,000-5,000 all did about as well; 300-1,000 worse): about the p90 of the
-gap between a session's turns there. It is a prior about chat sessions, not learned online.
+gap between a session's turns there. It is a prior about chat sessions, not learned online. It
+pays only while the cache holds less than most gaps (0.1-0.3x the working set: +0.05 to +0.97 points
+on the held-out slices, 1-10 % of Belady's gain); at 0.5x it lost 1.55 points to LRU on Mooncake,
+so it is an option (`--eviction stretch`), not the default (docs/results.md, "Retention (issue 25)").
 
 The key only grows (a node's draw is fixed, its `last_access` only grows), so it keeps the incremental
 leaf queue's contract (`tree/leaves.py`): O(log n) per eviction, like LRU.
