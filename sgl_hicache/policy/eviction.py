@@ -10,6 +10,7 @@ from typing import Callable
 
 from ..tree.node import TreeNode
 from .probation import probation, slru
+from .retention import stretch
 
 EvictionPriority = Callable[[TreeNode], tuple]
 
@@ -24,7 +25,7 @@ def lfu(node: TreeNode) -> tuple:
     return (node.hit_count, node.last_access, node.id)
 
 
-_POLICIES: dict[str, EvictionPriority] = {"lru": lru, "lfu": lfu, "probation": probation, "slru": slru}
+_POLICIES: dict[str, EvictionPriority] = {"lru": lru, "lfu": lfu, "probation": probation, "slru": slru, "stretch": stretch}
 
 # policies whose keys only grow with use: the tree keeps their order incrementally (`tree/leaves.py`)
 INCREMENTAL = frozenset(_POLICIES)
