@@ -75,6 +75,9 @@ class ControllerSettings:
     writeback_batch_pages: int = DEFAULT_POLICY.writeback_batch_pages
     writeback_interval_s: float = 0.02
     max_predicted_jobs: int = 8
+    # how far ahead of its use a prediction is made: with the disk -> host link's rate it sizes the
+    # predictor's budget (what can land in time); 0 keeps the predictor's own budget
+    predictor_lead_s: float = 2.0
 
 
 class RequestController:
@@ -111,8 +114,8 @@ class RequestController:
 
     # ---- arrival and prefetch ----------------------------------------------------------------
     def arrive(self, tokens: Sequence[int]) -> tuple[Ticket, PrefixMatch]:
-        """First sight of a request: match (counting traffic), remember its disk range, predict."""
-        m = self.cache.match(tokens)
+        """First sight of a request: match (counting its traffic, once), remember its disk range, predict."""
+        m = self.cache.match(tokens, count=True)
         ticket = Ticket(tokens, disk_start=m.device_tokens + m.host_tokens, disk_end=m.tokens)
         if self.predictor.name != "none":
             self.predict(m)
@@ -305,27 +308,54 @@ class RequestController:
 
     # ---- prediction --------------------------------------------------------------------------
     def predict(self, m: PrefixMatch) -> None:
-        """Bring likely nodes (the predictor's choice) disk -> host in idle link time; at most
-        `max_predicted_jobs` in flight. Into free host pages only, unless the predictor may evict
-        (`Predictor.may_evict`), and then only over pages that rank below the one it brings. The
-        guard stops it while the measured precision of earlier predictions is too low."""
+        """Bring likely nodes (the predictor's choice) disk -> host ahead of their use; at most
+        `max_predicted_jobs` in flight, at most `prediction_budget()` tokens per call. Into free host
+        pages only, unless the predictor may evict (`Predictor.may_evict`), and then only over host
+        pages that rank below the one it brings (never a device page, never a locked or pinned one).
+        A prediction of a node's head splits the node there. Promoted nodes are fresh (their recency
+        is the prediction's time), so eviction keeps them for their lead window instead of taking
+        them first. The guard stops it while the recent precision of its predictions is too low."""
         self.advance_predictions()
         if len(self.predicted) >= self.settings.max_predicted_jobs or not self.cache.has_tier(HOST):
             return
         record = self.cache.stats.prefetch["predict"]
-        for pred in self.predictor.predict(m.last_node, self.clock()):
+        now = self.clock()
+        for pred in self.predictor.predict(m.last_node, now, self.prediction_budget()):
             node = pred.node
             if node.parent is None or node.host is not None or node.device is not None:
                 continue
-            if not self.guard.allow(record["used_tokens"], record["wasted_tokens"]):
+            if not self.guard.allow(record["used_tokens"], record["wasted_tokens"], trigger=self.predictor.name):
                 return
-            evict = self.predictor.may_evict and self._worth_room(node)
-            job = self.cache.plan_promotion(node.path_from_root(), kind="predict", target=HOST, evict=evict)
+            if pred.pages is not None and 0 < pred.pages < node.num_pages:
+                head = self.cache.split_head(node, pred.pages)
+                if head is node:
+                    continue  # it cannot be split now: the whole node would overrun the budget
+                node = head
+            job = self._promote_fresh(node, now, self.predictor.may_evict)
             if job is not None:
                 self.executor.submit_job(job, speculative=True)
                 self.predicted.append(job)
                 if len(self.predicted) >= self.settings.max_predicted_jobs:
                     return
+
+    def prediction_budget(self) -> int | None:
+        """Tokens a prediction may bring: lead time x the disk -> host link's rate (None: unknown, the
+        predictor's own budget)."""
+        rate = self.executor.link_tokens_per_s("disk->host")
+        lead = self.settings.predictor_lead_s
+        return int(lead * rate) if rate > 0 and lead > 0 else None
+
+    def _promote_fresh(self, node: TreeNode, now: float, may_evict: bool) -> PromotionJob | None:
+        """Plan `node`'s path disk -> host as a prediction, with the path's recency set to `now` (as
+        the request it is brought for will set it); evicting host pages only where every page to go
+        ranks below it. (Recency only grows: eviction orders keep their keys monotonic, so it stays
+        even when nothing could be planned, as a match's touch would.)"""
+        path = node.path_from_root()
+        for n in path:
+            n.last_access = max(n.last_access, now)
+        self.cache.tree.touched()
+        evict = may_evict and self._worth_room(node)
+        return self.cache.plan_promotion(path, kind="predict", target=HOST, evict=evict)
 
     def _worth_room(self, node: TreeNode) -> bool:
         """Whether making host room for `node`'s path pushes out only pages ranked below it."""

@@ -262,7 +262,7 @@ class EmbeddedEngine:
         (background write-back is on the pipe already: the executor scheduled it)."""
         tokens = self._inline_tokens("host->disk")
         if tokens:
-            self.links.schedule("host->disk", tokens, self.now)
+            self.links.schedule("host->disk", tokens, self.now, backup=True)
 
     # ---- request lifecycle -----------------------------------------------------------------
     def _arrive(self, req: Request, arrival: float, waiting: deque) -> None:
@@ -315,7 +315,7 @@ class EmbeddedEngine:
                 self.controller.admit(ticket, min(prefill_s, demand_s))
                 waited_s = eta
                 cache.stats.add("load_wait_seconds", eta)
-        m = cache.match(tokens)
+        m = cache.match(tokens, count=False)  # re-matched each step: counted once, at arrival
         if m.disk_tokens:
             m = self.controller.read_or_recompute(m, cost.prefill_seconds(cfg.model, cfg.hardware, m.disk_tokens, m.device_tokens + m.host_tokens))
         out_pages = math.ceil((flight.req.output_length + len(tokens) % ps) / ps)

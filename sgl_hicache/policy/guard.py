@@ -8,9 +8,18 @@ eviction priorities; it never moves bytes.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 from ..tree.node import TreeNode
+
+
+@dataclass
+class _Window:
+    """One trigger's cumulative (resolved, used) token counts as seen at earlier calls, oldest first."""
+
+    marks: deque = field(default_factory=deque)
+    calls: int = 0
 
 
 @dataclass
@@ -18,10 +27,14 @@ class PromotionGuard:
     """Decides whether a predicted promotion may start.
 
     Contract:
-    - `allow(used, wasted)`: True while fewer than `min_resolved_tokens` predicted tokens have been
-      resolved (used by a request, or evicted unused), or while the measured precision
-      `used / (used + wasted)` is at least `min_precision`. Below it, promotion stops, except one
-      probe every `probe_every` calls so that a pattern that returns can be measured again.
+    - `allow(used, wasted, trigger)`: `used` / `wasted` are the cumulative predicted tokens of one
+      trigger (a kind of prediction: the tree walk's, a client's hints) that a request used, or that
+      were evicted unused. Each trigger is judged alone, over a window: the tokens resolved since the
+      oldest call at most `window_tokens` resolved tokens ago. True while fewer than
+      `min_resolved_tokens` were resolved in that window, or while its precision `used / resolved`
+      is at least `min_precision`; below it, promotion stops, except one probe every `probe_every`
+      refused calls, so that a pattern that returns can be measured again (and, since the window
+      moves, recover). A trigger that misses never stops another.
     - `worth_evicting(candidates, pages, node, priority)`: True when the `pages` pages eviction would
       free first (the lowest of `candidates` by `priority`, the eviction order) all rank below
       `node`: a promotion that evicts only ever trades a page for one worth more.
@@ -38,17 +51,27 @@ class PromotionGuard:
 
     min_precision: float = 0.5
     min_resolved_tokens: int = 4096
+    window_tokens: int = 65536
     probe_every: int = 16
     prefetch_share: float = 0.5
-    _calls: int = 0
     stopped: int = 0  # promotions the guard refused
+    _windows: dict = field(default_factory=dict)
 
-    def allow(self, used_tokens: int, wasted_tokens: int) -> bool:
+    def allow(self, used_tokens: int, wasted_tokens: int, trigger: str = "predict") -> bool:
+        w = self._windows.setdefault(trigger, _Window(deque([(0, 0)])))
         resolved = used_tokens + wasted_tokens
-        if resolved < self.min_resolved_tokens or used_tokens >= self.min_precision * resolved:
+        marks = w.marks
+        if marks[-1][0] != resolved:
+            marks.append((resolved, used_tokens))
+        # the base: the newest mark at least `window_tokens` back (the start, while none is)
+        while len(marks) > 1 and marks[1][0] <= resolved - self.window_tokens:
+            marks.popleft()
+        base_resolved, base_used = marks[0]
+        window = resolved - base_resolved
+        if window < self.min_resolved_tokens or used_tokens - base_used >= self.min_precision * window:
             return True
-        self._calls += 1
-        if self._calls % self.probe_every == 0:
+        w.calls += 1
+        if w.calls % self.probe_every == 0:
             return True
         self.stopped += 1
         return False
