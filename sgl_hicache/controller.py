@@ -318,13 +318,14 @@ class RequestController:
         self.advance_predictions()
         if len(self.predicted) >= self.settings.max_predicted_jobs or not self.cache.has_tier(HOST):
             return
-        record = self.cache.stats.prefetch["predict"]
         now = self.clock()
+        trigger = self.trigger_of(m.last_node)
+        record = self.cache.stats.triggers[trigger]
         for pred in self.predictor.predict(m.last_node, now, self.prediction_budget()):
             node = pred.node
             if node.parent is None or node.host is not None or node.device is not None:
                 continue
-            if not self.guard.allow(record["used_tokens"], record["wasted_tokens"], trigger=self.predictor.name):
+            if not self.guard.allow(record["used_tokens"], record["wasted_tokens"], trigger=trigger):
                 return
             if pred.pages is not None and 0 < pred.pages < node.num_pages:
                 head = self.cache.split_head(node, pred.pages)
@@ -333,10 +334,20 @@ class RequestController:
                 node = head
             job = self._promote_fresh(node, now, self.predictor.may_evict)
             if job is not None:
+                for st in job.stages:
+                    st.node.prefetch_trigger = trigger
                 self.executor.submit_job(job, speculative=True)
                 self.predicted.append(job)
                 if len(self.predicted) >= self.settings.max_predicted_jobs:
                     return
+
+    def trigger_of(self, start: TreeNode) -> str:
+        """The class of prediction the guard judges on its own: the predictor, and how many children
+        the node it walks from has (one: a session's head; a few: branches; many: a shared prompt),
+        so that a pattern that misses (a shared prompt's children) never stops one that hits."""
+        n = len(start.children)
+        fanout = "1" if n <= 1 else "2-4" if n <= 4 else "5+"
+        return f"{self.predictor.name}/{fanout}"
 
     def prediction_budget(self) -> int | None:
         """Tokens a prediction may bring: lead time x the disk -> host link's rate (None: unknown, the

@@ -143,13 +143,16 @@ class TieredCache:
             return self.describe(path)
 
     def _count_request(self, path: list[TreeNode], now: float) -> None:
-        """One request's traffic along `path`, and the gap since its deepest node was last visited
-        when that edge is a session's (rarely taken, unlike a shared prompt's): the half-life's sample."""
+        """One request's traffic along `path`, and the half-life's sample: the gap since its deepest
+        node was last visited, where the predictor will walk from it (it has children) and its edge
+        is a session's (rarely taken, unlike a shared prompt's). Gaps between the turns of a
+        conversation end at a tip and are not samples: they would set the half-life to seconds and
+        forget every session before it comes back."""
         half_life = self.tree.half_life
         if path:
             deep = path[-1]
             parent = deep.parent
-            if parent is not None and deep.last_access > 0:
+            if parent is not None and deep.last_access > 0 and deep.children:
                 stored = parent.child_traffic.get(deep.edge_key, 0.0) or 0.0
                 if stored * decay_since_stamp(parent, now, half_life.value) < HOT_COUNT:
                     half_life.observe(now - deep.last_access)
@@ -397,8 +400,8 @@ class TieredCache:
             for node in match.path:
                 node.hit_count += 1
                 if node.prefetched:
-                    self.stats.add_prefetch(node.prefetched, "used_tokens", node.num_pages * self.page_size)
-                    node.prefetched = None
+                    self.stats.add_prefetch(node.prefetched, "used_tokens", node.num_pages * self.page_size, node.prefetch_trigger)
+                    node.prefetched = node.prefetch_trigger = None
                 if self.inline_writes and selective_write_through_due(self.config, node) and self.has_tier(HOST):
                     self.copies.copy_now(node, HOST, kind="backup", evict=False)
 

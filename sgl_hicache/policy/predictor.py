@@ -47,11 +47,12 @@ class TreeWalkPredictor(Predictor):
     Contract:
     - A child counts only with a decayed count of at least `min_visits` (0.5: one request within
       one half-life; the half-life is the tree's, learned from session gaps, read through `half_life`).
-    - Expected-value threshold over siblings: a node's children qualify together when their summed
-      probability (the expected number of them used) is at least `min_probability`; then each child
-      whose own probability is at least `min_probability / max_siblings` is a candidate (so one of
-      `n <= max_siblings` equally likely branches is picked; a shared prompt's thousands of
-      once-seen children are not). Nodes with more than `max_fanout` children are not expanded.
+    - Expected-value threshold over siblings: a node's `max_siblings` most probable children
+      qualify together when their summed probability (the expected number of them used) is at least
+      `min_probability`; then each of them whose own probability is at least
+      `min_probability / max_siblings` is a candidate (so one of `n <= max_siblings` equally likely
+      branches is picked; a shared prompt's many once-seen children are not). Nodes with more than
+      `max_fanout` children are not expanded.
     - Picks the most probable candidates, parents first, until `budget_tokens` of nodes that
       `needs_promotion` are chosen; a node larger than what is left is taken by its head
       (`Prediction.pages`), and the walk ends there. `max_nodes` bounds the walk.
@@ -99,9 +100,10 @@ class TreeWalkPredictor(Predictor):
 
         def expand(node: TreeNode, p: float) -> None:
             shares = self._shares(node, now)
-            if p * sum(shares.values()) < self.min_probability:
+            top = heapq.nlargest(self.max_siblings, shares.items(), key=lambda kv: kv[1])
+            if p * sum(share for _, share in top) < self.min_probability:
                 return
-            for first, share in shares.items():
+            for first, share in top:
                 if p * share >= floor:
                     child = node.children[first]
                     heapq.heappush(frontier, (-(p * share), child.id, child))

@@ -62,6 +62,7 @@ class TreeNode:
         "traffic_hot",
         "traffic_stops",
         "stops_at",
+        "prefetch_trigger",
     )
 
     def __init__(self, parent: "TreeNode | None", tokens: "array | tuple[int, ...]", keys: list[PageKey] | None, num_pages: int,
@@ -95,6 +96,8 @@ class TreeNode:
         self.stops_at = 0.0
         # set by a prefetch or a prediction until a request uses the node: "prefetch" | "predict" | None
         self.prefetched: str | None = None
+        # the trigger of the prediction that brought it (`RequestController.trigger_of`), for the guard
+        self.prefetch_trigger: str | None = None
         # transfers prepared into a tier and not yet completed, by destination tier
         self.incoming: dict[str, object] = {}
         # children resident in each tier, kept by the tree on every residency change: "is a leaf of

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import deque
 
 from .edge_counts import EdgeCounts
 from .node import EdgeKey, TreeNode
@@ -25,34 +26,38 @@ class HalfLife:
     """The traffic counts' half-life, learned from the gaps between visits of a session.
 
     Contract: `value` starts at `initial`; once `min_samples` gaps were observed it is `factor`
-    times their running geometric mean (an exponentially weighted mean of log gaps, weight
-    `alpha`), clamped to [`floor`, `ceiling`]: one earlier request still counts about
-    ``0.5 ** (1 / factor)`` at a typical return. `observe(gap)` ignores gaps that are not positive
-    and finite. A count written under one value and read under a later one is approximate (the
-    value moves slowly).
+    times the `quantile` of the last `window` gaps, clamped to [`floor`, `ceiling`]: a session
+    that returns within that quantile of the gaps seen still counts at least ``0.5 ** (1 / factor)``
+    of its earlier requests (a mean would be set by the many short gaps between turns, and forget
+    every session by the time it comes back after a pause). `observe(gap)` ignores gaps that are not
+    positive and finite. The value is recomputed every `every` gaps; a count written under one
+    value and read under a later one is approximate (it moves slowly).
     """
 
-    def __init__(self, initial: float = TRAFFIC_HALF_LIFE_S, factor: float = 2.0, alpha: float = 0.05,
-                 floor: float = 1.0, ceiling: float = 3600.0, min_samples: int = 4) -> None:
-        if not 0 < floor <= initial <= ceiling or factor <= 0 or not 0 < alpha <= 1:
-            raise ValueError(f"HalfLife: bad initial {initial}, floor {floor}, ceiling {ceiling}, factor {factor} or alpha {alpha}")
+    def __init__(self, initial: float = TRAFFIC_HALF_LIFE_S, factor: float = 2.0, quantile: float = 0.9,
+                 window: int = 512, floor: float = 1.0, ceiling: float = 3600.0, min_samples: int = 8, every: int = 8) -> None:
+        if not 0 < floor <= initial <= ceiling or factor <= 0 or not 0 < quantile <= 1 or window < 1:
+            raise ValueError(f"HalfLife: bad initial {initial}, floor {floor}, ceiling {ceiling}, factor {factor}, "
+                             f"quantile {quantile} or window {window}")
         self.value = initial
         self.factor = factor
-        self.alpha = alpha
+        self.quantile = quantile
         self.floor = floor
         self.ceiling = ceiling
         self.min_samples = min_samples
+        self.every = every
         self.samples = 0
-        self._log_mean = 0.0
+        self._gaps: deque[float] = deque(maxlen=window)
 
     def observe(self, gap: float) -> None:
         if not (gap > 0 and math.isfinite(gap)):
             return
-        x = math.log(gap)
+        self._gaps.append(gap)
         self.samples += 1
-        self._log_mean = x if self.samples == 1 else self._log_mean + self.alpha * (x - self._log_mean)
-        if self.samples >= self.min_samples:
-            self.value = min(self.ceiling, max(self.floor, self.factor * math.exp(self._log_mean)))
+        if self.samples >= self.min_samples and self.samples % self.every == 0:
+            ordered = sorted(self._gaps)
+            q = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
+            self.value = min(self.ceiling, max(self.floor, self.factor * q))
 
 
 # A count at or above this, as stored right after a match, puts the child on its parent's short list
