@@ -252,8 +252,14 @@ class RequestController:
         that part would finish (`recompute_s`). Otherwise `m` is cut where the disk part begins and the
         request recomputes it (the server never reads disk at admission; a disk busy with write-back
         made a 1,536-token read wait 42 s where recomputing took 0.07 s). `disk_reads_recomputed`
-        counts the tokens."""
-        if not m.disk_tokens or self.executor.read_eta(m.disk_tokens) <= recompute_s:
+        counts the tokens. Nodes another job (a prediction) is already bringing up are not read again:
+        they land when their copies do (`Executor.ops_eta`)."""
+        if not m.disk_tokens:
+            return m
+        inflight = [n.incoming[HOST] for n in m.path if n.device is None and n.host is None and HOST in n.incoming]
+        rest = m.disk_tokens - sum(op.node.num_pages for op in inflight) * self.cache.page_size  # type: ignore[attr-defined]
+        eta = max(self.executor.ops_eta(inflight), self.executor.read_eta(rest) if rest > 0 else 0.0)
+        if eta <= recompute_s:
             return m
         self.disk_reads_recomputed += m.disk_tokens
         return m.head(m.device_tokens + m.host_tokens)
@@ -325,7 +331,10 @@ class RequestController:
             node = pred.node
             if node.parent is None or node.host is not None or node.device is not None:
                 continue
-            if not self.guard.allow(record["used_tokens"], record["wasted_tokens"], trigger=trigger):
+            # a promoted page not used yet counts against its trigger until it is: a host tier holds
+            # pages for minutes before evicting them, and waiting for that let misses run on
+            used = record["used_tokens"]
+            if not self.guard.allow(used, record["promoted_tokens"] - used, trigger=trigger):
                 return
             if pred.pages is not None and 0 < pred.pages < node.num_pages:
                 head = self.cache.split_head(node, pred.pages)
@@ -369,11 +378,12 @@ class RequestController:
         return self.cache.plan_promotion(path, kind="predict", target=HOST, evict=evict)
 
     def _worth_room(self, node: TreeNode) -> bool:
-        """Whether making host room for `node`'s path pushes out only pages ranked below it."""
+        """Whether making host room for `node`'s path pushes out only pages ranked below it, each
+        with its copy below (a guess never loses data: a dirty page would be dropped or written)."""
         host = self.cache.stores[HOST]
         need = sum(n.num_pages for n in node.path_from_root() if n.host is None and n.device is None) - host.free_pages
         leaves = (n for n in self.cache.tree.tier_leaves(HOST) if n.evictable)
-        return self.guard.worth_evicting(leaves, need, node, self.cache.priority)
+        return self.guard.worth_evicting(leaves, need, node, self.cache.priority, clean=lambda n: n.disk is not None or n.device is not None)
 
     def advance_predictions(self) -> None:
         self.executor.poll()

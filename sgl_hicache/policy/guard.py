@@ -37,7 +37,8 @@ class PromotionGuard:
       moves, recover). A trigger that misses never stops another.
     - `worth_evicting(candidates, pages, node, priority)`: True when the `pages` pages eviction would
       free first (the lowest of `candidates` by `priority`, the eviction order) all rank below
-      `node`: a promotion that evicts only ever trades a page for one worth more.
+      `node` (and, with `clean`, all pass it: their data has a copy elsewhere): a promotion that
+      evicts only ever trades a page for one worth more, and never loses one.
     - `prefetch_fits(held, need, capacity, head)`: whether a queue prefetch of `need` pages may start
       in a tier of `capacity` pages in which `held` pages are already locked or pinned (by running
       requests and earlier prefetches): only while all of them fit in `prefetch_share` of the tier,
@@ -82,13 +83,14 @@ class PromotionGuard:
         return held + need <= self.prefetch_share * capacity or (head and held == 0 and need <= capacity)
 
     @staticmethod
-    def worth_evicting(candidates: Iterable[TreeNode], pages: int, node: TreeNode, priority: Callable[[TreeNode], tuple]) -> bool:
+    def worth_evicting(candidates: Iterable[TreeNode], pages: int, node: TreeNode, priority: Callable[[TreeNode], tuple],
+                       clean: Callable[[TreeNode], bool] | None = None) -> bool:
         if pages <= 0:
             return True
         mine = priority(node)
         freed = 0
         for victim in sorted(candidates, key=priority):
-            if not priority(victim) < mine:
+            if not priority(victim) < mine or (clean is not None and not clean(victim)):
                 return False
             freed += victim.num_pages
             if freed >= pages:

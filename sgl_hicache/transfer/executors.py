@@ -82,6 +82,11 @@ class Executor(ABC):
         """Tokens per second `link` moves (0 where the executor cannot tell)."""
         return 0.0
 
+    def ops_eta(self, ops: Sequence["TransferOp"]) -> float:
+        """Seconds from now until every op of `ops` (queued already) has executed (0 where the
+        executor cannot tell)."""
+        return 0.0
+
     def stop(self) -> None:
         return None
 
@@ -303,7 +308,10 @@ class VirtualExecutor(Executor):
         return min(self.finish.values()) if self.finish else None
 
     def eta(self, job: "PromotionJob") -> float:
-        times = [self.finish.get(id(op), math.inf) for op in job.ops() if not op.executed.is_set()]
+        return self.ops_eta(job.ops())
+
+    def ops_eta(self, ops: Sequence["TransferOp"]) -> float:
+        times = [self.finish.get(id(op), math.inf) for op in ops if not op.executed.is_set()]
         return max(0.0, max(times) - self.clock()) if times else 0.0
 
     def expedite(self, ops: Sequence["TransferOp"], max_wait_s: float = math.inf) -> float:
