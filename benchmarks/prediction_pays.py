@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="smaller shapes and no chat trace (a smoke run)")
     ap.add_argument("--chat-trace", type=Path, default=CHAT_TRACE)
     ap.add_argument("--chat-limit", type=int, default=2000)
+    ap.add_argument("--workloads", default="chain,branch,chat", help="comma-separated subset of chain, branch, chat")
     ap.add_argument("--lead", type=float, default=2.0, help="seconds from the probe to the request it announces")
     args = ap.parse_args(argv)
     model, hw = get_model("llama3-8b"), get_hardware("h200")
@@ -106,9 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     shape = dict(model=model, hardware=hw, device_tokens=16_384 if args.quick else 65_536,
                  host_tokens=32_768 if args.quick else 131_072, disk_tokens=4_000_000, concurrency=None, byte_mode="metadata")
     result: dict[str, Any] = {"model": model.name, "hardware": hw.name, "lead_s": args.lead}
-    result["chain"] = compare("chain", chain(sessions=n, turn_tokens=turn, lead_s=args.lead), shape, {"cont"})
-    result["branch"] = compare("branch", branch(sessions=n, doc_tokens=turn, branch_tokens=turn // 2, lead_s=args.lead), shape, {"revisit"})
-    if not args.quick:
+    wanted = set(args.workloads.split(","))
+    if "chain" in wanted:
+        result["chain"] = compare("chain", chain(sessions=n, turn_tokens=turn, lead_s=args.lead), shape, {"cont"})
+    if "branch" in wanted:
+        result["branch"] = compare("branch", branch(sessions=n, doc_tokens=turn, branch_tokens=turn // 2, lead_s=args.lead), shape, {"revisit"})
+    if "chat" in wanted and not args.quick:
         chat = list(load_trace(args.chat_trace, limit=args.chat_limit))
         base = dict(model=model, hardware=hw, device_tokens=500_000, host_tokens=2_000_000, disk_tokens=16_000_000,
                     concurrency=16, byte_mode="metadata")

@@ -99,6 +99,7 @@ class RequestController:
         self.settings = settings
         self.clock = clock
         self.predicted: list[PromotionJob] = []
+        self.planned: dict[str, int] = {}  # tokens of predictions planned, per guard trigger
         self.writeback: list[TransferOp] = []
         self.dropped: list[PromotionJob] = []  # cancelled jobs waiting for a running copy to end
         self._writeback_at = -float("inf")
@@ -326,28 +327,38 @@ class RequestController:
             return
         now = self.clock()
         trigger = self.trigger_of(m.last_node)
+        own = set(m.path)
         record = self.cache.stats.triggers[trigger]
         for pred in self.predictor.predict(m.last_node, now, self.prediction_budget()):
             node = pred.node
             if node.parent is None or node.host is not None or node.device is not None:
                 continue
-            # a promoted page not used yet counts against its trigger until it is: a host tier holds
-            # pages for minutes before evicting them, and waiting for that let misses run on
+            # a page planned and not used yet counts against its trigger until it is: a host tier
+            # holds pages for minutes before evicting them (and copies take a while to land), and
+            # waiting for that let misses run on
             used = record["used_tokens"]
-            if not self.guard.allow(used, record["promoted_tokens"] - used, trigger=trigger):
+            cap = self.guard.admit(used, max(0, self.planned.get(trigger, 0) - used), trigger=trigger)
+            if cap is None:
                 return
-            if pred.pages is not None and 0 < pred.pages < node.num_pages:
-                head = self.cache.split_head(node, pred.pages)
+            pages = pred.pages
+            if cap:  # a probe: one small prediction, the head of the node at most
+                pages = max(1, min(pages or node.num_pages, cap // self.cache.page_size))
+            if pages is not None and 0 < pages < node.num_pages:
+                head = self.cache.split_head(node, pages)
                 if head is node:
                     continue  # it cannot be split now: the whole node would overrun the budget
                 node = head
             job = self._promote_fresh(node, now, self.predictor.may_evict)
             if job is not None:
-                for st in job.stages:
-                    st.node.prefetch_trigger = trigger
+                # the guard judges the trigger by what lies below the match point: the path down to it
+                # is the arriving request's own (it uses it, whoever brings it up)
+                below = [st.node for st in job.stages if st.node not in own]
+                for n in below:
+                    n.prefetch_trigger = trigger
+                self.planned[trigger] = self.planned.get(trigger, 0) + sum(n.num_pages for n in below) * self.cache.page_size
                 self.executor.submit_job(job, speculative=True)
                 self.predicted.append(job)
-                if len(self.predicted) >= self.settings.max_predicted_jobs:
+                if cap or len(self.predicted) >= self.settings.max_predicted_jobs:
                     return
 
     def trigger_of(self, start: TreeNode) -> str:

@@ -34,7 +34,8 @@ class PromotionGuard:
       `min_resolved_tokens` were resolved in that window, or while its precision `used / resolved`
       is at least `min_precision`; below it, promotion stops, except one probe every `probe_every`
       refused calls, so that a pattern that returns can be measured again (and, since the window
-      moves, recover). A trigger that misses never stops another.
+      moves, recover); `admit` says how big a probe may be (`probe_tokens`). A trigger that misses
+      never stops another.
     - `worth_evicting(candidates, pages, node, priority)`: True when the `pages` pages eviction would
       free first (the lowest of `candidates` by `priority`, the eviction order) all rank below
       `node` (and, with `clean`, all pass it: their data has a copy elsewhere): a promotion that
@@ -54,11 +55,17 @@ class PromotionGuard:
     min_resolved_tokens: int = 4096
     window_tokens: int = 65536
     probe_every: int = 16
+    probe_tokens: int = 1024
     prefetch_share: float = 0.5
     stopped: int = 0  # promotions the guard refused
     _windows: dict = field(default_factory=dict)
 
     def allow(self, used_tokens: int, wasted_tokens: int, trigger: str = "predict") -> bool:
+        return self.admit(used_tokens, wasted_tokens, trigger) is not None
+
+    def admit(self, used_tokens: int, wasted_tokens: int, trigger: str = "predict") -> int | None:
+        """`allow`, with the size: None (refused), 0 (no limit) or, for a probe, the most tokens it
+        may promote (`probe_tokens`: a probe measures a pattern, it does not bet on it)."""
         w = self._windows.setdefault(trigger, _Window(deque([(0, 0)])))
         resolved = used_tokens + wasted_tokens
         marks = w.marks
@@ -70,12 +77,12 @@ class PromotionGuard:
         base_resolved, base_used = marks[0]
         window = resolved - base_resolved
         if window < self.min_resolved_tokens or used_tokens - base_used >= self.min_precision * window:
-            return True
+            return 0
         w.calls += 1
         if w.calls % self.probe_every == 0:
-            return True
+            return self.probe_tokens
         self.stopped += 1
-        return False
+        return None
 
     def prefetch_fits(self, held: int, need: int, capacity: int, head: bool = True) -> bool:
         # the next request to be scheduled, alone in holding host pages, crowds no one ahead of it: it
