@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .cache import PrefixMatch, TieredCache
+from .hint_desk import HintDesk
 from .config import DEFAULT_POLICY
 from .transfer.ops import PromotionJob
 from .policy.guard import PromotionGuard
@@ -109,6 +110,7 @@ class RequestController:
         self._round_seconds = 0.0
         self._committed_seen = (0, 0)
         self.guard = PromotionGuard()
+        self.hints = HintDesk(self)  # client hints, through this controller (`hint_desk.py`)
         self.prefetch_skipped = 0  # queue prefetches the guard refused (no room to spare on host)
         self.preempted_prefetches = 0  # queued requests' prefetch jobs ended for a demand (yield_to_demand)
         self.disk_reads_recomputed = 0  # disk-only tokens recomputed: reading them would land later (read_or_recompute)
@@ -416,6 +418,7 @@ class RequestController:
         Returns whether anything changed."""
         self.executor.poll()
         changed = False
+        self.hints.expire()
         self.cache.reap_orphans()
         if self.dropped:
             self._reap_dropped()
@@ -524,7 +527,8 @@ class RequestController:
         return bool(self.predicted) or bool(self.writeback) or bool(self.dropped) or bool(self.cache.orphans)
 
     def shutdown(self) -> None:
-        """Cancel and release everything in flight (tickets are dropped by their owner)."""
+        """Cancel and release everything in flight (tickets are dropped by their owner); end every pin."""
+        self.hints.shutdown()
         for job in self.predicted:
             self.executor.cancel(job.ops())
             self.cache.release(job)

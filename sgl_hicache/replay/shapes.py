@@ -24,6 +24,7 @@ from __future__ import annotations
 import random
 from array import array
 
+from ..policy.hints import Hint
 from .trace import Request
 
 SYSTEM_ID = 1  # the shared system prompt's ids start here
@@ -63,8 +64,9 @@ def _pages(n: int, page_size: int) -> int:
 
 def chain(sessions: int = 24, turns: int = 4, turn_tokens: int = 4096, system_tokens: int = 1024, probe_tokens: int = 256,
           question_tokens: int = 256, output_tokens: int = 64, turn_gap_s: float = 4.0, session_gap_s: float = 6.0,
-          pause_s: float = 120.0, lead_s: float = 2.0, page_size: int = 256, seed: int = 0) -> list[Request]:
-    """The `chain` shape (module docstring), in arrival order."""
+          pause_s: float = 120.0, lead_s: float = 2.0, page_size: int = 256, seed: int = 0, hints: bool = False) -> list[Request]:
+    """The `chain` shape (module docstring), in arrival order. With `hints`, each probe carries the
+    client's hint that its session comes back (``prefetch`` of the session's latest prompt)."""
     rng = random.Random(seed)
     turn_tokens, system_tokens = _pages(turn_tokens, page_size), _pages(system_tokens, page_size)
     probe_tokens, question_tokens = _pages(probe_tokens, page_size), _pages(question_tokens, page_size)
@@ -80,7 +82,11 @@ def chain(sessions: int = 24, turns: int = 4, turn_tokens: int = 4096, system_to
             out.append(_request(f"{name}/turn{k}", name, start + k * turn_gap_s, list(history), output_tokens, len(out) + 1))
         back = start + (turns - 1) * turn_gap_s + pause_s
         head = system + history[system_tokens : system_tokens + page_size]
-        out.append(_request(f"{name}/probe", name, back, head + ids.take(probe_tokens), 16, len(out) + 1))
+        probe = _request(f"{name}/probe", name, back, head + ids.take(probe_tokens), 16, len(out) + 1)
+        if hints:
+            probe = Request(probe.request_id, probe.session, probe.arrival_s, probe.input_ids, probe.output_length, probe.line,
+                            hints=(Hint("prefetch", session=name),))
+        out.append(probe)
         out.append(_request(f"{name}/cont", name, back + lead_s, history + ids.take(question_tokens), output_tokens, len(out) + 1))
     return sorted(out, key=lambda r: (r.arrival_s, r.line))
 
