@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .cache import PrefixMatch, TieredCache
+from . import speculation
 from .hint_desk import HintDesk
 from .config import DEFAULT_POLICY
 from .transfer.ops import PromotionJob
@@ -315,88 +316,21 @@ class RequestController:
                                   covered_by_prefetch=covered)
         return dev, host, disk
 
-    # ---- prediction --------------------------------------------------------------------------
+    # ---- prediction (`speculation.py`) ---------------------------------------------------------
     def predict(self, m: PrefixMatch) -> None:
-        """Bring likely nodes (the predictor's choice) disk -> host ahead of their use; at most
-        `max_predicted_jobs` in flight, at most `prediction_budget()` tokens per call. Into free host
-        pages only, unless the predictor may evict (`Predictor.may_evict`), and then only over host
-        pages that rank below the one it brings (never a device page, never a locked or pinned one).
-        A prediction of a node's head splits the node there. Promoted nodes are fresh (their recency
-        is the prediction's time), so eviction keeps them for their lead window instead of taking
-        them first. The guard stops it while the recent precision of its predictions is too low."""
-        self.advance_predictions()
-        if len(self.predicted) >= self.settings.max_predicted_jobs or not self.cache.has_tier(HOST):
-            return
-        now = self.clock()
-        trigger = self.trigger_of(m.last_node)
-        own = set(m.path)
-        record = self.cache.stats.triggers[trigger]
-        for pred in self.predictor.predict(m.last_node, now, self.prediction_budget()):
-            node = pred.node
-            if node.parent is None or node.host is not None or node.device is not None:
-                continue
-            # a page planned and not used yet counts against its trigger until it is: a host tier
-            # holds pages for minutes before evicting them (and copies take a while to land), and
-            # waiting for that let misses run on
-            used = record["used_tokens"]
-            cap = self.guard.admit(used, max(0, self.planned.get(trigger, 0) - used), trigger=trigger)
-            if cap is None:
-                return
-            pages = pred.pages
-            if cap:  # a probe: one small prediction, the head of the node at most
-                pages = max(1, min(pages or node.num_pages, cap // self.cache.page_size))
-            if pages is not None and 0 < pages < node.num_pages:
-                head = self.cache.split_head(node, pages)
-                if head is node:
-                    continue  # it cannot be split now: the whole node would overrun the budget
-                node = head
-            job = self._promote_fresh(node, now, self.predictor.may_evict)
-            if job is not None:
-                # the guard judges the trigger by what lies below the match point: the path down to it
-                # is the arriving request's own (it uses it, whoever brings it up)
-                below = [st.node for st in job.stages if st.node not in own]
-                for n in below:
-                    n.prefetch_trigger = trigger
-                self.planned[trigger] = self.planned.get(trigger, 0) + sum(n.num_pages for n in below) * self.cache.page_size
-                self.executor.submit_job(job, speculative=True)
-                self.predicted.append(job)
-                if cap or len(self.predicted) >= self.settings.max_predicted_jobs:
-                    return
+        """Bring likely nodes (the predictor's choice) disk -> host ahead of their use (`speculation.predict`)."""
+        speculation.predict(self, m)
 
     def trigger_of(self, start: TreeNode) -> str:
-        """The class of prediction the guard judges on its own: the predictor, and how many children
-        the node it walks from has (one: a session's head; a few: branches; many: a shared prompt),
-        so that a pattern that misses (a shared prompt's children) never stops one that hits."""
-        n = len(start.children)
-        fanout = "1" if n <= 1 else "2-4" if n <= 4 else "5+"
-        return f"{self.predictor.name}/{fanout}"
+        """The class of prediction the guard judges on its own (`speculation.trigger_of`)."""
+        return speculation.trigger_of(self, start)
 
     def prediction_budget(self) -> int | None:
-        """Tokens a prediction may bring: lead time x the disk -> host link's rate (None: unknown, the
-        predictor's own budget)."""
-        rate = self.executor.link_tokens_per_s("disk->host")
-        lead = self.settings.predictor_lead_s
-        return int(lead * rate) if rate > 0 and lead > 0 else None
+        """Tokens a prediction may bring: lead time x the disk -> host link's rate (None: unknown)."""
+        return speculation.prediction_budget(self)
 
     def _promote_fresh(self, node: TreeNode, now: float, may_evict: bool) -> PromotionJob | None:
-        """Plan `node`'s path disk -> host as a prediction, with the path's recency set to `now` (as
-        the request it is brought for will set it); evicting host pages only where every page to go
-        ranks below it. (Recency only grows: eviction orders keep their keys monotonic, so it stays
-        even when nothing could be planned, as a match's touch would.)"""
-        path = node.path_from_root()
-        for n in path:
-            n.last_access = max(n.last_access, now)
-        self.cache.tree.touched()
-        evict = may_evict and self._worth_room(node)
-        return self.cache.plan_promotion(path, kind="predict", target=HOST, evict=evict)
-
-    def _worth_room(self, node: TreeNode) -> bool:
-        """Whether making host room for `node`'s path pushes out only pages ranked below it, each
-        with its copy below (a guess never loses data: a dirty page would be dropped or written)."""
-        host = self.cache.stores[HOST]
-        need = sum(n.num_pages for n in node.path_from_root() if n.host is None and n.device is None) - host.free_pages
-        leaves = (n for n in self.cache.tree.tier_leaves(HOST) if n.evictable)
-        return self.guard.worth_evicting(leaves, need, node, self.cache.priority, clean=lambda n: n.disk is not None or n.device is not None)
+        return speculation.promote_fresh(self, node, now, may_evict)
 
     def advance_predictions(self) -> None:
         self.executor.poll()

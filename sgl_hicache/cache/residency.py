@@ -27,7 +27,7 @@ from ..transfer.handlers import default_handlers, execute
 from ..transfer.ops import PromotionJob, TransferOp
 from ..tree.node import TreeNode, edge_key_of
 from ..tree.radix import InvariantError, RadixTree
-from ..tree.traffic import HOT_COUNT, count_edge, count_stop, decay_since_stamp
+from ..tree.traffic import count_edge, count_request, count_stop
 from .copies import Copies
 from .evictor import Evictor
 from .jobs import PromotionJobs
@@ -137,30 +137,10 @@ class TieredCache:
                 now = self.clock()
                 self.tree.touched()  # recency changed: eviction order may have
                 if count if count is not None else touch:
-                    self._count_request(path, now)
+                    count_request(self.tree.root, self.tree.half_life, path, now)
                 for node in path:
                     node.last_access = now
             return self.describe(path)
-
-    def _count_request(self, path: list[TreeNode], now: float) -> None:
-        """One request's traffic along `path`, and the half-life's sample: the gap since its deepest
-        node was last visited, where the predictor will walk from it (it has children) and its edge
-        is a session's (rarely taken, unlike a shared prompt's). Gaps between the turns of a
-        conversation end at a tip and are not samples: they would set the half-life to seconds and
-        forget every session before it comes back."""
-        half_life = self.tree.half_life
-        if path:
-            deep = path[-1]
-            parent = deep.parent
-            if parent is not None and deep.last_access > 0 and deep.children:
-                stored = parent.child_traffic.get(deep.edge_key, 0.0) or 0.0
-                if stored * decay_since_stamp(parent, now, half_life.value) < HOT_COUNT:
-                    half_life.observe(now - deep.last_access)
-        hl = half_life.value
-        parent = self.tree.root
-        for node in path:
-            count_edge(parent, node.edge_key, now, hl)
-            parent = node
 
     def split_head(self, node: TreeNode, pages: int) -> TreeNode:
         """`node`'s first `pages` pages as a node of their own (the upper half of a split), or `node`

@@ -137,3 +137,23 @@ def stops_at(node: TreeNode, now: float, half_life: float = TRAFFIC_HALF_LIFE_S)
     if not node.traffic_stops:
         return 0.0
     return node.traffic_stops * 0.5 ** (max(0.0, now - node.stops_at) / half_life)
+
+
+def count_request(root: TreeNode, half_life: HalfLife, path: list[TreeNode], now: float) -> None:
+    """One request's traffic along `path` (from `root`), and the half-life's sample: the gap since
+    its deepest node was last visited, where the predictor will walk from it (it has children) and
+    its edge is a session's (rarely taken, unlike a shared prompt's). Gaps between the turns of a
+    conversation end at a tip and are not samples: they would set the half-life to seconds and
+    forget every session before it comes back."""
+    if path:
+        deep = path[-1]
+        parent = deep.parent
+        if parent is not None and deep.last_access > 0 and deep.children:
+            stored = parent.child_traffic.get(deep.edge_key, 0.0) or 0.0
+            if stored * decay_since_stamp(parent, now, half_life.value) < HOT_COUNT:
+                half_life.observe(now - deep.last_access)
+    hl = half_life.value
+    parent = root
+    for node in path:
+        count_edge(parent, node.edge_key, now, hl)
+        parent = node
