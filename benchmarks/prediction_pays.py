@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     # small tiers, so that a session's history spills to disk before it comes back
     shape = dict(model=model, hardware=hw, device_tokens=16_384 if args.quick else 65_536,
                  host_tokens=32_768 if args.quick else 131_072, disk_tokens=4_000_000, concurrency=None, byte_mode="metadata")
-    result: dict[str, Any] = {"model": model.name, "hardware": hw.name, "lead_s": args.lead}
+    result: dict[str, Any] = {"benchmark": "prediction_pays", "quick": args.quick, "model": model.name, "hardware": hw.name,
+                              "lead_s": args.lead}
     wanted = set(args.workloads.split(","))
     if "chain" in wanted:
         result["chain"] = compare("chain", chain(sessions=n, turn_tokens=turn, lead_s=args.lead), shape, {"cont"})

@@ -21,8 +21,10 @@ Sizes are in tokens and rounded down to whole pages of `page_size`.
 
 from __future__ import annotations
 
+import json
 import random
 from array import array
+from typing import IO
 
 from ..policy.hints import Hint
 from .trace import Request
@@ -118,3 +120,16 @@ def branch(sessions: int = 16, siblings: int = 4, doc_tokens: int = 4096, branch
 
 
 SHAPES = {"chain": chain, "branch": branch}
+
+
+def write_plain(requests: list[Request], f: IO[str]) -> int:
+    """Write `requests` as plain JSONL (`replay/plain.py`, hints included). Returns the count."""
+    for r in requests:
+        row: dict = {"id": r.request_id, "session": r.session, "input_ids": list(r.input_ids), "output_length": r.output_length,
+                     "timestamp": r.arrival_s}
+        if r.hints:
+            row["hints"] = [{k: v for k, v in (("action", h.action), ("input_ids", list(h.input_ids) if h.input_ids else None),
+                                               ("session", h.session), ("ttl_s", h.ttl_s), ("after_s", h.after_s or None))
+                             if v is not None} for h in r.hints]
+        f.write(json.dumps(row) + "\n")
+    return len(requests)
