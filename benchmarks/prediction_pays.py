@@ -8,6 +8,8 @@ and `oracle` on:
 
 - `chain`: cold restore with a probe (`replay/shapes.py`): a short request matches the head of a
   long session spilled to disk, `lead_s` before the request that needs the rest;
+- `chain_hints`: the same chain, each probe carrying the client's hint that its session comes back
+  (``prefetch`` by session: `policy/hints.py`), replayed through the controller;
 - `branch`: sibling branches revisited, a probe on their shared document `lead_s` before;
 - `chat`: the shipped Mooncake conversation trace (first `--chat-limit` requests, the main job's
   settings: closed loop at concurrency 16, device 500k / host 2M / disk 16M tokens), where nothing
@@ -97,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="smaller shapes and no chat trace (a smoke run)")
     ap.add_argument("--chat-trace", type=Path, default=CHAT_TRACE)
     ap.add_argument("--chat-limit", type=int, default=2000)
-    ap.add_argument("--workloads", default="chain,branch,chat", help="comma-separated subset of chain, branch, chat")
+    ap.add_argument("--workloads", default="chain,chain_hints,branch,chat",
+                    help="comma-separated subset of chain, chain_hints, branch, chat")
     ap.add_argument("--lead", type=float, default=2.0, help="seconds from the probe to the request it announces")
     args = ap.parse_args(argv)
     model, hw = get_model("llama3-8b"), get_hardware("h200")
@@ -111,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     wanted = set(args.workloads.split(","))
     if "chain" in wanted:
         result["chain"] = compare("chain", chain(sessions=n, turn_tokens=turn, lead_s=args.lead), shape, {"cont"})
+    if "chain_hints" in wanted:  # the same chain, each probe carrying the client's prefetch hint
+        result["chain_hints"] = compare("chain+h", chain(sessions=n, turn_tokens=turn, lead_s=args.lead, hints=True), shape, {"cont"})
     if "branch" in wanted:
         result["branch"] = compare("branch", branch(sessions=n, doc_tokens=turn, branch_tokens=turn // 2, lead_s=args.lead), shape, {"revisit"})
     if "chat" in wanted and not args.quick:

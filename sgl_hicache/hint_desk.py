@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .policy.hints import Hint, HintError, HintLimits
+from .speculation import admit
 from .tiers.base import HOST, TIERS
 from .tree.node import TreeNode
 
@@ -85,6 +86,10 @@ class HintDesk:
         ctl = self.ctl
         budget = ctl.prediction_budget()
         left = budget if budget is not None else None
+        if not any(n.host is None and n.device is None for n in node.path_from_root()):
+            return
+        if admit(ctl, HINT_TRIGGER) is None:  # one decision per hint
+            return
         for n in node.path_from_root():
             if n.host is not None or n.device is not None or n.parent is None:
                 continue
@@ -93,16 +98,13 @@ class HintDesk:
             tokens = n.num_pages * ctl.cache.page_size
             if left is not None and tokens > left:
                 return  # it would not land in time: the demand load does the rest
-            record = ctl.cache.stats.triggers[HINT_TRIGGER]
-            used = record["used_tokens"]
-            if ctl.guard.admit(used, max(0, ctl.planned.get(HINT_TRIGGER, 0) - used), trigger=HINT_TRIGGER) is None:
-                return
             job = ctl._promote_fresh(n, now, may_evict=True)
             if job is None:
                 return
-            for st in job.stages:
-                st.node.prefetch_trigger = HINT_TRIGGER
-            ctl.planned[HINT_TRIGGER] = ctl.planned.get(HINT_TRIGGER, 0) + job.tokens
+            mine = [st.node for st in job.stages if st.ops]  # (not those another job brings)
+            for m in mine:
+                m.prefetch_trigger = HINT_TRIGGER
+            ctl.planned[HINT_TRIGGER] = ctl.planned.get(HINT_TRIGGER, 0) + sum(m.num_pages for m in mine) * ctl.cache.page_size
             ctl.executor.submit_job(job, speculative=True)
             ctl.predicted.append(job)
             if left is not None:

@@ -30,18 +30,17 @@ def predict(ctl: "RequestController", m: PrefixMatch) -> None:
     now = ctl.clock()
     trigger = trigger_of(ctl, m.last_node)
     own = set(m.path)
-    record = ctl.cache.stats.triggers[trigger]
-    for pred in ctl.predictor.predict(m.last_node, now, prediction_budget(ctl)):
+    picks = [p for p in ctl.predictor.predict(m.last_node, now, prediction_budget(ctl))
+             if p.node.parent is not None and p.node.host is None and p.node.device is None]
+    if not picks:
+        return
+    cap = admit(ctl, trigger)  # one decision per call: its picks are one bet, bounded by the budget
+    if cap is None:
+        return
+    for pred in picks:
         node = pred.node
-        if node.parent is None or node.host is not None or node.device is not None:
-            continue
-        # a page planned and not used yet counts against its trigger until it is: a host tier
-        # holds pages for minutes before evicting them (and copies take a while to land), and
-        # waiting for that let misses run on
-        used = record["used_tokens"]
-        cap = ctl.guard.admit(used, max(0, ctl.planned.get(trigger, 0) - used), trigger=trigger)
-        if cap is None:
-            return
+        if node.host is not None or node.device is not None:
+            continue  # an earlier pick's path brought it
         pages = pred.pages
         if cap:  # a probe: one small prediction, the head of the node at most
             pages = max(1, min(pages or node.num_pages, cap // ctl.cache.page_size))
@@ -54,7 +53,7 @@ def predict(ctl: "RequestController", m: PrefixMatch) -> None:
         if job is not None:
             # the guard judges the trigger by what lies below the match point: the path down to it
             # is the arriving request's own (it uses it, whoever brings it up)
-            below = [st.node for st in job.stages if st.node not in own]
+            below = [st.node for st in job.stages if st.ops and st.node not in own]  # (not those another job brings)
             for n in below:
                 n.prefetch_trigger = trigger
             ctl.planned[trigger] = ctl.planned.get(trigger, 0) + sum(n.num_pages for n in below) * ctl.cache.page_size
@@ -97,3 +96,12 @@ def worth_room(ctl: "RequestController", node: TreeNode) -> bool:
     need = sum(n.num_pages for n in node.path_from_root() if n.host is None and n.device is None) - host.free_pages
     leaves = (n for n in ctl.cache.tree.tier_leaves(HOST) if n.evictable)
     return ctl.guard.worth_evicting(leaves, need, node, ctl.cache.priority, clean=lambda n: n.disk is not None or n.device is not None)
+
+
+def admit(ctl: "RequestController", trigger: str) -> int | None:
+    """The guard's word on one call's promotions for `trigger` (`PromotionGuard.admit`). A page
+    planned and not used yet counts against its trigger until it is: a host tier holds pages for
+    minutes before evicting them (and copies take a while to land), and waiting for that let misses
+    run on."""
+    used = ctl.cache.stats.triggers[trigger]["used_tokens"]
+    return ctl.guard.admit(used, max(0, ctl.planned.get(trigger, 0) - used), trigger=trigger)

@@ -280,6 +280,7 @@ class EmbeddedEngine:
         if req.session is not None:
             self._sessions[req.session] = req.input_ids
         ticket, _ = self.controller.arrive(req.input_ids)
+        self._apply_hints()  # after the request's own match and prediction: a hint adds what they left
         waiting.append(_Flight(req, arrival, ticket))
 
     def _queue_hint(self, hint: Hint, arrival: float) -> None:
@@ -289,7 +290,6 @@ class EmbeddedEngine:
             self.hints_rejected += 1
             return
         heapq.heappush(self._hints, (arrival + hint.after_s, next(self._hint_seq), hint, tokens))
-        self._apply_hints()
 
     def _apply_hints(self) -> None:
         """Run the queued hints that are due, through the controller (`HintDesk`)."""
