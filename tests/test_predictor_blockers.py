@@ -267,3 +267,26 @@ def test_predict_gets_the_continuation_up_before_it_arrives(shape):
     assert out["predict"][0] < 0.9 * out["prefetch"][0]
     pred = out["predict"][1]
     assert pred["used_tokens"] >= 0.8 * pred["promoted_tokens"] > 0
+
+
+def test_a_trigger_is_charged_once_for_each_page_it_copies(tmp_path):
+    """Two picks in one call, the second below the first: the second job waits on the first's copy
+    of the parent and must not charge it again (a double count made the guard refuse a walk whose
+    every page was used)."""
+    clock = Clock(100.0)
+    cache = make_cache(tmp_path, device=8, host=8, disk=64)
+    cache.clock = clock
+    ex, ctl = _controller(cache, clock)
+    serve(cache, seq(0, 2))  # two nodes: the parent, then the child below it
+    child = _disk_only(cache, seq(0, 2) + seq(100, 2))
+    parent = child.parent
+    assert parent.disk is not None and parent.host is None
+    ctl.predictor = _Fixed([Prediction(parent, 1.0), Prediction(child, 1.0)])
+    ctl.arrive(seq(9000, 1))
+    assert len(ctl.predicted) == 2
+    trigger = ctl.trigger_of(cache.match(seq(9000, 1), touch=False).last_node)
+    assert ctl.planned[trigger] == (parent.num_pages + child.num_pages) * PS
+    ex.finish_all([op for job in ctl.predicted for op in job.ops()])
+    ctl.advance_predictions()
+    assert child.host is not None and child.prefetch_trigger == trigger
+    cache.check()
