@@ -40,5 +40,7 @@ def build_controller(cache: TieredCache, executor: Executor, policy: TieringPoli
                      predictor: Predictor | None = None) -> RequestController:
     """The controller over `cache`: `policy`'s predictor (or the one given: the oracle's) and knobs."""
     if predictor is None:
-        predictor = make_predictor(policy.predictor, cache.page_size, policy.predictor_budget_tokens, model=cache.reuse)
+        # the tree walk reads its counts with the half-life the cache writes them with (learned by the tree)
+        kw = {"half_life": lambda: cache.tree.half_life.value} if policy.predictor == "tree_walk" else {}
+        predictor = make_predictor(policy.predictor, cache.page_size, policy.predictor_budget_tokens, model=cache.reuse, **kw)
     return RequestController(cache, executor, predictor, controller_settings(policy), clock=clock)

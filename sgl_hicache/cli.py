@@ -419,8 +419,13 @@ def _add_synth(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("synth", help="grow a Mooncake trace to N requests for scale tests (same session lengths, gaps, sharing)",
                        description="Write a Mooncake JSONL trace of N requests grown from SOURCE: sessions resampled, private "
                                    "hash ids shifted per drawn session, shared ids kept (method: sgl_hicache/replay/synth.py).")
-    p.add_argument("source", help="a Mooncake JSONL trace (e.g. the shipped one)")
-    p.add_argument("--requests", type=_positive_int, required=True, help="requests to write (1e6-style accepted)")
+    p.add_argument("source", nargs="?", help="a Mooncake JSONL trace (e.g. the shipped one); not with --shape")
+    p.add_argument("--requests", type=_positive_int, help="requests to write (1e6-style accepted); required without --shape")
+    p.add_argument("--shape", choices=("chain", "branch"), help="instead: a generated shape where prediction can pay, as plain "
+                   "JSONL (sgl_hicache/replay/shapes.py: chain = cold restore with a probe, branch = sibling branches revisited)")
+    p.add_argument("--sessions", type=_positive_int, default=24, help="with --shape: sessions (default 24)")
+    p.add_argument("--lead", type=float, default=2.0, help="with --shape: seconds from the probe to the request it announces")
+    p.add_argument("--hints", action="store_true", help="with --shape chain: each probe carries the client's prefetch hint")
     p.add_argument("--out", type=Path, required=True, help="the JSONL file to write")
     p.add_argument("--seed", type=int, default=0, help="resampling seed (default 0)")
     p.add_argument("--block-size", type=_positive_int, default=512, help="tokens per hash id (default 512)")
@@ -430,6 +435,10 @@ def _add_synth(sub: argparse._SubParsersAction) -> None:
 def cmd_synth(args: argparse.Namespace) -> int:
     from .replay.synth import synthesise, write_trace
 
+    if args.shape is not None:
+        return _synth_shape(args)
+    if args.source is None or args.requests is None:
+        raise UserError("synth needs SOURCE and --requests (or --shape)")
     src = Path(args.source)
     if not src.is_file():
         raise UserError(f"source trace {str(src)!r} is not a file")
@@ -441,6 +450,22 @@ def cmd_synth(args: argparse.Namespace) -> int:
         n = write_trace(synthesise(src, args.requests, seed=args.seed, block_size=args.block_size), f)
     tmp.replace(args.out)
     print(f"wrote {n} requests to {args.out}")
+    return 0
+
+
+def _synth_shape(args: argparse.Namespace) -> int:
+    from .replay.shapes import SHAPES, write_plain
+
+    if args.source is not None or args.requests is not None:
+        raise UserError("--shape generates its own requests: leave SOURCE and --requests out")
+    if args.hints and args.shape != "chain":
+        raise UserError("--hints goes with --shape chain")
+    kw = {"hints": True} if args.hints else {}
+    requests = SHAPES[args.shape](sessions=args.sessions, lead_s=args.lead, seed=args.seed, **kw)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("w") as f:
+        n = write_plain(requests, f)
+    print(f"wrote {n} requests ({args.shape}) to {args.out}")
     return 0
 
 

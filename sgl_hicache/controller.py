@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .cache import PrefixMatch, TieredCache
+from . import speculation
+from .hint_desk import HintDesk
 from .config import DEFAULT_POLICY
 from .transfer.ops import PromotionJob
 from .policy.guard import PromotionGuard
@@ -75,6 +77,9 @@ class ControllerSettings:
     writeback_batch_pages: int = DEFAULT_POLICY.writeback_batch_pages
     writeback_interval_s: float = 0.02
     max_predicted_jobs: int = 8
+    # how far ahead of its use a prediction is made: with the disk -> host link's rate it sizes the
+    # predictor's budget (what can land in time); 0 keeps the predictor's own budget
+    predictor_lead_s: float = 2.0
 
 
 class RequestController:
@@ -96,6 +101,7 @@ class RequestController:
         self.settings = settings
         self.clock = clock
         self.predicted: list[PromotionJob] = []
+        self.planned: dict[str, int] = {}  # tokens of predictions planned, per guard trigger
         self.writeback: list[TransferOp] = []
         self.dropped: list[PromotionJob] = []  # cancelled jobs waiting for a running copy to end
         self._writeback_at = -float("inf")
@@ -105,14 +111,15 @@ class RequestController:
         self._round_seconds = 0.0
         self._committed_seen = (0, 0)
         self.guard = PromotionGuard()
+        self.hints = HintDesk(self)  # client hints, through this controller (`hint_desk.py`)
         self.prefetch_skipped = 0  # queue prefetches the guard refused (no room to spare on host)
         self.preempted_prefetches = 0  # queued requests' prefetch jobs ended for a demand (yield_to_demand)
         self.disk_reads_recomputed = 0  # disk-only tokens recomputed: reading them would land later (read_or_recompute)
 
     # ---- arrival and prefetch ----------------------------------------------------------------
     def arrive(self, tokens: Sequence[int]) -> tuple[Ticket, PrefixMatch]:
-        """First sight of a request: match (counting traffic), remember its disk range, predict."""
-        m = self.cache.match(tokens)
+        """First sight of a request: match (counting its traffic, once), remember its disk range, predict."""
+        m = self.cache.match(tokens, count=True)
         ticket = Ticket(tokens, disk_start=m.device_tokens + m.host_tokens, disk_end=m.tokens)
         if self.predictor.name != "none":
             self.predict(m)
@@ -249,8 +256,14 @@ class RequestController:
         that part would finish (`recompute_s`). Otherwise `m` is cut where the disk part begins and the
         request recomputes it (the server never reads disk at admission; a disk busy with write-back
         made a 1,536-token read wait 42 s where recomputing took 0.07 s). `disk_reads_recomputed`
-        counts the tokens."""
-        if not m.disk_tokens or self.executor.read_eta(m.disk_tokens) <= recompute_s:
+        counts the tokens. Nodes another job (a prediction) is already bringing up are not read again:
+        they land when their copies do (`Executor.ops_eta`)."""
+        if not m.disk_tokens:
+            return m
+        inflight = [n.incoming[HOST] for n in m.path if n.device is None and n.host is None and HOST in n.incoming]
+        rest = m.disk_tokens - sum(op.node.num_pages for op in inflight) * self.cache.page_size  # type: ignore[attr-defined]
+        eta = max(self.executor.ops_eta(inflight), self.executor.read_eta(rest) if rest > 0 else 0.0)
+        if eta <= recompute_s:
             return m
         self.disk_reads_recomputed += m.disk_tokens
         return m.head(m.device_tokens + m.host_tokens)
@@ -303,36 +316,21 @@ class RequestController:
                                   covered_by_prefetch=covered)
         return dev, host, disk
 
-    # ---- prediction --------------------------------------------------------------------------
+    # ---- prediction (`speculation.py`) ---------------------------------------------------------
     def predict(self, m: PrefixMatch) -> None:
-        """Bring likely nodes (the predictor's choice) disk -> host in idle link time; at most
-        `max_predicted_jobs` in flight. Into free host pages only, unless the predictor may evict
-        (`Predictor.may_evict`), and then only over pages that rank below the one it brings. The
-        guard stops it while the measured precision of earlier predictions is too low."""
-        self.advance_predictions()
-        if len(self.predicted) >= self.settings.max_predicted_jobs or not self.cache.has_tier(HOST):
-            return
-        record = self.cache.stats.prefetch["predict"]
-        for pred in self.predictor.predict(m.last_node, self.clock()):
-            node = pred.node
-            if node.parent is None or node.host is not None or node.device is not None:
-                continue
-            if not self.guard.allow(record["used_tokens"], record["wasted_tokens"]):
-                return
-            evict = self.predictor.may_evict and self._worth_room(node)
-            job = self.cache.plan_promotion(node.path_from_root(), kind="predict", target=HOST, evict=evict)
-            if job is not None:
-                self.executor.submit_job(job, speculative=True)
-                self.predicted.append(job)
-                if len(self.predicted) >= self.settings.max_predicted_jobs:
-                    return
+        """Bring likely nodes (the predictor's choice) disk -> host ahead of their use (`speculation.predict`)."""
+        speculation.predict(self, m)
 
-    def _worth_room(self, node: TreeNode) -> bool:
-        """Whether making host room for `node`'s path pushes out only pages ranked below it."""
-        host = self.cache.stores[HOST]
-        need = sum(n.num_pages for n in node.path_from_root() if n.host is None and n.device is None) - host.free_pages
-        leaves = (n for n in self.cache.tree.tier_leaves(HOST) if n.evictable)
-        return self.guard.worth_evicting(leaves, need, node, self.cache.priority)
+    def trigger_of(self, start: TreeNode) -> str:
+        """The class of prediction the guard judges on its own (`speculation.trigger_of`)."""
+        return speculation.trigger_of(self, start)
+
+    def prediction_budget(self) -> int | None:
+        """Tokens a prediction may bring: lead time x the disk -> host link's rate (None: unknown)."""
+        return speculation.prediction_budget(self)
+
+    def _promote_fresh(self, node: TreeNode, now: float, may_evict: bool) -> PromotionJob | None:
+        return speculation.promote_fresh(self, node, now, may_evict)
 
     def advance_predictions(self) -> None:
         self.executor.poll()
@@ -354,6 +352,7 @@ class RequestController:
         Returns whether anything changed."""
         self.executor.poll()
         changed = False
+        self.hints.expire()
         self.cache.reap_orphans()
         if self.dropped:
             self._reap_dropped()
@@ -462,7 +461,8 @@ class RequestController:
         return bool(self.predicted) or bool(self.writeback) or bool(self.dropped) or bool(self.cache.orphans)
 
     def shutdown(self) -> None:
-        """Cancel and release everything in flight (tickets are dropped by their owner)."""
+        """Cancel and release everything in flight (tickets are dropped by their owner); end every pin."""
+        self.hints.shutdown()
         for job in self.predicted:
             self.executor.cancel(job.ops())
             self.cache.release(job)

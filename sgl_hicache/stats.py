@@ -45,6 +45,8 @@ class CacheStats:
         self.bytes_moved = {link: 0 for link in LINKS}
         self.transfer_seconds = {link: 0.0 for link in LINKS}
         self.prefetch = {kind: {"promoted_tokens": 0, "used_tokens": 0, "wasted_tokens": 0} for kind in PREFETCH_KINDS}
+        # the same used / wasted figures per prediction trigger (`TreeNode.prefetch_trigger`), for the guard
+        self.triggers: dict[str, dict[str, int]] = defaultdict(lambda: {"promoted_tokens": 0, "used_tokens": 0, "wasted_tokens": 0})
         self.lower_tier_hit_tokens = 0  # host+disk hits of scheduled requests
         self.lower_tier_covered_tokens = 0  # ... of which already promoted to device when needed
         self.load_wait_seconds = 0.0
@@ -59,9 +61,11 @@ class CacheStats:
             else:
                 getattr(self, field)[key] += amount
 
-    def add_prefetch(self, kind: str, field: str, amount: int) -> None:
+    def add_prefetch(self, kind: str, field: str, amount: int, trigger: str | None = None) -> None:
         with self._lock:
             self.prefetch[kind][field] += amount
+            if trigger is not None:
+                self.triggers[trigger][field] += amount
 
     def record_request(self, prompt_tokens: int, device: int, host: int, disk: int, covered_by_prefetch: int = 0) -> None:
         with self._lock:

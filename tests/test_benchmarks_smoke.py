@@ -339,3 +339,13 @@ def test_profile_summary_attributes_samples_to_phases_and_cache_calls(tmp_path: 
     bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "profile_summary.py"), str(tmp_path / "none.txt")],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "no such profile" in bad.stderr
+
+
+def test_prediction_pays_smoke(tmp_path: Path) -> None:
+    result = _run("prediction_pays.py", tmp_path / "pays.json")
+    assert result["benchmark"] == "prediction_pays" and set(result) >= {"chain", "branch"}
+    for shape in ("chain", "branch"):
+        figures = result[shape]
+        assert set(figures) >= {"prefetch", "predict", "oracle", "summary"}
+        assert figures["predict"]["target_requests"] == figures["prefetch"]["target_requests"] > 0
+        assert figures["predict"]["predictor"]["promoted_tokens"] > 0  # the walk fired where it can pay

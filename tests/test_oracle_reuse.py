@@ -142,7 +142,7 @@ class _Wrong(Predictor):
     def __init__(self, nodes):
         self.nodes = nodes
 
-    def predict(self, start, now):
+    def predict(self, start, now, budget_tokens=None):
         return [Prediction(n, 1.0) for n in self.nodes if n.host is None and n.device is None]
 
 

@@ -60,37 +60,98 @@ def walker(budget: int = 1000, **kw) -> TreeWalkPredictor:
 def test_traffic_counts_follow_matches():
     cache, _ = build(hot=5, cold=1)
     p = node(cache, P)
-    assert p.child_traffic[edge_key_of(seq(100, 1))] == pytest.approx(5)
-    assert p.child_traffic[edge_key_of(seq(200, 1))] == pytest.approx(1)
+    # the insert that made each child counts as its first request, then one per counted match
+    assert p.child_traffic[edge_key_of(seq(100, 1))] == pytest.approx(6)
+    assert p.child_traffic[edge_key_of(seq(200, 1))] == pytest.approx(2)
+
+
+def test_traffic_counted_once_per_request_not_per_match_call():
+    """A request re-matched while it waits (the queue head, every step) is one request: only a
+    counting match (its arrival: `count=True`, the default of a touching match) adds traffic."""
+    cache, _ = build(hot=2, cold=0)
+    p = node(cache, P)
+    key = edge_key_of(seq(100, 1))
+    before = p.child_traffic[key]
+    for _ in range(7):
+        cache.match(H, count=False)  # re-matches: recency refreshed, traffic not counted
+    assert p.child_traffic[key] == pytest.approx(before)
+    cache.match(H)
+    assert p.child_traffic[key] == pytest.approx(before + 1)
+
+
+def test_split_keeps_the_count():
+    """Splitting a node hands its upper half the traffic that went into it: every request counted
+    into a node went through its whole edge, so a split must not restart the count at one."""
+    cache = make_cache(None, device=32)
+    clock = Clock()
+    cache.clock = clock
+    long = P + seq(100, 4)
+    for _ in range(5):
+        serve(cache, long)  # one insert, then four returns: five requests into the long node
+    head = P + seq(100, 1) + seq(7000, 1)  # diverges one page into the long node: splits it
+    serve(cache, head)
+    upper = node(cache, P + seq(100, 1))
+    lower_key = edge_key_of(seq(104, 1))
+    assert upper.child_traffic[lower_key] * 0.5 ** ((clock() - upper.traffic_stamp) / TRAFFIC_HALF_LIFE_S) == pytest.approx(5)
 
 
 def test_promotes_the_hot_child_not_the_cold_one():
-    cache, clock = build(hot=5, cold=1)
+    cache, clock = build(hot=9, cold=0)  # H: 10 requests, C: 1 (its insert): C's 1/11 is below 0.5 / 4
     for min_visits in (1.0, 2.0):
         out = walker(min_probability=0.5, min_visits=min_visits).predict(node(cache, P), clock())
         assert [pr.node for pr in out] == [node(cache, H)]
         assert 0.5 <= out[0].probability < 1.0
     # reversed traffic: reversed prediction
-    cache, clock = build(hot=1, cold=5)
+    cache, clock = build(hot=0, cold=9)
     assert [pr.node for pr in walker().predict(node(cache, P), clock())] == [node(cache, C)]
 
 
 def test_min_probability():
-    cache, clock = build(hot=5, cold=1)
-    # share of H: 5 visits against 5 + 1 (the matches that stopped at P count as a reason to stop)
-    assert walker(min_probability=0.9).predict(node(cache, P), clock()) == []
-    assert len(walker(min_probability=0.8).predict(node(cache, P), clock())) == 1
-    # two equally hot children: neither is likely enough at 0.5, both are at 0.3
-    cache, clock = build(hot=4, cold=4)
-    assert walker(min_probability=0.5).predict(node(cache, P), clock()) == []
-    got = {pr.node for pr in walker(min_probability=0.3).predict(node(cache, P), clock())}
-    assert got == {node(cache, H), node(cache, C)}
+    cache, clock = build(hot=5, cold=0)
+    # requests that ended at P since one last went on below it count as a reason to stop there
+    from sgl_hicache.tree.traffic import count_stop
+
+    count_stop(node(cache, P), clock())
+    count_stop(node(cache, P), clock())  # H: 6 requests, C: 1, stopped at P: 2; H and C together 7 / 9
+    assert walker(min_probability=0.8).predict(node(cache, P), clock()) == []
+    assert [pr.node for pr in walker(min_probability=0.75).predict(node(cache, P), clock())] == [node(cache, H)]
+
+
+def test_expected_value_threshold_summed_over_siblings():
+    """n equally likely branches: no one of them reaches 0.5, but together they are sure to be used;
+    the walk takes them all (a per-node threshold, `max_siblings=1`, takes none)."""
+    cache, clock = build(hot=4, cold=4)  # H and C: 5 requests each, nothing stopped at P
+    got = walker(min_probability=0.6).predict(node(cache, P), clock())
+    assert {pr.node for pr in got} == {node(cache, H), node(cache, C)}
+    assert all(pr.probability == pytest.approx(0.5) for pr in got)
+    assert walker(min_probability=0.6, max_siblings=1).predict(node(cache, P), clock()) == []
+    # the siblings together must still be likely: with many stops at P they are not
+    from sgl_hicache.tree.traffic import count_stop
+
+    for _ in range(20):
+        count_stop(node(cache, P), clock())
+    assert walker(min_probability=0.6).predict(node(cache, P), clock()) == []
 
 
 def test_min_visits():
-    cache, clock = build(hot=3, cold=0)
-    assert walker(min_visits=4).predict(node(cache, P), clock()) == []
+    cache, clock = build(hot=3, cold=0)  # H: 4 requests
+    assert walker(min_visits=5).predict(node(cache, P), clock()) == []
     assert [pr.node for pr in walker(min_visits=2).predict(node(cache, P), clock())] == [node(cache, H)]
+
+
+def test_one_earlier_request_is_enough():
+    """The minimum is one request: a child one earlier request went into, within a half-life, is
+    predicted when nothing else competes (the first return of a session)."""
+    cache, clock = build(hot=0, cold=0)
+    drop = node(cache, P).child_traffic
+    from sgl_hicache.tree.traffic import drop_edge
+
+    drop_edge(node(cache, P), edge_key_of(seq(200, 1)))  # only H's insert is left: one request
+    assert len(drop) == 1
+    clock.t += TRAFFIC_HALF_LIFE_S / 2
+    assert [pr.node for pr in walker().predict(node(cache, P), clock())] == [node(cache, H)]
+    clock.t += 2 * TRAFFIC_HALF_LIFE_S  # long past: the one request no longer counts
+    assert walker().predict(node(cache, P), clock()) == []
 
 
 def test_stays_within_budget_parents_first():
@@ -106,16 +167,19 @@ def test_stays_within_budget_parents_first():
         cache.match(c)
     start = node(cache, P)
     na, nb, nc = node(cache, a), node(cache, b), node(cache, c)
-    for budget, want in ((0, []), (7, []), (8, [na]), (15, [na]), (16, [na, nb]), (27, [na, nb]), (28, [na, nb, nc])):
+    # a node larger than what is left is taken by its head (`pages`), and the walk ends there
+    for budget, want in ((0, []), (3, []), (7, [(na, 1)]), (8, [(na, None)]), (15, [(na, None), (nb, 1)]),
+                         (16, [(na, None), (nb, None)]), (27, [(na, None), (nb, None), (nc, 2)]),
+                         (28, [(na, None), (nb, None), (nc, None)])):
         out = walker(budget, min_probability=0.1).predict(start, clock())
-        assert [pr.node for pr in out] == want, budget
-        assert sum(pr.node.num_pages for pr in out) * PS <= budget
-    # probabilities multiply down the path
+        assert [(pr.node, pr.pages) for pr in out] == want, budget
+        assert sum(pr.pages or pr.node.num_pages for pr in out) * PS <= budget
+    # probabilities multiply down the path (never grow)
     out = walker(100, min_probability=0.1).predict(start, clock())
-    assert out[0].probability > out[1].probability > out[2].probability
+    assert out[0].probability >= out[1].probability >= out[2].probability
     # a node that needs no promotion costs no budget; the walk still goes on below it
     out = walker(12, min_probability=0.1, needs_promotion=lambda n: n is not na).predict(start, clock())
-    assert [pr.node for pr in out] == [nb]
+    assert [(pr.node, pr.pages) for pr in out] == [(nb, None), (nc, 1)]
 
 
 def test_budget_counts_only_nodes_that_need_promotion():
@@ -199,7 +263,7 @@ def test_prediction_through_the_cache_never_evicts():
     assert node(cache, C).device is None
     pred = TreeWalkPredictor(PS, 64, min_probability=0.5)
     out = pred.predict(node(cache, P), clock())
-    assert [pr.node for pr in out] == [node(cache, H)]
+    assert out[0].node is node(cache, H)
     # the device is full (of pages a running request holds, or colder ones: it does not matter)
     filler = cache.allocate_device(cache.stores[DEVICE].free_pages)
     assert cache.stores[DEVICE].free_pages == 0
@@ -323,7 +387,7 @@ def test_traffic_counts_decay_exactly_whatever_the_match_rate():
     p = node(cache, P)
     now = 1200.0
     got = p.child_traffic[edge_key_of(seq(100, 1))] * 0.5 ** ((now - p.traffic_stamp) / 60.0)
-    want = sum(0.5 ** ((now - t) / 60.0) for t in times)
+    want = sum(0.5 ** ((now - t) / 60.0) for t in [1000.0] + times)  # H's insert (at 1000 s) counted too
     assert got == pytest.approx(want, rel=1e-9)
 
 
@@ -333,14 +397,13 @@ def test_short_list_gives_the_full_scans_shares_exactly():
     import random
 
     from sgl_hicache.tree.node import TreeNode
-    from sgl_hicache.tree.traffic import count_edge, drop_edge
+    from sgl_hicache.tree.traffic import count_edge, drop_edge, hot_edges
 
     rng = random.Random(1)
     parent = TreeNode(None, (), [b"r"], 0)
     keys = [(i,) for i in range(60)]
     for k in keys:
         parent.children[k] = TreeNode(parent, k, [b"k"], 1)
-    fast = TreeWalkPredictor(1, 10**9, min_visits=2.0)
     now = 0.0
     for _ in range(3000):
         now += rng.expovariate(2.0)
@@ -350,11 +413,9 @@ def test_short_list_gives_the_full_scans_shares_exactly():
         else:
             count_edge(parent, k, now)
         later = now + rng.choice((0.0, 1.0, 30.0, 400.0))
-        hot = fast._shares(parent, later)
         decay = 0.5 ** (max(0.0, later - parent.traffic_stamp) / TRAFFIC_HALF_LIFE_S)
-        counts = {q: v * decay for q, v in parent.child_traffic.items() if q in parent.children and v * decay >= 2.0}
-        total = sum(counts.values()) + decay
-        full = {q: v / total for q, v in counts.items()}
+        hot = {q: v * decay for q, v in hot_edges(parent, 2.0) if q in parent.children and v * decay >= 2.0}
+        full = {q: v * decay for q, v in parent.child_traffic.items() if q in parent.children and v * decay >= 2.0}
         assert hot == full and list(hot) == list(full)  # same floats, same order
 
 

@@ -16,7 +16,7 @@ from test_oracle_reuse import PS, Clock, seq
 def test_a_demand_copy_goes_ahead_of_queued_prefetches():
     pipes = VirtualPipes(lambda link, tokens: float(tokens))
     pushed = []
-    pipes.on_preempt = lambda pipe, start, d: pushed.append((pipe, start, d))
+    pipes.on_preempt = lambda pipe, start, d, backup=False: pushed.append((pipe, start, d))
     assert pipes.schedule_low("disk->host", 10, 0.0) == 10.0
     assert pipes.schedule("disk->host", 5, 0.0) == 5.0  # not behind the prefetch (15 in a FIFO)
     assert pushed == [("disk", 0.0, 5.0)]  # the prefetch learns it lands 5 s later

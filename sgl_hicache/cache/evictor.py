@@ -149,8 +149,8 @@ class Evictor:
             c.stores[tier].free(handles)
         c.stats.add("evicted_tokens", tokens, tier)
         if node.prefetched and (tier == DEVICE or (tier == HOST and node.device is None)):
-            c.stats.add_prefetch(node.prefetched, "wasted_tokens", tokens)
-            node.prefetched = None
+            c.stats.add_prefetch(node.prefetched, "wasted_tokens", tokens, node.prefetch_trigger)
+            node.prefetched = node.prefetch_trigger = None
         if not node.tiers():
             c.tree.remove_leaf(node)
             c.stats.add("dropped_tokens", tokens)

@@ -27,7 +27,7 @@ from ..transfer.handlers import default_handlers, execute
 from ..transfer.ops import PromotionJob, TransferOp
 from ..tree.node import TreeNode, edge_key_of
 from ..tree.radix import InvariantError, RadixTree
-from ..tree.traffic import count_edge
+from ..tree.traffic import count_edge, count_request, count_stop
 from .copies import Copies
 from .evictor import Evictor
 from .jobs import PromotionJobs
@@ -125,7 +125,10 @@ class TieredCache:
     def has_tier(self, tier: str) -> bool:
         return tier in self.stores
 
-    def match(self, tokens: Sequence[int], touch: bool = True) -> PrefixMatch:
+    def match(self, tokens: Sequence[int], touch: bool = True, count: bool | None = None) -> PrefixMatch:
+        """The longest cached prefix of `tokens`. `touch` refreshes its recency; `count` (default:
+        `touch`) counts its edges as one request's traffic: once per request (its first match), never
+        for a re-match of a request already counted."""
         with self._mutex:
             path, matched = self.tree.walk(tokens)
             if self.has_tier(DISK):
@@ -133,12 +136,19 @@ class TieredCache:
             if touch:
                 now = self.clock()
                 self.tree.touched()  # recency changed: eviction order may have
-                parent = self.tree.root
+                if count if count is not None else touch:
+                    count_request(self.tree.root, self.tree.half_life, path, now)
                 for node in path:
                     node.last_access = now
-                    count_edge(parent, node.edge_key, now)
-                    parent = node
             return self.describe(path)
+
+    def split_head(self, node: TreeNode, pages: int) -> TreeNode:
+        """`node`'s first `pages` pages as a node of their own (the upper half of a split), or `node`
+        itself where it cannot be split now (pinned, a copy into it in flight, or `pages` not inside it)."""
+        with self._mutex:
+            if not 0 < pages < node.num_pages or node.pins or node.incoming or node.parent is None:
+                return node
+            return self.tree.split(node, pages)
 
     def describe(self, path: list[TreeNode]) -> PrefixMatch:
         """`path`'s tokens attributed to the highest tier holding each node."""
@@ -234,8 +244,12 @@ class TieredCache:
                     duplicates.extend(device_handles[page:])
             now = self.clock()
             self.tree.touched()
+            hl = self.tree.half_life.value
             for node in new_nodes:
                 node.last_access = now
+                count_edge(node.parent, node.edge_key, now, hl)  # type: ignore[arg-type]
+            if not last.is_root:
+                count_stop(last, now, hl)  # the request's path ends here
             if from_allocate_device:
                 self.outstanding_device_pages -= adopted
             self.committed_pages += adopted
@@ -365,8 +379,8 @@ class TieredCache:
             for node in match.path:
                 node.hit_count += 1
                 if node.prefetched:
-                    self.stats.add_prefetch(node.prefetched, "used_tokens", node.num_pages * self.page_size)
-                    node.prefetched = None
+                    self.stats.add_prefetch(node.prefetched, "used_tokens", node.num_pages * self.page_size, node.prefetch_trigger)
+                    node.prefetched = node.prefetch_trigger = None
                 if self.inline_writes and selective_write_through_due(self.config, node) and self.has_tier(HOST):
                     self.copies.copy_now(node, HOST, kind="backup", evict=False)
 

@@ -134,7 +134,7 @@ class Transactions:
             # a speculative copy counts once per node, until a request uses it
             if op.kind in ("prefetch", "predict") and not node.prefetched:
                 node.prefetched = op.kind
-                c.stats.add_prefetch(op.kind, "promoted_tokens", tokens)
+                c.stats.add_prefetch(op.kind, "promoted_tokens", tokens, node.prefetch_trigger)
         return True
 
     def _on_error(self, op: TransferOp, top: TreeNode) -> None:

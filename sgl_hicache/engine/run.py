@@ -53,7 +53,7 @@ def _report(engine: EmbeddedEngine, config: EngineConfig, wall: float, cpu: floa
     report = policy_report(records=records, snapshot=engine.cache.snapshot(), duration_s=duration, settings=settings_of(config))
     report["engine"] = {"steps": engine.steps, "wall_s": wall, "virtual_s": engine.now, "demote_seconds": engine.demote_seconds,
                         "disk_write_seconds": engine.disk_write_seconds, "bytes": config.byte_mode,
-                        "cpu_s": cpu}
+                        "cpu_s": cpu, "hints": dict(engine.controller.hints.counts), "hints_rejected": engine.hints_rejected}
     report["tree"] = largest_subtrees(engine.cache.tree, config.model.kv_bytes_per_token * config.page_size, now=engine.now)
     return report
 

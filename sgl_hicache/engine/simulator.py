@@ -29,6 +29,8 @@ fits this machine); time is charged from the cost model at the preset's full KV 
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 import os
 import tempfile
@@ -41,6 +43,7 @@ from pathlib import Path
 from ..assemble import build_cache, build_controller
 from ..config import DEFAULT_POLICY, CacheConfig, KVLayout, TieringPolicy
 from ..controller import Admission, Ticket
+from ..policy.hints import Hint, HintError, hint_tokens
 from ..policy.oracle import Oracle
 from ..replay.trace import Request
 from ..tiers.base import DEVICE, DISK, HOST, TierStore
@@ -233,6 +236,10 @@ class EmbeddedEngine:
         self._inline_charged = {"device->host": 0, "host->disk": 0}
         self.steps = 0
         self._position: dict[int, int] = {}
+        self._sessions: dict[str, Sequence[int]] = {}  # each session's latest prompt (hints name sessions)
+        self._hints: list[tuple[float, int, Hint, Sequence[int]]] = []  # (due, seq, hint, prefix)
+        self._hint_seq = itertools.count()
+        self.hints_rejected = 0  # trace hints that could not run (unknown session, oversized pin)
 
     def _install_oracle(self, ordered: Sequence[Request]) -> None:
         """`oracle`: the requests to come, in arrival order."""
@@ -262,14 +269,36 @@ class EmbeddedEngine:
         (background write-back is on the pipe already: the executor scheduled it)."""
         tokens = self._inline_tokens("host->disk")
         if tokens:
-            self.links.schedule("host->disk", tokens, self.now)
+            self.links.schedule("host->disk", tokens, self.now, backup=True)
 
     # ---- request lifecycle -----------------------------------------------------------------
     def _arrive(self, req: Request, arrival: float, waiting: deque) -> None:
         if self.oracle is not None:
             self.oracle.arrived(self._position[id(req)])
+        for hint in req.hints:  # resolved now (a session names its latest prompt before this one)
+            self._queue_hint(hint, arrival)
+        if req.session is not None:
+            self._sessions[req.session] = req.input_ids
         ticket, _ = self.controller.arrive(req.input_ids)
+        self._apply_hints()  # after the request's own match and prediction: a hint adds what they left
         waiting.append(_Flight(req, arrival, ticket))
+
+    def _queue_hint(self, hint: Hint, arrival: float) -> None:
+        try:
+            tokens = hint_tokens(hint, self._sessions)
+        except HintError:
+            self.hints_rejected += 1
+            return
+        heapq.heappush(self._hints, (arrival + hint.after_s, next(self._hint_seq), hint, tokens))
+
+    def _apply_hints(self) -> None:
+        """Run the queued hints that are due, through the controller (`HintDesk`)."""
+        while self._hints and self._hints[0][0] <= self.now:
+            _, _, hint, tokens = heapq.heappop(self._hints)
+            try:
+                self.controller.hints.apply(hint, tokens)
+            except HintError:
+                self.hints_rejected += 1
 
     @property
     def hit_rate(self) -> float:
@@ -315,7 +344,7 @@ class EmbeddedEngine:
                 self.controller.admit(ticket, min(prefill_s, demand_s))
                 waited_s = eta
                 cache.stats.add("load_wait_seconds", eta)
-        m = cache.match(tokens)
+        m = cache.match(tokens, count=False)  # re-matched each step: counted once, at arrival
         if m.disk_tokens:
             m = self.controller.read_or_recompute(m, cost.prefill_seconds(cfg.model, cfg.hardware, m.disk_tokens, m.device_tokens + m.host_tokens))
         out_pages = math.ceil((flight.req.output_length + len(tokens) % ps) / ps)
@@ -417,6 +446,7 @@ class EmbeddedEngine:
             while pending and pending.head().arrival_s * cfg.time_scale <= self.now:
                 req = pending.popleft()
                 self._arrive(req, req.arrival_s * cfg.time_scale, waiting)
+        self._apply_hints()
         if cfg.policy in ("prefetch", "predict"):
             self._issue_prefetches(waiting)
         self.controller.advance_predictions()
@@ -513,7 +543,7 @@ class EmbeddedEngine:
         return released
 
     def _next_event_time(self, pending: "_Pending") -> float | None:
-        times = []
+        times = [self._hints[0][0]] if self._hints else []
         if pending and self.config.concurrency is None:
             times.append(pending.head().arrival_s * self.config.time_scale)
         nxt = self.executor.next_event()

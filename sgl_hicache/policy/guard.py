@@ -8,9 +8,18 @@ eviction priorities; it never moves bytes.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 from ..tree.node import TreeNode
+
+
+@dataclass
+class _Window:
+    """One trigger's cumulative (resolved, used) token counts as seen at earlier calls, oldest first."""
+
+    marks: deque = field(default_factory=deque)
+    calls: int = 0
 
 
 @dataclass
@@ -18,13 +27,19 @@ class PromotionGuard:
     """Decides whether a predicted promotion may start.
 
     Contract:
-    - `allow(used, wasted)`: True while fewer than `min_resolved_tokens` predicted tokens have been
-      resolved (used by a request, or evicted unused), or while the measured precision
-      `used / (used + wasted)` is at least `min_precision`. Below it, promotion stops, except one
-      probe every `probe_every` calls so that a pattern that returns can be measured again.
+    - `allow(used, wasted, trigger)`: `used` / `wasted` are the cumulative predicted tokens of one
+      trigger (a kind of prediction: the tree walk's, a client's hints) that a request used, or that
+      were evicted unused. Each trigger is judged alone, over a window: the tokens resolved since the
+      oldest call at most `window_tokens` resolved tokens ago. True while fewer than
+      `min_resolved_tokens` were resolved in that window, or while its precision `used / resolved`
+      is at least `min_precision`; below it, promotion stops, except one probe every `probe_every`
+      refused calls, so that a pattern that returns can be measured again (and, since the window
+      moves, recover); `admit` says how big a probe may be (`probe_tokens`). A trigger that misses
+      never stops another.
     - `worth_evicting(candidates, pages, node, priority)`: True when the `pages` pages eviction would
       free first (the lowest of `candidates` by `priority`, the eviction order) all rank below
-      `node`: a promotion that evicts only ever trades a page for one worth more.
+      `node` (and, with `clean`, all pass it: their data has a copy elsewhere): a promotion that
+      evicts only ever trades a page for one worth more, and never loses one.
     - `prefetch_fits(held, need, capacity, head)`: whether a queue prefetch of `need` pages may start
       in a tier of `capacity` pages in which `held` pages are already locked or pinned (by running
       requests and earlier prefetches): only while all of them fit in `prefetch_share` of the tier,
@@ -38,20 +53,36 @@ class PromotionGuard:
 
     min_precision: float = 0.5
     min_resolved_tokens: int = 4096
+    window_tokens: int = 65536
     probe_every: int = 16
+    probe_tokens: int = 1024
     prefetch_share: float = 0.5
-    _calls: int = 0
     stopped: int = 0  # promotions the guard refused
+    _windows: dict = field(default_factory=dict)
 
-    def allow(self, used_tokens: int, wasted_tokens: int) -> bool:
+    def allow(self, used_tokens: int, wasted_tokens: int, trigger: str = "predict") -> bool:
+        return self.admit(used_tokens, wasted_tokens, trigger) is not None
+
+    def admit(self, used_tokens: int, wasted_tokens: int, trigger: str = "predict") -> int | None:
+        """`allow`, with the size: None (refused), 0 (no limit) or, for a probe, the most tokens it
+        may promote (`probe_tokens`: a probe measures a pattern, it does not bet on it)."""
+        w = self._windows.setdefault(trigger, _Window(deque([(0, 0)])))
         resolved = used_tokens + wasted_tokens
-        if resolved < self.min_resolved_tokens or used_tokens >= self.min_precision * resolved:
-            return True
-        self._calls += 1
-        if self._calls % self.probe_every == 0:
-            return True
+        marks = w.marks
+        if marks[-1][0] != resolved:
+            marks.append((resolved, used_tokens))
+        # the base: the newest mark at least `window_tokens` back (the start, while none is)
+        while len(marks) > 1 and marks[1][0] <= resolved - self.window_tokens:
+            marks.popleft()
+        base_resolved, base_used = marks[0]
+        window = resolved - base_resolved
+        if window < self.min_resolved_tokens or used_tokens - base_used >= self.min_precision * window:
+            return 0
+        w.calls += 1
+        if w.calls % self.probe_every == 0:
+            return self.probe_tokens
         self.stopped += 1
-        return False
+        return None
 
     def prefetch_fits(self, held: int, need: int, capacity: int, head: bool = True) -> bool:
         # the next request to be scheduled, alone in holding host pages, crowds no one ahead of it: it
@@ -59,13 +90,14 @@ class PromotionGuard:
         return held + need <= self.prefetch_share * capacity or (head and held == 0 and need <= capacity)
 
     @staticmethod
-    def worth_evicting(candidates: Iterable[TreeNode], pages: int, node: TreeNode, priority: Callable[[TreeNode], tuple]) -> bool:
+    def worth_evicting(candidates: Iterable[TreeNode], pages: int, node: TreeNode, priority: Callable[[TreeNode], tuple],
+                       clean: Callable[[TreeNode], bool] | None = None) -> bool:
         if pages <= 0:
             return True
         mine = priority(node)
         freed = 0
         for victim in sorted(candidates, key=priority):
-            if not priority(victim) < mine:
+            if not priority(victim) < mine or (clean is not None and not clean(victim)):
                 return False
             freed += victim.num_pages
             if freed >= pages:

@@ -107,5 +107,5 @@ class _OraclePredictor(Predictor):
     def __init__(self, oracle: Oracle) -> None:
         self.oracle = oracle
 
-    def predict(self, start: TreeNode, now: float) -> list[Prediction]:
+    def predict(self, start: TreeNode, now: float, budget_tokens: int | None = None) -> list[Prediction]:
         return [Prediction(n, 1.0) for n in self.oracle.upcoming_nodes() if n.device is None and n.host is None]

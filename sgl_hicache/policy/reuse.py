@@ -170,9 +170,9 @@ class ContinuationPredictor(Predictor):
         self.min_probability = min_probability
         self.scan = scan
 
-    def predict(self, start: TreeNode, now: float) -> list[Prediction]:
+    def predict(self, start: TreeNode, now: float, budget_tokens: int | None = None) -> list[Prediction]:
         out: list[Prediction] = []
-        budget = self.budget_tokens
+        budget = self.budget_tokens if budget_tokens is None else budget_tokens
         for node in self.model.recent(self.scan):
             if node.device is not None or node.host is not None or node.disk is None:
                 continue

@@ -9,13 +9,15 @@ Fields: exactly one of ``prompt`` (text, tokenised like ShareGPT text) or ``inpu
 array of non-negative integers); ``output_length`` (integer >= 0, required); ``session`` (string or
 integer, optional: null/absent = no session); ``timestamp`` (seconds from trace start, number >= 0,
 optional: absent = the previous line's arrival, 0 for the first); ``id`` (string or integer, optional,
-unique; default ``"L<line>"``). Any other field is an error (a typo such as ``output_len`` must not pass
+unique; default ``"L<line>"``); ``hints`` (array of hint objects, optional: `replay/hints.py`). Any other field is an error (a typo such as ``output_len`` must not pass
 silently).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from .hints import parse_hints
 
 from .trace import (
     Request,
@@ -35,7 +37,7 @@ from .trace import (
     Trace,
 )
 
-FIELDS = {"session", "prompt", "input_ids", "output_length", "timestamp", "id"}
+FIELDS = {"session", "prompt", "input_ids", "output_length", "timestamp", "id", "hints"}
 
 
 def read_plain(
@@ -83,7 +85,9 @@ def read_plain(
         seen_ids.add(rid)
         ts = get_number(path, line, obj, "timestamp", required=False, default=last_ts)
         last_ts = ts
-        out.append(Request(request_id=rid, session=session, arrival_s=ts, input_ids=ids, output_length=output_length, line=line))
+        hints = parse_hints(path, line, obj["hints"]) if "hints" in obj else ()
+        out.append(Request(request_id=rid, session=session, arrival_s=ts, input_ids=ids, output_length=output_length, line=line,
+                           hints=hints))
         if limit is not None and len(out) >= limit:
             break
     return sort_by_arrival(out)

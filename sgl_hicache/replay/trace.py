@@ -108,6 +108,8 @@ class Request:
     - `input_ids`: the whole prompt, int64 token ids.
     - `output_length`: tokens to decode (>= 0).
     - `line`: 1-based line of the source file where the request (or its conversation) is written.
+    - `hints`: what the client said about the cache with it (`replay.hints.Hint`: prefetch, pin,
+      retain, demote of a prefix), applied by the engine from the request's arrival on.
     """
 
     request_id: str
@@ -116,6 +118,7 @@ class Request:
     input_ids: array = field(repr=False, hash=False)
     output_length: int
     line: int
+    hints: tuple = ()  # `replay.hints.Hint`s the client sent with the request (plain JSONL's ``hints``)
 
     @property
     def input_length(self) -> int:

@@ -108,7 +108,7 @@ def assemble(params: Any, settings: BackendSettings, *, architecture: str = "lla
     # it). TP >= 2: a load's nodes unlock only once every rank reported it done (sgl_hicache_on_step)
     layer_loads = (LayerLoads(cache, agreed=consensus is not None)
                    if s.layerwise_loads and HOST in cache.stores else None)
-    executor = ThreadExecutor(cache, engine, layers=layer_loads)
+    executor = ThreadExecutor(cache, engine, layers=layer_loads, bytes_per_token=device_pool.layout.bytes_per_token)
     controller = build_controller(cache, consensus.gate(executor) if consensus is not None else executor,
                                   s.tiering(str(getattr(params, "eviction_policy", "lru"))), clock)
     logger.info(

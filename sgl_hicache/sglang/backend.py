@@ -434,7 +434,7 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
         tokens = key.raw_token_ids()
         aligned = self.cache.tree.page_aligned(tokens)
         if aligned:
-            self.cache.match(tokens[:aligned], touch=True)
+            self.cache.match(tokens[:aligned], touch=True, count=False)
 
     def evictable_size(self) -> int:
         """Device tokens the tree could free now: unlocked and unpinned (O(1): the tree keeps the figure

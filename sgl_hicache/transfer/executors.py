@@ -78,6 +78,15 @@ class Executor(ABC):
         executor cannot tell: the server never reads disk at admission)."""
         return 0.0
 
+    def link_tokens_per_s(self, link: str) -> float:
+        """Tokens per second `link` moves (0 where the executor cannot tell)."""
+        return 0.0
+
+    def ops_eta(self, ops: Sequence["TransferOp"]) -> float:
+        """Seconds from now until every op of `ops` (queued already) has executed (0 where the
+        executor cannot tell)."""
+        return 0.0
+
     def stop(self) -> None:
         return None
 
@@ -94,10 +103,12 @@ class ThreadExecutor(Executor):
     demand load's host -> device ops are queued there (layer by layer, off the calling thread)
     instead of copied inline by `run_now`."""
 
-    def __init__(self, links: CopyLinks, engine: "TransferEngine", layers: LayerSink | None = None) -> None:
+    def __init__(self, links: CopyLinks, engine: "TransferEngine", layers: LayerSink | None = None,
+                 bytes_per_token: int = 0) -> None:
         self.links = links
         self.engine = engine
         self.layers = layers
+        self.bytes_per_token = bytes_per_token  # of the KV the links move (sizes `link_tokens_per_s`)
 
     def submit_job(self, job: "PromotionJob", speculative: bool = False) -> None:
         self.engine.start().submit(job)  # the job's kind sets its priority (predict below demand)
@@ -107,6 +118,10 @@ class ThreadExecutor(Executor):
 
     def eta(self, job: "PromotionJob") -> float:
         return sum(self.links.meter.seconds_for(link, n) for link, n in job.remaining_bytes().items())
+
+    def link_tokens_per_s(self, link: str) -> float:
+        """The link's measured rate, in tokens of `bytes_per_token` (0 until one is given)."""
+        return self.links.meter.estimate(link) / self.bytes_per_token if self.bytes_per_token else 0.0
 
     def cancel(self, ops: Iterable["TransferOp"]) -> None:
         self.engine.cancel(ops)
@@ -133,37 +148,61 @@ class VirtualPipes:
     """Each link is a pipe in virtual time; disk reads and writes share one pipe, the disk.
     `seconds(link, tokens)` is the caller's cost model.
 
-    Two priorities, as in the threaded `TransferEngine`: `schedule` (demand loads, write-back) is
-    FIFO among itself and ignores queued low-priority work; `schedule_low` (the queue prefetch) goes
-    behind everything. A normal copy that starts while low-priority work is queued pushes that work
-    back by its own duration and tells `on_preempt(pipe, start, duration)`, so that the owner of the
-    low-priority copies can move their finish times."""
+    Three priorities, as in the threaded `TransferEngine`:
+    - `schedule` (demand loads and write-back, `backup=True` for the latter) is FIFO among itself
+      and ignores queued low-priority work;
+    - `schedule_speculative` (a prediction's copies) queues behind the demand loads and the earlier
+      speculative copies, and ahead of write-back: write-back queued that would still run after it
+      starts is pushed back by its duration;
+    - `schedule_low` (the queue prefetch) goes behind everything.
+    A copy that goes ahead of queued work pushes that work back by its own duration and tells
+    `on_preempt(pipe, start, duration, backup)` (`backup`: write-back was pushed too), so that the
+    owner of those copies can move their finish times. Every copy pays its link time: nothing runs free."""
 
     _PIPES = {"disk->host": "disk", "host->disk": "disk"}
 
     def __init__(self, seconds: Callable[[str, int], float]) -> None:
         self.seconds = seconds
         self.busy_until: dict[str, float] = {}  # every copy, low priority included
-        self.high_until: dict[str, float] = {}  # normal-priority copies only
-        self.on_preempt: Callable[[str, float, float], None] | None = None
+        self.high_until: dict[str, float] = {}  # demand, speculative and write-back copies
+        self.ahead_until: dict[str, float] = {}  # demand and speculative copies (what a speculative copy queues behind)
+        self.on_preempt: Callable[[str, float, float, bool], None] | None = None
 
     def pipe(self, link: str) -> str:
         return self._PIPES.get(link, link)
 
-    def schedule(self, link: str, tokens: int, earliest: float) -> float:
+    def schedule(self, link: str, tokens: int, earliest: float, backup: bool = False) -> float:
         """A normal-priority copy: after the normal copies queued, ahead of queued low-priority ones."""
         pipe = self.pipe(link)
         start = max(earliest, self.high_until.get(pipe, 0.0))
         duration = self.seconds(link, tokens)
         finish = start + duration
         self.high_until[pipe] = finish
+        if not backup:
+            self.ahead_until[pipe] = finish
         tail = self.busy_until.get(pipe, 0.0)
         if tail > start:  # low-priority work was queued: it waits for this copy
             self.busy_until[pipe] = tail + duration
             if self.on_preempt is not None:
-                self.on_preempt(pipe, start, duration)
+                self.on_preempt(pipe, start, duration, False)
         else:
             self.busy_until[pipe] = finish
+        return finish
+
+    def schedule_speculative(self, link: str, tokens: int, earliest: float) -> float:
+        """A speculative copy: after the demand and speculative copies queued, ahead of queued
+        write-back and low-priority copies (which it pushes back)."""
+        pipe = self.pipe(link)
+        start = max(earliest, self.ahead_until.get(pipe, 0.0))
+        duration = self.seconds(link, tokens)
+        finish = start + duration
+        self.ahead_until[pipe] = finish
+        high = self.high_until.get(pipe, 0.0)
+        tail = self.busy_until.get(pipe, 0.0)
+        self.high_until[pipe] = high + duration if high > start else finish
+        self.busy_until[pipe] = tail + duration if tail > start else finish
+        if tail > start and self.on_preempt is not None:
+            self.on_preempt(pipe, start, duration, True)
         return finish
 
     def schedule_low(self, link: str, tokens: int, earliest: float) -> float:
@@ -172,6 +211,11 @@ class VirtualPipes:
         finish = max(earliest, self.busy_until.get(pipe, 0.0)) + self.seconds(link, tokens)
         self.busy_until[pipe] = finish
         return finish
+
+    def tokens_per_s(self, link: str, tokens: int = 1 << 16) -> float:
+        """The link's rate (tokens per second) for a copy of `tokens`."""
+        seconds = self.seconds(link, tokens)
+        return tokens / seconds if seconds > 0 else 0.0
 
 
 class VirtualExecutor(Executor):
@@ -189,6 +233,7 @@ class VirtualExecutor(Executor):
         self._ops: dict[int, "TransferOp"] = {}
         self.executed_bytes: dict[str, int] = {}
         self._low: dict[int, str] = {}  # id(op) -> pipe, for queue-prefetch copies (low priority)
+        self._backup: dict[int, str] = {}  # id(op) -> pipe, for write-back copies (a speculative copy goes first)
         pipes.on_preempt = self._preempted
 
     def _tokens(self, op: "TransferOp") -> int:
@@ -197,9 +242,8 @@ class VirtualExecutor(Executor):
     def submit_job(self, job: "PromotionJob", speculative: bool = False) -> None:
         """Queue a job's copies. A queue prefetch (`job.kind == "prefetch"`) has low priority: demand
         loads and write-back go ahead of it (as in `TransferEngine`), so it never delays them. A
-        speculative copy (a prediction) pays its link time like any other: queued FIFO with demand
-        loads and write-back, it delays what is queued after it (before, it ran in idle time for
-        free, which flattered every `predict` figure)."""
+        speculative copy (a prediction) pays its link time like any other, behind the demand loads
+        queued and ahead of queued write-back (`VirtualPipes.schedule_speculative`)."""
         now = self.clock()
         low = job.kind == "prefetch" and not speculative
         for st in job.stages:
@@ -208,20 +252,30 @@ class VirtualExecutor(Executor):
                 if low:
                     t = self.pipes.schedule_low(op.link, self._tokens(op), t)
                     self._low[id(op)] = self.pipes.pipe(op.link)
+                elif speculative:
+                    t = self.pipes.schedule_speculative(op.link, self._tokens(op), t)
                 else:
                     t = self.pipes.schedule(op.link, self._tokens(op), t)
                 self._track(op, t)
 
-    def _preempted(self, pipe: str, start: float, duration: float) -> None:
-        """A normal copy went ahead of queued low-priority ones on `pipe`: they finish later."""
-        for key, p in self._low.items():
-            if p == pipe and self.finish.get(key, -math.inf) > start:
-                self.finish[key] += duration
+    def _preempted(self, pipe: str, start: float, duration: float, backup: bool = False) -> None:
+        """A copy went ahead of queued ones on `pipe` (low-priority ones; with `backup`, write-back
+        too): those still running after `start` finish `duration` later."""
+        for queued in ((self._low, self._backup) if backup else (self._low,)):
+            for key, p in queued.items():
+                if p == pipe and self.finish.get(key, -math.inf) > start:
+                    self.finish[key] += duration
 
     def submit_ops(self, ops: Sequence["TransferOp"], kind: str = "backup") -> None:
         now = self.clock()
+        backup = kind != "demand"
         for op in ops:
-            self._track(op, self.pipes.schedule(op.link, self._tokens(op), now))
+            self._track(op, self.pipes.schedule(op.link, self._tokens(op), now, backup=backup))
+            if backup:
+                self._backup[id(op)] = self.pipes.pipe(op.link)
+
+    def link_tokens_per_s(self, link: str) -> float:
+        return self.pipes.tokens_per_s(link)
 
     def _track(self, op: "TransferOp", finish: float) -> None:
         op.submitted = True
@@ -242,6 +296,7 @@ class VirtualExecutor(Executor):
     def _execute(self, op: "TransferOp") -> None:
         self._ops.pop(id(op), None)
         self._low.pop(id(op), None)
+        self._backup.pop(id(op), None)
         self.finish.pop(id(op), None)
         if not op.executed.is_set():
             execute(op, self.links.handlers)
@@ -253,7 +308,10 @@ class VirtualExecutor(Executor):
         return min(self.finish.values()) if self.finish else None
 
     def eta(self, job: "PromotionJob") -> float:
-        times = [self.finish.get(id(op), math.inf) for op in job.ops() if not op.executed.is_set()]
+        return self.ops_eta(job.ops())
+
+    def ops_eta(self, ops: Sequence["TransferOp"]) -> float:
+        times = [self.finish.get(id(op), math.inf) for op in ops if not op.executed.is_set()]
         return max(0.0, max(times) - self.clock()) if times else 0.0
 
     def expedite(self, ops: Sequence["TransferOp"], max_wait_s: float = math.inf) -> float:
@@ -310,6 +368,7 @@ class VirtualExecutor(Executor):
             op.cancelled = True
             self._ops.pop(id(op), None)
             self._low.pop(id(op), None)
+            self._backup.pop(id(op), None)
             self.finish.pop(id(op), None)
             if not op.executed.is_set():
                 op.error = Cancelled()

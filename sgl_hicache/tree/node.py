@@ -60,6 +60,9 @@ class TreeNode:
         "children_in",
         "traffic_seq",
         "traffic_hot",
+        "traffic_stops",
+        "stops_at",
+        "prefetch_trigger",
     )
 
     def __init__(self, parent: "TreeNode | None", tokens: "array | tuple[int, ...]", keys: list[PageKey] | None, num_pages: int,
@@ -87,8 +90,14 @@ class TreeNode:
         # list of keys counted more than about once (`tree.traffic.hot_edges`)
         self.traffic_seq: dict[EdgeKey, int] = {}
         self.traffic_hot: dict[EdgeKey, int] = {}
+        # requests whose path ended here since one last went on below (decayed, as of `stops_at`):
+        # the traffic that says "do not go on" (`tree.traffic.count_stop`)
+        self.traffic_stops = 0.0
+        self.stops_at = 0.0
         # set by a prefetch or a prediction until a request uses the node: "prefetch" | "predict" | None
         self.prefetched: str | None = None
+        # the trigger of the prediction that brought it (`RequestController.trigger_of`), for the guard
+        self.prefetch_trigger: str | None = None
         # transfers prepared into a tier and not yet completed, by destination tier
         self.incoming: dict[str, object] = {}
         # children resident in each tier, kept by the tree on every residency change: "is a leaf of

@@ -16,7 +16,7 @@ from .gaps import TierGaps
 from .invariants import InvariantError, check_tree
 from .leaves import LeafKey, LeafQueue
 from .node import TreeNode, edge_key_of, split_handles
-from .traffic import drop_edge, start_edges
+from .traffic import HalfLife, drop_edge, start_edges
 
 
 _ALL = frozenset(TIERS)
@@ -48,6 +48,7 @@ class RadixTree:
         # residency change so eviction does not rescan the whole tier (and every node's children)
         self.leaf_sets: dict[str, set[TreeNode]] = {tier: set() for tier in TIERS}
         self.gaps = TierGaps()  # per write-back link, the resident nodes without their lower copy
+        self.half_life = HalfLife()  # of the traffic counts, learned from the gaps between a session's visits
         # pages per tier of locked or pinned nodes, kept on every lock/pin/residency change
         self.protected: dict[str, int] = {tier: 0 for tier in TIERS}
         self.pages: dict[str, int] = {tier: 0 for tier in TIERS}
@@ -165,8 +166,16 @@ class RadixTree:
         upper.incoming = dict(node.incoming)
         upper._edge = node._edge  # the same first page: the very key the parent's dicts hold
         lower_edge = edge_key_of(node.tokens[cut : cut + self.page_size])
-        start_edges(upper, lower_edge, 1.0)
-        upper.traffic_stamp = node.traffic_stamp
+        # every request counted into `node` went through its whole edge (a partial match splits it
+        # first): the upper half passes them all on to the lower, as of the parent's stamp
+        assert node.parent is not None
+        carried = node.parent.child_traffic.get(node.edge_key)
+        if carried is None:
+            start_edges(upper, lower_edge, 1.0)
+            upper.traffic_stamp = node.traffic_stamp
+        else:
+            start_edges(upper, lower_edge, carried)
+            upper.traffic_stamp = node.parent.traffic_stamp
         assert node.parent is not None
         node.parent.children[upper.edge_key] = upper
         node.set_tokens(node.tokens[cut:])

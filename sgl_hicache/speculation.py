@@ -1,0 +1,107 @@
+"""The controller's speculative promotions: a predictor's picks brought disk -> host ahead of
+their use (`RequestController.predict` runs `predict` here). One implementation for both engines;
+the client hints (`hint_desk.py`) use the same promotion (`promote_fresh`) and guard.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .cache import PrefixMatch
+from .tiers.base import HOST
+from .transfer.ops import PromotionJob
+from .tree.node import TreeNode
+
+if TYPE_CHECKING:
+    from .controller import RequestController
+
+
+def predict(ctl: "RequestController", m: PrefixMatch) -> None:
+    """Bring likely nodes (the predictor's choice) disk -> host ahead of their use; at most
+    `max_predicted_jobs` in flight, at most `prediction_budget()` tokens per call. Into free host
+    pages only, unless the predictor may evict (`Predictor.may_evict`), and then only over host
+    pages that rank below the one it brings (never a device page, never a locked or pinned one).
+    A prediction of a node's head splits the node there. Promoted nodes are fresh (their recency
+    is the prediction's time), so eviction keeps them for their lead window instead of taking
+    them first. The guard stops it while the recent precision of its predictions is too low."""
+    ctl.advance_predictions()
+    if len(ctl.predicted) >= ctl.settings.max_predicted_jobs or not ctl.cache.has_tier(HOST):
+        return
+    now = ctl.clock()
+    trigger = trigger_of(ctl, m.last_node)
+    own = set(m.path)
+    picks = [p for p in ctl.predictor.predict(m.last_node, now, prediction_budget(ctl))
+             if p.node.parent is not None and p.node.host is None and p.node.device is None]
+    if not picks:
+        return
+    cap = admit(ctl, trigger)  # one decision per call: its picks are one bet, bounded by the budget
+    if cap is None:
+        return
+    for pred in picks:
+        node = pred.node
+        if node.host is not None or node.device is not None:
+            continue  # an earlier pick's path brought it
+        pages = pred.pages
+        if cap:  # a probe: one small prediction, the head of the node at most
+            pages = max(1, min(pages or node.num_pages, cap // ctl.cache.page_size))
+        if pages is not None and 0 < pages < node.num_pages:
+            head = ctl.cache.split_head(node, pages)
+            if head is node:
+                continue  # it cannot be split now: the whole node would overrun the budget
+            node = head
+        job = promote_fresh(ctl, node, now, ctl.predictor.may_evict)
+        if job is not None:
+            # the guard judges the trigger by what lies below the match point: the path down to it
+            # is the arriving request's own (it uses it, whoever brings it up)
+            below = [st.node for st in job.stages if st.ops and st.node not in own]  # (not those another job brings)
+            for n in below:
+                n.prefetch_trigger = trigger
+            ctl.planned[trigger] = ctl.planned.get(trigger, 0) + sum(n.num_pages for n in below) * ctl.cache.page_size
+            ctl.executor.submit_job(job, speculative=True)
+            ctl.predicted.append(job)
+            if cap or len(ctl.predicted) >= ctl.settings.max_predicted_jobs:
+                return
+
+def trigger_of(ctl: "RequestController", start: TreeNode) -> str:
+    """The class of prediction the guard judges on its own: the predictor, and how many children
+    the node it walks from has (one: a session's head; a few: branches; many: a shared prompt),
+    so that a pattern that misses (a shared prompt's children) never stops one that hits."""
+    n = len(start.children)
+    fanout = "1" if n <= 1 else "2-4" if n <= 4 else "5+"
+    return f"{ctl.predictor.name}/{fanout}"
+
+def prediction_budget(ctl: "RequestController") -> int | None:
+    """Tokens a prediction may bring: lead time x the disk -> host link's rate (None: unknown, the
+    predictor's own budget)."""
+    rate = ctl.executor.link_tokens_per_s("disk->host")
+    lead = ctl.settings.predictor_lead_s
+    return int(lead * rate) if rate > 0 and lead > 0 else None
+
+def promote_fresh(ctl: "RequestController", node: TreeNode, now: float, may_evict: bool) -> PromotionJob | None:
+    """Plan `node`'s path disk -> host as a prediction, with the path's recency set to `now` (as
+    the request it is brought for will set it); evicting host pages only where every page to go
+    ranks below it. (Recency only grows: eviction orders keep their keys monotonic, so it stays
+    even when nothing could be planned, as a match's touch would.)"""
+    path = node.path_from_root()
+    for n in path:
+        n.last_access = max(n.last_access, now)
+    ctl.cache.tree.touched()
+    evict = may_evict and worth_room(ctl, node)
+    return ctl.cache.plan_promotion(path, kind="predict", target=HOST, evict=evict)
+
+def worth_room(ctl: "RequestController", node: TreeNode) -> bool:
+    """Whether making host room for `node`'s path pushes out only pages ranked below it, each
+    with its copy below (a guess never loses data: a dirty page would be dropped or written)."""
+    host = ctl.cache.stores[HOST]
+    need = sum(n.num_pages for n in node.path_from_root() if n.host is None and n.device is None) - host.free_pages
+    leaves = (n for n in ctl.cache.tree.tier_leaves(HOST) if n.evictable)
+    return ctl.guard.worth_evicting(leaves, need, node, ctl.cache.priority, clean=lambda n: n.disk is not None or n.device is not None)
+
+
+def admit(ctl: "RequestController", trigger: str) -> int | None:
+    """The guard's word on one call's promotions for `trigger` (`PromotionGuard.admit`). A page
+    planned and not used yet counts against its trigger until it is: a host tier holds pages for
+    minutes before evicting them (and copies take a while to land), and waiting for that let misses
+    run on."""
+    used = ctl.cache.stats.triggers[trigger]["used_tokens"]
+    return ctl.guard.admit(used, max(0, ctl.planned.get(trigger, 0) - used), trigger=trigger)

@@ -1,0 +1,165 @@
+"""Client hints (issue 24; sglang #27574's shape): parsed from trace lines with errors that name the
+line and the field, run through the controller (`HintDesk`), pins bounded and expiring, and
+replayed by the embedded engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import make_cache, serve
+from sgl_hicache.controller import ControllerSettings, RequestController
+from sgl_hicache.policy.hints import Hint, HintError, HintLimits, hint_tokens
+from sgl_hicache.policy.predictor import Predictor
+from sgl_hicache.replay import load_trace
+from sgl_hicache.replay.trace import TraceError
+from sgl_hicache.tiers.base import DEVICE, HOST
+from sgl_hicache.transfer.executors import VirtualExecutor, VirtualPipes
+from test_oracle_reuse import PS, Clock, seq
+
+
+def _write(tmp_path, rows):
+    p = tmp_path / "t.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return p
+
+
+def test_trace_hints_are_parsed(tmp_path):
+    p = _write(tmp_path, [
+        {"session": "s1", "input_ids": [1, 2, 3, 4], "output_length": 2, "timestamp": 0.0},
+        {"session": "s2", "input_ids": [1, 2, 9, 9], "output_length": 2, "timestamp": 1.0,
+         "hints": [{"action": "prefetch", "session": "s1"}, {"action": "pin", "input_ids": [1, 2, 3, 4], "ttl_s": 30, "after_s": 0.5}]},
+    ])
+    reqs = list(load_trace(p, fmt="plain"))
+    assert reqs[0].hints == ()
+    assert reqs[1].hints == (Hint("prefetch", session="s1"), Hint("pin", (1, 2, 3, 4), ttl_s=30.0, after_s=0.5))
+
+
+@pytest.mark.parametrize("hint, message", [
+    ({"action": "evict", "session": "s"}, "hints[0]: unknown hint action 'evict'"),
+    ({"action": "pin", "session": "s"}, "hints[0]: 'ttl_s' is required for a pin"),
+    ({"action": "prefetch", "session": "s", "input_ids": [1]}, "hints[0]: a hint names its prefix by exactly one"),
+    ({"action": "prefetch", "input_ids": "12"}, "hints[0]: field 'input_ids' must be an array of integers"),
+    ({"action": "pin", "session": "s", "ttl_s": -1}, "hints[0]: field 'ttl_s' must be a finite number >= 0"),
+    ({"action": "prefetch", "session": "s", "when": 1}, "hints[0]: unknown field(s) 'when'"),
+])
+def test_a_malformed_hint_names_the_line_and_the_field(tmp_path, hint, message):
+    p = _write(tmp_path, [{"input_ids": [1, 2], "output_length": 1}, {"input_ids": [1, 2], "output_length": 1, "hints": [hint]}])
+    with pytest.raises(TraceError) as err:
+        load_trace(p, fmt="plain")
+    assert f"{p}:2: " in str(err.value) and message in str(err.value)
+
+
+def test_hint_tokens_resolve_sessions():
+    assert hint_tokens(Hint("retain", (5, 6)), {}) == (5, 6)
+    assert hint_tokens(Hint("retain", session="a"), {"a": [1, 2]}) == [1, 2]
+    with pytest.raises(HintError, match="unknown session 'b'"):
+        hint_tokens(Hint("retain", session="b"), {"a": [1, 2]})
+
+
+def _controller(tmp_path, clock, **kw):
+    cache = make_cache(tmp_path, device=8, host=8, disk=64, **kw)
+    cache.clock = clock
+    ex = VirtualExecutor(cache, VirtualPipes(lambda link, tokens: tokens / 1000.0), clock, PS)
+    return cache, ex, RequestController(cache, ex, Predictor(), ControllerSettings(), clock)
+
+
+def _disk_only(cache, tokens):
+    serve(cache, tokens)
+    cache.evict(DEVICE, cache.stores[DEVICE].capacity_pages)
+    cache.evict(HOST, cache.stores[HOST].capacity_pages)
+    node = cache.match(tokens, touch=False).last_node
+    assert node.host is None and node.disk is not None
+    return node
+
+
+def test_prefetch_hint_brings_the_prefix_to_host(tmp_path):
+    clock = Clock(10.0)
+    cache, ex, ctl = _controller(tmp_path, clock)
+    node = _disk_only(cache, seq(0, 3))
+    assert ctl.hints.apply(Hint("prefetch", tuple(seq(0, 3))), seq(0, 3)) == 3 * PS
+    assert ctl.predicted  # a speculative job of the controller, charged on the link
+    ex.finish_all([op for job in ctl.predicted for op in job.ops()])
+    ctl.advance_predictions()
+    assert node.host is not None and cache.stats.triggers["hint"]["promoted_tokens"] == 3 * PS
+    cache.check()
+
+
+def test_a_pin_holds_until_it_expires_and_never_longer(tmp_path):
+    clock = Clock(10.0)
+    cache, ex, ctl = _controller(tmp_path, clock)
+    serve(cache, seq(0, 2))
+    node = cache.match(seq(0, 2), touch=False).last_node
+    base = node.lock_ref
+    ctl.hints.apply(Hint("pin", tuple(seq(0, 2)), ttl_s=5.0), seq(0, 2))
+    assert node.lock_ref == base + 1 and ctl.hints.pins == 1
+    for i in range(6):  # other prompts fill the tiers: the pinned one stays on the device
+        serve(cache, seq(1000 * (i + 1), 2))
+    assert node.device is not None
+    clock.t = 14.9
+    ctl.pump_writeback(start_new=False)
+    assert ctl.hints.pins == 1 and node.lock_ref >= 1
+    clock.t = 15.0
+    ctl.pump_writeback(start_new=False)  # its time is up: unlocked, evictable again
+    ex.finish_all(list(ex._ops.values()))  # (and background copies that lock the path have landed)
+    ctl.pump_writeback(start_new=False)
+    assert node.lock_ref == base and ctl.hints.pins == 0 and ctl.hints.pinned_tokens == 0
+    ctl.hints.apply(Hint("pin", tuple(seq(0, 2)), ttl_s=5.0), seq(0, 2))
+    ctl.shutdown()  # and nothing outlives the controller
+    assert node.lock_ref == base
+    cache.check()
+
+
+def test_an_oversized_or_overlong_pin_is_refused(tmp_path):
+    clock = Clock(10.0)
+    cache, ex, ctl = _controller(tmp_path, clock)
+    ctl.hints.limits = HintLimits(max_ttl_s=60.0, max_pin_share=0.25)  # 25 % of an 8-page host: 2 pages
+    serve(cache, seq(0, 3))
+    with pytest.raises(HintError, match="over 25% of the 32-token host tier"):
+        ctl.hints.apply(Hint("pin", tuple(seq(0, 3)), ttl_s=10.0), seq(0, 3))
+    with pytest.raises(HintError, match="exceeds the longest allowed, 60 s"):
+        ctl.hints.apply(Hint("pin", tuple(seq(0, 1)), ttl_s=61.0), seq(0, 1))
+    assert ctl.hints.rejected == 2 and ctl.hints.pins == 0
+    with pytest.raises(HintError, match="at least one whole page"):
+        ctl.hints.apply(Hint("prefetch", (1,)), [1])
+
+
+def test_retain_and_demote_move_the_prefix_in_the_eviction_order(tmp_path):
+    clock = Clock(10.0)
+    cache, ex, ctl = _controller(tmp_path, clock)
+    a, b = seq(0, 2), seq(500, 2)
+    serve(cache, a)
+    clock.t = 20.0
+    serve(cache, b)
+    na, nb = cache.match(a, touch=False).last_node, cache.match(b, touch=False).last_node
+    clock.t = 30.0
+    ctl.hints.apply(Hint("retain", tuple(a)), a)  # a is now the more recent
+    assert na.last_access == 30.0 and cache.priority(na) > cache.priority(nb)
+    ctl.hints.apply(Hint("demote", tuple(a)), a)  # and now the first to go
+    assert cache.priority(na) < cache.priority(nb)
+    cache.evict(DEVICE, 2)
+    assert na.device is None and nb.device is not None
+    cache.check()
+
+
+def test_the_engine_replays_hints_through_the_controller():
+    from sgl_hicache.engine.presets import get_hardware, get_model
+    from sgl_hicache.engine.simulator import EmbeddedEngine, EngineConfig
+    from sgl_hicache.replay.shapes import chain, role_of
+
+    out = {}
+    for hints in (False, True):
+        reqs = chain(sessions=12, turn_tokens=2048, hints=hints)
+        role = {r.arrival_s: role_of(r) for r in reqs}
+        cfg = EngineConfig(policy="prefetch", model=get_model("llama3-8b"), hardware=get_hardware("h200"), device_tokens=16_384,
+                           host_tokens=32_768, disk_tokens=1_000_000, concurrency=None, byte_mode="metadata")
+        eng = EmbeddedEngine(cfg)
+        eng.run(reqs)
+        eng.cache.check()
+        ttft = [t for a, t in zip(eng.records.arrival_s, eng.records.ttft_s) if role[a] == "cont"]
+        out[hints] = (sum(ttft) / len(ttft), eng.controller.hints.counts["prefetch"], eng.hints_rejected,
+                      eng.cache.stats.triggers["hint"]["used_tokens"])
+        eng.close()
+    assert out[False][1] == 0 and out[True][1] == 12 and out[True][2] == 0
+    assert out[True][3] > 0 and out[True][0] < out[False][0]  # the client's word got the history up in time
