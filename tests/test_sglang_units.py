@@ -351,3 +351,71 @@ def test_factory_refuses_dp_and_pp_with_a_clear_message(change, words):
     with pytest.raises(ValueError, match="--radix-cache-backend sgl_hicache") as e:
         factory(ctx)
     assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_hint_api_demotes_and_pins_through_the_scheduler_step(tmp_path):
+    """POST /hints on the backend's hint API: the hints are applied on the scheduler's step
+    (`before_batch_formed`), not on the listener's thread; a demoted prefix is evicted first, a
+    pinned one is not evicted until its pin ends; a token outside the vocabulary is refused."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    from sgl_hicache.sglang.backend import TieredRadixCache
+    from sgl_hicache.sglang.settings import BackendSettings
+
+    alloc = _pools(16, size=128)
+    params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=16)
+    cache = TieredRadixCache(params, BackendSettings(host_tokens=256, disk_tokens=0, hint_port=0), vocab_size=1000).start()
+
+    def post(hints):
+        req = urllib.request.Request(f"http://127.0.0.1:{cache.hint_listener.port}/hints", method="POST",
+                                     data=json.dumps({"hints": hints}).encode(), headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def device_tokens(seq):
+        req = SimpleNamespace(rid="m", prefix_len=0, full_untruncated_fill_ids=seq + array("q", [7]), last_node=None,
+                              storage_hit_length=0, storage_hit_start=None)
+        return cache.match_prefix(MatchPrefixParams(key=RadixKey(seq), req=req)).device_prefix_len
+
+    try:
+        old, new, third = array("q", range(100, 132)), array("q", range(200, 232)), array("q", range(300, 332))
+        for seq in (old, third, new):  # `new` is the most recent: LRU alone would evict `third` first
+            cache.insert(InsertParams(key=RadixKey(seq), value=alloc.alloc(32)))
+        assert post([{"action": "demote", "input_ids": list(new)},
+                     {"action": "pin", "input_ids": list(old), "ttl_s": 60}]) == (202, {"queued": 2})
+        assert cache.controller.hints.counts["demote"] == 0  # nothing applied on the listener's thread
+        cache.before_batch_formed()
+        assert cache.controller.hints.counts == {"prefetch": 0, "pin": 1, "retain": 0, "demote": 1}
+        assert cache.evict(EvictParams(num_tokens=32)).num_tokens_evicted == 32
+        # the demoted prefix went first although it is the most recent (`old`, the oldest, is pinned)
+        assert device_tokens(new) == 0 and device_tokens(old) == 32 and device_tokens(third) == 32
+        cache.evict(EvictParams(num_tokens=64))
+        assert device_tokens(old) == 32  # pinned: kept
+        code, out = post([{"action": "retain", "input_ids": [5, 1000]}])
+        assert code == 400 and "outside the vocabulary" in out["error"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{cache.hint_listener.port}/hints", timeout=5) as r:
+            status = json.loads(r.read())
+        assert status["applied"]["pin"] == 1 and status["pins"] == 1 and status["pinned_tokens"] == 32
+    finally:
+        cache.shutdown()
+    assert cache.hint_listener is None
+
+
+def test_hint_api_is_refused_at_tp_above_one():
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+    from sgl_hicache.sglang.backend import TieredRadixCache
+    from sgl_hicache.sglang.settings import BackendSettings
+
+    params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=_pools(16, size=64), page_size=16)
+    with pytest.raises(ValueError, match="hint API .* not supported with --tp > 1"):
+        TieredRadixCache(params, BackendSettings(host_tokens=64, disk_tokens=0, hint_port=0), consensus=object())

@@ -76,6 +76,7 @@ from .call_timer import CallTimer, IOGuard
 from .coverage import PREFIX as REFUSAL_PREFIX
 from .coverage import refusal
 from .device_pool import frees_batched
+from .hint_server import HintListener
 from .export import StatsPublisher, pool_accounting, stats_snapshot, tree_text
 from .rank_consensus import RankConsensus
 from .req_states import ReqState, RequestStates
@@ -123,8 +124,11 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
 
     def __init__(self, params: Any, settings: BackendSettings | None = None, *, architecture: str = "llama",
                  model_salt: str = "", server_port: int | None = None,
-                 consensus: RankConsensus | None = None) -> None:
+                 consensus: RankConsensus | None = None, vocab_size: int | None = None) -> None:
         self.settings = s = settings or load_settings()
+        if s.hint_port is not None and consensus is not None:
+            raise ValueError(REFUSAL_PREFIX + "the hint API (hint_port) is not supported with --tp > 1: every rank would "
+                             "need the same hints at the same step; run without SGLHICACHE_HINT_PORT / --hint-port")
         self.consensus = consensus  # TP >= 2: agreement with the other ranks (rank_consensus.py)
         self.disable = bool(params.disable)
         self.req_to_token_pool = params.req_to_token_pool
@@ -155,13 +159,19 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
             self.init_metrics_collector()
         self.call_timer = CallTimer().instrument(self) if s.time_calls else None
         self.io_guard = IOGuard().install(self.cache) if s.check_scheduler_io else None
+        self._vocab_size = vocab_size
+        self.hint_listener: HintListener | None = None  # started by `start` when hint_port is set
 
     @property
     def root_node(self):
         return self.cache.tree.root
 
     def start(self) -> "TieredRadixCache":
-        """Start the stats publisher (the transfer engine starts on first use)."""
+        """Start the stats publisher and the hint API (the transfer engine starts on first use)."""
+        if self.hint_listener is None and self.settings.hint_port is not None and not self.disable:
+            self.hint_listener = HintListener(self.settings.hint_port, self.settings.hint_host, status=self.hint_status,
+                                              vocab_size=self._vocab_size)
+            logger.info("sgl_hicache: hint API on http://%s:%d/hints", self.settings.hint_host, self.hint_listener.port)
         if self._publisher is None and (self.settings.stats_file or self._metrics_enabled):
             self._publisher = StatsPublisher(self, self.settings.stats_file, self.settings.stats_interval_s,
                                              prometheus=self._metrics_enabled)
@@ -169,7 +179,10 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
         return self
 
     def shutdown(self) -> None:
-        """Stop the publisher and the transfer engine; in-flight promotions are cancelled."""
+        """Stop the publisher, the hint API and the transfer engine; in-flight promotions are cancelled."""
+        if self.hint_listener is not None:
+            self.hint_listener.close()
+            self.hint_listener = None
         if self._publisher is not None:
             self._publisher.stop()
             self._publisher = None

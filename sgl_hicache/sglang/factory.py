@@ -97,7 +97,8 @@ def factory(ctx: Any) -> TieredRadixCache:
         logger.warning("sgl_hicache: ignoring unknown environment variable %s", var)
     sa = ctx.server_args
     cache = TieredRadixCache(ctx.params, settings, architecture=_architecture(ctx), model_salt=model_salt(sa),
-                             server_port=getattr(sa, "port", None), consensus=consensus)
+                             server_port=getattr(sa, "port", None), consensus=consensus,
+                             vocab_size=getattr(ctx.model_config, "vocab_size", None))
     if cache.layer_loads is not None:
         cache.layer_loads.forward_stream = getattr(getattr(ctx.tp_worker, "model_runner", None), "forward_stream", None)
         # SGLang's supported seam for layer-wise loads (mem_cache/registry.py does the same for its

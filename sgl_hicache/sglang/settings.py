@@ -72,6 +72,8 @@ class BackendSettings:
     time_calls: bool = True  # time every cache call the scheduler makes (p50/p99/max in the stats)
     check_scheduler_io: bool = False  # count copies, disk writes, sleeps and waits inside scheduler calls (tests, diagnosis)
     consensus_check: bool = False  # TP >= 2: all-reduce a digest of each rank's tree and residency every step; stop on a difference (debug; tests)
+    hint_port: int | None = None  # the hint API's port (sglang/hint_server.py); None: off; 0: any free port
+    hint_host: str = "127.0.0.1"  # the hint API's bind address
     fault_disk_read_file: str | None = None  # tests: while this file names a TP rank (e.g. "1"), that rank's disk reads fail
 
     def __post_init__(self) -> None:
@@ -79,7 +81,7 @@ class BackendSettings:
             if not ok:
                 raise SettingsError(msg)
 
-        for name in ("host_tokens", "disk_tokens"):
+        for name in ("host_tokens", "disk_tokens"):  # (hint_port is checked below)
             v = getattr(self, name)
             need(v is None or (isinstance(v, int) and v >= 0), f"{name} must be a non-negative integer or null, got {v!r}")
         need(self.host_ratio >= 0, f"host_ratio must be >= 0, got {self.host_ratio!r}")
@@ -101,6 +103,8 @@ class BackendSettings:
         need(self.eviction_demotes in EVICTION_DEMOTES, f"eviction_demotes must be one of {', '.join(EVICTION_DEMOTES)}, got {self.eviction_demotes!r}")
         need(self.store is None or "://" in self.store, f"store must be a URL (mooncake://HOST:PORT or redis://HOST:PORT), got {self.store!r}")
         need(isinstance(self.store_min_hits, int) and self.store_min_hits >= 0, f"store_min_hits must be an integer >= 0, got {self.store_min_hits!r}")
+        need(self.hint_port is None or (isinstance(self.hint_port, int) and 0 <= self.hint_port <= 65535),
+             f"hint_port must be a port number (0-65535) or null, got {self.hint_port!r}")
         need(self.stats_interval_s > 0, f"stats_interval_s must be > 0, got {self.stats_interval_s!r}")
 
     def tiering(self, sglang_eviction: str | None = None) -> TieringPolicy:
@@ -137,7 +141,7 @@ def _coerce(name: str, raw: Any, source: str) -> Any:
     """Turn a JSON value or an environment string into the field's type."""
     default = _FIELDS[name].default
     kind = type(default) if default is not None else None
-    optional_int = name in ("host_tokens", "disk_tokens")
+    optional_int = name in ("host_tokens", "disk_tokens", "hint_port")
     optional_str = name in ("disk_dir", "eviction_policy", "stats_file", "fault_disk_read_file", "store")
     if isinstance(raw, str) and source.startswith("env"):
         text = raw.strip()

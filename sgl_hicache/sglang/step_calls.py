@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from ..policy.hints import HintError
 from .device_pool import frees_batched
 from .rank_consensus import tree_digest
 
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     from ..cache import TieredCache
     from ..controller import RequestController
     from .backend import BackendCounters
+    from .hint_server import HintListener
     from .layer_loads import LayerLoads
     from .rank_consensus import RankConsensus
     from .requests import RequestStates
@@ -37,6 +39,9 @@ class StepCalls:
     layer_loads: LayerLoads | None
     req_states: RequestStates
     counters: BackendCounters
+    hint_listener: HintListener | None
+    hint_tokens: int = 0  # tokens the applied hints acted on
+    hint_error: str | None = None  # the last refused hint's reason
 
     def yield_to_demand(self, req: Any, short_tokens: int) -> int:
         """Demand preempts prefetch, with the embedded engine's rule (`RequestController.yield_to_demand`
@@ -62,9 +67,30 @@ class StepCalls:
         (`scheduler_hooks.record_landed_copies`): record the background copies that landed (their
         pages are clean and evictable for this admission); start none. Nothing at TP >= 2 (there the
         ranks agree on the outcomes first, `sgl_hicache_on_step`)."""
-        if self.disable or self.consensus is not None or not self.controller.writeback:
+        if self.disable or self.consensus is not None:
             return
-        self.controller.pump_writeback(start_new=False)
+        if self.hint_listener is not None:
+            self.apply_hints(self.hint_listener.drain())
+        if self.controller.writeback:
+            self.controller.pump_writeback(start_new=False)
+
+    def apply_hints(self, hints: list) -> None:
+        """Client hints queued by the hint API, applied through the controller's `HintDesk` on this
+        (the scheduler) thread: plans and enqueues only. A hint that cannot run is counted, its
+        reason kept for `GET /hints`; it never stops the step."""
+        desk = self.controller.hints
+        for hint in hints:
+            try:
+                self.hint_tokens += desk.apply(hint, hint.input_ids)
+            except HintError as e:
+                desk.rejected += 1
+                self.hint_error = f"{hint.action}: {e}"
+
+    def hint_status(self) -> dict:
+        """What `GET /hints` reports (read from the listener's thread: counters only)."""
+        desk = self.controller.hints
+        return {"applied": dict(desk.counts), "acted_tokens": self.hint_tokens, "rejected": desk.rejected,
+                "pins": desk.pins, "pinned_tokens": desk.pinned_tokens, "last_error": self.hint_error}
 
     @frees_batched
     def after_batch_formed(self) -> None:

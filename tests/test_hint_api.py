@@ -1,0 +1,75 @@
+"""The server's hint API listener (`sglang/hint_server.py`) without SGLang: what a client POSTs is
+validated on the listener's thread (a malformed batch queues nothing and the answer names the hint
+and the field), and the scheduler thread drains the rest in order. The backend wiring is tested
+with SGLang's real pool in tests/test_sglang_units.py."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from sgl_hicache.sglang.hint_server import HintListener, parse_hint_batch
+from sgl_hicache.policy.hints import HintError
+
+
+def _post(port: int, body) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/hints", data=data, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.fixture
+def listener():
+    lst = HintListener(0, status=lambda: {"applied": {"prefetch": 7}}, vocab_size=1000)
+    yield lst
+    lst.close()
+
+
+def test_valid_hints_are_queued_in_order_and_drained_once(listener):
+    code, out = _post(listener.port, {"hints": [{"action": "prefetch", "input_ids": [1, 2, 3]},
+                                                 {"action": "pin", "input_ids": [4, 5], "ttl_s": 30}]})
+    assert (code, out) == (202, {"queued": 2})
+    hints = listener.drain()
+    assert [h.action for h in hints] == ["prefetch", "pin"] and hints[1].ttl_s == 30.0 and hints[0].input_ids == (1, 2, 3)
+    assert listener.drain() == []
+    with urllib.request.urlopen(f"http://127.0.0.1:{listener.port}/hints", timeout=5) as r:
+        assert json.loads(r.read()) == {"queued": 0, "applied": {"prefetch": 7}}
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"hints": [{"action": "prefetch", "input_ids": [1]}, {"action": "evict", "input_ids": [1]}]}, "hint 1: 'action'"),
+    ({"hints": [{"action": "retain", "session": "s1"}]}, "tracks no sessions"),
+    ({"hints": [{"action": "pin", "input_ids": [1, 2]}]}, "'ttl_s' is required"),
+    ({"hints": [{"action": "prefetch", "input_ids": [1, 2000]}]}, "token id 2000 is outside the vocabulary"),
+    ({"hints": [{"action": "prefetch", "input_ids": [1, -3]}]}, "non-negative"),
+    ({"hints": [{"action": "prefetch", "input_ids": "1 2"}]}, "list of integer token ids"),
+    ({"hints": [{"action": "prefetch", "input_ids": [1], "colour": 1}]}, "unknown field(s) colour"),
+    ({"hint": []}, '{"hints": [...]}'),
+    (b"{not json", "Expecting property name"),
+])
+def test_a_malformed_batch_is_refused_whole_with_the_reason(listener, body, words):
+    code, out = _post(listener.port, body)
+    assert code == 400 and words in out["error"], out
+    assert listener.drain() == []
+
+
+def test_parse_hint_batch_is_the_one_validator():
+    with pytest.raises(HintError, match="hint 0: 'ttl_s' must be a number"):
+        parse_hint_batch({"hints": [{"action": "pin", "input_ids": [1], "ttl_s": "long"}]})
+
+
+def test_close_frees_the_port():
+    lst = HintListener(0)
+    port = lst.port
+    lst.close()
+    again = HintListener(port)  # the port can be bound again
+    again.close()
+    lst.close()  # twice is safe
