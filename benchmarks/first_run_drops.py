@@ -14,7 +14,8 @@ requests (what the disk tier gives after a restart).
 
 Traces (`--traces`, comma-separated names or paths): `mooncake` = the shipped Mooncake conversation
 trace; `agentic` = BFCL multi-turn tool-use sessions written by `benchmarks/agentic_trace.py`
-(`--agentic FILE`; generated into the work dir from `--bfcl-wheel` when given); `synth` = a trace
+(`--agentic FILE`; generated into the work dir from `--bfcl-wheel` when given), rewritten as a block
+trace of ~512-token blocks (`as_block_trace`) so that `--scale 16` fits it to the tiny model; `synth` = a trace
 grown from the shipped one by `sgl-hicache synth --seed 1` (same family, other sessions); any other
 value is a trace file path. A trace that cannot be had is reported as skipped, with the reason.
 
@@ -124,6 +125,34 @@ def serve_and_replay(trace: Path, disk_dir: Path, work: Path, a: argparse.Namesp
     return out
 
 
+CHARS_PER_BLOCK = 2048  # ~512 tokens of English / JSON text (4 characters a token)
+
+
+def as_block_trace(text_trace: Path, out: Path) -> Path:
+    """A plain-text JSONL trace (`prompt`, `output_length`, `timestamp` in s) rewritten as a
+    Mooncake-style block trace: each prompt cut into 2,048-character blocks (~512 tokens), each
+    block named by a chained id (equal prefixes, equal ids), so `--scale 16` shrinks it like the
+    shipped trace. The agentic prompts (4k-27k tokens of tool documentation and history) would not
+    fit the README's 1,024-token pool and 4,096-token context otherwise; the sharing is kept."""
+    ids: dict[tuple[int, str], int] = {}
+    lines = []
+    for raw in text_trace.read_text().splitlines():
+        if not raw.strip():
+            continue
+        row = json.loads(raw)
+        text = row["prompt"]
+        blocks = [text[i : i + CHARS_PER_BLOCK] for i in range(0, len(text), CHARS_PER_BLOCK)] or [""]
+        parent, hash_ids = -1, []
+        for b in blocks:
+            parent = ids.setdefault((parent, b), len(ids))
+            hash_ids.append(parent)
+        tail_tokens = max(1, -(-len(blocks[-1]) // 4))
+        lines.append({"timestamp": int(float(row.get("timestamp", 0)) * 1000), "output_length": int(row.get("output_length", 16)),
+                      "input_length": 512 * (len(blocks) - 1) + min(tail_tokens, 512), "hash_ids": hash_ids})
+    out.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return out
+
+
 def resolve_traces(names: list[str], work: Path, a: argparse.Namespace) -> dict[str, Path | str]:
     """name -> trace path, or a string saying why it is skipped."""
     out: dict[str, Path | str] = {}
@@ -140,12 +169,12 @@ def resolve_traces(names: list[str], work: Path, a: argparse.Namespace) -> dict[
             out[name] = dst if p.returncode == 0 else f"synth failed: {p.stderr[-500:]}"
         elif name == "agentic":
             if a.agentic:
-                out[name] = Path(a.agentic)
+                out[name] = as_block_trace(Path(a.agentic), work / "agentic-blocks.jsonl")
             elif a.bfcl_wheel:
                 dst = work / "agentic.jsonl"
                 p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "agentic_trace.py"), "--wheel", a.bfcl_wheel,
                                     "--out", str(dst)], cwd=REPO, env=_env(), capture_output=True, text=True)
-                out[name] = dst if p.returncode == 0 else f"agentic_trace failed: {p.stderr[-500:]}"
+                out[name] = as_block_trace(dst, work / "agentic-blocks.jsonl") if p.returncode == 0 else f"agentic_trace failed: {p.stderr[-500:]}"
             else:
                 out[name] = "no --agentic FILE or --bfcl-wheel WHEEL given"
         else:
