@@ -123,6 +123,40 @@ def test_overhead_smoke(tmp_path: Path) -> None:
         assert "ratio_ours_over_sglang" not in result
 
 
+def test_first_run_drops_rewrites_a_text_trace_as_shared_blocks(tmp_path: Path) -> None:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from first_run_drops import as_block_trace
+
+    system = "s" * 5000  # a shared tool prompt of ~3 blocks, then each session's own turns
+    rows = [{"session": "a", "prompt": system + "A" * 100, "output_length": 4, "timestamp": 0.5},
+            {"session": "b", "prompt": system + "B" * 3000, "output_length": 4, "timestamp": 1},
+            {"session": "a", "prompt": system + "A" * 100 + "more" * 600, "output_length": 4, "timestamp": 2}]
+    src = tmp_path / "t.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = [json.loads(x) for x in as_block_trace(src, tmp_path / "b.jsonl").read_text().splitlines()]
+    a1, b1, a2 = (o["hash_ids"] for o in out)
+    assert a1[:2] == b1[:2] == a2[:2] and a1[2] != b1[2]  # the shared full blocks share ids, then they part
+    assert a2[2] != a1[2]  # a1's partial third block is re-cut in a2 (as Mooncake's traces do)
+    assert [o["timestamp"] for o in out] == [500, 1000, 2000]
+    for o in out:
+        assert len(o["hash_ids"]) == -(-o["input_length"] // 512)  # the shipped trace's block coverage
+
+
+@pytest.mark.sglang
+@pytest.mark.skipif(not _sglang_importable(), reason="sglang is not installed (scripts/install_sglang_cpu.sh installs it into .venv-sglang)")
+def test_first_run_drops_smoke(tmp_path: Path) -> None:
+    # one `sgl-hicache serve` of the tiny model with the README's first-run flags, 40 requests
+    out = tmp_path / "frd.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "first_run_drops.py"), "--traces", "mooncake",
+                           "--limit", "40", "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=900)
+    result = json.loads(out.read_text())
+    first = result["traces"]["mooncake"]["first"]
+    assert "error" not in first, first.get("error")
+    assert first["requests"] + first["requests_skipped"] == 40 and first["requests_failed"] == 0
+    assert set(first["evicted_tokens"]) >= {"device", "host"} and first["evicted_tokens"]["device"] > 0
+    assert proc.returncode == (0 if max(first["device_dirty_drop_share"], first["host_dirty_drop_share"]) <= 0.01 else 1)
+
+
 @pytest.mark.sglang
 @pytest.mark.skipif(not _sglang_importable(), reason="sglang is not installed (scripts/install_sglang_cpu.sh installs it into .venv-sglang)")
 def test_server_compare_smoke(tmp_path: Path) -> None:
