@@ -76,7 +76,7 @@ from .call_timer import CallTimer, IOGuard
 from .coverage import PREFIX as REFUSAL_PREFIX
 from .coverage import refusal
 from .device_pool import frees_batched
-from .hint_server import HintListener
+from .hint_server import refuse_hints_at_tp
 from .export import StatsPublisher, pool_accounting, stats_snapshot, tree_text
 from .rank_consensus import RankConsensus
 from .req_states import ReqState, RequestStates
@@ -126,9 +126,7 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
                  model_salt: str = "", server_port: int | None = None,
                  consensus: RankConsensus | None = None, vocab_size: int | None = None) -> None:
         self.settings = s = settings or load_settings()
-        if s.hint_port is not None and consensus is not None:
-            raise ValueError(REFUSAL_PREFIX + "the hint API (hint_port) is not supported with --tp > 1: every rank would "
-                             "need the same hints at the same step; run without SGLHICACHE_HINT_PORT / --hint-port")
+        refuse_hints_at_tp(s.hint_port, consensus is not None, REFUSAL_PREFIX)
         self.consensus = consensus  # TP >= 2: agreement with the other ranks (rank_consensus.py)
         self.disable = bool(params.disable)
         self.req_to_token_pool = params.req_to_token_pool
@@ -160,7 +158,7 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
         self.call_timer = CallTimer().instrument(self) if s.time_calls else None
         self.io_guard = IOGuard().install(self.cache) if s.check_scheduler_io else None
         self._vocab_size = vocab_size
-        self.hint_listener: HintListener | None = None  # started by `start` when hint_port is set
+        self.hint_listener = None  # the hint API, started by `start` when hint_port is set (StepCalls)
 
     @property
     def root_node(self):
@@ -168,10 +166,7 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
 
     def start(self) -> "TieredRadixCache":
         """Start the stats publisher and the hint API (the transfer engine starts on first use)."""
-        if self.hint_listener is None and self.settings.hint_port is not None and not self.disable:
-            self.hint_listener = HintListener(self.settings.hint_port, self.settings.hint_host, status=self.hint_status,
-                                              vocab_size=self._vocab_size)
-            logger.info("sgl_hicache: hint API on http://%s:%d/hints", self.settings.hint_host, self.hint_listener.port)
+        self.start_hint_api()
         if self._publisher is None and (self.settings.stats_file or self._metrics_enabled):
             self._publisher = StatsPublisher(self, self.settings.stats_file, self.settings.stats_interval_s,
                                              prometheus=self._metrics_enabled)
@@ -180,9 +175,7 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
 
     def shutdown(self) -> None:
         """Stop the publisher, the hint API and the transfer engine; in-flight promotions are cancelled."""
-        if self.hint_listener is not None:
-            self.hint_listener.close()
-            self.hint_listener = None
+        self.stop_hint_api()
         if self._publisher is not None:
             self._publisher.stop()
             self._publisher = None
@@ -498,18 +491,6 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
     def tree_text(self, max_nodes: int = 200) -> str:
         """The tree, one node a line (`export.tree_text`)."""
         return tree_text(self.cache.tree, self.page_size, max_nodes)
-
-    def transfers_in_flight(self) -> bool:
-        """A layer-wise load, a background copy or a prefetch job is still moving pages."""
-        if self.layer_loads is not None and self.layer_loads.inflight:
-            return True
-        return self.controller.inflight() or bool(self.req_states.prefetching())
-
-    def _maybe_check(self) -> None:
-        """With `check_invariants`, verify the tree and every store's accounting (skipped while a
-        prefetch is in flight: its destination pages are allocated but not yet in the tree)."""
-        if self.settings.check_invariants and not self.transfers_in_flight():
-            self.cache.check()
 
     def pool_accounting(self) -> dict[str, Any]:
         """The pools' free counts against the tree's (`export.pool_accounting`; scheduler thread)."""

@@ -8,12 +8,15 @@ them from `StepCalls`.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
 from ..policy.hints import HintError
 from .device_pool import frees_batched
 from .rank_consensus import tree_digest
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from ..cache import TieredCache
@@ -40,6 +43,7 @@ class StepCalls:
     req_states: RequestStates
     counters: BackendCounters
     hint_listener: HintListener | None
+    _vocab_size: int | None
     hint_tokens: int = 0  # tokens the applied hints acted on
     hint_error: str | None = None  # the last refused hint's reason
 
@@ -73,6 +77,32 @@ class StepCalls:
             self.apply_hints(self.hint_listener.drain())
         if self.controller.writeback:
             self.controller.pump_writeback(start_new=False)
+
+    def transfers_in_flight(self) -> bool:
+        """A layer-wise load, a background copy or a prefetch job is still moving pages."""
+        if self.layer_loads is not None and self.layer_loads.inflight:
+            return True
+        return self.controller.inflight() or bool(self.req_states.prefetching())
+
+    def _maybe_check(self) -> None:
+        """With `check_invariants`, verify the tree and every store's accounting (skipped while a
+        prefetch is in flight: its destination pages are allocated but not yet in the tree)."""
+        if self.settings.check_invariants and not self.transfers_in_flight():
+            self.cache.check()
+
+    def start_hint_api(self) -> None:
+        """Serve the hint API when `hint_port` is set (idempotent)."""
+        if self.hint_listener is None and self.settings.hint_port is not None and not self.disable:
+            from .hint_server import HintListener
+
+            self.hint_listener = HintListener(self.settings.hint_port, self.settings.hint_host, status=self.hint_status,
+                                              vocab_size=self._vocab_size)
+            logger.info("sgl_hicache: hint API on http://%s:%d/hints", self.settings.hint_host, self.hint_listener.port)
+
+    def stop_hint_api(self) -> None:
+        if self.hint_listener is not None:
+            self.hint_listener.close()
+            self.hint_listener = None
 
     def apply_hints(self, hints: list) -> None:
         """Client hints queued by the hint API, applied through the controller's `HintDesk` on this

@@ -117,8 +117,21 @@ class DirectoryLedger:
         # No file of ours stays open for writing: a writable descriptor (or shared writable mapping)
         # would keep the file system from being remounted read-only under a running server.
         owner_path = self.owners_dir / f"{self.owner}.lock"
-        self._owner_fd = os.open(owner_path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | _OPEN, 0o600)
-        fcntl.flock(self._owner_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # Locked before it is visible: created under a private name, flocked, then linked into place
+        # (O_EXCL's semantics: fails if it exists). Created in place and locked after, a peer's
+        # `owner_alive` could find it unlocked in between, take us for dead and unlink it; every
+        # later peer would then take our temp files for a dead owner's and remove them mid-write.
+        private = self.owners_dir / f".{self.owner}.{os.getpid()}.creating"
+        self._owner_fd = os.open(private, os.O_RDONLY | os.O_CREAT | os.O_EXCL | _OPEN, 0o600)
+        try:
+            fcntl.flock(self._owner_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.link(private, owner_path)
+        except BaseException:
+            os.close(self._owner_fd)
+            raise
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(private)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | _OPEN, 0o600)
         try:
             if os.fstat(fd).st_size < LEDGER_SIZE:
