@@ -4,7 +4,8 @@
 
 For each file: samples, the share of samples whose stack passes through each phase of SGLang's
 scheduler loop (forward, batch formation, result processing, idle wait) and through any sgl_hicache
-frame (our cache calls, by function), and the top functions by self time. `benchmarks/server_compare.py
+frame (our cache calls, by function), and the top functions by self time; under `threads`, the same
+phases for the scheduler thread alone and how busy the other threads were (`thread_split`). `benchmarks/server_compare.py
 --profile DIR` writes such files for the scheduler process of every run, so two servers can be compared
 on the same slice.
 """
@@ -55,6 +56,34 @@ def summarize(stacks: Counter[tuple[str, ...]], top: int = 15) -> dict[str, Any]
             "sgl_hicache_calls": share(ours), "top_self": share(self_time)}
 
 
+# py-spy's raw stacks carry no thread id: the scheduler's own thread is the one started by the
+# process's entry point; every other stack belongs to a helper thread (ours: transfer and disk
+# workers; HiCache's: its cache controller's and storage threads)
+MAIN_THREAD_ROOT = "<module> (<string>:1)"
+IDLE_LEAVES = re.compile(r"\b(wait|Condition\.wait|Event\.wait|select|poll|epoll|accept|recv\w*|sleep|get|join|"
+                         r"_wait_for_tstate_lock|_watchdog_once|serve_forever|communicate|_worker)\b")
+
+
+def thread_split(stacks: Counter[tuple[str, ...]]) -> dict[str, Any]:
+    """The scheduler thread's own samples by phase (its idle waits included: a CPU server's loop
+    rarely idles), and how busy the other threads were: their samples whose innermost frame is not
+    a wait, as a share of the scheduler thread's samples (CPU taken from the forward on 2 cores)."""
+    main: Counter[str] = Counter()
+    busy: Counter[str] = Counter()
+    for stack, n in stacks.items():
+        if stack and stack[0] == MAIN_THREAD_ROOT:
+            phase = next((name for f in stack for name, rx in PHASES.items() if rx.search(f)), "other")
+            main[phase] += n
+            if any("sgl_hicache" in f for f in stack):
+                main["any sgl_hicache frame"] += n
+        elif stack and not IDLE_LEAVES.search(stack[-1].split(" (")[0]):
+            busy[stack[-1]] += n
+    total = sum(v for k, v in main.items() if k != "any sgl_hicache frame") or 1
+    return {"scheduler_thread_samples": total, "scheduler_thread": {k: round(v / total, 4) for k, v in main.most_common()},
+            "other_threads_busy_over_scheduler": round(sum(busy.values()) / total, 4),
+            "other_threads_top": {k: round(v / total, 4) for k, v in busy.most_common(6)}}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("profiles", nargs="+", type=Path)
@@ -64,7 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     missing = [str(f) for f in a.profiles if not f.is_file()]
     if missing:
         p.error(f"no such profile: {', '.join(missing)}")
-    out = {str(f): summarize(parse(f), a.top) for f in a.profiles}
+    out = {}
+    for f in a.profiles:
+        stacks = parse(f)
+        out[str(f)] = {**summarize(stacks, a.top), "threads": thread_split(stacks)}
     text = json.dumps(out, indent=1)
     if a.json:
         a.json.write_text(text)
