@@ -26,7 +26,7 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from ..policy.hints import HINT_ACTIONS, Hint, HintError
+from ..policy.hints import HINT_ACTIONS, Hint, HintError, HintLimits
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +72,9 @@ class HintListener:
     """
 
     def __init__(self, port: int, host: str = "127.0.0.1", status: Callable[[], dict] | None = None,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, limits: HintLimits | None = None) -> None:
         self._queue: queue.SimpleQueue[Hint] = queue.SimpleQueue()
+        self._limits = limits or HintLimits()
         self._status = status or (lambda: {})
         self._vocab = vocab_size
         listener = self
@@ -104,7 +105,7 @@ class HintListener:
                 try:
                     body = json.loads(self.rfile.read(length) or b"null")
                     hints = parse_hint_batch(body)
-                    listener._check_vocab(hints)
+                    listener._check(hints)
                 except (HintError, ValueError) as e:
                     return self._reply(400, {"error": str(e)})
                 for h in hints:
@@ -117,13 +118,16 @@ class HintListener:
         self._thread = threading.Thread(target=self._server.serve_forever, name="sgl-hicache-hints", daemon=True)
         self._thread.start()
 
-    def _check_vocab(self, hints: list[Hint]) -> None:
-        if self._vocab is None:
-            return
+    def _check(self, hints: list[Hint]) -> None:
+        """What can be refused before the scheduler sees a hint: token ids outside the vocabulary, a pin
+        longer than `HintLimits.max_ttl_s` (the pinned share needs the tree: checked when applied)."""
         for i, h in enumerate(hints):
-            bad = next((t for t in h.input_ids or () if t >= self._vocab), None)
-            if bad is not None:
-                raise HintError(f"hint {i}: token id {bad} is outside the vocabulary ({self._vocab} ids)")
+            if self._vocab is not None:
+                bad = next((t for t in h.input_ids or () if t >= self._vocab), None)
+                if bad is not None:
+                    raise HintError(f"hint {i}: token id {bad} is outside the vocabulary ({self._vocab} ids)")
+            if h.ttl_s is not None and h.ttl_s > self._limits.max_ttl_s:
+                raise HintError(f"hint {i}: pin for {h.ttl_s:g} s exceeds the longest allowed, {self._limits.max_ttl_s:g} s")
 
     def drain(self) -> list[Hint]:
         out: list[Hint] = []

@@ -96,7 +96,7 @@ class StepCalls:
             from .hint_server import HintListener
 
             self.hint_listener = HintListener(self.settings.hint_port, self.settings.hint_host, status=self.hint_status,
-                                              vocab_size=self._vocab_size)
+                                              vocab_size=self._vocab_size, limits=self.controller.hints.limits)
             logger.info("sgl_hicache: hint API on http://%s:%d/hints", self.settings.hint_host, self.hint_listener.port)
 
     def stop_hint_api(self) -> None:
