@@ -48,6 +48,13 @@ class HintDesk:
         self.rejected = 0
 
     def apply(self, hint: Hint, tokens: Sequence[int]) -> int:
+        try:
+            return self._apply(hint, tokens)
+        except HintError:
+            self.rejected += 1  # every refusal, counted once, whoever calls
+            raise
+
+    def _apply(self, hint: Hint, tokens: Sequence[int]) -> int:
         ctl = self.ctl
         cache = ctl.cache
         aligned = cache.tree.page_aligned(tokens)
@@ -66,11 +73,7 @@ class HintDesk:
             if hint.action == "pin":
                 if not cache.has_tier(HOST):
                     raise HintError("a pin needs a host tier")
-                try:
-                    self.limits.check_pin(m.tokens, hint.ttl_s or 0.0, self.pinned_tokens, cache.stores[HOST].capacity_pages * cache.page_size)
-                except HintError:
-                    self.rejected += 1
-                    raise
+                self.limits.check_pin(m.tokens, hint.ttl_s or 0.0, self.pinned_tokens, cache.stores[HOST].capacity_pages * cache.page_size)
             if m.disk_tokens:
                 self._prefetch(m.path[-1], now)
             if hint.action == "pin":

@@ -405,6 +405,12 @@ def test_hint_api_demotes_and_pins_through_the_scheduler_step(tmp_path):
         with urllib.request.urlopen(f"http://127.0.0.1:{cache.hint_listener.port}/hints", timeout=5) as r:
             status = json.loads(r.read())
         assert status["applied"]["pin"] == 1 and status["pins"] == 1 and status["pinned_tokens"] == 32
+        # a pin over 25 % of the 256-token host tier is refused when applied: counted once, reason kept
+        assert post([{"action": "pin", "input_ids": list(old), "ttl_s": 60}] * 2)[0] == 202
+        cache.before_batch_formed()
+        with urllib.request.urlopen(f"http://127.0.0.1:{cache.hint_listener.port}/hints", timeout=5) as r:
+            status = json.loads(r.read())
+        assert status["applied"]["pin"] == 2 and status["rejected"] == 1 and "25%" in status["last_error"], status
     finally:
         cache.shutdown()
     assert cache.hint_listener is None

@@ -60,9 +60,13 @@ class HintLimits:
     max_ttl_s: float = 600.0
     max_pin_share: float = 0.25
 
-    def check_pin(self, tokens: int, ttl_s: float, pinned_tokens: int, capacity_tokens: int) -> None:
+    def check_ttl(self, ttl_s: float) -> None:
+        """The lifetime part of `check_pin` (what can be refused before the tree is seen)."""
         if ttl_s > self.max_ttl_s:
             raise HintError(f"pin for {ttl_s:g} s exceeds the longest allowed, {self.max_ttl_s:g} s")
+
+    def check_pin(self, tokens: int, ttl_s: float, pinned_tokens: int, capacity_tokens: int) -> None:
+        self.check_ttl(ttl_s)
         if pinned_tokens + tokens > self.max_pin_share * capacity_tokens:
             raise HintError(f"pin of {tokens} tokens would hold {pinned_tokens + tokens} pinned tokens, over "
                             f"{self.max_pin_share:.0%} of the {capacity_tokens}-token host tier")

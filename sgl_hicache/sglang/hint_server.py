@@ -126,8 +126,11 @@ class HintListener:
                 bad = next((t for t in h.input_ids or () if t >= self._vocab), None)
                 if bad is not None:
                     raise HintError(f"hint {i}: token id {bad} is outside the vocabulary ({self._vocab} ids)")
-            if h.ttl_s is not None and h.ttl_s > self._limits.max_ttl_s:
-                raise HintError(f"hint {i}: pin for {h.ttl_s:g} s exceeds the longest allowed, {self._limits.max_ttl_s:g} s")
+            if h.ttl_s is not None:
+                try:
+                    self._limits.check_ttl(h.ttl_s)
+                except HintError as e:
+                    raise HintError(f"hint {i}: {e}") from None
 
     def drain(self) -> list[Hint]:
         out: list[Hint] = []

@@ -112,8 +112,7 @@ class StepCalls:
         for hint in hints:
             try:
                 self.hint_tokens += desk.apply(hint, hint.input_ids)
-            except HintError as e:
-                desk.rejected += 1
+            except HintError as e:  # counted by the desk
                 self.hint_error = f"{hint.action}: {e}"
 
     def hint_status(self) -> dict:
