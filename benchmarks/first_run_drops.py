@@ -28,19 +28,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from sgl_hicache.sglang.server import free_port, group_shm_files  # noqa: E402
+from sgl_hicache.sglang.server import ServerStartError, SGLangServer, free_port  # noqa: E402
 
 SHIPPED = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 MODEL = REPO / "scripts" / "cpu" / "tiny-llama"
@@ -57,59 +55,35 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-            return r.status == 200
-    except Exception:  # noqa: BLE001  (not up yet)
-        return False
-
-
-def _stop_group(proc: subprocess.Popen) -> None:
-    shm = group_shm_files(proc.pid)
-    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        end = time.monotonic() + wait
-        while time.monotonic() < end and proc.poll() is None:
-            time.sleep(0.2)
-        if proc.poll() is not None:
-            break
-    proc.wait(timeout=10)
-    for seg in shm:
-        seg.unlink(missing_ok=True)
-
-
 def serve_and_replay(trace: Path, disk_dir: Path, work: Path, a: argparse.Namespace, tag: str) -> dict[str, Any]:
     """One `sgl-hicache serve` (README flags) and one replay of `trace` against it."""
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
     serve = [*_cli(), "serve", "--host-tokens", str(a.host_tokens), "--disk-dir", str(disk_dir), "--page-size", "16", "--",
              "--model-path", str(MODEL), "--load-format", "dummy", "--skip-tokenizer-init", "--port", str(port),
              "--max-total-tokens", str(a.device_tokens), "--enable-metrics"]
     log_path = work / f"{tag}.server.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(serve, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(serve, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    # the README's `sgl-hicache serve` process group, waited for and stopped as every other server is
+    srv = SGLangServer(proc=proc, host="127.0.0.1", port=port, log_path=log_path, argv=serve, started_at=time.monotonic(),
+                       _log_file=log)
+    try:
         try:
-            t0 = time.monotonic()
-            while not _healthy(url):
-                if proc.poll() is not None or time.monotonic() - t0 > a.start_timeout:
-                    return {"error": f"server not up (exit {proc.poll()}): {log_path.read_text(errors='replace')[-1500:]}"}
-                time.sleep(0.5)
-            report = work / f"{tag}.report.json"
-            replay = [*_cli(), "replay", str(trace), "--url", url, "--limit", str(a.limit), "--scale", "16",
-                      "--max-new-tokens", "4", "--concurrency", "4", "--report", str(report)]
-            t1 = time.monotonic()
-            rp = subprocess.run(replay, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=a.replay_timeout)
-            wall = time.monotonic() - t1
-            if not report.exists():
-                return {"error": f"replay exit {rp.returncode}: {rp.stderr[-1500:]}"}
-            rep = json.loads(report.read_text())["policies"]["server"]
-        finally:
-            _stop_group(proc)
+            srv.wait_healthy(a.start_timeout)
+        except ServerStartError as e:
+            return {"error": f"server not up: {str(e)[-1500:]}"}
+        report = work / f"{tag}.report.json"
+        replay = [*_cli(), "replay", str(trace), "--url", srv.url, "--limit", str(a.limit), "--scale", "16",
+                  "--max-new-tokens", "4", "--concurrency", "4", "--report", str(report)]
+        t1 = time.monotonic()
+        rp = subprocess.run(replay, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=a.replay_timeout)
+        wall = time.monotonic() - t1
+        if not report.exists():
+            return {"error": f"replay exit {rp.returncode}: {rp.stderr[-1500:]}"}
+        rep = json.loads(report.read_text())["policies"]["server"]
+    finally:
+        srv.stop()
     st = rep.get("server_stats") or {}
     out = {"replay_exit": rp.returncode, "requests": rep["requests"], "requests_failed": rep["requests_failed"],
            "requests_skipped": rep.get("requests_skipped", 0), "prompt_tokens": rep["prompt_tokens"],
