@@ -25,7 +25,7 @@ from ..tiers.build import build_stores
 from ..transfer.bandwidth import BandwidthMeter
 from ..transfer.handlers import default_handlers, execute
 from ..transfer.ops import PromotionJob, TransferOp
-from ..tree.node import TreeNode, edge_key_of
+from ..tree.node import TreeNode
 from ..tree.radix import InvariantError, RadixTree
 from ..tree.traffic import count_edge, count_request, count_stop
 from .copies import Copies
