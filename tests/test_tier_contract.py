@@ -17,6 +17,7 @@ from sgl_hicache.hashing import Namespace, page_key
 from sgl_hicache.tiers.base import TIERS, TierStore, page_shape
 from sgl_hicache.tiers.disk import DiskPageStore
 from sgl_hicache.tiers.memory import DeviceKVPool, HostKVBuffer
+from sgl_hicache.tiers.replicated import SharedHostBuffer
 from sgl_hicache.tiers.store import STORE, SharedStoreTier
 from sgl_hicache.tiers.store_backends import open_backend
 
@@ -31,6 +32,12 @@ def _device(capacity: int, tmp_path) -> TierStore:
 
 def _host(capacity: int, tmp_path) -> TierStore:
     return HostKVBuffer(LAYOUT, PAGE, capacity, pin_memory=False)
+
+
+def _host_shared(capacity: int, tmp_path) -> TierStore:
+    path = tmp_path / f"host-shared-{next(_SALTS)}"  # (the shared-memory file, here under the test's temp dir)
+    path.write_bytes(bytes(capacity * PAGE * LAYOUT.bytes_per_token))
+    return SharedHostBuffer(LAYOUT, PAGE, capacity, path)
 
 
 def _disk(capacity: int, tmp_path) -> TierStore:
@@ -49,7 +56,7 @@ def _shared(service: str):
 
 
 _SALTS = itertools.count()
-STORES = {"device": _device, "host": _host, "disk": _disk, "store-mooncake": _shared("mooncake_service"), "store-redis": _shared("redis_service")}
+STORES = {"device": _device, "host": _host, "host-shared": _host_shared, "disk": _disk, "store-mooncake": _shared("mooncake_service"), "store-redis": _shared("redis_service")}
 
 
 class Harness:
@@ -60,7 +67,7 @@ class Harness:
         self._counter = itertools.count()
 
     def store(self, capacity: int) -> TierStore:
-        if self._factory in (_device, _host, _disk):
+        if self._factory in (_device, _host, _host_shared, _disk):
             return self._factory(capacity, self._tmp_path)
         return self._factory(capacity, self._tmp_path, self._request)
 

@@ -22,12 +22,10 @@ from ..hashing import Namespace
 from ..tiers.base import DISK, HOST
 from ..transfer.engine import TransferEngine
 from ..transfer.executors import ThreadExecutor
-from .coverage import PREFIX as REFUSAL_PREFIX
-from .coverage import refusal
 from .device_pool import SGLangDevicePool
-from .pool_adapters import UnsupportedPool
 from .layer_loads import LayerLoads
 from .rank_consensus import RankConsensus, inject_read_faults
+from .replicated import follow, replicated_tiers
 from .settings import BackendSettings
 
 logger = logging.getLogger(__name__)
@@ -48,7 +46,8 @@ def cache_config(settings: BackendSettings, device_pool: SGLangDevicePool, page_
                  sglang_eviction: Any = "lru", model_salt: str = "",
                  consensus: RankConsensus | None = None) -> CacheConfig:
     """The core's configuration: host capacity from the device pool's, disk only with a host tier
-    and no shared store, the disk directory under the namespace (one per TP rank), the eviction
+    and no shared store, the disk directory under the namespace (one per TP rank, or one per TP
+    group whose ranks hold the same KV: `RankConsensus.rank_dir`), the eviction
     policy ours or else SGLang's when it is one we support."""
     s = settings
     layout = device_pool.layout
@@ -93,11 +92,15 @@ def assemble(params: Any, settings: BackendSettings, *, architecture: str = "lla
     page_size = int(params.page_size)
     device_pool = SGLangDevicePool(params.token_to_kv_pool_allocator, architecture=architecture)
     if device_pool.adapter.replicated_across_tp and consensus is not None:
-        # (one rank writing one rank-free copy that every rank reads is not built: coverage "mla_tp")
-        raise UnsupportedPool(REFUSAL_PREFIX + refusal("mla_tp", f"tp_size={consensus.size}"))
+        consensus.replicate()  # every rank holds the same KV (MLA): one copy, the leader writes it
     config = cache_config(s, device_pool, page_size, sglang_eviction=getattr(params, "eviction_policy", "lru"),
                           model_salt=model_salt, consensus=consensus)
-    cache = build_cache(config, device=device_pool, clock=clock)
+    host = lower = None
+    if consensus is not None and consensus.replicated:
+        host, lower = replicated_tiers(consensus, config)  # a collective
+    cache = build_cache(config, device=device_pool, host=host, lower=lower, clock=clock)
+    if consensus is not None:
+        follow(cache, consensus)
     if s.fault_disk_read_file and DISK in cache.stores:
         rank = consensus.rank if consensus is not None else 0
         inject_read_faults(cache.stores[DISK], rank, s.fault_disk_read_file)

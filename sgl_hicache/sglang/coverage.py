@@ -69,11 +69,6 @@ REFUSED: dict[str, Refusal] = {
         "their scale buffers are not carried through host and disk yet",
         "on a GPU --kv-cache-dtype fp8_e4m3 / fp8_e5m2 (tiered: bytes only, the scale is the model's); on CPU "
         "--kv-cache-dtype auto"),
-    "mla_tp": Refusal(
-        "MLA models at --tp > 1",
-        "every rank holds the same latent, so one rank should write and all read one rank-free copy; that "
-        "path is not built and tested yet (per-rank copies would multiply host and disk use by the TP size)",
-        f"--tp 1 (supported), or {_SGLANG_HICACHE}"),
     "kv_layout": Refusal(
         "a KV pool layout other than NHD (SGLANG_USE_HND_KVCACHE, page-major, AITER vectorized_5d)",
         "the device adapter addresses per-token rows",

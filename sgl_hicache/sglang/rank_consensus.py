@@ -44,7 +44,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -96,10 +96,11 @@ def fail_kind(op: "TransferOp") -> int:
     return 2 if op.source_lost else 1
 
 
-def tree_digest(cache: "TieredCache", extra: Sequence[int] = ()) -> int:
-    """A 62-bit digest of the tree (each node's page key, page count, tiers and lock count; XOR-combined,
-    so child order does not matter), its pages per tier and the host store's used pages. Equal caches
-    give equal digests. The disk store's own count is left out: a background write or a corrupt read
+def tree_digest(cache: "TieredCache", extra: Sequence[int] = (), host_handles: bool = False) -> int:
+    """A 62-bit digest of the tree (each node's page key, page count, tiers and lock count, and with
+    `host_handles` its host slots, which a shared host buffer needs equal; XOR-combined, so child
+    order does not matter), its pages per tier and the host store's used pages. Equal caches give
+    equal digests. The disk store's own count is left out: a background write or a corrupt read
     changes it on the transfer thread, before the ranks agree on that copy."""
     acc = 0
     tree = cache.tree
@@ -110,6 +111,8 @@ def tree_digest(cache: "TieredCache", extra: Sequence[int] = ()) -> int:
         mask = sum(1 << i for i, t in enumerate(TIERS) if n.in_tier(t))
         h = xxhash.xxh3_64(tree.key_of(n))
         h.update(f"{n.num_pages}:{mask}:{n.lock_ref}".encode())
+        if host_handles and n.host is not None:
+            h.update(repr(n.host).encode())
         acc ^= h.intdigest()
     h = xxhash.xxh3_64(acc.to_bytes(8, "little"))
     for t in TIERS:
@@ -132,6 +135,8 @@ class StepCounts:
     startup_pages_dropped: int = 0  # disk pages only some ranks held at start
     layer_loads_agreed: int = 0  # layer-wise loads unlocked once every rank had finished them
     collective_seconds: float = 0.0
+    role: str = "shard"  # "shard": each rank its own KV-head shard; replicated KV: "leader" / "follower"
+    left_to_leader: dict[str, int] = field(default_factory=dict)  # a follower's pages per link it did not copy
 
 
 class RankConsensus:
@@ -158,15 +163,29 @@ class RankConsensus:
         self.clock = AgreedClock()
         self.counts = StepCounts()
         self._gave_up: set[int] = set()  # id() of tickets every rank agreed to give up on
+        self.replicated = False  # every rank holds the same KV (MLA): see `replicate`
 
     # ---- identity -------------------------------------------------------------------------
+    def replicate(self) -> None:
+        """Every rank holds the same KV (the pool adapter's `replicated_across_tp`): one copy for the
+        group, in one directory and one shared host buffer, written by the leader (rank 0) alone
+        (`sglang/replicated.py`). Call before the cache is configured."""
+        self.replicated = True
+        self.counts.role = "leader" if self.leader else "follower"
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
     @property
     def salt(self) -> str:
-        """Namespace salt: the TP size changes every page's bytes (the shard)."""
-        return f"tp={self.size}"
+        """Namespace salt: the TP size changes every page's bytes (the shard); none for replicated KV,
+        whose pages are the same at every TP size."""
+        return "" if self.replicated else f"tp={self.size}"
 
     def rank_dir(self, disk_dir: Path) -> Path:
-        return Path(disk_dir) / f"tp{self.size}-rank{self.rank}"
+        """This rank's disk directory: its shard's, or the group's one directory for replicated KV."""
+        return Path(disk_dir) / (f"tp{self.size}-shared" if self.replicated else f"tp{self.size}-rank{self.rank}")
 
     def gate(self, executor: Executor) -> "GatedExecutor":
         return GatedExecutor(executor)
@@ -180,16 +199,26 @@ class RankConsensus:
         self.counts.collective_seconds += time.perf_counter() - t0
         return vec
 
-    def start(self, cache: "TieredCache") -> None:
-        """Startup agreement: the clock origin, and the disk pages every rank holds."""
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order (a collective: every rank calls it at the same point)."""
         import torch.distributed as dist
 
+        everyone: list[Any] = [None] * self.size
+        dist.all_gather_object(everyone, obj, group=self.group)
+        return everyone
+
+    def start(self, cache: "TieredCache") -> None:
+        """Startup agreement: the clock origin, and the disk pages every rank holds (replicated KV: a
+        follower indexes the leader's pages, `MirrorDiskStore.adopt`)."""
         vec = self._all_reduce_min(torch.tensor([-time.monotonic_ns()], dtype=torch.int64))
         self.clock.advance(-int(vec[0]) / 1e9)
         store = cache.stores.get(DISK)
         have = set(store.keys()) if store is not None else set()  # type: ignore[attr-defined]
-        everyone: list[Any] = [None] * self.size
-        dist.all_gather_object(everyone, have, group=self.group)
+        everyone = self.gather(have)
+        if self.replicated:
+            if not self.leader and store is not None:
+                store.adopt(everyone[0])  # type: ignore[attr-defined]
+            return
         common = set.intersection(*everyone)
         drop = sorted(have - common)
         if drop and store is not None:

@@ -152,7 +152,7 @@ class StepCalls:
             budget = self.settings.load_timeout_s - (now - st.created)
             flags.append((st.ticket, self.controller.executor.eta(job) > budget))  # type: ignore[arg-type]
         loads = self.layer_loads
-        agreed_loads = c.step(ops, flags, digest=lambda: tree_digest(self.cache, (len(self.req_states),)),
+        agreed_loads = c.step(ops, flags, digest=lambda: tree_digest(self.cache, (len(self.req_states),), host_handles=c.replicated),
                               layer_loads=(loads.queued, loads.done_prefix()) if loads is not None else (0, 0))
         if loads is not None:
             loads.reap_agreed(agreed_loads)

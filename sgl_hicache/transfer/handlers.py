@@ -158,3 +158,44 @@ def default_handlers(stores: dict[str, TierStore]) -> dict[tuple[str, str], Hand
         handlers[(DEVICE, HOST)] = pick(stores, DEVICE, HOST)
         handlers[(HOST, DEVICE)] = pick(stores, HOST, DEVICE)
     return handlers
+
+
+def follower_handlers(handlers: Handlers, stores: dict[str, TierStore], skipped: dict[str, int]) -> Handlers:
+    """The byte movers of a *follower* rank of a TP group whose ranks hold the same KV and share one
+    host buffer and one disk directory (`tiers/replicated.py`): the leader moves every byte into host
+    and disk, the follower reads host -> device itself.
+
+    - A gated copy (a background one, recorded only once every rank has executed it:
+      `sglang/rank_consensus.py`) into host or disk moves nothing here; the agreement waits for the
+      leader's copy, which lands the same bytes in the same shared slot or file. The follower's disk
+      index (a `MirrorDiskStore`) still records the page. `skipped[link]` counts the pages.
+    - An inline copy (on the scheduler thread, not agreed) device -> host is made here too: the same
+      bytes into the same slot, so that this rank never reads a slot before it is written.
+    - An inline disk -> host copy cannot be made here (the follower has no files) and fails with a
+      TierIOError; the server's request path makes none (docs/sglang-backend.md, "Model coverage").
+    Host -> device (and device -> host inline) keep `handlers`' movers."""
+    out = dict(handlers)
+    lower = stores.get(DISK)
+
+    def into_host(inner: Handler, link: str) -> Handler:
+        def handler(op: "TransferOp", start: int, stop: int) -> None:
+            if op.gated:
+                skipped[link] = skipped.get(link, 0) + stop - start
+                return
+            if op.src == DISK:
+                raise TierIOError("disk -> host inline on a follower rank: only the leader reads the disk tier")
+            inner(op, start, stop)
+
+        return handler
+
+    def into_disk(op: "TransferOp", start: int, stop: int) -> None:
+        lower.write(op.dst_handles[start:stop], torch.empty(0))  # type: ignore[union-attr]  (the index only)
+        if op.gated:
+            skipped["host->disk"] = skipped.get("host->disk", 0) + stop - start
+
+    for src, dst in list(out):
+        if dst == HOST:
+            out[(src, dst)] = into_host(out[(src, dst)], f"{src}->{dst}")
+        elif dst == DISK:
+            out[(src, dst)] = into_disk
+    return out
