@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from conftest import NEEDS_SGLANG
-from test_sglang_e2e import LOGPROB_TOL, _flood, _gen_lp, _logprob_diff, _prompt, _settled_pool
+from test_sglang_e2e import LOGPROB_TOL, TP_ENV, _flood, _gen_lp, _logprob_diff, _prompt, _scheduler_pid, _settled_pool
 
 pytestmark = NEEDS_SGLANG
 
@@ -91,14 +91,15 @@ def start_server(workdir):
     model = make_mla_model(workdir / "model")
     started = []
 
-    def start(name: str, disk_dir: Path) -> SGLangServer:
+    def start(name: str, disk_dir: Path, tp: int = 1, **env_extra: str) -> SGLangServer:
         env = {"SGLHICACHE_HOST_TOKENS": "4096", "SGLHICACHE_DISK_DIR": str(disk_dir),
                "SGLHICACHE_DISK_TOKENS": str(64 * 1024), "SGLHICACHE_CHECK_INVARIANTS": "1",
                # a 64-page pool: eviction copies device -> host (see test_sglang_e2e / docs, "Open")
-               "SGLHICACHE_EVICTION_DEMOTES": "host"}
-        srv = SGLangServer.start(model, load_format=None, log_path=workdir / f"{name}.log", env=env, timeout_s=300,
+               "SGLHICACHE_EVICTION_DEMOTES": "host", **env_extra}
+        srv = SGLangServer.start(model, load_format=None, log_path=workdir / f"{name}.log", env=env, timeout_s=400,
                                  extra_args=["--max-total-tokens", "1024", "--page-size", str(PAGE),
-                                             "--radix-cache-backend", "sgl_hicache", "--log-level", "warning"])
+                                             "--radix-cache-backend", "sgl_hicache", "--log-level", "warning",
+                                             *(["--tp", str(tp)] if tp > 1 else [])])
         started.append(srv)
         return srv
 
@@ -146,3 +147,83 @@ def test_mla_server_outputs_equal_from_scratch_and_from_every_tier_and_after_a_r
     diff = _logprob_diff(lp_dev, lp)
     print(f"MLA logprob |diff| after the restart: {diff}")
     assert diff <= LOGPROB_TOL, diff
+
+
+def _shared_host_mapping(pid: int) -> str:
+    """The (deleted) shared host buffer file a scheduler process maps: `dev:inode path`."""
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        if "sgl_hicache-host-" in line:
+            parts = line.split()
+            return f"{parts[3]}:{parts[4]} {' '.join(parts[5:])}"
+    pytest.fail(f"process {pid} maps no sgl_hicache host buffer")
+
+
+def test_mla_tp2_one_rank_writes_both_read(start_server, workdir):
+    """MLA at --tp 2: one copy of the latent for both ranks. Rank 0 alone writes the host buffer (one
+    shared-memory buffer both ranks map) and the page files (one directory, no rank in it); rank 1
+    reads them. Greedy outputs from device, host and disk hits, and after a restart, equal TP=1's."""
+    import json as _json
+
+    P = _prompt(1, HIT + 4)
+    ref = start_server("mla-tp1-ref", workdir / "disk-mla-tp1")
+    _gen_lp(ref, P, 0)
+    out1, d, lp1 = _gen_lp(ref, P, HIT)  # TP=1's device hit (the reference, see the module docstring)
+    assert d["device"] == HIT, d
+    ref.stop()
+
+    disk = workdir / "disk-mla-tp2"
+    stats = workdir / "mla-tp2-stats.json"
+    srv = start_server("mla-tp2", disk, tp=2, SGLHICACHE_STATS_FILE=str(stats), SGLHICACHE_STATS_INTERVAL_S="0.5",
+                       **TP_ENV)
+    pids = {r: _scheduler_pid(srv, r) for r in (0, 1)}
+    maps = {r: _shared_host_mapping(pid) for r, pid in pids.items()}
+    assert maps[0] == maps[1] and maps[0].endswith("(deleted)"), maps  # one buffer, its name already gone
+    assert not list(Path("/dev/shm").glob(f"sgl_hicache-host-{pids[0]}-*"))
+    _gen_lp(srv, P, 0)
+    out_dev, d1, lp_dev = _gen_lp(srv, P, HIT)
+    assert d1["device"] == HIT, d1
+    _flood(srv, 2, 4)
+    out_host, d2, lp_host = _gen_lp(srv, P, HIT)
+    assert d2["host"] > 0 and d2["host"] + d2["storage"] == HIT, d2
+    _flood(srv, 3, 20)
+    out_disk, d3, lp_disk = _gen_lp(srv, P, HIT)
+    assert d3["storage"] > 0 and d3["device"] + d3["host"] + d3["storage"] == HIT, d3
+    print(f"\nMLA outputs TP=1 {out1}, TP=2 device/host/disk {out_dev} {out_host} {out_disk}; "
+          f"logprob |diff| TP=2 vs TP=1 device hit {_logprob_diff(lp1, lp_dev):.2e}")
+    assert out_dev == out_host == out_disk == out1, (out1, out_dev, out_host, out_disk)
+    diffs = {n: _logprob_diff(lp_dev, lp) for n, lp in (("host", lp_host), ("disk", lp_disk))}
+    assert all(v <= LOGPROB_TOL for v in diffs.values()), diffs
+    st0 = _settled_pool(srv)
+    tp0 = st0["backend"]["tp"]
+    assert tp0["role"] == "leader" and tp0["left_to_leader"] == {}, tp0
+    assert tp0["digests_checked"] > 50, tp0  # equal trees and host slots on both ranks at every step
+    assert "namespace" in st0["config"] and "tp=" not in st0["config"]["namespace"], st0["config"]
+    assert st0["pool"]["check"] == "ok", st0["pool"]
+
+    def follower():
+        try:
+            snap = _json.loads(Path(f"{stats}.rank1").read_text())
+        except (OSError, ValueError):
+            return None
+        return snap if snap["hit_tokens"]["disk"] > 0 else None
+
+    import time as _time
+
+    deadline = _time.monotonic() + 60
+    while (st1 := follower()) is None and _time.monotonic() < deadline:
+        _time.sleep(0.5)
+    assert st1 is not None, "rank 1 published no stats with its disk hit"
+    tp1 = st1["backend"]["tp"]
+    left = tp1["left_to_leader"]
+    print(f"rank 1 left to rank 0 (pages per link): {left}; rank 1 read host->device "
+          f"{st1['bytes_moved']['host->device']} bytes")
+    assert tp1["role"] == "follower" and left.get("device->host", 0) > 0 and left.get("host->disk", 0) > 0, tp1
+    assert st1["bytes_moved"]["host->device"] > 0 and st1["hit_tokens"]["host"] > 0, st1["bytes_moved"]
+    assert sorted(p.name for p in disk.iterdir() if p.is_dir()) == ["tp2-shared"], list(disk.iterdir())
+    srv.stop()
+
+    again = start_server("mla-tp2-restart", disk, tp=2, **TP_ENV)
+    out, d, lp = _gen_lp(again, P, HIT)
+    assert d["storage"] > 0 and d["device"] == 0, d
+    assert out == out1, (out, out1)
+    assert _logprob_diff(lp_dev, lp) <= LOGPROB_TOL

@@ -168,8 +168,10 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
         """Start the stats publisher and the hint API (the transfer engine starts on first use)."""
         self.start_hint_api()
         if self._publisher is None and (self.settings.stats_file or self._metrics_enabled):
-            self._publisher = StatsPublisher(self, self.settings.stats_file, self.settings.stats_interval_s,
-                                             prometheus=self._metrics_enabled)
+            path = self.settings.stats_file
+            if path and self.consensus is not None and self.consensus.rank > 0:
+                path = f"{path}.rank{self.consensus.rank}"  # TP: rank 0 writes the file, rank r its own beside it
+            self._publisher = StatsPublisher(self, path, self.settings.stats_interval_s, prometheus=self._metrics_enabled)
             self._publisher.start()
         return self
 
