@@ -4,7 +4,8 @@
 Each round trip goes through the real backend (`TieredRadixCache`) and its device-pool adapter:
 bytes written into SGLang's own buffers -> evicted to host -> pushed to disk -> loaded back into
 other device slots, bit for bit; then again from disk after a restart (a new pool and cache on the
-same directory). The refusals of the kinds not served name the kind and what to run instead.
+same directory). MLA at --tp 2 is one copy for the group. The refusals of the kinds not served name the
+kind and what to run instead.
 """
 
 from __future__ import annotations
@@ -215,20 +216,27 @@ def test_a_pool_with_a_kv_quant_method_is_refused_naming_it():
         adapter_for(pool)
 
 
-def test_mla_at_tp_above_one_is_refused_before_anything_is_built(tmp_path):
-    """MLA's latent is the same on every TP rank: per-rank copies would multiply host and disk use, and
-    the single-writer path is not built, so `assemble` refuses it, naming it and what to run instead."""
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+def test_mla_at_tp2_is_one_copy_for_the_group_with_rank_free_keys(tmp_path):
+    """MLA's latent is the same on every TP rank: at --tp 2 the page keys carry no rank and no TP size
+    (the namespace equals TP=1's), the ranks share one directory, and the host budget is the group's
+    (not multiplied by the TP size). An MHA shard keeps its rank's directory and the tp salt. The two
+    ranks serving: tests/test_sglang_e2e_mla.py::test_mla_tp2_one_rank_writes_both_read."""
+    from sgl_hicache.hashing import Namespace
+    from sgl_hicache.sglang.assembly import cache_config
+    from sgl_hicache.sglang.device_pool import SGLangDevicePool
+    from sgl_hicache.sglang.rank_consensus import RankConsensus
 
-    from sgl_hicache.sglang.assembly import assemble
-    from sgl_hicache.sglang.pool_adapters import UnsupportedPool
     from sgl_hicache.sglang.settings import BackendSettings
 
-    params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=_pool("mla-bf16"),
-                             page_size=PAGE)
-    settings = BackendSettings(host_tokens=64, disk_dir=str(tmp_path / "disk"), disk_tokens=1024)
-    tp2 = SimpleNamespace(size=2, rank=0)  # (refused before the consensus is used)
-    with pytest.raises(UnsupportedPool, match=r"MLA models at --tp > 1 \(tp_size=2\).*Instead: --tp 1"):
-        assemble(params, settings, consensus=tp2, clock=time.monotonic)
-    assert not (tmp_path / "disk").exists()
-    assemble(params, settings, consensus=None, clock=time.monotonic).engine.stop()  # TP 1: built
+    s = BackendSettings(host_tokens=64, disk_dir=str(tmp_path / "disk"), disk_tokens=1024)
+    mla = SGLangDevicePool(_pool("mla-bf16"))
+    one = cache_config(s, mla, PAGE)
+    for rank in (0, 1):
+        rc = RankConsensus(None, rank, 2)  # (no collective is made here)
+        rc.replicate()
+        two = cache_config(s, mla, PAGE, consensus=rc)
+        assert Namespace.for_model(two.layout, PAGE, two.tenant_salt).root == Namespace.for_model(one.layout, PAGE, one.tenant_salt).root
+        assert two.disk_dir == tmp_path / "disk" / "tp2-shared" and two.host_tokens == one.host_tokens
+        assert rc.counts.role == ("leader" if rank == 0 else "follower")
+    shard = cache_config(s, SGLangDevicePool(_pool("mha-fp8_e4m3")), PAGE, consensus=RankConsensus(None, 1, 2))
+    assert shard.disk_dir == tmp_path / "disk" / "tp2-rank1" and "tp=2" in shard.tenant_salt
