@@ -77,7 +77,7 @@ def _cache(alloc, disk_dir):
     return TieredRadixCache(params, settings)
 
 
-def _load_back(cache, tokens, n: int):
+def _load_back(cache, tokens, n: int, layers: int = LAYERS):
     """match -> init_load_back (retrying while the disk part is prefetched) -> wait for every layer:
     the device slots the tree now holds the prompt's pages in."""
     from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, MatchPrefixParams
@@ -96,7 +96,7 @@ def _load_back(cache, tokens, n: int):
         time.sleep(0.01)
     assert loaded is not None and loaded[0] == n
     if cache.layer_loads is not None:
-        for layer in range(LAYERS):
+        for layer in range(layers):
             cache.layer_loads.wait_until(layer)
     return req, cache.path_device_indices(loaded[1])
 

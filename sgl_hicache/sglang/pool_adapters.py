@@ -17,6 +17,12 @@ Supported:
   stores fp8 as uint8; pages move as the fp8 dtype, bytes unchanged). An fp8 pool has no scale
   buffer: its scale is the model's (per layer, `layer.k_scale`), part of the model, not of a page.
 - `MLATokenToKVPool`: `kv_buffer[layer]` of `[slots, 1, kv_lora_rank + qk_rope_head_dim]`.
+- `SWAKVPool` (hybrid sliding window): the full-attention layers' pages, and the window layers' rows
+  through SGLang's full -> window slot mapping (`SWAPoolAdapter`); served: refused (coverage "swa").
+- `HybridLinearKVPool` (hybrid Mamba / linear attention): the attention layers' pages, and beside
+  them a `MambaPool`: not pages of tokens but one recurrent state per slot; `MambaStateAdapter` reads and writes a slot's state as one snapshot (every layer's conv and
+  temporal state), which the host and disk tiers store as a one-token page of its own layout;
+  served: refused (coverage "mamba").
 """
 
 from __future__ import annotations
@@ -155,7 +161,62 @@ class MLAPoolAdapter(PoolAdapter):
         return self.kvcache.kv_buffer[layer]
 
 
-ADAPTERS: tuple[type[PoolAdapter], ...] = (MHAPoolAdapter, MLAPoolAdapter)
+class SWAPoolAdapter(PoolAdapter):
+    """SGLang's `SWAKVPool` (hybrid sliding-window models: gpt-oss, Gemma 2/3): two MHA sub-pools, the
+    full-attention layers' (`full_kv_pool`, indexed by the allocator's token slots) and the window
+    layers' (`swa_kv_pool`, indexed through `translate_loc_from_full_to_swa`; SGLang frees a request's
+    window slots once they fall behind the window). The pages tiered are the full-attention layers'
+    (this adapter's `layout` and planes, every token of a node); `window` addresses the window layers'
+    rows of the slots `window_slots` gives, which exist only for a request's last `window` tokens.
+    Serving such a model is refused (`coverage.REFUSED["swa"]`: a hit would need both)."""
+
+    kind = "swa"
+    pool_classes = ("SWAKVPool",)
+
+    @staticmethod
+    def matches(kvcache: Any) -> bool:
+        return hasattr(kvcache, "full_kv_pool") and hasattr(kvcache, "swa_kv_pool")
+
+    def _layout(self, architecture: str) -> KVLayout:
+        kv = self.kvcache
+        self.full = adapter_for(kv.full_kv_pool, architecture)
+        self.window = adapter_for(kv.swa_kv_pool, f"{architecture}:window")
+        self.replicated_across_tp = self.full.replicated_across_tp
+        return self.full.layout
+
+    def _buffer(self, layer: int, p: int) -> torch.Tensor:
+        return self.full._buffer(layer, p)
+
+    def window_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """The window sub-pool's rows of the full pool's token `slots` (0 where SGLang freed them)."""
+        return self.kvcache.translate_loc_from_full_to_swa(slots)
+
+
+class HybridLinearPoolAdapter(PoolAdapter):
+    """SGLang's `HybridLinearKVPool` (hybrid Mamba / linear-attention models: Qwen3-Next, Nemotron-H):
+    the attention layers' pool (`full_kv_pool`, MHA or MLA; this adapter's pages) beside a `MambaPool`
+    of recurrent states, one per request slot, which `state` (`MambaStateAdapter`) reads and writes
+    as snapshots. Serving such a model is refused (`coverage.REFUSED["mamba"]`)."""
+
+    kind = "mamba"
+    pool_classes = ("HybridLinearKVPool",)
+
+    @staticmethod
+    def matches(kvcache: Any) -> bool:
+        return hasattr(kvcache, "full_kv_pool") and hasattr(kvcache, "mamba_pool")
+
+    def _layout(self, architecture: str) -> KVLayout:
+        kv = self.kvcache
+        self.full = adapter_for(kv.full_kv_pool, architecture)
+        self.state = MambaStateAdapter(kv.mamba_pool, architecture)
+        self.replicated_across_tp = self.full.replicated_across_tp
+        return self.full.layout
+
+    def _buffer(self, layer: int, p: int) -> torch.Tensor:
+        return self.full._buffer(layer, p)
+
+
+ADAPTERS: tuple[type[PoolAdapter], ...] = (MHAPoolAdapter, MLAPoolAdapter, SWAPoolAdapter, HybridLinearPoolAdapter)
 
 # SGLang pool classes refused, by (a base of) their class name: the `coverage.REFUSED` kind
 _REFUSED_POOLS = {
@@ -164,6 +225,7 @@ _REFUSED_POOLS = {
     "MLATokenToKVPoolFP4": "scaled_quant_kv",
     "PageMajorMHATokenToKVPool": "kv_layout",
     "DSATokenToKVPool": "dsa",
+    # (SWAKVPool and HybridLinearKVPool themselves have adapters; serving them is refused by the factory)
     "BaseSWAKVPool": "swa",
     "HybridLinearKVPool": "mamba",
 }
@@ -193,4 +255,69 @@ def adapter_for(kvcache: Any, architecture: str = "llama") -> PoolAdapter:
     raise UnsupportedPool(f"KV pool {kind} has neither k_buffer/v_buffer (MHA) nor kv_buffer/kv_lora_rank (MLA)")
 
 
-__all__ = ["ADAPTERS", "MHAPoolAdapter", "MLAPoolAdapter", "PoolAdapter", "UnsupportedPool", "adapter_for"]
+__all__ = ["ADAPTERS", "HybridLinearPoolAdapter", "MHAPoolAdapter", "MLAPoolAdapter", "MambaStateAdapter", "PoolAdapter", "SWAPoolAdapter",
+           "UnsupportedPool", "adapter_for"]
+
+
+class MambaStateAdapter:
+    """SGLang's `MambaPool` (the recurrent state of a hybrid Mamba / linear-attention model) as state
+    snapshots: `read(slots)` gives each slot's state, every layer's conv and temporal tensors, as
+    one flat run of bytes shaped as a one-token page of `layout` (carried as 2-byte elements: moved,
+    never computed on); `write(slots, pages)` puts them back bit for bit. SGLang's transfer fields
+    only (its `_NON_TRANSFER_STATE_FIELDS`, speculative and ReplaySSM scratch, are not state).
+
+    Contract: `snapshot_bytes` is what one snapshot costs in a host or disk tier (the bytes of the
+    state, rounded up to an even count); `tokens_of_kv(kv_layout)` is the same cost in tokens of a
+    KV layout, the honest charge of one snapshot against a host budget counted in tokens. A pool
+    with slot-indexed side states (`register_slot_state`) is refused: their bytes are not covered."""
+
+    kind = "mamba_state"
+
+    def __init__(self, pool: Any, architecture: str = "mamba") -> None:
+        if getattr(pool, "_slot_siblings", ()):
+            raise UnsupportedPool(f"MambaPool with slot-indexed side states {pool._slot_siblings!r}: not covered")
+        cache = pool.mamba_cache
+        skip = getattr(pool, "_NON_TRANSFER_STATE_FIELDS", frozenset())
+        self.pool = pool
+        self.tensors: list[torch.Tensor] = []
+        for name, value in vars(cache).items():
+            if name in skip or value is None:
+                continue
+            for t in value if isinstance(value, list) else [value]:
+                if t.numel():
+                    self.tensors.append(t)  # [layers, slots + 1, ...]
+        self.state_bytes = sum(t[:, 0].numel() * t.element_size() for t in self.tensors)
+        self.snapshot_bytes = self.state_bytes + self.state_bytes % 2
+        self.layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=self.snapshot_bytes // 2, dtype="bfloat16",
+                               architecture=f"{architecture}:mamba_state", kv_planes=1)
+
+    def tokens_of_kv(self, kv_layout: KVLayout) -> int:
+        """How many tokens of `kv_layout` one snapshot costs (rounded up)."""
+        return -(-self.snapshot_bytes // kv_layout.bytes_per_token)
+
+    def read(self, slots: list[int]) -> torch.Tensor:
+        """The snapshots of `slots`: `(len(slots), 1, 1, 1, 1, snapshot_bytes // 2)` (a page per slot)."""
+        n = len(slots)
+        idx = torch.as_tensor(slots, dtype=torch.int64)
+        out = torch.zeros((n, self.snapshot_bytes), dtype=torch.uint8)
+        off = 0
+        for t in self.tensors:
+            rows = t.index_select(1, idx.to(t.device)).movedim(1, 0).contiguous().to("cpu")
+            b = rows.view(n, -1).view(torch.uint8)
+            out[:, off:off + b.shape[1]] = b
+            off += b.shape[1]
+        return out.view(torch.bfloat16).view(n, 1, 1, 1, 1, -1)
+
+    def write(self, slots: list[int], pages: torch.Tensor) -> None:
+        """Restore `slots` from snapshots `read` made (of a pool of the same shapes)."""
+        n = len(slots)
+        raw = pages.contiguous().view(n, -1).view(torch.uint8)
+        if raw.shape[1] != self.snapshot_bytes:
+            raise ValueError(f"mamba state: snapshots of {raw.shape[1]} bytes, this pool's are {self.snapshot_bytes}")
+        idx = torch.as_tensor(slots, dtype=torch.int64)
+        off = 0
+        for t in self.tensors:
+            per = t[:, 0].numel() * t.element_size()
+            part = raw[:, off:off + per].contiguous().view(t.dtype).view(n, t.shape[0], *t.shape[2:])
+            t.index_copy_(1, idx.to(t.device), part.movedim(0, 1).to(t.device))
+            off += per
