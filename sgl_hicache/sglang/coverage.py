@@ -50,14 +50,20 @@ REFUSED: dict[str, Refusal] = {
         "layout and the per-step agreement assume one rank holds every layer",
         "--pp-size 1 with --tp over the same GPUs"),
     "swa": Refusal(
-        "hybrid sliding-window models (SWA pools: gpt-oss, Gemma 2/3, ...)",
-        "their pool keeps two KV pools (window and full layers) and frees window pages behind the window; the "
-        "tree keeps one page set per node",
+        "serving hybrid sliding-window models (SWAKVPool: gpt-oss, Granite SWA, Gemma 4, ...)",
+        "the pool keeps the full-attention layers' KV for every token but the window layers' KV only for a "
+        "request's last `sliding_window` tokens (SGLang frees the rest), while this tree keeps one page set per "
+        "node; the full layers' pages are addressed and round-trip bit for bit (SWAPoolAdapter), but a hit also "
+        "needs the window layers' KV of the window before the hit point, which the tree does not track per node "
+        "yet (SGLang's SWARadixCache keeps tombstones for it)",
         "--disable-hybrid-swa-memory (every layer in one full MHA pool, which the backend tiers), "
         f"or {_SGLANG_HICACHE}"),
     "mamba": Refusal(
-        "hybrid Mamba / linear-attention models (Qwen3-Next, Nemotron-H, ...)",
-        "their per-request recurrent state is not a page of tokens; a per-node state snapshot tier is not built",
+        "serving hybrid Mamba / linear-attention models (HybridLinearKVPool + MambaPool: Qwen3-Next, Nemotron-H, ...)",
+        "a prefix hit needs the recurrent state at the hit point, one snapshot per tree node; the attention layers' "
+        "pages and the state snapshots round-trip bit for bit (HybridLinearPoolAdapter, MambaStateAdapter), but "
+        "the tree does not hold a snapshot per node or charge it to the host budget yet (a Qwen3-Next snapshot "
+        "costs as much as ~3,100 tokens of its KV)",
         _SGLANG_HICACHE),
     "dsa": Refusal(
         "DSA sparse-attention models (DeepSeek V3.2)",
