@@ -2,7 +2,9 @@
 
 Every TP rank runs the same `TieredRadixCache` on its own shard of the KV heads: its own host buffer,
 its own disk directory (`<disk_dir>/tp<N>-rank<r>`) and `tp=<N>` in the key namespace (a TP=4 cache
-is never read by TP=8). SGLang's schedulers on the ranks are lock-stepped: they see the same requests
+is never read by TP=8). Where every rank holds the same KV (MLA: `replicate`), the group keeps one
+copy instead: no tp salt, one directory `<disk_dir>/tp<N>-shared`, one shared host buffer, written
+by rank 0 alone (`sglang/replicated.py`); at start a follower indexes the leader's disk pages. SGLang's schedulers on the ranks are lock-stepped: they see the same requests
 and call the cache in the same order, so the caches stay equal as long as every decision is taken
 from the same facts. Decisions made from the tree and an agreed clock are equal by construction. The
 facts that are local to a rank are agreed here, at fixed points outside the tree methods:
