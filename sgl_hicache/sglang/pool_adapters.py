@@ -161,7 +161,24 @@ class MLAPoolAdapter(PoolAdapter):
         return self.kvcache.kv_buffer[layer]
 
 
-class SWAPoolAdapter(PoolAdapter):
+class _SubPoolAdapter(PoolAdapter):
+    """A hybrid pool whose tiered pages are those of its `full_kv_pool` (an MHA or MLA sub-pool, with
+    that sub-pool's adapter as `full`); subclasses add what sits beside it (`_beside`)."""
+
+    def _layout(self, architecture: str) -> KVLayout:
+        self.full = adapter_for(self.kvcache.full_kv_pool, architecture)
+        self.replicated_across_tp = self.full.replicated_across_tp
+        self._beside(architecture)
+        return self.full.layout
+
+    @abstractmethod
+    def _beside(self, architecture: str) -> None: ...
+
+    def _buffer(self, layer: int, p: int) -> torch.Tensor:
+        return self.full._buffer(layer, p)
+
+
+class SWAPoolAdapter(_SubPoolAdapter):
     """SGLang's `SWAKVPool` (hybrid sliding-window models: gpt-oss, Gemma 2/3): two MHA sub-pools, the
     full-attention layers' (`full_kv_pool`, indexed by the allocator's token slots) and the window
     layers' (`swa_kv_pool`, indexed through `translate_loc_from_full_to_swa`; SGLang frees a request's
@@ -177,22 +194,15 @@ class SWAPoolAdapter(PoolAdapter):
     def matches(kvcache: Any) -> bool:
         return hasattr(kvcache, "full_kv_pool") and hasattr(kvcache, "swa_kv_pool")
 
-    def _layout(self, architecture: str) -> KVLayout:
-        kv = self.kvcache
-        self.full = adapter_for(kv.full_kv_pool, architecture)
-        self.window = adapter_for(kv.swa_kv_pool, f"{architecture}:window")
-        self.replicated_across_tp = self.full.replicated_across_tp
-        return self.full.layout
-
-    def _buffer(self, layer: int, p: int) -> torch.Tensor:
-        return self.full._buffer(layer, p)
+    def _beside(self, architecture: str) -> None:
+        self.window = adapter_for(self.kvcache.swa_kv_pool, f"{architecture}:window")
 
     def window_slots(self, slots: torch.Tensor) -> torch.Tensor:
         """The window sub-pool's rows of the full pool's token `slots` (0 where SGLang freed them)."""
         return self.kvcache.translate_loc_from_full_to_swa(slots)
 
 
-class HybridLinearPoolAdapter(PoolAdapter):
+class HybridLinearPoolAdapter(_SubPoolAdapter):
     """SGLang's `HybridLinearKVPool` (hybrid Mamba / linear-attention models: Qwen3-Next, Nemotron-H):
     the attention layers' pool (`full_kv_pool`, MHA or MLA; this adapter's pages) beside a `MambaPool`
     of recurrent states, one per request slot, which `state` (`MambaStateAdapter`) reads and writes
@@ -205,15 +215,8 @@ class HybridLinearPoolAdapter(PoolAdapter):
     def matches(kvcache: Any) -> bool:
         return hasattr(kvcache, "full_kv_pool") and hasattr(kvcache, "mamba_pool")
 
-    def _layout(self, architecture: str) -> KVLayout:
-        kv = self.kvcache
-        self.full = adapter_for(kv.full_kv_pool, architecture)
-        self.state = MambaStateAdapter(kv.mamba_pool, architecture)
-        self.replicated_across_tp = self.full.replicated_across_tp
-        return self.full.layout
-
-    def _buffer(self, layer: int, p: int) -> torch.Tensor:
-        return self.full._buffer(layer, p)
+    def _beside(self, architecture: str) -> None:
+        self.state = MambaStateAdapter(self.kvcache.mamba_pool, architecture)
 
 
 ADAPTERS: tuple[type[PoolAdapter], ...] = (MHAPoolAdapter, MLAPoolAdapter, SWAPoolAdapter, HybridLinearPoolAdapter)

@@ -241,9 +241,7 @@ class SlotAllocator:
             return None
         if n == 0:
             return []
-        out = self._free[-n:]
-        del self._free[-n:]
-        out.reverse()
+        out = self._take(n)
         self._used.update(out)
         return out
 
@@ -255,6 +253,16 @@ class SlotAllocator:
         if not batch <= self._used:
             raise KeyError(f"slot {min(batch - self._used)} is not allocated")
         self._used -= batch
+        self._give(slots)
+
+    def _take(self, n: int) -> list[int]:
+        """Remove `n` (<= free_count) slots from the free list: the last freed first."""
+        out = self._free[-n:]
+        del self._free[-n:]
+        out.reverse()
+        return out
+
+    def _give(self, slots: Sequence[int]) -> None:
         self._free.extend(slots)
 
     def is_allocated(self, slot: int) -> bool:

@@ -39,20 +39,10 @@ class LowestFirstSlots(SlotAllocator):
         super().__init__(capacity)
         self._free = list(range(capacity))  # a heap
 
-    def allocate(self, n: int) -> list[int] | None:
-        if n > len(self._free):
-            return None
-        out = [heapq.heappop(self._free) for _ in range(n)]
-        self._used.update(out)
-        return out
+    def _take(self, n: int) -> list[int]:
+        return [heapq.heappop(self._free) for _ in range(n)]
 
-    def free(self, slots: Sequence[int]) -> None:
-        batch = set(slots)
-        if len(batch) != len(slots):
-            raise KeyError("free got the same slot twice")
-        if not batch <= self._used:
-            raise KeyError(f"slot {min(batch - self._used)} is not allocated")
-        self._used -= batch
+    def _give(self, slots: Sequence[int]) -> None:
         for s in slots:
             heapq.heappush(self._free, s)
 
