@@ -1,0 +1,120 @@
+"""A replicated TP group (MLA at --tp 2) with two real ranks (two processes, torch.distributed on gloo, as
+SGLang's TP cache group on CPU), no SGLang: `sglang/replicated.py` builds one shared host buffer and one
+disk directory; a background copy device -> host and host -> disk is made by rank 0 alone, agreed by
+the per-step all-reduce, and rank 1 then reads rank 0's bytes from the shared host slot; the trees,
+host slots included, stay equal (digest checked; here each rank's device holds other bytes, to show
+whose a rank reads); at a restart rank 1 indexes rank 0's disk pages.
+The SGLang server at --tp 2: tests/test_sglang_e2e_mla.py::test_mla_tp2_one_rank_writes_both_read."""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+LAYERS, WIDTH, PAGE = 2, 24, 4
+
+
+def _group_cache(consensus, tmp: str):
+    from sgl_hicache.assemble import build_cache
+    from sgl_hicache.config import CacheConfig, KVLayout
+    from sgl_hicache.sglang.replicated import follow, replicated_tiers
+    from sgl_hicache.tiers.memory import DeviceKVPool
+
+    layout = KVLayout(num_layers=LAYERS, num_kv_heads=1, head_dim=WIDTH, kv_planes=1, architecture="mla-test")
+    cfg = CacheConfig(layout, device_tokens=8 * PAGE, host_tokens=16 * PAGE, disk_tokens=32 * PAGE, page_size=PAGE,
+                      disk_dir=consensus.rank_dir(Path(tmp) / "disk"), tenant_salt=consensus.salt)
+    host, lower = replicated_tiers(consensus, cfg)
+    cache = build_cache(cfg, device=DeviceKVPool(layout, PAGE, 8, device="cpu"), host=host, lower=lower)
+    follow(cache, consensus)
+    consensus.start(cache)
+    return cache
+
+
+def _agree(cache, consensus, op) -> None:
+    """What the server does with a background copy: execute it here, agree at the next step, complete."""
+    from sgl_hicache.sglang.rank_consensus import tree_digest
+    from sgl_hicache.transfer.handlers import execute
+
+    op.gated = True
+    execute(op, cache.handlers)
+    while not op.agreed:
+        consensus.step([op], [], digest=lambda: tree_digest(cache, host_handles=True))
+    assert cache.complete(op), op.error
+
+
+def _rank_main(rank: int, store_path: str, tmp: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from sgl_hicache.sglang.rank_consensus import RankConsensus, tree_digest
+    from sgl_hicache.tiers.base import DEVICE, DISK, HOST
+
+    out: dict = {}
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+        c = RankConsensus(dist.group.WORLD, rank, 2, check=True)
+        c.replicate()
+        cache = _group_cache(c, tmp)
+        host = cache.stores[HOST]
+        out["pid"] = os.getpid()
+        tokens = list(range(16))
+        dev = cache.allocate_device(4)
+        # other KV on each rank (MLA's is the same; here it shows whose bytes a rank reads)
+        g = torch.Generator().manual_seed(7 + rank)
+        cache.stores[DEVICE].write(dev, torch.randn((4, LAYERS, 1, PAGE, 1, WIDTH), generator=g).to(torch.bfloat16))
+        cache.insert(tokens, dev)
+        node = cache.match(tokens).last_node
+        _agree(cache, c, cache.copies.reserve(node, HOST, "backup", evict=False))
+        def sig(t):
+            return int(t.view(torch.int16).to(torch.int64).abs().sum())
+
+        out["host_sig"], out["device_sig"] = sig(host.read(node.host)), sig(cache.stores[DEVICE].read(node.device))
+        out["host_slots"] = list(node.host)
+        _agree(cache, c, cache.copies.reserve(node, DISK, "backup", evict=False))
+        out["left_to_leader"] = dict(c.counts.left_to_leader)
+        out["files"] = len(list((Path(tmp) / "disk").rglob("*.page")))
+        out["dirs"] = sorted(p.name for p in (Path(tmp) / "disk").iterdir())
+        keys = list(node.disk)
+        c.step([], [], digest=lambda: tree_digest(cache, host_handles=True))
+        out["digests"] = c.counts.digests_checked
+        close = getattr(cache.stores[DISK], "close", None)
+        if close is not None:
+            close()
+        # a restart: a new group cache over the same directory; rank 1 indexes rank 0's pages
+        c2 = RankConsensus(dist.group.WORLD, rank, 2, check=True)
+        c2.replicate()
+        again = _group_cache(c2, tmp)
+        out["restart_has_pages"] = all(again.stores[DISK].contains(k) for k in keys)
+        dist.destroy_process_group()
+    except BaseException:
+        out["crash"] = traceback.format_exc()
+    Path(tmp, f"rank{rank}.json").write_text(json.dumps(out))
+
+
+def test_a_replicated_group_writes_once_and_reads_everywhere(tmp_path):
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank_main, args=(r, str(tmp_path / "store"), str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    hung = [p.pid for p in procs if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not hung, f"rank processes {hung} hung in a collective"
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert "crash" not in r0 and "crash" not in r1, (r0.get("crash"), r1.get("crash"))
+    assert not list(Path("/dev/shm").glob(f"sgl_hicache-host-{r0['pid']}-*"))  # the name went once both mapped it
+    # both ranks' host slots hold rank 0's device bytes: rank 0 wrote them, rank 1 reads them
+    assert r0["host_sig"] == r1["host_sig"] == r0["device_sig"] != r1["device_sig"]
+    assert r0["host_slots"] == r1["host_slots"]
+    assert r0["left_to_leader"] == {} and r1["left_to_leader"] == {"device->host": 4, "host->disk": 4}
+    assert r0["files"] == r1["files"] == 4 and r0["dirs"] == ["tp2-shared"]  # one copy, no rank directory
+    assert r0["digests"] >= 3 and r1["digests"] >= 3
+    assert r0["restart_has_pages"] and r1["restart_has_pages"]
