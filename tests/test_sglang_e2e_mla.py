@@ -1,6 +1,7 @@
 """End to end with an MLA pool: the real SGLang 0.5.23 CPU server, a tiny DeepSeek-V2 config
 (`scripts/cpu/tiny-deepseek`: 2 layers, kv_lora_rank 32 + rope 16, all layers dense), random weights
-of realistic scale, `--radix-cache-backend sgl_hicache` at TP = 1. SGLang builds an
+of realistic scale, `--radix-cache-backend sgl_hicache` at TP = 1, and at TP = 2 (one copy of the
+latent for both ranks: rank 0 writes, both read; outputs equal TP=1's). SGLang builds an
 `MLATokenToKVPool`; the backend tiers its latent + rope rows through the MLA adapter.
 
 Greedy outputs and logprobs of a prompt served from host and disk hits, and from disk after a
