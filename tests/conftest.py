@@ -69,6 +69,25 @@ def redis_service():
         yield store
 
 
+def run_ranks(target, args: list[tuple], timeout_s: float = 120.0) -> None:
+    """Run `target(*args[r])` in one spawned process per rank (torch.distributed tests) and wait; a
+    rank still running after `timeout_s` (a collective its peer skipped) is killed and fails the test."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=a) for a in args]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout_s)
+    hung = [p.pid for p in procs if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not hung, f"rank processes {hung} hung in a collective"
+
+
 def make_cache(tmp_path=None, device=8, host=16, disk=32, page_size=4, priority=None, **kw) -> TieredCache:
     """A cache whose capacities are given in pages."""
     cfg = CacheConfig(

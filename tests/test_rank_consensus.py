@@ -9,10 +9,7 @@ import json
 import os
 import traceback
 
-import pytest
-import torch.multiprocessing as mp
-
-from conftest import make_cache
+from conftest import make_cache, run_ranks
 
 
 def _op(cache, tokens):
@@ -86,18 +83,7 @@ def _rank_main(rank: int, size: int, store_path: str, out_dir: str) -> None:
 
 
 def test_two_ranks_agree_and_fail_together(tmp_path):
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, str(tmp_path / "store"), str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    hung = [p.pid for p in procs if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert not hung, f"rank processes {hung} hung in a collective"
+    run_ranks(_rank_main, [(r, 2, str(tmp_path / "store"), str(tmp_path)) for r in range(2)])
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in res:
         assert "crash" not in r, r.get("crash")

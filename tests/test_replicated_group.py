@@ -13,7 +13,7 @@ import os
 import traceback
 from pathlib import Path
 
-import torch.multiprocessing as mp
+from conftest import run_ranks
 
 LAYERS, WIDTH, PAGE = 2, 24, 4
 
@@ -96,18 +96,7 @@ def _rank_main(rank: int, store_path: str, tmp: str) -> None:
 
 
 def test_a_replicated_group_writes_once_and_reads_everywhere(tmp_path):
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(r, str(tmp_path / "store"), str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    hung = [p.pid for p in procs if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert not hung, f"rank processes {hung} hung in a collective"
+    run_ranks(_rank_main, [(r, str(tmp_path / "store"), str(tmp_path)) for r in range(2)])
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     assert "crash" not in r0 and "crash" not in r1, (r0.get("crash"), r1.get("crash"))
     assert not list(Path("/dev/shm").glob(f"sgl_hicache-host-{r0['pid']}-*"))  # the name went once both mapped it
