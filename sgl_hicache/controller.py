@@ -180,7 +180,7 @@ class RequestController:
         if job is None:
             return
         self.executor.cancel(job.ops())
-        if all(op.executed.is_set() for op in job.ops()):
+        if all(op.stopped for op in job.ops()):
             self.cache.cancel(job)
             self.release(ticket)
             return
@@ -217,7 +217,7 @@ class RequestController:
             if wait:
                 for op in job.ops():
                     op.executed.wait(timeout=60)
-            if all(op.executed.is_set() for op in job.ops()):
+            if all(op.stopped for op in job.ops()):
                 self.cache.cancel(job)
                 self.cache.release(job)
             else:
@@ -283,7 +283,7 @@ class RequestController:
             cost = LoadTime(self.executor.expedite(inflight, recompute_s))
             for op in inflight:  # path order, and only under a parent already on host (prefix closure)
                 parent = self.cache.tx.parts(op)[0].parent  # above the parts split off while it ran
-                if not op.executed.is_set() or parent is None or not (parent.is_root or parent.host is not None):
+                if not op.settled or parent is None or not (parent.is_root or parent.host is not None):
                     break
                 self.cache.complete(op)
         job = self.cache.plan_promotion(m, "demand")

@@ -81,6 +81,27 @@ def _rank_main(rank: int, store_path: str, tmp: str) -> None:
         keys = list(node.disk)
         c.step([], [], digest=lambda: tree_digest(cache, host_handles=True))
         out["digests"] = c.counts.digests_checked
+        # a cancelled copy still running on rank 0 (rank 1 skipped it at once): neither rank frees its
+        # slots until they agree rank 0 stopped, so no rank hands them to another page meanwhile
+        from sgl_hicache.transfer.handlers import execute
+
+        tokens2 = list(range(100, 108))
+        cache.insert(tokens2, cache.allocate_device(2))
+        node2 = cache.match(tokens2).last_node
+        op = cache.copies.reserve(node2, HOST, "backup", evict=False)
+        op.gated = op.shared_dst = True
+        if rank == 1:
+            execute(op, cache.handlers)
+        op.cancelled = True
+        c.step([op], [])
+        out["stopped_before"] = [op.stopped, op.settled]
+        if rank == 0:
+            execute(op, cache.handlers)  # its worker ends
+        while not op.agreed:
+            c.step([op], [])
+        out["stopped_after"] = op.stopped
+        cache.complete(op)
+        out["next_slots"] = host.allocate([b"k"])
         close = getattr(cache.stores[DISK], "close", None)
         if close is not None:
             close()
@@ -107,3 +128,5 @@ def test_a_replicated_group_writes_once_and_reads_everywhere(tmp_path):
     assert r0["files"] == r1["files"] == 4 and r0["dirs"] == ["tp2-shared"]  # one copy, no rank directory
     assert r0["digests"] >= 3 and r1["digests"] >= 3
     assert r0["restart_has_pages"] and r1["restart_has_pages"]
+    assert r0["stopped_before"] == r1["stopped_before"] == [False, False] and r0["stopped_after"] and r1["stopped_after"]
+    assert r0["next_slots"] == r1["next_slots"]

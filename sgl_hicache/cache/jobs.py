@@ -134,7 +134,7 @@ class PromotionJobs:
                 op.cancelled = True
                 if not op.submitted:
                     op.executed.set()  # nobody else will run it
-                if not op.executed.is_set() and not wait:
+                if not op.stopped and (not wait or op.shared_dst):  # (agreement is never waited for)
                     self.orphans.append(op)
                     continue
                 wait_executed(op)
@@ -144,7 +144,7 @@ class PromotionJobs:
         if self.orphans:
             ended, running = [], []
             for op in self.orphans:  # one read per op: a copy ending between two reads is lost to both lists
-                (ended if op.executed.is_set() else running).append(op)
+                (ended if op.stopped else running).append(op)
             self.orphans = running
             for op in ended:
                 self.cache.complete(op)

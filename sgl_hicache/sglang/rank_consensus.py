@@ -190,7 +190,7 @@ class RankConsensus:
         return Path(disk_dir) / (f"tp{self.size}-shared" if self.replicated else f"tp{self.size}-rank{self.rank}")
 
     def gate(self, executor: Executor) -> "GatedExecutor":
-        return GatedExecutor(executor)
+        return GatedExecutor(executor, shared=(HOST, DISK) if self.replicated else ())
 
     # ---- collectives ------------------------------------------------------------------------
     def _all_reduce_min(self, vec: torch.Tensor) -> torch.Tensor:
@@ -235,7 +235,8 @@ class RankConsensus:
         whose prefetch is unfinished, in the same order on every rank; `layer_loads`: (layer-wise
         loads queued, how many of them in queue order have finished here). Returns how many of those
         loads have finished on every rank (MIN)."""
-        todo = [op for op in ops if op.gated and not op.agreed and not op.applied and not op.cancelled][: self.max_ops]
+        todo = [op for op in ops if op.gated and not op.agreed and not op.applied
+                and (op.shared_dst or not op.cancelled)][: self.max_ops]
         waiting = list(waiting)[: self.max_waiting]
         d = digest() if (self.check and digest is not None) else 0
         # built as a list and converted once: item assignment into a tensor costs ~10 µs per element
@@ -299,17 +300,21 @@ class GatedExecutor(Executor):
     """An executor whose background transfers wait for the ranks' agreement before they count
     (`TransferOp.gated`); inline copies (`run_now`) are not gated. Everything else is the inner one's."""
 
-    def __init__(self, inner: Executor) -> None:
+    def __init__(self, inner: Executor, shared: Sequence[str] = ()) -> None:
         self.inner = inner
+        self.shared = tuple(shared)  # tiers every rank shares (replicated KV): their copies free only once agreed
+
+    def _gate(self, ops: Iterable["TransferOp"]) -> None:
+        for op in ops:
+            op.gated = True
+            op.shared_dst = op.dst in self.shared
 
     def submit_job(self, job: "PromotionJob", speculative: bool = False) -> None:
-        for op in job.ops():
-            op.gated = True
+        self._gate(job.ops())
         self.inner.submit_job(job, speculative)
 
     def submit_ops(self, ops: Sequence["TransferOp"], kind: str = "backup") -> None:
-        for op in ops:
-            op.gated = True
+        self._gate(ops)
         self.inner.submit_ops(ops, kind)
 
     def poll(self) -> None:

@@ -144,6 +144,10 @@ class StepCalls:
         ops = list(self.controller.writeback)
         for job in self.controller.predicted:
             ops += job.ops()
+        if c.replicated:  # cancelled copies into the shared tiers: freed only once every rank stopped them
+            for job in self.controller.dropped:
+                ops += job.ops()
+            ops += self.cache.orphans
         now = time.monotonic()
         flags = []
         for st in self.req_states.prefetching():

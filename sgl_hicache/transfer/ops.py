@@ -81,6 +81,10 @@ class TransferOp:
     # (`sglang/rank_consensus.py` sets `agreed`, and the error every rank records)
     gated: bool = False
     agreed: bool = False
+    # a gated copy into a tier every rank shares (one host buffer, one directory: `tiers/replicated.py`):
+    # its destination pages may be freed, even when cancelled, only once every rank has stopped moving
+    # its bytes, i.e. once agreed (a rank freeing them earlier could hand the slots to another page)
+    shared_dst: bool = False
     locks_path: bool = False  # a background write-back: the node's path is locked until `complete`
     # pages found corrupt while copying: chunks of one op run on several workers, and each may meet one
     corrupt_pages: int = 0
@@ -104,8 +108,15 @@ class TransferOp:
     @property
     def settled(self) -> bool:
         """Its outcome may be recorded: the bytes are copied (or it failed) and, if gated, every rank
-        agreed on that. A cancel is decided alike on every rank, so a cancelled op settles locally."""
-        return self.executed.is_set() and (not self.gated or self.agreed or self.cancelled)
+        agreed on that. A cancel is decided alike on every rank, so a cancelled op settles locally,
+        unless its destination is shared by the ranks (`shared_dst`: then only once agreed)."""
+        return self.executed.is_set() and (not self.gated or self.agreed or (self.cancelled and not self.shared_dst))
+
+    @property
+    def stopped(self) -> bool:
+        """Its bytes stopped moving wherever they land: executed here and, for a `shared_dst` op, on
+        every rank (agreed). Only then may its destination pages be freed."""
+        return self.executed.is_set() and (not self.shared_dst or self.agreed)
 
     @property
     def link(self) -> str:
