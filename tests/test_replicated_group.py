@@ -130,3 +130,38 @@ def test_a_replicated_group_writes_once_and_reads_everywhere(tmp_path):
     assert r0["restart_has_pages"] and r1["restart_has_pages"]
     assert r0["stopped_before"] == r1["stopped_before"] == [False, False] and r0["stopped_after"] and r1["stopped_after"]
     assert r0["next_slots"] == r1["next_slots"]
+
+
+def _too_big_main(rank: int, store_path: str, tmp: str) -> None:
+    import torch.distributed as dist
+
+    from sgl_hicache.config import CacheConfig, KVLayout
+    from sgl_hicache.sglang.rank_consensus import RankConsensus
+    from sgl_hicache.sglang.replicated import replicated_tiers
+    from sgl_hicache.tiers.replicated import shared_memory_dir
+
+    out: dict = {}
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+        c = RankConsensus(dist.group.WORLD, rank, 2)
+        c.replicate()
+        layout = KVLayout(num_layers=LAYERS, num_kv_heads=1, head_dim=WIDTH, kv_planes=1)
+        st = os.statvfs(shared_memory_dir())
+        tokens = 2 * st.f_bavail * st.f_frsize // layout.bytes_per_token  # twice the room there is
+        cfg = CacheConfig(layout, device_tokens=8 * PAGE, host_tokens=tokens, page_size=PAGE)
+        try:
+            replicated_tiers(c, cfg)
+            out["error"] = "none"
+        except OSError as exc:
+            out["error"] = str(exc)
+        dist.destroy_process_group()
+    except BaseException:
+        out["crash"] = traceback.format_exc()
+    Path(tmp, f"big{rank}.json").write_text(json.dumps(out))
+
+
+def test_a_shared_host_buffer_that_does_not_fit_fails_on_every_rank_without_a_hang(tmp_path):
+    run_ranks(_too_big_main, [(r, str(tmp_path / "store"), str(tmp_path)) for r in range(2)])
+    r0, r1 = (json.loads((tmp_path / f"big{r}.json").read_text()) for r in range(2))
+    assert "crash" not in r0 and "crash" not in r1, (r0.get("crash"), r1.get("crash"))
+    assert r0["error"] == r1["error"] and "GiB free" in r0["error"] and "host_tokens" in r0["error"], (r0, r1)

@@ -5,6 +5,8 @@ the shared host buffer, lowest-first slots, the follower's disk index and its by
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -57,6 +59,18 @@ def test_shared_host_buffer_is_one_memory_for_every_mapping(tmp_path):
     with pytest.raises(ValueError, match="bytes, expected"):
         (tmp_path / "short").write_bytes(b"\0" * 10)
         SharedHostBuffer(LAYOUT, PAGE, 8, tmp_path / "short")
+
+
+def test_a_shared_buffer_larger_than_the_room_in_dev_shm_fails_at_start_naming_both(tmp_path):
+    small = tmp_path / "small"  # a tmpfs of 1 MiB would need root: a file system's free room is read the same way
+    small.mkdir()
+    free = os.statvfs(small).f_bavail * os.statvfs(small).f_frsize
+    with pytest.raises(TierIOError, match=r"needs .* GiB in .*small, which has .* GiB free; .*--shm-size"):
+        new_shared_file(free + (1 << 30), directory=small)
+    assert not list(small.iterdir())
+    path = new_shared_file(1 << 20, directory=small)
+    assert path.stat().st_size == 1 << 20 and path.stat().st_blocks * 512 >= 1 << 20  # reserved, not sparse
+    unlink_shared_file(path)
 
 
 class Rank:

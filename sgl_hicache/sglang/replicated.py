@@ -18,7 +18,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from ..config import CacheConfig
-from ..tiers.base import TierStore
+from ..tiers.base import TierIOError, TierStore
 from ..tiers.replicated import MirrorDiskStore, SharedHostBuffer, new_shared_file, unlink_shared_file
 from ..transfer.handlers import follower_handlers
 from .rank_consensus import RankConsensus
@@ -35,8 +35,15 @@ def replicated_tiers(consensus: RankConsensus, config: CacheConfig) -> tuple[Tie
     host: TierStore | None = None
     if config.host_pages > 0:
         nbytes = config.host_pages * config.page_size * config.layout.bytes_per_token
-        path = new_shared_file(nbytes) if consensus.leader else None
-        name = consensus.gather(str(path) if path is not None else None)[0]
+        path, error = None, ""
+        if consensus.leader:
+            try:
+                path = new_shared_file(nbytes)
+            except TierIOError as exc:
+                error = str(exc)  # raised on every rank below: a collective only some ranks reach hangs
+        name, error = consensus.gather((str(path) if path is not None else None, error))[0]
+        if error:
+            raise TierIOError(error)
         try:
             host = SharedHostBuffer(config.layout, config.page_size, config.host_pages, name)
         finally:

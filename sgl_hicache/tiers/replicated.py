@@ -26,7 +26,7 @@ import torch
 
 from ..config import KVLayout
 from ..hashing import PageKey
-from .base import SlotAllocator, page_shape
+from .base import SlotAllocator, TierIOError, page_shape
 from .memory import HostKVBuffer
 from .metadata import _STORED, MetadataDiskStore
 
@@ -53,19 +53,34 @@ def shared_memory_dir() -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
-def new_shared_file(nbytes: int) -> Path:
-    """Create a file of `nbytes` (sparse: memory is taken as pages are written) to map as the shared
-    host buffer; the caller unlinks it once every rank has mapped it (`unlink_shared_file`)."""
-    path = shared_memory_dir() / f"sgl_hicache-host-{os.getpid()}-{secrets.token_hex(6)}"
+def new_shared_file(nbytes: int, directory: Path | None = None) -> Path:
+    """Create a file of `nbytes` to map as the shared host buffer, its memory reserved now (a tmpfs
+    that runs out later would kill the server with SIGBUS on a write); the caller unlinks it once
+    every rank has mapped it (`unlink_shared_file`). TierIOError, naming the sizes and what to do,
+    when the directory (/dev/shm) has not that much room."""
+    where = directory or shared_memory_dir()
+    st = os.statvfs(where)
+    free = st.f_bavail * st.f_frsize
+    if nbytes > free:
+        raise TierIOError(_no_room(nbytes, free, where))
+    path = where / f"sgl_hicache-host-{os.getpid()}-{secrets.token_hex(6)}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, nbytes)
-    except OSError:
-        os.close(fd)
+        if nbytes and hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
         path.unlink(missing_ok=True)
-        raise
-    os.close(fd)
+        raise TierIOError(_no_room(nbytes, free, where) + f" ({exc})") from exc
+    finally:
+        os.close(fd)
     return path
+
+
+def _no_room(nbytes: int, free: int, where: Path) -> str:
+    gib = 1 << 30
+    return (f"host tier: the host buffer shared by the TP ranks needs {nbytes / gib:.2f} GiB in {where}, which has "
+            f"{free / gib:.2f} GiB free; give it more room (a container's --shm-size) or lower host_tokens / host_ratio")
 
 
 def unlink_shared_file(path: str | os.PathLike[str]) -> None:
