@@ -174,8 +174,9 @@ def test_mla_tp2_one_rank_writes_both_read(start_server, workdir):
 
     disk = workdir / "disk-mla-tp2"
     stats = workdir / "mla-tp2-stats.json"
+    fault = workdir / "mla-read-fault"  # names the rank whose disk reads fail while it exists
     srv = start_server("mla-tp2", disk, tp=2, SGLHICACHE_STATS_FILE=str(stats), SGLHICACHE_STATS_INTERVAL_S="0.5",
-                       **TP_ENV)
+                       SGLHICACHE_FAULT_DISK_READ_FILE=str(fault), **TP_ENV)
     pids = {r: _scheduler_pid(srv, r) for r in (0, 1)}
     maps = {r: _shared_host_mapping(pid) for r, pid in pids.items()}
     assert maps[0] == maps[1] and maps[0].endswith("(deleted)"), maps  # one buffer, its name already gone
@@ -194,9 +195,22 @@ def test_mla_tp2_one_rank_writes_both_read(start_server, workdir):
     assert out_dev == out_host == out_disk == out1, (out1, out_dev, out_host, out_disk)
     diffs = {n: _logprob_diff(lp_dev, lp) for n, lp in (("host", lp_host), ("disk", lp_disk))}
     assert all(v <= LOGPROB_TOL for v in diffs.values()), diffs
+    # the leader's disk reads fail: its failure is both ranks' (agreed), Q's disk part is recomputed on both
+    Q = _prompt(7, HIT + 4)
+    out_q = _gen_lp(srv, Q, 0)[0]  # from scratch
+    _flood(srv, 8, 4)  # Q to host (and, written through, to disk), as P above
+    assert _gen_lp(srv, Q, HIT)[1]["host"] > 0
+    _flood(srv, 9, 20)  # Q on disk only
+    fault.write_text("0")
+    try:
+        out_q2, dq, _ = _gen_lp(srv, Q, HIT)  # (input logprobs from 0 would turn prefix reuse off)
+    finally:
+        fault.unlink()
+    assert dq["storage"] == 0 and out_q2 == out_q, (dq, out_q, out_q2)
     st0 = _settled_pool(srv)
     tp0 = st0["backend"]["tp"]
     assert tp0["role"] == "leader" and tp0["left_to_leader"] == {}, tp0
+    assert st0["errors"].get("disk->host_errors", 0) > 0, st0["errors"]  # the injected failures, on rank 0
     assert tp0["digests_checked"] > 50, tp0  # equal trees and host slots on both ranks at every step
     assert "namespace" in st0["config"] and "tp=" not in st0["config"]["namespace"], st0["config"]
     assert st0["pool"]["check"] == "ok", st0["pool"]
@@ -206,7 +220,7 @@ def test_mla_tp2_one_rank_writes_both_read(start_server, workdir):
             snap = _json.loads(Path(f"{stats}.rank1").read_text())
         except (OSError, ValueError):
             return None
-        return snap if snap["hit_tokens"]["disk"] > 0 else None
+        return snap if snap["hit_tokens"]["disk"] > 0 and snap["errors"].get("peer_rank_errors") else None
 
     import time as _time
 
@@ -220,6 +234,7 @@ def test_mla_tp2_one_rank_writes_both_read(start_server, workdir):
           f"{st1['bytes_moved']['host->device']} bytes")
     assert tp1["role"] == "follower" and left.get("device->host", 0) > 0 and left.get("host->disk", 0) > 0, tp1
     assert st1["bytes_moved"]["host->device"] > 0 and st1["hit_tokens"]["host"] > 0, st1["bytes_moved"]
+    assert st1["errors"].get("peer_rank_errors", 0) > 0, st1["errors"]  # rank 0's failures, recorded by rank 1
     assert sorted(p.name for p in disk.iterdir() if p.is_dir()) == ["tp2-shared"], list(disk.iterdir())
     srv.stop()
 
