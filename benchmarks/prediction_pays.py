@@ -192,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--synth", type=Path, default=Path("out/synth3000.jsonl"), help="silence: `sgl-hicache synth TRACE --requests 3000 --seed 1`")
     ap.add_argument("--agentic", type=Path, default=Path("out/agentic.jsonl"), help="silence: `benchmarks/agentic_trace.py` (BFCL)")
     ap.add_argument("--capacities", default="0.1,0.2,0.3", help="silence: capacity fractions of each family's working set")
+    ap.add_argument("--families", default="mooncake,synth,agentic", help="silence: comma-separated subset of mooncake, synth, agentic")
     args = ap.parse_args(argv)
     wanted = set(args.workloads.split(","))
     unknown = wanted - {"chain", "chain_hints", "branch", "agent", "agent_hints", "chat", "silence"}
@@ -227,7 +228,11 @@ def main(argv: list[str] | None = None) -> int:
                     concurrency=16, byte_mode="metadata")
         result["chat"] = compare("chat", chat, base, set())
     if "silence" in wanted:
-        families = {"mooncake": (args.chat_trace, args.start), "synth": (args.synth, 0), "agentic": (args.agentic, 0)}
+        sources = {"mooncake": (args.chat_trace, args.start), "synth": (args.synth, 0), "agentic": (args.agentic, 0)}
+        names = args.families.split(",")
+        if set(names) - set(sources):
+            ap.error(f"unknown families {sorted(set(names) - set(sources))}; choose from {', '.join(sources)}")
+        families = {n: sources[n] for n in names}
         result["silence"] = silence(families, 60 if args.quick else args.requests,
                                     [0.3] if args.quick else [float(x) for x in args.capacities.split(",")])
     if args.json:
