@@ -109,3 +109,15 @@ def test_a_paused_session_spills_and_the_hint_brings_it_back_before_it_resumes()
     # the framework's hint lands the session on host before it resumes, every promoted page used
     assert hint_ttft < 0.95 * pf_ttft
     assert hint_pred["used_tokens"] >= 0.95 * hint_pred["promoted_tokens"] > 0
+
+
+def test_synth_writes_the_agent_shape_with_hints(tmp_path, capsys):
+    from sgl_hicache.cli import main
+
+    out = tmp_path / "agent.jsonl"
+    assert main(["synth", "--shape", "agent", "--sessions", "3", "--hints", "--lead", "1.0", "--out", str(out)]) == 0
+    assert "(agent)" in capsys.readouterr().out
+    back = list(load_trace(out, fmt="plain"))
+    assert [(r.request_id, r.hints) for r in back] == [(r.request_id, r.hints) for r in agent(sessions=3, hints=True, lead_s=1.0)]
+    assert main(["synth", "--shape", "branch", "--hints", "--out", str(out)]) == 2  # hints go with chain or agent only
+    assert "--hints goes with --shape chain or --shape agent" in capsys.readouterr().err
