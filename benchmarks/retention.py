@@ -59,12 +59,19 @@ POLICIES = {
 CEILINGS = ("belady", "oracle")
 
 
-def run_cell(requests: list, frac: float, ws: int, policies: list[str], page_size: int) -> dict[str, Any]:
-    model_name, hw_name = MODELS["8b"]
+def split_capacities(requests: list, frac: float, ws: int, page_size: int) -> tuple[int, int, int]:
+    """(device, host, disk) tokens for `frac` x the working set `ws`, split 1:2:8, the device at
+    least the largest prompt plus its output (and four pages)."""
     largest = max(len(r.input_ids) + r.output_length for r in requests)
     total = int(frac * ws)
     device = max(total // 11, largest + 4 * page_size)
     host, disk = 2 * total // 11, max(0, total - device - 2 * total // 11)
+    return device, host, disk
+
+
+def run_cell(requests: list, frac: float, ws: int, policies: list[str], page_size: int) -> dict[str, Any]:
+    model_name, hw_name = MODELS["8b"]
+    device, host, disk = split_capacities(requests, frac, ws, page_size)
     out: dict[str, Any] = {"capacity_fraction": frac, "device_tokens": device, "host_tokens": host, "disk_tokens": disk, "policies": {}}
     for name in policies:
         policy, eviction, window = POLICIES[name]

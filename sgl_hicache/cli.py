@@ -421,11 +421,13 @@ def _add_synth(sub: argparse._SubParsersAction) -> None:
                                    "hash ids shifted per drawn session, shared ids kept (method: sgl_hicache/replay/synth.py).")
     p.add_argument("source", nargs="?", help="a Mooncake JSONL trace (e.g. the shipped one); not with --shape")
     p.add_argument("--requests", type=_positive_int, help="requests to write (1e6-style accepted); required without --shape")
-    p.add_argument("--shape", choices=("chain", "branch"), help="instead: a generated shape where prediction can pay, as plain "
-                   "JSONL (sgl_hicache/replay/shapes.py: chain = cold restore with a probe, branch = sibling branches revisited)")
+    p.add_argument("--shape", choices=("chain", "branch", "agent"), help="instead: a generated shape where prediction can pay, as "
+                   "plain JSONL (sgl_hicache/replay/shapes.py: chain = cold restore with a probe, branch = sibling branches "
+                   "revisited, agent = tool-call pauses beside other traffic)")
     p.add_argument("--sessions", type=_positive_int, default=24, help="with --shape: sessions (default 24)")
-    p.add_argument("--lead", type=float, default=2.0, help="with --shape: seconds from the probe to the request it announces")
-    p.add_argument("--hints", action="store_true", help="with --shape chain: each probe carries the client's prefetch hint")
+    p.add_argument("--lead", type=float, default=2.0, help="with --shape: seconds from the probe (agent: the hint) to the request it announces")
+    p.add_argument("--hints", action="store_true", help="with --shape chain: each probe carries the client's prefetch hint; with "
+                   "--shape agent: each step before a tool call carries the framework's prefetch of its prompt, --lead before the tool returns")
     p.add_argument("--out", type=Path, required=True, help="the JSONL file to write")
     p.add_argument("--seed", type=int, default=0, help="resampling seed (default 0)")
     p.add_argument("--block-size", type=_positive_int, default=512, help="tokens per hash id (default 512)")
@@ -458,8 +460,8 @@ def _synth_shape(args: argparse.Namespace) -> int:
 
     if args.source is not None or args.requests is not None:
         raise UserError("--shape generates its own requests: leave SOURCE and --requests out")
-    if args.hints and args.shape != "chain":
-        raise UserError("--hints goes with --shape chain")
+    if args.hints and args.shape not in ("chain", "agent"):
+        raise UserError("--hints goes with --shape chain or --shape agent")
     kw = {"hints": True} if args.hints else {}
     requests = SHAPES[args.shape](sessions=args.sessions, lead_s=args.lead, seed=args.seed, **kw)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -29,21 +29,28 @@ def predict(ctl: "RequestController", m: PrefixMatch) -> None:
         return
     now = ctl.clock()
     trigger = trigger_of(ctl, m.last_node)
-    own = set(m.path)
-    picks = [p for p in ctl.predictor.predict(m.last_node, now, prediction_budget(ctl))
+    # a pick below the match point brings the arriving request's own disk-only path with it (prefix
+    # closure): those tokens come out of the budget, and out of a probe's size
+    own = m.disk_tokens
+    budget = prediction_budget(ctl)
+    if budget is not None:
+        budget -= own
+        if budget < ctl.cache.page_size:
+            return  # its own path alone fills the lead window
+    picks = [p for p in ctl.predictor.predict(m.last_node, now, budget)
              if p.node.parent is not None and p.node.host is None and p.node.device is None]
     if not picks:
         return
     cap = admit(ctl, trigger)  # one decision per call: its picks are one bet, bounded by the budget
-    if cap is None:
-        return
+    if cap is None or (cap and own + ctl.cache.page_size > cap):
+        return  # refused, or a probe that would be a bet: its own path is more than a probe may bring
     for pred in picks:
         node = pred.node
         if node.host is not None or node.device is not None:
             continue  # an earlier pick's path brought it
         pages = pred.pages
         if cap:  # a probe: one small prediction, the head of the node at most
-            pages = max(1, min(pages or node.num_pages, cap // ctl.cache.page_size))
+            pages = max(1, min(pages or node.num_pages, (cap - own) // ctl.cache.page_size))
         if pages is not None and 0 < pages < node.num_pages:
             head = ctl.cache.split_head(node, pages)
             if head is node:
@@ -51,12 +58,14 @@ def predict(ctl: "RequestController", m: PrefixMatch) -> None:
             node = head
         job = promote_fresh(ctl, node, now, ctl.predictor.may_evict)
         if job is not None:
-            # the guard judges the trigger by what lies below the match point: the path down to it
-            # is the arriving request's own (it uses it, whoever brings it up)
-            below = [st.node for st in job.stages if st.ops and st.node not in own]  # (not those another job brings)
-            for n in below:
+            # the guard judges the trigger by every page it brings, the arriving request's own path
+            # down to the pick included: a request far back in a long queue may not use its path
+            # before it is evicted again (an agentic replay at 0.3x its working set: 223k of 282k
+            # tokens so brought were wasted, unjudged, and pushed out pages others needed)
+            brought = [st.node for st in job.stages if st.ops]  # (not those another job brings)
+            for n in brought:
                 n.prefetch_trigger = trigger
-            ctl.planned[trigger] = ctl.planned.get(trigger, 0) + sum(n.num_pages for n in below) * ctl.cache.page_size
+            ctl.planned[trigger] = ctl.planned.get(trigger, 0) + sum(n.num_pages for n in brought) * ctl.cache.page_size
             ctl.executor.submit_job(job, speculative=True)
             ctl.predicted.append(job)
             if cap or len(ctl.predicted) >= ctl.settings.max_predicted_jobs:

@@ -383,3 +383,8 @@ def test_prediction_pays_smoke(tmp_path: Path) -> None:
         assert set(figures) >= {"prefetch", "predict", "oracle", "summary"}
         assert figures["predict"]["target_requests"] == figures["prefetch"]["target_requests"] > 0
         assert figures["predict"]["predictor"]["promoted_tokens"] > 0  # the walk fired where it can pay
+    # the agent shape: the framework's hints bring paused sessions back before they resume
+    agent, hinted = result["agent"], result["agent_hints"]
+    assert hinted["predict"]["hints"]["prefetch"] > 0 and hinted["summary"]["baseline_and_oracle_from"] == "the workload without hints"
+    assert hinted["predict"]["target_ttft_mean_s"] < agent["prefetch"]["target_ttft_mean_s"]
+    assert set(agent["prefetch"]["target_groups"]) == {"long pause", "short pause"}

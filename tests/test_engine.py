@@ -131,3 +131,28 @@ def test_host_to_disk_writes_are_charged_to_the_disk():
 
     expected = VirtualLinks(cfg.model, cfg.hardware).seconds("host->disk", written_tokens)
     assert rep["engine"]["disk_write_seconds"] == pytest.approx(expected)
+
+
+def test_a_requests_own_device_pages_are_not_room_for_it():
+    """A request whose matched prefix sits unlocked on the device needs room for the rest beside it:
+    its own pages are locked for it, so they are not evictable room. Counted as room, a request
+    that could not fit looked as if it did (short_pages <= 0), no queued prefetch gave up its lock
+    for it, and the engine idled behind it until the arrivals ran out."""
+    from sgl_hicache.engine.simulator import _Flight
+
+    eng = EmbeddedEngine(config("prefetch", device=32, host=64, disk=256))  # 8 device pages of 4 tokens
+    cache = eng.cache
+    mine, other = list(range(100, 116)), list(range(500, 512))  # 4 pages, 3 pages
+    for tokens in (mine, other):
+        cache.insert(tokens, cache.allocate_device(len(tokens) // 4))
+    held = cache.match(other, touch=False).last_node
+    cache.lock(held)  # what a queued request's prefetch job holds
+    head = req(0, mine + list(range(900, 916)), out=1)  # its 4 cached pages, 4 new ones, 1 for output
+    ticket, _ = eng.controller.arrive(head.input_ids)
+    flight = _Flight(head, 0.0, ticket)
+    ok, _, _ = eng._try_admit(flight)
+    assert not ok
+    # 5 pages needed, 1 free, nothing evictable but its own: 4 short (was counted as 0)
+    assert flight.short_pages == 4
+    cache.unlock(held)
+    eng.close()

@@ -294,3 +294,49 @@ def test_a_trigger_is_charged_once_for_each_page_it_copies(tmp_path):
     ctl.advance_predictions()
     assert child.host is not None and child.prefetch_trigger == trigger
     cache.check()
+
+
+def _own_path_and_child(tmp_path):
+    """A disk-only parent (the arriving request's own match) with a disk-only child below it."""
+    clock = Clock(100.0)
+    cache = make_cache(tmp_path, device=8, host=8, disk=64)
+    cache.clock = clock
+    ex, ctl = _controller(cache, clock)
+    serve(cache, seq(0, 2))
+    child = _disk_only(cache, seq(0, 2) + seq(100, 2))
+    assert child.parent.disk is not None and child.parent.host is None
+    ctl.predictor = _Fixed([Prediction(child, 1.0)])
+    return cache, ex, ctl, child
+
+
+def test_the_guard_is_charged_for_the_arriving_requests_own_path_a_prediction_brings(tmp_path):
+    """A pick below a disk-only match brings the request's own path along (prefix closure): the
+    trigger is charged for it too, so a request that never uses it (evicted before it is
+    scheduled, far back in a long queue) counts against the trigger."""
+    cache, ex, ctl, child = _own_path_and_child(tmp_path)
+    arriving = seq(0, 2) + seq(7000, 1)
+    ctl.arrive(arriving)
+    trigger = ctl.trigger_of(child.parent)
+    assert ctl.planned[trigger] == (child.parent.num_pages + child.num_pages) * PS
+    ex.finish_all([op for job in ctl.predicted for op in job.ops()])
+    ctl.advance_predictions()
+    assert child.parent.prefetch_trigger == trigger and child.prefetch_trigger == trigger
+    cache.check()
+
+
+def test_a_probe_never_brings_more_than_a_probe_own_path_included(tmp_path):
+    cache, ex, ctl, child = _own_path_and_child(tmp_path)
+    ctl.guard.admit = lambda used, wasted, trigger=None: PS  # the guard allows a one-page probe
+    ctl.arrive(seq(0, 2) + seq(7000, 1))  # its own disk path alone is two pages: no probe
+    assert not ctl.predicted and not ctl.planned
+    cache.check()
+
+
+def test_the_arriving_requests_own_path_comes_out_of_the_budget(tmp_path):
+    cache, ex, ctl, child = _own_path_and_child(tmp_path)
+    seen = []
+    ctl.predictor.predict = lambda start, now, budget_tokens=None: seen.append(budget_tokens) or []
+    full = ctl.prediction_budget()
+    ctl.arrive(seq(9000, 1))  # nothing of its own on disk
+    ctl.arrive(seq(0, 2) + seq(7000, 1))  # two pages of its own on disk
+    assert seen == [full, full - 2 * PS]

@@ -349,7 +349,11 @@ class EmbeddedEngine:
             m = self.controller.read_or_recompute(m, cost.prefill_seconds(cfg.model, cfg.hardware, m.disk_tokens, m.device_tokens + m.host_tokens))
         out_pages = math.ceil((flight.req.output_length + len(tokens) % ps) / ps)
         need_pages = len(tokens) // ps - m.device_tokens // ps
-        flight.short_pages = need_pages + out_pages - cache.stores[DEVICE].free_pages - self._evictable_device_pages()
+        # its own matched device pages are locked for it below: room comes from the free pages and
+        # the *other* evictable ones (counting its own, a request that could not fit looked as if it
+        # did, so no prefetch lock was ever given up for it and the queue stalled behind it)
+        own = sum(n.num_pages for n in m.path if n.device is not None and n.lock_ref == 0 and n.pins == 0)
+        flight.short_pages = need_pages + out_pages - cache.stores[DEVICE].free_pages - (self._evictable_device_pages() - own)
         if flight.short_pages > 0:
             return False, 0, (0.0, 0.0)
         flight.hits = self.controller.account(ticket, len(tokens), m)

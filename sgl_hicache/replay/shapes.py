@@ -15,6 +15,19 @@ a benchmark can score the requests a prediction is for (`role_of`):
   `branch_tokens` long. After `pause_s`, a probe on the document arrives `lead_s` before the
   branches are revisited (each branch plus a follow-up question, within `spread_s`). Roles:
   ``doc``, ``branch<i>``, ``probe``, ``revisit<i>``.
+- `agent` (tool-call pauses): `sessions` agents, started `session_gap_s` apart, each run `steps`
+  steps over a shared tool-spec prompt (`system_tokens`) and a private task (`task_tokens`). A step
+  is a request; its answer is a tool call, and the next step arrives `decode_s` (the answer being
+  written) plus the tool's duration later, its prompt extended by the call (`output_tokens`) and
+  the tool's result (drawn uniformly from `result_tokens`, whole pages). Tool durations are a mix:
+  with probability `long_share` a long tool (a build, a test run, a browse), uniform in `long_s`;
+  otherwise a short one (a search, a file read), uniform in `short_s`. Beside the agents, one-shot
+  requests of `other_tokens` private tokens arrive every `other_gap_s` from the first agent's start
+  to the last step (other users' traffic), so that a paused session's KV spills to host and disk
+  during a long pause. Roles: ``start`` (step 0), ``resume<k>`` (step k, after tool call k),
+  ``other``. With `hints`, each step followed by a tool call carries what an agent framework that
+  sees its tool finishing would send: ``prefetch`` of the step's prompt (the next step's cached
+  prefix, by token ids), running `lead_s` before the tool returns (``after_s``).
 
 Sizes are in tokens and rounded down to whole pages of `page_size`.
 """
@@ -119,7 +132,54 @@ def branch(sessions: int = 16, siblings: int = 4, doc_tokens: int = 4096, branch
     return sorted(out, key=lambda r: (r.arrival_s, r.line))
 
 
-SHAPES = {"chain": chain, "branch": branch}
+def agent(sessions: int = 24, steps: int = 8, system_tokens: int = 2048, task_tokens: int = 1024,
+          result_tokens: tuple[int, int] = (512, 2048), output_tokens: int = 256, decode_s: float = 2.0,
+          short_s: tuple[float, float] = (0.5, 4.0), long_s: tuple[float, float] = (30.0, 120.0), long_share: float = 0.3,
+          session_gap_s: float = 3.0, other_tokens: int = 4096, other_gap_s: float = 0.5, lead_s: float = 2.0,
+          page_size: int = 256, seed: int = 0, hints: bool = False) -> list[Request]:
+    """The `agent` shape (module docstring), in arrival order. Session ``agent<s>``'s step k is
+    ``agent<s>/start`` (k = 0) or ``agent<s>/resume<k>``; the others are ``other<i>/other``."""
+    if not 0 <= long_share <= 1 or steps < 1:
+        raise ValueError(f"agent: long_share must be in [0, 1] and steps >= 1, got {long_share}, {steps}")
+    for name, (lo, hi) in (("result_tokens", result_tokens), ("short_s", short_s), ("long_s", long_s)):
+        if not 0 <= lo <= hi:
+            raise ValueError(f"agent: {name} must be a range (low, high) with 0 <= low <= high, got {(lo, hi)}")
+    rng = random.Random(seed)
+    system_tokens, task_tokens, output_tokens = (_pages(n, page_size) for n in (system_tokens, task_tokens, output_tokens))
+    lo_pages, hi_pages = _pages(result_tokens[0], page_size) // page_size, _pages(result_tokens[1], page_size) // page_size
+    system = _ids(SYSTEM_ID, system_tokens)
+    out: list[Request] = []
+    end = 0.0
+    for s in range(sessions):
+        ids = _Ids(s)
+        name = f"agent{s}"
+        t = s * session_gap_s + rng.uniform(0, 0.5)
+        prompt = system + ids.take(task_tokens)
+        for k in range(steps):
+            req = _request(f"{name}/{'start' if k == 0 else f'resume{k}'}", name, t, list(prompt), output_tokens, 0)
+            end = max(end, t)
+            if k == steps - 1:
+                out.append(req)
+                break
+            tool_s = rng.uniform(*long_s) if rng.random() < long_share else rng.uniform(*short_s)
+            nxt = round(t + decode_s + tool_s, 6)
+            if hints:  # the framework sees its tool finishing `lead_s` ahead: the next step's prefix comes up
+                after = max(0.0, nxt - lead_s - req.arrival_s)
+                req = Request(req.request_id, req.session, req.arrival_s, req.input_ids, req.output_length, 0,
+                              hints=(Hint("prefetch", tuple(prompt), after_s=round(after, 6)),))
+            out.append(req)
+            prompt = prompt + ids.take(output_tokens) + ids.take(rng.randint(lo_pages, hi_pages) * page_size)
+            t = nxt
+    other_ids = _Ids(sessions)
+    t, i = 0.0, 0
+    while t <= end:
+        out.append(_request(f"other{i}/other", f"other{i}", t, other_ids.take(_pages(other_tokens, page_size)), output_tokens, 0))
+        t, i = round(t + other_gap_s, 6), i + 1
+    out.sort(key=lambda r: (r.arrival_s, r.request_id))
+    return [Request(r.request_id, r.session, r.arrival_s, r.input_ids, r.output_length, n + 1, r.hints) for n, r in enumerate(out)]
+
+
+SHAPES = {"chain": chain, "branch": branch, "agent": agent}
 
 
 def write_plain(requests: list[Request], f: IO[str]) -> int:
