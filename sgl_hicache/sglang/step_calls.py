@@ -13,6 +13,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..policy.hints import HintError
+from ..tiers.base import HOST
 from .device_pool import frees_batched
 from .rank_consensus import tree_digest
 
@@ -95,8 +96,11 @@ class StepCalls:
         if self.hint_listener is None and self.settings.hint_port is not None and not self.disable:
             from .hint_server import HintListener
 
+            cache = self.cache
+            host = cache.stores[HOST].capacity_pages * cache.page_size if cache.has_tier(HOST) else None
             self.hint_listener = HintListener(self.settings.hint_port, self.settings.hint_host, status=self.hint_status,
-                                              vocab_size=self._vocab_size, limits=self.controller.hints.limits)
+                                              vocab_size=self._vocab_size, limits=self.controller.hints.limits,
+                                              page_size=cache.page_size, host_tokens=host)
             logger.info("sgl_hicache: hint API on http://%s:%d/hints", self.settings.hint_host, self.hint_listener.port)
 
     def stop_hint_api(self) -> None:
