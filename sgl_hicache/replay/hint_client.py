@@ -128,7 +128,7 @@ def post_hints(url: str, hints: Sequence[dict[str, Any]], timeout: float = 10.0)
 @dataclass
 class HintCounts:
     """What a `HintSender` did: hints posted and accepted (202), refused (any other status; the
-    first reason kept), not sent (not due when it closed, or after the API stopped answering)."""
+    first reason kept), not sent (the API stopped answering)."""
 
     sent: int = 0
     accepted: int = 0
@@ -145,8 +145,9 @@ class HintSender:
 
     Contract: `schedule(due, hint)` never blocks; each hint is posted at most once, not before its
     due time. A refusal is counted (`counts.refused`, reason in `first_error`); a connection failure
-    sets `counts.endpoint_error` and stops the sending (the rest count as unsent). `close()` posts
-    what is due by then, counts the rest unsent and stops the thread; safe to call twice.
+    sets `counts.endpoint_error` and stops the sending (the rest count as unsent). `close()` returns
+    once every scheduled hint is posted, each at its time (a trace's hints are part of the replay,
+    also those due after its last request ended), and stops the thread; safe to call twice.
     """
 
     MAX_REASONS = 5
@@ -158,7 +159,7 @@ class HintSender:
         self._heap: list[tuple[float, int, ResolvedHint]] = []
         self._seq = itertools.count()
         self._cond = threading.Condition()
-        self._closing: float | None = None
+        self._closing = False
         self._thread = threading.Thread(target=self._run, name="sgl-hicache-hint-sender", daemon=True)
         self._thread.start()
 
@@ -175,7 +176,7 @@ class HintSender:
                 now = time.perf_counter()
                 if self._heap and self._heap[0][0] <= now:
                     return heapq.heappop(self._heap)[2]
-                if self._closing is not None and (not self._heap or self._heap[0][0] > self._closing):
+                if self._closing and not self._heap:
                     return None
                 self._cond.wait(timeout=None if not self._heap else max(0.0, self._heap[0][0] - now))
 
@@ -201,8 +202,7 @@ class HintSender:
 
     def close(self) -> HintCounts:
         with self._cond:
-            if self._closing is None:
-                self._closing = time.perf_counter()
+            self._closing = True
             self._cond.notify()
         self._thread.join()
         with self._cond:

@@ -452,6 +452,7 @@ def replay_http(
         else:
             list(pool.map(one, reqs))
     duration = time.perf_counter() - start
+    # the hints due after the last request ended are sent too, at their time (the trace says so)
     hint_report = _hint_report(hints, sender.close(), unresolved) if sender is not None and hints is not None else None
     after = _server_stats(url)
     ok = [r for r in records if r.error is None]

@@ -69,13 +69,17 @@ class StepCalls:
     @frees_batched
     def before_batch_formed(self) -> None:
         """Once per scheduling step, before SGLang forms the prefill batch
-        (`scheduler_hooks.record_landed_copies`): record the background copies that landed (their
-        pages are clean and evictable for this admission); start none. Nothing at TP >= 2 (there the
-        ranks agree on the outcomes first, `sgl_hicache_on_step`)."""
+        (`scheduler_hooks.record_landed_copies`): apply the queued client hints; record the
+        speculative promotions (predictions, hint prefetches) and background copies that landed (their
+        pages are host hits, or clean and evictable, for this admission, not only once the next
+        request arrives); start none. Nothing at TP >= 2 (there the ranks agree on the outcomes
+        first, `sgl_hicache_on_step`)."""
         if self.disable or self.consensus is not None:
             return
         if self.hint_listener is not None:
             self.apply_hints(self.hint_listener.drain())
+        if self.controller.predicted:
+            self.controller.advance_predictions()
         if self.controller.writeback:
             self.controller.pump_writeback(start_new=False)
 
@@ -160,6 +164,8 @@ class StepCalls:
                               layer_loads=(loads.queued, loads.done_prefix()) if loads is not None else (0, 0))
         if loads is not None:
             loads.reap_agreed(agreed_loads)
+        if self.controller.predicted:  # outcomes agreed above: every rank records the same landed promotions
+            self.controller.advance_predictions()
         self.controller.pump_writeback(start_new=False)
 
     def sgl_hicache_after_step(self) -> None:
