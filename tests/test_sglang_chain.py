@@ -45,7 +45,8 @@ def test_predict_serves_the_continuation_from_promotions_made_during_the_lead(tm
     pred, base = s["predict"], s["prefetch"]
     promoted, used = pred["predict"]["promoted_tokens"], pred["predict"]["used_tokens"]
     assert promoted > 0 and used >= 0.8 * promoted, pred  # promoted disk -> host, and used by the continuations
-    assert pred["cont_hits"]["host"] >= used, pred  # the continuations' host hits include every used promotion
+    # the continuations' host hits are those promotions (used counts whole nodes, a hit stops a page short of a prompt's end)
+    assert 0.9 * used <= pred["cont_hits"]["host"] <= used, pred
     assert pred["cont_hits"]["host"] > base["cont_hits"]["host"] + used // 2, (pred, base)
     assert pred["cont_hits"]["disk"] < base["cont_hits"]["disk"], (pred, base)  # without: the history comes from disk
     assert base["predict"]["promoted_tokens"] == 0
