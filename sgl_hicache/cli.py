@@ -117,6 +117,8 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--store-latency-us", type=_non_negative_float, default=200.0, help="with --fleet: per-transfer store latency, microseconds (default 200)")
     p.add_argument("--url", help="replay against a running SGLang server (http://HOST:PORT) instead of the embedded engine")
     p.add_argument("--max-new-tokens", type=_positive_int, help="with --url: cap each request's output length")
+    p.add_argument("--hint-url", help="with --url: the server's hint API (http://HOST:PORT) that a trace line's hints go to "
+                   "(default: the port the server's stats name, from sgl-hicache serve --hint-port)")
     p.add_argument("--bytes", dest="byte_mode", default="real", choices=["real", "metadata"],
                    help="embedded engine: 'real' copies every page's bytes through the real stores (proves the data path); "
                         "'metadata' accounts and times the same transfers without holding or copying bytes (capacity "
@@ -165,6 +167,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         raise UserError(f"--report {str(args.report)!r} is a directory; give a file path")
     if args.max_new_tokens is not None and not args.url:
         raise UserError("--max-new-tokens caps a server's outputs; it needs --url (the embedded engine replays the trace's output lengths)")
+    if args.hint_url is not None and not args.url:
+        raise UserError("--hint-url names a server's hint API; it needs --url (the embedded engine applies a trace's hints itself)")
     if args.fleet and args.url:
         raise UserError("--fleet simulates a fleet in the embedded engine; it does not take --url")
     if args.url and (args.byte_mode != "real" or args.checkpoint_every or args.workers):
@@ -188,6 +192,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     _write_report(args.report, result)
     if failed:
         raise ReplayFailed(f"{failed} of {sent} requests failed; first error: {_first_error(result)}")
+    hints = next((rep["hints"] for rep in result["policies"].values() if rep.get("hints")), None)
+    if hints and hints.get("endpoint_error"):
+        raise ReplayFailed(f"the hint API failed during the replay ({hints['unsent']} hints not sent): {hints['endpoint_error']}")
     return 0
 
 
@@ -220,9 +227,12 @@ def _replay_server(args: argparse.Namespace, progress: Progress) -> dict[str, An
     if not requests:
         raise UserError(f"trace {args.trace!r} holds no requests")
     print(f"server {server.url}: {server.describe()}")
-    report = replay_http(requests, args.url, concurrency=args.concurrency, max_new_tokens=args.max_new_tokens,
-                         trace_clock=args.trace_clock, time_scale=args.time_scale, server=server,
-                         progress=progress.callback("server"))
+    try:
+        report = replay_http(requests, args.url, concurrency=args.concurrency, max_new_tokens=args.max_new_tokens,
+                             trace_clock=args.trace_clock, time_scale=args.time_scale, server=server,
+                             progress=progress.callback("server"), hint_url=args.hint_url)
+    except ServerError as exc:  # e.g. the trace carries hints and no hint API answers: nothing was sent
+        raise UserError(str(exc)) from None
     if report["requests_sent"] == 0:
         raise UserError(f"none of the {len(requests)} requests fits the server ({server.describe()}); "
                         f"first: {report['skipped'].get('first')}; use a smaller --scale")
@@ -311,7 +321,24 @@ def format_report(result: dict[str, Any]) -> str:
         if rep.get("requests_failed"):
             lines.append(f"{name}: FAILED {rep['requests_failed']} of {rep.get('requests_sent', '?')} requests; "
                          f"first error: {(rep.get('errors') or {}).get('first_error')}")
+        if rep.get("hints"):
+            lines.append(format_hints(name, rep["hints"]))
     return "\n".join(lines)
+
+
+def format_hints(name: str, h: dict[str, Any]) -> str:
+    """One line on the hints a server replay sent (`replay_http`'s report `hints`)."""
+    line = (f"{name}: hints to {h['url']}: sent {h['sent']}, accepted {h['accepted']}, refused {h['refused']}, "
+            f"unresolved {h['unresolved']}, not sent {h['unsent']}")
+    srv = h.get("server")
+    if srv:
+        applied = ", ".join(f"{k} {v}" for k, v in (srv.get("applied") or {}).items() if v)
+        line += f"; the server applied {applied or 'none'}, rejected {srv.get('rejected', 0)} when applied"
+    if h.get("first_error"):
+        line += f"; first error: {h['first_error']}"
+    if h.get("endpoint_error"):
+        line += f"; HINT API FAILED: {h['endpoint_error']}"
+    return line
 
 
 def _fmt(v: float | None) -> str:

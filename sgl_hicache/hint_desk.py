@@ -17,7 +17,7 @@ import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .policy.hints import Hint, HintError, HintLimits
+from .policy.hints import Hint, HintError, HintLimits, check_prefix
 from .speculation import admit
 from .tiers.base import HOST, TIERS
 from .tree.node import TreeNode
@@ -57,9 +57,8 @@ class HintDesk:
     def _apply(self, hint: Hint, tokens: Sequence[int]) -> int:
         ctl = self.ctl
         cache = ctl.cache
+        check_prefix(len(tokens), cache.page_size)
         aligned = cache.tree.page_aligned(tokens)
-        if aligned == 0:
-            raise HintError(f"a hint's prefix must hold at least one whole page ({cache.page_size} tokens)")
         self.expire()
         m = cache.match(tokens[:aligned], touch=False, count=False)
         if not m.path:

@@ -48,7 +48,7 @@ def test_valid_hints_are_queued_in_order_and_drained_once(listener):
     ({"hints": [{"action": "prefetch", "input_ids": [1]}, {"action": "evict", "input_ids": [1]}]}, "hint 1: 'action'"),
     ({"hints": [{"action": "retain", "session": "s1"}]}, "tracks no sessions"),
     ({"hints": [{"action": "pin", "input_ids": [1, 2]}]}, "'ttl_s' is required"),
-    ({"hints": [{"action": "prefetch", "input_ids": [1, 2000]}]}, "token id 2000 is outside the vocabulary"),
+    ({"hints": [{"action": "prefetch", "input_ids": [1, 2000]}]}, "hint 0: 'input_ids' holds token id 2000, outside the vocabulary"),
     ({"hints": [{"action": "prefetch", "input_ids": [1, -3]}]}, "non-negative"),
     ({"hints": [{"action": "prefetch", "input_ids": "1 2"}]}, "list of integer token ids"),
     ({"hints": [{"action": "prefetch", "input_ids": [1], "colour": 1}]}, "unknown field(s) colour"),
@@ -60,6 +60,24 @@ def test_a_malformed_batch_is_refused_whole_with_the_reason(listener, body, word
     code, out = _post(listener.port, body)
     assert code == 400 and words in out["error"], out
     assert listener.drain() == []
+
+
+@pytest.mark.parametrize("hint, words", [
+    ({"action": "prefetch", "input_ids": [1, 2, 3]}, "hint 0: 'input_ids': a hint's prefix must hold at least one whole page (4 tokens), got 3"),
+    ({"action": "pin", "input_ids": list(range(12)), "ttl_s": 5}, "hint 0: pin of 12 tokens is over 25% of the 32-token host tier (8 tokens)"),
+])
+def test_a_hint_no_tree_could_take_is_refused_at_the_door(hint, words):
+    """With the page size and the host tier's capacity, a prefix shorter than a page and a pin larger
+    than the pinned share on its own are refused by the listener (400), before the scheduler sees them;
+    a pin within the share passes (whether it fits beside the other pins is decided when applied)."""
+    lst = HintListener(0, vocab_size=1000, page_size=4, host_tokens=32)
+    try:
+        code, out = _post(lst.port, {"hints": [hint]})
+        assert code == 400 and words in out["error"], out
+        assert lst.drain() == []
+        assert _post(lst.port, {"hints": [{"action": "pin", "input_ids": list(range(9)), "ttl_s": 5}]}) == (202, {"queued": 1})
+    finally:
+        lst.close()
 
 
 def test_parse_hint_batch_is_the_one_validator():

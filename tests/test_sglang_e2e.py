@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -38,49 +39,18 @@ import pytest
 
 from conftest import NEEDS_SGLANG, mooncake_trace
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "cpu"))
+from realistic_weights import make_model  # noqa: E402  (re-exported: the other SGLang tests import it from here)
+
 pytestmark = NEEDS_SGLANG  # marked `sglang`, skipped where SGLang is not installed
 
 REPO = Path(__file__).resolve().parent.parent
-TINY = REPO / "scripts" / "cpu" / "tiny-llama"
 
 PAGE = 16
 HIT = 304  # the cached part of the 320-token prompt P: whole pages, its last token excluded
 DEVICE_TOKENS = 1024
 HOST_TOKENS = 4096
 VOCAB = 1024
-
-
-def make_model(dst: Path, seed: int = 0) -> Path:
-    """The tiny Llama config with N(0, ~1/sqrt(fan_in)) weights in bf16 safetensors."""
-    import torch
-    from safetensors.torch import save_file
-
-    cfg = json.loads((TINY / "config.json").read_text())
-    dst.mkdir(parents=True, exist_ok=True)
-    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
-    g = torch.Generator().manual_seed(seed)
-    h, inter, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    nh, nkv, hd, V = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["vocab_size"]
-
-    def w(out_f, in_f, gain=1.0):
-        return (torch.randn(out_f, in_f, generator=g) * gain / in_f**0.5).to(torch.bfloat16)
-
-    t = {"model.embed_tokens.weight": torch.randn(V, h, generator=g).to(torch.bfloat16),
-         "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
-         "lm_head.weight": w(V, h)}
-    for i in range(L):
-        p = f"model.layers.{i}."
-        t[p + "self_attn.q_proj.weight"] = w(nh * hd, h, 2.0)
-        t[p + "self_attn.k_proj.weight"] = w(nkv * hd, h, 2.0)
-        t[p + "self_attn.v_proj.weight"] = w(nkv * hd, h)
-        t[p + "self_attn.o_proj.weight"] = w(h, nh * hd)
-        t[p + "mlp.gate_proj.weight"] = w(inter, h)
-        t[p + "mlp.up_proj.weight"] = w(inter, h)
-        t[p + "mlp.down_proj.weight"] = w(h, inter)
-        t[p + "input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
-        t[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
-    save_file(t, str(dst / "model.safetensors"))
-    return dst
 
 
 @pytest.fixture(scope="module")

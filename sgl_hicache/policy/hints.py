@@ -65,11 +65,23 @@ class HintLimits:
         if ttl_s > self.max_ttl_s:
             raise HintError(f"pin for {ttl_s:g} s exceeds the longest allowed, {self.max_ttl_s:g} s")
 
+    def check_share(self, tokens: int, pinned_tokens: int, capacity_tokens: int) -> None:
+        """The size part of `check_pin` (with `pinned_tokens=0`: a pin no tree state could admit,
+        refused before the tree is seen)."""
+        if pinned_tokens + tokens > self.max_pin_share * capacity_tokens:
+            held = f"would hold {pinned_tokens + tokens} pinned tokens" if pinned_tokens else "is"
+            raise HintError(f"pin of {tokens} tokens {held} over {self.max_pin_share:.0%} of the "
+                            f"{capacity_tokens}-token host tier ({int(self.max_pin_share * capacity_tokens)} tokens)")
+
     def check_pin(self, tokens: int, ttl_s: float, pinned_tokens: int, capacity_tokens: int) -> None:
         self.check_ttl(ttl_s)
-        if pinned_tokens + tokens > self.max_pin_share * capacity_tokens:
-            raise HintError(f"pin of {tokens} tokens would hold {pinned_tokens + tokens} pinned tokens, over "
-                            f"{self.max_pin_share:.0%} of the {capacity_tokens}-token host tier")
+        self.check_share(tokens, pinned_tokens, capacity_tokens)
+
+
+def check_prefix(tokens: int, page_size: int) -> None:
+    """A hint acts on whole pages: raises `HintError` when its prefix of `tokens` holds none."""
+    if tokens < page_size:
+        raise HintError(f"a hint's prefix must hold at least one whole page ({page_size} tokens), got {tokens}")
 
 
 def hint_tokens(hint: Hint, sessions: dict[str, Sequence[int]]) -> Sequence[int]:

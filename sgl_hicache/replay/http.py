@@ -32,6 +32,14 @@ raises `ServerError` asking for an explicit vocabulary size. Token ids must stay
 ids below the model's special tokens when those sit at the top of the vocabulary (Llama 3, Qwen):
 image / audio placeholder ids there would make a multimodal model read the prompt as media.
 
+Hints: a request's `hints` (plain JSONL, `replay/hints.py`) go to the server's hint API (`POST /hints`,
+`sglang/hint_server.py`) at the request's send time + the hint's `after_s` (x `time_scale` with
+`trace_clock`), as the embedded engine applies them at arrival + `after_s`; a hint naming a session is
+resolved here to that session's latest prompt before the request (the server tracks no sessions). The
+API is `hint_url`, or the one the server's stats name (`hints.port`, served with `--hint-port`). A trace
+with hints and no hint API answering is a ServerError before anything is sent; a refused hint (4xx) is
+counted with its reason in the report's `hints`; an API that stops answering is `hints.endpoint_error`.
+
 Prompts longer than the server takes: like SGLang's `bench_serving` (which prunes a dataset row when
 ``prompt_len + output_len > context_len``), such requests are skipped, not truncated; also skipped is a
 prompt of `max_req_input_len` tokens or more (SGLang would abort it). The report counts them
@@ -53,6 +61,7 @@ from typing import Any
 
 from ..records import RequestRecord
 from ..sglang.model_facts import model_facts, special_token_ids  # re-exported (__all__)
+from .hint_client import HintApiError, HintCounts, HintSender, hint_api_status, hint_api_url, resolve_hints
 from .trace import Request
 
 
@@ -316,6 +325,46 @@ def _diff(after: Any, before: Any) -> Any:
     return after
 
 
+def _hint_api(url: str, hint_url: str | None, stats: dict[str, Any] | None, n_hints: int) -> tuple[str, dict[str, Any]] | None:
+    """(the hint API's URL, its counters now) when the trace carries hints or `hint_url` is given;
+    ServerError when the trace carries hints and no hint API answers."""
+    if not n_hints and hint_url is None:
+        return None
+    target = hint_url or hint_api_url(url, stats)
+    if target is None:
+        raise ServerError(f"the trace carries {n_hints} hints, but the server at {url} serves no hint API (its stats name "
+                          "no hint port): start it with --hint-port P (SGLHICACHE_HINT_PORT), or pass --hint-url")
+    try:
+        return target, hint_api_status(target)
+    except (HintApiError, ValueError) as e:
+        raise ServerError(f"{e}; the trace's {n_hints} hints cannot be sent (--hint-url names the hint API)") from None
+
+
+def _hint_report(api: tuple[str, dict[str, Any]], counts: HintCounts, unresolved: list[str]) -> dict[str, Any]:
+    """The report's `hints`: what was sent and refused, and what the server applied meanwhile (its
+    `GET /hints` counters after minus before; `server` is None when it no longer answers)."""
+    url, before = api
+    out: dict[str, Any] = {"url": url + "/hints", "sent": counts.sent, "accepted": counts.accepted, "refused": counts.refused,
+                           "unsent": counts.unsent, "unresolved": len(unresolved), "refusals": counts.refusals,
+                           "first_error": counts.first_error or (unresolved[0] if unresolved else None),
+                           "endpoint_error": counts.endpoint_error, "server": None}
+    if counts.endpoint_error is None:
+        try:
+            after = hint_api_status(url)
+            deadline = time.monotonic() + 5.0
+            while after.get("queued") and time.monotonic() < deadline:  # the scheduler drains the queue every step
+                time.sleep(0.05)
+                after = hint_api_status(url)
+        except HintApiError as e:
+            out["endpoint_error"] = str(e)
+        else:
+            out["server"] = {"applied": _diff(after.get("applied") or {}, before.get("applied") or {}),
+                             "rejected": _diff(after.get("rejected", 0), before.get("rejected", 0)),
+                             "acted_tokens": _diff(after.get("acted_tokens", 0), before.get("acted_tokens", 0)),
+                             "pins": after.get("pins"), "last_error": after.get("last_error")}
+    return out
+
+
 def replay_http(
     requests: Sequence[Request],
     url: str,
@@ -328,13 +377,17 @@ def replay_http(
     progress: Callable[[int, int], None] | None = None,
     keep_outputs: bool = False,
     server: ServerModel | None = None,
+    hint_url: str | None = None,
 ) -> dict[str, Any]:
     """Replay `requests` against the server at `url`; returns the report (see the module docstring).
 
     `max_new_tokens` caps each request's output length; `keep_outputs` adds per-request records
     (`records`: id, ttft, hits, output ids, error) to the report. `server` is what `probe_server`
     said (probed here when None): a token id outside its vocabulary is a ValueError before anything
-    is sent; requests too long for it are skipped and counted (`requests_skipped`, `skipped`)."""
+    is sent; requests too long for it are skipped and counted (`requests_skipped`, `skipped`).
+    Requests' `hints` go to the hint API at `hint_url` (default: the one the server's stats name) at
+    their request's send time + `after_s` (`replay/hint_client.py`); the report's `hints` counts
+    them. ServerError before anything is sent when the trace has hints and no hint API answers."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     if time_scale <= 0:
@@ -347,15 +400,21 @@ def replay_http(
     check_vocab(requests, server.vocab_size)
     fitting, skipped = fit_requests(requests, server, max_new_tokens)
     before = _server_stats(url)
+    hinted, unresolved = resolve_hints(fitting)
+    hints = _hint_api(url, hint_url, before, sum(map(len, hinted.values())) + len(unresolved))
     reqs = sorted(fitting, key=lambda r: r.arrival_s) if trace_clock else list(fitting)
     total = len(reqs)
     records: list[HttpRecord] = []
     lock = threading.Lock()
+    sender = HintSender(hints[0]) if hints is not None else None
+    hint_scale = time_scale if trace_clock else 1.0
     start = time.perf_counter()
 
     def one(req: Request) -> None:
         n_out = req.output_length if max_new_tokens is None else min(req.output_length, max_new_tokens)
         sent = time.perf_counter() - start
+        for h in hinted.get(id(req), ()) if sender is not None else ():
+            sender.schedule(start + sent + h.hint.after_s * hint_scale, h)
         try:
             r = generate_stream(url, req.input_ids, n_out, timeout_s=timeout_s)
             d, h, k = hits_from_meta(r["meta_info"])
@@ -393,6 +452,8 @@ def replay_http(
         else:
             list(pool.map(one, reqs))
     duration = time.perf_counter() - start
+    # the hints due after the last request ended are sent too, at their time (the trace says so)
+    hint_report = _hint_report(hints, sender.close(), unresolved) if sender is not None and hints is not None else None
     after = _server_stats(url)
     ok = [r for r in records if r.error is None]
     failed = [r for r in records if r.error is not None]
@@ -422,6 +483,8 @@ def replay_http(
     report["skipped"] = skipped
     report["server"] = dataclasses.asdict(server)
     report["server_stats"] = after
+    if hint_report is not None:
+        report["hints"] = hint_report
     if keep_outputs:
         report["records"] = [vars(r) for r in sorted(records, key=lambda r: r.arrival_s)]
     return report

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from ..policy.hints import HINT_ACTIONS, Hint, HintError, HintLimits
+from ..policy.hints import HINT_ACTIONS, Hint, HintError, HintLimits, check_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -66,17 +66,22 @@ class HintListener:
     """HTTP listener for hints (see the module docstring).
 
     Contract: `drain()` (the scheduler thread) returns the hints queued since the last call, in
-    arrival order, and never blocks; a malformed POST queues nothing and answers 400 with the reason;
+    arrival order, and never blocks; a malformed POST queues nothing and answers 400 with the reason
+    (the hint's index and field: `_check`); `page_size` and `host_tokens` (the host tier's capacity,
+    None: no host tier) let it refuse a prefix shorter than a page and a pin too large on its own;
     `status` is a callable returning the appliers' counters for GET. `close()` stops the thread and
     frees the port; safe to call twice.
     """
 
     def __init__(self, port: int, host: str = "127.0.0.1", status: Callable[[], dict] | None = None,
-                 vocab_size: int | None = None, limits: HintLimits | None = None) -> None:
+                 vocab_size: int | None = None, limits: HintLimits | None = None, page_size: int = 1,
+                 host_tokens: int | None = None) -> None:
         self._queue: queue.SimpleQueue[Hint] = queue.SimpleQueue()
         self._limits = limits or HintLimits()
         self._status = status or (lambda: {})
         self._vocab = vocab_size
+        self._page_size = page_size
+        self._host_tokens = host_tokens
         listener = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -119,18 +124,27 @@ class HintListener:
         self._thread.start()
 
     def _check(self, hints: list[Hint]) -> None:
-        """What can be refused before the scheduler sees a hint: token ids outside the vocabulary, a pin
-        longer than `HintLimits.max_ttl_s` (the pinned share needs the tree: checked when applied)."""
+        """What can be refused before the scheduler sees a hint: token ids outside the vocabulary, a
+        prefix shorter than a page, a pin longer than `HintLimits.max_ttl_s` or larger than its share
+        of the host tier on its own (the share taken with the other pins needs the tree: checked when
+        applied)."""
         for i, h in enumerate(hints):
-            if self._vocab is not None:
-                bad = next((t for t in h.input_ids or () if t >= self._vocab), None)
-                if bad is not None:
-                    raise HintError(f"hint {i}: token id {bad} is outside the vocabulary ({self._vocab} ids)")
-            if h.ttl_s is not None:
+            ids = h.input_ids or ()
+            try:
+                if self._vocab is not None:
+                    bad = next((t for t in ids if t >= self._vocab), None)
+                    if bad is not None:
+                        raise HintError(f"'input_ids' holds token id {bad}, outside the vocabulary ({self._vocab} ids)")
                 try:
-                    self._limits.check_ttl(h.ttl_s)
+                    check_prefix(len(ids), self._page_size)
                 except HintError as e:
-                    raise HintError(f"hint {i}: {e}") from None
+                    raise HintError(f"'input_ids': {e}") from None
+                if h.ttl_s is not None:
+                    self._limits.check_ttl(h.ttl_s)
+                    if self._host_tokens is not None:
+                        self._limits.check_share(len(ids) // self._page_size * self._page_size, 0, self._host_tokens)
+            except HintError as e:
+                raise HintError(f"hint {i}: {e}") from None
 
     def drain(self) -> list[Hint]:
         out: list[Hint] = []

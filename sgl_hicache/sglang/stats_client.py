@@ -109,6 +109,12 @@ def render(stats: dict[str, Any], tree: bool = True) -> str:
     if pool:
         lines.append(f"device pool {pool['device_pool_tokens']} tok: free {pool['device_free_tokens']}, cache {pool['device_cache_owned_tokens']}, "
                      f"requests {pool['request_held_tokens']}; evictable {pool['evictable_tokens']}, protected {pool['protected_tokens']}; check {pool['check']}")
+    hints = stats.get("hints")
+    if hints:
+        applied = ", ".join(f"{k} {v}" for k, v in (hints.get("applied") or {}).items())
+        lines.append(f"hint API :{hints.get('port')}: applied {applied}; acted on {hints.get('acted_tokens', 0)} tok, "
+                     f"rejected {hints.get('rejected', 0)}, pins {hints.get('pins', 0)} ({hints.get('pinned_tokens', 0)} tok)"
+                     + (f"; last error: {hints['last_error']}" if hints.get("last_error") else ""))
     if stats.get("errors"):
         lines.append("errors: " + ", ".join(f"{k}={v}" for k, v in stats["errors"].items()))
     if tree and stats.get("tree_text"):

@@ -13,6 +13,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..policy.hints import HintError
+from ..tiers.base import HOST
 from .device_pool import frees_batched
 from .rank_consensus import tree_digest
 
@@ -68,13 +69,17 @@ class StepCalls:
     @frees_batched
     def before_batch_formed(self) -> None:
         """Once per scheduling step, before SGLang forms the prefill batch
-        (`scheduler_hooks.record_landed_copies`): record the background copies that landed (their
-        pages are clean and evictable for this admission); start none. Nothing at TP >= 2 (there the
-        ranks agree on the outcomes first, `sgl_hicache_on_step`)."""
+        (`scheduler_hooks.record_landed_copies`): apply the queued client hints; record the
+        speculative promotions (predictions, hint prefetches) and background copies that landed (their
+        pages are host hits, or clean and evictable, for this admission, not only once the next
+        request arrives); start none. Nothing at TP >= 2 (there the ranks agree on the outcomes
+        first, `sgl_hicache_on_step`)."""
         if self.disable or self.consensus is not None:
             return
         if self.hint_listener is not None:
             self.apply_hints(self.hint_listener.drain())
+        if self.controller.predicted:
+            self.controller.advance_predictions()
         if self.controller.writeback:
             self.controller.pump_writeback(start_new=False)
 
@@ -95,8 +100,11 @@ class StepCalls:
         if self.hint_listener is None and self.settings.hint_port is not None and not self.disable:
             from .hint_server import HintListener
 
+            cache = self.cache
+            host = cache.stores[HOST].capacity_pages * cache.page_size if cache.has_tier(HOST) else None
             self.hint_listener = HintListener(self.settings.hint_port, self.settings.hint_host, status=self.hint_status,
-                                              vocab_size=self._vocab_size, limits=self.controller.hints.limits)
+                                              vocab_size=self._vocab_size, limits=self.controller.hints.limits,
+                                              page_size=cache.page_size, host_tokens=host)
             logger.info("sgl_hicache: hint API on http://%s:%d/hints", self.settings.hint_host, self.hint_listener.port)
 
     def stop_hint_api(self) -> None:
@@ -160,6 +168,8 @@ class StepCalls:
                               layer_loads=(loads.queued, loads.done_prefix()) if loads is not None else (0, 0))
         if loads is not None:
             loads.reap_agreed(agreed_loads)
+        if self.controller.predicted:  # outcomes agreed above: every rank records the same landed promotions
+            self.controller.advance_predictions()
         self.controller.pump_writeback(start_new=False)
 
     def sgl_hicache_after_step(self) -> None:
