@@ -8,7 +8,9 @@ Every run starts a fresh `python -m sglang.launch_server` (its own process group
 path) with the same model (`scripts/cpu/bench-llama`, dummy weights: hidden 1024, 8 layers, prefill
 dominates on a CPU), the same page size (16), the same device pool (`--max-total-tokens`), and replays
 the same trace slice over HTTP (`sgl_hicache.replay.http.replay_http`: concurrency 4, 8 output
-tokens, `ignore_eos`, greedy). The slice is the first `--requests` requests of the Mooncake
+tokens, `ignore_eos`, greedy; a closed loop: each client sends its next request when the last one ends;
+`--time-scale S` makes it an open loop instead, each request sent at its trace timestamp x S, at most
+`--concurrency` in flight). The slice is the first `--requests` requests of the Mooncake
 conversation trace with every 512-token block scaled to 32 tokens. Three configurations:
 
 - `default`: SGLang's default radix cache (an evicted prefix is recomputed);
@@ -202,7 +204,8 @@ def run_one(config: str, pool: int, reqs: list, a: argparse.Namespace, workdir: 
         spy = start_profiler(srv.proc.pid, Path(a.profile) / f"{tag}.txt") if a.profile else None
         try:
             rep = replay_http(reqs, srv.url, concurrency=a.concurrency, max_new_tokens=a.output_tokens,
-                              timeout_s=a.request_timeout)
+                              timeout_s=a.request_timeout, trace_clock=a.time_scale is not None,
+                              time_scale=a.time_scale or 1.0)
         finally:
             stop_profiler(spy)
         sample.update(_summary(rep))
@@ -357,7 +360,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     p.add_argument("--scale", type=int, default=32, help="tokens per 512-token trace block (default 32)")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--concurrency", type=int, default=4,
+                   help="requests in flight at most (default 4; a closed loop unless --time-scale is given)")
+    p.add_argument("--time-scale", type=float, default=None, metavar="S",
+                   help="open loop: send each request at its trace timestamp x S (at most --concurrency in flight); "
+                        "default: closed loop, the next request as soon as one finishes")
     p.add_argument("--output-tokens", type=int, default=8)
     p.add_argument("--host-ratio", type=float, default=4.0, help="host tier = R x device pool, for both HiCache and sgl_hicache (default 4)")
     p.add_argument("--disk-tokens", type=int, default=None, help="sgl_hicache disk tier capacity (default 2x the working set)")
@@ -392,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--configs: unknown {bad}; choose from {','.join(CONFIGS)}")
     if a.repeats < 1 or a.requests < 1 or not pools or any(not 0 < f <= 1 for f in pools):
         p.error("--requests and --repeats must be >= 1, --pools fractions in (0, 1]")
+    if a.time_scale is not None and a.time_scale <= 0:
+        p.error(f"--time-scale must be > 0, got {a.time_scale}")
 
     # a clean slate: no SGLHICACHE_* / HiCache file-backend variable of the caller's shell leaks into a run
     for k in [k for k in os.environ if k.startswith("SGLHICACHE_") or k == "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"]:
@@ -445,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {
             "quick": a.quick, "requests": len(reqs), "repeats": a.repeats, "pools": pools, "configs": configs,
             "trace": str(a.trace), "scale": a.scale, "model": str(a.model), "page_size": a.page_size,
-            "concurrency": a.concurrency, "output_tokens": a.output_tokens, "host_ratio": a.host_ratio,
+            "concurrency": a.concurrency, "time_scale": a.time_scale, "output_tokens": a.output_tokens, "host_ratio": a.host_ratio,
             "disk_tokens": a.disk_tokens, "sgl_hicache_extra": a.sgl_hicache_extra, "git": _git_rev(), "command": " ".join([Path(sys.executable).name, *sys.argv]),
             "server_args": {c: server_args(c, 0, a.page_size, a.host_ratio) for c in configs},
         },

@@ -184,6 +184,13 @@ def test_server_compare_smoke(tmp_path: Path) -> None:
     assert not any((tmp_path / "runs").iterdir())  # every run's temp dir (HiCache files, our disk tier) removed
 
 
+def test_server_compare_refuses_a_bad_time_scale() -> None:
+    # the open-loop flag is checked before any server starts
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "server_compare.py"), "--time-scale", "0"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--time-scale must be > 0, got 0.0" in r.stderr
+
+
 @pytest.mark.sglang
 @pytest.mark.skipif(not _sglang_importable(), reason="sglang is not installed (scripts/install_sglang_cpu.sh installs it into .venv-sglang)")
 def test_scheduler_thread_smoke(tmp_path: Path) -> None:
