@@ -31,6 +31,7 @@ import torch
 
 from ..tiers.base import DEVICE, HOST
 from ..transfer.layerwise import LayerwiseLoader
+from ..transfer.torch_threads import single_threaded_torch
 
 if TYPE_CHECKING:
     from ..cache import TieredCache
@@ -67,7 +68,8 @@ class LayerLoads:
         self._lock = threading.Lock()
         # CPU: one long-lived worker runs the loads in queue order (starting a thread per load would
         # make the scheduler wait for its start); CUDA loads go on the link's stream instead
-        self._runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sgl-hicache-layers")
+        self._runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sgl-hicache-layers",
+                                          initializer=single_threaded_torch)
         self.loads = 0
         self.pages = 0
 

@@ -19,6 +19,7 @@ from ..tiers.base import TierIOError
 from .bandwidth import SpeculativePacer
 from .handlers import CopyLinks
 from .ops import Cancelled, PromotionJob, TransferOp
+from .torch_threads import single_threaded_torch
 
 # lower runs first: what a waiting request needs, then predictions, then backups and demotions
 DEMAND, PREFETCH, PREDICT, BACKUP = 0, 0, 1, 2
@@ -219,6 +220,7 @@ class TransferEngine:
         return op.nbytes * (stop - start) // max(1, len(op.dst_handles))
 
     def _work(self) -> None:
+        single_threaded_torch()  # our copies must not start OpenMP teams beside the forward's
         while True:
             item = self._next()
             if item is None:

@@ -35,6 +35,7 @@ from concurrent.futures import Executor, Future
 import torch
 
 from ..tiers.base import Handle
+from .torch_threads import single_threaded_torch
 
 _LINK_STREAMS: dict[tuple[torch.device, bool], "torch.cuda.Stream"] = {}
 
@@ -111,6 +112,8 @@ class LayerwiseLoader:
 
     # ---- CPU: one worker thread and a counter -----------------------------------------------------
     def _run(self) -> None:
+        if self._thread is not None:  # a thread of its own (a runner's thread is capped at its start)
+            single_threaded_torch()
         try:
             for layer in range(self.layers):
                 self._copy_layer(layer)
