@@ -357,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny: 20 requests, 1 repeat, the first pool only (proves it runs)")
     p.add_argument("--json", help="write all samples and the summary here")
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    p.add_argument("--as-blocks", action="store_true",
+                   help="--trace is a plain-text trace (`benchmarks/agentic_trace.py`): replay it rewritten as ~512-token "
+                        "blocks (`first_run_drops.as_block_trace`), so --scale shrinks it like a block trace")
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     p.add_argument("--scale", type=int, default=32, help="tokens per 512-token trace block (default 32)")
     p.add_argument("--page-size", type=int, default=16)
@@ -406,6 +409,13 @@ def main(argv: list[str] | None = None) -> int:
     for k in [k for k in os.environ if k.startswith("SGLHICACHE_") or k == "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"]:
         del os.environ[k]
     vocab = json.loads((a.model / "config.json").read_text())["vocab_size"]
+    if a.as_blocks:
+        from first_run_drops import as_block_trace  # (benchmarks/, this script's directory)
+
+        try:
+            a.trace = as_block_trace(a.trace, Path(tempfile.mkdtemp(prefix="server-compare-blocks-")) / "blocks.jsonl")
+        except (OSError, ValueError, KeyError) as e:
+            p.error(f"--as-blocks: {a.trace} is not a plain-text trace: {e}")
     reqs = load_slice(a.trace, a.requests, a.scale, vocab, a.output_tokens)
     ws = working_set_tokens(reqs, a.page_size)
     longest = max(len(r.input_ids) for r in reqs)

@@ -191,6 +191,15 @@ def test_server_compare_refuses_a_bad_time_scale() -> None:
     assert r.returncode == 2 and "--time-scale must be > 0, got 0.0" in r.stderr
 
 
+def test_server_compare_as_blocks_refuses_a_trace_without_prompts(tmp_path: Path) -> None:
+    # `--as-blocks` wants a plain-text trace: a block trace given by mistake is named, before any server starts
+    bad = tmp_path / "blocks.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 512, "output_length": 8, "hash_ids": [1]}\n')
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "server_compare.py"), "--trace", str(bad), "--as-blocks"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and f"--as-blocks: {bad} is not a plain-text trace" in r.stderr
+
+
 @pytest.mark.sglang
 @pytest.mark.skipif(not _sglang_importable(), reason="sglang is not installed (scripts/install_sglang_cpu.sh installs it into .venv-sglang)")
 def test_scheduler_thread_smoke(tmp_path: Path) -> None:
