@@ -107,6 +107,8 @@ def run(requests: list, config: EngineConfig, targets: set[str], groups: dict[st
             "bytes_moved_total": sum(snap["bytes_moved"].values()),
             "predictor": {k: pred.get(k) for k in ("promoted_tokens", "used_tokens", "wasted_tokens", "precision")},
             "guard_stopped": engine.controller.guard.stopped,
+            "queue_deep": engine.controller.guard.queue_deep,
+            "queue_delay_s": engine.controller.queue_delay.seconds,
             "half_life_s": engine.cache.tree.half_life.value,
             "virtual_s": engine.now,
         }

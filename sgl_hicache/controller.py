@@ -22,7 +22,7 @@ from . import speculation
 from .hint_desk import HintDesk
 from .config import DEFAULT_POLICY
 from .transfer.ops import PromotionJob
-from .policy.guard import PromotionGuard
+from .policy.guard import PromotionGuard, QueueDelay
 from .policy.yielding import yield_plan
 from .policy.predictor import Predictor
 from .policy.writeback import EvictionRate, selective_write_through_due, watermark_pages
@@ -54,6 +54,7 @@ class Ticket:
     job: PromotionJob | None = None
     prefetched_disk_tokens: int = 0  # tokens its own prefetch brought up from disk
     waited: bool = False
+    arrived_s: float | None = None  # the controller's clock at arrival (for the queueing delay)
 
 
 @dataclass
@@ -111,6 +112,7 @@ class RequestController:
         self._round_seconds = 0.0
         self._committed_seen = (0, 0)
         self.guard = PromotionGuard()
+        self.queue_delay = QueueDelay()  # first match -> admission (`admitted`)
         self.hints = HintDesk(self)  # client hints, through this controller (`hint_desk.py`)
         self.prefetch_skipped = 0  # queue prefetches the guard refused (no room to spare on host)
         self.preempted_prefetches = 0  # queued requests' prefetch jobs ended for a demand (yield_to_demand)
@@ -120,7 +122,7 @@ class RequestController:
     def arrive(self, tokens: Sequence[int]) -> tuple[Ticket, PrefixMatch]:
         """First sight of a request: match (counting its traffic, once), remember its disk range, predict."""
         m = self.cache.match(tokens, count=True)
-        ticket = Ticket(tokens, disk_start=m.device_tokens + m.host_tokens, disk_end=m.tokens)
+        ticket = Ticket(tokens, disk_start=m.device_tokens + m.host_tokens, disk_end=m.tokens, arrived_s=self.clock())
         if self.predictor.name != "none":
             self.predict(m)
         return ticket, m
@@ -241,6 +243,13 @@ class RequestController:
         self.drop(ticket)
         self.cache.stats.add("loads_recomputed")
         return Admission.RECOMPUTE, 0.0
+
+    def admitted(self, ticket: Ticket) -> None:
+        """The request left the queue for a batch: its queueing delay (first match -> now) feeds
+        `queue_delay`, once per request (the predictor's lead test, `PromotionGuard.lead_pays`)."""
+        if ticket.arrived_s is not None:
+            self.queue_delay.add(self.clock() - ticket.arrived_s)
+            ticket.arrived_s = None
 
     def pending_tokens(self, ticket: Ticket) -> int:
         """Tokens of the request's prefetch not applied yet (what recomputing would cost)."""

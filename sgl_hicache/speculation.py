@@ -23,9 +23,13 @@ def predict(ctl: "RequestController", m: PrefixMatch) -> None:
     pages that rank below the one it brings (never a device page, never a locked or pinned one).
     A prediction of a node's head splits the node there. Promoted nodes are fresh (their recency
     is the prediction's time), so eviction keeps them for their lead window instead of taking
-    them first. The guard stops it while the recent precision of its predictions is too low."""
+    them first. The guard stops it while the recent precision of its predictions is too low, and
+    while requests queue longer than the lead (`PromotionGuard.lead_pays`: their own queue
+    prefetch brings what a prediction would, in time)."""
     ctl.advance_predictions()
     if len(ctl.predicted) >= ctl.settings.max_predicted_jobs or not ctl.cache.has_tier(HOST):
+        return
+    if not ctl.guard.lead_pays(ctl.queue_delay.seconds, ctl.settings.predictor_lead_s):
         return
     now = ctl.clock()
     trigger = trigger_of(ctl, m.last_node)

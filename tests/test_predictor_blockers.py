@@ -9,7 +9,7 @@ import pytest
 
 from conftest import make_cache, serve
 from sgl_hicache.controller import ControllerSettings, RequestController
-from sgl_hicache.policy.guard import PromotionGuard
+from sgl_hicache.policy.guard import PromotionGuard, QueueDelay
 from sgl_hicache.policy.predictor import Prediction, Predictor, TreeWalkPredictor
 from sgl_hicache.replay.shapes import branch, chain, role_of
 from sgl_hicache.tiers.base import DEVICE, DISK, HOST
@@ -340,3 +340,42 @@ def test_the_arriving_requests_own_path_comes_out_of_the_budget(tmp_path):
     ctl.arrive(seq(9000, 1))  # nothing of its own on disk
     ctl.arrive(seq(0, 2) + seq(7000, 1))  # two pages of its own on disk
     assert seen == [full, full - 2 * PS]
+
+
+# ---- a deep queue: the demand's own prefetch has the lead ------------------------------------------
+def test_queue_delay_is_an_average_over_recent_admissions():
+    d = QueueDelay(half_life=2)
+    assert d.seconds == 0.0
+    assert d.add(4.0) == 4.0  # the first admission is the estimate
+    d.add(0.0)
+    d.add(0.0)  # two half-lives of zero delay since
+    assert d.seconds == pytest.approx(2.0)
+    assert d.add(-1.0) < 2.0  # a clock step back counts as no delay, never a negative one
+
+
+@pytest.mark.parametrize("waited, predicts", [(0.5, True), (3.0, False)])
+def test_no_prediction_while_requests_queue_longer_than_the_lead(tmp_path, waited, predicts):
+    """A request that waits longer than the lead has its path brought by its own queue prefetch:
+    a prediction for it adds copies only. The controller measures arrival -> admission."""
+    clock = Clock(100.0)
+    cache = make_cache(tmp_path, device=8, host=8, disk=64)
+    cache.clock = clock
+    ex, ctl = _controller(cache, clock, predictor_lead_s=2.0)
+    target = _disk_only(cache, seq(0, 2))
+    first = seq(5000, 1)
+    ticket, _ = ctl.arrive(first)  # nothing predicted yet
+    clock.t += waited
+    ctl.admitted(ticket)  # it left the queue `waited` s after it arrived
+    ctl.admitted(ticket)  # (once per request)
+    assert ctl.queue_delay.seconds == pytest.approx(waited)
+    ctl.predictor = _Fixed([Prediction(target, 1.0)])
+    ctl.arrive(seq(9000, 1))
+    assert bool(ctl.predicted) is predicts
+    assert ctl.guard.queue_deep == (0 if predicts else 1)
+    if predicts:
+        ex.finish_all([op for job in ctl.predicted for op in job.ops()])
+        ctl.advance_predictions()
+        assert target.host is not None
+    else:
+        assert target.host is None and not ctl.planned
+    cache.check()

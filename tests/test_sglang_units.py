@@ -425,3 +425,36 @@ def test_hint_api_is_refused_at_tp_above_one():
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=_pools(16, size=64), page_size=16)
     with pytest.raises(ValueError, match="hint API .* not supported with --tp > 1"):
         TieredRadixCache(params, BackendSettings(host_tokens=64, disk_tokens=0, hint_port=0), consensus=object())
+
+
+def test_a_formed_batch_admits_its_requests_once(tmp_path):
+    """AFTER `get_new_batch_prefill`: the batch's requests left the queue, so the controller measures
+    each one's queueing delay (first match -> batch) once; the predictor's lead test reads it."""
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    from sgl_hicache.sglang.backend import TieredRadixCache
+    from sgl_hicache.sglang.scheduler_hooks import set_consumer_index
+    from sgl_hicache.sglang.settings import BackendSettings
+
+    alloc = _pools(16, size=64)
+    params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=16)
+    cache = TieredRadixCache(params, BackendSettings(host_tokens=64, check_invariants=True))
+    try:
+        clock = [10.0]
+        cache.controller.clock = lambda: clock[0]
+        tokens = array("q", range(100, 132))
+        req = SimpleNamespace(rid="r1", prefix_len=0, full_untruncated_fill_ids=tokens, last_node=None)
+        cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens), req=req))  # its first match: the ticket
+        clock[0] = 12.5
+        plan = SimpleNamespace(batch_to_run=SimpleNamespace(reqs=[req]))
+        scheduler = SimpleNamespace(tree_cache=cache)
+        assert set_consumer_index(plan, scheduler) is plan
+        assert cache.controller.queue_delay.samples == 1 and cache.controller.queue_delay.seconds == 2.5
+        clock[0] = 20.0
+        set_consumer_index(plan, scheduler)  # a chunked request in the next batch too: not again
+        set_consumer_index(SimpleNamespace(batch_to_run=None), scheduler)  # a step with no prefill batch
+        assert cache.controller.queue_delay.samples == 1
+    finally:
+        cache.shutdown()

@@ -356,6 +356,7 @@ class EmbeddedEngine:
         flight.short_pages = need_pages + out_pages - cache.stores[DEVICE].free_pages - (self._evictable_device_pages() - own)
         if flight.short_pages > 0:
             return False, 0, (0.0, 0.0)
+        self.controller.admitted(ticket)
         flight.hits = self.controller.account(ticket, len(tokens), m)
         if self.oracle is not None:
             self.oracle.admitted(self._position[id(flight.req)])

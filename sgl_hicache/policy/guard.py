@@ -40,6 +40,12 @@ class PromotionGuard:
       free first (the lowest of `candidates` by `priority`, the eviction order) all rank below
       `node` (and, with `clean`, all pass it: their data has a copy elsewhere): a promotion that
       evicts only ever trades a page for one worth more, and never loses one.
+    - `lead_pays(queue_delay_s, lead_s)`: whether a prediction can still win anything: only while
+      the requests' measured queueing delay (arrival -> admission, `QueueDelay`) is shorter than
+      the prediction's lead. A prediction brings at most what the disk link reads in its lead
+      (`speculation.prediction_budget`); a request that waits longer than that in the queue has the
+      same pages brought by its own queue prefetch before it is admitted, so a prediction there only
+      adds copies (and its wrong guesses cost disk time). `queue_deep` counts the calls so refused.
     - `prefetch_fits(held, need, capacity, head)`: whether a queue prefetch of `need` pages may start
       in a tier of `capacity` pages in which `held` pages are already locked or pinned (by running
       requests and earlier prefetches): only while all of them fit in `prefetch_share` of the tier,
@@ -58,6 +64,7 @@ class PromotionGuard:
     probe_tokens: int = 1024
     prefetch_share: float = 0.5
     stopped: int = 0  # promotions the guard refused
+    queue_deep: int = 0  # predictions not made: the queue gave demand prefetch the lead already
     _windows: dict = field(default_factory=dict)
 
     def allow(self, used_tokens: int, wasted_tokens: int, trigger: str = "predict") -> bool:
@@ -84,6 +91,12 @@ class PromotionGuard:
         self.stopped += 1
         return None
 
+    def lead_pays(self, queue_delay_s: float, lead_s: float) -> bool:
+        if lead_s > 0 and queue_delay_s >= lead_s:
+            self.queue_deep += 1
+            return False
+        return True
+
     def prefetch_fits(self, held: int, need: int, capacity: int, head: bool = True) -> bool:
         # the next request to be scheduled, alone in holding host pages, crowds no one ahead of it: it
         # may use the whole tier (a request further back would push out what the ones ahead need)
@@ -103,3 +116,19 @@ class PromotionGuard:
             if freed >= pages:
                 return True
         return False
+
+
+@dataclass
+class QueueDelay:
+    """Requests' queueing delay (arrival -> admission), smoothed over the last admissions: an
+    exponential average whose weight halves every `half_life` admissions. 0 until one is seen."""
+
+    half_life: int = 32
+    seconds: float = 0.0
+    samples: int = 0
+
+    def add(self, delay_s: float) -> float:
+        keep = 0.5 ** (1.0 / self.half_life) if self.samples else 0.0
+        self.seconds = keep * self.seconds + (1.0 - keep) * max(0.0, delay_s)
+        self.samples += 1
+        return self.seconds

@@ -13,7 +13,8 @@ Both do nothing unless the scheduler's tree cache is ours.
    requests' prefetch jobs that hold the device pages it lacks (`demand_shortfall_tokens`; the
    controller decides which) and, if any ended, the request is tried once more.
 2. After the prefill batch is formed (AFTER `Scheduler.get_new_batch_prefill`, every scheduling step):
-   `TieredRadixCache.after_batch_formed` (background write-back starts here, once the batch's
+   `TieredRadixCache.after_batch_formed` (the batch's requests are admitted: their queueing delay is
+   measured; background write-back starts here, once the batch's
    allocations are done), then the consumer index of layer-wise loads. SGLang sets
    `batch.hicache_consumer_index` itself only with its own HiCache or the unified-cache linker; the
    hook sets it to the index of the batch whose admissions queued layer-wise loads (-1 when none), so
@@ -94,10 +95,10 @@ def set_consumer_index(result, scheduler, *args, **kwargs):
     cache = _our_cache(getattr(scheduler, "tree_cache", None))
     if cache is None:
         return result
-    cache.after_batch_formed()
+    batch = getattr(result, "batch_to_run", None)  # a NextBatchPlan
+    cache.after_batch_formed(getattr(batch, "reqs", None) or ())
     if cache.layer_loads is None:
         return result
-    batch = getattr(result, "batch_to_run", None)  # a NextBatchPlan
     index = cache.layer_loads.batch_index()
     if batch is not None and hasattr(batch, "hicache_consumer_index") and index >= 0:
         batch.hicache_consumer_index = index

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..policy.hints import HintError
@@ -130,13 +131,19 @@ class StepCalls:
                 "pins": desk.pins, "pinned_tokens": desk.pinned_tokens, "last_error": self.hint_error}
 
     @frees_batched
-    def after_batch_formed(self) -> None:
+    def after_batch_formed(self, admitted: Sequence[Any] = ()) -> None:
         """Once per scheduling step, after SGLang formed (and allocated) the prefill batch
-        (`scheduler_hooks.set_consumer_index`): record finished layer-wise loads and background copies
-        and start new write-back. Not in `match_prefix`: a copy started there pins the coldest device
-        nodes while the admission round that counted them as evictable is still allocating."""
+        (`scheduler_hooks.set_consumer_index`): the batch's requests (`admitted`) left the queue
+        (`RequestController.admitted`: their queueing delay); record finished layer-wise loads and
+        background copies and start new write-back. Not in `match_prefix`: a copy started there pins
+        the coldest device nodes while the admission round that counted them as evictable is still
+        allocating."""
         if self.disable:
             return
+        for req in admitted:
+            st = self.req_states.get(getattr(req, "rid", None))
+            if st is not None and st.ticket is not None:
+                self.controller.admitted(st.ticket)
         if self.layer_loads is not None:
             self.layer_loads.reap()
         # TP >= 2: new copies start in sgl_hicache_after_step, on every rank at the same point
