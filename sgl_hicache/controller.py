@@ -245,8 +245,7 @@ class RequestController:
         return Admission.RECOMPUTE, 0.0
 
     def admitted(self, ticket: Ticket) -> None:
-        """The request left the queue for a batch: its queueing delay (first match -> now) feeds
-        `queue_delay`, once per request (the predictor's lead test, `PromotionGuard.lead_pays`)."""
+        """The request left the queue: its delay since its first match feeds `queue_delay`, once."""
         if ticket.arrived_s is not None:
             self.queue_delay.add(self.clock() - ticket.arrived_s)
             ticket.arrived_s = None
