@@ -107,6 +107,7 @@ def run(requests: list, config: EngineConfig, targets: set[str], groups: dict[st
             "bytes_moved_total": sum(snap["bytes_moved"].values()),
             "predictor": {k: pred.get(k) for k in ("promoted_tokens", "used_tokens", "wasted_tokens", "precision")},
             "guard_stopped": engine.controller.guard.stopped,
+            "shadow": engine.controller.shadow.summary(),
             "queue_deep": engine.controller.guard.queue_deep,
             "queue_delay_s": engine.controller.queue_delay.seconds,
             "half_life_s": engine.cache.tree.half_life.value,
@@ -148,9 +149,12 @@ def compare(name: str, requests: list, base: dict[str, Any], targets: set[str], 
     return out
 
 
-def silence(families: dict[str, tuple[Path, int]], count: int, fractions: list[float], page_size: int = 256) -> dict[str, Any]:
+def silence(families: dict[str, tuple[Path, int]], count: int, fractions: list[float], page_size: int = 256,
+            host_deltas: tuple[int, ...] = ()) -> dict[str, Any]:
     """`prefetch` against `predict` on chat families (path, first request) at capacity `fractions`
-    of each family's working set (`retention.py`'s regime): TTFT and bytes ratios per cell."""
+    of each family's working set (`retention.py`'s regime): TTFT and bytes ratios per cell.
+    `host_deltas`: also `prefetch` with the host tier that many pages larger (or smaller), against
+    `prefetch`: how far a change that small moves the cell (its noise floor)."""
     model, hw = get_model("llama3-8b"), get_hardware("h200")
     out: dict[str, Any] = {"regime": "retention.py's: device:host:disk = 1:2:8 of the fraction x working set, llama3-8b/h200, "
                                      "trace clock x4, open loop, --bytes metadata, lru", "cells": [], "skipped": []}
@@ -173,8 +177,14 @@ def silence(families: dict[str, tuple[Path, int]], count: int, fractions: list[f
             cell["bytes_ratio"] = pr["bytes_moved_total"] / pf["bytes_moved_total"] if pf["bytes_moved_total"] else 1.0
             cell["hit_tokens_diff"] = pr["hit_tokens_total"] - pf["hit_tokens_total"]
             cell["holds"] = cell["ttft_ratio"] <= 1.0 and cell["bytes_ratio"] <= 1.01
+            cell["noise"] = {}
+            for delta in host_deltas:
+                moved = run(requests, EngineConfig(policy="prefetch", **{**base, "host_tokens": host + delta * page_size}), set())
+                cell["noise"][f"host{delta:+d} pages"] = {"ttft_ratio": moved["ttft_mean_s"] / pf["ttft_mean_s"],
+                                                           "bytes_ratio": moved["bytes_moved_total"] / pf["bytes_moved_total"] if pf["bytes_moved_total"] else 1.0}
             print(f"silence {fam:9s} {frac:.1f}x WS  ttft {cell['ttft_ratio']:.5f}x  bytes {cell['bytes_ratio']:.5f}x  "
-                  f"hits {cell['hit_tokens_diff']:+,}  predictor {pr['predictor']}  holds {cell['holds']}", flush=True)
+                  f"hits {cell['hit_tokens_diff']:+,}  predictor {pr['predictor']}  holds {cell['holds']}"
+                  + "".join(f"  [{k}: ttft {v['ttft_ratio']:.5f}x bytes {v['bytes_ratio']:.5f}x]" for k, v in cell["noise"].items()), flush=True)
             out["cells"].append(cell)
     out["holds_everywhere"] = all(c["holds"] for c in out["cells"])
     return out
@@ -195,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--agentic", type=Path, default=Path("out/agentic.jsonl"), help="silence: `benchmarks/agentic_trace.py` (BFCL)")
     ap.add_argument("--capacities", default="0.1,0.2,0.3", help="silence: capacity fractions of each family's working set")
     ap.add_argument("--families", default="mooncake,synth,agentic", help="silence: comma-separated subset of mooncake, synth, agentic")
+    ap.add_argument("--noise", default="", help="silence: comma-separated host-tier changes in pages (e.g. 1,2,-1): each cell also runs "
+                                                "`prefetch` with its host tier so changed, against `prefetch` (the cell's noise floor)")
     args = ap.parse_args(argv)
     wanted = set(args.workloads.split(","))
     unknown = wanted - {"chain", "chain_hints", "branch", "agent", "agent_hints", "chat", "silence"}
@@ -235,8 +247,12 @@ def main(argv: list[str] | None = None) -> int:
         if set(names) - set(sources):
             ap.error(f"unknown families {sorted(set(names) - set(sources))}; choose from {', '.join(sources)}")
         families = {n: sources[n] for n in names}
+        try:
+            deltas = tuple(int(x) for x in args.noise.split(",") if x.strip())
+        except ValueError:
+            ap.error(f"--noise: not a comma-separated list of page counts: {args.noise!r}")
         result["silence"] = silence(families, 60 if args.quick else args.requests,
-                                    [0.3] if args.quick else [float(x) for x in args.capacities.split(",")])
+                                    [0.3] if args.quick else [float(x) for x in args.capacities.split(",")], host_deltas=deltas)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")

@@ -22,6 +22,7 @@ from . import speculation
 from .hint_desk import HintDesk
 from .config import DEFAULT_POLICY
 from .transfer.ops import PromotionJob
+from .policy.shadow import ShadowBets
 from .policy.guard import PromotionGuard, QueueDelay
 from .policy.yielding import yield_plan
 from .policy.predictor import Predictor
@@ -107,11 +108,12 @@ class RequestController:
         self.dropped: list[PromotionJob] = []  # cancelled jobs waiting for a running copy to end
         self._writeback_at = -float("inf")
         self.writeback_counters = WritebackCounters()
-        self._eviction_rates = {DEVICE: EvictionRate(), HOST: EvictionRate()}
+        self.eviction_rates = {DEVICE: EvictionRate(), HOST: EvictionRate()}
         self._round_started: float | None = None
         self._round_seconds = 0.0
         self._committed_seen = (0, 0)
         self.guard = PromotionGuard()
+        self.shadow = ShadowBets()  # a trigger's picks judged without copies, until it is proven
         self.queue_delay = QueueDelay()  # first match -> admission (`admitted`)
         self.hints = HintDesk(self)  # client hints, through this controller (`hint_desk.py`)
         self.prefetch_skipped = 0  # queue prefetches the guard refused (no room to spare on host)
@@ -319,6 +321,7 @@ class RequestController:
         if hit_tokens is not None and hit_tokens < m.tokens:
             m = m.head(hit_tokens)
         dev, host, disk = self.attribute(ticket, m)
+        self.shadow.observe(m.path, self.clock())  # an admitted request uses the shadow picks on its path
         covered = min(ticket.prefetched_disk_tokens + self._brought_from_disk(ticket.job), disk) if ticket is not None else 0
         self.cache.record_request(prompt_tokens, PrefixMatch(m.path, dev, host, disk, m.device_handles, m.last_node, m.last_device_node),
                                   covered_by_prefetch=covered)
@@ -328,17 +331,6 @@ class RequestController:
     def predict(self, m: PrefixMatch) -> None:
         """Bring likely nodes (the predictor's choice) disk -> host ahead of their use (`speculation.predict`)."""
         speculation.predict(self, m)
-
-    def trigger_of(self, start: TreeNode) -> str:
-        """The class of prediction the guard judges on its own (`speculation.trigger_of`)."""
-        return speculation.trigger_of(self, start)
-
-    def prediction_budget(self) -> int | None:
-        """Tokens a prediction may bring: lead time x the disk -> host link's rate (None: unknown)."""
-        return speculation.prediction_budget(self)
-
-    def _promote_fresh(self, node: TreeNode, now: float, may_evict: bool) -> PromotionJob | None:
-        return speculation.promote_fresh(self, node, now, may_evict)
 
     def advance_predictions(self) -> None:
         self.executor.poll()
@@ -432,7 +424,7 @@ class RequestController:
             if store is None or dst not in cache.stores:
                 continue
             cap = store.capacity_pages
-            rate = self._eviction_rates[src].update(now, cache.stats.evicted_tokens[src] // cache.page_size)
+            rate = self.eviction_rates[src].update(now, cache.stats.evicted_tokens[src] // cache.page_size)
             only = None
             if src == DEVICE and config.write_policy == "write_through":
                 target = cap  # every committed page: copied at commit, whatever the watermark

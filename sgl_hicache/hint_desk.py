@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .policy.hints import Hint, HintError, HintLimits, check_prefix
-from .speculation import admit
+from .speculation import admit, prediction_budget, promote_fresh
 from .tiers.base import HOST, TIERS
 from .tree.node import TreeNode
 
@@ -86,7 +86,7 @@ class HintDesk:
         """`node`'s path disk -> host, node by node (root first, each over host pages ranked below
         it), as speculative jobs of the controller, under the guard, up to its budget."""
         ctl = self.ctl
-        budget = ctl.prediction_budget()
+        budget = prediction_budget(ctl)
         left = budget if budget is not None else None
         if not any(n.host is None and n.device is None for n in node.path_from_root()):
             return
@@ -100,7 +100,7 @@ class HintDesk:
             tokens = n.num_pages * ctl.cache.page_size
             if left is not None and tokens > left:
                 return  # it would not land in time: the demand load does the rest
-            job = ctl._promote_fresh(n, now, may_evict=True)
+            job = promote_fresh(ctl, n, now, may_evict=True)
             if job is None:
                 return
             mine = [st.node for st in job.stages if st.ops]  # (not those another job brings)

@@ -39,11 +39,16 @@ def predict(ctl: "RequestController", m: PrefixMatch) -> None:
     budget = prediction_budget(ctl)
     if budget is not None:
         budget -= own
-        if budget < ctl.cache.page_size:
-            return  # its own path alone fills the lead window
+    if not ctl.predictor.knows_future:
+        room = host_room(ctl, own)
+        budget = room if budget is None else min(budget, room)
+    if budget is not None and budget < ctl.cache.page_size:
+        return  # its own path alone fills the lead window, or the host room a prefetch may take
     picks = [p for p in ctl.predictor.predict(m.last_node, now, budget)
              if p.node.parent is not None and p.node.host is None and p.node.device is None]
     if not picks:
+        return
+    if shadowed(ctl, trigger, picks, own, now):
         return
     cap = admit(ctl, trigger)  # one decision per call: its picks are one bet, bounded by the budget
     if cap is None or (cap and own + ctl.cache.page_size > cap):
@@ -75,6 +80,33 @@ def predict(ctl: "RequestController", m: PrefixMatch) -> None:
             if cap or len(ctl.predicted) >= ctl.settings.max_predicted_jobs:
                 return
 
+def shadowed(ctl: "RequestController", trigger: str, picks: list, own: int, now: float) -> bool:
+    """Whether `trigger` is still unproven: then `picks` are written down as a shadow bet (open for
+    the tree's traffic half-life, the time scale of the predictor's own evidence), each with the
+    time its copy would land at the earliest (`Executor.read_eta`: behind the disk's queued demand
+    work and `own` tokens of the request's own path) and the time the host tier would have evicted
+    it again, instead of copied. It goes live, for good, once its shadow record passes
+    `PromotionGuard.proven`."""
+    if trigger in ctl.shadow.live or ctl.predictor.knows_future:
+        return False
+    if ctl.guard.proven(ctl.shadow.used[trigger], ctl.shadow.wasted[trigger], ctl.shadow.judged[trigger]):
+        ctl.shadow.live.add(trigger)
+        return False
+    ps = ctl.cache.page_size
+    # a page stays on host about as long as the tier takes to evict its capacity (LRU's
+    # characteristic time: capacity / eviction rate); a fresh copy, at least that long
+    evicting = ctl.eviction_rates[HOST].rate
+    stay_s = ctl.cache.stores[HOST].capacity_pages / evicting if evicting > 0 else float("inf")
+    book, queued = [], own  # the copies queue on the link: the arriving request's own path first
+    for p in picks:
+        tokens = (p.pages or p.node.num_pages) * ps
+        queued += tokens
+        ready_s = now + ctl.executor.read_eta(queued)
+        book.append((p.node, tokens, ready_s, ready_s + stay_s))
+    ctl.shadow.bet(trigger, book, now, ctl.cache.tree.half_life.value)
+    return True
+
+
 def trigger_of(ctl: "RequestController", start: TreeNode) -> str:
     """The class of prediction the guard judges on its own: the predictor, and how many children
     the node it walks from has (one: a session's head; a few: branches; many: a shared prompt),
@@ -89,6 +121,17 @@ def prediction_budget(ctl: "RequestController") -> int | None:
     rate = ctl.executor.link_tokens_per_s("disk->host")
     lead = ctl.settings.predictor_lead_s
     return int(lead * rate) if rate > 0 and lead > 0 else None
+
+def host_room(ctl: "RequestController", own: int) -> int:
+    """Tokens a prediction may place on host below the arriving request's own disk path (`own`
+    tokens): what a queue prefetch of a request not at the head of the queue may hold with it
+    (`PromotionGuard.prefetch_room`), negative when `own` alone is more. A prediction is a
+    speculative prefetch and gets no room a demand prefetch would be refused: an agentic replay at
+    0.2x its working set brought a 13k-token path, then a 14.6k-token branch, into a 16k-token host."""
+    ps = ctl.cache.page_size
+    pages = ctl.guard.prefetch_room(ctl.cache.tree.protected[HOST], ctl.cache.stores[HOST].capacity_pages)
+    return (pages - -(-own // ps)) * ps
+
 
 def promote_fresh(ctl: "RequestController", node: TreeNode, now: float, may_evict: bool) -> PromotionJob | None:
     """Plan `node`'s path disk -> host as a prediction, with the path's recency set to `now` (as

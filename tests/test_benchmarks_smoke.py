@@ -404,3 +404,13 @@ def test_prediction_pays_smoke(tmp_path: Path) -> None:
     assert hinted["predict"]["hints"]["prefetch"] > 0 and hinted["summary"]["baseline_and_oracle_from"] == "the workload without hints"
     assert hinted["predict"]["target_ttft_mean_s"] < agent["prefetch"]["target_ttft_mean_s"]
     assert set(agent["prefetch"]["target_groups"]) == {"long pause", "short pause"}
+
+
+def test_prediction_pays_silence_reports_each_cells_noise_floor(tmp_path: Path) -> None:
+    result = _run("prediction_pays.py", tmp_path / "silence.json", "--workloads", "silence", "--families", "mooncake", "--noise", "1,-1")
+    (cell,) = result["silence"]["cells"]
+    assert set(cell["noise"]) == {"host+1 pages", "host-1 pages"}
+    assert all(v["ttft_ratio"] > 0 and v["bytes_ratio"] > 0 for v in cell["noise"].values())
+    bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "prediction_pays.py"), "--workloads", "silence", "--noise", "one"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--noise" in bad.stderr

@@ -152,7 +152,7 @@ def test_guard_stops_a_wrong_predictor_through_the_controller(tmp_path):
     cache.clock = clock
     ex = VirtualExecutor(cache, VirtualPipes(lambda link, tokens: 0.0), clock, PS)
     ctl = RequestController(cache, ex, Predictor(), ControllerSettings(max_predicted_jobs=1), clock)
-    ctl.guard = PromotionGuard(min_precision=0.5, min_resolved_tokens=2 * PS, probe_every=1000)
+    ctl.guard = PromotionGuard(min_precision=0.5, min_resolved_tokens=2 * PS, probe_every=1000, shadow_bets=0)
     junk = [seq(500_000 + 1000 * i, 1) for i in range(40)]
     for p in junk:
         serve(cache, p)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import make_cache, serve
+from sgl_hicache import speculation
 from sgl_hicache.controller import ControllerSettings, RequestController
 from sgl_hicache.policy.guard import PromotionGuard, QueueDelay
 from sgl_hicache.policy.predictor import Prediction, Predictor, TreeWalkPredictor
@@ -93,7 +94,9 @@ def _disk_only(cache, tokens):
 
 def _controller(cache, clock, seconds=lambda link, tokens: tokens / 1000.0, **settings):
     ex = VirtualExecutor(cache, VirtualPipes(seconds), clock, PS)
-    return ex, RequestController(cache, ex, Predictor(), ControllerSettings(**settings), clock)
+    ctl = RequestController(cache, ex, Predictor(), ControllerSettings(**settings), clock)
+    ctl.guard = PromotionGuard(shadow_bets=0)  # these tests are about real copies: no shadow phase
+    return ex, ctl
 
 
 def test_promotion_evicts_only_host_pages_ranked_below_and_is_fresh(tmp_path):
@@ -180,11 +183,11 @@ def test_budget_is_lead_time_times_the_link_rate(tmp_path):
     clock = Clock()
     cache = make_cache(tmp_path)
     _, ctl = _controller(cache, clock, seconds=lambda link, tokens: tokens / 500.0, predictor_lead_s=2.0)
-    assert ctl.prediction_budget() == 1000
+    assert speculation.prediction_budget(ctl) == 1000
     _, ctl = _controller(cache, clock, seconds=lambda link, tokens: tokens / 2000.0, predictor_lead_s=0.5)
-    assert ctl.prediction_budget() == 1000
+    assert speculation.prediction_budget(ctl) == 1000
     _, ctl = _controller(cache, clock, predictor_lead_s=0.0)
-    assert ctl.prediction_budget() is None  # the predictor's own budget
+    assert speculation.prediction_budget(ctl) is None  # the predictor's own budget
 
 
 # ---- speculation charged and ordered -------------------------------------------------------------
@@ -288,7 +291,7 @@ def test_a_trigger_is_charged_once_for_each_page_it_copies(tmp_path):
     ctl.predictor = _Fixed([Prediction(parent, 1.0), Prediction(child, 1.0)])
     ctl.arrive(seq(9000, 1))
     assert len(ctl.predicted) == 2
-    trigger = ctl.trigger_of(cache.match(seq(9000, 1), touch=False).last_node)
+    trigger = speculation.trigger_of(ctl, cache.match(seq(9000, 1), touch=False).last_node)
     assert ctl.planned[trigger] == (parent.num_pages + child.num_pages) * PS
     ex.finish_all([op for job in ctl.predicted for op in job.ops()])
     ctl.advance_predictions()
@@ -316,7 +319,7 @@ def test_the_guard_is_charged_for_the_arriving_requests_own_path_a_prediction_br
     cache, ex, ctl, child = _own_path_and_child(tmp_path)
     arriving = seq(0, 2) + seq(7000, 1)
     ctl.arrive(arriving)
-    trigger = ctl.trigger_of(child.parent)
+    trigger = speculation.trigger_of(ctl, child.parent)
     assert ctl.planned[trigger] == (child.parent.num_pages + child.num_pages) * PS
     ex.finish_all([op for job in ctl.predicted for op in job.ops()])
     ctl.advance_predictions()
@@ -333,13 +336,35 @@ def test_a_probe_never_brings_more_than_a_probe_own_path_included(tmp_path):
 
 
 def test_the_arriving_requests_own_path_comes_out_of_the_budget(tmp_path):
-    cache, ex, ctl, child = _own_path_and_child(tmp_path)
+    clock = Clock(100.0)
+    cache = make_cache(tmp_path, device=8, host=256, disk=64)  # room to spare: the lead's budget binds
+    cache.clock = clock
+    ex, ctl = _controller(cache, clock, seconds=lambda link, tokens: tokens / 20.0, predictor_lead_s=1.0)
+    serve(cache, seq(0, 2))
+    _disk_only(cache, seq(0, 2) + seq(100, 2))
     seen = []
+    ctl.predictor = _Fixed([])
     ctl.predictor.predict = lambda start, now, budget_tokens=None: seen.append(budget_tokens) or []
-    full = ctl.prediction_budget()
+    full = speculation.prediction_budget(ctl)
+    assert full == 20 and full < speculation.host_room(ctl, 0)
     ctl.arrive(seq(9000, 1))  # nothing of its own on disk
     ctl.arrive(seq(0, 2) + seq(7000, 1))  # two pages of its own on disk
     assert seen == [full, full - 2 * PS]
+
+
+def test_a_prediction_gets_no_more_host_room_than_a_queue_prefetch(tmp_path):
+    """A prediction is a speculative prefetch: its own path and its picks together fit in what a
+    queue prefetch of a request not at the head may hold (`PromotionGuard.prefetch_room`)."""
+    cache, ex, ctl, child = _own_path_and_child(tmp_path)  # host: 8 pages; a prefetch may hold 4
+    seen = []
+    ctl.predictor.predict = lambda start, now, budget_tokens=None: seen.append(budget_tokens) or []
+    assert speculation.prediction_budget(ctl) > 4 * PS  # the room binds, not the lead
+    ctl.arrive(seq(9000, 1))
+    ctl.arrive(seq(0, 2) + seq(7000, 1))  # two pages of its own on disk: two left for picks
+    assert seen == [4 * PS, 2 * PS]
+    ctl.guard.prefetch_share = 0.25  # a prefetch may hold 2 pages: its own path fills them
+    ctl.arrive(seq(0, 2) + seq(7001, 1))
+    assert len(seen) == 2 and not ctl.predicted  # no room for a pick below its own path
 
 
 # ---- a deep queue: the demand's own prefetch has the lead ------------------------------------------

@@ -36,6 +36,11 @@ class PromotionGuard:
       refused calls, so that a pattern that returns can be measured again (and, since the window
       moves, recover); `admit` says how big a probe may be (`probe_tokens`). A trigger that misses
       never stops another.
+    - `proven(used, wasted, bets)`: whether a trigger's shadow record (`policy/shadow.py`: the
+      tokens of picks it wrote down instead of copying, used or wasted so far, over `bets` judged
+      bets) lets it make real copies: at least `shadow_bets` bets judged (0: no shadow phase), at a
+      precision of at least `min_precision`. Counted in bets, not tokens: one bet is one sample of
+      the pattern however large, and a token count would not scale with the deployment's prompts.
     - `worth_evicting(candidates, pages, node, priority)`: True when the `pages` pages eviction would
       free first (the lowest of `candidates` by `priority`, the eviction order) all rank below
       `node` (and, with `clean`, all pass it: their data has a copy elsewhere): a promotion that
@@ -62,6 +67,7 @@ class PromotionGuard:
     window_tokens: int = 65536
     probe_every: int = 16
     probe_tokens: int = 1024
+    shadow_bets: int = 2
     prefetch_share: float = 0.5
     stopped: int = 0  # promotions the guard refused
     queue_deep: int = 0  # predictions not made: the queue gave demand prefetch the lead already
@@ -91,6 +97,9 @@ class PromotionGuard:
         self.stopped += 1
         return None
 
+    def proven(self, used_tokens: int, wasted_tokens: int, bets: int) -> bool:
+        return bets >= self.shadow_bets and used_tokens >= self.min_precision * (used_tokens + wasted_tokens)
+
     def lead_pays(self, queue_delay_s: float, lead_s: float) -> bool:
         if lead_s > 0 and queue_delay_s >= lead_s:
             self.queue_deep += 1
@@ -100,7 +109,11 @@ class PromotionGuard:
     def prefetch_fits(self, held: int, need: int, capacity: int, head: bool = True) -> bool:
         # the next request to be scheduled, alone in holding host pages, crowds no one ahead of it: it
         # may use the whole tier (a request further back would push out what the ones ahead need)
-        return held + need <= self.prefetch_share * capacity or (head and held == 0 and need <= capacity)
+        return need <= self.prefetch_room(held, capacity) or (head and held == 0 and need <= capacity)
+
+    def prefetch_room(self, held: int, capacity: int) -> int:
+        """Pages a prefetch of a request not at the head of the queue may still take (`prefetch_fits`)."""
+        return int(self.prefetch_share * capacity) - held
 
     @staticmethod
     def worth_evicting(candidates: Iterable[TreeNode], pages: int, node: TreeNode, priority: Callable[[TreeNode], tuple],

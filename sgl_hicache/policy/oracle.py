@@ -103,6 +103,7 @@ class _OraclePredictor(Predictor):
 
     name = "oracle"
     may_evict = True
+    knows_future = True
 
     def __init__(self, oracle: Oracle) -> None:
         self.oracle = oracle

@@ -29,10 +29,13 @@ class Predictor:
     each after its parent (so a caller can promote them in order and keep residency prefix-closed),
     choosing at most `budget_tokens` tokens (None: the predictor's own budget). With `may_evict`
     the controller may push colder pages out of the host tier to place them (never a page ranked
-    above the one brought, see `PromotionGuard`); otherwise free pages only."""
+    above the one brought, see `PromotionGuard`); otherwise free pages only. `knows_future`: its
+    picks are certain (the oracle, a ceiling for the others): the controller neither shadows its
+    first bets nor holds it to a queue prefetch's host room."""
 
     name = "none"
     may_evict = False
+    knows_future = False
 
     def predict(self, start: TreeNode, now: float, budget_tokens: int | None = None) -> list[Prediction]:
         return []

@@ -96,7 +96,7 @@ class TreeNode:
         self.stops_at = 0.0
         # set by a prefetch or a prediction until a request uses the node: "prefetch" | "predict" | None
         self.prefetched: str | None = None
-        # the trigger of the prediction that brought it (`RequestController.trigger_of`), for the guard
+        # the trigger of the prediction that brought it (`speculation.trigger_of`), for the guard
         self.prefetch_trigger: str | None = None
         # transfers prepared into a tier and not yet completed, by destination tier
         self.incoming: dict[str, object] = {}
