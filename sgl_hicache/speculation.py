@@ -93,10 +93,7 @@ def shadowed(ctl: "RequestController", trigger: str, picks: list, own: int, now:
         ctl.shadow.live.add(trigger)
         return False
     ps = ctl.cache.page_size
-    # a page stays on host about as long as the tier takes to evict its capacity (LRU's
-    # characteristic time: capacity / eviction rate); a fresh copy, at least that long
-    evicting = ctl.eviction_rates[HOST].rate
-    stay_s = ctl.cache.stores[HOST].capacity_pages / evicting if evicting > 0 else float("inf")
+    stay_s = host_stay_s(ctl)
     book, queued = [], own  # the copies queue on the link: the arriving request's own path first
     for p in picks:
         tokens = (p.pages or p.node.num_pages) * ps
@@ -105,6 +102,16 @@ def shadowed(ctl: "RequestController", trigger: str, picks: list, own: int, now:
         book.append((p.node, tokens, ready_s, ready_s + stay_s))
     ctl.shadow.bet(trigger, book, now, ctl.cache.tree.half_life.value)
     return True
+
+
+def host_stay_s(ctl: "RequestController") -> float:
+    """How long a page brought to host now stays there: about as long as the tier takes to evict
+    its capacity (LRU's characteristic time: capacity / the measured eviction rate; a fresh copy
+    goes to the back of the order). Infinite while the tier evicts nothing. An upper bound for a
+    predicted page: host eviction takes pages with no device copy before the copies of device pages
+    (`policy/writeback.host_eviction_rank`), and a prediction's pages have none."""
+    evicting = ctl.eviction_rates[HOST].rate
+    return ctl.cache.stores[HOST].capacity_pages / evicting if evicting > 0 else float("inf")
 
 
 def trigger_of(ctl: "RequestController", start: TreeNode) -> str:
