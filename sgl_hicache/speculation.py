@@ -18,14 +18,17 @@ if TYPE_CHECKING:
 
 def predict(ctl: "RequestController", m: PrefixMatch) -> None:
     """Bring likely nodes (the predictor's choice) disk -> host ahead of their use; at most
-    `max_predicted_jobs` in flight, at most `prediction_budget()` tokens per call. Into free host
-    pages only, unless the predictor may evict (`Predictor.may_evict`), and then only over host
+    `max_predicted_jobs` in flight, at most `prediction_budget()` tokens per call, and with the
+    request's own disk path no more host pages than a queue prefetch may hold (`host_room`).
+    Into free host pages only, unless the predictor may evict (`Predictor.may_evict`), and then only over host
     pages that rank below the one it brings (never a device page, never a locked or pinned one).
     A prediction of a node's head splits the node there. Promoted nodes are fresh (their recency
     is the prediction's time), so eviction keeps them for their lead window instead of taking
     them first. The guard stops it while the recent precision of its predictions is too low, and
     while requests queue longer than the lead (`PromotionGuard.lead_pays`: their own queue
-    prefetch brings what a prediction would, in time)."""
+    prefetch brings what a prediction would, in time). A trigger with no record makes shadow bets
+    instead of copies until its record is made (`shadowed`); the oracle (`knows_future`) is held to
+    neither rule."""
     ctl.advance_predictions()
     if len(ctl.predicted) >= ctl.settings.max_predicted_jobs or not ctl.cache.has_tier(HOST):
         return

@@ -39,8 +39,9 @@ class ShadowBets:
     - `observe(path, now)`: a request was admitted through `path` (its match, root first); every
       open pick on it counts `used` for its trigger if its copy would have been there at `now`
       (`ready_s <= now <= gone_s`), and `wasted` if not (a copy still on its way saves the request
-      little: the demand load reads it, or the request recomputes it; one already evicted, nothing). Bets past their horizon count their unused
-      tokens `wasted` first (so a late request never saves an expired bet).
+      little: the demand load reads it, or the request recomputes it; one already evicted, nothing).
+      Bets past their horizon count their unused tokens `wasted` first (so a late request never
+      saves an expired bet).
     - `judged[trigger]`: its bets with an outcome: one of their picks used, or none by the horizon
       (a bet of four siblings is judged by the first request through one of them in time).
     - A pick is known by its node's id: a node split after the bet keeps the id in its lower part,
