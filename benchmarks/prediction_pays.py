@@ -109,6 +109,7 @@ def run(requests: list, config: EngineConfig, targets: set[str], groups: dict[st
             "guard_stopped": engine.controller.guard.stopped,
             "shadow": engine.controller.shadow.summary(),
             "queue_deep": engine.controller.guard.queue_deep,
+            "short_stay": engine.controller.guard.short_stay,
             "queue_delay_s": engine.controller.queue_delay.seconds,
             "half_life_s": engine.cache.tree.half_life.value,
             "virtual_s": engine.now,

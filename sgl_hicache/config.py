@@ -174,7 +174,10 @@ class TieringPolicy:
       requests the watermark alone dropped 16 % of host evictions dirty: 25.6 % hits against 28.4 %);
     - `writeback_clean_fraction`: under `write_back`, the share of a tier kept clean, raised when the
       measured eviction rate needs more (`policy/writeback.py: watermark_pages`);
-    - `predictor="none"`: the queue prefetch is on; descendant prediction is opt-in (`predict`).
+    - `predictor="tree_walk"`: descendant prediction is on, beside the queue prefetch. It stays
+      silent where nothing can be gained: 0 tokens promoted on every multi-turn trace family at
+      0.1-0.3x its working set (docs/results.md, "Prediction (issue 24)"), through the guard, the
+      shadow bets, the prefetch room and the stay test (`speculation.py`); `none` turns it off.
     """
 
     eviction_policy: str = "lru"
@@ -182,7 +185,7 @@ class TieringPolicy:
     write_through_threshold: int = 2
     disk_write_policy: str = "write_through"
     eviction_demotes: str = "none"
-    predictor: str = "none"
+    predictor: str = "tree_walk"
     predictor_budget_tokens: int = 8192
     prefetch: bool = True
     device_writeback_clean_fraction: float = 0.25

@@ -26,7 +26,7 @@ from .policy.shadow import ShadowBets
 from .policy.guard import PromotionGuard, QueueDelay
 from .policy.yielding import yield_plan
 from .policy.predictor import Predictor
-from .policy.writeback import EvictionRate, selective_write_through_due, watermark_pages
+from .policy.writeback import EvictionRate, host_pages_before_fresh_copy, selective_write_through_due, watermark_pages
 from .tiers.base import DEVICE, DISK, HOST
 from .transfer.executors import Executor, LoadTime
 from .transfer.ops import TransferOp
@@ -109,6 +109,8 @@ class RequestController:
         self._writeback_at = -float("inf")
         self.writeback_counters = WritebackCounters()
         self.eviction_rates = {DEVICE: EvictionRate(), HOST: EvictionRate()}
+        # how fast the host pages evicted before a fresh copy grow (+) or shrink (-), pages/s
+        self.free_drop_trend = EvictionRate()
         self._round_started: float | None = None
         self._round_seconds = 0.0
         self._committed_seen = (0, 0)
@@ -425,6 +427,8 @@ class RequestController:
                 continue
             cap = store.capacity_pages
             rate = self.eviction_rates[src].update(now, cache.stats.evicted_tokens[src] // cache.page_size)
+            if src == HOST:
+                self.free_drop_trend.update(now, host_pages_before_fresh_copy(cache.tree, config))
             only = None
             if src == DEVICE and config.write_policy == "write_through":
                 target = cap  # every committed page: copied at commit, whatever the watermark

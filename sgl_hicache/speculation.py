@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .cache import PrefixMatch
+from .policy.writeback import fresh_copy_stay_s, host_pages_before_fresh_copy
 from .tiers.base import HOST
 from .transfer.ops import PromotionJob
 from .tree.node import TreeNode
@@ -26,9 +27,10 @@ def predict(ctl: "RequestController", m: PrefixMatch) -> None:
     is the prediction's time), so eviction keeps them for their lead window instead of taking
     them first. The guard stops it while the recent precision of its predictions is too low, and
     while requests queue longer than the lead (`PromotionGuard.lead_pays`: their own queue
-    prefetch brings what a prediction would, in time). A trigger with no record makes shadow bets
-    instead of copies until its record is made (`shadowed`); the oracle (`knows_future`) is held to
-    neither rule."""
+    prefetch brings what a prediction would, in time), and while the host tier would evict the
+    copies before their lead ends (`host_stay_s`, `PromotionGuard.outlives_lead`). A trigger with no
+    record makes shadow bets instead of copies until its record is made (`shadowed`). The oracle
+    (`knows_future`) is exempt from the host room, the stay test and the shadow phase."""
     ctl.advance_predictions()
     if len(ctl.predicted) >= ctl.settings.max_predicted_jobs or not ctl.cache.has_tier(HOST):
         return
@@ -51,8 +53,11 @@ def predict(ctl: "RequestController", m: PrefixMatch) -> None:
              if p.node.parent is not None and p.node.host is None and p.node.device is None]
     if not picks:
         return
-    if shadowed(ctl, trigger, picks, own, now):
+    stay_s = host_stay_s(ctl)
+    if shadowed(ctl, trigger, picks, own, now, stay_s):
         return
+    if not ctl.predictor.knows_future and not ctl.guard.outlives_lead(stay_s, ctl.settings.predictor_lead_s):
+        return  # the host tier would evict the copies before the request they are for arrives
     cap = admit(ctl, trigger)  # one decision per call: its picks are one bet, bounded by the budget
     if cap is None or (cap and own + ctl.cache.page_size > cap):
         return  # refused, or a probe that would be a bet: its own path is more than a probe may bring
@@ -83,38 +88,38 @@ def predict(ctl: "RequestController", m: PrefixMatch) -> None:
             if cap or len(ctl.predicted) >= ctl.settings.max_predicted_jobs:
                 return
 
-def shadowed(ctl: "RequestController", trigger: str, picks: list, own: int, now: float) -> bool:
+def shadowed(ctl: "RequestController", trigger: str, picks: list, own: int, now: float, stay_s: float) -> bool:
     """Whether `trigger` is still unproven: then `picks` are written down as a shadow bet (open for
     the tree's traffic half-life, the time scale of the predictor's own evidence), each with the
     time its copy would land at the earliest (`Executor.read_eta`: behind the disk's queued demand
     work and `own` tokens of the request's own path) and the time the host tier would have evicted
-    it again, instead of copied. It goes live, for good, once its shadow record passes
-    `PromotionGuard.proven`."""
+    it again (`stay_s` after the prediction, which is its last use), instead of copied. It goes
+    live, for good, once its shadow record passes `PromotionGuard.proven`."""
     if trigger in ctl.shadow.live or ctl.predictor.knows_future:
         return False
     if ctl.guard.proven(ctl.shadow.used[trigger], ctl.shadow.wasted[trigger], ctl.shadow.judged[trigger]):
         ctl.shadow.live.add(trigger)
         return False
     ps = ctl.cache.page_size
-    stay_s = host_stay_s(ctl)
     book, queued = [], own  # the copies queue on the link: the arriving request's own path first
     for p in picks:
         tokens = (p.pages or p.node.num_pages) * ps
         queued += tokens
         ready_s = now + ctl.executor.read_eta(queued)
-        book.append((p.node, tokens, ready_s, ready_s + stay_s))
+        book.append((p.node, tokens, ready_s, max(ready_s, now + stay_s)))
     ctl.shadow.bet(trigger, book, now, ctl.cache.tree.half_life.value)
     return True
 
 
 def host_stay_s(ctl: "RequestController") -> float:
-    """How long a page brought to host now stays there: about as long as the tier takes to evict
-    its capacity (LRU's characteristic time: capacity / the measured eviction rate; a fresh copy
-    goes to the back of the order). Infinite while the tier evicts nothing. An upper bound for a
-    predicted page: host eviction takes pages with no device copy before the copies of device pages
-    (`policy/writeback.host_eviction_rank`), and a prediction's pages have none."""
-    evicting = ctl.eviction_rates[HOST].rate
-    return ctl.cache.stores[HOST].capacity_pages / evicting if evicting > 0 else float("inf")
+    """How long a page brought to host now stays there (`policy/writeback.fresh_copy_stay_s`): as
+    long as the pool of pages host eviction takes before it lasts, from its size and its measured
+    trend. Not the tier's capacity over its eviction rate: host eviction takes a prediction's pages
+    (on disk, not on the device: a free drop) before the copies of device pages, so where the host
+    holds few free drops a prediction is the next page it evicts (an agentic replay at 0.2x its
+    working set: evicted 0.1 s after it landed, where capacity / rate read 3.6 s)."""
+    return fresh_copy_stay_s(host_pages_before_fresh_copy(ctl.cache.tree, ctl.cache.config), ctl.free_drop_trend.rate,
+                             ctl.eviction_rates[HOST].rate, ctl.settings.predictor_lead_s)
 
 
 def trigger_of(ctl: "RequestController", start: TreeNode) -> str:

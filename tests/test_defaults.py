@@ -31,10 +31,12 @@ def _serve_policy(argv: list[str]) -> TieringPolicy:
 
 
 def test_replay_and_serve_build_equal_settings_from_no_arguments() -> None:
-    # the replay's default policy is `predict` (the queue prefetch plus the predictor); the server's
-    # default has no predictor: they agree on every knob once `prefetch` is the replay's policy
-    assert _serve_policy([]) == _replay_policy(["--policy", "prefetch"]) == DEFAULT_POLICY
-    assert _replay_policy([]) == dataclasses.replace(DEFAULT_POLICY, predictor="tree_walk")
+    # the replay's default policy is `predict` (the queue prefetch plus the predictor), the server's
+    # default runs the predictor too; the replay's `prefetch` is the same with the predictor off
+    assert DEFAULT_POLICY.predictor == "tree_walk"
+    assert _serve_policy([]) == _replay_policy([]) == DEFAULT_POLICY
+    assert _replay_policy(["--policy", "prefetch"]) == dataclasses.replace(DEFAULT_POLICY, predictor="none")
+    assert _serve_policy(["--predictor", "none"]) == _replay_policy(["--policy", "prefetch"])
 
 
 def test_a_changed_default_reaches_both_engines() -> None:
@@ -43,5 +45,5 @@ def test_a_changed_default_reaches_both_engines() -> None:
     assert _replay_policy(["--write-policy", "write_back"]).write_policy == "write_back"
     fields = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
     for f in dataclasses.fields(TieringPolicy):
-        if f.name in fields and f.name != "predictor":
+        if f.name in fields:
             assert fields[f.name] == f.default, f.name

@@ -83,7 +83,7 @@ class EngineConfig:
     disk_write_policy: str = DEFAULT_POLICY.disk_write_policy
     eviction_demotes: str = DEFAULT_POLICY.eviction_demotes
     predictor_budget_tokens: int = DEFAULT_POLICY.predictor_budget_tokens
-    predictor: str = "tree_walk"  # what `predict` runs (config.PREDICTORS); the other policies run none
+    predictor: str = DEFAULT_POLICY.predictor  # what `predict` runs (config.PREDICTORS); the other policies run none
     admission_min_probability: float = DEFAULT_POLICY.admission_min_probability
     device_writeback_clean_fraction: float = DEFAULT_POLICY.device_writeback_clean_fraction
     writeback_clean_fraction: float = DEFAULT_POLICY.writeback_clean_fraction

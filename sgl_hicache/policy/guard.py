@@ -51,6 +51,10 @@ class PromotionGuard:
       (`speculation.prediction_budget`); a request that waits longer than that in the queue has the
       same pages brought by its own queue prefetch before it is admitted, so a prediction there only
       adds copies (and its wrong guesses cost disk time). `queue_deep` counts the calls so refused.
+    - `outlives_lead(stay_s, lead_s)`: whether a page brought to host now would still be there
+      when the request it is predicted for arrives: only while the host tier keeps such a page
+      (`stay_s`, measured: `TieredCache.host_residence`) at least the prediction's lead. A copy
+      evicted before its use is all cost. `short_stay` counts the calls so refused.
     - `prefetch_fits(held, need, capacity, head)`: whether a queue prefetch of `need` pages may start
       in a tier of `capacity` pages in which `held` pages are already locked or pinned (by running
       requests and earlier prefetches): only while all of them fit in `prefetch_share` of the tier,
@@ -71,6 +75,7 @@ class PromotionGuard:
     prefetch_share: float = 0.5
     stopped: int = 0  # promotions the guard refused
     queue_deep: int = 0  # predictions not made: the queue gave demand prefetch the lead already
+    short_stay: int = 0  # predictions not made: the host tier would evict them before their lead ends
     _windows: dict = field(default_factory=dict)
 
     def allow(self, used_tokens: int, wasted_tokens: int, trigger: str = "predict") -> bool:
@@ -103,6 +108,12 @@ class PromotionGuard:
     def lead_pays(self, queue_delay_s: float, lead_s: float) -> bool:
         if lead_s > 0 and queue_delay_s >= lead_s:
             self.queue_deep += 1
+            return False
+        return True
+
+    def outlives_lead(self, stay_s: float, lead_s: float) -> bool:
+        if lead_s > 0 and stay_s < lead_s:
+            self.short_stay += 1
             return False
         return True
 

@@ -45,6 +45,31 @@ def host_eviction_rank(node: TreeNode) -> int:
     return 0 if node.disk is not None else 1
 
 
+def host_pages_before_fresh_copy(tree: RadixTree, config: CacheConfig) -> int:
+    """Evictable host pages that host eviction takes before a page just brought up from disk (on
+    host and disk, not on the device, used now): every page of its rank, 0 (`host_eviction_rank`),
+    since all of them were used earlier; under demoting eviction (one order by priority) every
+    evictable host page. In O(1), from the tree's page counts."""
+    if eviction_demotes(config, HOST):
+        return tree.evictable_pages(HOST)
+    return tree.evictable_shared_pages(HOST, DISK) - tree.evictable_shared_pages(HOST, DISK, DEVICE)
+
+
+def fresh_copy_stay_s(ahead_pages: int, ahead_trend: float, evict_rate: float, lead_s: float) -> float:
+    """How long a page brought up from disk now stays on host: host eviction takes the
+    `ahead_pages` pages before it (`host_pages_before_fresh_copy`) first, and the pages that join
+    them meanwhile (older uses: a device page evicted, a disk copy landing) go before it too. So it
+    lasts while that pool lasts: `ahead_pages` over the pool's measured shrinking (`ahead_trend`,
+    pages/s, negative when shrinking), and indefinitely while the pool holds or grows. With the
+    pool empty it is the next page the tier evicts: 0 while the tier evicts at least a page within
+    `lead_s` (`evict_rate`, pages/s); infinite while it evicts nothing."""
+    if evict_rate * lead_s < 1:
+        return float("inf")
+    if ahead_pages <= 0:
+        return 0.0
+    return ahead_pages / -ahead_trend if ahead_trend < 0 else float("inf")
+
+
 def eviction_demotes(config: CacheConfig, tier: str) -> bool:
     """Whether evicting a dirty page from `tier` copies it down (`CacheConfig.eviction_demotes`)."""
     mode = config.eviction_demotes
@@ -131,7 +156,8 @@ def pick_writeback(candidates: list[TreeNode], budget: int, priority: Callable[[
 
 class EvictionRate:
     """Pages evicted per second from one tier, smoothed: fed the tier's cumulative eviction count
-    at each write-back round (`update`). `half_life_s` sets how fast it forgets a burst."""
+    at each write-back round (`update`). `half_life_s` sets how fast it forgets a burst. Fed a
+    page count that also falls (a pool's size), it is that count's trend, of either sign."""
 
     def __init__(self, half_life_s: float = 2.0) -> None:
         self.half_life_s = half_life_s

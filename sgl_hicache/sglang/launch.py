@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--write-policy", choices=WRITE_POLICIES, help="device -> host copies (default write_through: started at commit)")
     p.add_argument("--disk-write-policy", choices=DISK_WRITE_POLICIES, help="host -> disk copies (default write_through)")
     p.add_argument("--eviction-policy", choices=EVICTION_POLICIES, help="eviction order in every tier (default lru)")
-    p.add_argument("--predictor", choices=PREDICTORS, help="promote likely descendants of a match (default none)")
+    p.add_argument("--predictor", choices=PREDICTORS, help="promote likely descendants of a match disk -> host (default tree_walk; none turns it off)")
     p.add_argument("--no-prefetch", action="store_true", help="do not start disk -> host promotion while a request waits")
     p.add_argument("--load-timeout-s", type=float, help="longest wait for a request's disk pages before recomputing (default 30)")
     p.add_argument("--hint-port", type=int, help="serve the hint API (POST /hints: prefetch / pin / retain / demote a prefix) on this port (0: any free port; default off; TP=1 only)")

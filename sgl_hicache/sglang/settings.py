@@ -52,7 +52,7 @@ class BackendSettings:
     write_through_threshold: int = DEFAULT_POLICY.write_through_threshold
     disk_write_policy: str = DEFAULT_POLICY.disk_write_policy  # host -> disk: write_back (watermark) | write_through
     eviction_policy: str | None = None  # lru | lfu; None: SGLang's --radix-eviction-policy when we support it, else lru
-    predictor: str = DEFAULT_POLICY.predictor  # none | tree_walk (promotes likely descendants disk -> host)
+    predictor: str = DEFAULT_POLICY.predictor  # tree_walk (promotes likely descendants disk -> host) | continuation | none
     predictor_budget_tokens: int = DEFAULT_POLICY.predictor_budget_tokens
     prefetch: bool = DEFAULT_POLICY.prefetch  # start disk -> host promotion when a request is matched (while it waits)
     transfer_workers: int = 2
