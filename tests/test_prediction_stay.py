@@ -63,11 +63,17 @@ def test_outlives_lead_refuses_a_stay_shorter_than_the_lead_and_counts_it():
     assert g.outlives_lead(0.0, 0.0)  # no lead: nothing to outlive
 
 
-def _live_prediction(tmp_path, ahead_pages: int):
+def _clocked(tmp_path):
+    """A controller over a 8 / 16 / 64-page cache on a test clock, lead 2 s, no shadow phase."""
     clock = Clock(100.0)
     cache = make_cache(tmp_path, device=8, host=16, disk=64)
     cache.clock = clock
-    ex, ctl = _controller(cache, clock, predictor_lead_s=2.0)
+    _, ctl = _controller(cache, clock, predictor_lead_s=2.0)
+    return clock, cache, ctl
+
+
+def _live_prediction(tmp_path, ahead_pages: int):
+    clock, cache, ctl = _clocked(tmp_path)
     target = _disk_only(cache, seq(5000, 2))
     if ahead_pages:
         _host_and_disk(cache, seq(0, ahead_pages))
@@ -102,10 +108,7 @@ def test_a_live_prediction_is_refused_while_the_free_drops_before_it_run_out_wit
 
 
 def test_the_pool_trend_is_measured_at_each_write_back_round(tmp_path):
-    clock = Clock(100.0)
-    cache = make_cache(tmp_path, device=8, host=16, disk=64)
-    cache.clock = clock
-    ex, ctl = _controller(cache, clock)
+    clock, cache, ctl = _clocked(tmp_path)
     _host_and_disk(cache, seq(0, 3))
     ctl._plan_copies_down(clock())
     _host_and_disk(cache, seq(300, 3))  # 3 more free drops in 1 s
@@ -126,10 +129,7 @@ def test_a_host_that_evicts_nothing_keeps_a_prediction_however_few_pages_go_befo
 
 
 def test_a_shadow_pick_the_host_would_evict_at_once_is_judged_wasted(tmp_path):
-    clock = Clock(100.0)
-    cache = make_cache(tmp_path, device=8, host=16, disk=64)
-    cache.clock = clock
-    ex, ctl = _controller(cache, clock, predictor_lead_s=2.0)
+    clock, cache, ctl = _clocked(tmp_path)
     ctl.guard = PromotionGuard(shadow_bets=1)
     cache.tree.half_life.value = 30.0
     target = _disk_only(cache, seq(0, 2) + seq(100, 2))
