@@ -22,6 +22,16 @@ def _op(cache, tokens):
     return op
 
 
+class _RateOnly:
+    """An executor stand-in that only reports a measured link rate (this rank's)."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+
+    def link_tokens_per_s(self, link: str) -> float:
+        return self.rate
+
+
 def _rank_main(rank: int, size: int, store_path: str, out_dir: str) -> None:
     import torch.distributed as dist
 
@@ -55,6 +65,12 @@ def _rank_main(rank: int, size: int, store_path: str, out_dir: str) -> None:
         out["counts"] = vars(c.counts)
         # layer-wise loads: rank 0 finished both queued loads, rank 1 only the first: one is agreed on
         out["loads_agreed"] = c.step([], [], layer_loads=(2, 2 if rank == 0 else 1))
+        # the disk -> host rate: the slowest rank's, on both; unknown while one rank has none
+        gated = c.gate(_RateOnly(5000.0 if rank == 0 else 3000.0))
+        c.step([], [], disk_read_tokens_per_s=gated.local_link_tokens_per_s("disk->host"))
+        out["rate"] = [gated.link_tokens_per_s("disk->host"), gated.link_tokens_per_s("host->device")]
+        c.step([], [], disk_read_tokens_per_s=5000.0 if rank == 0 else 0.0)
+        out["rate_unknown"] = gated.link_tokens_per_s("disk->host")
         try:  # a different number of loads queued: both raise
             c.step([], [], layer_loads=(1 + rank, 0))
             out["loads_count"] = "no error"
@@ -100,4 +116,7 @@ def test_two_ranks_agree_and_fail_together(tmp_path):
     assert "digest differs" in r0["digest"] and "digest differs" in r1["digest"]
     assert "disagree" in r0["count"] and "disagree" in r1["count"]
     assert r0["loads_agreed"] == r1["loads_agreed"] == 1  # MIN of the loads finished in queue order
+    # the predictor's budget reads the agreed disk -> host rate: equal on both ranks, the slower one's
+    assert r0["rate"] == r1["rate"] == [3000.0, 0.0]
+    assert r0["rate_unknown"] == r1["rate_unknown"] == 0.0
     assert "layer-wise loads" in r0["loads_count"] and "layer-wise loads" in r1["loads_count"]

@@ -27,6 +27,8 @@ facts that are local to a rank are agreed here, at fixed points outside the tree
   - the layer-wise host -> device loads (`layer_loads.py`): how many are queued (MIN and MAX) and how
     many, in queue order, have finished (MIN): a load's nodes stay locked until every rank finished
     it, so the ranks' evictable sets stay equal;
+  - the disk -> host link's measured rate, in tokens/s (MIN: the slowest rank's; 0 while any rank
+    has none), which sizes the predictor's budget (lead time x rate) alike on every rank;
   - the op and request counts (MIN and MAX) and, with `consensus_check`, a digest of each rank's tree
     and tier residency: a difference raises `RankDivergenceError` (the scheduler dies, the server
     exits) instead of letting the ranks run different batches into a hang.
@@ -64,8 +66,8 @@ logger = logging.getLogger(__name__)
 
 STEP_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run"
 # ops count MIN/MAX, waiting count MIN/MAX, clock MAX, digest low half MIN/MAX, high half MIN/MAX,
-# layer-wise loads queued MIN/MAX, loads done in queue order MIN
-_HEADER = 12
+# layer-wise loads queued MIN/MAX, loads done in queue order MIN, disk -> host tokens/s MIN
+_HEADER = 13
 _MASK31 = (1 << 31) - 1
 
 
@@ -166,6 +168,7 @@ class RankConsensus:
         self.counts = StepCounts()
         self._gave_up: set[int] = set()  # id() of tickets every rank agreed to give up on
         self.replicated = False  # every rank holds the same KV (MLA): see `replicate`
+        self.disk_read_tokens_per_s = 0  # agreed at each step (MIN over the ranks; 0: unknown)
 
     # ---- identity -------------------------------------------------------------------------
     def replicate(self) -> None:
@@ -190,7 +193,8 @@ class RankConsensus:
         return Path(disk_dir) / (f"tp{self.size}-shared" if self.replicated else f"tp{self.size}-rank{self.rank}")
 
     def gate(self, executor: Executor) -> "GatedExecutor":
-        return GatedExecutor(executor, shared=(HOST, DISK) if self.replicated else ())
+        return GatedExecutor(executor, shared=(HOST, DISK) if self.replicated else (),
+                             disk_read_rate=lambda: self.disk_read_tokens_per_s)
 
     # ---- collectives ------------------------------------------------------------------------
     def _all_reduce_min(self, vec: torch.Tensor) -> torch.Tensor:
@@ -229,12 +233,14 @@ class RankConsensus:
         self.counts.startup_pages_dropped = len(drop)
 
     def step(self, ops: Iterable["TransferOp"], waiting: Sequence[tuple[Any, bool]],
-             digest: Callable[[], int] | None = None, layer_loads: tuple[int, int] = (0, 0)) -> int:
+             digest: Callable[[], int] | None = None, layer_loads: tuple[int, int] = (0, 0),
+             disk_read_tokens_per_s: float = 0.0) -> int:
         """One scheduler step's agreement. `ops`: the background transfers in flight, in the same
         order on every rank; `waiting`: (ticket, this rank would give up on it now) for the requests
         whose prefetch is unfinished, in the same order on every rank; `layer_loads`: (layer-wise
         loads queued, how many of them in queue order have finished here). Returns how many of those
-        loads have finished on every rank (MIN)."""
+        loads have finished on every rank (MIN). `disk_read_tokens_per_s`: this rank's measured disk
+        -> host rate (0: none yet); the slowest rank's becomes `disk_read_tokens_per_s` on every rank."""
         todo = [op for op in ops if op.gated and not op.agreed and not op.applied
                 and (op.shared_dst or not op.cancelled)][: self.max_ops]
         waiting = list(waiting)[: self.max_waiting]
@@ -242,7 +248,7 @@ class RankConsensus:
         # built as a list and converted once: item assignment into a tensor costs ~10 µs per element
         vals = [len(todo), -len(todo), len(waiting), -len(waiting), -time.monotonic_ns(),
                 d & _MASK31, -(d & _MASK31), d >> 31, -(d >> 31),
-                layer_loads[0], -layer_loads[0], layer_loads[1]]
+                layer_loads[0], -layer_loads[0], layer_loads[1], max(0, int(disk_read_tokens_per_s))]
         base = _HEADER
         for op in todo:
             done = op.executed.is_set()
@@ -286,6 +292,7 @@ class RankConsensus:
                 self._gave_up.add(id(ticket))
                 self.counts.give_ups += 1
         self.counts.layer_loads_agreed += out[11]
+        self.disk_read_tokens_per_s = out[12]
         return out[11]
 
     def gave_up(self, ticket: Any) -> bool:
@@ -298,11 +305,22 @@ class RankConsensus:
 
 class GatedExecutor(Executor):
     """An executor whose background transfers wait for the ranks' agreement before they count
-    (`TransferOp.gated`); inline copies (`run_now`) are not gated. Everything else is the inner one's."""
+    (`TransferOp.gated`); inline copies (`run_now`) are not gated. Its disk -> host rate is the
+    ranks' agreed one (`disk_read_rate`), so a budget sized from it is equal on every rank; it
+    reports no other link's rate. Everything else is the inner one's."""
 
-    def __init__(self, inner: Executor, shared: Sequence[str] = ()) -> None:
+    def __init__(self, inner: Executor, shared: Sequence[str] = (),
+                 disk_read_rate: Callable[[], float] = lambda: 0.0) -> None:
         self.inner = inner
         self.shared = tuple(shared)  # tiers every rank shares (replicated KV): their copies free only once agreed
+        self.disk_read_rate = disk_read_rate
+
+    def link_tokens_per_s(self, link: str) -> float:
+        return float(self.disk_read_rate()) if link == "disk->host" else 0.0
+
+    def local_link_tokens_per_s(self, link: str) -> float:
+        """This rank's own measurement (what it contributes to the agreement)."""
+        return self.inner.link_tokens_per_s(link)
 
     def _gate(self, ops: Iterable["TransferOp"]) -> None:
         for op in ops:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ..policy.hints import HintError
 from ..tiers.base import HOST
 from .device_pool import frees_batched
-from .rank_consensus import tree_digest
+from .rank_consensus import GatedExecutor, tree_digest
 
 logger = logging.getLogger(__name__)
 
@@ -171,8 +171,11 @@ class StepCalls:
             budget = self.settings.load_timeout_s - (now - st.created)
             flags.append((st.ticket, self.controller.executor.eta(job) > budget))  # type: ignore[arg-type]
         loads = self.layer_loads
+        ex = self.controller.executor
+        rate = ex.local_link_tokens_per_s("disk->host") if isinstance(ex, GatedExecutor) else 0.0
         agreed_loads = c.step(ops, flags, digest=lambda: tree_digest(self.cache, (len(self.req_states),), host_handles=c.replicated),
-                              layer_loads=(loads.queued, loads.done_prefix()) if loads is not None else (0, 0))
+                              layer_loads=(loads.queued, loads.done_prefix()) if loads is not None else (0, 0),
+                              disk_read_tokens_per_s=rate)
         if loads is not None:
             loads.reap_agreed(agreed_loads)
         if self.controller.predicted:  # outcomes agreed above: every rank records the same landed promotions
