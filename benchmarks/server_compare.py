@@ -73,12 +73,14 @@ DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace
 if not DEFAULT_TRACE.exists():
     DEFAULT_TRACE = REPO / "traces" / "mooncake_conversation_trace.jsonl"
 DEFAULT_MODEL = REPO / "scripts" / "cpu" / "bench-llama"
-CONFIGS = ("default", "hicache", "sgl_hicache", "hicache_host", "sgl_hicache_noskip")
+CONFIGS = ("default", "hicache", "sgl_hicache", "hicache_host", "sgl_hicache_noskip", "sgl_hicache_hold")
 # sgl_hicache variants: the same server with these backend settings changed (an A/B in one run)
-VARIANTS: dict[str, dict[str, Any]] = {"sgl_hicache": {}, "sgl_hicache_noskip": {"skip_waiting_admission": False}}
+VARIANTS: dict[str, dict[str, Any]] = {"sgl_hicache": {}, "sgl_hicache_noskip": {"skip_waiting_admission": False},
+                                       "sgl_hicache_hold": {"hold_new_admissions": True}}
 DEFAULT_CONFIGS = CONFIGS[:3]
 LABELS = {"default": "SGLang default cache", "hicache": "SGLang HiCache (host + file)", "sgl_hicache": "sgl_hicache",
-          "hicache_host": "SGLang HiCache (host only)", "sgl_hicache_noskip": "sgl_hicache, skip_waiting_admission off"}
+          "hicache_host": "SGLang HiCache (host only)", "sgl_hicache_noskip": "sgl_hicache, skip_waiting_admission off",
+          "sgl_hicache_hold": "sgl_hicache, hold_new_admissions on"}
 TIERS = ("device", "host", "disk")
 
 

@@ -119,6 +119,7 @@ def stats_snapshot(rc: TieredRadixCache, exact: bool = False) -> dict[str, Any]:
         "prefetch": rc.settings.prefetch,
         "layerwise_loads": rc.layer_loads is not None,
         "skip_waiting_admission": rc.settings.skip_waiting_admission,
+        "hold_new_admissions": rc.settings.hold_new_admissions,
         "namespace": cache.namespace.description,
         "pool_kind": rc.device_pool.adapter.kind,  # the device-pool adapter serving SGLang's pool (mha, mla)
         "store": config.store_url,

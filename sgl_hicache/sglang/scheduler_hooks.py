@@ -65,6 +65,8 @@ def keep_admitting(original, adder, req, *args, **kwargs):
         return original(adder, req, *args, **kwargs)
     from sglang.srt.managers.schedule_policy import AddReqResult
 
+    if hold_new(cache, req, adder.can_run_list):
+        return AddReqResult.CONTINUE
     cache.deferred_rid = None
     result = original(adder, req, *args, **kwargs)
     # NO_TOKEN returns before anything is committed for the request: trying it again is safe
@@ -80,6 +82,27 @@ def keep_admitting(original, adder, req, *args, **kwargs):
             cache.counters.admission_skips += 1
             return AddReqResult.CONTINUE
     return result
+
+
+def hold_new(cache, req, batch: list) -> bool:
+    """`hold_new_admissions` (an experiment, off by default): whether `req`, offered for the first
+    time while the prefill batch being formed has a request already, waits one round. Its second
+    offer goes through. It splits prefill batches the way SGLang HiCache's storage lookups do (a
+    request stays in the queue while its lookup is in flight), to measure what that composition
+    alone is worth (issue 23). The same on every TP rank: the rids and the batch are."""
+    if not cache.settings.hold_new_admissions:
+        return False
+    rid = getattr(req, "rid", None)
+    if rid is None or rid in cache.held_rids:
+        cache.held_rids.discard(rid)
+        return False
+    if not batch:
+        return False
+    if len(cache.held_rids) > 65536:  # rids held and then aborted never come back: bound the set
+        cache.held_rids.clear()
+    cache.held_rids.add(rid)
+    cache.counters.admission_holds += 1
+    return True
 
 
 def record_landed_copies(scheduler, *args, **kwargs):
@@ -113,4 +136,4 @@ def register_hooks() -> None:
     HookRegistry.register(GET_NEW_BATCH_PREFILL, set_consumer_index, HookType.AFTER)
 
 
-__all__ = ["demand_shortfall_tokens", "keep_admitting", "record_landed_copies", "register_hooks", "set_consumer_index"]
+__all__ = ["demand_shortfall_tokens", "hold_new", "keep_admitting", "record_landed_copies", "register_hooks", "set_consumer_index"]

@@ -69,6 +69,7 @@ class BackendSettings:
     writeback_batch_pages: int = DEFAULT_POLICY.writeback_batch_pages  # most pages one background write-back round copies per link (it copies only up to the clean watermark)
     layerwise_loads: bool = True  # init_load_back queues host->device copies per layer; the forward of layer i waits for layer i only
     skip_waiting_admission: bool = True  # a request whose prefetch is in flight is skipped this round, not the end of admission
+    hold_new_admissions: bool = False  # experiment (issue 23): a request offered for the first time while the prefill batch has one already waits a round (splits prefill batches as HiCache's storage lookups do)
     time_calls: bool = True  # time every cache call the scheduler makes (p50/p99/max in the stats)
     check_scheduler_io: bool = False  # count copies, disk writes, sleeps and waits inside scheduler calls (tests, diagnosis)
     consensus_check: bool = False  # TP >= 2: all-reduce a digest of each rank's tree and residency every step; stop on a difference (debug; tests)
