@@ -25,7 +25,10 @@ conversation trace with every 512-token block scaled to 32 tokens. Three configu
   (`check_prefetch_progress`), which changes how prefill batches are composed;
 - `sgl_hicache`: `--radix-cache-backend sgl_hicache` with host tokens = the same host capacity as
   `hicache` (R x device pool), the disk tier on in a fresh temp dir (capacity: 2x the slice's working
-  set, so like the file backend it never has to drop a page), prefetch on, predictor `tree_walk`.
+  set, so like the file backend it never has to drop a page), prefetch on, predictor `tree_walk`;
+- `sgl_hicache_noskip`, `sgl_hicache_hold` (only with `--configs`): the same with
+  `skip_waiting_admission` off, or with `hold_new_admissions` on (a new request waits a round while the
+  prefill batch has one: the split HiCache's storage lookups make, issue 23).
 
 Device pool sizes (`--pools`) are fractions of the slice's working set = its distinct prompt tokens at
 page granularity (distinct chained pages x 16), never below the longest request + its output.
