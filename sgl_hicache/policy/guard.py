@@ -53,7 +53,7 @@ class PromotionGuard:
       adds copies (and its wrong guesses cost disk time). `queue_deep` counts the calls so refused.
     - `outlives_lead(stay_s, lead_s)`: whether a page brought to host now would still be there
       when the request it is predicted for arrives: only while the host tier keeps such a page
-      (`stay_s`, measured: `TieredCache.host_residence`) at least the prediction's lead. A copy
+      (`stay_s`, estimated by `speculation.host_stay_s`) at least the prediction's lead. A copy
       evicted before its use is all cost. `short_stay` counts the calls so refused.
     - `prefetch_fits(held, need, capacity, head)`: whether a queue prefetch of `need` pages may start
       in a tier of `capacity` pages in which `held` pages are already locked or pinned (by running
