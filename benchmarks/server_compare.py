@@ -26,9 +26,10 @@ conversation trace with every 512-token block scaled to 32 tokens. Three configu
 - `sgl_hicache`: `--radix-cache-backend sgl_hicache` with host tokens = the same host capacity as
   `hicache` (R x device pool), the disk tier on in a fresh temp dir (capacity: 2x the slice's working
   set, so like the file backend it never has to drop a page), prefetch on, predictor `tree_walk`;
-- `sgl_hicache_noskip`, `sgl_hicache_hold` (only with `--configs`): the same with
-  `skip_waiting_admission` off, or with `hold_new_admissions` on (a new request waits a round while the
-  prefill batch has one: the split HiCache's storage lookups make, issue 23).
+- `sgl_hicache_noskip`, `sgl_hicache_hold`, `sgl_hicache_nohold` (only with `--configs`): the same
+  with `skip_waiting_admission` off, or with `admission_hold` `always` (every new request waits a
+  round while the prefill batch has one: the split HiCache's storage lookups make, issue 23) or `off`
+  (none waits; the default, `cost`, holds one where the measured prefill cost says it pays).
 
 Device pool sizes (`--pools`) are fractions of the slice's working set = its distinct prompt tokens at
 page granularity (distinct chained pages x 16), never below the longest request + its output.
@@ -76,14 +77,14 @@ DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace
 if not DEFAULT_TRACE.exists():
     DEFAULT_TRACE = REPO / "traces" / "mooncake_conversation_trace.jsonl"
 DEFAULT_MODEL = REPO / "scripts" / "cpu" / "bench-llama"
-CONFIGS = ("default", "hicache", "sgl_hicache", "hicache_host", "sgl_hicache_noskip", "sgl_hicache_hold")
+CONFIGS = ("default", "hicache", "sgl_hicache", "hicache_host", "sgl_hicache_noskip", "sgl_hicache_hold", "sgl_hicache_nohold")
 # sgl_hicache variants: the same server with these backend settings changed (an A/B in one run)
 VARIANTS: dict[str, dict[str, Any]] = {"sgl_hicache": {}, "sgl_hicache_noskip": {"skip_waiting_admission": False},
-                                       "sgl_hicache_hold": {"hold_new_admissions": True}}
+                                       "sgl_hicache_hold": {"admission_hold": "always"}, "sgl_hicache_nohold": {"admission_hold": "off"}}
 DEFAULT_CONFIGS = CONFIGS[:3]
 LABELS = {"default": "SGLang default cache", "hicache": "SGLang HiCache (host + file)", "sgl_hicache": "sgl_hicache",
           "hicache_host": "SGLang HiCache (host only)", "sgl_hicache_noskip": "sgl_hicache, skip_waiting_admission off",
-          "sgl_hicache_hold": "sgl_hicache, hold_new_admissions on"}
+          "sgl_hicache_hold": "sgl_hicache, admission_hold always", "sgl_hicache_nohold": "sgl_hicache, admission_hold off"}
 TIERS = ("device", "host", "disk")
 
 

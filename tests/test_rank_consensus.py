@@ -9,6 +9,7 @@ import json
 import os
 import traceback
 
+import pytest
 from conftest import make_cache, run_ranks
 
 
@@ -35,6 +36,7 @@ class _RateOnly:
 def _rank_main(rank: int, size: int, store_path: str, out_dir: str) -> None:
     import torch.distributed as dist
 
+    from sgl_hicache.policy.admission import PrefillCost
     from sgl_hicache.sglang.rank_consensus import RankConsensus, RankDivergenceError, tree_digest
     from sgl_hicache.tiers.base import PageCorruptError, PeerTierError, TierIOError
 
@@ -71,6 +73,12 @@ def _rank_main(rank: int, size: int, store_path: str, out_dir: str) -> None:
         out["rate"] = [gated.link_tokens_per_s("disk->host"), gated.link_tokens_per_s("host->device")]
         c.step([], [], disk_read_tokens_per_s=5000.0 if rank == 0 else 0.0)
         out["rate_unknown"] = gated.link_tokens_per_s("disk->host")
+        # the prefill cost admission weighs: the largest fixed part, the smallest per-token part
+        mine = PrefillCost(0.05, 2e-5) if rank == 0 else PrefillCost(0.08, 3e-5)
+        c.step([], [], prefill_cost=mine)
+        out["cost"] = [c.prefill_cost.fixed_s, c.prefill_cost.per_token_s]
+        c.step([], [], prefill_cost=mine if rank == 0 else None)
+        out["cost_unknown"] = c.prefill_cost
         try:  # a different number of loads queued: both raise
             c.step([], [], layer_loads=(1 + rank, 0))
             out["loads_count"] = "no error"
@@ -119,4 +127,7 @@ def test_two_ranks_agree_and_fail_together(tmp_path):
     # the predictor's budget reads the agreed disk -> host rate: equal on both ranks, the slower one's
     assert r0["rate"] == r1["rate"] == [3000.0, 0.0]
     assert r0["rate_unknown"] == r1["rate_unknown"] == 0.0
+    # admission holds the same requests on both ranks: one agreed prefill cost, the fewest holds
+    assert r0["cost"] == r1["cost"] and r0["cost"] == pytest.approx([0.08, 2e-5])
+    assert r0["cost_unknown"] is None and r1["cost_unknown"] is None  # unknown while one rank has none
     assert "layer-wise loads" in r0["loads_count"] and "layer-wise loads" in r1["loads_count"]

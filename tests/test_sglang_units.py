@@ -288,7 +288,7 @@ def test_admission_hook_skips_only_a_request_told_to_retry():
     from sgl_hicache.sglang.settings import BackendSettings
 
     cache = object.__new__(TieredRadixCache)
-    cache.settings, cache.counters, cache.deferred_rid = BackendSettings(), BackendCounters(), None
+    cache.settings, cache.counters, cache.deferred_rid, cache.held_rids = BackendSettings(), BackendCounters(), None, set()
     adder = SimpleNamespace(tree_cache=cache, can_run_list=[])
     req = SimpleNamespace(rid="r1")
 
@@ -316,7 +316,7 @@ def test_admission_hook_yields_prefetch_locks_to_a_request_short_of_room_and_ret
     from sgl_hicache.sglang.settings import BackendSettings
 
     cache = object.__new__(TieredRadixCache)
-    cache.settings, cache.counters, cache.deferred_rid = BackendSettings(), BackendCounters(), None
+    cache.settings, cache.counters, cache.deferred_rid, cache.held_rids = BackendSettings(), BackendCounters(), None, set()
     asked = []
     cache.yield_to_demand = lambda req, short: asked.append(short) or (1 if short > 0 else 0)
     adder = SimpleNamespace(tree_cache=cache, can_run_list=[], rem_total_tokens=100, per_req_token_overhead=0, page_size=1)

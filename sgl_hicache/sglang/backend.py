@@ -69,6 +69,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 # the core's match (`TieredCache.match`), named apart from SGLang's `MatchResult`, which this module returns
 from ..cache import PrefixMatch
 from ..controller import Admission
+from ..policy.admission import PrefillCostFit
 from ..stats import prometheus_text
 from ..tiers.base import DEVICE, DISK
 from .assembly import assemble
@@ -107,7 +108,7 @@ class BackendCounters:
     evicted_tokens: int = 0
     uncacheable_requests: int = 0  # extra_key / cache_salt / bigram: served without the cache
     admission_skips: int = 0  # a waiting request skipped while the requests behind it were admitted
-    admission_holds: int = 0  # a new request held a round (`hold_new_admissions`)
+    admission_holds: int = 0  # a new request held a round (`admission_hold`)
     prefetch_yields: int = 0  # waiting requests' prefetch jobs ended so a request short of device room fits
     evict_short: int = 0  # evictions that freed fewer pages than asked (never waited for a copy in flight)
     extra: dict = field(default_factory=dict)
@@ -148,7 +149,8 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
         self.layer_loads = parts.layer_loads
         self.controller = parts.controller
         self.deferred_rid: str | None = None  # the request init_load_back last answered "retry" (scheduler_hooks)
-        self.held_rids: set[str] = set()  # requests held one round by `hold_new_admissions` (scheduler_hooks)
+        self.held_rids: set[str] = set()  # requests held one round by `admission_hold` (scheduler_hooks.hold_new)
+        self.prefill_cost_fit = PrefillCostFit()  # this rank's prefill steps (scheduler_hooks.time_prefill)
         self.counters = BackendCounters()
         self.server_port = server_port
         self.req_states = RequestStates(self.controller, consensus)

@@ -105,6 +105,9 @@ def stats_snapshot(rc: TieredRadixCache, exact: bool = False) -> dict[str, Any]:
     backend["load_back_declined_by_reason"] = dict(rc.counters.extra)
     backend.update(writeback_pages=wb.host_pages, device_writeback_pages=wb.device_pages,
                    device_writeback_cancelled_pages=wb.device_cancelled_pages)
+    cost = rc.prefill_cost()
+    backend["prefill_cost"] = {"steps_timed": rc.prefill_cost_fit.steps, "fixed_s": cost.fixed_s if cost else None,
+                               "per_token_s": cost.per_token_s if cost else None}
     snap["backend"] = backend
     snap["config"] = {
         "page_size": rc.page_size,
@@ -119,7 +122,7 @@ def stats_snapshot(rc: TieredRadixCache, exact: bool = False) -> dict[str, Any]:
         "prefetch": rc.settings.prefetch,
         "layerwise_loads": rc.layer_loads is not None,
         "skip_waiting_admission": rc.settings.skip_waiting_admission,
-        "hold_new_admissions": rc.settings.hold_new_admissions,
+        "admission_hold": rc.settings.admission_hold,
         "namespace": cache.namespace.description,
         "pool_kind": rc.device_pool.adapter.kind,  # the device-pool adapter serving SGLang's pool (mha, mla)
         "store": config.store_url,

@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import xxhash
 
+from ..policy.admission import PrefillCost
 from ..tiers.base import DISK, HOST, TIERS, PeerTierError, TierIOError
 from ..transfer.executors import Executor, LoadTime
 
@@ -66,8 +67,9 @@ logger = logging.getLogger(__name__)
 
 STEP_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run"
 # ops count MIN/MAX, waiting count MIN/MAX, clock MAX, digest low half MIN/MAX, high half MIN/MAX,
-# layer-wise loads queued MIN/MAX, loads done in queue order MIN, disk -> host tokens/s MIN
-_HEADER = 13
+# layer-wise loads queued MIN/MAX, loads done in queue order MIN, disk -> host tokens/s MIN,
+# prefill fixed cost (µs) MAX, prefill cost per token (ps) MIN
+_HEADER = 15
 _MASK31 = (1 << 31) - 1
 
 
@@ -169,6 +171,7 @@ class RankConsensus:
         self._gave_up: set[int] = set()  # id() of tickets every rank agreed to give up on
         self.replicated = False  # every rank holds the same KV (MLA): see `replicate`
         self.disk_read_tokens_per_s = 0  # agreed at each step (MIN over the ranks; 0: unknown)
+        self.prefill_cost: PrefillCost | None = None  # agreed at each step (step's docstring; None: unknown)
 
     # ---- identity -------------------------------------------------------------------------
     def replicate(self) -> None:
@@ -234,13 +237,16 @@ class RankConsensus:
 
     def step(self, ops: Iterable["TransferOp"], waiting: Sequence[tuple[Any, bool]],
              digest: Callable[[], int] | None = None, layer_loads: tuple[int, int] = (0, 0),
-             disk_read_tokens_per_s: float = 0.0) -> int:
+             disk_read_tokens_per_s: float = 0.0, prefill_cost: PrefillCost | None = None) -> int:
         """One scheduler step's agreement. `ops`: the background transfers in flight, in the same
         order on every rank; `waiting`: (ticket, this rank would give up on it now) for the requests
         whose prefetch is unfinished, in the same order on every rank; `layer_loads`: (layer-wise
         loads queued, how many of them in queue order have finished here). Returns how many of those
         loads have finished on every rank (MIN). `disk_read_tokens_per_s`: this rank's measured disk
-        -> host rate (0: none yet); the slowest rank's becomes `disk_read_tokens_per_s` on every rank."""
+        -> host rate (0: none yet); the slowest rank's becomes `disk_read_tokens_per_s` on every rank.
+        `prefill_cost`: this rank's fitted prefill cost (None: not yet); every rank's `prefill_cost`
+        becomes the largest fixed part with the smallest per-token part (the fewest holds), or None
+        while any rank has none."""
         todo = [op for op in ops if op.gated and not op.agreed and not op.applied
                 and (op.shared_dst or not op.cancelled)][: self.max_ops]
         waiting = list(waiting)[: self.max_waiting]
@@ -248,7 +254,8 @@ class RankConsensus:
         # built as a list and converted once: item assignment into a tensor costs ~10 µs per element
         vals = [len(todo), -len(todo), len(waiting), -len(waiting), -time.monotonic_ns(),
                 d & _MASK31, -(d & _MASK31), d >> 31, -(d >> 31),
-                layer_loads[0], -layer_loads[0], layer_loads[1], max(0, int(disk_read_tokens_per_s))]
+                layer_loads[0], -layer_loads[0], layer_loads[1], max(0, int(disk_read_tokens_per_s)),
+                -int(prefill_cost.fixed_s * 1e6) if prefill_cost else 0, int(prefill_cost.per_token_s * 1e12) if prefill_cost else 0]
         base = _HEADER
         for op in todo:
             done = op.executed.is_set()
@@ -293,6 +300,7 @@ class RankConsensus:
                 self.counts.give_ups += 1
         self.counts.layer_loads_agreed += out[11]
         self.disk_read_tokens_per_s = out[12]
+        self.prefill_cost = PrefillCost(fixed_s=-out[13] / 1e6, per_token_s=out[14] / 1e12) if out[14] > 0 else None
         return out[11]
 
     def gave_up(self, ticket: Any) -> bool:

@@ -1,4 +1,4 @@
-"""Three hooks on SGLang 0.5.23's scheduler, registered through its `HookRegistry` by `plugin.register`.
+"""Four hooks on SGLang 0.5.23's scheduler, registered through its `HookRegistry` by `plugin.register`.
 Both do nothing unless the scheduler's tree cache is ours.
 
 1. Admission that never stalls the queue (AROUND `PrefillAdder.add_one_req`). When our
@@ -12,6 +12,9 @@ Both do nothing unless the scheduler's tree cache is ours.
    device room (`AddReqResult.NO_TOKEN`), `TieredRadixCache.yield_to_demand` ends the waiting
    requests' prefetch jobs that hold the device pages it lacks (`demand_shortfall_tokens`; the
    controller decides which) and, if any ended, the request is tried once more.
+   Before any of that, a request offered for the first time to a batch that already has requests
+   may wait one round (`hold_new`, `admission_hold`): where the measured prefill cost says a
+   smaller batch reaches its first tokens sooner in sum.
 2. After the prefill batch is formed (AFTER `Scheduler.get_new_batch_prefill`, every scheduling step):
    `TieredRadixCache.after_batch_formed` (the batch's requests are admitted: their queueing delay is
    measured; background write-back starts here, once the batch's
@@ -23,17 +26,26 @@ Both do nothing unless the scheduler's tree cache is ours.
    `TieredRadixCache.before_batch_formed` records the write-through copies that landed since the
    last step (started at commit, `RequestController.commit`), so this admission counts their pages
    as evictable (clean) rather than protected by the copy; it starts nothing.
+4. After a prefill batch's result is processed (AFTER `Scheduler.process_batch_result`): its seconds
+   since launch (`batch.launch_ts`, set by SGLang's `run_batch`; the forward and the result's
+   processing) against its new tokens feed `cache.prefill_cost_fit`, the prefill cost that admission
+   (1, `hold_new`) weighs. With the overlap scheduler this also counts the CPU work overlapped with
+   the forward, so it is an upper bound there.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
+
+from ..policy.admission import hold_pays
 
 logger = logging.getLogger(__name__)
 
 ADD_ONE_REQ = "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"
 GET_NEW_BATCH_PREFILL = "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill"
+PROCESS_BATCH_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
 
 
 def _our_cache(cache: Any) -> Any:
@@ -85,12 +97,16 @@ def keep_admitting(original, adder, req, *args, **kwargs):
 
 
 def hold_new(cache, req, batch: list) -> bool:
-    """`hold_new_admissions` (an experiment, off by default): whether `req`, offered for the first
-    time while the prefill batch being formed has a request already, waits one round. Its second
-    offer goes through. It splits prefill batches the way SGLang HiCache's storage lookups do (a
-    request stays in the queue while its lookup is in flight), to measure what that composition
-    alone is worth (issue 23). The same on every TP rank: the rids and the batch are."""
-    if not cache.settings.hold_new_admissions:
+    """Whether `req`, offered for the first time while the prefill batch being formed has a request
+    already, waits one round (`admission_hold`; its second offer always goes through):
+    `cost` (the default) holds it when `policy.admission.hold_pays` says the split lowers the
+    batch's summed time to first token at the measured prefill cost (`cache.prefill_cost()`, agreed
+    by the ranks at TP >= 2), counting only the tokens it will compute (its extend input less the
+    host and disk hits it will load); `always` holds every such request (the split SGLang HiCache's
+    storage lookups make, issue 23's experiment); `off` holds none. The same on every TP rank: the
+    rids, the batch, the tree and the agreed cost are."""
+    mode = cache.settings.admission_hold
+    if mode == "off":
         return False
     rid = getattr(req, "rid", None)
     if rid is None or rid in cache.held_rids:
@@ -98,11 +114,27 @@ def hold_new(cache, req, batch: list) -> bool:
         return False
     if not batch:
         return False
+    if mode == "cost":
+        new_tokens = int(getattr(req, "extend_input_len", 0) or 0) - int(getattr(req, "host_hit_length", 0) or 0)
+        if not hold_pays(len(batch), new_tokens, cache.prefill_cost()):
+            return False
     if len(cache.held_rids) > 65536:  # rids held and then aborted never come back: bound the set
         cache.held_rids.clear()
     cache.held_rids.add(rid)
     cache.counters.admission_holds += 1
     return True
+
+
+def time_prefill(result, scheduler, batch=None, *args, **kwargs):
+    """AFTER `Scheduler.process_batch_result` (module docstring, 4)."""
+    cache = _our_cache(getattr(scheduler, "tree_cache", None))
+    mode = getattr(batch, "forward_mode", None)
+    if cache is None or mode is None or not mode.is_extend():
+        return result
+    launched = getattr(batch, "launch_ts", None)
+    if launched is not None:
+        cache.prefill_cost_fit.record(int(getattr(batch, "extend_num_tokens", 0) or 0), time.monotonic() - launched)
+    return result
 
 
 def record_landed_copies(scheduler, *args, **kwargs):
@@ -134,6 +166,8 @@ def register_hooks() -> None:
     HookRegistry.register(ADD_ONE_REQ, keep_admitting, HookType.AROUND)
     HookRegistry.register(GET_NEW_BATCH_PREFILL, record_landed_copies, HookType.BEFORE)
     HookRegistry.register(GET_NEW_BATCH_PREFILL, set_consumer_index, HookType.AFTER)
+    HookRegistry.register(PROCESS_BATCH_RESULT, time_prefill, HookType.AFTER)
 
 
-__all__ = ["demand_shortfall_tokens", "hold_new", "keep_admitting", "record_landed_copies", "register_hooks", "set_consumer_index"]
+__all__ = ["demand_shortfall_tokens", "hold_new", "keep_admitting", "record_landed_copies", "register_hooks", "set_consumer_index",
+           "time_prefill"]

@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..policy.admission import PrefillCost, PrefillCostFit
 from ..policy.hints import HintError
 from ..tiers.base import HOST
 from .device_pool import frees_batched
@@ -46,8 +47,17 @@ class StepCalls:
     counters: BackendCounters
     hint_listener: HintListener | None
     _vocab_size: int | None
+    prefill_cost_fit: PrefillCostFit
     hint_tokens: int = 0  # tokens the applied hints acted on
     hint_error: str | None = None  # the last refused hint's reason
+
+    def prefill_cost(self) -> PrefillCost | None:
+        """The prefill cost admission weighs (`scheduler_hooks.hold_new`): this rank's fit at TP = 1;
+        at TP >= 2 the one the ranks agreed at this step (`RankConsensus.prefill_cost`), so every
+        rank holds the same requests. None until measured."""
+        if self.consensus is not None:
+            return self.consensus.prefill_cost
+        return self.prefill_cost_fit.cost()
 
     def yield_to_demand(self, req: Any, short_tokens: int) -> int:
         """Demand preempts prefetch, with the embedded engine's rule (`RequestController.yield_to_demand`
@@ -175,7 +185,7 @@ class StepCalls:
         rate = ex.local_link_tokens_per_s("disk->host") if isinstance(ex, GatedExecutor) else 0.0
         agreed_loads = c.step(ops, flags, digest=lambda: tree_digest(self.cache, (len(self.req_states),), host_handles=c.replicated),
                               layer_loads=(loads.queued, loads.done_prefix()) if loads is not None else (0, 0),
-                              disk_read_tokens_per_s=rate)
+                              disk_read_tokens_per_s=rate, prefill_cost=self.prefill_cost_fit.cost())
         if loads is not None:
             loads.reap_agreed(agreed_loads)
         if self.controller.predicted:  # outcomes agreed above: every rank records the same landed promotions
