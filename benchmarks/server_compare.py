@@ -171,6 +171,8 @@ def _summary(rep: dict[str, Any]) -> dict[str, Any]:
         out["sgl_hicache"] = {"prefetch": rep.get("prefetch"), "predict": rep.get("predict"),
                               "bytes_moved": rep.get("bytes_moved"), "stored_tokens": rep.get("stored_tokens"),
                               "capacity_tokens": rep.get("capacity_tokens"), "errors": rep.get("errors")}
+        backend = (rep["server_stats"].get("backend") or {}) if isinstance(rep["server_stats"], dict) else {}
+        out["sgl_hicache"]["admission"] = {"holds": backend.get("admission_holds"), "prefill_cost": backend.get("prefill_cost")}
     return out
 
 

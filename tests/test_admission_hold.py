@@ -21,8 +21,10 @@ def _cache(mode: str, cost: PrefillCost | None = LONG_PREFILLS) -> SimpleNamespa
                            counters=SimpleNamespace(admission_holds=0), prefill_cost=lambda: cost)
 
 
-def _req(rid, new_tokens: int = 1000, host_hits: int = 0) -> SimpleNamespace:
-    return SimpleNamespace(rid=rid, extend_input_len=new_tokens + host_hits, host_hit_length=host_hits)
+def _req(rid, new_tokens: int = 1000, host_hits: int = 0, device_prefix: int = 64) -> SimpleNamespace:
+    """SGLang's `Req` as admission sees it: its input, the device prefix matched and the host + disk hits."""
+    return SimpleNamespace(rid=rid, full_untruncated_fill_ids=list(range(device_prefix + host_hits + new_tokens)),
+                           prefix_len=device_prefix, host_hit_length=host_hits)
 
 
 def test_hold_pays_compares_the_batch_delay_with_one_more_fixed_cost():
@@ -42,7 +44,7 @@ def test_cost_mode_is_the_default_and_holds_only_where_it_pays():
     assert not hold_new(c, first, [])  # the batch's first request is never held
     assert hold_new(c, _req("b", 1000), [first])
     assert not hold_new(c, _req("c", 100), [first])  # short: batching it is cheaper than a step
-    # host and disk hits are loaded, not computed: 2,000 extend tokens of which 1,900 are hits
+    # host and disk hits are loaded, not computed: 2,000 tokens past the device prefix, 1,900 of them hits
     assert not hold_new(c, _req("d", 100, host_hits=1900), [first])
     assert c.counters.admission_holds == 1 and c.held_rids == {"b"}
     assert not hold_new(_cache("cost", cost=None), _req("e", 100_000), [first])  # unmeasured: no hold
@@ -55,7 +57,7 @@ def test_a_held_request_goes_through_on_its_second_offer():
         assert hold_new(c, second, [first])
         assert not hold_new(c, second, [first])  # its next offer goes through, and it is forgotten
         assert c.held_rids == set()
-        assert not hold_new(c, SimpleNamespace(rid=None, extend_input_len=5000), [first])  # nothing to know it by
+        assert not hold_new(c, _req(None, 5000), [first])  # nothing to know it by
 
 
 def test_always_holds_every_new_request_behind_another_and_off_none():

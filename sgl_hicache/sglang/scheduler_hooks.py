@@ -70,6 +70,14 @@ def demand_shortfall_tokens(adder, req, clip_max_new_tokens: int | None = None) 
     return int(need - adder.rem_total_tokens)
 
 
+def computed_tokens(req) -> int:
+    """The tokens `req`'s prefill will compute if admitted now: its input (`full_untruncated_fill_ids`,
+    as `add_one_req` counts it) less its device prefix (`prefix_len`) and the host and disk hits it
+    will load (`host_hit_length`). SGLang sets `extend_input_len` only once admitted."""
+    return (len(getattr(req, "full_untruncated_fill_ids", ()) or ()) - int(getattr(req, "prefix_len", 0) or 0)
+            - int(getattr(req, "host_hit_length", 0) or 0))
+
+
 def keep_admitting(original, adder, req, *args, **kwargs):
     """AROUND `PrefillAdder.add_one_req` (module docstring, 1)."""
     cache = _our_cache(getattr(adder, "tree_cache", None))
@@ -101,8 +109,7 @@ def hold_new(cache, req, batch: list) -> bool:
     already, waits one round (`admission_hold`; its second offer always goes through):
     `cost` (the default) holds it when `policy.admission.hold_pays` says the split lowers the
     batch's summed time to first token at the measured prefill cost (`cache.prefill_cost()`, agreed
-    by the ranks at TP >= 2), counting only the tokens it will compute (its extend input less the
-    host and disk hits it will load); `always` holds every such request (the split SGLang HiCache's
+    by the ranks at TP >= 2), counting only the tokens it will compute (`computed_tokens`); `always` holds every such request (the split SGLang HiCache's
     storage lookups make, issue 23's experiment); `off` holds none. The same on every TP rank: the
     rids, the batch, the tree and the agreed cost are."""
     mode = cache.settings.admission_hold
@@ -115,8 +122,7 @@ def hold_new(cache, req, batch: list) -> bool:
     if not batch:
         return False
     if mode == "cost":
-        new_tokens = int(getattr(req, "extend_input_len", 0) or 0) - int(getattr(req, "host_hit_length", 0) or 0)
-        if not hold_pays(len(batch), new_tokens, cache.prefill_cost()):
+        if not hold_pays(len(batch), computed_tokens(req), cache.prefill_cost()):
             return False
     if len(cache.held_rids) > 65536:  # rids held and then aborted never come back: bound the set
         cache.held_rids.clear()
@@ -169,5 +175,5 @@ def register_hooks() -> None:
     HookRegistry.register(PROCESS_BATCH_RESULT, time_prefill, HookType.AFTER)
 
 
-__all__ = ["demand_shortfall_tokens", "hold_new", "keep_admitting", "record_landed_copies", "register_hooks", "set_consumer_index",
+__all__ = ["computed_tokens", "demand_shortfall_tokens", "hold_new", "keep_admitting", "record_landed_copies", "register_hooks", "set_consumer_index",
            "time_prefill"]
