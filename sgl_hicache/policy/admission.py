@@ -31,9 +31,6 @@ class PrefillCost:
     fixed_s: float
     per_token_s: float
 
-    def seconds(self, new_tokens: int) -> float:
-        return self.fixed_s + self.per_token_s * new_tokens
-
 
 def hold_pays(batch_requests: int, new_tokens: int, cost: PrefillCost | None) -> bool:
     """Holding a request of `new_tokens` uncached tokens one round, rather than adding it to a

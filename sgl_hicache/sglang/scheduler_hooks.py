@@ -54,6 +54,12 @@ def _our_cache(cache: Any) -> Any:
     return cache if isinstance(cache, TieredRadixCache) else None
 
 
+def extend_tokens(req) -> int:
+    """`req`'s tokens past its device prefix, as `add_one_req` counts them (host and disk hits
+    included: they need device pages too)."""
+    return len(req.full_untruncated_fill_ids) - req.prefix_len
+
+
 def demand_shortfall_tokens(adder, req, clip_max_new_tokens: int | None = None) -> int:
     """Device tokens `req` lacks beyond what `adder` can still give (`rem_total_tokens`: free plus
     evictable, less what running and admitted requests reserve), sized as `add_one_req` sizes it:
@@ -65,17 +71,14 @@ def demand_shortfall_tokens(adder, req, clip_max_new_tokens: int | None = None) 
 
         clip_max_new_tokens = CLIP_MAX_NEW_TOKENS
     max_new = min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), clip_max_new_tokens)
-    need = (len(req.full_untruncated_fill_ids) - req.prefix_len + max_new + getattr(adder, "per_req_token_overhead", 0)
-            + getattr(adder, "page_size", 1))
+    need = extend_tokens(req) + max_new + getattr(adder, "per_req_token_overhead", 0) + getattr(adder, "page_size", 1)
     return int(need - adder.rem_total_tokens)
 
 
 def computed_tokens(req) -> int:
-    """The tokens `req`'s prefill will compute if admitted now: its input (`full_untruncated_fill_ids`,
-    as `add_one_req` counts it) less its device prefix (`prefix_len`) and the host and disk hits it
-    will load (`host_hit_length`). SGLang sets `extend_input_len` only once admitted."""
-    return (len(getattr(req, "full_untruncated_fill_ids", ()) or ()) - int(getattr(req, "prefix_len", 0) or 0)
-            - int(getattr(req, "host_hit_length", 0) or 0))
+    """The tokens `req`'s prefill will compute if admitted now: `extend_tokens` less the host and
+    disk hits it will load (`host_hit_length`). SGLang sets `extend_input_len` only once admitted."""
+    return extend_tokens(req) - int(req.host_hit_length or 0)
 
 
 def keep_admitting(original, adder, req, *args, **kwargs):
@@ -106,12 +109,12 @@ def keep_admitting(original, adder, req, *args, **kwargs):
 
 def hold_new(cache, req, batch: list) -> bool:
     """Whether `req`, offered for the first time while the prefill batch being formed has a request
-    already, waits one round (`admission_hold`; its second offer always goes through):
-    `cost` (the default) holds it when `policy.admission.hold_pays` says the split lowers the
-    batch's summed time to first token at the measured prefill cost (`cache.prefill_cost()`, agreed
-    by the ranks at TP >= 2), counting only the tokens it will compute (`computed_tokens`); `always` holds every such request (the split SGLang HiCache's
-    storage lookups make, issue 23's experiment); `off` holds none. The same on every TP rank: the
-    rids, the batch, the tree and the agreed cost are."""
+    already, waits one round (`admission_hold`; its second offer always goes through). `cost` (the
+    default) holds it when `policy.admission.hold_pays` says the split lowers the batch's summed
+    time to first token at the measured prefill cost (`cache.prefill_cost()`, agreed by the ranks
+    at TP >= 2), counting only the tokens it will compute (`computed_tokens`); `always` holds every
+    such request (the split SGLang HiCache's storage lookups make, issue 23's experiment); `off`
+    holds none. The same on every TP rank: the rids, the batch, the tree and the agreed cost are."""
     mode = cache.settings.admission_hold
     if mode == "off":
         return False
@@ -121,9 +124,8 @@ def hold_new(cache, req, batch: list) -> bool:
         return False
     if not batch:
         return False
-    if mode == "cost":
-        if not hold_pays(len(batch), computed_tokens(req), cache.prefill_cost()):
-            return False
+    if mode == "cost" and not hold_pays(len(batch), computed_tokens(req), cache.prefill_cost()):
+        return False
     if len(cache.held_rids) > 65536:  # rids held and then aborted never come back: bound the set
         cache.held_rids.clear()
     cache.held_rids.add(rid)
@@ -175,5 +177,5 @@ def register_hooks() -> None:
     HookRegistry.register(PROCESS_BATCH_RESULT, time_prefill, HookType.AFTER)
 
 
-__all__ = ["computed_tokens", "demand_shortfall_tokens", "hold_new", "keep_admitting", "record_landed_copies", "register_hooks", "set_consumer_index",
+__all__ = ["computed_tokens", "demand_shortfall_tokens", "extend_tokens", "hold_new", "keep_admitting", "record_landed_copies", "register_hooks", "set_consumer_index",
            "time_prefill"]
