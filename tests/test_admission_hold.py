@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from sgl_hicache.policy.admission import PrefillCost, PrefillCostFit, hold_pays
-from sgl_hicache.sglang.scheduler_hooks import hold_new, time_prefill
+from sgl_hicache.policy.admission import PrefillCost, PrefillCostFit, attention_pairs, hold_pays
+from sgl_hicache.sglang.scheduler_hooks import hold_new, step_end, step_pairs, time_prefill
 from sgl_hicache.sglang.settings import BackendSettings, SettingsError
 
 LONG_PREFILLS = PrefillCost(fixed_s=0.05, per_token_s=1e-4)  # 1,000 new tokens cost 0.1 s beyond the step's 0.05 s
@@ -133,4 +133,61 @@ def test_the_hook_times_prefill_batches_from_their_launch(monkeypatch):
     assert time_prefill("r", scheduler, prefill, "result") == "r"
     time_prefill(None, scheduler, decode, "result")  # decode steps are not prefill cost
     time_prefill(None, scheduler, SimpleNamespace(forward_mode=_Mode(True), launch_ts=None, extend_num_tokens=9))
-    assert fit.steps == 1 and fit._y == pytest.approx(0.25)
+    assert fit.steps == 1 and fit._b[0] == pytest.approx(0.25)
+
+
+ATTENTION_BOUND = PrefillCost(fixed_s=0.17, per_token_s=2e-4, per_pair_s=4e-7)  # the shape measured on CPU (issue 23)
+
+
+def test_attention_makes_a_short_prompt_after_a_long_context_worth_holding():
+    # 100 new tokens alone: 0.02 s + 0.002 s of attention, under a fixed 0.17 s: batch it
+    assert not hold_pays(1, 100, ATTENTION_BOUND, context_tokens=0)
+    # the same 100 tokens after 6,000 cached ones attend to all of them: 0.02 + 0.242 s > 0.17 s
+    assert hold_pays(1, 100, ATTENTION_BOUND, context_tokens=6000)
+    assert ATTENTION_BOUND.marginal_s(100, 6000) == pytest.approx(2e-4 * 100 + 4e-7 * 100 * 6050)
+    assert attention_pairs(4, 10) == 4 * 12
+    c = _cache("cost", cost=ATTENTION_BOUND)
+    first = _req("a")
+    assert not hold_new(c, _req("b", 100, device_prefix=0), [first])
+    assert hold_new(c, _req("c", 100, device_prefix=3000, host_hits=3000), [first])  # host hits are context too
+
+
+def test_the_fit_recovers_the_attention_term_and_keeps_every_part_non_negative():
+    rng = random.Random(11)
+    fit = PrefillCostFit(min_steps=8)
+    for _ in range(400):
+        reqs = [(rng.randint(16, 3000), rng.choice((0, 0, 500, 4000))) for _ in range(rng.randint(1, 3))]
+        tokens, pairs = sum(t for t, _ in reqs), sum(attention_pairs(t, c) for t, c in reqs)
+        fit.record(tokens, 0.17 + 2e-4 * tokens + 4e-7 * pairs + rng.gauss(0, 0.02), pairs)
+    cost = fit.cost()
+    assert cost.fixed_s == pytest.approx(0.17, abs=0.02)
+    assert cost.per_token_s == pytest.approx(2e-4, rel=0.1) and cost.per_pair_s == pytest.approx(4e-7, rel=0.05)
+    # a convex cost read without pairs has a negative intercept: the fit drops the intercept rather
+    # than report one below zero
+    convex = PrefillCostFit(min_steps=4)
+    for t in (100, 400, 1600, 3200) * 5:
+        convex.record(t, 1e-4 * t + 1e-7 * t * t)
+    cost = convex.cost()
+    assert cost.fixed_s == 0.0 and cost.per_token_s > 0 and cost.per_pair_s == 0.0
+
+
+class _Loc:
+    def __init__(self, device: str) -> None:
+        self.device = SimpleNamespace(type=device)
+
+
+def test_a_cpu_step_ends_when_the_overlap_scheduler_launches_the_next_one():
+    nxt = SimpleNamespace(launch_ts=10.4)
+    scheduler = SimpleNamespace(result_queue=[(nxt, None)])
+    cpu = SimpleNamespace(launch_ts=10.0, out_cache_loc=_Loc("cpu"))
+    # on a CPU the next launch ran the next forward: this step ended when it began
+    assert step_end(scheduler, cpu, now=11.0) == 10.4
+    assert step_end(SimpleNamespace(result_queue=[]), cpu, now=11.0) == 11.0  # processed before any launch
+    assert step_end(scheduler, SimpleNamespace(launch_ts=10.0, out_cache_loc=_Loc("cuda")), now=11.0) == 11.0
+    assert step_end(SimpleNamespace(result_queue=[(SimpleNamespace(launch_ts=9.0), None)]), cpu, now=11.0) == 11.0
+
+
+def test_step_pairs_counts_each_request_against_its_prefix():
+    batch = SimpleNamespace(extend_lens=[100, 8], prefix_lens=[0, 4000])
+    assert step_pairs(batch) == attention_pairs(100, 0) + attention_pairs(8, 4000)
+    assert step_pairs(SimpleNamespace(extend_lens=None, prefix_lens=None)) == 0.0

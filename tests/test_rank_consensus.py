@@ -73,10 +73,12 @@ def _rank_main(rank: int, size: int, store_path: str, out_dir: str) -> None:
         out["rate"] = [gated.link_tokens_per_s("disk->host"), gated.link_tokens_per_s("host->device")]
         c.step([], [], disk_read_tokens_per_s=5000.0 if rank == 0 else 0.0)
         out["rate_unknown"] = gated.link_tokens_per_s("disk->host")
-        # the prefill cost admission weighs: the largest fixed part, the smallest per-token part
-        mine = PrefillCost(0.05, 2e-5) if rank == 0 else PrefillCost(0.08, 3e-5)
+        # the prefill cost admission weighs: the largest fixed part, the smallest per-token and per-pair parts
+        mine = PrefillCost(0.05, 2e-5, 4e-7) if rank == 0 else PrefillCost(0.08, 3e-5, 2e-7)
         c.step([], [], prefill_cost=mine)
-        out["cost"] = [c.prefill_cost.fixed_s, c.prefill_cost.per_token_s]
+        out["cost"] = [c.prefill_cost.fixed_s, c.prefill_cost.per_token_s, c.prefill_cost.per_pair_s]
+        c.step([], [], prefill_cost=PrefillCost(0.05, 0.0, 4e-7))  # no per-token part is still a cost
+        out["cost_no_token_term"] = [c.prefill_cost.fixed_s, c.prefill_cost.per_token_s, c.prefill_cost.per_pair_s]
         c.step([], [], prefill_cost=mine if rank == 0 else None)
         out["cost_unknown"] = c.prefill_cost
         try:  # a different number of loads queued: both raise
@@ -128,6 +130,7 @@ def test_two_ranks_agree_and_fail_together(tmp_path):
     assert r0["rate"] == r1["rate"] == [3000.0, 0.0]
     assert r0["rate_unknown"] == r1["rate_unknown"] == 0.0
     # admission holds the same requests on both ranks: one agreed prefill cost, the fewest holds
-    assert r0["cost"] == r1["cost"] and r0["cost"] == pytest.approx([0.08, 2e-5])
+    assert r0["cost"] == r1["cost"] and r0["cost"] == pytest.approx([0.08, 2e-5, 2e-7])
+    assert r0["cost_no_token_term"] == r1["cost_no_token_term"] == pytest.approx([0.05, 0.0, 4e-7])
     assert r0["cost_unknown"] is None and r1["cost_unknown"] is None  # unknown while one rank has none
     assert "layer-wise loads" in r0["loads_count"] and "layer-wise loads" in r1["loads_count"]

@@ -107,7 +107,7 @@ def stats_snapshot(rc: TieredRadixCache, exact: bool = False) -> dict[str, Any]:
                    device_writeback_cancelled_pages=wb.device_cancelled_pages)
     cost = rc.prefill_cost()
     backend["prefill_cost"] = {"steps_timed": rc.prefill_cost_fit.steps, "fixed_s": cost.fixed_s if cost else None,
-                               "per_token_s": cost.per_token_s if cost else None}
+                               "per_token_s": cost.per_token_s if cost else None, "per_pair_s": cost.per_pair_s if cost else None}
     snap["backend"] = backend
     snap["config"] = {
         "page_size": rc.page_size,

@@ -106,3 +106,9 @@ def register() -> None:
         register_hooks()
     except Exception:
         logger.exception("sgl_hicache: hooking the scheduler's admission failed")
+    try:  # a diagnostic, off unless SGLH_BATCH_LOG_DIR is set
+        from sgl_hicache.sglang.batch_log import register_if_enabled
+
+        register_if_enabled()
+    except Exception:
+        logger.exception("sgl_hicache: the batch log failed")

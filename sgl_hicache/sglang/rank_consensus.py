@@ -69,7 +69,7 @@ STEP_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run"
 # ops count MIN/MAX, waiting count MIN/MAX, clock MAX, digest low half MIN/MAX, high half MIN/MAX,
 # layer-wise loads queued MIN/MAX, loads done in queue order MIN, disk -> host tokens/s MIN,
 # prefill fixed cost (µs) MAX, prefill cost per token (ps) MIN
-_HEADER = 15
+_HEADER = 17
 _MASK31 = (1 << 31) - 1
 
 
@@ -245,8 +245,8 @@ class RankConsensus:
         loads have finished on every rank (MIN). `disk_read_tokens_per_s`: this rank's measured disk
         -> host rate (0: none yet); the slowest rank's becomes `disk_read_tokens_per_s` on every rank.
         `prefill_cost`: this rank's fitted prefill cost (None: not yet); every rank's `prefill_cost`
-        becomes the largest fixed part with the smallest per-token part (the fewest holds), or None
-        while any rank has none."""
+        becomes the largest fixed part with the smallest per-token and per-pair parts (the fewest
+        holds), or None while any rank has none."""
         todo = [op for op in ops if op.gated and not op.agreed and not op.applied
                 and (op.shared_dst or not op.cancelled)][: self.max_ops]
         waiting = list(waiting)[: self.max_waiting]
@@ -255,7 +255,8 @@ class RankConsensus:
         vals = [len(todo), -len(todo), len(waiting), -len(waiting), -time.monotonic_ns(),
                 d & _MASK31, -(d & _MASK31), d >> 31, -(d >> 31),
                 layer_loads[0], -layer_loads[0], layer_loads[1], max(0, int(disk_read_tokens_per_s)),
-                -int(prefill_cost.fixed_s * 1e6) if prefill_cost else 0, int(prefill_cost.per_token_s * 1e12) if prefill_cost else 0]
+                -int(prefill_cost.fixed_s * 1e6) if prefill_cost else 0, int(prefill_cost.per_token_s * 1e12) if prefill_cost else 0,
+                int(prefill_cost.per_pair_s * 1e18) if prefill_cost else 0, int(prefill_cost is not None)]
         base = _HEADER
         for op in todo:
             done = op.executed.is_set()
@@ -300,7 +301,8 @@ class RankConsensus:
                 self.counts.give_ups += 1
         self.counts.layer_loads_agreed += out[11]
         self.disk_read_tokens_per_s = out[12]
-        self.prefill_cost = PrefillCost(fixed_s=-out[13] / 1e6, per_token_s=out[14] / 1e12) if out[14] > 0 else None
+        self.prefill_cost = (PrefillCost(fixed_s=-out[13] / 1e6, per_token_s=out[14] / 1e12, per_pair_s=out[15] / 1e18)
+                             if out[16] else None)
         return out[11]
 
     def gave_up(self, ticket: Any) -> bool:

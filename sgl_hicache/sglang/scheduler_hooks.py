@@ -27,10 +27,11 @@ Both do nothing unless the scheduler's tree cache is ours.
    last step (started at commit, `RequestController.commit`), so this admission counts their pages
    as evictable (clean) rather than protected by the copy; it starts nothing.
 4. After a prefill batch's result is processed (AFTER `Scheduler.process_batch_result`): its seconds
-   since launch (`batch.launch_ts`, set by SGLang's `run_batch`; the forward and the result's
-   processing) against its new tokens feed `cache.prefill_cost_fit`, the prefill cost that admission
-   (1, `hold_new`) weighs. With the overlap scheduler this also counts the CPU work overlapped with
-   the forward, so it is an upper bound there.
+   from launch (`batch.launch_ts`, set by SGLang's `run_batch`) to its end (`step_end`: on a CPU,
+   where the overlap scheduler's next launch runs the next forward, the next batch's launch; else
+   now), against its new tokens and attention pairs (`step_pairs`), feed `cache.prefill_cost_fit`,
+   the prefill cost that admission (1, `hold_new`) weighs. On an accelerator with the overlap
+   scheduler this also counts the CPU work overlapped with the forward: an upper bound there.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import logging
 import time
 from typing import Any
 
-from ..policy.admission import hold_pays
+from ..policy.admission import attention_pairs, hold_pays
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,11 @@ def computed_tokens(req) -> int:
     """The tokens `req`'s prefill will compute if admitted now: `extend_tokens` less the host and
     disk hits it will load (`host_hit_length`). SGLang sets `extend_input_len` only once admitted."""
     return extend_tokens(req) - int(req.host_hit_length or 0)
+
+
+def context_tokens(req) -> int:
+    """The cached tokens `req`'s computed ones will attend to: its device prefix and host/disk hits."""
+    return req.prefix_len + int(req.host_hit_length or 0)
 
 
 def keep_admitting(original, adder, req, *args, **kwargs):
@@ -124,13 +130,39 @@ def hold_new(cache, req, batch: list) -> bool:
         return False
     if not batch:
         return False
-    if mode == "cost" and not hold_pays(len(batch), computed_tokens(req), cache.prefill_cost()):
+    if mode == "cost" and not hold_pays(len(batch), computed_tokens(req), cache.prefill_cost(), context_tokens(req)):
         return False
     if len(cache.held_rids) > 65536:  # rids held and then aborted never come back: bound the set
         cache.held_rids.clear()
     cache.held_rids.add(rid)
     cache.counters.admission_holds += 1
     return True
+
+
+def step_pairs(batch) -> float:
+    """Attention pairs a prefill batch computes (`policy.admission.attention_pairs`), from SGLang's
+    per-request `extend_lens` and `prefix_lens`; 0 when the batch does not carry them."""
+    ext, pre = getattr(batch, "extend_lens", None), getattr(batch, "prefix_lens", None)
+    if not ext or not pre or len(ext) != len(pre):
+        return 0.0
+    return sum(attention_pairs(int(e), int(p)) for e, p in zip(ext, pre))
+
+
+def step_end(scheduler, batch, now: float) -> float:
+    """When `batch`'s forward ended, as seen from its result's processing at `now`. With SGLang's
+    overlap scheduler the next batch is launched before this one's result is processed; on a CPU
+    the launch runs that forward to completion, so this step ended when the next one was launched
+    (its `launch_ts`), not `now` (which would count two forwards). On an accelerator the launch is
+    asynchronous and `now` is the bound."""
+    loc = getattr(batch, "out_cache_loc", None)
+    if getattr(getattr(loc, "device", None), "type", None) != "cpu":
+        return now
+    launched = getattr(batch, "launch_ts", None)
+    for later, _ in getattr(scheduler, "result_queue", None) or ():
+        ts = getattr(later, "launch_ts", None)
+        if ts is not None and launched is not None and launched < ts < now:
+            return ts
+    return now
 
 
 def time_prefill(result, scheduler, batch=None, *args, **kwargs):
@@ -141,7 +173,8 @@ def time_prefill(result, scheduler, batch=None, *args, **kwargs):
         return result
     launched = getattr(batch, "launch_ts", None)
     if launched is not None:
-        cache.prefill_cost_fit.record(int(getattr(batch, "extend_num_tokens", 0) or 0), time.monotonic() - launched)
+        end = step_end(scheduler, batch, time.monotonic())
+        cache.prefill_cost_fit.record(int(getattr(batch, "extend_num_tokens", 0) or 0), end - launched, step_pairs(batch))
     return result
 
 
@@ -177,5 +210,5 @@ def register_hooks() -> None:
     HookRegistry.register(PROCESS_BATCH_RESULT, time_prefill, HookType.AFTER)
 
 
-__all__ = ["computed_tokens", "demand_shortfall_tokens", "extend_tokens", "hold_new", "keep_admitting", "record_landed_copies", "register_hooks", "set_consumer_index",
+__all__ = ["computed_tokens", "context_tokens", "step_end", "step_pairs", "demand_shortfall_tokens", "extend_tokens", "hold_new", "keep_admitting", "record_landed_copies", "register_hooks", "set_consumer_index",
            "time_prefill"]
