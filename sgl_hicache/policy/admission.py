@@ -87,6 +87,8 @@ class PrefillCostFit:
         self._s = [[0.0] * 3 for _ in range(3)]  # weighted sums of f_i * f_j, f = (1, tokens, pairs)
         self._b = [0.0] * 3  # weighted sums of f_i * seconds
         self._yy = 0.0
+        self._fitted: PrefillCost | None = None  # `cost()`'s answer until the next step is recorded
+        self._fresh = False
 
     def record(self, tokens: int, seconds: float, pairs: float = 0.0) -> None:
         if tokens <= 0 or not (0.0 < seconds < math.inf) or not (0.0 <= pairs < math.inf):
@@ -99,8 +101,16 @@ class PrefillCostFit:
             self._b[i] = k * self._b[i] + f[i] * seconds
         self._yy = k * self._yy + seconds * seconds
         self.steps += 1
+        self._fresh = False
 
     def cost(self) -> PrefillCost | None:
+        # asked for at every new request's first offer (and every step at TP >= 2), changed only by
+        # `record`: solve once per recorded step
+        if not self._fresh:
+            self._fitted, self._fresh = self._fit(), True
+        return self._fitted
+
+    def _fit(self) -> PrefillCost | None:
         if self.steps < self.min_steps:
             return None
         w, mx = self._s[0][0], self._s[0][1] / self._s[0][0]

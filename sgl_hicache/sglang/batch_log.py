@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from .scheduler_hooks import GET_NEW_BATCH_PREFILL, PROCESS_BATCH_RESULT
+
 ENV = "SGLH_BATCH_LOG_DIR"
-GET_NEW_BATCH_PREFILL = "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill"
-PROCESS_BATCH_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
 
 _out: TextIO | None = None
 _queue_before: list[str] = []

@@ -68,7 +68,8 @@ logger = logging.getLogger(__name__)
 STEP_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run"
 # ops count MIN/MAX, waiting count MIN/MAX, clock MAX, digest low half MIN/MAX, high half MIN/MAX,
 # layer-wise loads queued MIN/MAX, loads done in queue order MIN, disk -> host tokens/s MIN,
-# prefill fixed cost (µs) MAX, prefill cost per token (ps) MIN
+# prefill fixed cost (µs) MAX, prefill cost per token (ps) MIN, per attention pair (1e-18 s) MIN,
+# every rank has a prefill cost MIN
 _HEADER = 17
 _MASK31 = (1 << 31) - 1
 
