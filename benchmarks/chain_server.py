@@ -135,6 +135,7 @@ def run_one(config: str, a: argparse.Namespace, model: Path, work: Path, tag: st
         "cont_hits": {t: sum(r[f"hit_{t}"] for r in conts) for t in ("device", "host", "disk")},
         "cont_prompt_tokens": sum(r["prompt_tokens"] for r in conts),
         "predict": {k: pred.get(k) for k in ("promoted_tokens", "used_tokens", "wasted_tokens")},
+        "speculation": stats.get("speculation"),  # why the predictor did or did not copy
         "disk_to_host_bytes": (stats.get("bytes_moved") or {}).get("disk->host"),
         "hints": rep.get("hints"),
         "dropped_dirty_tokens": stats.get("dropped_dirty_tokens"),
@@ -172,6 +173,7 @@ def summarise(runs: list[dict[str, Any]], configs: list[str]) -> dict[str, Any]:
         out[c] = {"runs": len(mine), "cont_ttft_mean_s": med("cont_ttft_mean_s"), "cont_ttft_p50_s": med("cont_ttft_p50_s"),
                   "probe_ttft_p50_s": med("probe_ttft_p50_s"),
                   "cont_hits": mine[0]["cont_hits"], "predict": mine[0]["predict"],
+                  "speculation": mine[0].get("speculation"),
                   "outputs_equal_scratch": None if vs_scratch is None else not vs_scratch,
                   "differ_from_scratch": vs_scratch,
                   "outputs_equal_prefetch": None if vs_prefetch is None else not vs_prefetch,

@@ -106,11 +106,7 @@ def run(requests: list, config: EngineConfig, targets: set[str], groups: dict[st
             "bytes_moved": snap["bytes_moved"],
             "bytes_moved_total": sum(snap["bytes_moved"].values()),
             "predictor": {k: pred.get(k) for k in ("promoted_tokens", "used_tokens", "wasted_tokens", "precision")},
-            "guard_stopped": engine.controller.guard.stopped,
-            "shadow": engine.controller.shadow.summary(),
-            "queue_deep": engine.controller.guard.queue_deep,
-            "short_stay": engine.controller.guard.short_stay,
-            "queue_delay_s": engine.controller.queue_delay.seconds,
+            **engine.controller.speculation_counters(),
             "half_life_s": engine.cache.tree.half_life.value,
             "virtual_s": engine.now,
         }

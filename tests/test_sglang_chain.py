@@ -44,6 +44,9 @@ def test_predict_serves_the_continuation_from_promotions_made_during_the_lead(tm
     assert all("error" not in r and r["failed"] == 0 for r in runs.values()), runs
     pred, base = s["predict"], s["prefetch"]
     promoted, used = pred["predict"]["promoted_tokens"], pred["predict"]["used_tokens"]
+    # the server's own account of the predictor's decisions (guard refusals, shadow record): a trigger went live
+    spec = pred["speculation"]
+    assert spec is not None and any(t["live"] for t in spec["shadow"].values()), pred
     assert promoted > 0 and used >= 0.8 * promoted, pred  # promoted disk -> host, and used by the continuations
     # the continuations' host hits are those promotions (used counts whole nodes, a hit stops a page short of a prompt's end)
     assert 0.9 * used <= pred["cont_hits"]["host"] <= used, pred
