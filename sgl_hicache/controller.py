@@ -344,14 +344,6 @@ class RequestController:
                 keep.append(job)
         self.predicted = keep
 
-    def speculation_counters(self) -> dict[str, object]:
-        """Why predictions were or were not made: the guard's refusals by reason (`stopped`: low
-        precision; `queue_deep`: requests queue longer than the lead; `short_stay`: the host would
-        evict the copies first), each trigger's shadow record, and the measured queue delay."""
-        return {"guard_stopped": self.guard.stopped, "queue_deep": self.guard.queue_deep,
-                "short_stay": self.guard.short_stay, "shadow": self.shadow.summary(),
-                "queue_delay_s": self.queue_delay.seconds}
-
     # ---- background write-back ---------------------------------------------------------------
     def pump_writeback(self, start_new: bool = True) -> bool:
         """Keep a watermark of clean evictable pages in the device tier (also on host) and in the host

@@ -88,6 +88,16 @@ def predict(ctl: "RequestController", m: PrefixMatch) -> None:
             if cap or len(ctl.predicted) >= ctl.settings.max_predicted_jobs:
                 return
 
+def counters(ctl: "RequestController") -> dict[str, object]:
+    """Why predictions were or were not made: the guard's refusals by reason (`guard_stopped`: low
+    precision; `queue_deep`: requests queue longer than the lead; `short_stay`: the host would evict
+    the copies first), each trigger's shadow record, and the measured queue delay. What the
+    server's stats (`speculation`) and the engine's benchmarks report."""
+    return {"guard_stopped": ctl.guard.stopped, "queue_deep": ctl.guard.queue_deep,
+            "short_stay": ctl.guard.short_stay, "shadow": ctl.shadow.summary(),
+            "queue_delay_s": ctl.queue_delay.seconds}
+
+
 def shadowed(ctl: "RequestController", trigger: str, picks: list, own: int, now: float, stay_s: float) -> bool:
     """Whether `trigger` is still unproven: then `picks` are written down as a shadow bet (open for
     the tree's traffic half-life, the time scale of the predictor's own evidence), each with the

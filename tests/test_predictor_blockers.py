@@ -397,7 +397,7 @@ def test_no_prediction_while_requests_queue_longer_than_the_lead(tmp_path, waite
     ctl.arrive(seq(9000, 1))
     assert bool(ctl.predicted) is predicts
     assert ctl.guard.queue_deep == (0 if predicts else 1)
-    counters = ctl.speculation_counters()  # what the server's stats and the engine's benchmarks report
+    counters = speculation.counters(ctl)  # what the server's stats and the engine's benchmarks report
     assert counters["queue_deep"] == ctl.guard.queue_deep and counters["queue_delay_s"] == pytest.approx(waited)
     if predicts:
         ex.finish_all([op for job in ctl.predicted for op in job.ops()])
