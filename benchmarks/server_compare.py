@@ -26,10 +26,14 @@ conversation trace with every 512-token block scaled to 32 tokens. Three configu
 - `sgl_hicache`: `--radix-cache-backend sgl_hicache` with host tokens = the same host capacity as
   `hicache` (R x device pool), the disk tier on in a fresh temp dir (capacity: 2x the slice's working
   set, so like the file backend it never has to drop a page), prefetch on, predictor `tree_walk`;
-- `sgl_hicache_noskip`, `sgl_hicache_hold`, `sgl_hicache_nohold` (only with `--configs`): the same
-  with `skip_waiting_admission` off, or with `admission_hold` `always` (every new request waits a
-  round while the prefill batch has one: the split HiCache's storage lookups make, issue 23) or `off`
-  (none waits; the default, `cost`, holds one where the measured prefill cost says it pays).
+- `sgl_hicache_noskip`, `sgl_hicache_hold`, `sgl_hicache_nohold`, `sgl_hicache_fcfs` (only with
+  `--configs`): the same with `skip_waiting_admission` off, or with `admission_hold` `always` (every
+  new request waits a round while the prefill batch has one: the split HiCache's storage lookups
+  make, issue 23) or `off` (none waits; the default, `cost`, holds one where the measured prefill
+  cost says it pays), or with `admission_order` `fcfs` (arrival order; the default, `cost`, offers
+  the cheapest waiting request first);
+- `sgl_hicache_spf`, `hicache_spf` (only with `--configs`): `sgl_hicache` and `hicache` with SGLang's
+  own `--schedule-policy shortest-prefill-first` (experimental in SGLang; by uncached tokens).
 
 Device pool sizes (`--pools`) are fractions of the slice's working set = its distinct prompt tokens at
 page granularity (distinct chained pages x 16), never below the longest request + its output.
@@ -77,14 +81,21 @@ DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace
 if not DEFAULT_TRACE.exists():
     DEFAULT_TRACE = REPO / "traces" / "mooncake_conversation_trace.jsonl"
 DEFAULT_MODEL = REPO / "scripts" / "cpu" / "bench-llama"
-CONFIGS = ("default", "hicache", "sgl_hicache", "hicache_host", "sgl_hicache_noskip", "sgl_hicache_hold", "sgl_hicache_nohold")
+CONFIGS = ("default", "hicache", "sgl_hicache", "hicache_host", "sgl_hicache_noskip", "sgl_hicache_hold", "sgl_hicache_nohold",
+           "sgl_hicache_fcfs", "sgl_hicache_spf", "hicache_spf")
 # sgl_hicache variants: the same server with these backend settings changed (an A/B in one run)
 VARIANTS: dict[str, dict[str, Any]] = {"sgl_hicache": {}, "sgl_hicache_noskip": {"skip_waiting_admission": False},
-                                       "sgl_hicache_hold": {"admission_hold": "always"}, "sgl_hicache_nohold": {"admission_hold": "off"}}
+                                       "sgl_hicache_hold": {"admission_hold": "always"}, "sgl_hicache_nohold": {"admission_hold": "off"},
+                                       "sgl_hicache_fcfs": {"admission_order": "fcfs"}, "sgl_hicache_spf": {}}
+# configurations that differ from their base only in SGLang's scheduling policy (an A/B of queue order)
+SCHEDULE_POLICY = {"sgl_hicache_spf": "shortest-prefill-first", "hicache_spf": "shortest-prefill-first"}
 DEFAULT_CONFIGS = CONFIGS[:3]
 LABELS = {"default": "SGLang default cache", "hicache": "SGLang HiCache (host + file)", "sgl_hicache": "sgl_hicache",
           "hicache_host": "SGLang HiCache (host only)", "sgl_hicache_noskip": "sgl_hicache, skip_waiting_admission off",
-          "sgl_hicache_hold": "sgl_hicache, admission_hold always", "sgl_hicache_nohold": "sgl_hicache, admission_hold off"}
+          "sgl_hicache_hold": "sgl_hicache, admission_hold always", "sgl_hicache_nohold": "sgl_hicache, admission_hold off",
+          "sgl_hicache_fcfs": "sgl_hicache, admission_order fcfs",
+          "sgl_hicache_spf": "sgl_hicache, --schedule-policy shortest-prefill-first",
+          "hicache_spf": "SGLang HiCache, --schedule-policy shortest-prefill-first"}
 TIERS = ("device", "host", "disk")
 
 
@@ -116,10 +127,12 @@ def pool_tokens(frac: float, ws: int, longest: int, output_tokens: int, page: in
 # ------------------------------------------------------------------------------------------ one run
 def server_args(config: str, pool: int, page: int, host_ratio: float) -> list[str]:
     args = ["--page-size", str(page), "--max-total-tokens", str(pool)]
-    if config in ("hicache", "hicache_host"):
+    if config in SCHEDULE_POLICY:
+        args += ["--schedule-policy", SCHEDULE_POLICY[config]]
+    if config in ("hicache", "hicache_host", "hicache_spf"):
         args += ["--enable-hierarchical-cache", "--hicache-io-backend", "direct",
                  "--hicache-mem-layout", "layer_first", "--hicache-ratio", f"{host_ratio:g}"]
-        if config == "hicache":
+        if config in ("hicache", "hicache_spf"):
             args += ["--hicache-storage-backend", "file"]
     elif config in VARIANTS:
         args += ["--radix-cache-backend", "sgl_hicache"]
@@ -129,7 +142,7 @@ def server_args(config: str, pool: int, page: int, host_ratio: float) -> list[st
 def server_env(config: str, pool: int, host_ratio: float, store_dir: Path, disk_tokens: int, page: int,
                extra: dict[str, Any] | None = None) -> dict[str, str]:
     env: dict[str, str] = {}  # (main() removed the caller's SGLHICACHE_* variables from os.environ)
-    if config == "hicache":
+    if config in ("hicache", "hicache_spf"):
         env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = str(store_dir)
     elif config in VARIANTS:
         host = int(pool * host_ratio) // page * page
@@ -172,7 +185,7 @@ def _summary(rep: dict[str, Any]) -> dict[str, Any]:
                               "bytes_moved": rep.get("bytes_moved"), "stored_tokens": rep.get("stored_tokens"),
                               "capacity_tokens": rep.get("capacity_tokens"), "errors": rep.get("errors")}
         backend = (rep["server_stats"].get("backend") or {}) if isinstance(rep["server_stats"], dict) else {}
-        out["sgl_hicache"]["admission"] = {"holds": backend.get("admission_holds"), "prefill_cost": backend.get("prefill_cost")}
+        out["sgl_hicache"]["admission"] = {"holds": backend.get("admission_holds"), "reorders": backend.get("queue_reorders"), "prefill_cost": backend.get("prefill_cost")}
     return out
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..config import DEFAULT_POLICY, DISK_WRITE_POLICIES, EVICTION_DEMOTES, EVICTION_POLICIES, PREDICTORS, WRITE_POLICIES, TieringPolicy
-from ..policy.admission import ADMISSION_HOLDS
+from ..policy.admission import ADMISSION_HOLDS, ADMISSION_ORDERS
 
 ENV_PREFIX = "SGLHICACHE_"
 CONFIG_ENV = "SGLHICACHE_CONFIG"
@@ -71,6 +71,7 @@ class BackendSettings:
     layerwise_loads: bool = True  # init_load_back queues host->device copies per layer; the forward of layer i waits for layer i only
     skip_waiting_admission: bool = True  # a request whose prefetch is in flight is skipped this round, not the end of admission
     admission_hold: str = "cost"  # a request offered for the first time to a prefill batch that has one already waits a round: cost (when the measured prefill cost says the split lowers time to first token, policy/admission.py) | always | off
+    admission_order: str = "cost"  # the order waiting requests are offered to a prefill batch under SGLang's fcfs: cost (cheapest first at the measured prefill cost; a request passed over 4 batches goes first; policy/admission.QueueOrder) | fcfs (arrival)
     time_calls: bool = True  # time every cache call the scheduler makes (p50/p99/max in the stats)
     check_scheduler_io: bool = False  # count copies, disk writes, sleeps and waits inside scheduler calls (tests, diagnosis)
     consensus_check: bool = False  # TP >= 2: all-reduce a digest of each rank's tree and residency every step; stop on a difference (debug; tests)
@@ -103,6 +104,7 @@ class BackendSettings:
         need(isinstance(self.writeback_batch_pages, int) and self.writeback_batch_pages >= 1,
              f"writeback_batch_pages must be an integer >= 1, got {self.writeback_batch_pages!r}")
         need(self.admission_hold in ADMISSION_HOLDS, f"admission_hold must be one of {', '.join(ADMISSION_HOLDS)}, got {self.admission_hold!r}")
+        need(self.admission_order in ADMISSION_ORDERS, f"admission_order must be one of {', '.join(ADMISSION_ORDERS)}, got {self.admission_order!r}")
         need(self.eviction_demotes in EVICTION_DEMOTES, f"eviction_demotes must be one of {', '.join(EVICTION_DEMOTES)}, got {self.eviction_demotes!r}")
         need(self.store is None or "://" in self.store, f"store must be a URL (mooncake://HOST:PORT or redis://HOST:PORT), got {self.store!r}")
         need(isinstance(self.store_min_hits, int) and self.store_min_hits >= 0, f"store_min_hits must be an integer >= 0, got {self.store_min_hits!r}")
