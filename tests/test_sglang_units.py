@@ -485,7 +485,7 @@ def test_queue_order_hook_targets_sglang_and_reorders_under_its_fcfs(tmp_path):
             self.extra_key = self.cache_salt = None
 
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=_pools(16, size=64), page_size=16)
-    cache = TieredRadixCache(params, BackendSettings(host_tokens=64))
+    cache = TieredRadixCache(params, BackendSettings(host_tokens=64, admission_order="cost"))
     try:
         cache.prefill_cost = lambda: PrefillCost(fixed_s=0.05, per_token_s=1e-4)
         queue = [Req("long", 800), Req("short", 48)]

@@ -34,7 +34,7 @@ Both do nothing unless the scheduler's tree cache is ours.
    scheduler this also counts the CPU work overlapped with the forward: an upper bound there.
 5. After the waiting queue is ordered (AFTER `SchedulePolicy.calc_priority`, every scheduling step),
    only under SGLang's default order (`fcfs` without priority scheduling: another order is the user's
-   choice) and `admission_order=cost`: the queue's head (`ORDER_WINDOW` requests) is reordered by
+   choice) and `admission_order=cost` (not the default: measured no better, issue 23): the queue's head (`ORDER_WINDOW` requests) is reordered by
    `policy.admission.QueueOrder`, cheapest first at the measured prefill cost (`queued_work`), so
    admission (1) offers short prefills before long ones and holds the long ones together.
 """
