@@ -18,8 +18,10 @@ Per size (KV of `--layers` x `--kv-heads` x `--head-dim` bf16, `--page-size` tok
    what the transfer engine runs) and through `LayerwiseLoader` (also with a reversed slot map).
 2. Bandwidth, GB/s, median of `--repeats` interleaved rounds timed with CUDA events, against a plain
    pinned `copy_(non_blocking=True)` of the same bytes in one call (ratio = ours / plain):
-   `handler_*` (whole op, one page a copy), `loader_*` (`LayerwiseLoader`: one stream per link, one
-   event per layer, one copy per page and K/V), `strided_*` (for information: one `copy_` per layer
+   `handler_*` (whole op, one page a copy), `loader_*` (`LayerwiseLoader` as it runs by default: one
+   stream per link, one event per layer; on CUDA one gathered copy per layer and K/V reading the pinned
+   host buffer in place), `loader_per_page_*` (the same with `gather=False`: one copy per page and
+   K/V), `strided_*` (for information: one `copy_` per layer
    and K/V of the strided host view, which torch stages through a pageable temporary).
 3. Overlap: a synthetic per-layer compute on the default stream (`--matmul` square bf16 matmuls,
    calibrated so one layer's compute ~ one layer's copy, then an exact int64 checksum of layer i's
@@ -138,11 +140,11 @@ def check_size(args: argparse.Namespace, device: torch.device, pages_n: int, clo
         s, d = (host_slots, dev_slots) if src == HOST else (dev_slots, host_slots)
         return TransferOp(cache.tree.root, src, DEVICE if src == HOST else HOST, list(s), list(d), nbytes, "demand")
 
-    def load(ahead: int | None = None, dev_handles: list[int] | None = None) -> LayerwiseLoader:
-        return LayerwiseLoader(dev, host, dev_handles or dev_slots, host_slots, to_device=True, ahead=ahead).start()
+    def load(ahead: int | None = None, dev_handles: list[int] | None = None, method: str | None = None) -> LayerwiseLoader:
+        return LayerwiseLoader(dev, host, dev_handles or dev_slots, host_slots, to_device=True, ahead=ahead, method=method).start()
 
-    def store() -> LayerwiseLoader:
-        return LayerwiseLoader(dev, host, dev_slots, host_slots, to_device=False).start()
+    def store(method: str | None = None) -> LayerwiseLoader:
+        return LayerwiseLoader(dev, host, dev_slots, host_slots, to_device=False, method=method).start()
 
     # ---- 1. bit-exact round trips -------------------------------------------------------------------
     exact: dict[str, bool] = {}
@@ -163,6 +165,16 @@ def check_size(args: argparse.Namespace, device: torch.device, pages_n: int, clo
     reverse = dev_slots[::-1]
     load(dev_handles=reverse).synchronize()
     exact["loader_reversed_slots"] = dev_matches(reverse)
+    for method in ("per_page", "gather", "staged"):  # each way the loader can move layers
+        dev.kv.zero_()
+        load(dev_handles=reverse, method=method).synchronize()
+        exact[f"loader_{method}_reversed_slots"] = dev_matches(reverse)
+        dev.kv.zero_()
+        load(method=method).synchronize()
+        to_dev = dev_matches()
+        host.buffer.zero_()
+        store(method=method).synchronize()
+        exact[f"loader_{method}_round_trip"] = to_dev and host_matches()
     load().synchronize()  # back to the identity map: the timed moves below copy the pool both ways
     clock.sync()
 
@@ -191,6 +203,8 @@ def check_size(args: argparse.Namespace, device: torch.device, pages_n: int, clo
         "handler_d2h": lambda: d2h(op(DEVICE), 0, n),
         "loader_h2d": loader_h2d,
         "loader_d2h": loader_d2h,
+        **{f"loader_{m}_{link}": (lambda m=m, link=link: (load(method=m) if link == "h2d" else store(method=m)).wait_layer(L - 1))
+           for m in ("per_page", "gather") for link in ("h2d", "d2h")},
         "strided_h2d": lambda: strided(True),
         "strided_d2h": lambda: strided(False),
     }
@@ -238,9 +252,9 @@ def check_size(args: argparse.Namespace, device: torch.device, pages_n: int, clo
         for layer in range(L):
             compute(layer)
 
-    def overlapped(ahead: int | None) -> Callable[[], None]:
+    def overlapped(ahead: int | None, method: str | None = None) -> Callable[[], None]:
         def run() -> None:
-            loader = load(ahead)
+            loader = load(ahead, method=method)
             for layer in range(L):
                 loader.wait_layer(layer)
                 compute(layer)
@@ -262,9 +276,12 @@ def check_size(args: argparse.Namespace, device: torch.device, pages_n: int, clo
     serial()
     clock.sync()
     serial_sums = sums.cpu().clone()  # .cpu() of a CPU tensor is the tensor itself
+    others = ("per_page", "gather")  # the loader's other methods, for comparison with its default
     runs = {"copy_only": copy_only, "compute_only": compute_only,
-            "overlapped": overlapped(None), "overlapped_ahead": overlapped(args.ahead)}
-    checked = {"overlapped", "overlapped_ahead"}
+            "overlapped": overlapped(None), "overlapped_ahead": overlapped(args.ahead),
+            **{f"copy_only_{m}": (lambda m=m: load(method=m).wait_layer(L - 1)) for m in others},
+            **{f"overlapped_ahead_{m}": overlapped(args.ahead, m) for m in others}}
+    checked = {"overlapped", "overlapped_ahead", *(f"overlapped_ahead_{m}" for m in others)}
     times: dict[str, list[float]] = {k: [] for k in runs}
     overlap_ok = True
     for rnd in range(args.repeats + 1):  # round 0 warms up
@@ -291,11 +308,12 @@ def check_size(args: argparse.Namespace, device: torch.device, pages_n: int, clo
     exact["overlap_matches_serial"] = overlap_ok
     exact["serial_matches_source"] = torch.equal(serial_sums, expected_sums)
 
-    def hidden(name: str) -> float:
-        return round(1 - (t[name] - t["compute_only"]) / t["copy_only"], 3)
+    def hidden(name: str, copy: str = "copy_only") -> float:
+        return round(1 - (t[name] - t["compute_only"]) / t[copy], 3)
 
     return {
         "pages": n,
+        "loader_method": LayerwiseLoader(dev, host, dev_slots, host_slots).method,
         "page_bytes": dev.page_bytes,
         "bytes": nbytes,
         "mib": round(nbytes / 2**20, 3),
@@ -309,6 +327,7 @@ def check_size(args: argparse.Namespace, device: torch.device, pages_n: int, clo
             "ms": {k: round(v * 1e3, 3) for k, v in t.items()},
             "hidden": hidden("overlapped"),
             "hidden_ahead": hidden("overlapped_ahead"),
+            "hidden_ahead_by_method": {m: hidden(f"overlapped_ahead_{m}", f"copy_only_{m}") for m in others},
             "ahead": args.ahead,
             "issue_ms": round(statistics.median(issue) * 1e3, 3),
             "matmul": m,
@@ -334,13 +353,13 @@ def _summary(name: str, r: dict) -> str:
         return f"{name}: ERROR {r['error']}"
     g, o = r["gbps"], r["overlap"]
     lines = [f"{name} ({r['pages']} pages x {r['page_bytes'] / 2**20:.2f} MiB, pool on {r['device_pool']}, host pinned {r['host_pinned']})",
-             f"  bit-exact: {r['bit_exact']}"]
+             f"  bit-exact: {r['bit_exact']}; loader method: {r.get('loader_method')}"]
     for link in ("h2d", "d2h"):
-        row = "  ".join(f"{k} {g[k + '_' + link]:.2f}" for k in ("plain", "handler", "loader", "strided"))
+        row = "  ".join(f"{k} {g[k + '_' + link]:.2f}" for k in ("plain", "handler", "loader", "loader_per_page", "loader_gather", "strided"))
         lines.append(f"  {link} GB/s: {row}")
     lines.append(f"  ratios: {r['ratios']}")
     lines.append(f"  overlap ms {o['ms']}; hidden {o['hidden']} (all queued), {o['hidden_ahead']} (ahead {o['ahead']}); "
-                 f"issue {o['issue_ms']} ms; {o['matmuls_per_layer']} matmuls/layer; race visible without wait: {o['race_visible_without_wait']}")
+                 f"issue {o['issue_ms']} ms; others ahead {o.get('hidden_ahead_by_method')}; {o['matmuls_per_layer']} matmuls/layer; race visible without wait: {o['race_visible_without_wait']}")
     return "\n".join(lines)
 
 

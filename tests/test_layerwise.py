@@ -7,7 +7,7 @@ import torch
 
 from sgl_hicache.config import KVLayout
 from sgl_hicache.tiers.memory import DeviceKVPool, HostKVBuffer
-from sgl_hicache.transfer.layerwise import LayerwiseLoader
+from sgl_hicache.transfer.layerwise import LayerwiseLoader, as_bits, pinned_cuda_view
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
 PAGE = 4
@@ -32,12 +32,14 @@ def page_shape():
     return (LAYOUT.num_layers, 2, PAGE, LAYOUT.num_kv_heads, LAYOUT.head_dim)
 
 
-def _round_trip(device: str) -> None:
+def _round_trip(device: str, method: str | None = None, stage_layers: int | None = None) -> None:
     dev, host = _stores(device)
     host_slots, dev_slots = [5, 0, 3, 6, 2], [1, 7, 4, 0, 6]  # neither side consecutive, different orders
     pages = _random_pages(len(host_slots))
     host.write(host_slots, pages)
-    loader = LayerwiseLoader(dev, host, dev_slots, host_slots).start()
+    loader = LayerwiseLoader(dev, host, dev_slots, host_slots, method=method, stage_layers=stage_layers).start()
+    # the default stages on CUDA (pinned host buffer) and copies per page on a CPU
+    assert loader.method == (method or ("per_page" if device == "cpu" else "staged"))
     for layer in range(LAYOUT.num_layers):
         loader.wait_layer(layer)
         # what runs after wait_layer(i) on the current stream sees layer i (and the ones before it)
@@ -47,20 +49,63 @@ def _round_trip(device: str) -> None:
     assert torch.equal(_bits(dev.read(dev_slots)), _bits(pages))
 
     host.write(host_slots, torch.zeros_like(pages))
-    back = LayerwiseLoader(dev, host, dev_slots, host_slots, to_device=False).start()
+    back = LayerwiseLoader(dev, host, dev_slots, host_slots, to_device=False, method=method, stage_layers=stage_layers).start()
     back.synchronize()
     assert torch.equal(_bits(host.read(host_slots)), _bits(pages))
     untouched = [s for s in range(host.capacity_pages) if s not in host_slots]
     assert not host.read(untouched).any()
 
 
-def test_round_trip_layer_by_layer_cpu() -> None:
-    _round_trip("cpu")
+# staged in groups of 1, 3 (a partial last group of the 4 layers) and 4 (one group)
+METHODS = [(None, None), ("per_page", None), ("gather", None), ("staged", 1), ("staged", 3), ("staged", 4)]
+
+
+@pytest.mark.parametrize("method,stage_layers", METHODS)
+def test_round_trip_layer_by_layer_cpu(method: str | None, stage_layers: int | None) -> None:
+    _round_trip("cpu", method, stage_layers)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_round_trip_layer_by_layer_cuda() -> None:
-    _round_trip("cuda")
+@pytest.mark.parametrize("method,stage_layers", METHODS)
+def test_round_trip_layer_by_layer_cuda(method: str | None, stage_layers: int | None) -> None:
+    _round_trip("cuda", method, stage_layers)
+
+
+def test_pinned_cuda_view_only_for_pinned_memory_on_cuda() -> None:
+    plain = torch.zeros(4, dtype=torch.bfloat16)
+    assert pinned_cuda_view(plain, torch.device("cpu")) is None
+    if torch.cuda.is_available():
+        assert pinned_cuda_view(plain, torch.device("cuda")) is None  # pageable: no device address
+        pinned = torch.arange(4, dtype=torch.int16).view(torch.bfloat16).pin_memory()
+        view = pinned_cuda_view(pinned, torch.device("cuda"))
+        assert view is not None and view.is_cuda and view.data_ptr() == pinned.data_ptr()
+        view[0] = 7  # a kernel's write lands in the host's bytes
+        torch.cuda.synchronize()
+        assert as_bits(pinned)[0].item() == 7
+
+
+def test_as_bits_keeps_the_bytes() -> None:
+    t = torch.randn(6).to(torch.bfloat16)
+    b = as_bits(t)
+    assert b.dtype == torch.int16 and b.data_ptr() == t.data_ptr()
+    assert as_bits(torch.zeros(3, dtype=torch.float32)).dtype == torch.int32
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_gather_and_staged_on_cuda_need_a_pinned_host_buffer() -> None:
+    dev = DeviceKVPool(LAYOUT, PAGE, 8, device="cuda")
+    host = HostKVBuffer(LAYOUT, PAGE, 8, pin_memory=False)
+    for method in ("gather", "staged"):
+        with pytest.raises(ValueError, match="pinned host buffer"):
+            LayerwiseLoader(dev, host, [0], [0], method=method)
+    assert LayerwiseLoader(dev, host, [0], [0]).method == "per_page"  # the default falls back
+
+
+def test_staged_groups_cover_the_layers() -> None:
+    dev, host = _stores()
+    assert LayerwiseLoader(dev, host, [0], [0], method="staged").group == 1  # 4 layers in at most 8 groups
+    assert LayerwiseLoader(dev, host, [0], [0], method="staged", stage_layers=3).group == 3
+    assert LayerwiseLoader(dev, host, [0], [0], method="gather").group == 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -82,6 +127,10 @@ def test_misuse_is_refused() -> None:
         LayerwiseLoader(dev, host, [8], [0])
     with pytest.raises(ValueError, match="ahead"):
         LayerwiseLoader(dev, host, [0], [0], ahead=0)
+    with pytest.raises(ValueError, match="method must be one of"):
+        LayerwiseLoader(dev, host, [0], [0], method="dma")
+    with pytest.raises(ValueError, match="stage_layers"):
+        LayerwiseLoader(dev, host, [0], [0], method="staged", stage_layers=0)
     loader = LayerwiseLoader(dev, host, [0], [0])
     with pytest.raises(RuntimeError, match="not started"):
         loader.wait_layer(0)
