@@ -33,18 +33,24 @@ def test_cpu_smoke_writes_the_report(tmp_path: Path) -> None:
     assert all(k["bit_exact"] for k in kinds.values()), kinds
     (size,) = result["sizes"].values()
     assert size["device_pool"] == "cpu" and size["pages"] == 6
+    methods = ("per_page", "gather", "staged")  # every way the layer-wise loader can move pages
     assert size["bit_exact"] == {
         "handler_round_trip": True, "loader_round_trip": True, "loader_reversed_slots": True,
+        **{f"loader_{m}_{check}": True for m in methods for check in ("round_trip", "reversed_slots")},
         "intact_after_timed_moves": True, "overlap_matches_serial": True, "serial_matches_source": True,
     }
-    for path in ("plain", "handler", "loader", "strided"):
+    assert size["loader_method"] == "per_page"  # the default on a CPU
+    paths = ("handler", "loader", "loader_per_page", "loader_gather", "strided")
+    for path in ("plain", *paths):
         for link in ("h2d", "d2h"):
             assert size["gbps"][f"{path}_{link}"] > 0
-    assert set(size["ratios"]) == {f"{p}_{l} / plain_{l}" for p in ("handler", "loader", "strided") for l in ("h2d", "d2h")}
+    assert set(size["ratios"]) == {f"{p}_{l} / plain_{l}" for p in paths for l in ("h2d", "d2h")}
     overlap = size["overlap"]
-    assert set(overlap["ms"]) == {"copy_only", "compute_only", "overlapped", "overlapped_ahead"}
-    for key in ("hidden", "hidden_ahead", "issue_ms", "matmuls_per_layer", "race_visible_without_wait"):
+    assert set(overlap["ms"]) == {"copy_only", "compute_only", "overlapped", "overlapped_ahead",
+                                  "copy_only_per_page", "copy_only_gather", "overlapped_ahead_per_page", "overlapped_ahead_gather"}
+    for key in ("hidden", "hidden_ahead", "hidden_ahead_by_method", "issue_ms", "matmuls_per_layer", "race_visible_without_wait"):
         assert key in overlap
+    assert set(overlap["hidden_ahead_by_method"]) == {"per_page", "gather"}
     assert "bit-exact" in proc.stdout and "hidden" in proc.stdout
 
 
