@@ -19,9 +19,11 @@ Per size (KV of `--layers` x `--kv-heads` x `--head-dim` bf16, `--page-size` tok
 2. Bandwidth, GB/s, median of `--repeats` interleaved rounds timed with CUDA events, against a plain
    pinned `copy_(non_blocking=True)` of the same bytes in one call (ratio = ours / plain):
    `handler_*` (whole op, one page a copy), `loader_*` (`LayerwiseLoader` as it runs by default: one
-   stream per link, one event per layer; on CUDA one gathered copy per layer and K/V reading the pinned
-   host buffer in place), `loader_per_page_*` (the same with `gather=False`: one copy per page and
-   K/V), `strided_*` (for information: one `copy_` per layer
+   stream per link, one event per layer; on CUDA `method="staged"`: the layers in groups, one copy per
+   page of a group to a device staging buffer, then one indexed copy per layer and K/V into the pool),
+   `loader_per_page_*` (`method="per_page"`: one copy per page, layer and K/V) and `loader_gather_*`
+   (`method="gather"`: one indexed copy per layer and K/V reading the pinned host buffer in place),
+   `strided_*` (for information: one `copy_` per layer
    and K/V of the strided host view, which torch stages through a pageable temporary).
 3. Overlap: a synthetic per-layer compute on the default stream (`--matmul` square bf16 matmuls,
    calibrated so one layer's compute ~ one layer's copy, then an exact int64 checksum of layer i's
@@ -62,7 +64,7 @@ from sgl_hicache.transfer.ops import TransferOp  # noqa: E402
 from sgl_hicache.config import CacheConfig, KVLayout  # noqa: E402
 from sgl_hicache.tiers.base import DEVICE, HOST  # noqa: E402
 from sgl_hicache.tiers.memory import DeviceKVPool, HostKVBuffer  # noqa: E402
-from sgl_hicache.transfer.layerwise import LayerwiseLoader, link_stream  # noqa: E402
+from sgl_hicache.transfer.layerwise import LayerwiseLoader, as_bits, link_stream  # noqa: E402
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from gpu_check_kinds import check_kinds  # noqa: E402
@@ -98,10 +100,6 @@ def _sig(x: float) -> float:
     return float(f"{x:.4g}")
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16)
-
-
 def _random_kv(shape: tuple[int, ...], device: torch.device, seed: int) -> torch.Tensor:
     """Finite bf16 values from random bit patterns (exponent below all-ones: no NaN, no inf)."""
     g = torch.Generator(device=device).manual_seed(seed)
@@ -125,14 +123,14 @@ def check_size(args: argparse.Namespace, device: torch.device, pages_n: int, clo
     ref_dev = _random_kv((n, *dev.page_shape), device, seed=n)  # (pages, layers, K/V, tokens, heads, dim)
     ref = ref_dev.cpu()
     host.write(host_slots, ref)
-    expected_sums = _bits(ref).transpose(0, 1).reshape(L, -1).sum(dim=1, dtype=torch.int64)
+    expected_sums = as_bits(ref).transpose(0, 1).reshape(L, -1).sum(dim=1, dtype=torch.int64)
 
     def dev_matches(slot_order: list[int] | None = None) -> bool:
         pool = dev.pages if slot_order is None else dev.pages[:, :, slot_order]
-        return torch.equal(_bits(pool.permute(2, 0, 1, 3, 4, 5)), _bits(ref_dev))
+        return torch.equal(as_bits(pool.permute(2, 0, 1, 3, 4, 5)), as_bits(ref_dev))
 
     def host_matches() -> bool:
-        return torch.equal(_bits(host.buffer), _bits(ref))
+        return torch.equal(as_bits(host.buffer), as_bits(ref))
 
     h2d, d2h = cache.handlers[(HOST, DEVICE)], cache.handlers[(DEVICE, HOST)]
 
@@ -239,7 +237,7 @@ def check_size(args: argparse.Namespace, device: torch.device, pages_n: int, clo
     def compute(layer: int) -> None:
         for _ in range(reps[0]):
             torch.mm(a, b, out=c)
-        sums[layer] = _bits(dev.kv[layer]).sum(dtype=torch.int64)
+        sums[layer] = as_bits(dev.kv[layer]).sum(dtype=torch.int64)
 
     for _ in range(3):
         compute(0)
