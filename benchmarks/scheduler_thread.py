@@ -62,13 +62,14 @@ GOAL_P99_US, GOAL_MAX_US = 1000.0, 10000.0
 def run_one(config: str, reqs: list, pool: int, a: argparse.Namespace, workdir: Path, tag: str) -> dict[str, Any]:
     run_dir = Path(tempfile.mkdtemp(prefix=f"{tag}-", dir=workdir))
     log = run_dir / "server.log"
-    extra = {**CONFIGS[config], "time_calls": True, "check_scheduler_io": True}
+    extra = {**CONFIGS[config], "time_calls": True}
     out: dict[str, Any] = {"config": config, "settings": extra, "loadavg_before": os.getloadavg()}
     srv = None
     try:
         srv = SGLangServer.start(
             a.model, extra_args=server_args("sgl_hicache", pool, a.page_size, a.host_ratio),
-            env=server_env("sgl_hicache", pool, a.host_ratio, run_dir / "store", a.disk_tokens, a.page_size, extra),
+            env={**server_env("sgl_hicache", pool, a.host_ratio, run_dir / "store", a.disk_tokens, a.page_size, extra),
+                 "SGLHICACHE_CHECK_SCHEDULER_IO": "1"},
             log_path=log, load_format="dummy", timeout_s=a.start_timeout)
         rep = replay_http(reqs, srv.url, concurrency=a.concurrency, max_new_tokens=a.output_tokens, timeout_s=a.request_timeout)
         out.update(requests=rep["requests"], failed=rep["requests_failed"], hit_tokens=rep["hit_tokens"],

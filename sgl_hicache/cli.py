@@ -106,7 +106,8 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eviction", default=DEFAULT_POLICY.eviction_policy, choices=EVICTION_POLICIES)
     p.add_argument("--write-policy", default=DEFAULT_POLICY.write_policy, choices=WRITE_POLICIES,
                    help=f"device -> host copies (default {DEFAULT_POLICY.write_policy}: a background copy at commit)")
-    p.add_argument("--predictor", default="tree_walk", choices=[p for p in PREDICTORS if p != "none"], help="what --policy predict runs (default tree_walk)")
+    p.add_argument("--predictor", default=DEFAULT_POLICY.predictor, choices=PREDICTORS,
+                   help=f"what --policy predict runs (default {DEFAULT_POLICY.predictor}; none: predict runs as prefetch)")
     p.add_argument("--admission", type=float, default=DEFAULT_POLICY.admission_min_probability, help="write-back admission: keep an evicted page one tier down only if its "
                    "expected reuse (reuse model) is at least this (default 0: keep all)")
     p.add_argument("--predictor-budget", type=_non_negative_int, default=DEFAULT_POLICY.predictor_budget_tokens, help="tokens the predictor may promote per request")
@@ -419,7 +420,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if args.plot:
         from .plot import plot_report
 
-        plot_report(result, args.plot)
+        try:
+            plot_report(result, args.plot)
+        except ImportError as exc:  # matplotlib is a dependency; a broken or stripped install says so, not a traceback
+            raise UserError(f"--plot needs matplotlib ({exc}); pip install matplotlib") from None
         print(f"plot written to {args.plot}")
     return 0
 

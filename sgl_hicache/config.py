@@ -76,6 +76,66 @@ EVICTION_DEMOTES = ("all", "host", "none")
 
 
 @dataclass(frozen=True)
+class TieringPolicy:
+    """The policy knobs both engines share, with the one set of defaults that ships.
+
+    The SGLang backend (`sglang/settings.py: BackendSettings`) and the embedded engine
+    (`engine/simulator.py: EngineConfig`) take their defaults from here, so a replay measures the
+    configuration the server runs; `tests/test_defaults.py` asserts they agree. Why each default:
+    - `write_policy="write_through"`: every committed device page gets a host copy in the
+      background at commit (the pump's first job), so a page is clean by the time it is evictable
+      and eviction never copies nor drops (SGLang HiCache's default too);
+    - `eviction_demotes="none"`: eviction never copies on the thread that evicts (SGLang's
+      scheduler thread); a dirty victim is taken only when no clean one is left, and counted;
+    - `disk_write_policy="write_through"`: a page that lands on host gets a disk copy in the
+      background too, so host eviction drops clean pages (on the shipped trace's first 2,000
+      requests the watermark alone dropped 16 % of host evictions dirty: 25.6 % hits against 28.4 %);
+    - `writeback_clean_fraction`: under `write_back`, the share of a tier kept clean, raised when the
+      measured eviction rate needs more (`policy/writeback.py: watermark_pages`);
+    - `predictor="tree_walk"`: descendant prediction is on, beside the queue prefetch. It stays
+      silent where nothing can be gained: 0 tokens promoted on every multi-turn trace family at
+      0.1-0.3x its working set (docs/results.md, "Prediction (issue 24)"), through the guard, the
+      shadow bets, the prefetch room and the stay test (`speculation.py`); `none` turns it off.
+    """
+
+    eviction_policy: str = "lru"
+    write_policy: str = "write_through"
+    write_through_threshold: int = 2
+    disk_write_policy: str = "write_through"
+    eviction_demotes: str = "none"
+    predictor: str = "tree_walk"
+    predictor_budget_tokens: int = 8192
+    prefetch: bool = True
+    device_writeback_clean_fraction: float = 0.25
+    writeback_clean_fraction: float = 0.25
+    writeback_batch_pages: int = 1024
+    admission_min_probability: float = 0.0
+
+    def __post_init__(self) -> None:
+        _require(self.eviction_policy in EVICTION_POLICIES, f"eviction_policy: unknown eviction policy {self.eviction_policy!r}; choose one of {', '.join(EVICTION_POLICIES)}")
+        _require(self.write_policy in WRITE_POLICIES, f"write_policy: unknown write policy {self.write_policy!r}; choose one of {', '.join(WRITE_POLICIES)}")
+        _require(self.disk_write_policy in DISK_WRITE_POLICIES,
+                 f"disk_write_policy: unknown disk write policy {self.disk_write_policy!r}; choose one of {', '.join(DISK_WRITE_POLICIES)}")
+        _require(self.eviction_demotes in EVICTION_DEMOTES, f"eviction_demotes must be one of {', '.join(EVICTION_DEMOTES)}, got {self.eviction_demotes!r}")
+        _require(self.predictor in PREDICTORS, f"predictor: unknown predictor {self.predictor!r}; choose one of {', '.join(PREDICTORS)}")
+        _require(isinstance(self.write_through_threshold, int) and self.write_through_threshold >= 1,
+                 f"write_through_threshold must be an integer >= 1, got {self.write_through_threshold!r}")
+        _require(isinstance(self.predictor_budget_tokens, int) and self.predictor_budget_tokens >= 0,
+                 f"predictor_budget_tokens must be an integer >= 0, got {self.predictor_budget_tokens!r}")
+        for name in ("device_writeback_clean_fraction", "writeback_clean_fraction"):
+            value = getattr(self, name)
+            _require(0.0 <= value <= 1.0, f"{name} must be in [0, 1], got {value!r}")
+        _require(isinstance(self.writeback_batch_pages, int) and self.writeback_batch_pages >= 1,
+                 f"writeback_batch_pages must be an integer >= 1, got {self.writeback_batch_pages!r}")
+
+    def replace(self, **changes: object) -> "TieringPolicy":
+        return dataclasses.replace(self, **changes)
+
+
+DEFAULT_POLICY = TieringPolicy()
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     """Capacities and policies of a tiered cache. Capacities are in tokens and rounded down to pages.
 
@@ -89,21 +149,22 @@ class CacheConfig:
     disk_tokens: int = 0
     page_size: int = 16
     disk_dir: Path | None = None
-    eviction_policy: str = "lru"
-    write_policy: str = "write_back"
-    write_through_threshold: int = 2
-    disk_write_policy: str = "write_back"
-    predictor: str = "none"
+    # the policy knobs default to what ships (TieringPolicy), so a cache built from defaults runs as the server does
+    eviction_policy: str = DEFAULT_POLICY.eviction_policy
+    write_policy: str = DEFAULT_POLICY.write_policy
+    write_through_threshold: int = DEFAULT_POLICY.write_through_threshold
+    disk_write_policy: str = DEFAULT_POLICY.disk_write_policy
+    predictor: str = DEFAULT_POLICY.predictor
     # with the reuse model: a page evicted from a tier is copied one tier down only when its expected
     # reuse is at least this (0: every evicted page is kept below, as before)
-    admission_min_probability: float = 0.0
+    admission_min_probability: float = DEFAULT_POLICY.admission_min_probability
     tenant_salt: str = ""
     disk_fsync: bool = False
     # Which evictions copy a dirty page one tier down, synchronously: "all" (device -> host and host
     # -> disk), "host" (device -> host only: a memory copy; a dirty host page is dropped, never written
     # to disk here), "none" (eviction never copies). A dirty page not copied is dropped and counted in
     # `dropped_dirty_tokens`; background write-back keeps pages clean ahead of eviction.
-    eviction_demotes: str = "all"
+    eviction_demotes: str = DEFAULT_POLICY.eviction_demotes
     store_url: str | None = None  # a shared store (mooncake://, redis://) in the disk tier's place
     store_tokens: int = 1 << 24  # how many of the store's tokens this cache's tree may track
     store_min_hits: int = 0  # write back to the store only pages hit at least this often
@@ -114,10 +175,10 @@ class CacheConfig:
             value = getattr(self, name)
             _require(isinstance(value, int) and value >= 0, f"{name} must be a non-negative integer, got {value!r}")
         _require(self.device_tokens >= self.page_size, f"device_tokens ({self.device_tokens}) must hold at least one page of {self.page_size} tokens")
-        _require(self.eviction_policy in EVICTION_POLICIES, f"unknown eviction policy {self.eviction_policy!r}; choose one of {', '.join(EVICTION_POLICIES)}")
-        _require(self.write_policy in WRITE_POLICIES, f"unknown write policy {self.write_policy!r}; choose one of {', '.join(WRITE_POLICIES)}")
-        _require(self.disk_write_policy in DISK_WRITE_POLICIES, f"unknown disk write policy {self.disk_write_policy!r}; choose one of {', '.join(DISK_WRITE_POLICIES)}")
-        _require(self.predictor in PREDICTORS, f"unknown predictor {self.predictor!r}; choose one of {', '.join(PREDICTORS)}")
+        _require(self.eviction_policy in EVICTION_POLICIES, f"eviction_policy: unknown eviction policy {self.eviction_policy!r}; choose one of {', '.join(EVICTION_POLICIES)}")
+        _require(self.write_policy in WRITE_POLICIES, f"write_policy: unknown write policy {self.write_policy!r}; choose one of {', '.join(WRITE_POLICIES)}")
+        _require(self.disk_write_policy in DISK_WRITE_POLICIES, f"disk_write_policy: unknown disk write policy {self.disk_write_policy!r}; choose one of {', '.join(DISK_WRITE_POLICIES)}")
+        _require(self.predictor in PREDICTORS, f"predictor: unknown predictor {self.predictor!r}; choose one of {', '.join(PREDICTORS)}")
         _require(0.0 <= self.admission_min_probability <= 1.0, f"admission_min_probability must be in [0, 1], got {self.admission_min_probability!r}")
         _require(isinstance(self.write_through_threshold, int) and self.write_through_threshold >= 1,
                  f"write_through_threshold must be an integer >= 1, got {self.write_through_threshold!r}")
@@ -157,60 +218,6 @@ class CacheConfig:
         return dataclasses.replace(self, **changes)
 
 
-@dataclass(frozen=True)
-class TieringPolicy:
-    """The policy knobs both engines share, with the one set of defaults that ships.
-
-    The SGLang backend (`sglang/settings.py: BackendSettings`) and the embedded engine
-    (`engine/simulator.py: EngineConfig`) take their defaults from here, so a replay measures the
-    configuration the server runs; `tests/test_defaults.py` asserts they agree. Why each default:
-    - `write_policy="write_through"`: every committed device page gets a host copy in the
-      background at commit (the pump's first job), so a page is clean by the time it is evictable
-      and eviction never copies nor drops (SGLang HiCache's default too);
-    - `eviction_demotes="none"`: eviction never copies on the thread that evicts (SGLang's
-      scheduler thread); a dirty victim is taken only when no clean one is left, and counted;
-    - `disk_write_policy="write_through"`: a page that lands on host gets a disk copy in the
-      background too, so host eviction drops clean pages (on the shipped trace's first 2,000
-      requests the watermark alone dropped 16 % of host evictions dirty: 25.6 % hits against 28.4 %);
-    - `writeback_clean_fraction`: under `write_back`, the share of a tier kept clean, raised when the
-      measured eviction rate needs more (`policy/writeback.py: watermark_pages`);
-    - `predictor="tree_walk"`: descendant prediction is on, beside the queue prefetch. It stays
-      silent where nothing can be gained: 0 tokens promoted on every multi-turn trace family at
-      0.1-0.3x its working set (docs/results.md, "Prediction (issue 24)"), through the guard, the
-      shadow bets, the prefetch room and the stay test (`speculation.py`); `none` turns it off.
-    """
-
-    eviction_policy: str = "lru"
-    write_policy: str = "write_through"
-    write_through_threshold: int = 2
-    disk_write_policy: str = "write_through"
-    eviction_demotes: str = "none"
-    predictor: str = "tree_walk"
-    predictor_budget_tokens: int = 8192
-    prefetch: bool = True
-    device_writeback_clean_fraction: float = 0.25
-    writeback_clean_fraction: float = 0.25
-    writeback_batch_pages: int = 1024
-    admission_min_probability: float = 0.0
-
-    def __post_init__(self) -> None:
-        _require(self.eviction_policy in EVICTION_POLICIES, f"unknown eviction policy {self.eviction_policy!r}; choose one of {', '.join(EVICTION_POLICIES)}")
-        _require(self.write_policy in WRITE_POLICIES, f"unknown write policy {self.write_policy!r}; choose one of {', '.join(WRITE_POLICIES)}")
-        _require(self.disk_write_policy in DISK_WRITE_POLICIES,
-                 f"unknown disk write policy {self.disk_write_policy!r}; choose one of {', '.join(DISK_WRITE_POLICIES)}")
-        _require(self.eviction_demotes in EVICTION_DEMOTES, f"eviction_demotes must be one of {', '.join(EVICTION_DEMOTES)}, got {self.eviction_demotes!r}")
-        _require(self.predictor in PREDICTORS, f"unknown predictor {self.predictor!r}; choose one of {', '.join(PREDICTORS)}")
-        for name in ("device_writeback_clean_fraction", "writeback_clean_fraction"):
-            value = getattr(self, name)
-            _require(0.0 <= value <= 1.0, f"{name} must be in [0, 1], got {value!r}")
-        _require(isinstance(self.writeback_batch_pages, int) and self.writeback_batch_pages >= 1,
-                 f"writeback_batch_pages must be an integer >= 1, got {self.writeback_batch_pages!r}")
-
-    def replace(self, **changes: object) -> "TieringPolicy":
-        return dataclasses.replace(self, **changes)
-
-
-DEFAULT_POLICY = TieringPolicy()
 
 
 def default_disk_dir() -> Path:

@@ -80,3 +80,20 @@ def test_stats_rejects_a_json_that_is_not_a_report(tmp_path):
     other.write_text("[1, 2]")
     proc = subprocess.run([sys.executable, "-m", "sgl_hicache.cli", "stats", str(other)], capture_output=True, text=True)
     assert proc.returncode == 2 and "not an sgl-hicache report" in proc.stderr
+
+
+def test_predictor_none_runs_predict_as_prefetch(tmp_path):
+    reports = {}
+    for name, extra in (("none", ["--policy", "predict", "--predictor", "none"]), ("prefetch", ["--policy", "prefetch"])):
+        reports[name] = tmp_path / f"{name}.json"
+        assert main(["replay", str(mooncake_trace()), *SMALL, *extra, "--report", str(reports[name])]) == 0
+    none, prefetch = (json.loads(reports[n].read_text())["policies"] for n in ("none", "prefetch"))
+    assert none["predict"]["hit_tokens"] == prefetch["prefetch"]["hit_tokens"]
+
+
+def test_plot_without_matplotlib_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    report = tmp_path / "r.json"
+    assert main(["replay", str(mooncake_trace()), *SMALL, "--policy", "demote", "--report", str(report)]) == 0
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what a stripped install looks like to `import`
+    assert main(["stats", str(report), "--plot", str(tmp_path / "p.png")]) == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err

@@ -69,12 +69,13 @@ def _cache(alloc, disk_dir):
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
     from sgl_hicache.sglang.backend import TieredRadixCache
+    from sgl_hicache.sglang.debug_settings import DebugSettings
     from sgl_hicache.sglang.settings import BackendSettings
 
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=PAGE)
-    settings = BackendSettings(host_tokens=64, disk_dir=str(disk_dir), disk_tokens=1024, check_invariants=True,
+    settings = BackendSettings(host_tokens=64, disk_dir=str(disk_dir), disk_tokens=1024,
                                prefetch=True, eviction_demotes="all")
-    return TieredRadixCache(params, settings)
+    return TieredRadixCache(params, settings, debug=DebugSettings(check_invariants=True))
 
 
 def _load_back(cache, tokens, n: int, layers: int = LAYERS):

@@ -86,15 +86,16 @@ def test_backend_demotes_and_loads_back_exact_kv(tmp_path, page_size):
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
     from sgl_hicache.sglang.backend import TieredRadixCache
+    from sgl_hicache.sglang.debug_settings import DebugSettings
     from sgl_hicache.sglang.settings import BackendSettings
 
     alloc = _pools(page_size, size=64)
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=page_size)
     # eviction_demotes="all": this checks the synchronous demotion chain (the server default, "none",
     # never copies on eviction)
-    settings = BackendSettings(host_tokens=64, disk_dir=str(tmp_path / "disk"), disk_tokens=1024, check_invariants=True, prefetch=True,
+    settings = BackendSettings(host_tokens=64, disk_dir=str(tmp_path / "disk"), disk_tokens=1024, prefetch=True,
                                eviction_demotes="all")
-    cache = TieredRadixCache(params, settings)
+    cache = TieredRadixCache(params, settings, debug=DebugSettings(check_invariants=True))
     try:
         tokens = array("q", range(100, 148))  # 48 tokens
         slots = alloc.alloc(48)
@@ -436,11 +437,12 @@ def test_a_formed_batch_admits_its_requests_once(tmp_path):
 
     from sgl_hicache.sglang.backend import TieredRadixCache
     from sgl_hicache.sglang.scheduler_hooks import set_consumer_index
+    from sgl_hicache.sglang.debug_settings import DebugSettings
     from sgl_hicache.sglang.settings import BackendSettings
 
     alloc = _pools(16, size=64)
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=16)
-    cache = TieredRadixCache(params, BackendSettings(host_tokens=64, check_invariants=True))
+    cache = TieredRadixCache(params, BackendSettings(host_tokens=64), debug=DebugSettings(check_invariants=True))
     try:
         clock = [10.0]
         cache.controller.clock = lambda: clock[0]

@@ -52,7 +52,7 @@ def cache_config(settings: BackendSettings, device_pool: SGLangDevicePool, page_
     s = settings
     layout = device_pool.layout
     device_tokens = device_pool.pool_pages * page_size
-    host_tokens = s.host_tokens_for(device_tokens)
+    host_tokens = s.host_tokens_for(device_tokens, layout.bytes_per_token)
     salt = ";".join(x for x in (model_salt, s.tenant_salt, consensus.salt if consensus is not None else "") if x)
     namespace = Namespace.for_model(layout, page_size, salt)
     has_host = host_tokens >= page_size
@@ -86,8 +86,10 @@ def cache_config(settings: BackendSettings, device_pool: SGLangDevicePool, page_
 
 
 def assemble(params: Any, settings: BackendSettings, *, architecture: str = "llama", model_salt: str = "",
-             consensus: RankConsensus | None = None, clock: Callable[[], float]) -> Assembly:
-    """Build one backend's parts over SGLang's KV pool (`params`: SGLang's `CacheInitParams`)."""
+             consensus: RankConsensus | None = None, clock: Callable[[], float],
+             fault_disk_read_file: str | None = None) -> Assembly:
+    """Build one backend's parts over SGLang's KV pool (`params`: SGLang's `CacheInitParams`).
+    `fault_disk_read_file` is a test switch (`debug_settings`): while it names this rank, disk reads fail."""
     s = settings
     page_size = int(params.page_size)
     device_pool = SGLangDevicePool(params.token_to_kv_pool_allocator, architecture=architecture)
@@ -101,9 +103,9 @@ def assemble(params: Any, settings: BackendSettings, *, architecture: str = "lla
     cache = build_cache(config, device=device_pool, host=host, lower=lower, clock=clock)
     if consensus is not None:
         follow(cache, consensus)
-    if s.fault_disk_read_file and DISK in cache.stores:
+    if fault_disk_read_file and DISK in cache.stores:
         rank = consensus.rank if consensus is not None else 0
-        inject_read_faults(cache.stores[DISK], rank, s.fault_disk_read_file)
+        inject_read_faults(cache.stores[DISK], rank, fault_disk_read_file)
     if consensus is not None:
         consensus.start(cache)  # a collective: every rank builds its cache at the same point
     engine = TransferEngine(cache, workers=s.transfer_workers)  # started on first use

@@ -81,6 +81,7 @@ from .hint_server import refuse_hints_at_tp
 from .export import StatsPublisher, pool_accounting, stats_snapshot, tree_text
 from .rank_consensus import RankConsensus
 from .req_states import ReqState, RequestStates
+from .debug_settings import DebugSettings
 from .settings import BackendSettings, load_settings
 from .step_calls import StepCalls
 
@@ -126,8 +127,10 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
 
     def __init__(self, params: Any, settings: BackendSettings | None = None, *, architecture: str = "llama",
                  model_salt: str = "", server_port: int | None = None,
-                 consensus: RankConsensus | None = None, vocab_size: int | None = None) -> None:
+                 consensus: RankConsensus | None = None, vocab_size: int | None = None,
+                 debug: DebugSettings | None = None) -> None:
         self.settings = s = settings or load_settings()
+        self.debug = debug = debug if debug is not None else DebugSettings.from_env()
         refuse_hints_at_tp(s.hint_port, consensus is not None, REFUSAL_PREFIX)
         self.consensus = consensus  # TP >= 2: agreement with the other ranks (rank_consensus.py)
         self.disable = bool(params.disable)
@@ -140,6 +143,7 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
         if self.is_eagle:
             raise ValueError(REFUSAL_PREFIX + refusal("eagle"))
         parts = assemble(params, s, architecture=architecture, model_salt=model_salt, consensus=consensus,
+                         fault_disk_read_file=debug.fault_disk_read_file,
                          clock=consensus.clock if consensus is not None else time.monotonic)
         self.device_pool = parts.device_pool
         self.device = self.device_pool.device
@@ -161,7 +165,7 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
         if self._metrics_enabled:
             self.init_metrics_collector()
         self.call_timer = CallTimer().instrument(self) if s.time_calls else None
-        self.io_guard = IOGuard().install(self.cache) if s.check_scheduler_io else None
+        self.io_guard = IOGuard().install(self.cache) if debug.check_scheduler_io else None
         self._vocab_size = vocab_size
         self.hint_listener = None  # the hint API, started by `start` when hint_port is set (StepCalls)
 

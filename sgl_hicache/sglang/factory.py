@@ -20,7 +20,9 @@ from .backend import TieredRadixCache
 from .coverage import PREFIX as _REFUSAL
 from .coverage import refusal
 from .rank_consensus import RankConsensus, step_hook_installed
-from .settings import BackendSettings, load_settings, unknown_env
+from .debug_settings import DebugSettings
+from .hicache_flags import apply_hicache_flags
+from .settings import given_settings, load_settings, unknown_env
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +64,7 @@ def unsupported(ctx: Any) -> list[str]:
     return problems
 
 
-def _consensus(ctx: Any, settings: BackendSettings) -> RankConsensus | None:
+def _consensus(ctx: Any, debug: DebugSettings) -> RankConsensus | None:
     """TP >= 2: the ranks' per-step agreement over SGLang's TP CPU group (None at TP = 1)."""
     tp = int(ctx.tp_size or 1)
     if tp <= 1:
@@ -73,7 +75,7 @@ def _consensus(ctx: Any, settings: BackendSettings) -> RankConsensus | None:
     if not step_hook_installed():
         raise ValueError(f"{_REFUSAL}tp_size={tp} needs the per-step hook on the scheduler, "
                          "which the sgl_hicache plugin did not install (see the log); run with --tp 1")
-    return RankConsensus(group, int(ctx.tp_rank), tp, check=settings.consensus_check)
+    return RankConsensus(group, int(ctx.tp_rank), tp, check=debug.consensus_check)
 
 
 def _architecture(ctx: Any) -> str:
@@ -91,12 +93,13 @@ def factory(ctx: Any) -> TieredRadixCache:
     problems = unsupported(ctx)
     if problems:
         raise ValueError(_REFUSAL + "; ".join(problems))
-    settings = load_settings()
-    consensus = _consensus(ctx, settings)
+    sa = ctx.server_args
+    settings = apply_hicache_flags(load_settings(), sa, given_settings())
+    debug = DebugSettings.from_env()
+    consensus = _consensus(ctx, debug)
     for var in unknown_env():
         logger.warning("sgl_hicache: ignoring unknown environment variable %s", var)
-    sa = ctx.server_args
-    cache = TieredRadixCache(ctx.params, settings, architecture=_architecture(ctx), model_salt=model_salt(sa),
+    cache = TieredRadixCache(ctx.params, settings, debug=debug, architecture=_architecture(ctx), model_salt=model_salt(sa),
                              server_port=getattr(sa, "port", None), consensus=consensus,
                              vocab_size=getattr(ctx.model_config, "vocab_size", None))
     if cache.layer_loads is not None:

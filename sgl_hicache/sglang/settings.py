@@ -8,6 +8,8 @@ process, when the backend is built:
 2. then every `SGLHICACHE_<FIELD>` variable (upper case) overrides the file's value.
 
 Unknown keys, bad types and bad values raise `SettingsError` naming the key and the source.
+SGLang's own `--hicache-*` flags map onto these settings too (`hicache_flags.py`). Test and diagnosis
+switches are not settings: they live in `debug_settings.py`, environment only.
 This module imports no sglang (the launcher uses it to write the config it passes on).
 """
 
@@ -20,14 +22,14 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..config import DEFAULT_POLICY, DISK_WRITE_POLICIES, EVICTION_DEMOTES, EVICTION_POLICIES, PREDICTORS, WRITE_POLICIES, TieringPolicy
+from ..config import DEFAULT_POLICY, ConfigError, TieringPolicy
 from ..policy.admission import ADMISSION_HOLDS, ADMISSION_ORDERS
 
 ENV_PREFIX = "SGLHICACHE_"
 CONFIG_ENV = "SGLHICACHE_CONFIG"
 
 
-class SettingsError(ValueError):
+class SettingsError(ConfigError):
     """A tiering setting is invalid; the message names the key, the value and where it came from."""
 
 
@@ -35,7 +37,8 @@ class SettingsError(ValueError):
 class BackendSettings:
     """Options of the `sgl_hicache` radix-cache backend (all have working defaults).
 
-    Capacities are in tokens. `host_tokens=None` means `host_ratio` x the device pool; `disk_tokens=None`
+    Capacities are in tokens. `host_tokens=None` means `host_gb` GiB when given, else `host_ratio` x the
+    device pool; `disk_tokens=None`
     means as many tokens as fit in `disk_gb` GiB. `disk_dir=None` means
     `~/.cache/sgl_hicache/<namespace>` (or `$SGLHICACHE_DIR/<namespace>`), where the namespace
     fingerprints the model, its KV layout and the page size, so two models never share pages.
@@ -44,6 +47,7 @@ class BackendSettings:
 
     host_tokens: int | None = None
     host_ratio: float = 4.0
+    host_gb: float | None = None  # host tier in GiB per rank (SGLang's --hicache-size); overrides host_ratio
     disk_dir: str | None = None
     disk_tokens: int | None = None
     disk_gb: float = 16.0
@@ -65,7 +69,6 @@ class BackendSettings:
     store_min_hits: int = 0  # write back to the store only pages hit at least this often
     stats_file: str | None = None  # the scheduler writes JSON stats here every stats_interval_s (atomic rename)
     stats_interval_s: float = 2.0
-    check_invariants: bool = False  # run the tree's invariant check after every scheduler call (slow; tests)
     eviction_demotes: str = DEFAULT_POLICY.eviction_demotes  # all | host | none: which evictions copy a dirty page down synchronously (CacheConfig); none: never on the scheduler thread
     writeback_batch_pages: int = DEFAULT_POLICY.writeback_batch_pages  # most pages one background write-back round copies per link (it copies only up to the clean watermark)
     layerwise_loads: bool = True  # init_load_back queues host->device copies per layer; the forward of layer i waits for layer i only
@@ -73,11 +76,8 @@ class BackendSettings:
     admission_hold: str = "cost"  # a request offered for the first time to a prefill batch that has one already waits a round: cost (when the measured prefill cost says the split lowers time to first token, policy/admission.py) | always | off
     admission_order: str = "fcfs"  # the order waiting requests are offered to a prefill batch under SGLang's fcfs: fcfs (arrival) | cost (cheapest first at the measured prefill cost; a request passed over 4 batches goes first; policy/admission.QueueOrder; measured no better, issue 23)
     time_calls: bool = True  # time every cache call the scheduler makes (p50/p99/max in the stats)
-    check_scheduler_io: bool = False  # count copies, disk writes, sleeps and waits inside scheduler calls (tests, diagnosis)
-    consensus_check: bool = False  # TP >= 2: all-reduce a digest of each rank's tree and residency every step; stop on a difference (debug; tests)
     hint_port: int | None = None  # the hint API's port (sglang/hint_server.py); None: off; 0: any free port
     hint_host: str = "127.0.0.1"  # the hint API's bind address
-    fault_disk_read_file: str | None = None  # tests: while this file names a TP rank (e.g. "1"), that rank's disk reads fail
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -89,28 +89,20 @@ class BackendSettings:
             need(v is None or (isinstance(v, int) and v >= 0), f"{name} must be a non-negative integer or null, got {v!r}")
         need(self.host_ratio >= 0, f"host_ratio must be >= 0, got {self.host_ratio!r}")
         need(self.disk_gb >= 0, f"disk_gb must be >= 0, got {self.disk_gb!r}")
-        need(self.write_policy in WRITE_POLICIES, f"write_policy must be one of {', '.join(WRITE_POLICIES)}, got {self.write_policy!r}")
-        need(self.disk_write_policy in DISK_WRITE_POLICIES, f"disk_write_policy must be one of {', '.join(DISK_WRITE_POLICIES)}, got {self.disk_write_policy!r}")
-        need(self.eviction_policy is None or self.eviction_policy in EVICTION_POLICIES,
-             f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, got {self.eviction_policy!r}")
-        need(self.predictor in PREDICTORS, f"predictor must be one of {', '.join(PREDICTORS)}, got {self.predictor!r}")
-        need(self.write_through_threshold >= 1, f"write_through_threshold must be >= 1, got {self.write_through_threshold!r}")
-        need(self.predictor_budget_tokens >= 0, f"predictor_budget_tokens must be >= 0, got {self.predictor_budget_tokens!r}")
         need(isinstance(self.transfer_workers, int) and self.transfer_workers >= 1, f"transfer_workers must be an integer >= 1, got {self.transfer_workers!r}")
         need(self.load_timeout_s >= 0, f"load_timeout_s must be >= 0, got {self.load_timeout_s!r}")
-        need(0 <= self.writeback_clean_fraction <= 1, f"writeback_clean_fraction must be in [0, 1], got {self.writeback_clean_fraction!r}")
-        need(0 <= self.device_writeback_clean_fraction <= 1,
-             f"device_writeback_clean_fraction must be in [0, 1], got {self.device_writeback_clean_fraction!r}")
-        need(isinstance(self.writeback_batch_pages, int) and self.writeback_batch_pages >= 1,
-             f"writeback_batch_pages must be an integer >= 1, got {self.writeback_batch_pages!r}")
         need(self.admission_hold in ADMISSION_HOLDS, f"admission_hold must be one of {', '.join(ADMISSION_HOLDS)}, got {self.admission_hold!r}")
         need(self.admission_order in ADMISSION_ORDERS, f"admission_order must be one of {', '.join(ADMISSION_ORDERS)}, got {self.admission_order!r}")
-        need(self.eviction_demotes in EVICTION_DEMOTES, f"eviction_demotes must be one of {', '.join(EVICTION_DEMOTES)}, got {self.eviction_demotes!r}")
         need(self.store is None or "://" in self.store, f"store must be a URL (mooncake://HOST:PORT or redis://HOST:PORT), got {self.store!r}")
         need(isinstance(self.store_min_hits, int) and self.store_min_hits >= 0, f"store_min_hits must be an integer >= 0, got {self.store_min_hits!r}")
         need(self.hint_port is None or (isinstance(self.hint_port, int) and 0 <= self.hint_port <= 65535),
              f"hint_port must be a port number (0-65535) or null, got {self.hint_port!r}")
         need(self.stats_interval_s > 0, f"stats_interval_s must be > 0, got {self.stats_interval_s!r}")
+        need(self.host_gb is None or self.host_gb >= 0, f"host_gb must be >= 0 or null, got {self.host_gb!r}")
+        try:  # the policy knobs are checked once, where both engines build them (config.TieringPolicy)
+            self.tiering()
+        except ConfigError as e:
+            raise SettingsError(str(e)) from None
 
     def tiering(self, sglang_eviction: str | None = None) -> TieringPolicy:
         """The policy the server runs: these settings, with the eviction order resolved
@@ -122,8 +114,13 @@ class BackendSettings:
                              device_writeback_clean_fraction=self.device_writeback_clean_fraction,
                              writeback_clean_fraction=self.writeback_clean_fraction, writeback_batch_pages=self.writeback_batch_pages)
 
-    def host_tokens_for(self, device_tokens: int) -> int:
-        return self.host_tokens if self.host_tokens is not None else int(device_tokens * self.host_ratio)
+    def host_tokens_for(self, device_tokens: int, bytes_per_token: int) -> int:
+        """The host tier's capacity: `host_tokens`, else `host_gb` GiB, else `host_ratio` x the device pool."""
+        if self.host_tokens is not None:
+            return self.host_tokens
+        if self.host_gb is not None:
+            return int(self.host_gb * (1 << 30)) // max(1, bytes_per_token)
+        return int(device_tokens * self.host_ratio)
 
     def disk_tokens_for(self, bytes_per_token: int) -> int:
         if self.disk_tokens is not None:
@@ -147,10 +144,13 @@ def _coerce(name: str, raw: Any, source: str) -> Any:
     default = _FIELDS[name].default
     kind = type(default) if default is not None else None
     optional_int = name in ("host_tokens", "disk_tokens", "hint_port")
-    optional_str = name in ("disk_dir", "eviction_policy", "stats_file", "fault_disk_read_file", "store")
+    optional_float = name == "host_gb"
+    if optional_float:
+        kind = float
+    optional_str = name in ("disk_dir", "eviction_policy", "stats_file", "store")
     if isinstance(raw, str) and source.startswith("env"):
         text = raw.strip()
-        if (optional_int or optional_str) and text.lower() in ("", "none", "null", "auto"):
+        if (optional_int or optional_float or optional_str) and text.lower() in ("", "none", "null", "auto"):
             return None
         try:
             if kind is bool:
@@ -167,7 +167,7 @@ def _coerce(name: str, raw: Any, source: str) -> Any:
             raise SettingsError(f"{source}: {name}={raw!r} is not a valid {('boolean' if kind is bool else 'integer' if optional_int or kind is int else 'number')}") from None
         return text
     if raw is None:
-        if optional_int or optional_str:
+        if optional_int or optional_float or optional_str:
             return None
         raise SettingsError(f"{source}: {name} must not be null")
     if kind is bool and not isinstance(raw, bool):
@@ -183,6 +183,11 @@ def _coerce(name: str, raw: Any, source: str) -> Any:
 
 def load_settings(env: Mapping[str, str] | None = None) -> BackendSettings:
     """Settings from `$SGLHICACHE_CONFIG` (JSON) then `SGLHICACHE_<FIELD>` overrides."""
+    return BackendSettings(**given_settings(env))
+
+
+def given_settings(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The settings the user gave, by key: `$SGLHICACHE_CONFIG`'s, then the `SGLHICACHE_<FIELD>` overrides."""
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
     path = env.get(CONFIG_ENV)
@@ -204,13 +209,16 @@ def load_settings(env: Mapping[str, str] | None = None) -> BackendSettings:
         var = ENV_PREFIX + name.upper()
         if var in env:
             values[name] = _coerce(name, env[var], f"env {var}")
-    return BackendSettings(**values)
+    return values
 
 
 def unknown_env(env: Mapping[str, str] | None = None) -> list[str]:
     """`SGLHICACHE_*` variables that name no setting (likely typos; the backend logs them)."""
     env = os.environ if env is None else env
-    known = {ENV_PREFIX + n.upper() for n in _FIELDS} | {CONFIG_ENV, "SGLHICACHE_DIR", "SGLHICACHE_CPU_HICACHE_HOST_RESERVE_BYTES"}
+    from .debug_settings import DEBUG_ENV
+
+    known = ({ENV_PREFIX + n.upper() for n in _FIELDS} | set(DEBUG_ENV)
+             | {CONFIG_ENV, "SGLHICACHE_DIR", "SGLHICACHE_CPU_HICACHE_HOST_RESERVE_BYTES"})
     return sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known)
 
 
@@ -230,4 +238,4 @@ def settings_env(settings: BackendSettings) -> dict[str, str]:
     return out
 
 
-__all__ = ["BackendSettings", "CONFIG_ENV", "ENV_PREFIX", "SettingsError", "load_settings", "settings_env", "unknown_env"]
+__all__ = ["BackendSettings", "CONFIG_ENV", "ENV_PREFIX", "SettingsError", "given_settings", "load_settings", "settings_env", "unknown_env"]

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     from .hint_server import HintListener
     from .layer_loads import LayerLoads
     from .rank_consensus import RankConsensus
-    from .requests import RequestStates
+    from .debug_settings import DebugSettings
+    from .req_states import RequestStates
     from .settings import BackendSettings
 
 
@@ -39,6 +40,7 @@ class StepCalls:
     disable: bool
     page_size: int
     settings: BackendSettings
+    debug: DebugSettings
     consensus: RankConsensus | None
     cache: TieredCache
     controller: RequestController
@@ -103,7 +105,7 @@ class StepCalls:
     def _maybe_check(self) -> None:
         """With `check_invariants`, verify the tree and every store's accounting (skipped while a
         prefetch is in flight: its destination pages are allocated but not yet in the tree)."""
-        if self.settings.check_invariants and not self.transfers_in_flight():
+        if self.debug.check_invariants and not self.transfers_in_flight():
             self.cache.check()
 
     def start_hint_api(self) -> None:
