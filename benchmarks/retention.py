@@ -9,8 +9,7 @@ counts it) it replays the requests through the embedded engine (`--bytes metadat
 and virtual times as real bytes) with, every one at load-at-schedule (`demote`, no prefetch), so
 only retention differs:
 
-- `lru`: the baseline; `probation` and `slru` (`policy/probation.py`); `stretch`
-  (`policy/retention.py`); `lfu` with `--policies`;
+- `lru`: the baseline; `lfu` with `--policies`;
 - `belady`: the oracle's Belady eviction alone (no prefetch);
 - `oracle`: Belady eviction + perfect prefetch of the next 16 requests (`policy/oracle.py`).
 
@@ -50,9 +49,6 @@ from sgl_hicache.engine.simulator import EngineConfig  # noqa: E402
 POLICIES = {
     "lru": ("demote", "lru", 16),
     "lfu": ("demote", "lfu", 16),
-    "probation": ("demote", "probation", 16),
-    "slru": ("demote", "slru", 16),
-    "stretch": ("demote", "stretch", 16),
     "belady": ("oracle", "lru", 0),
     "oracle": ("oracle", "lru", 16),
 }
@@ -119,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--agentic", type=Path, default=Path("out/agentic40.jsonl"), help="`benchmarks/agentic_trace.py --sessions 40`")
     ap.add_argument("--families", default="mooncake,synth,agentic")
     ap.add_argument("--capacities", default="0.1,0.2,0.3")
-    ap.add_argument("--policies", default="lru,probation,slru,stretch,belady,oracle")
+    ap.add_argument("--policies", default="lru,belady,oracle")
     ap.add_argument("--page-size", type=int, default=256)
     ap.add_argument("--quick", action="store_true", help="the smallest run: 60 Mooncake requests, 0.3 x WS")
     ap.add_argument("--json", type=Path, required=True)

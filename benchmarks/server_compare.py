@@ -26,12 +26,11 @@ conversation trace with every 512-token block scaled to 32 tokens. Three configu
 - `sgl_hicache`: `--radix-cache-backend sgl_hicache` with host tokens = the same host capacity as
   `hicache` (R x device pool), the disk tier on in a fresh temp dir (capacity: 2x the slice's working
   set, so like the file backend it never has to drop a page), prefetch on, predictor `tree_walk`;
-- `sgl_hicache_noskip`, `sgl_hicache_hold`, `sgl_hicache_nohold`, `sgl_hicache_cost_order` (only with
+- `sgl_hicache_noskip`, `sgl_hicache_hold`, `sgl_hicache_nohold` (only with
   `--configs`): the same with `skip_waiting_admission` off, or with `admission_hold` `always` (every
   new request waits a round while the prefill batch has one: the split HiCache's storage lookups
   make, issue 23) or `off` (none waits; the default, `cost`, holds one where the measured prefill
-  cost says it pays), or with `admission_order` `cost` (the cheapest waiting request offered first;
-  the default, `fcfs`, keeps arrival order);
+  cost says it pays);
 - `sgl_hicache_spf`, `hicache_spf` (only with `--configs`): `sgl_hicache` and `hicache` with SGLang's
   own `--schedule-policy shortest-prefill-first` (experimental in SGLang; by uncached tokens).
 
@@ -82,18 +81,17 @@ if not DEFAULT_TRACE.exists():
     DEFAULT_TRACE = REPO / "traces" / "mooncake_conversation_trace.jsonl"
 DEFAULT_MODEL = REPO / "scripts" / "cpu" / "bench-llama"
 CONFIGS = ("default", "hicache", "sgl_hicache", "hicache_host", "sgl_hicache_noskip", "sgl_hicache_hold", "sgl_hicache_nohold",
-           "sgl_hicache_cost_order", "sgl_hicache_spf", "hicache_spf")
+           "sgl_hicache_spf", "hicache_spf")
 # sgl_hicache variants: the same server with these backend settings changed (an A/B in one run)
 VARIANTS: dict[str, dict[str, Any]] = {"sgl_hicache": {}, "sgl_hicache_noskip": {"skip_waiting_admission": False},
                                        "sgl_hicache_hold": {"admission_hold": "always"}, "sgl_hicache_nohold": {"admission_hold": "off"},
-                                       "sgl_hicache_cost_order": {"admission_order": "cost"}, "sgl_hicache_spf": {}}
+                                       "sgl_hicache_spf": {}}
 # configurations that differ from their base only in SGLang's scheduling policy (an A/B of queue order)
 SCHEDULE_POLICY = {"sgl_hicache_spf": "shortest-prefill-first", "hicache_spf": "shortest-prefill-first"}
 DEFAULT_CONFIGS = CONFIGS[:3]
 LABELS = {"default": "SGLang default cache", "hicache": "SGLang HiCache (host + file)", "sgl_hicache": "sgl_hicache",
           "hicache_host": "SGLang HiCache (host only)", "sgl_hicache_noskip": "sgl_hicache, skip_waiting_admission off",
           "sgl_hicache_hold": "sgl_hicache, admission_hold always", "sgl_hicache_nohold": "sgl_hicache, admission_hold off",
-          "sgl_hicache_cost_order": "sgl_hicache, admission_order cost",
           "sgl_hicache_spf": "sgl_hicache, --schedule-policy shortest-prefill-first",
           "hicache_spf": "SGLang HiCache, --schedule-policy shortest-prefill-first"}
 TIERS = ("device", "host", "disk")

@@ -22,7 +22,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "float8_e5m2": torch.float8_e5m2,
 }
 
-EVICTION_POLICIES = ("lru", "lfu", "reuse", "probation", "slru", "stretch")
+EVICTION_POLICIES = ("lru", "lfu", "reuse")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 DISK_WRITE_POLICIES = ("write_back", "write_through")
 PREDICTORS = ("none", "tree_walk", "continuation")

@@ -88,8 +88,15 @@ def run_ranks(target, args: list[tuple], timeout_s: float = 120.0) -> None:
     assert not hung, f"rank processes {hung} hung in a collective"
 
 
+# The mechanism tests' configuration: eviction itself copies a dirty page one tier down and nothing runs
+# in the background (no write-through at commit, no prediction), so each test decides every move.
+# A test of the shipped policy passes its knobs (or uses `config.DEFAULT_POLICY`).
+SYNCHRONOUS = dict(write_policy="write_back", disk_write_policy="write_back", eviction_demotes="all", predictor="none")
+
+
 def make_cache(tmp_path=None, device=8, host=16, disk=32, page_size=4, priority=None, **kw) -> TieredCache:
-    """A cache whose capacities are given in pages."""
+    """A cache whose capacities are given in pages, in the `SYNCHRONOUS` configuration unless `kw` says otherwise."""
+    kw = {**SYNCHRONOUS, **kw}
     cfg = CacheConfig(
         SMALL_LAYOUT,
         device_tokens=device * page_size,

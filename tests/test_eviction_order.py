@@ -15,7 +15,6 @@ import random
 import pytest
 
 from conftest import make_cache, serve
-from sgl_hicache.policy.retention import SCALE_S, draw
 from sgl_hicache.transfer.handlers import execute
 from sgl_hicache.tiers.base import DEVICE, HOST
 
@@ -30,7 +29,7 @@ def _prompt(rng: random.Random, shared: list[list[int]], ps: int) -> list[int]:
     return [rng.randrange(10, 5000) for _ in range(rng.randrange(1, 5) * ps)]
 
 
-@pytest.mark.parametrize("policy,demotes", [("lru", "all"), ("lfu", "all"), ("lru", "none"), ("stretch", "all")])
+@pytest.mark.parametrize("policy,demotes", [("lru", "all"), ("lfu", "all"), ("lru", "none")])
 def test_incremental_leaves_evict_what_a_rebuilt_heap_evicts(policy, demotes):
     caches = [make_cache(None, device=24, host=48, eviction_policy=policy, eviction_demotes=demotes) for _ in range(2)]
     caches[1].tree.leaves = None  # the reference: a heap rebuilt over every leaf on each call
@@ -174,43 +173,12 @@ def _eviction_order(cache) -> list[int]:
 
 @pytest.mark.parametrize("policy,order", [
     ("lru", [3, 1, 2]),        # by last use: c (3), a (5), b (6)
-    ("probation", [3, 1, 2]),  # c was never hit: first; a and b were reused: LRU between them
-    ("slru", [3, 2, 1]),       # protected from 2 hits: c and b are probationary (c older), a protected
     ("lfu", [3, 2, 1]),
 ])
 def test_policy_order_on_a_small_tree(policy, order):
     cache, _ = _served_tree(policy)
     assert cache.tree.leaves is not None  # every one of these keeps the incremental queue
     assert _eviction_order(cache) == order
-    cache.check()
-
-
-def test_probation_puts_a_new_path_before_an_older_reused_one():
-    """The one-hit-wonder filter: a path hit once at t = 2 outlives a newer, never reused one (LRU
-    would evict the older reused path first)."""
-    orders = {}
-    for policy in ("lru", "probation"):
-        cache = make_cache(None, device=2, host=0, disk=0, eviction_policy=policy)
-        for t, p in enumerate([[1] * 4, [1] * 4, [2] * 4], start=1):
-            cache.clock = lambda t=t: float(t)
-            serve(cache, p)
-        orders[policy] = _eviction_order(cache)
-    assert orders == {"lru": [1, 2], "probation": [2, 1]}
-
-
-def test_stretch_lets_a_node_with_a_high_draw_outlive_newer_ones():
-    """`stretch` (policy/retention.py): key = last_access + draw(id) * scale. Six one-page paths
-    served at t = 1..6 leave in the order of that key, not of their last use (LRU's 1..6)."""
-    cache = make_cache(None, device=6, host=0, disk=0, eviction_policy="stretch")
-    paths = [[k] * 4 for k in range(1, 7)]
-    for t, p in enumerate(paths, start=1):
-        cache.clock = lambda t=t: float(t)
-        serve(cache, p)
-    assert cache.tree.leaves is not None  # its keys only grow: the incremental queue
-    ids = {p[0]: cache.match(p, touch=False).last_node.id for p in paths}
-    expected = sorted(ids, key=lambda k: k + draw(ids[k]) * SCALE_S)
-    assert expected != sorted(ids)  # the draws reorder them: this test tells stretch from LRU
-    assert _eviction_order(cache) == expected
     cache.check()
 
 

@@ -53,7 +53,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def build(directory: Path, clock: FakeClock) -> TieredCache:
     """Device and host hold two prompts each; every page that lands on host is written to disk."""
     cfg = CacheConfig(SMALL_LAYOUT, device_tokens=8 * PS, host_tokens=8 * PS, disk_tokens=100_000 * PS, page_size=PS,
-                      disk_dir=directory, disk_write_policy="write_through")
+                      disk_dir=directory, disk_write_policy="write_through", write_policy="write_back", eviction_demotes="all",
+                      predictor="none")
     store = DiskPageStore(SMALL_LAYOUT, PS, cfg.disk_pages, directory, Namespace.for_model(SMALL_LAYOUT, PS),
                           retry_interval_s=RETRY, clock=clock)
     return TieredCache(cfg, disk=store)

@@ -27,7 +27,8 @@ PS = 4
 
 def cache_for(directory: Path, layout: KVLayout = SMALL_LAYOUT, salt: str = "", page_size: int = PS) -> TieredCache:
     cfg = CacheConfig(layout, device_tokens=8 * page_size, host_tokens=8 * page_size, disk_tokens=512 * page_size, page_size=page_size,
-                      disk_dir=directory, tenant_salt=salt, write_policy="write_through", disk_write_policy="write_through")
+                      disk_dir=directory, tenant_salt=salt, write_policy="write_through", disk_write_policy="write_through",
+                      eviction_demotes="all", predictor="none")
     return TieredCache(cfg)
 
 
@@ -109,7 +110,8 @@ def test_disk_eviction_never_deletes_another_namespace_pages(tmp_path: Path) -> 
     theirs = {p for p in directory.rglob("*.page")}
     del a
     cfg = CacheConfig(SMALL_LAYOUT, device_tokens=8 * PS, host_tokens=8 * PS, disk_tokens=8 * PS, page_size=PS, disk_dir=directory,
-                      tenant_salt="B", write_policy="write_through", disk_write_policy="write_through")
+                      tenant_salt="B", write_policy="write_through", disk_write_policy="write_through",
+                      eviction_demotes="all", predictor="none")
     b = TieredCache(cfg)
     for i in range(20):
         serve_as(b, list(range(500_000 + 100 * i, 500_000 + 100 * i + 4 * PS)), seed=1)

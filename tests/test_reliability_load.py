@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 
-from conftest import SMALL_LAYOUT, assert_device_kv, serve
+from conftest import SYNCHRONOUS, SMALL_LAYOUT, assert_device_kv, serve
 from sgl_hicache.cache import TieredCache
 from sgl_hicache.config import CacheConfig
 from sgl_hicache.hashing import Namespace
@@ -38,7 +38,7 @@ SEED = 7_000_007
 
 def build(tmp_path: Path) -> TieredCache:
     cfg = CacheConfig(SMALL_LAYOUT, device_tokens=24 * PS, host_tokens=16 * PS, disk_tokens=48 * PS, page_size=PS,
-                      disk_dir=tmp_path / "tier", disk_write_policy="write_through")
+                      disk_dir=tmp_path / "tier", **{**SYNCHRONOUS, "disk_write_policy": "write_through"})
     store = DiskPageStore(SMALL_LAYOUT, PS, cfg.disk_pages, cfg.disk_dir, Namespace.for_model(SMALL_LAYOUT, PS), retry_interval_s=0.05)
     return TieredCache(cfg, disk=store)
 

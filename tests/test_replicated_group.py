@@ -13,7 +13,7 @@ import os
 import traceback
 from pathlib import Path
 
-from conftest import run_ranks
+from conftest import SYNCHRONOUS, run_ranks
 
 LAYERS, WIDTH, PAGE = 2, 24, 4
 
@@ -26,7 +26,7 @@ def _group_cache(consensus, tmp: str):
 
     layout = KVLayout(num_layers=LAYERS, num_kv_heads=1, head_dim=WIDTH, kv_planes=1, architecture="mla-test")
     cfg = CacheConfig(layout, device_tokens=8 * PAGE, host_tokens=16 * PAGE, disk_tokens=32 * PAGE, page_size=PAGE,
-                      disk_dir=consensus.rank_dir(Path(tmp) / "disk"), tenant_salt=consensus.salt)
+                      disk_dir=consensus.rank_dir(Path(tmp) / "disk"), tenant_salt=consensus.salt, **SYNCHRONOUS)
     host, lower = replicated_tiers(consensus, cfg)
     cache = build_cache(cfg, device=DeviceKVPool(layout, PAGE, 8, device="cpu"), host=host, lower=lower)
     follow(cache, consensus)
@@ -157,7 +157,7 @@ def _too_big(c, rank: int, tmp: str, out: dict) -> None:
     st = os.statvfs(shared_memory_dir())
     tokens = 2 * st.f_bavail * st.f_frsize // layout.bytes_per_token  # twice the room there is
     try:
-        replicated_tiers(c, CacheConfig(layout, device_tokens=8 * PAGE, host_tokens=tokens, page_size=PAGE))
+        replicated_tiers(c, CacheConfig(layout, device_tokens=8 * PAGE, host_tokens=tokens, page_size=PAGE, **SYNCHRONOUS))
         out["error"] = "none"
     except OSError as exc:
         out["error"] = str(exc)

@@ -7,6 +7,7 @@ from array import array
 from types import SimpleNamespace
 
 import pytest
+from conftest import SYNCHRONOUS
 
 _missing = importlib.util.find_spec("sglang") is None
 pytestmark = [pytest.mark.sglang, pytest.mark.skipif(_missing, reason="sglang is not installed (scripts/install_sglang_cpu.sh)")]
@@ -257,7 +258,7 @@ def test_layer_loads_through_sglangs_own_kv_pool_read_path():
     ps = 16
     alloc = _pools(ps)
     dev = SGLangDevicePool(alloc)
-    cache = TieredCache(CacheConfig(dev.layout, device_tokens=dev.pool_pages * ps, host_tokens=8 * ps, page_size=ps), device=dev)
+    cache = TieredCache(CacheConfig(dev.layout, device_tokens=dev.pool_pages * ps, host_tokens=8 * ps, page_size=ps, **SYNCHRONOUS), device=dev)
     loads = LayerLoads(cache)
     kv = alloc.get_kvcache()
     kv.register_layer_transfer_counter(loads)
@@ -458,42 +459,5 @@ def test_a_formed_batch_admits_its_requests_once(tmp_path):
         set_consumer_index(plan, scheduler)  # a chunked request in the next batch too: not again
         set_consumer_index(SimpleNamespace(batch_to_run=None), scheduler)  # a step with no prefill batch
         assert cache.controller.queue_delay.samples == 1
-    finally:
-        cache.shutdown()
-
-
-def test_queue_order_hook_targets_sglang_and_reorders_under_its_fcfs(tmp_path):
-    """`order_queue` hooks a real method of SGLang's `SchedulePolicy` (its waiting queue the first
-    argument) and reads a real policy object: under `fcfs` it offers the cheaper request first; under
-    `lpm` (the user's choice) it leaves the queue alone."""
-    import importlib
-    import inspect
-
-    from sglang.srt.managers.schedule_policy import SchedulePolicy
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-
-    from sgl_hicache.policy.admission import PrefillCost
-    from sgl_hicache.sglang.backend import TieredRadixCache
-    from sgl_hicache.sglang.scheduler_hooks import CALC_PRIORITY, order_queue
-    from sgl_hicache.sglang.settings import BackendSettings
-
-    module, cls, meth = CALC_PRIORITY.rsplit(".", 2)
-    target = getattr(getattr(importlib.import_module(module), cls), meth)
-    assert list(inspect.signature(target).parameters)[:2] == ["self", "waiting_queue"]
-
-    class Req:  # the fields the queue order reads from SGLang's `Req`
-        def __init__(self, rid: str, tokens: int) -> None:
-            self.rid, self.origin_input_ids, self.output_ids = rid, list(range(1000, 1000 + tokens)), []
-            self.extra_key = self.cache_salt = None
-
-    params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=_pools(16, size=64), page_size=16)
-    cache = TieredRadixCache(params, BackendSettings(host_tokens=64, admission_order="cost"))
-    try:
-        cache.prefill_cost = lambda: PrefillCost(fixed_s=0.05, per_token_s=1e-4)
-        queue = [Req("long", 800), Req("short", 48)]
-        order_queue(None, SchedulePolicy("lpm", cache, False, False, False), queue)
-        assert [r.rid for r in queue] == ["long", "short"]
-        order_queue(None, SchedulePolicy("fcfs", cache, False, False, False), queue)
-        assert [r.rid for r in queue] == ["short", "long"] and cache.queue_order.reordered == 1
     finally:
         cache.shutdown()

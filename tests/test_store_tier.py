@@ -27,7 +27,7 @@ from sgl_hicache.tiers.store_local import start_mooncake, start_redis
 from sgl_hicache.transfer.engine import TransferEngine
 from sgl_hicache.transfer.executors import ThreadExecutor
 
-from conftest import SMALL_LAYOUT, assert_device_kv, kv_for
+from conftest import SYNCHRONOUS, SMALL_LAYOUT, assert_device_kv, kv_for
 
 PS = 4
 
@@ -39,7 +39,7 @@ class Server:
 
     def __init__(self, url: str, salt: str, min_hits: int = 0, layout: KVLayout = SMALL_LAYOUT) -> None:
         cfg = CacheConfig(layout, device_tokens=64 * PS, host_tokens=128 * PS, page_size=PS, tenant_salt=salt,
-                          store_url=url, store_min_hits=min_hits)
+                          store_url=url, store_min_hits=min_hits, **SYNCHRONOUS)
         self.cache = TieredCache(cfg)
         self.engine = TransferEngine(self.cache, workers=2)
         self.ctrl = RequestController(

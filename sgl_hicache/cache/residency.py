@@ -112,7 +112,7 @@ class TieredCache:
 
     def _order_leaves(self) -> None:
         """Keep the tree's eviction candidates ordered incrementally, where the policy's priorities
-        only grow with use (`lru`, `lfu`, `probation`, `slru`: see `tree/leaves.py`); other orders (`reuse`, the oracle's)
+        only grow with use (`lru`, `lfu`: see `tree/leaves.py`); other orders (`reuse`, the oracle's)
         move with the clock, so their evictions order the leaves afresh each call."""
         if self._incremental_order:
             self.tree.order_leaves(self.evictor.leaf_key)

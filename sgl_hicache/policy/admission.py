@@ -22,14 +22,6 @@ splitting the batch lets the first requests finish early; when the step's fixed 
 (short prefills, a prefix-cache hit, a launch-bound forward), batching is free and nothing is held.
 That is the split SGLang HiCache makes by accident (a request stays queued while its storage lookup
 runs) made on purpose, and only where it pays (issue 23).
-
-Which request is offered first matters as much (`QueueOrder`): the first request offered to an empty
-batch is never held, so under first-come-first-served a long prompt at the queue's head takes every
-short one behind it into its step. Offering the waiting requests cheapest first (by the same marginal
-cost) is shortest-job-first, the order that minimises the summed wait when the step's fixed part is
-paid anyway; the held ones then leave together. A request passed over by `max_bypasses` prefill
-batches goes first, in arrival order, so a long prompt waits at most that many steps more than under
-first-come-first-served.
 """
 
 from __future__ import annotations
@@ -39,7 +31,6 @@ import math
 from dataclasses import dataclass
 
 ADMISSION_HOLDS = ("cost", "always", "off")
-ADMISSION_ORDERS = ("cost", "fcfs")
 
 
 def attention_pairs(new_tokens: int, context_tokens: int) -> float:
@@ -69,44 +60,6 @@ def hold_pays(batch_requests: int, new_tokens: int, cost: PrefillCost | None, co
     if cost is None or batch_requests <= 0 or new_tokens <= 0:
         return False
     return batch_requests * cost.marginal_s(new_tokens, max(0, context_tokens)) > cost.fixed_s
-
-
-class QueueOrder:
-    """The order in which waiting requests are offered to the next prefill batch (module docstring):
-    cheapest first by a given cost, except that a request passed over by `max_bypasses` prefill
-    batches goes first; ties and the overdue keep queue (arrival) order.
-
-    Contract: `order(rids, costs)` returns a permutation of `range(len(rids))`; deterministic in its
-    inputs and the sequence of `batch_formed()` calls, so TP ranks that see the same queue, costs
-    and batches agree. A request's age counts the batches formed since it was first passed to
-    `order`; rids absent from a call are forgotten (admitted or aborted). Not thread-safe: the
-    scheduler thread owns it."""
-
-    def __init__(self, max_bypasses: int = 4) -> None:
-        if max_bypasses < 1:
-            raise ValueError(f"QueueOrder needs max_bypasses >= 1, got {max_bypasses}")
-        self.max_bypasses = max_bypasses
-        self._batches = 0
-        self._first_seen: dict[str, int] = {}
-        self.reordered = 0  # calls whose order differed from the queue's
-
-    def batch_formed(self) -> None:
-        self._batches += 1
-
-    def order(self, rids: list[str], costs: list[float]) -> list[int]:
-        if len(rids) != len(costs):
-            raise ValueError(f"QueueOrder.order: {len(rids)} rids but {len(costs)} costs")
-        seen = {r: self._first_seen.get(r, self._batches) for r in rids}
-        self._first_seen = seen
-
-        def key(i: int) -> tuple[bool, float, int]:
-            overdue = self._batches - seen[rids[i]] >= self.max_bypasses
-            return (not overdue, 0.0 if overdue else costs[i], i)
-
-        out = sorted(range(len(rids)), key=key)
-        if out != list(range(len(rids))):
-            self.reordered += 1
-        return out
 
 
 # features are scaled so the normal equations stay well conditioned: thousands of tokens, millions of pairs
@@ -202,4 +155,4 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
     return x
 
 
-__all__ = ["ADMISSION_HOLDS", "ADMISSION_ORDERS", "PrefillCost", "QueueOrder", "PrefillCostFit", "attention_pairs", "hold_pays"]
+__all__ = ["ADMISSION_HOLDS", "PrefillCost", "PrefillCostFit", "attention_pairs", "hold_pays"]

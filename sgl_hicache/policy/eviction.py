@@ -9,8 +9,6 @@ from __future__ import annotations
 from typing import Callable
 
 from ..tree.node import TreeNode
-from .probation import probation, slru
-from .retention import stretch
 
 EvictionPriority = Callable[[TreeNode], tuple]
 
@@ -25,7 +23,7 @@ def lfu(node: TreeNode) -> tuple:
     return (node.hit_count, node.last_access, node.id)
 
 
-_POLICIES: dict[str, EvictionPriority] = {"lru": lru, "lfu": lfu, "probation": probation, "slru": slru, "stretch": stretch}
+_POLICIES: dict[str, EvictionPriority] = {"lru": lru, "lfu": lfu}
 
 # policies whose keys only grow with use: the tree keeps their order incrementally (`tree/leaves.py`)
 INCREMENTAL = frozenset(_POLICIES)

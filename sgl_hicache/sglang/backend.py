@@ -69,7 +69,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 # the core's match (`TieredCache.match`), named apart from SGLang's `MatchResult`, which this module returns
 from ..cache import PrefixMatch
 from ..controller import Admission
-from ..policy.admission import PrefillCostFit, QueueOrder
+from ..policy.admission import PrefillCostFit
 from ..stats import prometheus_text
 from ..tiers.base import DEVICE, DISK
 from .assembly import assemble
@@ -155,7 +155,6 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
         self.deferred_rid: str | None = None  # the request init_load_back last answered "retry" (scheduler_hooks)
         self.held_rids: set[str] = set()  # requests held one round by `admission_hold` (scheduler_hooks.hold_new)
         self.prefill_cost_fit = PrefillCostFit()  # this rank's prefill steps (scheduler_hooks.time_prefill)
-        self.queue_order = QueueOrder()  # the waiting queue's order under fcfs (scheduler_hooks.order_queue)
         self.counters = BackendCounters()
         self.server_port = server_port
         self.req_states = RequestStates(self.controller, consensus)

@@ -109,7 +109,6 @@ def stats_snapshot(rc: TieredRadixCache, exact: bool = False) -> dict[str, Any]:
     cost = rc.prefill_cost()
     backend["prefill_cost"] = {"steps_timed": rc.prefill_cost_fit.steps, "fixed_s": cost.fixed_s if cost else None,
                                "per_token_s": cost.per_token_s if cost else None, "per_pair_s": cost.per_pair_s if cost else None}
-    backend["queue_reorders"] = rc.queue_order.reordered  # steps whose waiting queue admission_order changed
     snap["backend"] = backend
     snap["speculation"] = speculation.counters(rc.controller)
     snap["config"] = {
@@ -126,7 +125,6 @@ def stats_snapshot(rc: TieredRadixCache, exact: bool = False) -> dict[str, Any]:
         "layerwise_loads": rc.layer_loads is not None,
         "skip_waiting_admission": rc.settings.skip_waiting_admission,
         "admission_hold": rc.settings.admission_hold,
-        "admission_order": rc.settings.admission_order,
         "namespace": cache.namespace.description,
         "pool_kind": rc.device_pool.adapter.kind,  # the device-pool adapter serving SGLang's pool (mha, mla)
         "store": config.store_url,

@@ -32,18 +32,12 @@ Both do nothing unless the scheduler's tree cache is ours.
    now), against its new tokens and attention pairs (`step_pairs`), feed `cache.prefill_cost_fit`,
    the prefill cost that admission (1, `hold_new`) weighs. On an accelerator with the overlap
    scheduler this also counts the CPU work overlapped with the forward: an upper bound there.
-5. After the waiting queue is ordered (AFTER `SchedulePolicy.calc_priority`, every scheduling step),
-   only under SGLang's default order (`fcfs` without priority scheduling: another order is the user's
-   choice) and `admission_order=cost` (not the default: measured no better, issue 23): the queue's head (`ORDER_WINDOW` requests) is reordered by
-   `policy.admission.QueueOrder`, cheapest first at the measured prefill cost (`queued_work`), so
-   admission (1) offers short prefills before long ones and holds the long ones together.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-import weakref
 from typing import Any
 
 from ..policy.admission import attention_pairs, hold_pays
@@ -53,8 +47,6 @@ logger = logging.getLogger(__name__)
 ADD_ONE_REQ = "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"
 GET_NEW_BATCH_PREFILL = "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill"
 PROCESS_BATCH_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
-CALC_PRIORITY = "sglang.srt.managers.schedule_policy.SchedulePolicy.calc_priority"
-ORDER_WINDOW = 64  # the waiting queue's head that is costed and reordered (bounds the scheduler thread's work)
 
 
 def _our_cache(cache: Any) -> Any:
@@ -147,48 +139,6 @@ def hold_new(cache, req, batch: list) -> bool:
     return True
 
 
-# a waiting request not matched yet: its peeked (computed, context) tokens, computed once (the tree
-# walk hashes every page of its prompt); keyed by the request object, gone with it
-_peeked: "weakref.WeakKeyDictionary[Any, tuple[int, int]]" = weakref.WeakKeyDictionary()
-
-
-def queued_work(cache, req) -> tuple[int, int]:
-    """(tokens `req` would compute, cached tokens they attend to) if admitted now: from its last match
-    (`match_prefix`) when it had one, else from a match that touches nothing (its first, memoized)."""
-    st = cache.req_states.get(getattr(req, "rid", None))
-    m = st.last_match if st is not None else None
-    total = len(req.origin_input_ids) + len(req.output_ids)
-    if m is not None:
-        matched = m.device_tokens + (m.lower_tier_tokens if cache.settings.prefetch else m.host_tokens)
-        return max(0, total - matched), matched
-    if req in _peeked:
-        return _peeked[req]
-    matched = 0
-    if not (getattr(req, "extra_key", None) or getattr(req, "cache_salt", None)):
-        tokens = list(req.origin_input_ids) + list(req.output_ids)
-        p = cache.cache.match(tokens[:cache.cache.tree.page_aligned(tokens)], touch=False)
-        matched = p.device_tokens + (p.lower_tier_tokens if cache.settings.prefetch else p.host_tokens)
-    _peeked[req] = work = (max(0, total - matched), matched)
-    return work
-
-
-def order_queue(result, policy, waiting_queue=None, *args, **kwargs):
-    """AFTER `SchedulePolicy.calc_priority` (module docstring, 5)."""
-    cache = _our_cache(getattr(policy, "tree_cache", None))
-    if cache is None or not waiting_queue or len(waiting_queue) < 2 or cache.settings.admission_order != "cost":
-        return result
-    if getattr(getattr(policy, "policy", None), "value", None) != "fcfs" or getattr(policy, "enable_priority_scheduling", False):
-        return result
-    cost = cache.prefill_cost()
-    if cost is None:  # not measured yet: keep arrival order
-        return result
-    head = waiting_queue[:ORDER_WINDOW]
-    costs = [cost.marginal_s(*queued_work(cache, r)) for r in head]
-    order = cache.queue_order.order([r.rid for r in head], costs)
-    waiting_queue[:len(head)] = [head[i] for i in order]
-    return result
-
-
 def step_pairs(batch) -> float:
     """Attention pairs a prefill batch computes (`policy.admission.attention_pairs`), from SGLang's
     per-request `extend_lens` and `prefix_lens`; 0 when the batch does not carry them."""
@@ -243,8 +193,6 @@ def set_consumer_index(result, scheduler, *args, **kwargs):
         return result
     batch = getattr(result, "batch_to_run", None)  # a NextBatchPlan
     cache.after_batch_formed(getattr(batch, "reqs", None) or ())
-    if batch is not None and getattr(getattr(batch, "forward_mode", None), "is_extend", lambda: False)():
-        cache.queue_order.batch_formed()  # the waiting requests were passed over once more
     if cache.layer_loads is None:
         return result
     index = cache.layer_loads.batch_index()
@@ -260,8 +208,7 @@ def register_hooks() -> None:
     HookRegistry.register(GET_NEW_BATCH_PREFILL, record_landed_copies, HookType.BEFORE)
     HookRegistry.register(GET_NEW_BATCH_PREFILL, set_consumer_index, HookType.AFTER)
     HookRegistry.register(PROCESS_BATCH_RESULT, time_prefill, HookType.AFTER)
-    HookRegistry.register(CALC_PRIORITY, order_queue, HookType.AFTER)
 
 
-__all__ = ["order_queue", "queued_work", "computed_tokens", "context_tokens", "step_end", "step_pairs", "demand_shortfall_tokens", "extend_tokens", "hold_new", "keep_admitting", "record_landed_copies", "register_hooks", "set_consumer_index",
+__all__ = ["computed_tokens", "context_tokens", "step_end", "step_pairs", "demand_shortfall_tokens", "extend_tokens", "hold_new", "keep_admitting", "record_landed_copies", "register_hooks", "set_consumer_index",
            "time_prefill"]

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..config import DEFAULT_POLICY, ConfigError, TieringPolicy
-from ..policy.admission import ADMISSION_HOLDS, ADMISSION_ORDERS
+from ..policy.admission import ADMISSION_HOLDS
 
 ENV_PREFIX = "SGLHICACHE_"
 CONFIG_ENV = "SGLHICACHE_CONFIG"
@@ -74,7 +74,6 @@ class BackendSettings:
     layerwise_loads: bool = True  # init_load_back queues host->device copies per layer; the forward of layer i waits for layer i only
     skip_waiting_admission: bool = True  # a request whose prefetch is in flight is skipped this round, not the end of admission
     admission_hold: str = "cost"  # a request offered for the first time to a prefill batch that has one already waits a round: cost (when the measured prefill cost says the split lowers time to first token, policy/admission.py) | always | off
-    admission_order: str = "fcfs"  # the order waiting requests are offered to a prefill batch under SGLang's fcfs: fcfs (arrival) | cost (cheapest first at the measured prefill cost; a request passed over 4 batches goes first; policy/admission.QueueOrder; measured no better, issue 23)
     time_calls: bool = True  # time every cache call the scheduler makes (p50/p99/max in the stats)
     hint_port: int | None = None  # the hint API's port (sglang/hint_server.py); None: off; 0: any free port
     hint_host: str = "127.0.0.1"  # the hint API's bind address
@@ -92,7 +91,6 @@ class BackendSettings:
         need(isinstance(self.transfer_workers, int) and self.transfer_workers >= 1, f"transfer_workers must be an integer >= 1, got {self.transfer_workers!r}")
         need(self.load_timeout_s >= 0, f"load_timeout_s must be >= 0, got {self.load_timeout_s!r}")
         need(self.admission_hold in ADMISSION_HOLDS, f"admission_hold must be one of {', '.join(ADMISSION_HOLDS)}, got {self.admission_hold!r}")
-        need(self.admission_order in ADMISSION_ORDERS, f"admission_order must be one of {', '.join(ADMISSION_ORDERS)}, got {self.admission_order!r}")
         need(self.store is None or "://" in self.store, f"store must be a URL (mooncake://HOST:PORT or redis://HOST:PORT), got {self.store!r}")
         need(isinstance(self.store_min_hits, int) and self.store_min_hits >= 0, f"store_min_hits must be an integer >= 0, got {self.store_min_hits!r}")
         need(self.hint_port is None or (isinstance(self.hint_port, int) and 0 <= self.hint_port <= 65535),
