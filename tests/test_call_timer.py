@@ -31,7 +31,9 @@ def test_a_waiting_call_shows_wall_time_without_cpu_time_and_a_working_one_shows
     snap = timer.snapshot()
     waited, worked = snap["match_prefix"], snap["evict"]
     assert waited["count"] == worked["count"] == 3
-    assert waited["p50_us"] >= 25_000 and waited["cpu_p99_us"] < 10_000
+    # one-sided bounds the semantics guarantee on any machine: a 30 ms sleep lasts at least 30 ms of
+    # wall time and burns next to no CPU; a 30 ms busy loop burns at least 30 ms of CPU
+    assert waited["p50_us"] >= 25_000 and waited["cpu_p99_us"] < waited["p50_us"] / 2
     assert worked["cpu_p50_us"] >= 25_000 and worked["p50_us"] >= worked["cpu_p50_us"] * 0.99
 
 
@@ -53,7 +55,7 @@ def test_cpu_time_is_the_calling_threads_only() -> None:
         stop.set()
         t.join()
     got = timer.snapshot()["match_prefix"]
-    assert got["max_us"] >= 45_000 and got["cpu_max_us"] < 20_000
+    assert got["max_us"] >= 45_000 and got["cpu_max_us"] < got["max_us"] / 2
 
 
 def test_the_io_guard_counts_disk_writes_made_through_write_from(tmp_path) -> None:

@@ -416,10 +416,9 @@ def test_a_failed_stage_never_waits_for_the_copies_still_running(tmp_path):
     assert second_entered.wait(10)
     failed_op = job.stages[0].ops[0]
     assert failed_op.executed.wait(10) and failed_op.error is not None
-    t0 = time.monotonic()
     assert cache.advance(job) and job.failed
-    assert time.monotonic() - t0 < 5.0  # it did not wait for the held copy (the old code waited up to 60 s)
     running = job.stages[1].ops[0]
+    # it did not wait for the held copy: that copy is still blocked on second_go, and is left as an orphan
     assert not running.executed.is_set() and running in cache.orphans
     cache.release(job)
     second_go.set()

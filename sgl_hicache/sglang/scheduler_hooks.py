@@ -1,4 +1,4 @@
-"""Five hooks on SGLang 0.5.23's scheduler, registered through its `HookRegistry` by `plugin.register`.
+"""Six hooks on SGLang 0.5.23's scheduler, registered through its `HookRegistry` by `plugin.register`.
 Both do nothing unless the scheduler's tree cache is ours.
 
 1. Admission that never stalls the queue (AROUND `PrefillAdder.add_one_req`). When our
@@ -32,6 +32,10 @@ Both do nothing unless the scheduler's tree cache is ours.
    now), against its new tokens and attention pairs (`step_pairs`), feed `cache.prefill_cost_fit`,
    the prefill cost that admission (1, `hold_new`) weighs. On an accelerator with the overlap
    scheduler this also counts the CPU work overlapped with the forward: an upper bound there.
+6. After the scheduler is built (AFTER `Scheduler.__init__`): SGLang turns its own HiCache storage
+   prefetch on whenever `--hicache-storage-backend` is set (`scheduler.py:516`, read by
+   `_prefetch_kvcache`), even with another radix cache. With ours that flag only chooses our lower
+   tier (`hicache_flags.py`), so the scheduler's storage path is switched off again.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ logger = logging.getLogger(__name__)
 ADD_ONE_REQ = "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"
 GET_NEW_BATCH_PREFILL = "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill"
 PROCESS_BATCH_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
+SCHEDULER_INIT = "sglang.srt.managers.scheduler.Scheduler.__init__"
 
 
 def _our_cache(cache: Any) -> Any:
@@ -201,6 +206,13 @@ def set_consumer_index(result, scheduler, *args, **kwargs):
     return result
 
 
+def disown_hicache_storage(result, scheduler, *args, **kwargs):
+    """AFTER `Scheduler.__init__` (module docstring, 6)."""
+    if _our_cache(getattr(scheduler, "tree_cache", None)) is not None:
+        scheduler.enable_hicache_storage = False
+    return result
+
+
 def register_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -208,7 +220,8 @@ def register_hooks() -> None:
     HookRegistry.register(GET_NEW_BATCH_PREFILL, record_landed_copies, HookType.BEFORE)
     HookRegistry.register(GET_NEW_BATCH_PREFILL, set_consumer_index, HookType.AFTER)
     HookRegistry.register(PROCESS_BATCH_RESULT, time_prefill, HookType.AFTER)
+    HookRegistry.register(SCHEDULER_INIT, disown_hicache_storage, HookType.AFTER)
 
 
-__all__ = ["computed_tokens", "context_tokens", "step_end", "step_pairs", "demand_shortfall_tokens", "extend_tokens", "hold_new", "keep_admitting", "record_landed_copies", "register_hooks", "set_consumer_index",
+__all__ = ["disown_hicache_storage", "computed_tokens", "context_tokens", "step_end", "step_pairs", "demand_shortfall_tokens", "extend_tokens", "hold_new", "keep_admitting", "record_landed_copies", "register_hooks", "set_consumer_index",
            "time_prefill"]
