@@ -1,6 +1,6 @@
 """CPU time of one small device eviction on a full tree: the incremental leaf queue against a heap
-rebuilt over every evictable leaf on each call (what `TieredCache.evict` did before issue 10's O(1)
-bookkeeping; still the path for the `reuse` policy).
+rebuilt over every evictable leaf on each call (the path of an eviction order whose keys do not only grow,
+such as `reuse`).
 
     .venv/bin/python benchmarks/evict_calls.py --json evict_calls.json
     .venv/bin/python benchmarks/evict_calls.py --quick --json quick.json
@@ -12,7 +12,7 @@ under memory pressure: match a prompt (touching its path, so queued keys go stal
 `--pages` pages. Each eviction is timed with `time.thread_time()` (CPU time of the calling thread: a
 loaded 2-core machine deschedules the process for tens of ms, which wall time would report as the
 call's). Rounds alternate incremental / rebuilt (`--repeats`, medians of p50 / p99 / max), then the
-incremental queue under each of `--policies` (issue 25: `ratio_over_lru_p50`, at most 1.2).
+incremental queue under each of `--policies` (`ratio_over_lru_p50`; the bar is at most 1.2).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--pages", type=int, default=4, help="pages per eviction")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--policies", default="probation,slru,stretch", help="incremental policies timed beside LRU (issue 25: <= 1.2x LRU's p50)")
+    ap.add_argument("--policies", default="probation,slru,stretch", help="incremental policies timed beside LRU (the bar: <= 1.2x LRU's p50)")
     ap.add_argument("--quick", action="store_true", help="smallest size: 60 requests, 20 calls, 1 round")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()

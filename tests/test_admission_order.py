@@ -1,4 +1,4 @@
-"""`admission_order` (issue 23): under SGLang's default `fcfs`, the waiting queue's head is offered to
+"""`admission_order`: under SGLang's default `fcfs`, the waiting queue's head is offered to
 the prefill batch cheapest first at the measured prefill cost, and a request passed over by
 `max_bypasses` prefill batches goes first (`policy.admission.QueueOrder`,
 `sglang.scheduler_hooks.order_queue`)."""

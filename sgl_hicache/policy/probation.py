@@ -1,6 +1,6 @@
 """Probation: one-hit wonders go first (S3-FIFO's small queue, SGLang's `slru`), as pure priorities.
 
-Issue 25: on multi-turn chat 73 % of first turns never return. S3-FIFO (SOSP '23) filters such
+On multi-turn chat 73 % of first turns never return. S3-FIFO (SOSP '23) filters such
 one-hit wonders through a small probationary queue; SLRU keeps a probationary and a protected
 segment. On the radix tree both become one sortable key per node, lowest evicted first:
 

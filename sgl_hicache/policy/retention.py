@@ -1,7 +1,7 @@
 """Stretched lifetimes (`stretch`): LRU in which each node's idle time is credited with a fixed,
 node-drawn bonus, so some pages outlive the LRU horizon instead of all pages falling just short of it.
 
-Issue 25, measured on requests 0-5,999 of the shipped Mooncake trace (trace time): a chat page's
+Measured on requests 0-5,999 of the shipped Mooncake trace (trace time): a chat page's
 chance of being used again in the next moment is ~0 for its first 30 s idle and peaks at 60-240 s;
 30 % of new pages return, after a median of 126 s (p90 ~450 s). At 0.1-0.3x the working set the
 cache holds ~30-90 s of traffic, so LRU keeps every page for the same short time and loses nearly all
@@ -16,7 +16,7 @@ trace at trace clock x4 (2,000-5,000 all did about as well; 300-1,000 worse): ab
 gap between a session's turns there. It is a prior about chat sessions, not learned online. It
 pays only while the cache holds less than most gaps (0.1-0.3x the working set: +0.05 to +0.97 points
 on the held-out slices, 1-10 % of Belady's gain); at 0.5x it lost 1.55 points to LRU on Mooncake,
-so it is an option (`--eviction stretch`), not the default (docs/results.md, "Retention (issue 25)").
+so it is an option (`--eviction stretch`), not the default (docs/results.md, "Retention").
 
 The key only grows (a node's draw is fixed, its `last_access` only grows), so it keeps the incremental
 leaf queue's contract (`tree/leaves.py`): O(log n) per eviction, like LRU.

@@ -34,7 +34,7 @@ Both do nothing unless the scheduler's tree cache is ours.
    scheduler this also counts the CPU work overlapped with the forward: an upper bound there.
 5. After the waiting queue is ordered (AFTER `SchedulePolicy.calc_priority`, every scheduling step),
    only under SGLang's default order (`fcfs` without priority scheduling: another order is the user's
-   choice) and `admission_order=cost` (not the default: measured no better, issue 23): the queue's head (`ORDER_WINDOW` requests) is reordered by
+   choice) and `admission_order=cost` (not the default: measured no better, docs/benchmarks.md): the queue's head (`ORDER_WINDOW` requests) is reordered by
    `policy.admission.QueueOrder`, cheapest first at the measured prefill cost (`queued_work`), so
    admission (1) offers short prefills before long ones and holds the long ones together.
 """
@@ -127,7 +127,7 @@ def hold_new(cache, req, batch: list) -> bool:
     default) holds it when `policy.admission.hold_pays` says the split lowers the batch's summed
     time to first token at the measured prefill cost (`cache.prefill_cost()`, agreed by the ranks
     at TP >= 2), counting only the tokens it will compute (`computed_tokens`); `always` holds every
-    such request (the split SGLang HiCache's storage lookups make, issue 23's experiment); `off`
+    such request (the split SGLang HiCache's storage lookups make); `off`
     holds none. The same on every TP rank: the rids, the batch, the tree and the agreed cost are."""
     mode = cache.settings.admission_hold
     if mode == "off":

@@ -71,7 +71,7 @@ class BackendSettings:
     layerwise_loads: bool = True  # init_load_back queues host->device copies per layer; the forward of layer i waits for layer i only
     skip_waiting_admission: bool = True  # a request whose prefetch is in flight is skipped this round, not the end of admission
     admission_hold: str = "cost"  # a request offered for the first time to a prefill batch that has one already waits a round: cost (when the measured prefill cost says the split lowers time to first token, policy/admission.py) | always | off
-    admission_order: str = "fcfs"  # the order waiting requests are offered to a prefill batch under SGLang's fcfs: fcfs (arrival) | cost (cheapest first at the measured prefill cost; a request passed over 4 batches goes first; policy/admission.QueueOrder; measured no better, issue 23)
+    admission_order: str = "fcfs"  # the order waiting requests are offered to a prefill batch under SGLang's fcfs: fcfs (arrival) | cost (cheapest first at the measured prefill cost; a request passed over 4 batches goes first; policy/admission.QueueOrder; measured no better, docs/benchmarks.md)
     time_calls: bool = True  # time every cache call the scheduler makes (p50/p99/max in the stats)
     check_scheduler_io: bool = False  # count copies, disk writes, sleeps and waits inside scheduler calls (tests, diagnosis)
     consensus_check: bool = False  # TP >= 2: all-reduce a digest of each rank's tree and residency every step; stop on a difference (debug; tests)
