@@ -1,5 +1,5 @@
 """Cold restore with a probe on the real server: does `predict` bring a spilled session up before its
-continuation arrives? (issue 24, "the real CPU server")
+continuation arrives, on the real CPU server?
 
     .venv-sglang/bin/python benchmarks/chain_server.py --json out/chain_server.json
     .venv-sglang/bin/python benchmarks/chain_server.py --quick --json quick.json

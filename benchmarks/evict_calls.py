@@ -1,6 +1,6 @@
 """CPU time of one small device eviction on a full tree: the incremental leaf queue against a heap
-rebuilt over every evictable leaf on each call (what `TieredCache.evict` did before issue 10's O(1)
-bookkeeping; still the path for the `reuse` policy).
+rebuilt over every evictable leaf on each call (the path of an eviction order whose keys do not only grow,
+such as `reuse`).
 
     .venv/bin/python benchmarks/evict_calls.py --json evict_calls.json
     .venv/bin/python benchmarks/evict_calls.py --quick --json quick.json
@@ -12,7 +12,7 @@ under memory pressure: match a prompt (touching its path, so queued keys go stal
 `--pages` pages. Each eviction is timed with `time.thread_time()` (CPU time of the calling thread: a
 loaded 2-core machine deschedules the process for tens of ms, which wall time would report as the
 call's). Rounds alternate incremental / rebuilt (`--repeats`, medians of p50 / p99 / max), then the
-incremental queue under each of `--policies` (issue 25: `ratio_over_lru_p50`, at most 1.2).
+incremental queue under each of `--policies` (`ratio_over_lru_p50`; the bar is at most 1.2).
 """
 
 from __future__ import annotations

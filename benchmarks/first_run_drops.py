@@ -8,7 +8,7 @@ weights, `--max-total-tokens 1024` device pool, `--host-tokens 4096`, a fresh `-
 every other setting default), then `sgl-hicache replay TRACE --url ... --limit N --scale 16
 --max-new-tokens 4 --concurrency 4 --report R`, and the server's per-tier figures from the report's
 `server_stats`: tokens evicted from the device and host tiers, and of those the tokens dropped dirty
-(no copy below: lost). Issue 23's bar: dirty drops at most 1 % of the evicted tokens while the tier
+(no copy below: lost). The bar: dirty drops at most 1 % of the evicted tokens while the tier
 below has room. Optionally (`--restart`) a second server on the same disk directory replays the same
 requests (what the disk tier gives after a restart).
 

@@ -1,4 +1,4 @@
-"""Prepared GPU check (issue 10): the device tier on CUDA with a pinned host tier, moved by the project's
+"""The GPU check: the device tier on CUDA with a pinned host tier, moved by the project's
 own code, bit-exact, and layer-wise loads overlapped with compute. Run it whenever a GPU is lent:
 
     scripts/gpu_check.sh                # ~1 min on one H200 (budget 4 min); JSON to $OUT/gpu_check.json
@@ -32,7 +32,7 @@ Per size (KV of `--layers` x `--kv-heads` x `--head-dim` bf16, `--page-size` tok
    loader `--ahead` layers ahead of the compute. hidden = 1 - (t_overlapped - t_compute) / t_copy
    (1: the load is fully hidden; 0: none of it). `issue_ms` is the host time spent queueing the copies
    of one load: when it is close to t_copy the load is bound by the host, not by the link.
-0. Pool kinds (`gpu_check_kinds.py`, issue 26): an MLA-shaped pool (DeepSeek's 576-wide latent row,
+0. Pool kinds (`gpu_check_kinds.py`): an MLA-shaped pool (DeepSeek's 576-wide latent row,
    one plane) and fp8 pools (e4m3, e5m2), each device -> host -> disk -> host -> device bit for bit
    (`kinds` in the JSON).
 4. Correctness under overlap: every overlapped run's per-layer checksums equal the serial run's (load
@@ -418,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(json.dumps(result, indent=2) + "\n")
 
     ok = True
-    try:  # the pool kinds first (issue 26): small, and they must not be lost to the budget
+    try:  # the pool kinds first: small, and they must not be lost to the budget
         result["kinds"] = check_kinds(device, *((3, 4) if args.cpu_smoke else (16, 64)))
         ok &= all(k["bit_exact"] for k in result["kinds"].values())
     except Exception as exc:

@@ -1,4 +1,4 @@
-"""The GPU check's pool kinds (issue 26): an MLA-shaped pool (one latent + rope plane per layer,
+"""The GPU check's pool kinds: an MLA-shaped pool (one latent + rope plane per layer,
 DeepSeek V3's 576-wide row) and fp8 pools (e4m3, e5m2), each round-tripped bit for bit through the
 project's own stores and movers: device (`DeviceKVPool`, on CUDA) -> pinned host (the cache's
 handler) -> disk (`DiskPageStore.write_from`) -> host (`read_into`, after a reopen) -> device

@@ -1,4 +1,4 @@
-"""Does the tree-walk predictor pay where it can, and stay silent where it cannot? (issue 24)
+"""Does the tree-walk predictor pay where it can, and stay silent where it cannot?
 
     PYTHONPATH=. python benchmarks/prediction_pays.py --json out/prediction_pays.json
     PYTHONPATH=. python benchmarks/prediction_pays.py --quick      # smaller shapes, no chat trace

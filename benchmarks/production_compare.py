@@ -2,7 +2,7 @@
 
     python benchmarks/production_compare.py --json out/production_compare.json [--limit 2000] [--quick]
 
-Runs `recompute`, `demote`, `prefetch`, `predict` and `oracle` (the ceiling, issue 13) side by side (same trace, same capacities) for
+Runs `recompute`, `demote`, `prefetch`, `predict` and `oracle` (the ceiling) side by side (same trace, same capacities) for
 each (model, hardware) case below and reports TTFT, throughput and hit tokens per tier, with ratios
 against `recompute` and `demote`. Capacities are sized from each case's real memory: the device tier
 gets the KV room left on the GPUs after the weights (times `--device-fraction`), the host tier

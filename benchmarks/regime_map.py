@@ -1,4 +1,4 @@
-"""Where can any predictor matter? The regime map of issue 13.
+"""Where can any predictor matter? The regime map.
 
     python benchmarks/regime_map.py --json out/regime_map.json [--plot out/regime_map.png] [--quick]
 

@@ -1,4 +1,4 @@
-"""Retention (issue 25): eviction policies against LRU and the oracle, on every trace family, at
+"""Retention: eviction policies against LRU and the oracle, on every trace family, at
 0.1 / 0.2 / 0.3 x the working set.
 
     python benchmarks/retention.py --json out/retention.json [--quick]

@@ -22,7 +22,7 @@ The device pool is `--pool` x the slice's working set (so host and disk hits hap
 scheduler process (`sgl_hicache.sglang.call_timer`, setting `time_calls`); the report gives, per
 configuration and call, count / p50 / p99 / max in microseconds (the repeat with the median p99 of the
 worst call), the I/O the guard saw inside scheduler calls (`check_scheduler_io`), hit tokens per tier
-and TTFT. Goal of issue 10: p99 <= 1 ms and max <= 10 ms for every call.
+and TTFT. The goal: p99 <= 1 ms and max <= 10 ms for every call.
 """
 
 from __future__ import annotations

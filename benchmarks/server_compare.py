@@ -29,7 +29,7 @@ conversation trace with every 512-token block scaled to 32 tokens. Three configu
 - `sgl_hicache_noskip`, `sgl_hicache_hold`, `sgl_hicache_nohold` (only with
   `--configs`): the same with `skip_waiting_admission` off, or with `admission_hold` `always` (every
   new request waits a round while the prefill batch has one: the split HiCache's storage lookups
-  make, issue 23) or `off` (none waits; the default, `cost`, holds one where the measured prefill
+  make) or `off` (none waits; the default, `cost`, holds one where the measured prefill
   cost says it pays);
 - `sgl_hicache_spf`, `hicache_spf` (only with `--configs`): `sgl_hicache` and `hicache` with SGLang's
   own `--schedule-policy shortest-prefill-first` (experimental in SGLang; by uncached tokens).

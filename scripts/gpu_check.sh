@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prepared GPU check (issue 10), to run whenever a GPU machine is lent: the device tier on CUDA with a
+# The GPU check, to run whenever a GPU machine is lent: the device tier on CUDA with a
 # pinned host tier (bit-exact round trips through the cache's handlers and LayerwiseLoader), host<->device
 # GB/s against a plain pinned copy, and the share of a layer-wise load hidden behind per-layer compute.
 #

@@ -94,7 +94,7 @@ class TieringPolicy:
       measured eviction rate needs more (`policy/writeback.py: watermark_pages`);
     - `predictor="tree_walk"`: descendant prediction is on, beside the queue prefetch. It stays
       silent where nothing can be gained: 0 tokens promoted on every multi-turn trace family at
-      0.1-0.3x its working set (docs/results.md, "Prediction (issue 24)"), through the guard, the
+      0.1-0.3x its working set (docs/results.md, "Prediction"), through the guard, the
       shadow bets, the prefetch room and the stay test (`speculation.py`); `none` turns it off.
     """
 

@@ -1,4 +1,4 @@
-"""The commands the documentation gives, extracted so that tests can run them (issue 14: a test fails
+"""The commands the documentation gives, extracted so that tests can run them (a test fails
 if any documented command fails).
 
 Sources: every ```bash block of README.md, docs/*.md and benchmarks/README.md. A block is split into

@@ -1,4 +1,4 @@
-"""`admission_hold` (issue 23): a request offered for the first time to a prefill batch that already
+"""`admission_hold`: a request offered for the first time to a prefill batch that already
 has one waits one round where the measured prefill cost says the split pays (`cost`, the default),
 always (`always`) or never (`off`); its second offer always goes through."""
 
@@ -136,7 +136,7 @@ def test_the_hook_times_prefill_batches_from_their_launch(monkeypatch):
     assert fit.steps == 1 and fit._b[0] == pytest.approx(0.25)
 
 
-ATTENTION_BOUND = PrefillCost(fixed_s=0.17, per_token_s=2e-4, per_pair_s=4e-7)  # the shape measured on CPU (issue 23)
+ATTENTION_BOUND = PrefillCost(fixed_s=0.17, per_token_s=2e-4, per_pair_s=4e-7)  # the shape measured on CPU
 
 
 def test_attention_makes_a_short_prompt_after_a_long_context_worth_holding():

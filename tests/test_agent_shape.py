@@ -1,4 +1,4 @@
-"""The `agent` shape (issue 24): tool-call pauses of documented, seeded durations, other users'
+"""The `agent` shape: tool-call pauses of documented, seeded durations, other users'
 traffic that spills a paused session, and the hints an agent framework sends; and what the
 embedded engine does with it (the hints bring a paused session back before it resumes, the walk
 alone stays silent)."""

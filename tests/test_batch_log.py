@@ -1,4 +1,4 @@
-"""The per-step scheduler log (`sgl_hicache.sglang.batch_log`, a diagnostic for issue 23): off
+"""The per-step scheduler log (`sgl_hicache.sglang.batch_log`, a diagnostic of batch composition): off
 unless `SGLH_BATCH_LOG_DIR` is set; then one JSON line per scheduling pass with a queue or an
 admission, and one per forward batch."""
 

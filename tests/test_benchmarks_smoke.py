@@ -249,26 +249,6 @@ def test_agentic_trace_builds_sessions_that_extend_their_prompt() -> None:
     assert all(r["prompt"].startswith("DOCS\n") for r in rows)
 
 
-def test_continuation_signal_scores_every_tip_as_a_promotion_policy() -> None:
-    from types import SimpleNamespace
-
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import continuation_signal
-
-    sys_prompt = list(range(4))  # one shared page (page 4, align 4)
-    a1 = sys_prompt + [10, 11, 12, 13]
-    a2 = a1 + [14, 15, 16, 17]  # conversation a comes back twice
-    a3 = a2 + [18, 19, 20, 21]
-    b1 = sys_prompt + [30, 31, 32, 33]  # conversation b never does
-    reqs = [SimpleNamespace(input_ids=ids, arrival_s=t) for ids, t in ((a1, 0.0), (b1, 1.0), (a2, 5.0), (sys_prompt, 6.0), (a3, 9.0))]
-    out = continuation_signal.analyse(reqs, page_size=4, align=4, time_scale=2.0)
-    assert out["tips"] == 4 and out["returns"] == 2  # the bare system prompt has no tip of its own
-    every = out["by_min_turn"][0]
-    assert every["precision"] == 2 / 4 and every["coverage"] == 1.0  # a1, a2 came back; b1, a3 did not
-    assert out["by_min_turn"][1]["precision"] == 1 / 2 and out["by_min_turn"][1]["coverage"] == 1 / 2  # a2, a3
-    assert out["gap_s"]["p10"] == 8.0 and out["gap_s"]["p50"] == 10.0  # (9 - 5) and (5 - 0), at time scale 2
-
-
 def test_tp_consensus_smoke(tmp_path: Path) -> None:
     result = _run("tp_consensus.py", tmp_path / "tp.json")
     assert result["benchmark"] == "tp_consensus" and result["config"]["quick"]

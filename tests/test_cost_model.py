@@ -123,7 +123,7 @@ def test_presets_match_their_sources():
 
 
 def test_cpu_local_preset_matches_the_measured_prefill():
-    # DESIGN.md: a 2,048-token bench-llama prefill takes ~1.1-1.5 s in SGLang on this machine
+    # measured: a 2,048-token bench-llama prefill takes ~1.1-1.5 s in SGLang on this machine
     assert 1.0 <= prefill_seconds(MODELS["bench-llama"], HARDWARE["cpu-local"], 2048, 0) <= 1.6
 
 

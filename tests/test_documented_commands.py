@@ -1,4 +1,4 @@
-"""Every documented command works (issue 14): the commands of README.md, docs/ and benchmarks/README.md
+"""Every documented command works: the commands of README.md, docs/ and benchmarks/README.md
 that run without SGLang, and the examples/ scripts that do not start a server.
 
 - Each command is checked in parse-only mode (tests/documented.py): the Python programs it starts check

@@ -28,7 +28,7 @@ def test_cpu_smoke_writes_the_report(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
     assert result["benchmark"] == "gpu_check" and result["mode"] == "cpu_smoke" and result["ok"] is True
-    kinds = result["kinds"]  # issue 26: the MLA-shaped and fp8 pools' round trips ran and were bit-exact
+    kinds = result["kinds"]  # the MLA-shaped and fp8 pools' round trips ran and were bit-exact
     assert set(kinds) == {"mla_bf16", "mla_fp8_e4m3", "mha_fp8_e4m3", "mha_fp8_e5m2"}
     assert all(k["bit_exact"] for k in kinds.values()), kinds
     (size,) = result["sizes"].values()

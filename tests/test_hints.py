@@ -1,4 +1,4 @@
-"""Client hints (issue 24; sglang #27574's shape): parsed from trace lines with errors that name the
+"""Client hints (sglang #27574's shape): parsed from trace lines with errors that name the
 line and the field, run through the controller (`HintDesk`), pins bounded and expiring, and
 replayed by the embedded engine."""
 

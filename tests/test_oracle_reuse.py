@@ -1,4 +1,4 @@
-"""Issue 13: the oracle (Belady + perfect prefetch), the reuse model's retention, and the guard
+"""The oracle (Belady + perfect prefetch), the reuse model's retention, and the guard
 against harmful promotion. Behaviour, not figures: the figures are in benchmarks/regime_map.py."""
 
 from __future__ import annotations

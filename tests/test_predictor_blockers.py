@@ -1,4 +1,4 @@
-"""Issue 24: each part of the prediction path that used to stop promotion on its own, one test each
+"""Each part of the prediction path that used to stop promotion on its own, one test each
 (learned half-life, windowed per-trigger guard, room made over lower-ranked host pages only, fresh
 promoted pages, the head of an oversized node, a budget from lead time x link rate, speculative
 copies charged and ordered), and the generated shapes where prediction can pay."""

@@ -1,4 +1,4 @@
-"""Demand preempts prefetch (issue 13's agentic regression): a queue prefetch never delays a demand
+"""Demand preempts prefetch (long agentic prompts against a small device tier): a queue prefetch never delays a demand
 load on a link, never stalls the head of the queue with the locks it holds, and starts only while the
 host tier has room to spare. Behaviour, not figures (those are in docs/results.md)."""
 

@@ -1,4 +1,4 @@
-"""Issue 7, corrupt data *through the cache*: every kind of bad page file is a miss, counted,
+"""Corrupt data *through the cache*: every kind of bad page file is a miss, counted,
 removed (or ignored where it is not ours), logged once per reason, and never an exception out of
 match / promote / insert. The store-level twins of these tests are in tests/test_disk_store.py.
 

@@ -1,4 +1,4 @@
-"""Issue 7, bad input from users: bad configuration values raise ConfigError naming the field; random
+"""Bad input from users: bad configuration values raise ConfigError naming the field; random
 flag values given to `sgl-hicache replay` end with status 0 or 2 and a one-line message, never an
 uncaught exception (hypothesis, in-process through `sgl_hicache.cli.main`, a three-request trace)."""
 

@@ -1,4 +1,4 @@
-"""Issue 7, full disk and failing I/O *through the cache*: when the disk tier's directory runs out of
+"""Full disk and failing I/O *through the cache*: when the disk tier's directory runs out of
 space or turns read-only, the disk tier stops accepting writes with one clear log line and a metric,
 serving goes on from device and host (and from the pages already on disk), and writes resume after
 the retry interval once the medium works again (on a fake clock).

@@ -1,4 +1,4 @@
-"""Issue 7, isolation through the cache: two model namespaces (another KV layout, another page size)
+"""Isolation through the cache: two model namespaces (another KV layout, another page size)
 and two tenant salts sharing one disk directory never hit each other's pages, never delete them, and
 each gets its own back after a restart; page paths are always inside the directory whatever the
 key; malformed keys are refused before they name a path; files are 0600, directories 0700."""

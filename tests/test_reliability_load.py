@@ -1,4 +1,4 @@
-"""Issue 7, concurrency and load: six threads serve, match, prefetch through a started transfer
+"""Concurrency and load: six threads serve, match, prefetch through a started transfer
 engine, promote on demand, evict every tier and (one of them) attack the disk tier -- flipping bits
 in page files and making writes fail with ENOSPC -- all at once on one cache, for a bounded time.
 

@@ -1,4 +1,4 @@
-"""The real CPU server serves a chain replay's continuations from the predictor's promotions (issue 24).
+"""The real CPU server serves a chain replay's continuations from the predictor's promotions.
 
 `benchmarks/chain_server.py` (its own code path, one repeat, small): the `chain` shape (7 sessions of 3
 turns, 640-token histories, interleaved so that the 1,024-token device pool and 2,048-token host tier

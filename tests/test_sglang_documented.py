@@ -1,4 +1,4 @@
-"""Every documented command that needs SGLang works (issue 14; the core side is
+"""Every documented command that needs SGLang works (the core side is
 tests/test_documented_commands.py):
 
 - each command of README.md / docs/ that launches or benchmarks the server is checked in parse-only

@@ -221,7 +221,7 @@ def test_e2e_replay_hits_and_kv_correctness(start_server, workdir, shared):
 
     t0 = time.monotonic()
     disk = workdir / "disk"
-    # the default settings (issue 23): write-through at commit device -> host and host -> disk, and
+    # the default settings: write-through at commit device -> host and host -> disk, and
     # eviction that never copies; the drops are bounded after the replay below
     srv = start_server("first", disk)
     shared["disk"] = disk
@@ -243,7 +243,7 @@ def test_e2e_replay_hits_and_kv_correctness(start_server, workdir, shared):
     assert hits["host"] > 0, hits
     # write-through at commit keeps pace with eviction: at most 1 % of the tokens each tier evicted
     # were dropped dirty (the tier below had room: host and disk evict clean copies first), plus one
-    # page of slack each (on main before write-through at commit: 1.8 % on the README's first run)
+    # page of slack each (without write-through at commit the README's first run dropped 1.8 %)
     st0 = _settled_pool(srv)
     evicted, dirty = st0["evicted_tokens"], st0["dropped_dirty_tokens"]
     print(f"\nevicted {evicted}, dropped dirty {dirty}")

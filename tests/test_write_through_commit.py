@@ -1,4 +1,4 @@
-"""Write-through at commit (issue 23): a request's committed device pages get their host copies
+"""Write-through at commit: a request's committed device pages get their host copies
 started at commit, not at the next step's pump (which in the server runs after the next admission
 has evicted them), so an eviction right after finds them clean. Behaviour, not figures."""
 

@@ -168,7 +168,7 @@ HARDWARE: dict[str, HardwarePreset] = {
     "8xh200": HardwarePreset("8xh200", 8, disk_read_bandwidth=25 * GB, disk_write_bandwidth=15 * GB, **_H200),
     # this 2-core CPU box, from `measure_local()` on it: bf16 512^3 matmul 0.83-0.94 TFLOP/s, a 64 MiB
     # copy ~23 GB/s (rounded down: the box is shared). mfu 0.45 puts a 2,048-token bench-llama prefill
-    # at ~1.2 s, inside the 1.1-1.5 s SGLang measured here (DESIGN.md). "device" and "host" are the
+    # at ~1.2 s, inside the 1.1-1.5 s SGLang's own prefill measured here. "device" and "host" are the
     # same DRAM, so the host link is the memcpy rate. Disk figures are placeholders for a VM's SSD.
     "cpu-local": HardwarePreset(
         "cpu-local", 1, peak_flops=0.85e12, mfu=0.45, hbm_bandwidth=20 * GB, host_link_bandwidth=20 * GB,

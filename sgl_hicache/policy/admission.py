@@ -5,7 +5,7 @@ fitted online from the server's own steps by `PrefillCostFit`), where `tokens` a
 the step computes and `pairs` the attention pairs they form: a request computing t tokens after a
 context of c cached tokens forms ``t * (c + t / 2)`` (each new token attends to the context and to
 the new tokens before it). The last term is what makes a long prompt, or a short one after a long
-cached prefix, cost more than its token count says (measured on CPU, issue 23: with it the fit's
+cached prefix, cost more than its token count says (measured on CPU: with it the fit's
 residual fell from 1.03 s to 0.40 s a step). A request's marginal cost in a step is
 ``per_token_s * t + per_pair_s * t * (c + t / 2)`` (`PrefillCost.marginal_s`): requests in one
 batch add their costs, the fixed part is paid once.
@@ -21,7 +21,7 @@ The sum of the first-token times is lower with the hold exactly when ``n * m > f
 splitting the batch lets the first requests finish early; when the step's fixed part dominates
 (short prefills, a prefix-cache hit, a launch-bound forward), batching is free and nothing is held.
 That is the split SGLang HiCache makes by accident (a request stays queued while its storage lookup
-runs) made on purpose, and only where it pays (issue 23).
+runs) made on purpose, and only where it pays (docs/benchmarks.md, "The admission hold").
 """
 
 from __future__ import annotations

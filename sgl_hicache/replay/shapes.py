@@ -1,4 +1,4 @@
-"""Generated workloads where a prediction below the match point can pay (issue 24).
+"""Generated workloads where a prediction below the match point can pay.
 
 Each shape is deterministic for its arguments (token ids are built, not drawn; the only randomness
 is a seeded jitter of arrivals) and tags every request in `request_id`, ``"<session>/<role>"``, so

@@ -1,7 +1,7 @@
 """A per-step log of SGLang's scheduler, for any radix cache (ours, SGLang's HiCache, its default):
 which requests wait in the queue at each scheduling pass, which are admitted with how many tokens
 to compute, and how long each forward batch ran. A diagnostic for comparing two servers' batch
-composition (issue 23): it writes a JSON line from the scheduler thread per pass, so it is off
+composition: it writes a JSON line from the scheduler thread per pass, so it is off
 unless `SGLH_BATCH_LOG_DIR` names a directory (one file per scheduler process, `batches-<pid>.jsonl`).
 
 Records:

@@ -1,4 +1,4 @@
-"""The server's hint API (issue 24; sglang #27574's shape): a small HTTP listener in the scheduler
+"""The server's hint API (sglang #27574's shape): a small HTTP listener in the scheduler
 process that takes client hints and hands them to the scheduler thread, which applies them through
 the controller's `HintDesk` once per step (`StepCalls.before_batch_formed`). The listener's thread
 only parses and queues: it never touches the tree.

@@ -124,7 +124,7 @@ def hold_new(cache, req, batch: list) -> bool:
     default) holds it when `policy.admission.hold_pays` says the split lowers the batch's summed
     time to first token at the measured prefill cost (`cache.prefill_cost()`, agreed by the ranks
     at TP >= 2), counting only the tokens it will compute (`computed_tokens`); `always` holds every
-    such request (the split SGLang HiCache's storage lookups make, issue 23's experiment); `off`
+    such request (the split SGLang HiCache's storage lookups make); `off`
     holds none. The same on every TP rank: the rids, the batch, the tree and the agreed cost are."""
     mode = cache.settings.admission_hold
     if mode == "off":

@@ -5,8 +5,8 @@ enough) is the master of an OpenMP team of its own, as many threads as the proce
 setting. The cache's transfer workers copying pages in the background then start teams beside the
 model's forward, on the same cores: more busy threads than cores, and the forward's parallel regions
 wait at their barriers for threads the OS took off a core. On the 2-core CPU server that made a
-small-step workload 1.7x slower in TTFT than SGLang's HiCache (docs/benchmarks.md, issue 23, tenth
-session). A page copy gains little from a team; the forward loses a lot. So each of our worker
+small-step workload 1.7x slower in TTFT than SGLang's HiCache (docs/benchmarks.md, "Copy threads and
+OpenMP"). A page copy gains little from a team; the forward loses a lot. So each of our worker
 threads caps its own OpenMP team at one thread (`omp_set_num_threads` acts on the calling thread
 only). On a GPU the copies are on streams and this changes nothing measurable.
 """
