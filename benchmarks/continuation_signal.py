@@ -23,7 +23,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sgl_hicache.replay import load_trace  # noqa: E402
+from sgl_hicache.replay import load_trace
 
 
 def page_keys(ids: list[int], page_size: int, align: int) -> list[int]:
@@ -79,7 +79,7 @@ def analyse(requests: list, page_size: int, align: int, time_scale: float, max_t
     scored = [i for i in range(len(requests)) if turn[i] >= 0]
     back = [i for i in scored if returned[i]]
     by_turn = []
-    for k in range(0, max_turn + 1):
+    for k in range(max_turn + 1):
         pred = [i for i in scored if turn[i] >= k]
         hit = [i for i in pred if returned[i]]
         by_turn.append({"min_turn": k, "predicted": len(pred), "precision": len(hit) / len(pred) if pred else None,

@@ -188,9 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                 row["restart"] = serve_and_replay(trace, disk, work, a, f"{name}-restart")
             results["traces"][name] = row
             first = row["first"]
-            if "error" in first or first.get("requests_failed"):
-                ok = False
-            elif max(first["device_dirty_drop_share"], first["host_dirty_drop_share"]) > a.max_drop:
+            if "error" in first or first.get("requests_failed") or max(first["device_dirty_drop_share"], first["host_dirty_drop_share"]) > a.max_drop:
                 ok = False
             print(f"{name}: {json.dumps({k: v for k, v in first.items() if k != 'hit_tokens'})}", file=sys.stderr)
     text = json.dumps(results, indent=1)

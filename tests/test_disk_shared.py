@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import assert_device_kv, make_cache, serve
+from test_disk_crash import LAYOUT, PAGE, CrashHelper, page_data
+
 from sgl_hicache.hashing import Namespace, page_key
 from sgl_hicache.tiers.base import DISK, PageCorruptError, PageGoneError
 from sgl_hicache.tiers.disk import DiskPageStore
 from sgl_hicache.tiers.disk.ledger import SHARED_DIR
-from test_disk_crash import LAYOUT, PAGE, CrashHelper, page_data
 
 NS = Namespace.for_model(LAYOUT, PAGE)
 

@@ -12,8 +12,14 @@ from array import array
 import pytest
 
 from sgl_hicache.policy.hints import Hint
-from sgl_hicache.replay.hint_client import (HintApiError, HintSender, ResolvedHint, hint_api_status, hint_api_url,
-                                            resolve_hints)
+from sgl_hicache.replay.hint_client import (
+    HintApiError,
+    HintSender,
+    ResolvedHint,
+    hint_api_status,
+    hint_api_url,
+    resolve_hints,
+)
 from sgl_hicache.replay.http import ServerError, ServerModel, replay_http
 from sgl_hicache.replay.trace import Request
 from sgl_hicache.sglang.hint_server import HintListener

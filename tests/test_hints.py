@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import make_cache, serve
+from test_oracle_reuse import PS, Clock, seq
+
 from sgl_hicache.controller import ControllerSettings, RequestController
 from sgl_hicache.policy.hints import Hint, HintError, HintLimits, hint_tokens
 from sgl_hicache.policy.predictor import Predictor
@@ -16,7 +17,6 @@ from sgl_hicache.replay import load_trace
 from sgl_hicache.replay.trace import TraceError
 from sgl_hicache.tiers.base import DEVICE, HOST
 from sgl_hicache.transfer.executors import VirtualExecutor, VirtualPipes
-from test_oracle_reuse import PS, Clock, seq
 
 
 def _write(tmp_path, rows):

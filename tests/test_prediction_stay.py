@@ -6,13 +6,14 @@ evicted before its request arrives."""
 from __future__ import annotations
 
 from conftest import make_cache, serve
+from test_oracle_reuse import PS, Clock, seq
+from test_predictor_blockers import _controller, _disk_only, _Fixed
+
 from sgl_hicache.policy.guard import PromotionGuard
 from sgl_hicache.policy.predictor import Prediction
 from sgl_hicache.policy.writeback import fresh_copy_stay_s, host_pages_before_fresh_copy
 from sgl_hicache.speculation import host_stay_s
 from sgl_hicache.tiers.base import DEVICE, DISK, HOST
-from test_oracle_reuse import PS, Clock, seq
-from test_predictor_blockers import _controller, _disk_only, _Fixed
 
 
 def _host_and_disk(cache, tokens):

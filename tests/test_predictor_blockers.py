@@ -6,8 +6,9 @@ copies charged and ordered), and the generated shapes where prediction can pay."
 from __future__ import annotations
 
 import pytest
-
 from conftest import make_cache, serve
+from test_oracle_reuse import PS, Clock, seq
+
 from sgl_hicache import speculation
 from sgl_hicache.controller import ControllerSettings, RequestController
 from sgl_hicache.policy.guard import PromotionGuard, QueueDelay
@@ -16,7 +17,6 @@ from sgl_hicache.replay.shapes import branch, chain, role_of
 from sgl_hicache.tiers.base import DEVICE, DISK, HOST
 from sgl_hicache.transfer.executors import VirtualExecutor, VirtualPipes
 from sgl_hicache.tree.traffic import HalfLife
-from test_oracle_reuse import PS, Clock, seq
 
 
 # ---- the half-life ------------------------------------------------------------------------------

@@ -5,12 +5,13 @@ host tier has room to spare. Behaviour, not figures (those are in docs/results.m
 from __future__ import annotations
 
 from conftest import make_cache, serve
+from test_oracle_reuse import PS, Clock, seq
+
 from sgl_hicache.controller import ControllerSettings, RequestController
 from sgl_hicache.policy.guard import PromotionGuard
 from sgl_hicache.policy.predictor import Predictor
 from sgl_hicache.tiers.base import DEVICE, HOST
 from sgl_hicache.transfer.executors import VirtualExecutor, VirtualPipes
-from test_oracle_reuse import PS, Clock, seq
 
 
 def test_a_demand_copy_goes_ahead_of_queued_prefetches():

@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import SMALL_LAYOUT
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from conftest import SMALL_LAYOUT
 from sgl_hicache.cache import TieredCache
 from sgl_hicache.cli import main
 from sgl_hicache.config import CacheConfig, ConfigError, KVLayout

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SMALL_LAYOUT, kv_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import SMALL_LAYOUT, kv_for
 from sgl_hicache.cache import TieredCache
 from sgl_hicache.config import CacheConfig, KVLayout
 from sgl_hicache.hashing import KEY_BYTES, Namespace

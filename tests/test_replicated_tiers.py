@@ -15,8 +15,13 @@ from sgl_hicache.hashing import Namespace, page_key
 from sgl_hicache.tiers.base import DEVICE, DISK, HOST, SlotAllocator, TierIOError
 from sgl_hicache.tiers.disk import DiskPageStore
 from sgl_hicache.tiers.memory import DeviceKVPool
-from sgl_hicache.tiers.replicated import (LowestFirstSlots, MirrorDiskStore, SharedHostBuffer, new_shared_file,
-                                          unlink_shared_file)
+from sgl_hicache.tiers.replicated import (
+    LowestFirstSlots,
+    MirrorDiskStore,
+    SharedHostBuffer,
+    new_shared_file,
+    unlink_shared_file,
+)
 from sgl_hicache.transfer.handlers import default_handlers, execute, follower_handlers
 from sgl_hicache.transfer.ops import TransferOp
 

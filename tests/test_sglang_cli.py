@@ -30,7 +30,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import NEEDS_SGLANG, mooncake_trace
 from documented import documented_commands
 

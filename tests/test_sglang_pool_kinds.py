@@ -225,7 +225,6 @@ def test_mla_at_tp2_is_one_copy_for_the_group_with_rank_free_keys(tmp_path):
     from sgl_hicache.sglang.assembly import cache_config
     from sgl_hicache.sglang.device_pool import SGLangDevicePool
     from sgl_hicache.sglang.rank_consensus import RankConsensus
-
     from sgl_hicache.sglang.settings import BackendSettings
 
     s = BackendSettings(host_tokens=64, disk_dir=str(tmp_path / "disk"), disk_tokens=1024)

@@ -21,7 +21,6 @@ import shutil
 import time
 
 import pytest
-
 from conftest import NEEDS_SGLANG
 from test_sglang_e2e import VOCAB, _prompt, _wait_for, make_model
 

@@ -129,7 +129,7 @@ def test_backend_demotes_and_loads_back_exact_kv(tmp_path, page_size):
         assert req.storage_hit_length > 0 and req.storage_hit_start == 48 - req.storage_hit_length
         new_slots = cache.path_device_indices(loaded[1])
         assert len(new_slots) == 48
-        assert cache.layer_loads is not None and cache.layer_loads.inflight or cache.layer_loads.loads == 1
+        assert (cache.layer_loads is not None and cache.layer_loads.inflight) or cache.layer_loads.loads == 1
         for layer in range(2):  # the layer-wise load: what SGLang's KV pool calls before reading a layer
             cache.layer_loads.wait_until(layer)
         assert torch.equal(kv.k_buffer[1][new_slots], before[0]) and torch.equal(kv.v_buffer[0][new_slots], before[1])
@@ -160,11 +160,11 @@ def test_layered_moves_on_the_real_pool_are_bit_exact(monkeypatch, page_size):
     import torch
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    from sgl_hicache.transfer.ops import TransferOp
     from sgl_hicache.sglang.device_pool import SGLangDevicePool
     from sgl_hicache.tiers.base import DEVICE, HOST
     from sgl_hicache.tiers.memory import HostKVBuffer
     from sgl_hicache.transfer import handlers
+    from sgl_hicache.transfer.ops import TransferOp
     from sgl_hicache.tree.node import TreeNode
 
     layers, heads, dim = 4, 8, 128  # 16 KiB of KV per token

@@ -4,12 +4,13 @@ copying them, and makes real copies only once requests have used enough of what 
 from __future__ import annotations
 
 from conftest import make_cache
+from test_oracle_reuse import PS, Clock, seq
+from test_predictor_blockers import _controller, _disk_only, _Fixed
+
 from sgl_hicache.policy.guard import PromotionGuard
 from sgl_hicache.policy.predictor import Prediction
 from sgl_hicache.policy.shadow import ShadowBets
 from sgl_hicache.tree.node import TreeNode
-from test_oracle_reuse import PS, Clock, seq
-from test_predictor_blockers import _controller, _disk_only, _Fixed
 
 
 def _node(pages: int = 1) -> TreeNode:

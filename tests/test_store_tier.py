@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from conftest import SMALL_LAYOUT, assert_device_kv, kv_for
 
 from sgl_hicache.cache import TieredCache
 from sgl_hicache.config import CacheConfig, KVLayout
@@ -26,8 +27,6 @@ from sgl_hicache.tiers.store import SharedStoreTier
 from sgl_hicache.tiers.store_local import start_mooncake, start_redis
 from sgl_hicache.transfer.engine import TransferEngine
 from sgl_hicache.transfer.executors import ThreadExecutor
-
-from conftest import SMALL_LAYOUT, assert_device_kv, kv_for
 
 PS = 4
 

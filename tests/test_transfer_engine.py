@@ -11,12 +11,12 @@ import threading
 import time
 
 import pytest
-
 from conftest import assert_device_kv, make_cache, serve
+
 from sgl_hicache.cache import TieredCache
-from sgl_hicache.transfer.ops import Cancelled
 from sgl_hicache.tiers.base import DEVICE, DISK, HOST
 from sgl_hicache.transfer.engine import TransferEngine
+from sgl_hicache.transfer.ops import Cancelled
 
 
 def seq(start: int, pages: int, page_size: int = 4) -> list[int]:

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import torch
 from conftest import SMALL_LAYOUT, kv_for
+from test_oracle_reuse import PS, Clock, seq
+
 from sgl_hicache.assemble import build_cache
 from sgl_hicache.config import CacheConfig
 from sgl_hicache.controller import ControllerSettings, RequestController
 from sgl_hicache.policy.predictor import Predictor
 from sgl_hicache.tiers.base import DEVICE, HOST
 from sgl_hicache.transfer.executors import VirtualExecutor, VirtualPipes
-from test_oracle_reuse import PS, Clock, seq
 
 
 def _setup(device=8, host=16):

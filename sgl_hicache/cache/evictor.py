@@ -27,7 +27,7 @@ class Evictor:
     prefix-closed; evicting 0 pages is always safe and frees nothing.
     """
 
-    def __init__(self, cache: "TieredCache") -> None:
+    def __init__(self, cache: TieredCache) -> None:
         self.cache = cache
 
     def evict(self, tier: str, num_pages: int, spare_device_copies: bool = False) -> int:

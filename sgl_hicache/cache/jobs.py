@@ -36,7 +36,7 @@ class PromotionJobs:
     already running; `reap_orphans` never waits. The caller holds the cache's lock.
     """
 
-    def __init__(self, cache: "TieredCache") -> None:
+    def __init__(self, cache: TieredCache) -> None:
         self.cache = cache
         # cancelled copies of failed promotions still running on a worker (`_fail`, `reap_orphans`)
         self.orphans: list[TransferOp] = []

@@ -26,11 +26,11 @@ class LowerTier:
     whose page is unreadable, and the nodes held nowhere else.
     """
 
-    def __init__(self, cache: "TieredCache") -> None:
+    def __init__(self, cache: TieredCache) -> None:
         self.cache = cache
         # copies into the disk tier not applied yet: their pages may be stored before the tree
         # claims them, and must not be taken for orphaned files (`evict_orphans`)
-        self.writes_in_flight: set["TransferOp"] = set()
+        self.writes_in_flight: set[TransferOp] = set()
 
     @property
     def store(self):

@@ -35,7 +35,7 @@ class Transactions:
     `stats.errors`, never wrong KV.
     """
 
-    def __init__(self, cache: "TieredCache") -> None:
+    def __init__(self, cache: TieredCache) -> None:
         self.cache = cache
         # (error name, reason) pairs already logged at WARNING: the rest go to DEBUG (one line per reason)
         self._logged_errors: set[tuple[str, str]] = set()

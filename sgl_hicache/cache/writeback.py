@@ -23,7 +23,7 @@ class WritebackPlanner:
     holds the cache's lock.
     """
 
-    def __init__(self, cache: "TieredCache") -> None:
+    def __init__(self, cache: TieredCache) -> None:
         self.cache = cache
         # per (src, dst) link, the state in which planning last found nothing to do
         self._idle: dict[tuple[str, str], tuple] = {}

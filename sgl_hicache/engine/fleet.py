@@ -25,9 +25,9 @@ from typing import Any
 
 from ..hashing import Namespace
 from ..replay.trace import Request
+from ..report import REPORT_VERSION, policy_report
 from ..tiers.store import SharedStoreTier
 from ..tiers.store_backends import MemoryBackend
-from ..report import REPORT_VERSION, policy_report
 from .run import settings_of
 from .simulator import EmbeddedEngine, EngineConfig
 

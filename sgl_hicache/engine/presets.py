@@ -67,7 +67,7 @@ class ModelPreset:
     def kv_layout(self) -> KVLayout:
         return KVLayout(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype, architecture=self.architecture)
 
-    def replace(self, **changes: object) -> "ModelPreset":
+    def replace(self, **changes: object) -> ModelPreset:
         return dataclasses.replace(self, **changes)
 
 
@@ -128,7 +128,7 @@ class HardwarePreset:
             return self.disk_write_bandwidth
         raise ValueError(f"no link from {src!r} to {dst!r}; links: device<->host, host<->disk")
 
-    def replace(self, **changes: object) -> "HardwarePreset":
+    def replace(self, **changes: object) -> HardwarePreset:
         return dataclasses.replace(self, **changes)
 
 

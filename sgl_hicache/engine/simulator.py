@@ -45,11 +45,11 @@ from ..config import DEFAULT_POLICY, CacheConfig, KVLayout, TieringPolicy
 from ..controller import Admission, Ticket
 from ..policy.hints import Hint, HintError, hint_tokens
 from ..policy.oracle import Oracle
+from ..records import RecordColumns
 from ..replay.trace import Request
 from ..tiers.base import DEVICE, DISK, HOST, TierStore
 from ..transfer.executors import VirtualExecutor, VirtualPipes
 from . import cost
-from ..records import RecordColumns
 from .presets import HardwarePreset, ModelPreset
 
 POLICIES = ("recompute", "demote", "prefetch", "predict", "oracle")
@@ -190,7 +190,7 @@ class EmbeddedEngine:
     """
 
     def __init__(self, config: EngineConfig, progress: Callable[..., None] | None = None,
-                 checkpoint: Callable[["EmbeddedEngine"], None] | None = None, checkpoint_every: int = 0,
+                 checkpoint: Callable[[EmbeddedEngine], None] | None = None, checkpoint_every: int = 0,
                  store: TierStore | None = None) -> None:
         """`store`: a shared store tier (`tiers/store.py`) in the disk tier's place."""
         if store is not None and config.store_bandwidth <= 0:
@@ -547,7 +547,7 @@ class EmbeddedEngine:
                 released = True
         return released
 
-    def _next_event_time(self, pending: "_Pending") -> float | None:
+    def _next_event_time(self, pending: _Pending) -> float | None:
         times = [self._hints[0][0]] if self._hints else []
         if pending and self.config.concurrency is None:
             times.append(pending.head().arrival_s * self.config.time_scale)

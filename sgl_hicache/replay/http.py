@@ -471,8 +471,8 @@ def replay_http(
     report = policy_report(records=ok, snapshot=snapshot, duration_s=duration, settings=settings)
     if after is None:
         report["bytes_moved"] = {}
-        report["prefetch"] = {k: None for k in report["prefetch"]}
-        report["predict"] = {k: None for k in report["predict"]}
+        report["prefetch"] = dict.fromkeys(report["prefetch"])
+        report["predict"] = dict.fromkeys(report["predict"])
     first_error = min(failed, key=lambda r: r.arrival_s).error if failed else None
     if failed and not _healthy(url):
         first_error = f"{first_error} (and the server no longer answers /health: it died during the replay)"

@@ -28,8 +28,8 @@ from pathlib import Path
 from .trace import (
     ReadNotes,
     Request,
-    TokenSynth,
     Tokenizer,
+    TokenSynth,
     Trace,
     TraceError,
     _short,

@@ -47,6 +47,7 @@ from .trace import (
     TokenSynth,
     Trace,
     TraceError,
+    _short,
     check_positive_int,
     check_synth_options,
     get_int,
@@ -56,7 +57,6 @@ from .trace import (
     sort_by_arrival,
     timestamps_to_seconds,
 )
-from .trace import _short
 
 COVERAGES = ("auto", "fixed", "varying")
 

@@ -454,7 +454,7 @@ class TokenSynth:
         h, span, off = self._key_hash(key), self.span, self.offset
         return array("q", [(_splitmix64((h + (j + 1) * _GOLDEN) & _MASK64) >> 32) % span + off for j in range(n)])
 
-    def _ids(self, keys: Sequence[object], n: int) -> "_np.ndarray":
+    def _ids(self, keys: Sequence[object], n: int) -> _np.ndarray:
         """The ids of every key, one row a key (int64, numpy)."""
         u64 = _np.uint64
         h = _np.fromiter((self._key_hash(k) for k in keys), dtype=u64, count=len(keys))

@@ -149,7 +149,7 @@ def hold_new(cache, req, batch: list) -> bool:
 
 # a waiting request not matched yet: its peeked (computed, context) tokens, computed once (the tree
 # walk hashes every page of its prompt); keyed by the request object, gone with it
-_peeked: "weakref.WeakKeyDictionary[Any, tuple[int, int]]" = weakref.WeakKeyDictionary()
+_peeked: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()
 
 
 def queued_work(cache, req) -> tuple[int, int]:

@@ -23,9 +23,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 __all__ = [
     "PortInUseError",
@@ -136,7 +137,7 @@ class SGLangServer:
         skip_tokenizer_init: bool = True,
         wait: bool = True,
         timeout_s: float = 300.0,
-    ) -> "SGLangServer":
+    ) -> SGLangServer:
         """Launch the server in a new process group; by default wait until /health answers 200.
 
         ``cpu=None`` means "CPU if torch has no CUDA"; on CPU ``SGLANG_USE_CPU_ENGINE=1`` is set and
@@ -164,7 +165,7 @@ class SGLangServer:
     def _start_once(cls, model_path: str | os.PathLike, *, host: str, port: int,
                     extra_args: Sequence[str], env: Mapping[str, str] | None, python: str | None,
                     log_path: str | os.PathLike | None, cpu: bool | None, load_format: str | None,
-                    skip_tokenizer_init: bool, wait: bool, timeout_s: float) -> "SGLangServer":
+                    skip_tokenizer_init: bool, wait: bool, timeout_s: float) -> SGLangServer:
         if cpu is None:
             cpu = not has_cuda()
         argv = [python or sys.executable, "-m", "sglang.launch_server",
@@ -282,7 +283,7 @@ class SGLangServer:
                     f.unlink(missing_ok=True)
         return self.proc.returncode
 
-    def __enter__(self) -> "SGLangServer":
+    def __enter__(self) -> SGLangServer:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -16,11 +16,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
-from ..config import DEFAULT_POLICY, DISK_WRITE_POLICIES, EVICTION_DEMOTES, EVICTION_POLICIES, PREDICTORS, WRITE_POLICIES, TieringPolicy
+from ..config import (
+    DEFAULT_POLICY,
+    DISK_WRITE_POLICIES,
+    EVICTION_DEMOTES,
+    EVICTION_POLICIES,
+    PREDICTORS,
+    WRITE_POLICIES,
+    TieringPolicy,
+)
 from ..policy.admission import ADMISSION_HOLDS, ADMISSION_ORDERS
 
 ENV_PREFIX = "SGLHICACHE_"
@@ -133,7 +142,7 @@ class BackendSettings:
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
 
-    def replace(self, **changes: Any) -> "BackendSettings":
+    def replace(self, **changes: Any) -> BackendSettings:
         return dataclasses.replace(self, **changes)
 
 

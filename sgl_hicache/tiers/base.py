@@ -7,9 +7,8 @@ evict; the cache's policies do that.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Hashable, Iterator, Sequence
 from enum import Enum
-from collections.abc import Iterator, Sequence
-from typing import Hashable
 
 import torch
 

@@ -111,7 +111,7 @@ class SharedStoreTier(KeyedStore, ReadsInto):
         self._clock = clock
         self._lock = threading.Lock()
         self._index: dict[PageKey, bool] = {}  # key -> stored (False: reserved for a write)
-        self.counters: dict[str, int] = {name: 0 for name in COUNTER_NAMES}
+        self.counters: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
         self._down_until = 0.0
         self._down = False
         self._next_backoff = self.backoff_s
@@ -371,7 +371,7 @@ class SharedStoreTier(KeyedStore, ReadsInto):
         return out
 
 
-def open_store(config: "CacheConfig", namespace: Namespace) -> SharedStoreTier:
+def open_store(config: CacheConfig, namespace: Namespace) -> SharedStoreTier:
     """The store tier a `CacheConfig` names (`store_url`, `store_tokens`, `store_min_hits`)."""
     from .store_backends import open_backend  # noqa: PLC0415 - the adapters import optional clients
 

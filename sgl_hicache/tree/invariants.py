@@ -19,13 +19,13 @@ class InvariantError(AssertionError):
     """`RadixTree.check()` found the tree in a state it must never be in."""
 
 
-def check_tree(tree: "RadixTree") -> None:
+def check_tree(tree: RadixTree) -> None:
     """`RadixTree.check`: every invariant of the tree's docstring, recomputed from the nodes; raises
     InvariantError naming the first broken one."""
-    pages = {tier: 0 for tier in TIERS}
+    pages = dict.fromkeys(TIERS, 0)
     shared: dict[frozenset[str], int] = {}
     protected_shared: dict[frozenset[str], int] = {}
-    protected = {tier: 0 for tier in TIERS}
+    protected = dict.fromkeys(TIERS, 0)
     members = {tier: set() for tier in TIERS}
     count = 0
     for node in tree.nodes():

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
-
 from array import array
+from collections.abc import Sequence
 
 from ..hashing import PageKey, chain_keys, tokens_bytes
 from ..tiers.base import DEVICE, DISK, HOST, Handle
@@ -65,7 +64,7 @@ class TreeNode:
         "prefetch_trigger",
     )
 
-    def __init__(self, parent: "TreeNode | None", tokens: "array | tuple[int, ...]", keys: list[PageKey] | None, num_pages: int,
+    def __init__(self, parent: TreeNode | None, tokens: array | tuple[int, ...], keys: list[PageKey] | None, num_pages: int,
                  node_id: int | None = None) -> None:
         self.id = next(_ids) if node_id is None else node_id
         self.parent = parent
@@ -127,7 +126,7 @@ class TreeNode:
             self._edge = edge_key_of(self.tokens[: len(self.tokens) // self.num_pages])
         return self._edge
 
-    def set_tokens(self, tokens: "array | tuple[int, ...]") -> None:
+    def set_tokens(self, tokens: array | tuple[int, ...]) -> None:
         self.tokens = tokens
         self._bytes = None
         self._edge = None
@@ -163,7 +162,7 @@ class TreeNode:
     def evictable(self) -> bool:
         return self.lock_ref == 0 and self.pins == 0 and not self.is_root
 
-    def path_from_root(self) -> list["TreeNode"]:
+    def path_from_root(self) -> list[TreeNode]:
         """Ancestors then self, root excluded."""
         path: list[TreeNode] = []
         node: TreeNode | None = self

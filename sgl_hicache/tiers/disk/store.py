@@ -99,7 +99,7 @@ class DiskPageStore(DirectoryScan, KeyedStore, ReadsInto, WritesFrom):
         self._lock = threading.Lock()
         self._index: dict[PageKey, int] = {}
         self._n_reserved = 0
-        self.counters: dict[str, int] = {name: 0 for name in COUNTER_NAMES}
+        self.counters: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
         self._logged_reasons: set[str] = set()
         self._tmp_seq = itertools.count()
         self._made_dirs: set[str] = set()
