@@ -62,7 +62,7 @@ def serve_and_replay(trace: Path, disk_dir: Path, work: Path, a: argparse.Namesp
              "--model-path", str(MODEL), "--load-format", "dummy", "--skip-tokenizer-init", "--port", str(port),
              "--max-total-tokens", str(a.device_tokens), "--enable-metrics"]
     log_path = work / f"{tag}.server.log"
-    log = open(log_path, "wb")
+    log = open(log_path, "wb")  # noqa: SIM115 (the server writes it; closed when it stops)
     proc = subprocess.Popen(serve, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)
     # the README's `sgl-hicache serve` process group, waited for and stopped as every other server is

@@ -91,7 +91,7 @@ def run_cell(requests: list, cell: dict[str, Any], policies: list[str], page_siz
         lru, orc = p["lru"]["hit_rate"], p["oracle"]["hit_rate"]
         out["oracle_gain"] = (orc - lru) / lru if lru else None
         out["gainable"] = bool(lru == 0 and orc > 0) or (lru > 0 and (orc - lru) / lru >= 0.10)
-        for name, r in p.items():
+        for r in p.values():
             r["share_of_oracle_gain"] = (r["hit_rate"] - lru) / (orc - lru) if orc > lru else None
             r["ttft_vs_lru"] = r["ttft_mean"] / p["lru"]["ttft_mean"] if p["lru"]["ttft_mean"] else None
             r["bytes_vs_lru"] = r["bytes_moved"] / p["lru"]["bytes_moved"] if p["lru"]["bytes_moved"] else None

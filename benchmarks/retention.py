@@ -88,7 +88,7 @@ def run_cell(requests: list, frac: float, ws: int, policies: list[str], page_siz
         lru = p["lru"]["hit_rate"]
         ceiling = max((p[c]["hit_rate"] for c in CEILINGS if c in p), default=None)
         out["ceiling_gain_points"] = None if ceiling is None else 100 * (ceiling - lru)
-        for name, r in p.items():
+        for r in p.values():
             r["vs_lru_points"] = 100 * (r["hit_rate"] - lru)
             r["share_of_ceiling_gain"] = (r["hit_rate"] - lru) / (ceiling - lru) if ceiling is not None and ceiling > lru else None
     return out

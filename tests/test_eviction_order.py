@@ -45,7 +45,7 @@ def test_incremental_leaves_evict_what_a_rebuilt_heap_evicts(policy, demotes):
         locked = []
         for c in caches:
             c.clock = lambda t=t: t
-            _, handles = serve(c, p)
+            _, _handles = serve(c, p)
             if step % 7 == 0:  # a request still running: its path stays locked through the eviction
                 m = c.match(p, touch=False)
                 c.lock(m.last_node)

@@ -61,8 +61,8 @@ def test_shared_host_buffer_is_one_memory_for_every_mapping(tmp_path):
     assert follower.allocate([b"a", b"b"]) == slots
     leader.write(slots, data)
     assert torch.equal(follower.read(slots).view(torch.int16), data.view(torch.int16))
+    (tmp_path / "short").write_bytes(b"\0" * 10)
     with pytest.raises(ValueError, match="bytes, expected"):
-        (tmp_path / "short").write_bytes(b"\0" * 10)
         SharedHostBuffer(LAYOUT, PAGE, 8, tmp_path / "short")
 
 

@@ -423,7 +423,7 @@ def test_hint_api_is_refused_at_tp_above_one():
     from sgl_hicache.sglang.settings import BackendSettings
 
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=_pools(16, size=64), page_size=16)
-    with pytest.raises(ValueError, match="hint API .* not supported with --tp > 1"):
+    with pytest.raises(ValueError, match=r"hint API .* not supported with --tp > 1"):
         TieredRadixCache(params, BackendSettings(host_tokens=64, disk_tokens=0, hint_port=0), consensus=object())
 
 

@@ -110,7 +110,7 @@ def test_an_unproven_trigger_copies_nothing_until_requests_use_its_shadow_picks(
 
 
 def test_a_trigger_whose_shadow_picks_go_unused_never_copies(tmp_path):
-    cache, ex, ctl, clock, child = _setup(tmp_path)
+    cache, _ex, ctl, clock, _child = _setup(tmp_path)
     for i in range(4):
         ctl.arrive(seq(9000 + i, 1))
         clock.t += 31.0  # past the horizon: the bet expires unused

@@ -558,7 +558,7 @@ def test_done_flag_wakes_every_waiter_whenever_it_is_set():
     for _ in range(200):  # set races the waiters' first look and the event's birth
         flag = DoneFlag()
         got: list[bool] = []
-        waiters = [threading.Thread(target=lambda: got.append(flag.wait(10))) for _ in range(3)]
+        waiters = [threading.Thread(target=lambda flag=flag, got=got: got.append(flag.wait(10))) for _ in range(3)]
         for t in waiters:
             t.start()
         flag.set()

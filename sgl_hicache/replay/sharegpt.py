@@ -178,7 +178,7 @@ def read_sharegpt(
                 raise TraceError(p, line, f"conversation {session!r} message {t}: unknown role {role!r}")
             messages.append((kind, value))
 
-        def encode(kind: str, value: str) -> list[int]:
+        def encode(kind: str, value: str, line: int = line, session: str = session) -> list[int]:
             return prefixes[kind] + encode_text(p, line, tok, value, f"conversation {session!r}").tolist() + newline
 
         history = array("q")

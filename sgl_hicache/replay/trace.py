@@ -399,7 +399,7 @@ def timestamps_to_seconds(path: str | Path, rows: Sequence[tuple[int, int | floa
         return []
     first_line, low = min(rows, key=lambda r: r[1])
     if low < ABSOLUTE_FROM:
-        per_s = dict((u, f) for u, _, f in UNITS)[relative_unit]
+        per_s = {u: f for u, _, f in UNITS}[relative_unit]
         return [raw / per_s for _, raw in rows]
     unit, per_s = next((u, f) for u, bound, f in UNITS if low < bound)
     notes.add(

@@ -120,7 +120,7 @@ class CallTimer:
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         out = {}
-        for name, s in sorted(list(self.series.items())):
+        for name, s in sorted(self.series.items()):
             out[name] = s.summary()
             cpu = self.cpu_series.get(name)
             if cpu is not None:

@@ -198,7 +198,7 @@ class SGLangServer:
             log_path = name
         log_path = Path(log_path)
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        log_file = open(log_path, "wb")
+        log_file = open(log_path, "wb")  # noqa: SIM115 (the server writes it; closed when it stops)
         proc = subprocess.Popen(
             argv, env=full_env, stdout=log_file, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,

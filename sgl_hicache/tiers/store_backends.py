@@ -84,7 +84,7 @@ class MooncakeBackend(StoreBackend):
         return [f == 1 for f in flags]
 
     def get(self, key: str, max_bytes: int) -> bytes | None:
-        ptr, buf = self._staging(max_bytes + 1)  # one spare byte: a longer value is not ours
+        ptr, _buf = self._staging(max_bytes + 1)  # one spare byte: a longer value is not ours
         n = self._store.get_into(key, ptr, max_bytes + 1)
         if n == _MC_OBJECT_NOT_FOUND:
             return None

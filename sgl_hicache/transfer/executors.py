@@ -16,7 +16,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from ..tiers.base import DEVICE, DISK, HOST
 from .handlers import CopyLinks, execute
@@ -158,7 +158,7 @@ class VirtualPipes:
     `on_preempt(pipe, start, duration, backup)` (`backup`: write-back was pushed too), so that the
     owner of those copies can move their finish times. Every copy pays its link time: nothing runs free."""
 
-    _PIPES = {"disk->host": "disk", "host->disk": "disk"}
+    _PIPES: ClassVar[dict[str, str]] = {"disk->host": "disk", "host->disk": "disk"}
 
     def __init__(self, seconds: Callable[[str, int], float]) -> None:
         self.seconds = seconds

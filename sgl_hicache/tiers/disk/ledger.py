@@ -60,9 +60,9 @@ def new_owner_id() -> str:
 def _mkdir(path: Path) -> None:
     try:
         os.mkdir(path, 0o700)
-    except FileExistsError:
+    except FileExistsError as exc:
         if path.is_symlink() or not path.is_dir():
-            raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path)) from exc
 
 
 def owner_alive(owners_dir: Path, owner: str) -> bool:
