@@ -272,7 +272,7 @@ class RequestController:
         if not m.disk_tokens:
             return m
         inflight = [n.incoming[HOST] for n in m.path if n.device is None and n.host is None and HOST in n.incoming]
-        rest = m.disk_tokens - sum(op.node.num_pages for op in inflight) * self.cache.page_size  # type: ignore[attr-defined]
+        rest = m.disk_tokens - sum(op.node.num_pages for op in inflight) * self.cache.page_size
         eta = max(self.executor.ops_eta(inflight), self.executor.read_eta(rest) if rest > 0 else 0.0)
         if eta <= recompute_s:
             return m

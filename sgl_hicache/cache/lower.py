@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from ..hashing import chain_keys, page_key
-from ..tiers.base import DISK, Handle
+from ..tiers.base import DISK, Handle, KeyedStore
 from ..tree.node import TreeNode, edge_key_of
 
 if TYPE_CHECKING:
@@ -33,8 +33,8 @@ class LowerTier:
         self.writes_in_flight: set[TransferOp] = set()
 
     @property
-    def store(self):
-        return self.cache.stores[DISK]
+    def store(self) -> KeyedStore:
+        return cast(KeyedStore, self.cache.stores[DISK])  # the lower slot holds a content-addressed store
 
     def adopt(self, path: list[TreeNode], tokens: Sequence[int], matched: int) -> list[TreeNode]:
         """Pages of `tokens` past the tree's match that the disk store holds but the tree does not

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..hashing import Namespace
+from ..records import RequestRecord
 from ..replay.trace import Request
 from ..report import REPORT_VERSION, policy_report
 from ..tiers.store import SharedStoreTier
@@ -101,7 +102,7 @@ def run_fleet(requests: Sequence[Request], config: EngineConfig, servers: int, h
             if not engine.step():
                 live.remove(engine)
         wall = time.perf_counter() - wall
-        records = []
+        records: list[RequestRecord] = []
         for engine in engines:
             records += engine.end()
             engine.cache.check()

@@ -49,6 +49,7 @@ from ..records import RecordColumns
 from ..replay.trace import Request
 from ..tiers.base import DEVICE, DISK, HOST, TierStore
 from ..transfer.executors import VirtualExecutor, VirtualPipes
+from ..tree.node import TreeNode
 from . import cost
 from .presets import HardwarePreset, ModelPreset
 
@@ -151,7 +152,7 @@ class _Flight:
     first_token: float | None = None
     remaining: int = 0
     context: int = 0
-    anchor: object = None
+    anchor: TreeNode | None = None
     output_pages: list = field(default_factory=list)
     prefill_left: int = 0
     prefetch_tried: bool = False
@@ -337,10 +338,10 @@ class EmbeddedEngine:
             prefill_s = cost.prefill_seconds(cfg.model, cfg.hardware, pending, len(tokens) - pending)
             # waiting for a low-priority prefetch must not be slower than loading the rest on demand
             # (which `load` below does when the rest is dropped)
-            demand_s = self.executor.demand_eta(ticket.job)  # type: ignore[arg-type]
+            demand_s = self.executor.demand_eta(ticket.job)
             decision, eta = self.controller.admit(ticket, min(prefill_s, demand_s))
             if decision is Admission.WAIT:  # wait for the rest inside this step
-                self.executor.finish_all(ticket.job.ops())  # type: ignore[union-attr]
+                self.executor.finish_all(ticket.job.ops())
                 self.controller.admit(ticket, min(prefill_s, demand_s))
                 waited_s = eta
                 cache.stats.add("load_wait_seconds", eta)

@@ -128,9 +128,9 @@ def read_sharegpt(
     """Read a ShareGPT-style JSON (or JSONL) file; see the module docstring. `limit` counts requests."""
     p = Path(path)
     tok = load_tokenizer(tokenizer)
-    for name, value in (("think_time_s", think_time_s), ("conversation_interval_s", conversation_interval_s)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-            raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+    for name, given in (("think_time_s", think_time_s), ("conversation_interval_s", conversation_interval_s)):
+        if isinstance(given, bool) or not isinstance(given, (int, float)) or not given >= 0:
+            raise ValueError(f"{name} must be a number >= 0, got {given!r}")
     if limit is not None:
         check_positive_int("limit", limit, minimum=0)
     check_positive_int("missing_output_length", missing_output_length, minimum=0)

@@ -179,7 +179,7 @@ class IOGuard:
                 return wait(ev, timeout)
 
             time.sleep = guarded_sleep  # type: ignore[assignment]
-            threading.Event.wait = guarded_wait  # type: ignore[method-assign]
+            threading.Event.wait = guarded_wait  # type: ignore[assignment]
         _ACTIVE.append(self)
         return self
 

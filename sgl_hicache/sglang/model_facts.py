@@ -15,7 +15,8 @@ def special_token_ids(config: dict[str, Any]) -> list[int]:
     """Ids a model config names as special (``*_token_id`` / ``*_token_ids`` keys, also in a
     ``text_config``), sorted."""
     out: set[int] = set()
-    for cfg in (config, config.get("text_config") if isinstance(config.get("text_config"), dict) else {}):
+    text_config = config.get("text_config")
+    for cfg in (config, text_config if isinstance(text_config, dict) else {}):
         for key, value in cfg.items():
             if not key.endswith(("_token_id", "_token_ids", "_token_index")):
                 continue

@@ -147,7 +147,7 @@ class SGLangServer:
         ``port=None`` chooses a free port and, if the bind still loses a race, starts again on another
         (up to 4 tries); an explicit ``port`` is tried once.
         """
-        opts = dict(host=host, extra_args=extra_args, env=env, python=python, log_path=log_path,
+        opts: dict[str, Any] = dict(host=host, extra_args=extra_args, env=env, python=python, log_path=log_path,
                     cpu=cpu, load_format=load_format, skip_tokenizer_init=skip_tokenizer_init,
                     wait=wait, timeout_s=timeout_s)
         if port is not None:

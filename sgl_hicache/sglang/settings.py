@@ -154,7 +154,7 @@ _BOOL_FALSE = {"0", "false", "no", "off"}
 def _coerce(name: str, raw: Any, source: str) -> Any:
     """Turn a JSON value or an environment string into the field's type."""
     default = _FIELDS[name].default
-    kind = type(default) if default is not None else None
+    kind: type | None = type(default) if default is not None else None
     optional_int = name in ("host_tokens", "disk_tokens", "hint_port")
     optional_str = name in ("disk_dir", "eviction_policy", "stats_file", "fault_disk_read_file", "store")
     if isinstance(raw, str) and source.startswith("env"):

@@ -151,10 +151,10 @@ class TransferEngine:
                 op.cancelled = True
             keep = []
             for item in self._queue:
-                state = item[2]
-                if id(state.op) in ids:
-                    state.chunks_left -= 1
-                    if state.priority <= PREFETCH:
+                queued = item[2]
+                if id(queued.op) in ids:
+                    queued.chunks_left -= 1
+                    if queued.priority <= PREFETCH:
                         self._urgent_queued -= 1
                 else:
                     keep.append(item)

@@ -190,7 +190,7 @@ def follower_handlers(handlers: Handlers, stores: dict[str, TierStore], skipped:
         return handler
 
     def into_disk(op: TransferOp, start: int, stop: int) -> None:
-        lower.write(op.dst_handles[start:stop], torch.empty(0))  # type: ignore[union-attr]  (the index only)
+        lower.write(op.dst_handles[start:stop], torch.empty(0))  # type: ignore[union-attr]  # (set only with a lower tier; the index only)
         if op.gated:
             skipped["host->disk"] = skipped.get("host->disk", 0) + stop - start
 

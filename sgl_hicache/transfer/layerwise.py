@@ -126,7 +126,7 @@ class LayerwiseLoader:
         self.cuda = self.device.type == "cuda"
         self._dev_pages = device.layer_pages  # (layer, K/V) -> (pages, page tokens, heads, dim), no copy
         self._host = host.buffer  # (pages, layers, K/V, page tokens, heads, dim)
-        dev_h, host_h = [int(h) for h in device_handles], [int(h) for h in host_handles]  # type: ignore[call-overload]
+        dev_h, host_h = [int(h) for h in device_handles], [int(h) for h in host_handles]
         # the pages the tensors hold (SGLang's pool has more page slots than the cache may own)
         for name, handles, pages in (("device", dev_h, int(device.layer_pages(0, 0).shape[0])), ("host", host_h, int(host.buffer.shape[0]))):
             bad = [h for h in handles if not 0 <= h < pages]

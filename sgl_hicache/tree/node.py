@@ -5,10 +5,14 @@ from __future__ import annotations
 import itertools
 from array import array
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ..hashing import PageKey, chain_keys, tokens_bytes
 from ..tiers.base import DEVICE, DISK, HOST, Handle
 from .edge_counts import EdgeCounts
+
+if TYPE_CHECKING:
+    from ..transfer.ops import TransferOp
 
 _ids = itertools.count()
 
@@ -98,7 +102,7 @@ class TreeNode:
         # the trigger of the prediction that brought it (`speculation.trigger_of`), for the guard
         self.prefetch_trigger: str | None = None
         # transfers prepared into a tier and not yet completed, by destination tier
-        self.incoming: dict[str, object] = {}
+        self.incoming: dict[str, TransferOp] = {}
         # children resident in each tier, kept by the tree on every residency change: "is a leaf of
         # this tier" in O(1), even for a node with thousands of children
         self.children_in: dict[str, int] = {}
@@ -151,9 +155,11 @@ class TreeNode:
     def in_tier(self, tier: str) -> bool:
         return getattr(self, tier) is not None
 
-    def handles(self, tier: str) -> list[Handle] | None:
-        """This node's per-page handles in `tier`, or None when the tier holds no copy."""
-        return getattr(self, tier)
+    def handles(self, tier: str) -> list[Handle]:
+        """This node's per-page handles in `tier` (which must hold a copy)."""
+        handles = getattr(self, tier)
+        assert handles is not None, f"{self} holds no copy in {tier}"
+        return handles
 
     def tiers(self) -> tuple[str, ...]:
         return tuple(t for t in (DEVICE, HOST, DISK) if self.in_tier(t))

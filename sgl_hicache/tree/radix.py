@@ -366,7 +366,7 @@ class RadixTree:
             stack.extend(node.children.values())
 
     def subtree_pages(self, node: TreeNode) -> dict[str, int]:
-        totals = dict.fromkeys(TIERS, 0)
+        totals: dict[str, int] = dict.fromkeys(TIERS, 0)
         stack = [node]
         while stack:
             n = stack.pop()

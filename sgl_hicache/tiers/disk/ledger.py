@@ -227,7 +227,8 @@ class DirectoryLedger:
         with self._mutex:
             detached = self._closer.detach()
             if detached is not None:
-                DirectoryLedger._release(*detached[2], wait=_held_here().get(self.path, 0) == 0)
+                owner_path, owner_fd, fd, path, mapping = detached[2]
+                DirectoryLedger._release(owner_path, owner_fd, fd, path, mapping, wait=_held_here().get(self.path, 0) == 0)
 
     @property
     def closed(self) -> bool:

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import xxhash
@@ -330,7 +331,7 @@ class DiskPageStore(DirectoryScan, KeyedStore, ReadsInto, WritesFrom):
         return True
 
     # ------------------------------------------------------------------ a page that cannot be served
-    def _corrupt(self, key: PageKey, path: str | Path, reason: str, detail: str, delete: bool = True) -> None:
+    def _corrupt(self, key: PageKey, path: str | Path, reason: str, detail: str, delete: bool = True) -> NoReturn:
         """Discard a page that failed verification and raise PageCorruptError."""
         if delete:
             with self._ledger.locked():
