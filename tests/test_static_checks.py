@@ -7,6 +7,7 @@ modules (a name imported from a module of ours that does not exist is an error) 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -82,3 +83,31 @@ def test_mypy_catches_a_missing_module_of_ours(tmp_path: Path) -> None:
     assert run.returncode == 1, run.stdout + run.stderr
     assert 'sgl_hicache_probe.sglang.requests"' in run.stdout, run.stdout
     assert "schedule_batch" not in run.stdout, run.stdout
+
+
+_IMPORT_ALL = """
+import importlib, pkgutil, sys
+import sgl_hicache
+skip = sys.argv[1:]
+names = [m.name for m in pkgutil.walk_packages(sgl_hicache.__path__, "sgl_hicache.")
+         if not any(m.name == s or m.name.startswith(s + ".") for s in skip)]
+for name in names:
+    importlib.import_module(name)
+print(len(names))
+"""
+
+
+def _import_all(*skip: str) -> int:
+    run = _run([sys.executable, "-c", _IMPORT_ALL, *skip])
+    assert run.returncode == 0, f"a module of the package does not import:\n{run.stdout[-2000:]}{run.stderr[-4000:]}"
+    return int(run.stdout.split()[-1])
+
+
+def test_every_module_outside_the_adapter_imports_without_sglang() -> None:
+    assert _import_all("sgl_hicache.sglang") > 50
+
+
+@pytest.mark.sglang
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="needs SGLang (the SGLang venv)")
+def test_every_module_imports_with_sglang() -> None:
+    assert _import_all() > 70
