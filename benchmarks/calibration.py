@@ -25,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sgl_hicache.engine.cost import prefill_seconds, transfer_seconds  # noqa: E402
-from sgl_hicache.engine.presets import HARDWARE, MODELS, HardwarePreset, ModelPreset  # noqa: E402
+from sgl_hicache.engine.cost import prefill_seconds, transfer_seconds
+from sgl_hicache.engine.presets import HARDWARE, MODELS, HardwarePreset, ModelPreset
 
 ASSUMPTIONS = {
     "a": {

@@ -167,8 +167,10 @@ def summarise(runs: list[dict[str, Any]], configs: list[str]) -> dict[str, Any]:
         if not mine:
             out[c] = {"runs": 0}
             continue
-        med = (lambda key: statistics.median(r[key] for r in mine if r[key] is not None)
-               if any(r[key] is not None for r in mine) else None)
+        def med(key: str, mine: list[dict[str, Any]] = mine) -> Any:
+            return (statistics.median(r[key] for r in mine if r[key] is not None)
+                    if any(r[key] is not None for r in mine) else None)
+
         vs_scratch, vs_prefetch = _differ(mine, ref), _differ(mine, base_outputs)
         out[c] = {"runs": len(mine), "cont_ttft_mean_s": med("cont_ttft_mean_s"), "cont_ttft_p50_s": med("cont_ttft_p50_s"),
                   "probe_ttft_p50_s": med("probe_ttft_p50_s"),
@@ -179,7 +181,7 @@ def summarise(runs: list[dict[str, Any]], configs: list[str]) -> dict[str, Any]:
                   "outputs_equal_prefetch": None if vs_prefetch is None else not vs_prefetch,
                   "differ_from_prefetch": vs_prefetch}
     base = out.get("prefetch", {}).get("cont_ttft_mean_s")
-    for c, s in out.items():
+    for s in out.values():
         if base and s.get("cont_ttft_mean_s") is not None:
             s["cont_ttft_mean_over_prefetch"] = s["cont_ttft_mean_s"] / base
     return out

@@ -43,6 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+from overhead import add_trace_args  # noqa: E402  (benchmarks/ is on sys.path: scripts run from it)
 
 from sgl_hicache.cache import TieredCache  # noqa: E402
 from sgl_hicache.config import CacheConfig, KVLayout  # noqa: E402
@@ -50,7 +51,7 @@ from sgl_hicache.hashing import page_key  # noqa: E402
 from sgl_hicache.replay import load_trace  # noqa: E402
 from sgl_hicache.tiers.base import DEVICE, DISK  # noqa: E402
 from sgl_hicache.tiers.disk import DiskPageStore  # noqa: E402
-from overhead import add_trace_args  # noqa: E402  (benchmarks/ is on sys.path: scripts run from it)
+
 TINY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8)
 SIDES = ("no_disk", "lone", "shared")
 

@@ -29,10 +29,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from sgl_hicache.cache import TieredCache  # noqa: E402
-from sgl_hicache.config import CacheConfig  # noqa: E402  (and KVLayout below)
+from sgl_hicache.config import CacheConfig, KVLayout  # noqa: E402
 from sgl_hicache.replay import load_trace  # noqa: E402
 from sgl_hicache.tiers.base import DEVICE  # noqa: E402
-from sgl_hicache.config import KVLayout  # noqa: E402
 
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 PAGE = 16

@@ -51,8 +51,8 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -60,11 +60,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from sgl_hicache.cache import TieredCache  # noqa: E402
-from sgl_hicache.transfer.ops import TransferOp  # noqa: E402
 from sgl_hicache.config import CacheConfig, KVLayout  # noqa: E402
 from sgl_hicache.tiers.base import DEVICE, HOST  # noqa: E402
 from sgl_hicache.tiers.memory import DeviceKVPool, HostKVBuffer  # noqa: E402
-from sgl_hicache.transfer.layerwise import LayerwiseLoader, as_bits, link_stream  # noqa: E402
+from sgl_hicache.transfer.layerwise import LayerwiseLoader, as_bits  # noqa: E402
+from sgl_hicache.transfer.ops import TransferOp  # noqa: E402
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from gpu_check_kinds import check_kinds  # noqa: E402

@@ -40,11 +40,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from sgl_hicache.cache import TieredCache  # noqa: E402
-from sgl_hicache.transfer.ops import TransferOp  # noqa: E402
 from sgl_hicache.config import CacheConfig, KVLayout  # noqa: E402
 from sgl_hicache.sglang.device_pool import SGLangDevicePool  # noqa: E402  (imports no sglang)
 from sgl_hicache.tiers.base import DEVICE, HOST  # noqa: E402
 from sgl_hicache.transfer.handlers import copy_via_tensor, layered_device_host  # noqa: E402
+from sgl_hicache.transfer.ops import TransferOp  # noqa: E402
 
 
 class _LayerListPool:

@@ -37,10 +37,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from tree_ops import MockAllocator  # noqa: E402  (benchmarks/ is on sys.path: scripts run from it)
+
 from sgl_hicache.cache import TieredCache  # noqa: E402
 from sgl_hicache.config import CacheConfig, KVLayout  # noqa: E402
 from sgl_hicache.replay import load_trace  # noqa: E402
-from tree_ops import MockAllocator  # noqa: E402  (benchmarks/ is on sys.path: scripts run from it)
 
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 TINY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1)

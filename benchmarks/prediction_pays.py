@@ -47,14 +47,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from regime_map import load_slice, working_set  # noqa: E402
-from retention import split_capacities  # noqa: E402
-from sgl_hicache import speculation  # noqa: E402
-from sgl_hicache.engine.presets import get_hardware, get_model  # noqa: E402
-from sgl_hicache.engine.simulator import EmbeddedEngine, EngineConfig  # noqa: E402
-from sgl_hicache.replay import load_trace  # noqa: E402
-from sgl_hicache.replay.shapes import agent, branch, chain, role_of  # noqa: E402
-from sgl_hicache.replay.trace import Request  # noqa: E402
+from regime_map import load_slice, working_set
+from retention import split_capacities
+
+from sgl_hicache import speculation
+from sgl_hicache.engine.presets import get_hardware, get_model
+from sgl_hicache.engine.simulator import EmbeddedEngine, EngineConfig
+from sgl_hicache.replay import load_trace
+from sgl_hicache.replay.shapes import agent, branch, chain, role_of
+from sgl_hicache.replay.trace import Request
 
 POLICIES = ("prefetch", "predict", "oracle")
 CHAT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"

@@ -34,10 +34,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sgl_hicache.engine.presets import get_hardware, get_model  # noqa: E402
-from sgl_hicache.engine.run import run_policy  # noqa: E402
-from sgl_hicache.engine.simulator import EngineConfig  # noqa: E402
-from sgl_hicache.replay import load_trace  # noqa: E402
+from sgl_hicache.engine.presets import get_hardware, get_model
+from sgl_hicache.engine.run import run_policy
+from sgl_hicache.engine.simulator import EngineConfig
+from sgl_hicache.replay import load_trace
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 MODELS = {"8b": ("llama3-8b", "h200"), "32b": ("qwen2.5-32b", "h200"), "480b": ("qwen3-coder-480b-a35b", "8xh200")}
@@ -91,7 +91,7 @@ def run_cell(requests: list, cell: dict[str, Any], policies: list[str], page_siz
         lru, orc = p["lru"]["hit_rate"], p["oracle"]["hit_rate"]
         out["oracle_gain"] = (orc - lru) / lru if lru else None
         out["gainable"] = bool(lru == 0 and orc > 0) or (lru > 0 and (orc - lru) / lru >= 0.10)
-        for name, r in p.items():
+        for r in p.values():
             r["share_of_oracle_gain"] = (r["hit_rate"] - lru) / (orc - lru) if orc > lru else None
             r["ttft_vs_lru"] = r["ttft_mean"] / p["lru"]["ttft_mean"] if p["lru"]["ttft_mean"] else None
             r["bytes_vs_lru"] = r["bytes_moved"] / p["lru"]["bytes_moved"] if p["lru"]["bytes_moved"] else None

@@ -41,6 +41,7 @@ sys.path.insert(0, str(BENCH))
 
 from regime_map import MODELS, TRACE, working_set  # noqa: E402
 from regime_map import load_slice as load_family  # noqa: E402  (requests start.., clock rebased)
+
 from sgl_hicache.engine.presets import get_hardware, get_model  # noqa: E402
 from sgl_hicache.engine.run import run_policy  # noqa: E402
 from sgl_hicache.engine.simulator import EngineConfig  # noqa: E402
@@ -83,7 +84,7 @@ def run_cell(requests: list, frac: float, ws: int, policies: list[str], page_siz
         lru = p["lru"]["hit_rate"]
         ceiling = max((p[c]["hit_rate"] for c in CEILINGS if c in p), default=None)
         out["ceiling_gain_points"] = None if ceiling is None else 100 * (ceiling - lru)
-        for name, r in p.items():
+        for r in p.values():
             r["vs_lru_points"] = 100 * (r["hit_rate"] - lru)
             r["share_of_ceiling_gain"] = (r["hit_rate"] - lru) / (ceiling - lru) if ceiling is not None and ceiling > lru else None
     return out

@@ -36,9 +36,9 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
     import torch.distributed as dist
 
     from sgl_hicache.cache import TieredCache
-    from sgl_hicache.transfer.ops import TransferOp
     from sgl_hicache.config import CacheConfig, KVLayout
     from sgl_hicache.sglang.rank_consensus import RankConsensus, tree_digest
+    from sgl_hicache.transfer.ops import TransferOp
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype="bfloat16")

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .config import DEFAULT_POLICY, ConfigError, EVICTION_POLICIES, PREDICTORS, WRITE_POLICIES
+from .config import DEFAULT_POLICY, EVICTION_POLICIES, PREDICTORS, WRITE_POLICIES, ConfigError
 from .progress import Progress
 from .replay.trace import TraceError
 

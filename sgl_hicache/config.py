@@ -11,6 +11,7 @@ import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -128,7 +129,7 @@ class TieringPolicy:
         _require(isinstance(self.writeback_batch_pages, int) and self.writeback_batch_pages >= 1,
                  f"writeback_batch_pages must be an integer >= 1, got {self.writeback_batch_pages!r}")
 
-    def replace(self, **changes: object) -> "TieringPolicy":
+    def replace(self, **changes: Any) -> TieringPolicy:
         return dataclasses.replace(self, **changes)
 
 
@@ -214,7 +215,7 @@ class CacheConfig:
     def page_bytes(self) -> int:
         return self.page_size * self.layout.bytes_per_token
 
-    def replace(self, **changes: object) -> "CacheConfig":
+    def replace(self, **changes: Any) -> CacheConfig:
         return dataclasses.replace(self, **changes)
 
 

@@ -13,23 +13,22 @@ answers "retry", the embedded engine stalls its step): never in a policy.
 from __future__ import annotations
 
 import enum
-from functools import partial
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
-from .cache import PrefixMatch, TieredCache
 from . import speculation
-from .hint_desk import HintDesk
+from .cache import PrefixMatch, TieredCache
 from .config import DEFAULT_POLICY
-from .transfer.ops import PromotionJob
-from .policy.shadow import ShadowBets
+from .hint_desk import HintDesk
 from .policy.guard import PromotionGuard, QueueDelay
-from .policy.yielding import yield_plan
 from .policy.predictor import Predictor
+from .policy.shadow import ShadowBets
 from .policy.writeback import EvictionRate, host_pages_before_fresh_copy, selective_write_through_due, watermark_pages
+from .policy.yielding import yield_plan
 from .tiers.base import DEVICE, DISK, HOST
 from .transfer.executors import Executor, LoadTime
-from .transfer.ops import TransferOp
+from .transfer.ops import PromotionJob, TransferOp
 from .tree.node import TreeNode
 
 
@@ -273,7 +272,7 @@ class RequestController:
         if not m.disk_tokens:
             return m
         inflight = [n.incoming[HOST] for n in m.path if n.device is None and n.host is None and HOST in n.incoming]
-        rest = m.disk_tokens - sum(op.node.num_pages for op in inflight) * self.cache.page_size  # type: ignore[attr-defined]
+        rest = m.disk_tokens - sum(op.node.num_pages for op in inflight) * self.cache.page_size
         eta = max(self.executor.ops_eta(inflight), self.executor.read_eta(rest) if rest > 0 else 0.0)
         if eta <= recompute_s:
             return m

@@ -28,7 +28,7 @@ class Namespace:
     description: str
 
     @classmethod
-    def for_model(cls, layout: KVLayout, page_size: int, tenant_salt: str = "") -> "Namespace":
+    def for_model(cls, layout: KVLayout, page_size: int, tenant_salt: str = "") -> Namespace:
         description = (
             f"arch={layout.architecture};layers={layout.num_layers};kv_heads={layout.num_kv_heads};"
             f"head_dim={layout.head_dim};dtype={layout.dtype};page={page_size};tenant={tenant_salt}"

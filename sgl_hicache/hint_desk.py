@@ -38,13 +38,13 @@ class HintDesk:
     `counts` tallies applied hints per action, `rejected` the refused ones.
     """
 
-    def __init__(self, controller: "RequestController", limits: HintLimits | None = None) -> None:
+    def __init__(self, controller: RequestController, limits: HintLimits | None = None) -> None:
         self.ctl = controller
         self.limits = limits or HintLimits()
         self._pins: list[tuple[float, int, TreeNode, int]] = []  # (expiry, seq, locked node, tokens)
         self._seq = itertools.count()
         self.pinned_tokens = 0
-        self.counts = {a: 0 for a in ("prefetch", "pin", "retain", "demote")}
+        self.counts = dict.fromkeys(("prefetch", "pin", "retain", "demote"), 0)
         self.rejected = 0
 
     def apply(self, hint: Hint, tokens: Sequence[int]) -> int:

@@ -57,7 +57,7 @@ class RecordColumns:
     hit_disk: array
 
     @classmethod
-    def of(cls, records: Iterable[Any]) -> "RecordColumns":
+    def of(cls, records: Iterable[Any]) -> RecordColumns:
         """`records` as columns (returned as they are when they already are)."""
         if isinstance(records, RecordColumns):
             return records

@@ -37,7 +37,7 @@ def latency_summary(values: Sequence[float]) -> dict[str, float]:
 
 def policy_report(
     *,
-    records: Sequence[Any],
+    records: Sequence[Any] | RecordColumns,
     snapshot: dict[str, Any],
     duration_s: float,
     settings: dict[str, Any],

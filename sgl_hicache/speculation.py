@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from .controller import RequestController
 
 
-def predict(ctl: "RequestController", m: PrefixMatch) -> None:
+def predict(ctl: RequestController, m: PrefixMatch) -> None:
     """Bring likely nodes (the predictor's choice) disk -> host ahead of their use; at most
     `max_predicted_jobs` in flight, at most `prediction_budget()` tokens per call, and with the
     request's own disk path no more host pages than a queue prefetch may hold (`host_room`).
@@ -88,7 +88,7 @@ def predict(ctl: "RequestController", m: PrefixMatch) -> None:
             if cap or len(ctl.predicted) >= ctl.settings.max_predicted_jobs:
                 return
 
-def counters(ctl: "RequestController") -> dict[str, object]:
+def counters(ctl: RequestController) -> dict[str, object]:
     """Why predictions were or were not made: the guard's refusals by reason (`guard_stopped`: low
     precision; `queue_deep`: requests queue longer than the lead; `short_stay`: the host would evict
     the copies first), each trigger's shadow record, and the measured queue delay. What the
@@ -98,7 +98,7 @@ def counters(ctl: "RequestController") -> dict[str, object]:
             "queue_delay_s": ctl.queue_delay.seconds}
 
 
-def shadowed(ctl: "RequestController", trigger: str, picks: list, own: int, now: float, stay_s: float) -> bool:
+def shadowed(ctl: RequestController, trigger: str, picks: list, own: int, now: float, stay_s: float) -> bool:
     """Whether `trigger` is still unproven: then `picks` are written down as a shadow bet (open for
     the tree's traffic half-life, the time scale of the predictor's own evidence), each with the
     time its copy would land at the earliest (`Executor.read_eta`: behind the disk's queued demand
@@ -121,7 +121,7 @@ def shadowed(ctl: "RequestController", trigger: str, picks: list, own: int, now:
     return True
 
 
-def host_stay_s(ctl: "RequestController") -> float:
+def host_stay_s(ctl: RequestController) -> float:
     """How long a page brought to host now stays there (`policy/writeback.fresh_copy_stay_s`): as
     long as the pool of pages host eviction takes before it lasts, from its size and its measured
     trend. Not the tier's capacity over its eviction rate: host eviction takes a prediction's pages
@@ -132,7 +132,7 @@ def host_stay_s(ctl: "RequestController") -> float:
                              ctl.eviction_rates[HOST].rate, ctl.settings.predictor_lead_s)
 
 
-def trigger_of(ctl: "RequestController", start: TreeNode) -> str:
+def trigger_of(ctl: RequestController, start: TreeNode) -> str:
     """The class of prediction the guard judges on its own: the predictor, and how many children
     the node it walks from has (one: a session's head; a few: branches; many: a shared prompt),
     so that a pattern that misses (a shared prompt's children) never stops one that hits."""
@@ -140,14 +140,14 @@ def trigger_of(ctl: "RequestController", start: TreeNode) -> str:
     fanout = "1" if n <= 1 else "2-4" if n <= 4 else "5+"
     return f"{ctl.predictor.name}/{fanout}"
 
-def prediction_budget(ctl: "RequestController") -> int | None:
+def prediction_budget(ctl: RequestController) -> int | None:
     """Tokens a prediction may bring: lead time x the disk -> host link's rate (None: unknown, the
     predictor's own budget)."""
     rate = ctl.executor.link_tokens_per_s("disk->host")
     lead = ctl.settings.predictor_lead_s
     return int(lead * rate) if rate > 0 and lead > 0 else None
 
-def host_room(ctl: "RequestController", own: int) -> int:
+def host_room(ctl: RequestController, own: int) -> int:
     """Tokens a prediction may place on host below the arriving request's own disk path (`own`
     tokens): what a queue prefetch of a request not at the head of the queue may hold with it
     (`PromotionGuard.prefetch_room`), negative when `own` alone is more. A prediction is a
@@ -158,7 +158,7 @@ def host_room(ctl: "RequestController", own: int) -> int:
     return (pages - -(-own // ps)) * ps
 
 
-def promote_fresh(ctl: "RequestController", node: TreeNode, now: float, may_evict: bool) -> PromotionJob | None:
+def promote_fresh(ctl: RequestController, node: TreeNode, now: float, may_evict: bool) -> PromotionJob | None:
     """Plan `node`'s path disk -> host as a prediction, with the path's recency set to `now` (as
     the request it is brought for will set it); evicting host pages only where every page to go
     ranks below it. (Recency only grows: eviction orders keep their keys monotonic, so it stays
@@ -170,7 +170,7 @@ def promote_fresh(ctl: "RequestController", node: TreeNode, now: float, may_evic
     evict = may_evict and worth_room(ctl, node)
     return ctl.cache.plan_promotion(path, kind="predict", target=HOST, evict=evict)
 
-def worth_room(ctl: "RequestController", node: TreeNode) -> bool:
+def worth_room(ctl: RequestController, node: TreeNode) -> bool:
     """Whether making host room for `node`'s path pushes out only pages ranked below it, each
     with its copy below (a guess never loses data: a dirty page would be dropped or written)."""
     host = ctl.cache.stores[HOST]
@@ -179,7 +179,7 @@ def worth_room(ctl: "RequestController", node: TreeNode) -> bool:
     return ctl.guard.worth_evicting(leaves, need, node, ctl.cache.priority, clean=lambda n: n.disk is not None or n.device is not None)
 
 
-def admit(ctl: "RequestController", trigger: str) -> int | None:
+def admit(ctl: RequestController, trigger: str) -> int | None:
     """The guard's word on one call's promotions for `trigger` (`PromotionGuard.admit`). A page
     planned and not used yet counts against its trigger until it is: a host tier holds pages for
     minutes before evicting them (and copies take a while to land), and waiting for that let misses

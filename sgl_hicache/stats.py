@@ -36,14 +36,14 @@ class CacheStats:
         self.requests = 0
         self.prompt_tokens = 0
         self.miss_tokens = 0
-        self.hit_tokens = {tier: 0 for tier in TIERS}
-        self.evicted_tokens = {tier: 0 for tier in TIERS}
-        self.demoted_tokens = {tier: 0 for tier in TIERS}
-        self.promoted_tokens = {tier: 0 for tier in TIERS}
+        self.hit_tokens = dict.fromkeys(TIERS, 0)
+        self.evicted_tokens = dict.fromkeys(TIERS, 0)
+        self.demoted_tokens = dict.fromkeys(TIERS, 0)
+        self.promoted_tokens = dict.fromkeys(TIERS, 0)
         self.dropped_tokens = 0
-        self.dropped_dirty_tokens = {tier: 0 for tier in TIERS}  # evicted without a copy below (eviction_demotes)
-        self.bytes_moved = {link: 0 for link in LINKS}
-        self.transfer_seconds = {link: 0.0 for link in LINKS}
+        self.dropped_dirty_tokens = dict.fromkeys(TIERS, 0)  # evicted without a copy below (eviction_demotes)
+        self.bytes_moved = dict.fromkeys(LINKS, 0)
+        self.transfer_seconds = dict.fromkeys(LINKS, 0.0)
         self.prefetch = {kind: {"promoted_tokens": 0, "used_tokens": 0, "wasted_tokens": 0} for kind in PREFETCH_KINDS}
         # the same used / wasted figures per prediction trigger (`TreeNode.prefetch_trigger`), for the guard
         self.triggers: dict[str, dict[str, int]] = defaultdict(lambda: {"promoted_tokens": 0, "used_tokens": 0, "wasted_tokens": 0})

@@ -36,7 +36,7 @@ def test_agent_steps_pauses_and_other_traffic_follow_the_documented_fields():
     sessions = _sessions(reqs)
     assert len(sessions) == 16
     tools = []
-    for name, steps in sessions.items():
+    for steps in sessions.values():
         assert [role_of(r) for r in steps] == ["start"] + [f"resume{k}" for k in range(1, 6)]
         assert len(steps[0].input_ids) == 2048 + 1024  # the shared tool specs, then the task
         assert list(steps[0].input_ids[:2048]) == list(sessions["agent0"][0].input_ids[:2048])  # shared by every agent
@@ -101,8 +101,8 @@ def _replay(policy: str, hints: bool) -> tuple[float, dict, dict]:
 
 def test_a_paused_session_spills_and_the_hint_brings_it_back_before_it_resumes():
     pf_ttft, pf, _ = _replay("prefetch", hints=False)
-    walk_ttft, walk, walk_pred = _replay("predict", hints=False)
-    hint_ttft, hinted, hint_pred = _replay("predict", hints=True)
+    walk_ttft, walk, _walk_pred = _replay("predict", hints=False)
+    hint_ttft, _hinted, hint_pred = _replay("predict", hints=True)
     assert pf["disk_hits"] > 0  # the other traffic pushed paused sessions down to disk
     # the walk alone has nothing below the match point to walk to: the next step extends the tip
     assert walk_ttft <= pf_ttft and walk["bytes"] <= 1.01 * pf["bytes"]

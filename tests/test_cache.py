@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import assert_device_kv, kv_for, make_cache, serve
-from sgl_hicache.transfer.handlers import execute
+
 from sgl_hicache.cache import TieredCache
 from sgl_hicache.tiers.base import DEVICE, DISK, HOST
+from sgl_hicache.transfer.handlers import execute
 
 
 def seq(start: int, pages: int, page_size: int = 4) -> list[int]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+from conftest import kv_for, make_cache
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import kv_for, make_cache
 from sgl_hicache.tiers.base import DEVICE, DISK, HOST
 
 # prompts from a small alphabet so they share prefixes and split each other

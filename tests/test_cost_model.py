@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import REPO, shared_file
+
 from sgl_hicache.config import KVLayout
 from sgl_hicache.engine.cost import (
     attention_flops,
@@ -18,7 +18,16 @@ from sgl_hicache.engine.cost import (
     transfer_seconds,
     weight_read_bytes,
 )
-from sgl_hicache.engine.presets import HARDWARE, MODELS, HardwarePreset, ModelPreset, get_hardware, get_model, llama_params, measure_local
+from sgl_hicache.engine.presets import (
+    HARDWARE,
+    MODELS,
+    HardwarePreset,
+    ModelPreset,
+    get_hardware,
+    get_model,
+    llama_params,
+    measure_local,
+)
 
 # A toy model and machine whose figures are easy to work by hand.
 # L=2, H=2, d=4 -> 4*L*H*d = 64; P = 1000 params, bf16 -> 2000 weight bytes; KV/token = 2*2*1*4*2 = 32 B.

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import assert_device_kv, make_cache, serve
+from test_disk_crash import LAYOUT, PAGE, CrashHelper, page_data
+
 from sgl_hicache.hashing import Namespace, page_key
 from sgl_hicache.tiers.base import DISK, PageCorruptError, PageGoneError
 from sgl_hicache.tiers.disk import DiskPageStore
 from sgl_hicache.tiers.disk.ledger import SHARED_DIR
-from test_disk_crash import LAYOUT, PAGE, CrashHelper, page_data
 
 NS = Namespace.for_model(LAYOUT, PAGE)
 
@@ -417,7 +417,7 @@ def test_sigkill_a_writer_while_another_process_serves(tmp_path: Path) -> None:
             for k in expected:
                 assert same(store.read([k])[0], page_data(k))
                 totals["verified"] += 1
-            drop = [k for k in expected][: max(0, len(expected) - 200)]
+            drop = list(expected)[: max(0, len(expected) - 200)]
             for k in drop:
                 del expected[k]
             store.free(drop)

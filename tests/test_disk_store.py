@@ -61,7 +61,7 @@ def filled(d: Path, n: int, capacity: int = 16, ns: Namespace = NS, start: int =
 
 
 def temp_files(d: Path) -> list[Path]:
-    return [p for p in d.rglob("*.tmp")]
+    return list(d.rglob("*.tmp"))
 
 
 # ----------------------------------------------------------------------------- restart
@@ -234,7 +234,7 @@ def test_corruption_logged_once_per_reason(tmp_path: Path, caplog) -> None:
 
 def test_other_namespace_ignored_not_served_not_deleted(tmp_path: Path) -> None:
     _, foreign, foreign_data = filled(tmp_path, 3, ns=OTHER_NS)
-    s, ours, _ = filled(tmp_path, 2)  # same directory, another model / tenant
+    _s, ours, _ = filled(tmp_path, 2)  # same directory, another model / tenant
     s2 = open_store(tmp_path)
     assert s2.counters["foreign_ignored"] == 3 and s2.counters["corrupt_removed"] == 0
     assert sorted(s2.keys()) == sorted(ours) and s2.free_pages == 14
@@ -305,7 +305,7 @@ def test_stray_files_and_dirs_ignored(tmp_path: Path) -> None:
 
 
 def test_temp_files_left_behind_are_removed(tmp_path: Path) -> None:
-    s, ks, data = filled(tmp_path, 2)
+    s, ks, _data = filled(tmp_path, 2)
     k = keys_for(1, 9)[0]
     sub = tmp_path / k.hex()[:2]
     sub.mkdir(exist_ok=True)

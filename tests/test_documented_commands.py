@@ -21,7 +21,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import mooncake_trace
 from documented import REPO, DocCommand, check_documented, documented_commands, fenced_blocks
 

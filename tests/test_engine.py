@@ -7,14 +7,13 @@ import json
 from array import array
 
 import pytest
-
 from conftest import mooncake_trace
+
 from sgl_hicache.engine.presets import get_hardware, get_model
 from sgl_hicache.engine.run import compare, run_policy
 from sgl_hicache.engine.simulator import EmbeddedEngine, EngineConfig
 from sgl_hicache.replay import load_trace
 from sgl_hicache.replay.trace import Request
-
 
 
 def req(i: int, tokens: list[int], out: int = 4, t: float = 0.0) -> Request:

@@ -13,10 +13,10 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from conftest import make_cache, serve
-from sgl_hicache.transfer.handlers import execute
+
 from sgl_hicache.tiers.base import DEVICE, HOST
+from sgl_hicache.transfer.handlers import execute
 
 
 def _prompt(rng: random.Random, shared: list[list[int]], ps: int) -> list[int]:
@@ -44,7 +44,7 @@ def test_incremental_leaves_evict_what_a_rebuilt_heap_evicts(policy, demotes):
         locked = []
         for c in caches:
             c.clock = lambda t=t: t
-            _, handles = serve(c, p)
+            _, _handles = serve(c, p)
             if step % 7 == 0:  # a request still running: its path stays locked through the eviction
                 m = c.match(p, touch=False)
                 c.lock(m.last_node)
@@ -133,7 +133,7 @@ def test_write_through_never_pushes_out_another_device_pages_host_copy(policy):
     """Host holds only copies of device pages: a write-through copy of one more device page finds no
     room and waits, instead of evicting a copy the next round would make again (churn)."""
     cache = make_cache(None, device=8, host=4, eviction_demotes="none", eviction_policy=policy)
-    a, b, c = list(range(0, 8)), list(range(100, 108)), list(range(200, 208))
+    a, b, c = list(range(8)), list(range(100, 108)), list(range(200, 208))
     serve(cache, a)
     serve(cache, b)
     _land(cache, cache.plan_writeback(DEVICE, HOST, clean_target_pages=8, max_pages=8))

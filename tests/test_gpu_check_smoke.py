@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,7 +43,7 @@ def test_cpu_smoke_writes_the_report(tmp_path: Path) -> None:
     for path in ("plain", *paths):
         for link in ("h2d", "d2h"):
             assert size["gbps"][f"{path}_{link}"] > 0
-    assert set(size["ratios"]) == {f"{p}_{l} / plain_{l}" for p in paths for l in ("h2d", "d2h")}
+    assert set(size["ratios"]) == {f"{p}_{way} / plain_{way}" for p in paths for way in ("h2d", "d2h")}
     overlap = size["overlap"]
     assert set(overlap["ms"]) == {"copy_only", "compute_only", "overlapped", "overlapped_ahead",
                                   "copy_only_per_page", "copy_only_gather", "overlapped_ahead_per_page", "overlapped_ahead_gather"}

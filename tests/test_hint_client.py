@@ -12,8 +12,14 @@ from array import array
 import pytest
 
 from sgl_hicache.policy.hints import Hint
-from sgl_hicache.replay.hint_client import (HintApiError, HintSender, ResolvedHint, hint_api_status, hint_api_url,
-                                            resolve_hints)
+from sgl_hicache.replay.hint_client import (
+    HintApiError,
+    HintSender,
+    ResolvedHint,
+    hint_api_status,
+    hint_api_url,
+    resolve_hints,
+)
 from sgl_hicache.replay.http import ServerError, ServerModel, replay_http
 from sgl_hicache.replay.trace import Request
 from sgl_hicache.sglang.hint_server import HintListener
@@ -107,9 +113,9 @@ def test_a_hinted_trace_without_a_hint_api_fails_before_anything_is_sent():
     dead = f"http://127.0.0.1:{free_port()}"
     server = ServerModel(url=dead, vocab_size=1000, vocab_source="test")
     reqs = [_req("a/1", "a", 0.0, [1, 2, 3, 4], hints=(Hint("prefetch", input_ids=(1, 2, 3, 4)),))]
-    with pytest.raises(ServerError, match="the trace carries 1 hints, but the server at .* serves no hint API.*--hint-port"):
+    with pytest.raises(ServerError, match=r"the trace carries 1 hints, but the server at .* serves no hint API.*--hint-port"):
         replay_http(reqs, dead, server=server)
-    with pytest.raises(ServerError, match="does not answer.*the trace's 1 hints cannot be sent"):
+    with pytest.raises(ServerError, match=r"does not answer.*the trace's 1 hints cannot be sent"):
         replay_http(reqs, dead, server=server, hint_url=f"http://127.0.0.1:{free_port()}")
     with pytest.raises(ServerError, match="--hint-url must be http://HOST:PORT"):
         replay_http(reqs, dead, server=server, hint_url="ftp://x")

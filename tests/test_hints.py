@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import make_cache, serve
+from test_oracle_reuse import PS, Clock, seq
+
 from sgl_hicache.controller import ControllerSettings, RequestController
 from sgl_hicache.policy.hints import Hint, HintError, HintLimits, hint_tokens
 from sgl_hicache.policy.predictor import Predictor
@@ -16,7 +17,6 @@ from sgl_hicache.replay import load_trace
 from sgl_hicache.replay.trace import TraceError
 from sgl_hicache.tiers.base import DEVICE, HOST
 from sgl_hicache.transfer.executors import VirtualExecutor, VirtualPipes
-from test_oracle_reuse import PS, Clock, seq
 
 
 def _write(tmp_path, rows):
@@ -113,7 +113,7 @@ def test_a_pin_holds_until_it_expires_and_never_longer(tmp_path):
 
 def test_an_oversized_or_overlong_pin_is_refused(tmp_path):
     clock = Clock(10.0)
-    cache, ex, ctl = _controller(tmp_path, clock)
+    cache, _ex, ctl = _controller(tmp_path, clock)
     ctl.hints.limits = HintLimits(max_ttl_s=60.0, max_pin_share=0.25)  # 25 % of an 8-page host: 2 pages
     serve(cache, seq(0, 3))
     with pytest.raises(HintError, match="over 25% of the 32-token host tier"):
@@ -127,7 +127,7 @@ def test_an_oversized_or_overlong_pin_is_refused(tmp_path):
 
 def test_retain_and_demote_move_the_prefix_in_the_eviction_order(tmp_path):
     clock = Clock(10.0)
-    cache, ex, ctl = _controller(tmp_path, clock)
+    cache, _ex, ctl = _controller(tmp_path, clock)
     a, b = seq(0, 2), seq(500, 2)
     serve(cache, a)
     clock.t = 20.0

@@ -16,15 +16,15 @@ import time
 
 import pytest
 import torch
-
 from conftest import kv_for, make_cache, serve
-from sgl_hicache.transfer.handlers import execute
+
 from sgl_hicache.controller import ControllerSettings, RequestController
 from sgl_hicache.policy.predictors import make_predictor
 from sgl_hicache.sglang.layer_loads import LayerLoads
 from sgl_hicache.tiers.base import DEVICE, HOST
 from sgl_hicache.transfer.engine import TransferEngine
 from sgl_hicache.transfer.executors import ThreadExecutor
+from sgl_hicache.transfer.handlers import execute
 
 
 def _spy_copies(cache, record) -> None:

@@ -13,12 +13,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sgl_hicache.transfer.ops import TransferOp
 from sgl_hicache.config import KVLayout
 from sgl_hicache.sglang.device_pool import SGLangDevicePool
 from sgl_hicache.tiers.base import DEVICE, HOST
 from sgl_hicache.tiers.memory import HostKVBuffer
 from sgl_hicache.transfer import handlers
+from sgl_hicache.transfer.ops import TransferOp
 from sgl_hicache.tree.node import TreeNode
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, dtype="bfloat16")

@@ -7,8 +7,8 @@ import random
 from array import array
 
 import pytest
-
 from conftest import make_cache, serve
+
 from sgl_hicache.controller import ControllerSettings, RequestController
 from sgl_hicache.engine.presets import get_hardware, get_model
 from sgl_hicache.engine.run import run_policy

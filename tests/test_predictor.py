@@ -4,15 +4,15 @@ prefetch / prediction precision counters."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import make_cache, serve
-from sgl_hicache.transfer.handlers import execute
+
 from sgl_hicache.cache import TieredCache
 from sgl_hicache.policy.predictor import Predictor, TreeWalkPredictor
 from sgl_hicache.policy.predictors import make_predictor
 from sgl_hicache.tiers.base import DEVICE, DISK, HOST
-from sgl_hicache.tree.traffic import TRAFFIC_HALF_LIFE_S
+from sgl_hicache.transfer.handlers import execute
 from sgl_hicache.tree.node import edge_key_of
+from sgl_hicache.tree.traffic import TRAFFIC_HALF_LIFE_S
 
 PS = 4
 

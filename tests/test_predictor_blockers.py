@@ -6,8 +6,9 @@ copies charged and ordered), and the generated shapes where prediction can pay."
 from __future__ import annotations
 
 import pytest
-
 from conftest import make_cache, serve
+from test_oracle_reuse import PS, Clock, seq
+
 from sgl_hicache import speculation
 from sgl_hicache.controller import ControllerSettings, RequestController
 from sgl_hicache.policy.guard import PromotionGuard, QueueDelay
@@ -16,7 +17,6 @@ from sgl_hicache.replay.shapes import branch, chain, role_of
 from sgl_hicache.tiers.base import DEVICE, DISK, HOST
 from sgl_hicache.transfer.executors import VirtualExecutor, VirtualPipes
 from sgl_hicache.tree.traffic import HalfLife
-from test_oracle_reuse import PS, Clock, seq
 
 
 # ---- the half-life ------------------------------------------------------------------------------
@@ -135,7 +135,7 @@ def test_promotion_never_evicts_a_page_ranked_above(tmp_path):
     clock = Clock(100.0)
     cache = make_cache(tmp_path, device=4, host=4, disk=64, priority=lambda n: (rank.get(n.id, 1), n.last_access, n.id))
     cache.clock = clock
-    ex, ctl = _controller(cache, clock)
+    _ex, ctl = _controller(cache, clock)
     target = _disk_only(cache, seq(5000, 2))
     rank[target.id] = 0  # the eviction order puts it below every host page, fresh or not
     serve(cache, seq(0, 2))
@@ -207,7 +207,7 @@ def test_executor_moves_write_back_behind_a_speculative_copy(tmp_path):
     clock = Clock(0.0)
     cache = make_cache(tmp_path, device=8, host=8, disk=64)
     cache.clock = clock
-    ex, ctl = _controller(cache, clock, seconds=lambda link, tokens: float(tokens))
+    ex, _ctl = _controller(cache, clock, seconds=lambda link, tokens: float(tokens))
     target = _disk_only(cache, seq(5000, 2))
     serve(cache, seq(0, 2))
     ops = cache.plan_writeback(HOST, "disk", 8, 8) or cache.plan_writeback(DEVICE, HOST, 8, 8)
@@ -328,7 +328,7 @@ def test_the_guard_is_charged_for_the_arriving_requests_own_path_a_prediction_br
 
 
 def test_a_probe_never_brings_more_than_a_probe_own_path_included(tmp_path):
-    cache, ex, ctl, child = _own_path_and_child(tmp_path)
+    cache, _ex, ctl, _child = _own_path_and_child(tmp_path)
     ctl.guard.admit = lambda used, wasted, trigger=None: PS  # the guard allows a one-page probe
     ctl.arrive(seq(0, 2) + seq(7000, 1))  # its own disk path alone is two pages: no probe
     assert not ctl.predicted and not ctl.planned
@@ -339,7 +339,7 @@ def test_the_arriving_requests_own_path_comes_out_of_the_budget(tmp_path):
     clock = Clock(100.0)
     cache = make_cache(tmp_path, device=8, host=256, disk=64)  # room to spare: the lead's budget binds
     cache.clock = clock
-    ex, ctl = _controller(cache, clock, seconds=lambda link, tokens: tokens / 20.0, predictor_lead_s=1.0)
+    _ex, ctl = _controller(cache, clock, seconds=lambda link, tokens: tokens / 20.0, predictor_lead_s=1.0)
     serve(cache, seq(0, 2))
     _disk_only(cache, seq(0, 2) + seq(100, 2))
     seen = []
@@ -355,7 +355,7 @@ def test_the_arriving_requests_own_path_comes_out_of_the_budget(tmp_path):
 def test_a_prediction_gets_no_more_host_room_than_a_queue_prefetch(tmp_path):
     """A prediction is a speculative prefetch: its own path and its picks together fit in what a
     queue prefetch of a request not at the head may hold (`PromotionGuard.prefetch_room`)."""
-    cache, ex, ctl, child = _own_path_and_child(tmp_path)  # host: 8 pages; a prefetch may hold 4
+    _cache, _ex, ctl, _child = _own_path_and_child(tmp_path)  # host: 8 pages; a prefetch may hold 4
     seen = []
     ctl.predictor.predict = lambda start, now, budget_tokens=None: seen.append(budget_tokens) or []
     assert speculation.prediction_budget(ctl) > 4 * PS  # the room binds, not the lead

@@ -5,12 +5,13 @@ host tier has room to spare. Behaviour, not figures (those are in docs/results.m
 from __future__ import annotations
 
 from conftest import make_cache, serve
+from test_oracle_reuse import PS, Clock, seq
+
 from sgl_hicache.controller import ControllerSettings, RequestController
 from sgl_hicache.policy.guard import PromotionGuard
 from sgl_hicache.policy.predictor import Predictor
 from sgl_hicache.tiers.base import DEVICE, HOST
 from sgl_hicache.transfer.executors import VirtualExecutor, VirtualPipes
-from test_oracle_reuse import PS, Clock, seq
 
 
 def test_a_demand_copy_goes_ahead_of_queued_prefetches():
@@ -44,7 +45,7 @@ def test_yield_to_demand_unlocks_the_device_pages_a_prefetch_held(tmp_path):
     clock = Clock()
     cache = make_cache(tmp_path, device=8, host=8, disk=64)
     cache.clock = clock
-    ex, ctl = _controller(cache, clock)
+    _ex, ctl = _controller(cache, clock)
     shared, tail = seq(0, 4), seq(1000, 2)
     _disk_only(cache, shared + tail)
     serve(cache, shared)  # the shared prefix back on the device, the tail on disk only
@@ -64,7 +65,7 @@ def _three_queued_prefetches(tmp_path):
     clock = Clock()
     cache = make_cache(tmp_path, device=8, host=16, disk=64)
     cache.clock = clock
-    ex, ctl = _controller(cache, clock)
+    _ex, ctl = _controller(cache, clock)
     a, b, c = seq(0, 2), seq(2000, 2), seq(4000, 3)
     _disk_only(cache, a + seq(1000, 2))
     _disk_only(cache, b + seq(3000, 2))
@@ -109,7 +110,7 @@ def test_yield_to_demand_ends_together_the_jobs_sharing_a_locked_prefix(tmp_path
     clock = Clock()
     cache = make_cache(tmp_path, device=8, host=16, disk=64)
     cache.clock = clock
-    ex, ctl = _controller(cache, clock)
+    _ex, ctl = _controller(cache, clock)
     shared = seq(0, 2)
     _disk_only(cache, shared + seq(1000, 2))
     _disk_only(cache, shared + seq(2000, 2))
@@ -129,7 +130,7 @@ def test_a_demand_load_expedites_a_queued_prefetch_of_its_path(tmp_path):
     clock = Clock()
     cache = make_cache(tmp_path, device=8, host=16, disk=64)
     cache.clock = clock
-    ex, ctl = _controller(cache, clock)
+    _ex, ctl = _controller(cache, clock)
     tokens = seq(0, 3)
     longer = tokens + seq(5000, 2)
     _disk_only(cache, tokens)
@@ -160,7 +161,7 @@ def test_prefetch_starts_only_while_host_has_room_to_spare(tmp_path):
     clock = Clock()
     cache = make_cache(tmp_path, device=8, host=8, disk=64)
     cache.clock = clock
-    ex, ctl = _controller(cache, clock)
+    _ex, ctl = _controller(cache, clock)
     long, short = seq(0, 6), seq(9000, 2)
     _disk_only(cache, long)
     _disk_only(cache, short)

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import kv_for, make_cache, serve
+
 from sgl_hicache.hashing import chain_keys
 from sgl_hicache.tiers.base import DEVICE, DISK
 from sgl_hicache.tiers.disk import FORMAT_VERSION, HEADER_SIZE

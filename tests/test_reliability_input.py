@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import SMALL_LAYOUT
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from conftest import SMALL_LAYOUT
 from sgl_hicache.cache import TieredCache
 from sgl_hicache.cli import main
 from sgl_hicache.config import CacheConfig, ConfigError, KVLayout
@@ -81,7 +81,7 @@ def test_bad_layout_names_the_field(kw, words) -> None:
 def test_disk_dir_that_is_a_file_or_under_a_file(tmp_path: Path) -> None:
     f = tmp_path / "a-file"
     f.write_text("x")
-    with pytest.raises(ConfigError, match="disk_dir .* not a directory"):
+    with pytest.raises(ConfigError, match=r"disk_dir .* not a directory"):
         cfg(disk_dir=f, disk_tokens=64)
     # a path that cannot be created fails when the cache opens it, naming the path (never later)
     with pytest.raises(TierIOError, match="a-file"):

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import SMALL_LAYOUT, kv_for, serve
+
 from sgl_hicache.cache import TieredCache
 from sgl_hicache.config import CacheConfig
 from sgl_hicache.hashing import Namespace, chain_keys

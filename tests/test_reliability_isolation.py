@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SMALL_LAYOUT, kv_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import SMALL_LAYOUT, kv_for
 from sgl_hicache.cache import TieredCache
 from sgl_hicache.config import CacheConfig, KVLayout
 from sgl_hicache.hashing import KEY_BYTES, Namespace
@@ -107,7 +107,7 @@ def test_disk_eviction_never_deletes_another_namespace_pages(tmp_path: Path) -> 
     a = cache_for(directory, salt="A")
     for p in PROMPTS:
         serve_as(a, p, seed=0)
-    theirs = {p for p in directory.rglob("*.page")}
+    theirs = set(directory.rglob("*.page"))
     del a
     cfg = CacheConfig(SMALL_LAYOUT, device_tokens=8 * PS, host_tokens=8 * PS, disk_tokens=8 * PS, page_size=PS, disk_dir=directory,
                       tenant_salt="B", write_policy="write_through", disk_write_policy="write_through",
@@ -136,7 +136,6 @@ _STORE: DiskPageStore  # set by the module fixture below (hypothesis tests canno
 def _store(tmp_path_factory):
     global _STORE
     _STORE = DiskPageStore(SMALL_LAYOUT, PS, 8, tmp_path_factory.mktemp("keys"), Namespace.for_model(SMALL_LAYOUT, PS))
-    yield
 
 
 BAD_KEYS = [b"", b"\x00" * 15, b"\x00" * 17, b"../../../../etc/pass", "0" * 32, "../" * 6, bytearray(16), memoryview(b"x" * 16), 7, None, 1.5, ("a",)]

@@ -21,8 +21,8 @@ import threading
 import time
 from pathlib import Path
 
+from conftest import SMALL_LAYOUT, SYNCHRONOUS, assert_device_kv, serve
 
-from conftest import SYNCHRONOUS, SMALL_LAYOUT, assert_device_kv, serve
 from sgl_hicache.cache import TieredCache
 from sgl_hicache.config import CacheConfig
 from sgl_hicache.hashing import Namespace
@@ -84,8 +84,7 @@ def test_storm_of_threads_with_a_failing_disk_keeps_every_invariant(tmp_path: Pa
         serve(cache, p)
     cache.check()
 
-    counts = {name: 0 for name in ("served", "checked_tokens", "prefetch_jobs", "matches", "checks", "evicted", "flips", "faults",
-                                   "enospc_raised", "targeted_flips", "targeted_detected")}
+    counts = dict.fromkeys(("served", "checked_tokens", "prefetch_jobs", "matches", "checks", "evicted", "flips", "faults", "enospc_raised", "targeted_flips", "targeted_detected"), 0)
     count_lock = threading.Lock()
 
     def bump(name: str, n: int = 1) -> None:

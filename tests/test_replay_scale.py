@@ -3,7 +3,6 @@ parallel --compare equals sequential, the trace synthesiser keeps the source's s
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import subprocess
@@ -12,8 +11,8 @@ import weakref
 from pathlib import Path
 
 import pytest
-
 from conftest import mooncake_trace
+
 from sgl_hicache.cli import format_report, main
 from sgl_hicache.engine.presets import get_hardware, get_model
 from sgl_hicache.engine.run import checkpoint_path, compare, longest_first, run_policy

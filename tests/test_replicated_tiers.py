@@ -15,8 +15,13 @@ from sgl_hicache.hashing import Namespace, page_key
 from sgl_hicache.tiers.base import DEVICE, DISK, HOST, SlotAllocator, TierIOError
 from sgl_hicache.tiers.disk import DiskPageStore
 from sgl_hicache.tiers.memory import DeviceKVPool
-from sgl_hicache.tiers.replicated import (LowestFirstSlots, MirrorDiskStore, SharedHostBuffer, new_shared_file,
-                                          unlink_shared_file)
+from sgl_hicache.tiers.replicated import (
+    LowestFirstSlots,
+    MirrorDiskStore,
+    SharedHostBuffer,
+    new_shared_file,
+    unlink_shared_file,
+)
 from sgl_hicache.transfer.handlers import default_handlers, execute, follower_handlers
 from sgl_hicache.transfer.ops import TransferOp
 
@@ -56,8 +61,8 @@ def test_shared_host_buffer_is_one_memory_for_every_mapping(tmp_path):
     assert follower.allocate([b"a", b"b"]) == slots
     leader.write(slots, data)
     assert torch.equal(follower.read(slots).view(torch.int16), data.view(torch.int16))
+    (tmp_path / "short").write_bytes(b"\0" * 10)
     with pytest.raises(ValueError, match="bytes, expected"):
-        (tmp_path / "short").write_bytes(b"\0" * 10)
         SharedHostBuffer(LAYOUT, PAGE, 8, tmp_path / "short")
 
 

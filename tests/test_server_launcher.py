@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sgl_hicache.sglang.server import PortInUseError, SGLangServer, ServerStartError, free_port
+from sgl_hicache.sglang.server import PortInUseError, ServerStartError, SGLangServer, free_port
 
 STAND_IN = '''#!{python}
 import http.server, sys, time

@@ -30,7 +30,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import NEEDS_SGLANG, mooncake_trace
 from documented import documented_commands
 
@@ -84,7 +83,7 @@ def server(tmp_path_factory):
     work = tmp_path_factory.mktemp("sglang_cli")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log = open(work / "server.log", "wb")
+    log = open(work / "server.log", "wb")  # noqa: SIM115 (the server writes it; closed when it stops)
     commands = _readme_commands(port, work / "disk")
     cmd = commands["serve"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import NEEDS_SGLANG, mooncake_trace
 from documented import REPO, DocCommand, check_documented, documented_commands
 

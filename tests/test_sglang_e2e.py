@@ -36,11 +36,10 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import NEEDS_SGLANG, mooncake_trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "cpu"))
-from realistic_weights import make_model  # noqa: E402  (re-exported: the other SGLang tests import it from here)
+from realistic_weights import make_model  # re-exported: the other SGLang tests import it from here
 
 pytestmark = NEEDS_SGLANG  # marked `sglang`, skipped where SGLang is not installed
 

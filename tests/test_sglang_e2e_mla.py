@@ -30,7 +30,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import NEEDS_SGLANG
 from test_sglang_e2e import LOGPROB_TOL, TP_ENV, _flood, _gen_lp, _logprob_diff, _prompt, _scheduler_pid, _settled_pool
 

@@ -27,7 +27,6 @@ from array import array
 from pathlib import Path
 
 import pytest
-
 from conftest import NEEDS_SGLANG
 from test_sglang_e2e import HIT, PAGE, VOCAB, _flood, _gen, _prompt, _settled_pool, _wait_for, make_model
 

@@ -18,7 +18,6 @@ import importlib.util
 import math
 
 import pytest
-
 from test_sglang_pool_kinds import _load_back
 
 _missing = importlib.util.find_spec("sglang") is None
@@ -94,8 +93,9 @@ def _full_buffers(kvcache):
 def test_attention_layers_pages_round_trip_through_the_backend_bit_for_bit(tmp_path, kind):
     """The pages the adapter tiers (the full-attention layers') go device -> host -> disk -> device
     through the real backend and come back bit for bit; again from disk after a restart."""
-    import torch
     from array import array
+
+    import torch
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
@@ -215,8 +215,9 @@ def test_a_qwen3_next_sized_snapshot_costs_thousands_of_tokens_of_kv():
     bf16, temporal 32 x 128 x 128 fp32; 12 attention layers of 2 KV heads x 256, bf16): one state
     snapshot is ~75 MiB, as much host memory as ~3,000 tokens of its KV. A tier that kept one per
     tree node would spend most of the host budget on states (sglang #24561)."""
-    from sgl_hicache.config import KVLayout
     from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+
+    from sgl_hicache.config import KVLayout
 
     shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=4096, n_groups=16, num_heads=32,
                                     head_dim=128, state_size=128, conv_kernel=4)

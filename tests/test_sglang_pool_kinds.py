@@ -197,7 +197,7 @@ def test_eagle_is_refused_with_what_to_run_instead():
 
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=_pool("mha-fp8_e4m3"),
                              page_size=PAGE, is_eagle=True)
-    with pytest.raises(ValueError, match="EAGLE.*Instead: drop --speculative-algorithm"):
+    with pytest.raises(ValueError, match=r"EAGLE.*Instead: drop --speculative-algorithm"):
         TieredRadixCache(params)
 
 
@@ -213,7 +213,7 @@ def test_a_pool_with_a_kv_quant_method_is_refused_naming_it():
     pool = MHATokenToKVPool(size=POOL_TOKENS, page_size=PAGE, dtype=torch.float8_e4m3fn, head_num=2, head_dim=8,
                             layer_num=LAYERS, device="cpu", enable_memory_saver=False, enable_alt_stream=False,
                             quant_method=CPUFP8KVCacheMethod())
-    with pytest.raises(UnsupportedPool, match="CPUFP8KVCacheMethod.*Instead: on a GPU --kv-cache-dtype fp8_e4m3"):
+    with pytest.raises(UnsupportedPool, match=r"CPUFP8KVCacheMethod.*Instead: on a GPU --kv-cache-dtype fp8_e4m3"):
         adapter_for(pool)
 
 
@@ -226,7 +226,6 @@ def test_mla_at_tp2_is_one_copy_for_the_group_with_rank_free_keys(tmp_path):
     from sgl_hicache.sglang.assembly import cache_config
     from sgl_hicache.sglang.device_pool import SGLangDevicePool
     from sgl_hicache.sglang.rank_consensus import RankConsensus
-
     from sgl_hicache.sglang.settings import BackendSettings
 
     s = BackendSettings(host_tokens=64, disk_dir=str(tmp_path / "disk"), disk_tokens=1024)

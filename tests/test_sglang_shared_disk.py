@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from pathlib import Path
 
 from conftest import NEEDS_SGLANG
 from test_sglang_e2e import HIT, PAGE, _gen, _pool, _prompt, _trace_slice, _wait_for, model_dir, start_server, workdir  # noqa: F401 (fixtures)
@@ -51,7 +52,7 @@ def _page_files(disk: Path) -> int:
     return len(list(disk.glob("??/*.page")))
 
 
-def test_two_servers_share_one_disk_directory(start_server, tmp_path):
+def test_two_servers_share_one_disk_directory(start_server, tmp_path):  # noqa: F811 (the imported fixture)
     from sgl_hicache.replay.http import replay_http
 
     disk = tmp_path / "disk"

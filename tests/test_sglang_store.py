@@ -21,7 +21,6 @@ import shutil
 import time
 
 import pytest
-
 from conftest import NEEDS_SGLANG
 from test_sglang_e2e import VOCAB, _prompt, _wait_for, make_model
 
@@ -92,7 +91,7 @@ def test_turn_n_on_a_turn_n_plus_1_on_b(servers):
         # the cache): it adds its two pages once, so turn 1 is all written once the count passes both.
         poke = _prompt(20_000 + c, 2 * PAGE)
 
-        def written() -> bool:
+        def written(before: int = before, poke: list[int] = poke) -> bool:
             if _store_stats(a)["pages_written"] >= before + (320 + 8) // PAGE + 2:
                 return True
             _gen(a, poke, n=1)
@@ -138,7 +137,7 @@ def test_idle_servers_write_nothing(servers, mooncake_service):
         poke = _prompt(30_000 + k, 2 * PAGE)
         last = [-1, time.monotonic()]
 
-        def drained() -> bool:
+        def drained(srv=srv, poke=poke, last=last) -> bool:
             n = _store_stats(srv)["pages_written"]
             if n != last[0]:
                 last[0], last[1] = n, time.monotonic()

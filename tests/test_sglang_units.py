@@ -131,7 +131,7 @@ def test_backend_demotes_and_loads_back_exact_kv(tmp_path, page_size):
         assert req.storage_hit_length > 0 and req.storage_hit_start == 48 - req.storage_hit_length
         new_slots = cache.path_device_indices(loaded[1])
         assert len(new_slots) == 48
-        assert cache.layer_loads is not None and cache.layer_loads.inflight or cache.layer_loads.loads == 1
+        assert (cache.layer_loads is not None and cache.layer_loads.inflight) or cache.layer_loads.loads == 1
         for layer in range(2):  # the layer-wise load: what SGLang's KV pool calls before reading a layer
             cache.layer_loads.wait_until(layer)
         assert torch.equal(kv.k_buffer[1][new_slots], before[0]) and torch.equal(kv.v_buffer[0][new_slots], before[1])
@@ -162,11 +162,11 @@ def test_layered_moves_on_the_real_pool_are_bit_exact(monkeypatch, page_size):
     import torch
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    from sgl_hicache.transfer.ops import TransferOp
     from sgl_hicache.sglang.device_pool import SGLangDevicePool
     from sgl_hicache.tiers.base import DEVICE, HOST
     from sgl_hicache.tiers.memory import HostKVBuffer
     from sgl_hicache.transfer import handlers
+    from sgl_hicache.transfer.ops import TransferOp
     from sgl_hicache.tree.node import TreeNode
 
     layers, heads, dim = 4, 8, 128  # 16 KiB of KV per token
@@ -425,7 +425,7 @@ def test_hint_api_is_refused_at_tp_above_one():
     from sgl_hicache.sglang.settings import BackendSettings
 
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=_pools(16, size=64), page_size=16)
-    with pytest.raises(ValueError, match="hint API .* not supported with --tp > 1"):
+    with pytest.raises(ValueError, match=r"hint API .* not supported with --tp > 1"):
         TieredRadixCache(params, BackendSettings(host_tokens=64, disk_tokens=0, hint_port=0), consensus=object())
 
 
@@ -437,8 +437,8 @@ def test_a_formed_batch_admits_its_requests_once(tmp_path):
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
     from sgl_hicache.sglang.backend import TieredRadixCache
-    from sgl_hicache.sglang.scheduler_hooks import set_consumer_index
     from sgl_hicache.sglang.debug_settings import DebugSettings
+    from sgl_hicache.sglang.scheduler_hooks import set_consumer_index
     from sgl_hicache.sglang.settings import BackendSettings
 
     alloc = _pools(16, size=64)

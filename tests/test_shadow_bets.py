@@ -4,12 +4,13 @@ copying them, and makes real copies only once requests have used enough of what 
 from __future__ import annotations
 
 from conftest import make_cache
+from test_oracle_reuse import PS, Clock, seq
+from test_predictor_blockers import _controller, _disk_only, _Fixed
+
 from sgl_hicache.policy.guard import PromotionGuard
 from sgl_hicache.policy.predictor import Prediction
 from sgl_hicache.policy.shadow import ShadowBets
 from sgl_hicache.tree.node import TreeNode
-from test_oracle_reuse import PS, Clock, seq
-from test_predictor_blockers import _controller, _disk_only, _Fixed
 
 
 def _node(pages: int = 1) -> TreeNode:
@@ -109,7 +110,7 @@ def test_an_unproven_trigger_copies_nothing_until_requests_use_its_shadow_picks(
 
 
 def test_a_trigger_whose_shadow_picks_go_unused_never_copies(tmp_path):
-    cache, ex, ctl, clock, child = _setup(tmp_path)
+    cache, _ex, ctl, clock, _child = _setup(tmp_path)
     for i in range(4):
         ctl.arrive(seq(9000 + i, 1))
         clock.t += 31.0  # past the horizon: the bet expires unused

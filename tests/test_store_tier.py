@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from conftest import SMALL_LAYOUT, SYNCHRONOUS, assert_device_kv, kv_for
 
 from sgl_hicache.cache import TieredCache
 from sgl_hicache.config import CacheConfig, KVLayout
@@ -26,8 +27,6 @@ from sgl_hicache.tiers.store import SharedStoreTier
 from sgl_hicache.tiers.store_local import start_mooncake, start_redis
 from sgl_hicache.transfer.engine import TransferEngine
 from sgl_hicache.transfer.executors import ThreadExecutor
-
-from conftest import SYNCHRONOUS, SMALL_LAYOUT, assert_device_kv, kv_for
 
 PS = 4
 
@@ -98,7 +97,6 @@ class Server:
 @pytest.fixture(autouse=True)
 def _count_served():
     Server.served = 0
-    yield
 
 
 def _prompt(seed: int, pages: int) -> list[int]:
@@ -173,7 +171,7 @@ def test_bad_value_under_a_valid_key_is_a_counted_miss(shared, damage: str) -> N
         else:
             value = value[:-7]
     assert a.store.backend.put([a.store.store_key(key)], [bytes(value)]) == [True]
-    dev, host, store = b.request(p)
+    _dev, _host, store = b.request(p)
     assert store == 0  # the node holding the bad page (one transfer) and its suffix are recomputed
     c = b.store.counters
     assert (c["foreign_values"], c["corrupt_values"]) == ((1, 0) if damage == "foreign" else (0, 1))

@@ -39,6 +39,7 @@ def test_a_worker_thread_caps_its_own_team_only():
 
 def test_the_transfer_engine_workers_are_capped(tmp_path):
     from conftest import make_cache
+
     from sgl_hicache.transfer import engine
 
     seen = []

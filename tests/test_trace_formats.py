@@ -10,7 +10,15 @@ from pathlib import Path
 import pytest
 
 from sgl_hicache.cli import main
-from sgl_hicache.replay import TraceError, detect_format, load_trace, read_azure, read_mooncake, read_sglang_bench, read_sharegpt
+from sgl_hicache.replay import (
+    TraceError,
+    detect_format,
+    load_trace,
+    read_azure,
+    read_mooncake,
+    read_sglang_bench,
+    read_sharegpt,
+)
 
 DATA = Path(__file__).resolve().parent / "data"
 SHAREGPT = DATA / "sharegpt_v3_excerpt.json"

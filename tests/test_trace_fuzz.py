@@ -9,7 +9,16 @@ import tempfile
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sgl_hicache.replay import Request, TraceError, load_trace, read_azure, read_mooncake, read_plain, read_sglang_bench, read_sharegpt
+from sgl_hicache.replay import (
+    Request,
+    TraceError,
+    load_trace,
+    read_azure,
+    read_mooncake,
+    read_plain,
+    read_sglang_bench,
+    read_sharegpt,
+)
 
 GOOD_MOONCAKE = [
     '{"timestamp": 0, "input_length": 700, "output_length": 5, "hash_ids": [0, 1]}',

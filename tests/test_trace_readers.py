@@ -7,8 +7,8 @@ from array import array
 from pathlib import Path
 
 import pytest
-
 from conftest import mooncake_trace
+
 from sgl_hicache.replay import (
     ByteTokenizer,
     Request,
@@ -19,7 +19,6 @@ from sgl_hicache.replay import (
     read_plain,
     read_sharegpt,
 )
-
 
 
 def write(tmp_path: Path, name: str, lines: list) -> Path:

@@ -11,12 +11,12 @@ import threading
 import time
 
 import pytest
-
 from conftest import assert_device_kv, make_cache, serve
+
 from sgl_hicache.cache import TieredCache
-from sgl_hicache.transfer.ops import Cancelled
 from sgl_hicache.tiers.base import DEVICE, DISK, HOST
 from sgl_hicache.transfer.engine import TransferEngine
+from sgl_hicache.transfer.ops import Cancelled
 
 
 def seq(start: int, pages: int, page_size: int = 4) -> list[int]:
@@ -557,7 +557,7 @@ def test_done_flag_wakes_every_waiter_whenever_it_is_set():
     for _ in range(200):  # set races the waiters' first look and the event's birth
         flag = DoneFlag()
         got: list[bool] = []
-        waiters = [threading.Thread(target=lambda: got.append(flag.wait(10))) for _ in range(3)]
+        waiters = [threading.Thread(target=lambda flag=flag, got=got: got.append(flag.wait(10))) for _ in range(3)]
         for t in waiters:
             t.start()
         flag.set()

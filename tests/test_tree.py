@@ -6,8 +6,8 @@ import pytest
 
 from sgl_hicache.config import KVLayout
 from sgl_hicache.hashing import Namespace, chain_keys, page_key
-from sgl_hicache.tree.radix import InvariantError, RadixTree
 from sgl_hicache.tree.node import edge_key_of
+from sgl_hicache.tree.radix import InvariantError, RadixTree
 
 NS = Namespace.for_model(KVLayout(2, 2, 8), 2)
 

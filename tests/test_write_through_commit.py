@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import torch
 from conftest import SMALL_LAYOUT, kv_for
+from test_oracle_reuse import PS, Clock, seq
+
 from sgl_hicache.assemble import build_cache
 from sgl_hicache.config import CacheConfig
 from sgl_hicache.controller import ControllerSettings, RequestController
 from sgl_hicache.policy.predictor import Predictor
 from sgl_hicache.tiers.base import DEVICE, HOST
 from sgl_hicache.transfer.executors import VirtualExecutor, VirtualPipes
-from test_oracle_reuse import PS, Clock, seq
 
 
 def _setup(device=8, host=16):
@@ -34,7 +35,7 @@ def _insert(cache, tokens):
 
 
 def test_commit_starts_the_host_copy_and_eviction_after_it_lands_drops_nothing():
-    clock, cache, ex, ctl = _setup()
+    clock, cache, _ex, ctl = _setup()
     path = _insert(cache, seq(0, 4))
     assert ctl.commit(path) == 4 and ctl.writeback
     # in flight: the pages are held by the copy (protected, not evictable), never dropped dirty
@@ -50,7 +51,7 @@ def test_commit_starts_the_host_copy_and_eviction_after_it_lands_drops_nothing()
 
 
 def test_a_child_committed_while_its_parent_copy_is_in_flight_follows_in_a_later_round():
-    clock, cache, ex, ctl = _setup()
+    clock, cache, _ex, ctl = _setup()
     assert ctl.commit(_insert(cache, seq(0, 2))) == 2
     child = _insert(cache, seq(0, 2) + seq(500, 2))
     assert ctl.commit(child) == 0  # its parent is not on host yet: prefix closure
@@ -78,7 +79,7 @@ def test_a_node_whose_copy_is_in_flight_splits_and_both_parts_get_the_copy():
     """A request that shares the first pages of a committed node whose host copy is still in
     flight splits it (it used to stop at the pinned node and insert its own pages as duplicates,
     losing the shared prefix's device hits); the landed copy then covers both parts."""
-    clock, cache, ex, ctl = _setup(device=16, host=16)
+    clock, cache, _ex, ctl = _setup(device=16, host=16)
     a = seq(0, 4)
     path = _insert(cache, a)
     assert ctl.commit(path) == 4 and HOST in path[-1].incoming

@@ -29,7 +29,7 @@ class Copies:
     ancestors are now in `tier`, and leaves the tree consistent when they are not.
     """
 
-    def __init__(self, cache: "TieredCache") -> None:
+    def __init__(self, cache: TieredCache) -> None:
         self.cache = cache
 
     def reserve(self, node: TreeNode, dst: str, kind: str, evict: bool, src: str | None = None,

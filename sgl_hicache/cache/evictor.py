@@ -27,7 +27,7 @@ class Evictor:
     prefix-closed; evicting 0 pages is always safe and frees nothing.
     """
 
-    def __init__(self, cache: "TieredCache") -> None:
+    def __init__(self, cache: TieredCache) -> None:
         self.cache = cache
 
     def evict(self, tier: str, num_pages: int, spare_device_copies: bool = False) -> int:
@@ -43,7 +43,7 @@ class Evictor:
         if tier == DISK and freed < num_pages and c.stores[DISK].peers_wrote:
             # a shared directory full of other processes' pages this one cannot free through its
             # tree: the oldest of those go, so no process is locked out of the one capacity
-            freed += c.stores[DISK].evict_unindexed(num_pages - freed)
+            freed += c.lower.store.evict_unindexed(num_pages - freed)
         return freed
 
     def make_room(self, tier: str, num_pages: int, keep: tuple[TreeNode, ...] = (),

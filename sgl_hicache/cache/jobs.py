@@ -36,7 +36,7 @@ class PromotionJobs:
     already running; `reap_orphans` never waits. The caller holds the cache's lock.
     """
 
-    def __init__(self, cache: "TieredCache") -> None:
+    def __init__(self, cache: TieredCache) -> None:
         self.cache = cache
         # cancelled copies of failed promotions still running on a worker (`_fail`, `reap_orphans`)
         self.orphans: list[TransferOp] = []
@@ -55,7 +55,7 @@ class PromotionJobs:
         for node in todo:
             pending = node.incoming.get(target)
             if pending is not None:
-                stages.append(NodeStage(node, [], waits_for=pending))  # type: ignore[arg-type]
+                stages.append(NodeStage(node, [], waits_for=pending))
                 staged_host.add(node)
                 continue
             ops: list[TransferOp] = []
@@ -142,7 +142,8 @@ class PromotionJobs:
 
     def reap_orphans(self) -> None:
         if self.orphans:
-            ended, running = [], []
+            ended: list[TransferOp] = []
+            running: list[TransferOp] = []
             for op in self.orphans:  # one read per op: a copy ending between two reads is lost to both lists
                 (ended if op.stopped else running).append(op)
             self.orphans = running

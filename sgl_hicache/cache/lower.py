@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from ..hashing import chain_keys, page_key
-from ..tiers.base import DISK, Handle
+from ..tiers.base import DISK, Handle, KeyedStore
 from ..tree.node import TreeNode, edge_key_of
 
 if TYPE_CHECKING:
@@ -26,15 +26,15 @@ class LowerTier:
     whose page is unreadable, and the nodes held nowhere else.
     """
 
-    def __init__(self, cache: "TieredCache") -> None:
+    def __init__(self, cache: TieredCache) -> None:
         self.cache = cache
         # copies into the disk tier not applied yet: their pages may be stored before the tree
         # claims them, and must not be taken for orphaned files (`evict_orphans`)
-        self.writes_in_flight: set["TransferOp"] = set()
+        self.writes_in_flight: set[TransferOp] = set()
 
     @property
-    def store(self):
-        return self.cache.stores[DISK]
+    def store(self) -> KeyedStore:
+        return cast(KeyedStore, self.cache.stores[DISK])  # the lower slot holds a content-addressed store
 
     def adopt(self, path: list[TreeNode], tokens: Sequence[int], matched: int) -> list[TreeNode]:
         """Pages of `tokens` past the tree's match that the disk store holds but the tree does not

@@ -36,7 +36,7 @@ from .results import InsertOutcome, PrefixMatch
 from .transaction import Transactions
 from .writeback import WritebackPlanner
 
-Priority = Callable[[TreeNode], object]
+Priority = Callable[[TreeNode], tuple]
 
 
 class TieredCache:
@@ -394,7 +394,7 @@ class TieredCache:
                                    for t in TIERS}
         lower = self.stores.get(DISK)
         lower_snap = lower.snapshot() if lower is not None else None
-        if lower_snap is not None:
+        if lower is not None and lower_snap is not None:
             # the lower-tier slot holds the shared store: its "disk" figures are store figures
             snap["lower_tier"] = lower.name
             snap["store"] = lower_snap

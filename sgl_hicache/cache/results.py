@@ -34,7 +34,7 @@ class PrefixMatch:
     def lower_tier_tokens(self) -> int:
         return self.host_tokens + self.disk_tokens
 
-    def head(self, tokens: int) -> "PrefixMatch":
+    def head(self, tokens: int) -> PrefixMatch:
         """The match cut to its first `tokens` tokens: the figures exactly, the path to the whole
         nodes that fit."""
         covered = max(0, min(tokens, self.tokens))

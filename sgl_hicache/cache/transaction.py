@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("sgl_hicache.cache")
 
 # which tier to copy from into a destination, fastest first
-SOURCES = {DEVICE: (HOST,), HOST: (DEVICE, DISK), DISK: (HOST, DEVICE)}
+SOURCES: dict[str, tuple[str, ...]] = {DEVICE: (HOST,), HOST: (DEVICE, DISK), DISK: (HOST, DEVICE)}
 
 
 class Transactions:
@@ -35,7 +35,7 @@ class Transactions:
     `stats.errors`, never wrong KV.
     """
 
-    def __init__(self, cache: "TieredCache") -> None:
+    def __init__(self, cache: TieredCache) -> None:
         self.cache = cache
         # (error name, reason) pairs already logged at WARNING: the rest go to DEBUG (one line per reason)
         self._logged_errors: set[tuple[str, str]] = set()
@@ -52,7 +52,7 @@ class Transactions:
         """Pages an earlier process left in the disk tier under `node`'s keys are rewritten: free them
         (before room is counted, so that an eviction does not free what they give back)."""
         if dst == DISK:
-            store = self.cache.stores[DISK]
+            store = self.cache.lower.store
             stale = [k for k in node.keys if store.contains(k)]
             if stale:
                 store.free(stale)
@@ -139,6 +139,7 @@ class Transactions:
 
     def _on_error(self, op: TransferOp, top: TreeNode) -> None:
         """`top`: the highest node `op`'s pages span (dropping its subtree drops them all)."""
+        assert op.error is not None  # (called for failed copies only)
         c = self.cache
         if isinstance(op.error, PageGoneError):  # another process sharing the directory evicted it: a miss
             c.stats.errors["vanished_pages"] += 1

@@ -4,10 +4,10 @@ prepared copies one tier down, each locking its node's path until it completes."
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from ..policy.writeback import clean_pages, pick_writeback, shared_candidates, writeback_candidates
-from ..tiers.base import DEVICE, DISK, HOST
+from ..tiers.base import DEVICE, DISK, HOST, KeyedStore
 from ..transfer.ops import TransferOp
 from ..tree.node import TreeNode
 
@@ -23,7 +23,7 @@ class WritebackPlanner:
     holds the cache's lock.
     """
 
-    def __init__(self, cache: "TieredCache") -> None:
+    def __init__(self, cache: TieredCache) -> None:
         self.cache = cache
         # per (src, dst) link, the state in which planning last found nothing to do
         self._idle: dict[tuple[str, str], tuple] = {}
@@ -89,7 +89,8 @@ class WritebackPlanner:
             clean += incoming  # clean once their copies land
             budget = min(max_pages, clean_target_pages - clean)
         else:
-            candidates = shared_candidates(c.tree, src, dst, store.min_hits, lambda n: store.accepts(n.keys))
+            keyed = cast(KeyedStore, store)  # a shared store is content-addressed
+            candidates = shared_candidates(c.tree, src, dst, store.min_hits, lambda n: keyed.accepts(n.keys))
             budget = max_pages
         if only is not None:
             candidates = [n for n in candidates if only(n)]

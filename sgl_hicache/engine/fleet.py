@@ -24,10 +24,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..hashing import Namespace
+from ..records import RequestRecord
 from ..replay.trace import Request
+from ..report import REPORT_VERSION, policy_report
 from ..tiers.store import SharedStoreTier
 from ..tiers.store_backends import MemoryBackend
-from ..report import REPORT_VERSION, policy_report
 from .run import settings_of
 from .simulator import EmbeddedEngine, EngineConfig
 
@@ -101,7 +102,7 @@ def run_fleet(requests: Sequence[Request], config: EngineConfig, servers: int, h
             if not engine.step():
                 live.remove(engine)
         wall = time.perf_counter() - wall
-        records = []
+        records: list[RequestRecord] = []
         for engine in engines:
             records += engine.end()
             engine.cache.check()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from ..config import KVLayout
 
@@ -67,7 +68,7 @@ class ModelPreset:
     def kv_layout(self) -> KVLayout:
         return KVLayout(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype, architecture=self.architecture)
 
-    def replace(self, **changes: object) -> "ModelPreset":
+    def replace(self, **changes: Any) -> ModelPreset:
         return dataclasses.replace(self, **changes)
 
 
@@ -128,7 +129,7 @@ class HardwarePreset:
             return self.disk_write_bandwidth
         raise ValueError(f"no link from {src!r} to {dst!r}; links: device<->host, host<->disk")
 
-    def replace(self, **changes: object) -> "HardwarePreset":
+    def replace(self, **changes: Any) -> HardwarePreset:
         return dataclasses.replace(self, **changes)
 
 

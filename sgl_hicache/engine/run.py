@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from ..replay.trace import Request
-from ..tree.view import largest_subtrees
 from ..report import REPORT_VERSION, policy_report
+from ..tree.view import largest_subtrees
 from .simulator import POLICIES, EmbeddedEngine, EngineConfig
 
 

@@ -45,11 +45,12 @@ from ..config import DEFAULT_POLICY, CacheConfig, KVLayout, TieringPolicy
 from ..controller import Admission, Ticket
 from ..policy.hints import Hint, HintError, hint_tokens
 from ..policy.oracle import Oracle
+from ..records import RecordColumns
 from ..replay.trace import Request
 from ..tiers.base import DEVICE, DISK, HOST, TierStore
 from ..transfer.executors import VirtualExecutor, VirtualPipes
+from ..tree.node import TreeNode
 from . import cost
-from ..records import RecordColumns
 from .presets import HardwarePreset, ModelPreset
 
 POLICIES = ("recompute", "demote", "prefetch", "predict", "oracle")
@@ -151,7 +152,7 @@ class _Flight:
     first_token: float | None = None
     remaining: int = 0
     context: int = 0
-    anchor: object = None
+    anchor: TreeNode | None = None
     output_pages: list = field(default_factory=list)
     prefill_left: int = 0
     prefetch_tried: bool = False
@@ -190,7 +191,7 @@ class EmbeddedEngine:
     """
 
     def __init__(self, config: EngineConfig, progress: Callable[..., None] | None = None,
-                 checkpoint: Callable[["EmbeddedEngine"], None] | None = None, checkpoint_every: int = 0,
+                 checkpoint: Callable[[EmbeddedEngine], None] | None = None, checkpoint_every: int = 0,
                  store: TierStore | None = None) -> None:
         """`store`: a shared store tier (`tiers/store.py`) in the disk tier's place."""
         if store is not None and config.store_bandwidth <= 0:
@@ -337,10 +338,10 @@ class EmbeddedEngine:
             prefill_s = cost.prefill_seconds(cfg.model, cfg.hardware, pending, len(tokens) - pending)
             # waiting for a low-priority prefetch must not be slower than loading the rest on demand
             # (which `load` below does when the rest is dropped)
-            demand_s = self.executor.demand_eta(ticket.job)  # type: ignore[arg-type]
+            demand_s = self.executor.demand_eta(ticket.job)
             decision, eta = self.controller.admit(ticket, min(prefill_s, demand_s))
             if decision is Admission.WAIT:  # wait for the rest inside this step
-                self.executor.finish_all(ticket.job.ops())  # type: ignore[union-attr]
+                self.executor.finish_all(ticket.job.ops())
                 self.controller.admit(ticket, min(prefill_s, demand_s))
                 waited_s = eta
                 cache.stats.add("load_wait_seconds", eta)
@@ -547,7 +548,7 @@ class EmbeddedEngine:
                 released = True
         return released
 
-    def _next_event_time(self, pending: "_Pending") -> float | None:
+    def _next_event_time(self, pending: _Pending) -> float | None:
         times = [self._hints[0][0]] if self._hints else []
         if pending and self.config.concurrency is None:
             times.append(pending.head().arrival_s * self.config.time_scale)

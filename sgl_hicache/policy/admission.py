@@ -131,8 +131,8 @@ class PrefillCostFit:
                     best = (sse, full)
         if best is None:  # no subset solvable (cannot happen with a spread of tokens)
             return None
-        c = best[1]
-        return PrefillCost(fixed_s=c[0], per_token_s=c[1] / _TOKEN_UNIT, per_pair_s=c[2] / _PAIR_UNIT)
+        coef = best[1]
+        return PrefillCost(fixed_s=coef[0], per_token_s=coef[1] / _TOKEN_UNIT, per_pair_s=coef[2] / _PAIR_UNIT)
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:

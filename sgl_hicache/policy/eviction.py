@@ -6,7 +6,7 @@ order the candidates (the tier's evictable leaves) and does the moving itself.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from ..tree.node import TreeNode
 

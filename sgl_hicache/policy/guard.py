@@ -7,8 +7,8 @@ eviction priorities; it never moves bytes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ..tree.node import TreeNode

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from ..tree.node import TreeNode
 from .predictor import Prediction, Predictor
@@ -93,7 +94,8 @@ class ReuseModel:
     def _bound(self, limit: int = 1 << 18) -> None:
         """Keep the per-node memories bounded in a long-running server: past `limit` entries the
         older half goes (dicts keep insertion order; a forgotten node falls back to its last access)."""
-        for memo in (self.last_used, self.depth, self.depth_nodes):
+        memos: tuple[dict[Any, Any], ...] = (self.last_used, self.depth, self.depth_nodes)
+        for memo in memos:
             if len(memo) > limit:
                 for key in list(memo)[: len(memo) // 2]:
                     del memo[key]

@@ -129,7 +129,7 @@ def shared_candidates(tree: RadixTree, src: str, dst: str, min_hits: int,
     return out
 
 
-def pick_writeback(candidates: list[TreeNode], budget: int, priority: Callable[[TreeNode], object],
+def pick_writeback(candidates: list[TreeNode], budget: int, priority: Callable[[TreeNode], tuple],
                    shared: bool) -> list[TreeNode]:
     """The candidates to copy this round, coldest first, within `budget` pages. A local tier takes
     whole nodes until one does not fit; a shared store skips a node that does not fit (a later

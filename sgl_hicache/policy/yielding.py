@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 
 class HasJob(Protocol):
-    job: "PromotionJob | None"
+    job: PromotionJob | None
 
 
 T = TypeVar("T", bound=HasJob)

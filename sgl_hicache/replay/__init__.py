@@ -9,6 +9,7 @@ docs/trace-formats.md.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from .plain import read_plain
 from .sharegpt import read_sharegpt
 from .trace import ByteTokenizer, HFTokenizer, Note, ReadNotes, Request, Tokenizer, Trace, TraceError, load_tokenizer
 
-READERS = {
+READERS: dict[str, Callable[..., Trace]] = {
     "mooncake": read_mooncake,
     "sharegpt": read_sharegpt,
     "plain": read_plain,

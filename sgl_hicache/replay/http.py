@@ -193,7 +193,7 @@ def fit_requests(requests: Sequence[Request], server: ServerModel, max_new_token
             first = first or f"{req.request_id}: {n_in} prompt tokens >= the server's limit {server.max_input_len}"
         else:
             kept.append(req)
-    skipped = {"requests": too_long + over_pool, "over_context": too_long, "over_max_input": over_pool,
+    skipped: dict[str, Any] = {"requests": too_long + over_pool, "over_context": too_long, "over_max_input": over_pool,
                "context_len": server.context_len, "max_input_len": server.max_input_len}
     if first:
         skipped["first"] = first
@@ -413,8 +413,9 @@ def replay_http(
     def one(req: Request) -> None:
         n_out = req.output_length if max_new_tokens is None else min(req.output_length, max_new_tokens)
         sent = time.perf_counter() - start
-        for h in hinted.get(id(req), ()) if sender is not None else ():
-            sender.schedule(start + sent + h.hint.after_s * hint_scale, h)
+        if sender is not None:
+            for hint in hinted.get(id(req), ()):
+                sender.schedule(start + sent + hint.hint.after_s * hint_scale, hint)
         try:
             r = generate_stream(url, req.input_ids, n_out, timeout_s=timeout_s)
             d, h, k = hits_from_meta(r["meta_info"])
@@ -471,8 +472,8 @@ def replay_http(
     report = policy_report(records=ok, snapshot=snapshot, duration_s=duration, settings=settings)
     if after is None:
         report["bytes_moved"] = {}
-        report["prefetch"] = {k: None for k in report["prefetch"]}
-        report["predict"] = {k: None for k in report["predict"]}
+        report["prefetch"] = dict.fromkeys(report["prefetch"])
+        report["predict"] = dict.fromkeys(report["predict"])
     first_error = min(failed, key=lambda r: r.arrival_s).error if failed else None
     if failed and not _healthy(url):
         first_error = f"{first_error} (and the server no longer answers /health: it died during the replay)"

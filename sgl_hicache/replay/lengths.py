@@ -28,8 +28,8 @@ from pathlib import Path
 from .trace import (
     ReadNotes,
     Request,
-    TokenSynth,
     Tokenizer,
+    TokenSynth,
     Trace,
     TraceError,
     _short,
@@ -213,7 +213,8 @@ def read_sglang_bench(
             if limit is not None and len(out) + len(logged) >= limit:
                 break
             continue
-        details = obj.get("details") if isinstance(obj.get("details"), dict) else obj
+        details = obj.get("details")
+        details = details if isinstance(details, dict) else obj
         if "input_lens" not in details or "output_lens" not in details:
             if "summary" in obj:
                 raise TraceError(path, line, "a benchmark summary line (aggregate metrics only): nothing per request to replay")

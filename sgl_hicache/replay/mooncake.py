@@ -47,6 +47,7 @@ from .trace import (
     TokenSynth,
     Trace,
     TraceError,
+    _short,
     check_positive_int,
     check_synth_options,
     get_int,
@@ -56,7 +57,6 @@ from .trace import (
     sort_by_arrival,
     timestamps_to_seconds,
 )
-from .trace import _short
 
 COVERAGES = ("auto", "fixed", "varying")
 
@@ -191,7 +191,7 @@ def parse_row(path: str | Path, line: int, text: str, notes: ReadNotes, block_si
     for i, h in enumerate(hash_ids):
         if isinstance(h, bool) or not isinstance(h, int) or h < 0:
             raise TraceError(path, line, f"field 'hash_ids'[{i}] must be a non-negative integer, got {_short(h)}")
-    expected = -(-input_length // block_size)  # type: ignore[operator]
+    expected = -(-input_length // block_size)
     fits = len(hash_ids) == expected
     if not fits and (block_coverage == "fixed" or not hash_ids):
         raise TraceError(
@@ -200,7 +200,7 @@ def parse_row(path: str | Path, line: int, text: str, notes: ReadNotes, block_si
             f"hash_ids has {len(hash_ids)} ids but input_length {input_length} needs "
             f"ceil({input_length}/{block_size}) = {expected} blocks of {block_size} tokens",
         )
-    return ts, input_length, output_length, hash_ids, fits  # type: ignore[return-value]
+    return ts, input_length, output_length, hash_ids, fits
 
 
 def read_mooncake(

@@ -18,15 +18,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from .hints import parse_hints
-
 from .trace import (
     Request,
     Tokenizer,
+    Trace,
     TraceError,
     _short,
-    get_id,
     check_positive_int,
     encode_text,
+    get_id,
     get_int,
     get_number,
     get_token_ids,
@@ -34,7 +34,6 @@ from .trace import (
     parse_json_object,
     read_lines,
     sort_by_arrival,
-    Trace,
 )
 
 FIELDS = {"session", "prompt", "input_ids", "output_length", "timestamp", "id", "hints"}

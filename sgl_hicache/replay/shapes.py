@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import random
 from array import array
+from collections.abc import Callable
 from typing import IO
 
 from ..policy.hints import Hint
@@ -179,7 +180,7 @@ def agent(sessions: int = 24, steps: int = 8, system_tokens: int = 2048, task_to
     return [Request(r.request_id, r.session, r.arrival_s, r.input_ids, r.output_length, n + 1, r.hints) for n, r in enumerate(out)]
 
 
-SHAPES = {"chain": chain, "branch": branch, "agent": agent}
+SHAPES: dict[str, Callable[..., list[Request]]] = {"chain": chain, "branch": branch, "agent": agent}
 
 
 def write_plain(requests: list[Request], f: IO[str]) -> int:

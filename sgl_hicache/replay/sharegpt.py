@@ -128,9 +128,9 @@ def read_sharegpt(
     """Read a ShareGPT-style JSON (or JSONL) file; see the module docstring. `limit` counts requests."""
     p = Path(path)
     tok = load_tokenizer(tokenizer)
-    for name, value in (("think_time_s", think_time_s), ("conversation_interval_s", conversation_interval_s)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-            raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+    for name, given in (("think_time_s", think_time_s), ("conversation_interval_s", conversation_interval_s)):
+        if isinstance(given, bool) or not isinstance(given, (int, float)) or not given >= 0:
+            raise ValueError(f"{name} must be a number >= 0, got {given!r}")
     if limit is not None:
         check_positive_int("limit", limit, minimum=0)
     check_positive_int("missing_output_length", missing_output_length, minimum=0)
@@ -178,7 +178,7 @@ def read_sharegpt(
                 raise TraceError(p, line, f"conversation {session!r} message {t}: unknown role {role!r}")
             messages.append((kind, value))
 
-        def encode(kind: str, value: str) -> list[int]:
+        def encode(kind: str, value: str, line: int = line, session: str = session) -> list[int]:
             return prefixes[kind] + encode_text(p, line, tok, value, f"conversation {session!r}").tolist() + newline
 
         history = array("q")

@@ -94,12 +94,10 @@ class MooncakeStream:
                              self.scale if self.scale is not None else self.block_size, self.max_blocks)
         seconds = self._to_seconds()
         scratch = ReadNotes()  # the scan took the notes already
-        n = 0
-        for line, text in read_lines(self.path):
+        for n, (line, text) in enumerate(read_lines(self.path), 1):
             ts, input_length, output_length, hash_ids, _ = parse_row(self.path, line, text, scratch, self.block_size, "auto")
             length = input_length if self.scale is None else -(-input_length * self.scale // self.block_size)
             yield Request(f"L{line}", None, seconds(ts), blocks.tokens(hash_ids, length), output_length, line)
-            n += 1
             if n >= self._count:
                 return
 

@@ -53,7 +53,7 @@ def _sessions(path: str | Path, block_size: int) -> tuple[list[_Session], list[f
     order: list[_Session] = []
     max_id = 0
     for line, text in read_lines(path):
-        ts, input_length, output_length, hash_ids, fits = parse_row(path, line, text, notes, block_size, "fixed")
+        ts, input_length, output_length, hash_ids, _fits = parse_row(path, line, text, notes, block_size, "fixed")
         if not isinstance(ts, (int, float)):
             raise TraceError(path, line, "timestamp must be a number")
         name = index.assign(hash_ids, input_length // block_size)

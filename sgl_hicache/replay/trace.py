@@ -25,14 +25,14 @@ from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, overload
 
 import xxhash
 
 try:  # optional: vectorises token synthesis; the pure-Python path gives the same ids
     import numpy as _np
 except ImportError:  # pragma: no cover - numpy comes with torch in every supported environment
-    _np = None
+    _np = None  # type: ignore[assignment]  # (then the pure-Python path)
 
 
 class TraceError(ValueError):
@@ -278,6 +278,10 @@ def _jtype(value: Any) -> str:
 MAX_COUNT = 100_000_000
 
 
+@overload
+def get_int(path: str | Path, line: int, obj: dict, key: str, *, minimum: int = 0, required: Literal[True] = True, default: int | None = None) -> int: ...
+@overload
+def get_int(path: str | Path, line: int, obj: dict, key: str, *, minimum: int = 0, required: bool = True, default: int | None = None) -> int | None: ...
 def get_int(path: str | Path, line: int, obj: dict, key: str, *, minimum: int = 0, required: bool = True, default: int | None = None) -> int | None:
     if key not in obj:
         if required:
@@ -297,6 +301,12 @@ def get_int(path: str | Path, line: int, obj: dict, key: str, *, minimum: int = 
     return value
 
 
+@overload
+def get_number(path: str | Path, line: int, obj: dict, key: str, *, required: Literal[True] = True, default: float | None = None) -> float: ...
+@overload
+def get_number(path: str | Path, line: int, obj: dict, key: str, *, required: bool = True, default: float) -> float: ...
+@overload
+def get_number(path: str | Path, line: int, obj: dict, key: str, *, required: bool = True, default: None = None) -> float | None: ...
 def get_number(path: str | Path, line: int, obj: dict, key: str, *, required: bool = True, default: float | None = None) -> float | None:
     if key not in obj:
         if required:
@@ -399,7 +409,7 @@ def timestamps_to_seconds(path: str | Path, rows: Sequence[tuple[int, int | floa
         return []
     first_line, low = min(rows, key=lambda r: r[1])
     if low < ABSOLUTE_FROM:
-        per_s = dict((u, f) for u, _, f in UNITS)[relative_unit]
+        per_s = {u: f for u, _, f in UNITS}[relative_unit]
         return [raw / per_s for _, raw in rows]
     unit, per_s = next((u, f) for u, bound, f in UNITS if low < bound)
     notes.add(
@@ -454,7 +464,7 @@ class TokenSynth:
         h, span, off = self._key_hash(key), self.span, self.offset
         return array("q", [(_splitmix64((h + (j + 1) * _GOLDEN) & _MASK64) >> 32) % span + off for j in range(n)])
 
-    def _ids(self, keys: Sequence[object], n: int) -> "_np.ndarray":
+    def _ids(self, keys: Sequence[object], n: int) -> _np.ndarray:
         """The ids of every key, one row a key (int64, numpy)."""
         u64 = _np.uint64
         h = _np.fromiter((self._key_hash(k) for k in keys), dtype=u64, count=len(keys))

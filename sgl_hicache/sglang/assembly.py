@@ -10,9 +10,10 @@ No decision of the request path is made here.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..assemble import build_cache, build_controller
 from ..cache import TieredCache

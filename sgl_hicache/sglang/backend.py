@@ -47,10 +47,9 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
-
 from sglang.srt.mem_cache.base_prefix_cache import (
     BasePrefixCache,
     CacheRequestHandle,
@@ -76,12 +75,12 @@ from .assembly import assemble
 from .call_timer import CallTimer, IOGuard
 from .coverage import PREFIX as REFUSAL_PREFIX
 from .coverage import refusal
+from .debug_settings import DebugSettings
 from .device_pool import frees_batched
-from .hint_server import refuse_hints_at_tp
 from .export import StatsPublisher, pool_accounting, stats_snapshot, tree_text
+from .hint_server import refuse_hints_at_tp
 from .rank_consensus import RankConsensus
 from .req_states import ReqState, RequestStates
-from .debug_settings import DebugSettings
 from .settings import BackendSettings, load_settings
 from .step_calls import StepCalls
 
@@ -172,7 +171,7 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
     def root_node(self):
         return self.cache.tree.root
 
-    def start(self) -> "TieredRadixCache":
+    def start(self) -> TieredRadixCache:
         """Start the stats publisher and the hint API (the transfer engine starts on first use)."""
         self.start_hint_api()
         if self._publisher is None and (self.settings.stats_file or self._metrics_enabled):
@@ -259,7 +258,7 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
         )
 
     @frees_batched
-    def init_load_back(self, params: InitLoadBackParams) -> Optional[tuple[int, Any]]:
+    def init_load_back(self, params: InitLoadBackParams) -> tuple[int, Any] | None:
         req = params.req
         promised = int(params.host_hit_length)
         node = params.best_match_node
@@ -425,7 +424,7 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
         self.cache.lock(node)
         return IncLockRefResult(delta=delta)
 
-    def dec_lock_ref(self, node, params: Optional[DecLockRefParams] = None) -> DecLockRefResult:
+    def dec_lock_ref(self, node, params: DecLockRefParams | None = None) -> DecLockRefResult:
         if self.disable or node is None:
             return DecLockRefResult(delta=0)
         delta = self._device_tokens_changing_lock(node, 1)

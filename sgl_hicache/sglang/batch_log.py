@@ -32,7 +32,7 @@ _queue_before: list[str] = []
 def _write(rec: dict[str, Any]) -> None:
     global _out
     if _out is None:
-        _out = open(Path(os.environ[ENV]) / f"batches-{os.getpid()}.jsonl", "a", buffering=1)
+        _out = open(Path(os.environ[ENV]) / f"batches-{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115 (open for the process's life)
     _out.write(json.dumps(rec) + "\n")
 
 

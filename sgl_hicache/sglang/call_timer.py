@@ -110,7 +110,7 @@ class CallTimer:
 
         return timed
 
-    def instrument(self, obj: object, names: Iterable[str] = SCHEDULER_CALLS) -> "CallTimer":
+    def instrument(self, obj: object, names: Iterable[str] = SCHEDULER_CALLS) -> CallTimer:
         """Wrap `obj`'s methods `names` (those it has) on the instance."""
         for name in names:
             fn = getattr(obj, name, None)
@@ -120,7 +120,7 @@ class CallTimer:
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         out = {}
-        for name, s in sorted(list(self.series.items())):
+        for name, s in sorted(self.series.items()):
             out[name] = s.summary()
             cpu = self.cpu_series.get(name)
             if cpu is not None:
@@ -135,7 +135,7 @@ class IOGuard:
     KINDS = ("copy", "disk_write", "sleep", "event_wait")
 
     def __init__(self) -> None:
-        self.counts = {k: 0 for k in self.KINDS}
+        self.counts = dict.fromkeys(self.KINDS, 0)
         self.elsewhere: dict[str, int] = {}  # copies and disk writes on other threads: the guard is watching
         self.links: dict[str, int] = {}  # scheduler-thread copies per link ("device->host": eviction demotion)
         self.where: dict[str, str] = {}  # kind -> the first offending call's stack summary
@@ -148,7 +148,7 @@ class IOGuard:
 
             self.where[kind] = "".join(traceback.format_stack(limit=12)[:-2])
 
-    def install(self, cache: Any) -> "IOGuard":
+    def install(self, cache: Any) -> IOGuard:
         """Watch `cache` (a `TieredCache`): its link handlers (every copy between tiers), its disk
         store's writes, and the process's `time.sleep` / `threading.Event.wait`."""
         for (src, dst), handler in list(cache.handlers.items()):  # every byte copy between tiers, any caller
@@ -179,7 +179,7 @@ class IOGuard:
                 return wait(ev, timeout)
 
             time.sleep = guarded_sleep  # type: ignore[assignment]
-            threading.Event.wait = guarded_wait  # type: ignore[method-assign]
+            threading.Event.wait = guarded_wait  # type: ignore[assignment]
         _ACTIVE.append(self)
         return self
 

@@ -79,7 +79,7 @@ def apply() -> bool:
         host_base.HICACHE_HOST_MEMORY_RESERVE_BYTES = int(reserve)
         logger.info("sgl_hicache cpu_compat: HiCache host memory reserve set to %s bytes", reserve)
     if not hasattr(torch.cpu.Stream, "synchronize"):
-        torch.cpu.Stream.synchronize = lambda self: None
+        torch.cpu.Stream.synchronize = lambda self: None  # type: ignore[attr-defined]  # (the patch adds it)
     _applied = True
     logger.info("sgl_hicache cpu_compat: SGLang HiCache host pool patched for CPU")
     return True

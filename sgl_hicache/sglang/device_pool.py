@@ -85,11 +85,11 @@ class SGLangDevicePool(TierStore, LayeredPages):
 
     # ---- accounting --------------------------------------------------------------------
     @property
-    def free_pages(self) -> int:  # type: ignore[override]
+    def free_pages(self) -> int:
         return int(self.allocator.available_size()) // self.page_size + len(self._deferred or ())
 
     @property
-    def used_pages(self) -> int:  # type: ignore[override]
+    def used_pages(self) -> int:
         return self._owned
 
     @property

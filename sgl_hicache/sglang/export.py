@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 def tree_text(tree: RadixTree, page_size: int, max_nodes: int = 200) -> str:
     """The tree, one node a line: tiers ([DHK] = device, host, disk), tokens, locks, hits."""
-    lines = []
+    lines: list[str] = []
     stack = [(c, 1) for c in reversed(list(tree.root.children.values()))]
     while stack and len(lines) < max_nodes:
         node, depth = stack.pop()

@@ -19,9 +19,9 @@ from typing import Any
 from .backend import TieredRadixCache
 from .coverage import PREFIX as _REFUSAL
 from .coverage import refusal
-from .rank_consensus import RankConsensus, step_hook_installed
 from .debug_settings import DebugSettings
 from .hicache_flags import apply_hicache_flags
+from .rank_consensus import RankConsensus, step_hook_installed
 from .settings import given_settings, load_settings, unknown_env
 
 logger = logging.getLogger(__name__)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from .settings import BackendSettings, SettingsError
@@ -55,7 +56,7 @@ def _extra_config(raw: Any) -> dict[str, Any]:
     text = str(raw)
     if text.startswith("@"):
         try:
-            text = open(text[1:]).read()
+            text = Path(text[1:]).read_text()
         except OSError as e:
             raise SettingsError(f"--hicache-storage-backend-extra-config {raw!r}: cannot read the file: {e}") from None
     try:

@@ -78,7 +78,7 @@ class HintListener:
                  host_tokens: int | None = None) -> None:
         self._queue: queue.SimpleQueue[Hint] = queue.SimpleQueue()
         self._limits = limits or HintLimits()
-        self._status = status or (lambda: {})
+        self._status = status or dict
         self._vocab = vocab_size
         self._page_size = page_size
         self._host_tokens = host_tokens

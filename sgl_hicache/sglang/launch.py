@@ -19,7 +19,7 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..config import DISK_WRITE_POLICIES, EVICTION_POLICIES, PREDICTORS, WRITE_POLICIES
 from .server import cpu_server_args, has_cuda

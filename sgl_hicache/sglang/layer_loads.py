@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 class _Group:
     batch: int
     loader: LayerwiseLoader
-    nodes: list["TreeNode"]
+    nodes: list[TreeNode]
 
 
 class LayerLoads:
@@ -51,7 +51,7 @@ class LayerLoads:
     `queue`, `batch_index`, `reap` and `finish_all` run on the scheduler thread; `wait_until` on the
     thread that runs the forward."""
 
-    def __init__(self, cache: "TieredCache", forward_stream: Any = None, agreed: bool = False) -> None:
+    def __init__(self, cache: TieredCache, forward_stream: Any = None, agreed: bool = False) -> None:
         self.cache = cache
         # TP >= 2: a load finishes at a thread-timed moment on each rank, so its nodes unlock only
         # when every rank reports it done (`done_prefix` into the step's all-reduce, then `reap_agreed`):
@@ -74,7 +74,7 @@ class LayerLoads:
         self.pages = 0
 
     # ---- producer side (scheduler thread) ---------------------------------------------------
-    def queue(self, ops: Sequence["TransferOp"]) -> None:
+    def queue(self, ops: Sequence[TransferOp]) -> None:
         """Start moving the host -> device ops' pages layer by layer and mark them executed."""
         ops = [op for op in ops if not op.executed.is_set()]
         if not ops:

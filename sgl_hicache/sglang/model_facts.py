@@ -15,9 +15,10 @@ def special_token_ids(config: dict[str, Any]) -> list[int]:
     """Ids a model config names as special (``*_token_id`` / ``*_token_ids`` keys, also in a
     ``text_config``), sorted."""
     out: set[int] = set()
-    for cfg in (config, config.get("text_config") if isinstance(config.get("text_config"), dict) else {}):
+    text_config = config.get("text_config")
+    for cfg in (config, text_config if isinstance(text_config, dict) else {}):
         for key, value in cfg.items():
-            if not (key.endswith("_token_id") or key.endswith("_token_ids") or key.endswith("_token_index")):
+            if not key.endswith(("_token_id", "_token_ids", "_token_index")):
                 continue
             for v in value if isinstance(value, (list, tuple)) else [value]:
                 if isinstance(v, int) and not isinstance(v, bool) and v >= 0:

@@ -20,6 +20,7 @@ It does four things:
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ def _add_internal_state(result, controller, *args, **kwargs):
         if isinstance(state, dict) and mc is not None:
             from sgl_hicache.sglang.model_facts import model_facts
 
-            hf = getattr(mc, "hf_config", None)
+            hf: Any = getattr(mc, "hf_config", None)
             state["sgl_hicache_model"] = model_facts(mc.vocab_size, getattr(mc, "context_len", None),
                                                      hf.to_dict() if hasattr(hf, "to_dict") else {})
     except Exception:

@@ -280,7 +280,7 @@ class MambaStateAdapter:
         if getattr(pool, "_slot_siblings", ()):
             raise UnsupportedPool(f"MambaPool with slot-indexed side states {pool._slot_siblings!r}: not covered")
         cache = pool.mamba_cache
-        skip = getattr(pool, "_NON_TRANSFER_STATE_FIELDS", frozenset())
+        skip: frozenset[str] = getattr(pool, "_NON_TRANSFER_STATE_FIELDS", frozenset())
         self.pool = pool
         self.tensors: list[torch.Tensor] = []
         for name, value in vars(cache).items():

@@ -96,14 +96,14 @@ class AgreedClock:
         self._ticks = 0
 
 
-def fail_kind(op: "TransferOp") -> int:
+def fail_kind(op: TransferOp) -> int:
     """0: the copy worked; 1: an I/O error (the page may still be there); 2: the page is gone."""
     if op.error is None:
         return 0
     return 2 if op.source_lost else 1
 
 
-def tree_digest(cache: "TieredCache", extra: Sequence[int] = (), host_handles: bool = False) -> int:
+def tree_digest(cache: TieredCache, extra: Sequence[int] = (), host_handles: bool = False) -> int:
     """A 62-bit digest of the tree (each node's page key, page count, tiers and lock count, and with
     `host_handles` its host slots, which a shared host buffer needs equal; XOR-combined, so child
     order does not matter), its pages per tier and the host store's used pages. Equal caches give
@@ -196,7 +196,7 @@ class RankConsensus:
         """This rank's disk directory: its shard's, or the group's one directory for replicated KV."""
         return Path(disk_dir) / (f"tp{self.size}-shared" if self.replicated else f"tp{self.size}-rank{self.rank}")
 
-    def gate(self, executor: Executor) -> "GatedExecutor":
+    def gate(self, executor: Executor) -> GatedExecutor:
         return GatedExecutor(executor, shared=(HOST, DISK) if self.replicated else (),
                              disk_read_rate=lambda: self.disk_read_tokens_per_s)
 
@@ -217,7 +217,7 @@ class RankConsensus:
         dist.all_gather_object(everyone, obj, group=self.group)
         return everyone
 
-    def start(self, cache: "TieredCache") -> None:
+    def start(self, cache: TieredCache) -> None:
         """Startup agreement: the clock origin, and the disk pages every rank holds (replicated KV: a
         follower indexes the leader's pages, `MirrorDiskStore.adopt`)."""
         vec = self._all_reduce_min(torch.tensor([-time.monotonic_ns()], dtype=torch.int64))
@@ -236,7 +236,7 @@ class RankConsensus:
             logger.warning("sgl_hicache: rank %d dropped %d disk pages the other ranks do not hold", self.rank, len(drop))
         self.counts.startup_pages_dropped = len(drop)
 
-    def step(self, ops: Iterable["TransferOp"], waiting: Sequence[tuple[Any, bool]],
+    def step(self, ops: Iterable[TransferOp], waiting: Sequence[tuple[Any, bool]],
              digest: Callable[[], int] | None = None, layer_loads: tuple[int, int] = (0, 0),
              disk_read_tokens_per_s: float = 0.0, prefill_cost: PrefillCost | None = None) -> int:
         """One scheduler step's agreement. `ops`: the background transfers in flight, in the same
@@ -333,29 +333,29 @@ class GatedExecutor(Executor):
         """This rank's own measurement (what it contributes to the agreement)."""
         return self.inner.link_tokens_per_s(link)
 
-    def _gate(self, ops: Iterable["TransferOp"]) -> None:
+    def _gate(self, ops: Iterable[TransferOp]) -> None:
         for op in ops:
             op.gated = True
             op.shared_dst = op.dst in self.shared
 
-    def submit_job(self, job: "PromotionJob", speculative: bool = False) -> None:
+    def submit_job(self, job: PromotionJob, speculative: bool = False) -> None:
         self._gate(job.ops())
         self.inner.submit_job(job, speculative)
 
-    def submit_ops(self, ops: Sequence["TransferOp"], kind: str = "backup") -> None:
+    def submit_ops(self, ops: Sequence[TransferOp], kind: str = "backup") -> None:
         self._gate(ops)
         self.inner.submit_ops(ops, kind)
 
     def poll(self) -> None:
         self.inner.poll()
 
-    def eta(self, job: "PromotionJob") -> float:
+    def eta(self, job: PromotionJob) -> float:
         return self.inner.eta(job)
 
-    def cancel(self, ops: Iterable["TransferOp"]) -> None:
+    def cancel(self, ops: Iterable[TransferOp]) -> None:
         self.inner.cancel(ops)
 
-    def run_now(self, job: "PromotionJob") -> LoadTime:
+    def run_now(self, job: PromotionJob) -> LoadTime:
         return self.inner.run_now(job)
 
     def stop(self) -> None:

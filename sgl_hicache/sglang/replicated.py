@@ -59,7 +59,7 @@ def replicated_tiers(consensus: RankConsensus, config: CacheConfig) -> tuple[Tie
     return host, lower
 
 
-def follow(cache: "TieredCache", consensus: RankConsensus) -> None:
+def follow(cache: TieredCache, consensus: RankConsensus) -> None:
     """On a follower rank: leave every copy into host and disk to the leader (nothing on the leader)."""
     if consensus.replicated and not consensus.leader:
         cache.handlers.update(follower_handlers(cache.handlers, cache.stores, consensus.counts.left_to_leader))

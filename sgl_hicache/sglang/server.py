@@ -23,9 +23,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 __all__ = [
     "PortInUseError",
@@ -136,7 +137,7 @@ class SGLangServer:
         skip_tokenizer_init: bool = True,
         wait: bool = True,
         timeout_s: float = 300.0,
-    ) -> "SGLangServer":
+    ) -> SGLangServer:
         """Launch the server in a new process group; by default wait until /health answers 200.
 
         ``cpu=None`` means "CPU if torch has no CUDA"; on CPU ``SGLANG_USE_CPU_ENGINE=1`` is set and
@@ -146,7 +147,7 @@ class SGLangServer:
         ``port=None`` chooses a free port and, if the bind still loses a race, starts again on another
         (up to 4 tries); an explicit ``port`` is tried once.
         """
-        opts = dict(host=host, extra_args=extra_args, env=env, python=python, log_path=log_path,
+        opts: dict[str, Any] = dict(host=host, extra_args=extra_args, env=env, python=python, log_path=log_path,
                     cpu=cpu, load_format=load_format, skip_tokenizer_init=skip_tokenizer_init,
                     wait=wait, timeout_s=timeout_s)
         if port is not None:
@@ -164,7 +165,7 @@ class SGLangServer:
     def _start_once(cls, model_path: str | os.PathLike, *, host: str, port: int,
                     extra_args: Sequence[str], env: Mapping[str, str] | None, python: str | None,
                     log_path: str | os.PathLike | None, cpu: bool | None, load_format: str | None,
-                    skip_tokenizer_init: bool, wait: bool, timeout_s: float) -> "SGLangServer":
+                    skip_tokenizer_init: bool, wait: bool, timeout_s: float) -> SGLangServer:
         if cpu is None:
             cpu = not has_cuda()
         argv = [python or sys.executable, "-m", "sglang.launch_server",
@@ -197,7 +198,7 @@ class SGLangServer:
             log_path = name
         log_path = Path(log_path)
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        log_file = open(log_path, "wb")
+        log_file = open(log_path, "wb")  # noqa: SIM115 (the server writes it; closed when it stops)
         proc = subprocess.Popen(
             argv, env=full_env, stdout=log_file, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,
@@ -282,7 +283,7 @@ class SGLangServer:
                     f.unlink(missing_ok=True)
         return self.proc.returncode
 
-    def __enter__(self) -> "SGLangServer":
+    def __enter__(self) -> SGLangServer:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -18,9 +18,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from ..config import DEFAULT_POLICY, ConfigError, TieringPolicy
 from ..policy.admission import ADMISSION_HOLDS
@@ -128,7 +129,7 @@ class BackendSettings:
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
 
-    def replace(self, **changes: Any) -> "BackendSettings":
+    def replace(self, **changes: Any) -> BackendSettings:
         return dataclasses.replace(self, **changes)
 
 
@@ -140,7 +141,7 @@ _BOOL_FALSE = {"0", "false", "no", "off"}
 def _coerce(name: str, raw: Any, source: str) -> Any:
     """Turn a JSON value or an environment string into the field's type."""
     default = _FIELDS[name].default
-    kind = type(default) if default is not None else None
+    kind: type | None = type(default) if default is not None else None
     optional_int = name in ("host_tokens", "disk_tokens", "hint_port")
     optional_float = name == "host_gb"
     if optional_float:

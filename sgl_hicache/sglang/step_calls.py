@@ -25,10 +25,10 @@ if TYPE_CHECKING:
     from ..cache import TieredCache
     from ..controller import RequestController
     from .backend import BackendCounters
+    from .debug_settings import DebugSettings
     from .hint_server import HintListener
     from .layer_loads import LayerLoads
     from .rank_consensus import RankConsensus
-    from .debug_settings import DebugSettings
     from .req_states import RequestStates
     from .settings import BackendSettings
 
@@ -72,7 +72,7 @@ class StepCalls:
         if self.disable or short_tokens <= 0 or self.consensus is not None:
             return 0
         mine = self.req_states.get(getattr(req, "rid", None))
-        tickets = [st.ticket for st in self.req_states.prefetching() if st is not mine]
+        tickets = [st.ticket for st in self.req_states.prefetching() if st is not mine and st.ticket is not None]
         if not tickets:
             return 0
         ended = self.controller.yield_to_demand(tickets, -(-int(short_tokens) // self.page_size))
@@ -178,10 +178,10 @@ class StepCalls:
         now = time.monotonic()
         flags = []
         for st in self.req_states.prefetching():
-            job = st.ticket.job  # type: ignore[union-attr]
-            ops += job.ops()  # type: ignore[union-attr]
+            job = st.ticket.job  # type: ignore[union-attr, assignment]  # prefetching(): each has a ticket and a job
+            ops += job.ops()
             budget = self.settings.load_timeout_s - (now - st.created)
-            flags.append((st.ticket, self.controller.executor.eta(job) > budget))  # type: ignore[arg-type]
+            flags.append((st.ticket, self.controller.executor.eta(job) > budget))
         loads = self.layer_loads
         ex = self.controller.executor
         rate = ex.local_link_tokens_per_s("disk->host") if isinstance(ex, GatedExecutor) else 0.0

@@ -7,16 +7,18 @@ evict; the cache's policies do that.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from enum import Enum
 from collections.abc import Iterator, Sequence
-from typing import Hashable
+from enum import Enum
+from typing import Any
 
 import torch
 
 from ..config import KVLayout
 from ..hashing import PageKey
 
-Handle = Hashable  # a slot index for device and host, the page key itself for disk
+# a slot index (int) for device and host, the page key itself (bytes) for disk: each store knows its
+# own, so to the code between stores a handle is opaque
+Handle = Any
 
 
 class Tier(str, Enum):
@@ -28,7 +30,7 @@ class Tier(str, Enum):
     DISK = "disk"  # the lower, content-addressed slot: a disk directory or a shared store
 
     __str__ = str.__str__
-    __format__ = str.__format__
+    __format__ = str.__format__  # type: ignore[assignment]  # (Enum's differs: it formats the member's name)
 
 
 DEVICE, HOST, DISK = Tier.DEVICE, Tier.HOST, Tier.DISK

@@ -18,7 +18,7 @@ def build_stores(config: CacheConfig, namespace: Namespace, device: TierStore | 
         host = HostKVBuffer(config.layout, config.page_size, config.host_pages)
     if host is not None:
         stores[HOST] = host
-    if lower is None and config.disk_pages > 0:
+    if lower is None and config.disk_pages > 0 and config.disk_dir is not None:
         from .disk import DiskPageStore  # (file I/O code only where a disk tier is configured)
 
         lower = DiskPageStore(config.layout, config.page_size, config.disk_pages, config.disk_dir, namespace, fsync=config.disk_fsync)

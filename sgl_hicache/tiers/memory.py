@@ -27,7 +27,7 @@ class _SlotStore(TierStore):
 
     def free(self, handles: Sequence[Handle]) -> None:
         try:  # all or nothing: a KeyError leaves the accounting untouched
-            self._slots.free(handles)  # type: ignore[arg-type]
+            self._slots.free(handles)
         except KeyError as exc:
             raise KeyError(f"{self.name}: {exc.args[0]}") from None
 
@@ -70,9 +70,9 @@ class DeviceKVPool(_SlotStore, PageViews, LayeredPages):
 
     def page_view(self, handle: Handle) -> torch.Tensor:
         """One page in place, in the canonical page shape (strided: one run per layer and K/V)."""
-        view = self._views[handle]  # type: ignore[index]
+        view = self._views[handle]
         if view is None:  # (two threads may both make it: the same view)
-            view = self._views[handle] = self._pages[:, :, handle]  # type: ignore[index]
+            view = self._views[handle] = self._pages[:, :, handle]
         return view
 
     def read(self, handles: Sequence[Handle]) -> torch.Tensor:
@@ -121,17 +121,17 @@ class HostKVBuffer(_SlotStore, PageViews):
         if not handles:
             return self.buffer[:0].clone()
         buffer = self.buffer
-        return torch.stack([buffer[h] for h in handles])  # type: ignore[index]
+        return torch.stack([buffer[h] for h in handles])
 
     def page_view(self, handle: Handle) -> torch.Tensor:
         """The page's bytes in place (no copy): what the disk tier writes from and reads into."""
-        view = self._views[handle]  # type: ignore[index]
+        view = self._views[handle]
         if view is None:  # (two threads may both make it: the same view)
-            view = self._views[handle] = self.buffer[handle]  # type: ignore[index]
+            view = self._views[handle] = self.buffer[handle]
         return view
 
     def write(self, handles: Sequence[Handle], data: torch.Tensor) -> None:
         self._check_data(handles, data)
         buffer = self.buffer
         for i, h in enumerate(handles):  # per page, as `read`: faster than index_copy_ here
-            buffer[h].copy_(data[i])  # type: ignore[index]
+            buffer[h].copy_(data[i])

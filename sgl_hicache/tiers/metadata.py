@@ -96,23 +96,23 @@ class MetadataDiskStore(KeyedStore):
             raise KeyError("disk: free got the same key twice")
         for k in keys:
             if k not in self._index:
-                raise KeyError(f"disk: page {bytes(k).hex()} is not allocated")  # type: ignore[arg-type]
+                raise KeyError(f"disk: page {bytes(k).hex()} is not allocated")
         for k in keys:
             if self._index.pop(k) == _RESERVED:
                 self._n_reserved -= 1
 
     def write(self, handles: Sequence[Handle], data: torch.Tensor) -> None:
         for k in handles:
-            if self._index.get(k) == _RESERVED:  # type: ignore[arg-type]
-                self._index[k] = _STORED  # type: ignore[index]
+            if self._index.get(k) == _RESERVED:
+                self._index[k] = _STORED
                 self._n_reserved -= 1
             elif k not in self._index:
-                raise KeyError(f"disk: write of page {bytes(k).hex()} that is not allocated")  # type: ignore[arg-type]
+                raise KeyError(f"disk: write of page {bytes(k).hex()} that is not allocated")
 
     def read(self, handles: Sequence[Handle]) -> torch.Tensor:
         for k in handles:
-            if self._index.get(k) != _STORED:  # type: ignore[arg-type]
-                raise KeyError(f"disk: page {bytes(k).hex()} is not stored")  # type: ignore[arg-type]
+            if self._index.get(k) != _STORED:
+                raise KeyError(f"disk: page {bytes(k).hex()} is not stored")
         return _NO_BYTES
 
 

@@ -35,6 +35,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NoReturn
 
 import torch
 
@@ -111,7 +112,7 @@ class SharedStoreTier(KeyedStore, ReadsInto):
         self._clock = clock
         self._lock = threading.Lock()
         self._index: dict[PageKey, bool] = {}  # key -> stored (False: reserved for a write)
-        self.counters: dict[str, int] = {name: 0 for name in COUNTER_NAMES}
+        self.counters: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
         self._down_until = 0.0
         self._down = False
         self._next_backoff = self.backoff_s
@@ -314,7 +315,7 @@ class SharedStoreTier(KeyedStore, ReadsInto):
     def read(self, handles: Sequence[Handle]) -> torch.Tensor:
         out = torch.empty((len(handles), *self.page_shape), dtype=self.dtype)
         for i, h in enumerate(handles):
-            self.read_into(h, out[i])  # type: ignore[arg-type]
+            self.read_into(h, out[i])
         return out
 
     def read_into(self, key: PageKey, out: torch.Tensor) -> None:
@@ -336,7 +337,7 @@ class SharedStoreTier(KeyedStore, ReadsInto):
         self._succeeded()
         if value is None:
             self._miss(key, "missing", "the store no longer holds the page", "read_misses")
-        payload, reason = self.codec.decode(value, key)  # type: ignore[arg-type]
+        payload, reason = self.codec.decode(value, key)
         if payload is None:
             if reason == DTYPE_MISMATCH:
                 with self._lock:
@@ -345,9 +346,9 @@ class SharedStoreTier(KeyedStore, ReadsInto):
         tensor_bytes(out)[:] = payload
         with self._lock:
             self.counters["pages_read"] += 1
-            self.counters["bytes_read"] += len(value)  # type: ignore[arg-type]
+            self.counters["bytes_read"] += len(value)
 
-    def _miss(self, key: PageKey, reason: str, detail: str, counter: str) -> None:
+    def _miss(self, key: PageKey, reason: str, detail: str, counter: str) -> NoReturn:
         with self._lock:
             self._index.pop(key, None)
             self.counters[counter] += 1
@@ -366,12 +367,12 @@ class SharedStoreTier(KeyedStore, ReadsInto):
     def snapshot(self) -> dict:
         """Counters plus where the store is and whether it is reachable (for reports and /metrics)."""
         with self._lock:
-            out = dict(self.counters)
+            out: dict[str, Any] = dict(self.counters)
         out.update(url=self.url, available=not self._down, tracked_pages=self.stored_pages)
         return out
 
 
-def open_store(config: "CacheConfig", namespace: Namespace) -> SharedStoreTier:
+def open_store(config: CacheConfig, namespace: Namespace) -> SharedStoreTier:
     """The store tier a `CacheConfig` names (`store_url`, `store_tokens`, `store_min_hits`)."""
     from .store_backends import open_backend  # noqa: PLC0415 - the adapters import optional clients
 

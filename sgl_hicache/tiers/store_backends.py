@@ -84,7 +84,7 @@ class MooncakeBackend(StoreBackend):
         return [f == 1 for f in flags]
 
     def get(self, key: str, max_bytes: int) -> bytes | None:
-        ptr, buf = self._staging(max_bytes + 1)  # one spare byte: a longer value is not ours
+        ptr, _buf = self._staging(max_bytes + 1)  # one spare byte: a longer value is not ours
         n = self._store.get_into(key, ptr, max_bytes + 1)
         if n == _MC_OBJECT_NOT_FOUND:
             return None
@@ -149,7 +149,7 @@ class RedisBackend(StoreBackend):
             raise StoreUnavailable(f"redis: {exc}") from exc
         if value is None:
             return None
-        return value if len(value) <= max_bytes else b""
+        return value if len(value) <= max_bytes else b""  # type: ignore[return-value]  # (bytes: the client does not decode)
 
     def put(self, keys: list[str], values: list[bytes]) -> list[bool]:
         try:

@@ -138,7 +138,7 @@ class LocalStore:
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def __enter__(self) -> "LocalStore":
+    def __enter__(self) -> LocalStore:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -29,11 +29,11 @@ PRIORITY = {"demand": DEMAND, "prefetch": PREFETCH, "predict": PREDICT, "backup"
 
 @dataclass(eq=False)
 class _OpState:
-    op: "TransferOp"
+    op: TransferOp
     priority: int
     chunks_left: int
     started: float = 0.0
-    successors: list["TransferOp"] = field(default_factory=list)
+    successors: list[TransferOp] = field(default_factory=list)
 
 
 class TransferEngine:
@@ -53,7 +53,7 @@ class TransferEngine:
     - Handler failures are recorded on the op (`op.error`) and reported by the cache as a miss.
     """
 
-    def __init__(self, links: "CopyLinks", workers: int = 4, chunk_pages: int = 4, max_speculative_inflight: int = 1,
+    def __init__(self, links: CopyLinks, workers: int = 4, chunk_pages: int = 4, max_speculative_inflight: int = 1,
                  speculative_share: float = 0.5, clock: Callable[[], float] = time.monotonic) -> None:
         if workers < 1 or chunk_pages < 1:
             raise ValueError(f"TransferEngine needs workers >= 1 and chunk_pages >= 1, got {workers}, {chunk_pages}")
@@ -73,7 +73,7 @@ class TransferEngine:
         self.chunks_done = 0
 
     # ---- lifecycle -----------------------------------------------------------------------
-    def start(self) -> "TransferEngine":
+    def start(self) -> TransferEngine:
         with self._cv:
             if self._running:
                 return self
@@ -102,14 +102,14 @@ class TransferEngine:
         for _, _, state, _, _ in pending:
             self._cancel_state(state)
 
-    def __enter__(self) -> "TransferEngine":
+    def __enter__(self) -> TransferEngine:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
     # ---- submission ----------------------------------------------------------------------
-    def submit(self, job: "PromotionJob") -> "PromotionJob":
+    def submit(self, job: PromotionJob) -> PromotionJob:
         priority = PRIORITY.get(job.kind, DEMAND)
         runnable = set(map(id, job.runnable()))
         with self._cv:
@@ -126,7 +126,7 @@ class TransferEngine:
             self._cv.notify_all()
         return job
 
-    def submit_ops(self, ops: Iterable["TransferOp"], kind: str = "backup") -> None:
+    def submit_ops(self, ops: Iterable[TransferOp], kind: str = "backup") -> None:
         """Queue independent prepared ops (backups, demotions); the caller completes them."""
         with self._cv:
             for op in ops:
@@ -139,7 +139,7 @@ class TransferEngine:
                 self._enqueue(state)
             self._cv.notify_all()
 
-    def cancel(self, ops: Iterable["TransferOp"]) -> None:
+    def cancel(self, ops: Iterable[TransferOp]) -> None:
         """Cancel prepared ops: their queued chunks are dropped now, so an op no worker has started
         ends at once; a chunk a worker is copying finishes first. Every op given ends with `executed`
         set and `Cancelled` (unless it had already finished), a never-submitted op included; the
@@ -151,10 +151,10 @@ class TransferEngine:
                 op.cancelled = True
             keep = []
             for item in self._queue:
-                state = item[2]
-                if id(state.op) in ids:
-                    state.chunks_left -= 1
-                    if state.priority <= PREFETCH:
+                queued = item[2]
+                if id(queued.op) in ids:
+                    queued.chunks_left -= 1
+                    if queued.priority <= PREFETCH:
                         self._urgent_queued -= 1
                 else:
                     keep.append(item)
@@ -181,7 +181,7 @@ class TransferEngine:
             if state.priority <= PREFETCH:
                 self._urgent_queued += 1
 
-    def wait(self, job: "PromotionJob", timeout: float | None = None) -> bool:
+    def wait(self, job: PromotionJob, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
         for op in job.ops():
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -216,7 +216,7 @@ class TransferEngine:
                 self._cv.wait(0.05)
 
     @staticmethod
-    def _chunk_bytes(op: "TransferOp", start: int, stop: int) -> int:
+    def _chunk_bytes(op: TransferOp, start: int, stop: int) -> int:
         return op.nbytes * (stop - start) // max(1, len(op.dst_handles))
 
     def _work(self) -> None:

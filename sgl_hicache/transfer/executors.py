@@ -16,10 +16,9 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from ..tiers.base import DEVICE, DISK, HOST
-
 from .handlers import CopyLinks, execute
 from .ops import Cancelled, PromotionJob, TransferOp
 
@@ -53,24 +52,24 @@ class Executor(ABC):
     """
 
     @abstractmethod
-    def submit_job(self, job: "PromotionJob", speculative: bool = False) -> None: ...
+    def submit_job(self, job: PromotionJob, speculative: bool = False) -> None: ...
 
     @abstractmethod
-    def submit_ops(self, ops: Sequence["TransferOp"], kind: str = "backup") -> None: ...
+    def submit_ops(self, ops: Sequence[TransferOp], kind: str = "backup") -> None: ...
 
     def poll(self) -> None:
         return None
 
     @abstractmethod
-    def eta(self, job: "PromotionJob") -> float: ...
+    def eta(self, job: PromotionJob) -> float: ...
 
     @abstractmethod
-    def cancel(self, ops: Iterable["TransferOp"]) -> None: ...
+    def cancel(self, ops: Iterable[TransferOp]) -> None: ...
 
     @abstractmethod
-    def run_now(self, job: "PromotionJob") -> LoadTime: ...
+    def run_now(self, job: PromotionJob) -> LoadTime: ...
 
-    def expedite(self, ops: Sequence["TransferOp"], max_wait_s: float = math.inf) -> float:
+    def expedite(self, ops: Sequence[TransferOp], max_wait_s: float = math.inf) -> float:
         return 0.0
 
     def read_eta(self, tokens: int) -> float:
@@ -82,7 +81,7 @@ class Executor(ABC):
         """Tokens per second `link` moves (0 where the executor cannot tell)."""
         return 0.0
 
-    def ops_eta(self, ops: Sequence["TransferOp"]) -> float:
+    def ops_eta(self, ops: Sequence[TransferOp]) -> float:
         """Seconds from now until every op of `ops` (queued already) has executed (0 where the
         executor cannot tell)."""
         return 0.0
@@ -95,7 +94,7 @@ class LayerSink(Protocol):
     """Where a `ThreadExecutor` hands host -> device demand loads to be copied layer by layer
     (`sglang.layer_loads.LayerLoads`): `queue(ops)` starts them and marks them executed."""
 
-    def queue(self, ops: Sequence["TransferOp"]) -> None: ...
+    def queue(self, ops: Sequence[TransferOp]) -> None: ...
 
 
 class ThreadExecutor(Executor):
@@ -103,30 +102,30 @@ class ThreadExecutor(Executor):
     demand load's host -> device ops are queued there (layer by layer, off the calling thread)
     instead of copied inline by `run_now`."""
 
-    def __init__(self, links: CopyLinks, engine: "TransferEngine", layers: LayerSink | None = None,
+    def __init__(self, links: CopyLinks, engine: TransferEngine, layers: LayerSink | None = None,
                  bytes_per_token: int = 0) -> None:
         self.links = links
         self.engine = engine
         self.layers = layers
         self.bytes_per_token = bytes_per_token  # of the KV the links move (sizes `link_tokens_per_s`)
 
-    def submit_job(self, job: "PromotionJob", speculative: bool = False) -> None:
+    def submit_job(self, job: PromotionJob, speculative: bool = False) -> None:
         self.engine.start().submit(job)  # the job's kind sets its priority (predict below demand)
 
-    def submit_ops(self, ops: Sequence["TransferOp"], kind: str = "backup") -> None:
+    def submit_ops(self, ops: Sequence[TransferOp], kind: str = "backup") -> None:
         self.engine.start().submit_ops(ops, kind=kind)
 
-    def eta(self, job: "PromotionJob") -> float:
+    def eta(self, job: PromotionJob) -> float:
         return sum(self.links.meter.seconds_for(link, n) for link, n in job.remaining_bytes().items())
 
     def link_tokens_per_s(self, link: str) -> float:
         """The link's measured rate, in tokens of `bytes_per_token` (0 until one is given)."""
         return self.links.meter.estimate(link) / self.bytes_per_token if self.bytes_per_token else 0.0
 
-    def cancel(self, ops: Iterable["TransferOp"]) -> None:
+    def cancel(self, ops: Iterable[TransferOp]) -> None:
         self.engine.cancel(ops)
 
-    def run_now(self, job: "PromotionJob") -> LoadTime:
+    def run_now(self, job: PromotionJob) -> LoadTime:
         layered = []
         for st in job.stages:
             for op in st.ops:
@@ -159,7 +158,7 @@ class VirtualPipes:
     `on_preempt(pipe, start, duration, backup)` (`backup`: write-back was pushed too), so that the
     owner of those copies can move their finish times. Every copy pays its link time: nothing runs free."""
 
-    _PIPES = {"disk->host": "disk", "host->disk": "disk"}
+    _PIPES: ClassVar[dict[str, str]] = {"disk->host": "disk", "host->disk": "disk"}
 
     def __init__(self, seconds: Callable[[str, int], float]) -> None:
         self.seconds = seconds
@@ -230,16 +229,16 @@ class VirtualExecutor(Executor):
         self.clock = clock
         self.page_size = page_size
         self.finish: dict[int, float] = {}  # id(op) -> virtual finish time
-        self._ops: dict[int, "TransferOp"] = {}
+        self._ops: dict[int, TransferOp] = {}
         self.executed_bytes: dict[str, int] = {}
         self._low: dict[int, str] = {}  # id(op) -> pipe, for queue-prefetch copies (low priority)
         self._backup: dict[int, str] = {}  # id(op) -> pipe, for write-back copies (a speculative copy goes first)
         pipes.on_preempt = self._preempted
 
-    def _tokens(self, op: "TransferOp") -> int:
+    def _tokens(self, op: TransferOp) -> int:
         return len(op.dst_handles) * self.page_size
 
-    def submit_job(self, job: "PromotionJob", speculative: bool = False) -> None:
+    def submit_job(self, job: PromotionJob, speculative: bool = False) -> None:
         """Queue a job's copies. A queue prefetch (`job.kind == "prefetch"`) has low priority: demand
         loads and write-back go ahead of it (as in `TransferEngine`), so it never delays them. A
         speculative copy (a prediction) pays its link time like any other, behind the demand loads
@@ -266,7 +265,7 @@ class VirtualExecutor(Executor):
                 if p == pipe and self.finish.get(key, -math.inf) > start:
                     self.finish[key] += duration
 
-    def submit_ops(self, ops: Sequence["TransferOp"], kind: str = "backup") -> None:
+    def submit_ops(self, ops: Sequence[TransferOp], kind: str = "backup") -> None:
         now = self.clock()
         backup = kind != "demand"
         for op in ops:
@@ -277,7 +276,7 @@ class VirtualExecutor(Executor):
     def link_tokens_per_s(self, link: str) -> float:
         return self.pipes.tokens_per_s(link)
 
-    def _track(self, op: "TransferOp", finish: float) -> None:
+    def _track(self, op: TransferOp, finish: float) -> None:
         op.submitted = True
         self.finish[id(op)] = finish
         self._ops[id(op)] = op
@@ -293,7 +292,7 @@ class VirtualExecutor(Executor):
         for op in due:
             self._execute(op)
 
-    def _execute(self, op: "TransferOp") -> None:
+    def _execute(self, op: TransferOp) -> None:
         self._ops.pop(id(op), None)
         self._low.pop(id(op), None)
         self._backup.pop(id(op), None)
@@ -307,14 +306,14 @@ class VirtualExecutor(Executor):
         """The earliest virtual time at which an op in flight finishes."""
         return min(self.finish.values()) if self.finish else None
 
-    def eta(self, job: "PromotionJob") -> float:
+    def eta(self, job: PromotionJob) -> float:
         return self.ops_eta(job.ops())
 
-    def ops_eta(self, ops: Sequence["TransferOp"]) -> float:
+    def ops_eta(self, ops: Sequence[TransferOp]) -> float:
         times = [self.finish.get(id(op), math.inf) for op in ops if not op.executed.is_set()]
         return max(0.0, max(times) - self.clock()) if times else 0.0
 
-    def expedite(self, ops: Sequence["TransferOp"], max_wait_s: float = math.inf) -> float:
+    def expedite(self, ops: Sequence[TransferOp], max_wait_s: float = math.inf) -> float:
         """Copy now the ops still in flight that land within `max_wait_s` (a queue prefetch requeued
         at demand priority, so no later than where it was queued); the others stay queued (the demand
         load stops at them and the rest is recomputed). Returns the seconds until the last copied one
@@ -343,7 +342,7 @@ class VirtualExecutor(Executor):
         now = self.clock()
         return max(now, self.pipes.high_until.get(self.pipes.pipe("disk->host"), 0.0)) + self.pipes.seconds("disk->host", tokens) - now
 
-    def demand_eta(self, job: "PromotionJob") -> float:
+    def demand_eta(self, job: PromotionJob) -> float:
         """Seconds from now until the job's copies not done yet would land if they were queued now
         as a demand load (normal priority, ahead of queued prefetches)."""
         now = self.clock()
@@ -356,13 +355,13 @@ class VirtualExecutor(Executor):
             ends[pipe] = start + self.pipes.seconds(op.link, self._tokens(op))
         return max(ends.values(), default=now) - now
 
-    def finish_all(self, ops: Iterable["TransferOp"]) -> None:
+    def finish_all(self, ops: Iterable[TransferOp]) -> None:
         """Copy now the bytes of ops still in flight (the caller waited for them)."""
         for op in sorted(ops, key=lambda o: self.finish.get(id(o), 0.0)):
             if id(op) in self._ops:
                 self._execute(op)
 
-    def cancel(self, ops: Iterable["TransferOp"]) -> None:
+    def cancel(self, ops: Iterable[TransferOp]) -> None:
 
         for op in ops:
             op.cancelled = True
@@ -374,7 +373,7 @@ class VirtualExecutor(Executor):
                 op.error = Cancelled()
                 op.executed.set()
 
-    def run_now(self, job: "PromotionJob") -> LoadTime:
+    def run_now(self, job: PromotionJob) -> LoadTime:
         """A demand load at schedule time: disk reads must land in host before the forward can use
         them (they block the step); host -> device copies overlap the forward layer by layer."""
         now = self.clock()

@@ -8,7 +8,8 @@ concurrently without a lock. Raising is the only way to report a failure.
 from __future__ import annotations
 
 import time
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -47,7 +48,7 @@ def execute(op: TransferOp, handlers: Handlers) -> None:
 def copy_via_tensor(stores: dict[str, TierStore]) -> Handler:
     """Generic: read the source pages into one tensor, write them to the destination."""
 
-    def handler(op: "TransferOp", start: int, stop: int) -> None:
+    def handler(op: TransferOp, start: int, stop: int) -> None:
         data = stores[op.src].read(op.src_handles[start:stop])
         stores[op.dst].write(op.dst_handles[start:stop], data)
 
@@ -60,7 +61,7 @@ def disk_into_host(stores: dict[str, TierStore]) -> Handler:
     if not isinstance(disk, ReadsInto) or not isinstance(host, PageViews):
         return copy_via_tensor(stores)
 
-    def handler(op: "TransferOp", start: int, stop: int) -> None:
+    def handler(op: TransferOp, start: int, stop: int) -> None:
         for key, slot in zip(op.src_handles[start:stop], op.dst_handles[start:stop]):
             disk.read_into(key, host.page_view(slot))
 
@@ -73,7 +74,7 @@ def host_into_disk(stores: dict[str, TierStore]) -> Handler:
     if not isinstance(disk, WritesFrom) or not isinstance(host, PageViews):
         return copy_via_tensor(stores)
 
-    def handler(op: "TransferOp", start: int, stop: int) -> None:
+    def handler(op: TransferOp, start: int, stop: int) -> None:
         disk.write_from(op.dst_handles[start:stop], [host.page_view(slot) for slot in op.src_handles[start:stop]])
 
     return handler
@@ -86,7 +87,7 @@ def page_to_page(stores: dict[str, TierStore], src: str, dst: str) -> Handler:
     if not isinstance(a, PageViews) or not isinstance(b, PageViews):
         return copy_via_tensor(stores)
 
-    def handler(op: "TransferOp", start: int, stop: int) -> None:
+    def handler(op: TransferOp, start: int, stop: int) -> None:
         for s_h, d_h in zip(op.src_handles[start:stop], op.dst_handles[start:stop]):
             b.page_view(d_h).copy_(a.page_view(s_h), non_blocking=True)
         if torch.cuda.is_available():
@@ -117,7 +118,7 @@ def layered_device_host(stores: dict[str, TierStore], src: str, dst: str) -> Han
     def index(handles, where) -> torch.Tensor:
         return torch.as_tensor(list(handles), dtype=torch.int64, device=where)
 
-    def to_host(op: "TransferOp", start: int, stop: int) -> None:
+    def to_host(op: TransferOp, start: int, stop: int) -> None:
         if stop - start < min_pages:
             return generic(op, start, stop)
         d_idx = index(op.src_handles[start:stop], device.device)
@@ -127,7 +128,7 @@ def layered_device_host(stores: dict[str, TierStore], src: str, dst: str) -> Han
                 pages = device.layer_pages(layer, kv).index_select(0, d_idx)
                 buffer[:, layer, kv].index_copy_(0, h_idx, pages.to(buffer.device))
 
-    def to_device(op: "TransferOp", start: int, stop: int) -> None:
+    def to_device(op: TransferOp, start: int, stop: int) -> None:
         if stop - start < min_pages:
             return generic(op, start, stop)
         h_idx = index(op.src_handles[start:stop], buffer.device)
@@ -178,7 +179,7 @@ def follower_handlers(handlers: Handlers, stores: dict[str, TierStore], skipped:
     lower = stores.get(DISK)
 
     def into_host(inner: Handler, link: str) -> Handler:
-        def handler(op: "TransferOp", start: int, stop: int) -> None:
+        def handler(op: TransferOp, start: int, stop: int) -> None:
             if op.gated:
                 skipped[link] = skipped.get(link, 0) + stop - start
                 return
@@ -188,8 +189,8 @@ def follower_handlers(handlers: Handlers, stores: dict[str, TierStore], skipped:
 
         return handler
 
-    def into_disk(op: "TransferOp", start: int, stop: int) -> None:
-        lower.write(op.dst_handles[start:stop], torch.empty(0))  # type: ignore[union-attr]  (the index only)
+    def into_disk(op: TransferOp, start: int, stop: int) -> None:
+        lower.write(op.dst_handles[start:stop], torch.empty(0))  # type: ignore[union-attr]  # (set only with a lower tier; the index only)
         if op.gated:
             skipped["host->disk"] = skipped.get("host->disk", 0) + stop - start
 

@@ -73,7 +73,7 @@ class _CudaArray:
             "typestr": _BIT_DTYPES[size][1], "data": (bits.data_ptr(), False), "version": 2}
 
 
-def pinned_cuda_view(t: torch.Tensor, device: torch.device) -> "torch.Tensor | None":
+def pinned_cuda_view(t: torch.Tensor, device: torch.device) -> torch.Tensor | None:
     """A CUDA tensor over the same memory as pinned host tensor `t`, as integers of its element's size
     (`as_bits`): kernels on `device` read and write the host's bytes in place over the link (unified
     addressing maps pinned memory into the device's address space at the same address). None when `t`
@@ -86,10 +86,10 @@ def pinned_cuda_view(t: torch.Tensor, device: torch.device) -> "torch.Tensor | N
         return None
 
 
-_LINK_STREAMS: dict[tuple[torch.device, bool], "torch.cuda.Stream"] = {}
+_LINK_STREAMS: dict[tuple[torch.device, bool], torch.cuda.Stream] = {}
 
 
-def link_stream(device: torch.device, to_device: bool) -> "torch.cuda.Stream":
+def link_stream(device: torch.device, to_device: bool) -> torch.cuda.Stream:
     """The stream of one link (host->device or device->host) of a CUDA device, created once."""
     key = (torch.device(device), to_device)
     if key not in _LINK_STREAMS:
@@ -108,8 +108,8 @@ class LayerwiseLoader:
     layers split in `STAGED_GROUPS`)."""
 
     def __init__(self, device, host, device_handles: Sequence[Handle], host_handles: Sequence[Handle], *,
-                 to_device: bool = True, stream: "torch.cuda.Stream | None" = None, ahead: int | None = None,
-                 runner: "Executor | None" = None, method: str | None = None, stage_layers: int | None = None) -> None:
+                 to_device: bool = True, stream: torch.cuda.Stream | None = None, ahead: int | None = None,
+                 runner: Executor | None = None, method: str | None = None, stage_layers: int | None = None) -> None:
         if len(device_handles) != len(host_handles):
             raise ValueError(f"LayerwiseLoader: {len(device_handles)} device handles for {len(host_handles)} host handles")
         if ahead is not None and ahead < 1:
@@ -126,7 +126,7 @@ class LayerwiseLoader:
         self.cuda = self.device.type == "cuda"
         self._dev_pages = device.layer_pages  # (layer, K/V) -> (pages, page tokens, heads, dim), no copy
         self._host = host.buffer  # (pages, layers, K/V, page tokens, heads, dim)
-        dev_h, host_h = [int(h) for h in device_handles], [int(h) for h in host_handles]  # type: ignore[call-overload]
+        dev_h, host_h = [int(h) for h in device_handles], [int(h) for h in host_handles]
         # the pages the tensors hold (SGLang's pool has more page slots than the cache may own)
         for name, handles, pages in (("device", dev_h, int(device.layer_pages(0, 0).shape[0])), ("host", host_h, int(host.buffer.shape[0]))):
             bad = [h for h in handles if not 0 <= h < pages]
@@ -161,7 +161,7 @@ class LayerwiseLoader:
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._runner = runner
-        self._future: "Future | None" = None
+        self._future: Future | None = None
 
     # ---- the three ways to move layers [l0, l1) (module docstring); `arrived(layer)` after each ----
     def _copy_group(self, l0: int, l1: int, arrived) -> None:
@@ -279,7 +279,7 @@ class LayerwiseLoader:
             raise self._error
 
     # ---- public ----------------------------------------------------------------------------------
-    def start(self) -> "LayerwiseLoader":
+    def start(self) -> LayerwiseLoader:
         if self._started:
             raise RuntimeError("LayerwiseLoader.start: already started")
         self._started = True

@@ -16,7 +16,7 @@ from ..tiers.base import DEVICE, DISK, HOST, Handle, PageCorruptError
 if TYPE_CHECKING:
     from ..tree.node import TreeNode
 
-LINKS = {(DEVICE, HOST): "device->host", (HOST, DEVICE): "host->device", (HOST, DISK): "host->disk", (DISK, HOST): "disk->host"}
+LINKS: dict[tuple[str, str], str] = {(DEVICE, HOST): "device->host", (HOST, DEVICE): "host->device", (HOST, DISK): "host->disk", (DISK, HOST): "disk->host"}
 
 
 _DONE_LOCK = threading.Lock()  # makes a `DoneFlag`'s event at most once

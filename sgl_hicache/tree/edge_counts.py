@@ -8,7 +8,7 @@ from collections.abc import Iterator
 try:  # optional: rebasing a node with thousands of children multiplies them at C speed
     import numpy as _np
 except ImportError:  # pragma: no cover - numpy ships with torch
-    _np = None
+    _np = None  # type: ignore[assignment]  # (then the pure-Python path)
 
 # below this many slots a rebase multiplies in a Python loop (a numpy view costs more than it saves)
 _VECTOR_MIN = 32

@@ -24,7 +24,7 @@ class TierGaps:
     `{n in resident[src] : n not in dst}` (checked by `RadixTree.check`)."""
 
     def __init__(self) -> None:
-        self.missing: dict[tuple[Tier, Tier], set[TreeNode]] = {link: set() for link in WRITEBACK_LINKS}
+        self.missing: dict[tuple[str, str], set[TreeNode]] = {link: set() for link in WRITEBACK_LINKS}
 
     def entered(self, node: TreeNode, tier: str) -> None:
         for (src, dst), gap in self.missing.items():

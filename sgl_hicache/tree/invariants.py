@@ -10,6 +10,7 @@ from ..hashing import chain_keys
 from ..tiers.base import TIERS
 
 if TYPE_CHECKING:
+    from .node import TreeNode
     from .radix import RadixTree
 
 _ALL = frozenset(TIERS)
@@ -19,14 +20,14 @@ class InvariantError(AssertionError):
     """`RadixTree.check()` found the tree in a state it must never be in."""
 
 
-def check_tree(tree: "RadixTree") -> None:
+def check_tree(tree: RadixTree) -> None:
     """`RadixTree.check`: every invariant of the tree's docstring, recomputed from the nodes; raises
     InvariantError naming the first broken one."""
-    pages = {tier: 0 for tier in TIERS}
+    pages: dict[str, int] = dict.fromkeys(TIERS, 0)
     shared: dict[frozenset[str], int] = {}
     protected_shared: dict[frozenset[str], int] = {}
-    protected = {tier: 0 for tier in TIERS}
-    members = {tier: set() for tier in TIERS}
+    protected: dict[str, int] = dict.fromkeys(TIERS, 0)
+    members: dict[str, set[TreeNode]] = {tier: set() for tier in TIERS}
     count = 0
     for node in tree.nodes():
         count += 1

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
-
 from array import array
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ..hashing import PageKey, chain_keys, tokens_bytes
 from ..tiers.base import DEVICE, DISK, HOST, Handle
 from .edge_counts import EdgeCounts
+
+if TYPE_CHECKING:
+    from ..transfer.ops import TransferOp
 
 _ids = itertools.count()
 
@@ -65,7 +68,7 @@ class TreeNode:
         "prefetch_trigger",
     )
 
-    def __init__(self, parent: "TreeNode | None", tokens: "array | tuple[int, ...]", keys: list[PageKey] | None, num_pages: int,
+    def __init__(self, parent: TreeNode | None, tokens: array | tuple[int, ...], keys: list[PageKey] | None, num_pages: int,
                  node_id: int | None = None) -> None:
         self.id = next(_ids) if node_id is None else node_id
         self.parent = parent
@@ -99,7 +102,7 @@ class TreeNode:
         # the trigger of the prediction that brought it (`speculation.trigger_of`), for the guard
         self.prefetch_trigger: str | None = None
         # transfers prepared into a tier and not yet completed, by destination tier
-        self.incoming: dict[str, object] = {}
+        self.incoming: dict[str, TransferOp] = {}
         # children resident in each tier, kept by the tree on every residency change: "is a leaf of
         # this tier" in O(1), even for a node with thousands of children
         self.children_in: dict[str, int] = {}
@@ -127,7 +130,7 @@ class TreeNode:
             self._edge = edge_key_of(self.tokens[: len(self.tokens) // self.num_pages])
         return self._edge
 
-    def set_tokens(self, tokens: "array | tuple[int, ...]") -> None:
+    def set_tokens(self, tokens: array | tuple[int, ...]) -> None:
         self.tokens = tokens
         self._bytes = None
         self._edge = None
@@ -152,9 +155,11 @@ class TreeNode:
     def in_tier(self, tier: str) -> bool:
         return getattr(self, tier) is not None
 
-    def handles(self, tier: str) -> list[Handle] | None:
-        """This node's per-page handles in `tier`, or None when the tier holds no copy."""
-        return getattr(self, tier)
+    def handles(self, tier: str) -> list[Handle]:
+        """This node's per-page handles in `tier` (which must hold a copy)."""
+        handles = getattr(self, tier)
+        assert handles is not None, f"{self} holds no copy in {tier}"
+        return handles
 
     def tiers(self) -> tuple[str, ...]:
         return tuple(t for t in (DEVICE, HOST, DISK) if self.in_tier(t))
@@ -163,7 +168,7 @@ class TreeNode:
     def evictable(self) -> bool:
         return self.lock_ref == 0 and self.pins == 0 and not self.is_root
 
-    def path_from_root(self) -> list["TreeNode"]:
+    def path_from_root(self) -> list[TreeNode]:
         """Ancestors then self, root excluded."""
         path: list[TreeNode] = []
         node: TreeNode | None = self

@@ -18,7 +18,6 @@ from .leaves import LeafKey, LeafQueue
 from .node import TreeNode, edge_key_of, split_handles
 from .traffic import HalfLife, drop_edge, start_edges
 
-
 _ALL = frozenset(TIERS)
 
 
@@ -50,8 +49,8 @@ class RadixTree:
         self.gaps = TierGaps()  # per write-back link, the resident nodes without their lower copy
         self.half_life = HalfLife()  # of the traffic counts, learned from the gaps between a session's visits
         # pages per tier of locked or pinned nodes, kept on every lock/pin/residency change
-        self.protected: dict[str, int] = {tier: 0 for tier in TIERS}
-        self.pages: dict[str, int] = {tier: 0 for tier in TIERS}
+        self.protected: dict[str, int] = dict.fromkeys(TIERS, 0)
+        self.pages: dict[str, int] = dict.fromkeys(TIERS, 0)
         # pages held by nodes resident in each combination of two or more tiers, kept on every
         # residency change: `clean_pages` in O(1) (background write-back asks every step)
         self.shared: dict[frozenset[str], int] = {}
@@ -367,7 +366,7 @@ class RadixTree:
             stack.extend(node.children.values())
 
     def subtree_pages(self, node: TreeNode) -> dict[str, int]:
-        totals = {tier: 0 for tier in TIERS}
+        totals: dict[str, int] = dict.fromkeys(TIERS, 0)
         stack = [node]
         while stack:
             n = stack.pop()

@@ -14,7 +14,7 @@ _parse_args = argparse.ArgumentParser.parse_args
 
 
 def _parse_then_stop(self, args=None, namespace=None):  # type: ignore[no-untyped-def]
-    ns = _parse_args(self, args, namespace)
+    _parse_args(self, args, namespace)
     print(f"[parse-only] {self.prog}: flags accepted", file=sys.stderr, flush=True)
     raise SystemExit(0)
 

@@ -15,6 +15,7 @@ import stat
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import xxhash
@@ -62,7 +63,11 @@ class PageFiles:
     owner: str
     retry_interval_s: float
     counters: dict[str, int]
-    peers_wrote: bool  # the store's property
+    if TYPE_CHECKING:  # the store's, a read-only property there
+
+        @property
+        def peers_wrote(self) -> bool: ...
+
     _dir_str: str
     _clock: Callable[[], float]
     _codec: PageCodec
@@ -207,17 +212,17 @@ class PageFiles:
             self.counters["pages_written"] += published
             self.counters["bytes_written"] += published * self._payload_bytes
         if failed is not None:
-            key, exc = failed
+            key, err = failed
             with self._lock:
                 self.counters["write_errors"] += 1
-            blocked = isinstance(exc, IsADirectoryError) or (
-                isinstance(exc, NotADirectoryError) and self.directory.is_dir()
+            blocked = isinstance(err, IsADirectoryError) or (
+                isinstance(err, NotADirectoryError) and self.directory.is_dir()
             )
             if not blocked:
-                self._disable(exc)
+                self._disable(err)
             # else: one key's path is blocked (a directory on the page's name, a file on its fan-out
             # directory's); the medium is fine
-            raise TierIOError(f"disk: cannot write page {key.hex()}: {exc}") from exc
+            raise TierIOError(f"disk: cannot write page {key.hex()}: {err}") from err
 
     def _publish(self, batch: list[tuple[PageKey, str, str]]) -> int:
         """Rename written temp files to their page paths and account for them, all under one hold

@@ -60,9 +60,9 @@ def new_owner_id() -> str:
 def _mkdir(path: Path) -> None:
     try:
         os.mkdir(path, 0o700)
-    except FileExistsError:
+    except FileExistsError as exc:
         if path.is_symlink() or not path.is_dir():
-            raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path)) from exc
 
 
 def owner_alive(owners_dir: Path, owner: str) -> bool:
@@ -227,7 +227,8 @@ class DirectoryLedger:
         with self._mutex:
             detached = self._closer.detach()
             if detached is not None:
-                DirectoryLedger._release(*detached[2], wait=_held_here().get(self.path, 0) == 0)
+                owner_path, owner_fd, fd, path, mapping = detached[2]
+                DirectoryLedger._release(owner_path, owner_fd, fd, path, mapping, wait=_held_here().get(self.path, 0) == 0)
 
     @property
     def closed(self) -> bool:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import os
 import re
 import stat
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,9 +43,18 @@ class DirectoryScan(PageFiles):
     """
 
     capacity_pages: int
-    page_shape: tuple[int, ...]
+    page_shape: tuple[int, int, int, int, int]
     dtype: torch.dtype
     _evict_cursor: int
+
+    if TYPE_CHECKING:  # the store's
+
+        def keys(self) -> Iterator[PageKey]: ...
+
+        def read_into(self, key: PageKey, out: torch.Tensor) -> None: ...
+
+        @property
+        def overfull_pages(self) -> int: ...
 
     def discover(self, key: PageKey) -> bool:
         """`contains`, or, for a key the index does not know once `peers_wrote`, whether another

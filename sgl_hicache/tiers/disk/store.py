@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import xxhash
@@ -99,7 +100,7 @@ class DiskPageStore(DirectoryScan, KeyedStore, ReadsInto, WritesFrom):
         self._lock = threading.Lock()
         self._index: dict[PageKey, int] = {}
         self._n_reserved = 0
-        self.counters: dict[str, int] = {name: 0 for name in COUNTER_NAMES}
+        self.counters: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
         self._logged_reasons: set[str] = set()
         self._tmp_seq = itertools.count()
         self._made_dirs: set[str] = set()
@@ -330,7 +331,7 @@ class DiskPageStore(DirectoryScan, KeyedStore, ReadsInto, WritesFrom):
         return True
 
     # ------------------------------------------------------------------ a page that cannot be served
-    def _corrupt(self, key: PageKey, path: str | Path, reason: str, detail: str, delete: bool = True) -> None:
+    def _corrupt(self, key: PageKey, path: str | Path, reason: str, detail: str, delete: bool = True) -> NoReturn:
         """Discard a page that failed verification and raise PageCorruptError."""
         if delete:
             with self._ledger.locked():
