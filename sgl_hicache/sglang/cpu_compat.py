@@ -11,6 +11,11 @@ With these three replaced (no registration, no pinning, a pure-torch copy) it ru
 ``--hicache-io-backend direct --hicache-mem-layout layer_first``, which is what lets the project
 measure SGLang's own HiCache as a baseline on CPU.
 
+Hybrid linear-attention models (Qwen3-Next) run on CPU only with the CPU test layer's torch
+references of the ``sgl_kernel`` linear-attention ops (scripts/cpu/shim/sgl_kernel/mamba.py) and, on a
+CPU without AMX, :func:`hybrid_linear_attention_without_amx`, which routes two layers SGLang would
+otherwise run as Triton kernels (no CPU driver) to CPU ops.
+
 One opt-in knob for benchmarks on a shared machine: HiCache refuses to start unless the host has
 10 GiB free beyond its host pool (``HICACHE_HOST_MEMORY_RESERVE_BYTES``, a margin sized for GPU
 nodes). ``SGLHICACHE_CPU_HICACHE_HOST_RESERVE_BYTES=N`` sets that margin to N bytes in this process;
