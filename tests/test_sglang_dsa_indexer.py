@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-
 from test_sglang_hybrid_pools import _host_disk_round_trip
 
 _missing = importlib.util.find_spec("sglang") is None

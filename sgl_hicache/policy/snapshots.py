@@ -18,8 +18,9 @@ depth and its reuse count.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)

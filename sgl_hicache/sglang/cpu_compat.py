@@ -45,7 +45,7 @@ def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_si
 
 def _gate_sigmoid_mul(hidden_states, gate_weight, shared_output, output=None):
     """Torch reference of SGLang's Triton ``fused_gate_sigmoid_mul(_add)``
-    (``kernels/ops/elementwise/elementwise.py:254``, ``:270``): the shared expert's output scaled per
+    (``kernels/ops/elementwise/elementwise.py:256``, ``:273``): the shared expert's output scaled per
     token by ``sigmoid(hidden_states @ gate_weight)``, added into ``output`` when one is given."""
     import torch
 

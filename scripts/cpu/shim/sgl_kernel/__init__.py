@@ -34,4 +34,4 @@ def __getattr__(name: str):
     return _unavailable(name)
 
 
-from . import mamba  # noqa: E402,F401  (registers its ops on torch.ops.sgl_kernel)
+from . import mamba  # noqa: F401  (registers its ops on torch.ops.sgl_kernel)

@@ -23,13 +23,11 @@ go -- what a cache-hit test needs, and slow only at sizes a test never uses.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 
 
-def _conv_window(window: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], silu: bool) -> torch.Tensor:
+def _conv_window(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
     """One output column of a depthwise causal conv: ``window`` ``[dim, width]`` (oldest first)."""
     y = (window.float() * weight.float()).sum(-1)
     if bias is not None:
