@@ -17,7 +17,8 @@
 #   1. torchvision 0.28.0 on PyPI is a CUDA build whose C ops cannot load against CPU torch; two
 #      unguarded `register_fake` decorators in torchvision/_meta_registrations.py are guarded.
 #   2. SGLANG_USE_CPU_ENGINE=1 imports `sgl_kernel`; its CPU build is not on PyPI, so an import-only
-#      stand-in (scripts/cpu/shim/sgl_kernel) is put on sys.path by a .pth file.
+#      stand-in (scripts/cpu/shim/sgl_kernel), with torch references of the linear-attention ops a
+#      tiny Qwen3-Next calls (its `mamba` module), is put on sys.path by a .pth file.
 #   3. SGLang's own HiCache needs cudaHostRegister and a CUDA copy kernel: sgl_hicache's plugin applies
 #      sgl_hicache/sglang/cpu_compat.py at SGLang start-up when no CUDA is available.
 set -euo pipefail

@@ -66,8 +66,11 @@ REFUSED: dict[str, Refusal] = {
         "costs as much as ~3,100 tokens of its KV)",
         _SGLANG_HICACHE),
     "dsa": Refusal(
-        "DSA sparse-attention models (DeepSeek V3.2)",
-        "the DSA pool adds an indexer key cache beside the MLA latent; its adapter is not built",
+        "DSA sparse-attention models (DSATokenToKVPool: DeepSeek V3.2, GLM-5)",
+        "SGLang runs DSA attention only on GPU kernels (on a CPU its server arguments already fail: "
+        "arg_groups/overrides.py:512 calls torch.cuda.get_device_capability()), so no CPU server test can prove "
+        "a DSA model's outputs from every tier; the indexer key pages beside the MLA latent round-trip bit for "
+        "bit (DSAIndexerAdapter), but they are not tiered with the latent pages yet",
         _SGLANG_HICACHE),
     "scaled_quant_kv": Refusal(
         "quantised KV with a quantisation method and scale buffers (--kv-cache-dtype nvfp4 / fp4_mx_block16 / "

@@ -11,6 +11,11 @@ With these three replaced (no registration, no pinning, a pure-torch copy) it ru
 ``--hicache-io-backend direct --hicache-mem-layout layer_first``, which is what lets the project
 measure SGLang's own HiCache as a baseline on CPU.
 
+Hybrid linear-attention models (Qwen3-Next) run on CPU only with the CPU test layer's torch
+references of the ``sgl_kernel`` linear-attention ops (scripts/cpu/shim/sgl_kernel/mamba.py) and, on a
+CPU without AMX, :func:`hybrid_linear_attention_without_amx`, which routes two layers SGLang would
+otherwise run as Triton kernels (no CPU driver) to CPU ops.
+
 One opt-in knob for benchmarks on a shared machine: HiCache refuses to start unless the host has
 10 GiB free beyond its host pool (``HICACHE_HOST_MEMORY_RESERVE_BYTES``, a margin sized for GPU
 nodes). ``SGLHICACHE_CPU_HICACHE_HOST_RESERVE_BYTES=N`` sets that margin to N bytes in this process;
@@ -36,6 +41,45 @@ def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_si
     for src, dst in zip(src_layers, dst_layers):
         rows = src.index_select(0, src_idx.to(src.device))
         dst.index_copy_(0, dst_idx.to(dst.device), rows.to(dst.device))
+
+
+def _gate_sigmoid_mul(hidden_states, gate_weight, shared_output, output=None):
+    """Torch reference of SGLang's Triton ``fused_gate_sigmoid_mul(_add)``
+    (``kernels/ops/elementwise/elementwise.py:256``, ``:273``): the shared expert's output scaled per
+    token by ``sigmoid(hidden_states @ gate_weight)``, added into ``output`` when one is given."""
+    import torch
+
+    gate = torch.sigmoid(hidden_states.float() @ gate_weight.float()).unsqueeze(-1)
+    gated = (gate * shared_output.float()).to(shared_output.dtype)
+    if output is None:
+        return gated
+    output.add_(gated)
+    return None
+
+
+def hybrid_linear_attention_without_amx() -> bool:
+    """Hybrid linear-attention models (Qwen3-Next) on a CPU without AMX. SGLang's CPU path assumes
+    AMX and otherwise launches Triton kernels, which have no CPU driver ("0 active drivers"):
+    * ``FusedRMSNormGated`` takes the CPU op only when ``_use_cpu = is_cpu() and
+      cpu_has_amx_support()`` (``kernels/ops/attention/fla/fused_norm_gate.py:20``): set it on CPU, so
+      it calls ``torch.ops.sgl_kernel.fused_rmsnorm_gated_cpu`` (``fused_norm_gate.py:447``), which the
+      CPU test layer's ``sgl_kernel`` provides (scripts/cpu/shim/sgl_kernel/mamba.py);
+    * the shared-expert gate (``models/qwen2_moe.py:821``, ``use_fused_gate`` unless AMX) calls the
+      Triton ``fused_gate_sigmoid_mul(_add)`` (``qwen2_moe.py:731``, ``:877``): replaced in that module
+      by a torch reference."""
+    try:
+        from sglang.kernels.ops.attention.fla import fused_norm_gate
+        from sglang.srt.models import qwen2_moe
+        from sglang.srt.utils import is_cpu
+    except ImportError as e:
+        logger.warning("sgl_hicache cpu_compat: SGLang's linear-attention modules not found (%s); not patched", e)
+        return False
+    if not is_cpu():
+        return False
+    fused_norm_gate._use_cpu = True
+    qwen2_moe.fused_gate_sigmoid_mul = _gate_sigmoid_mul
+    qwen2_moe.fused_gate_sigmoid_mul_add = _gate_sigmoid_mul
+    return True
 
 
 def needed() -> bool:
@@ -72,6 +116,7 @@ def apply() -> bool:
         self.pin_memory = False
 
     HostKVCache.__init__ = init_without_pinning
+    hybrid_linear_attention_without_amx()
     reserve = os.environ.get("SGLHICACHE_CPU_HICACHE_HOST_RESERVE_BYTES")
     if reserve:
         from sglang.srt.mem_cache.pool_host import base as host_base

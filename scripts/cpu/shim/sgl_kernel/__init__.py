@@ -5,6 +5,10 @@ On the Llama path with ``--attention-backend torch_native`` none of them is call
 resolves to a function that raises ``NotImplementedError`` only when it is *called*. Names that were
 called are recorded in ``CALLED`` so that a test can assert the CPU path never needed a real kernel.
 
+The linear-attention ops a gated-delta-net hybrid (Qwen3-Next) calls are not stand-ins but torch
+reference implementations, in ``sgl_kernel.mamba`` (imported below, so that the ones SGLang reads from
+``torch.ops.sgl_kernel`` are registered as soon as ``sgl_kernel`` is).
+
 This is a CPU workaround installed by ``scripts/install_sglang_cpu.sh`` (via a .pth file); it is not
 part of the ``sgl_hicache`` product and is never installed on a GPU machine.
 """
@@ -28,3 +32,6 @@ def __getattr__(name: str):
     if name.startswith("__"):
         raise AttributeError(name)
     return _unavailable(name)
+
+
+from . import mamba  # noqa: F401  (registers its ops on torch.ops.sgl_kernel)
