@@ -29,7 +29,7 @@ pytestmark = NEEDS_SGLANG
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts" / "cpu"))
-from realistic_weights_qwen3_next import make_model
+from realistic_weights_qwen3_next import make_model  # noqa: E402  (from scripts/cpu, put on sys.path above)
 
 VOCAB = 1024
 MAMBA_ARGS = ["--mamba-radix-cache-strategy", "no_buffer", "--page-size", "1", "--disable-overlap-schedule"]

@@ -34,4 +34,4 @@ def __getattr__(name: str):
     return _unavailable(name)
 
 
-from . import mamba  # noqa: F401  (registers its ops on torch.ops.sgl_kernel)
+from . import mamba  # noqa: F401, E402  (registers its ops on torch.ops.sgl_kernel, after the stand-ins above)
