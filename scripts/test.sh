@@ -39,6 +39,18 @@ if "$CORE/bin/python" -c "import sglang" 2>/dev/null; then
     echo "error: $CORE has sglang installed; the core suite must run without it" >&2
     exit 1
 fi
+# The SGLang environment installs (mostly download and unpack) while the core suite runs; its output
+# is shown after the core suite.
+INSTALL_LOG=$(mktemp)
+INSTALL_PID=
+if [ "${SKIP_SGLANG:-0}" != 1 ]; then
+    ( "$ROOT/scripts/install_sglang_cpu.sh" "$SGL" && "$SGL/bin/pip" install -q "${STORE_PIP[@]}" 2>&1 | quiet_pip
+      # the install wrote ~2.7 GB: flush it now, so that its writeback does not compete with the
+      # SGLang suite's disk-tier reads and writes
+      sync ) > "$INSTALL_LOG" 2>&1 &
+    INSTALL_PID=$!
+    trap 'kill "$INSTALL_PID" 2>/dev/null || true' EXIT  # a failed core suite does not leave it running
+fi
 echo "== core suite (no sglang) =="
 # Each suite has a wall limit too (pytest-timeout bounds a test, not a hang at interpreter exit), so
 # a hang fails here with a message rather than running CI out of its time.
@@ -51,11 +63,10 @@ if [ "${SKIP_SGLANG:-0}" = 1 ]; then
     exit 0
 fi
 echo "== SGLang suite (real server on CPU) =="
-"$ROOT/scripts/install_sglang_cpu.sh" "$SGL"
-"$SGL/bin/pip" install -q "${STORE_PIP[@]}" 2>&1 | quiet_pip
-# the install just wrote ~2.7 GB: flush it now, so that its writeback does not compete with the
-# first tests' disk-tier reads and writes (a chain test timed against a 0.5 s margin failed so once)
-sync
+install_rc=0
+wait "$INSTALL_PID" || install_rc=$?
+cat "$INSTALL_LOG"; rm -f "$INSTALL_LOG"
+[ "$install_rc" = 0 ] || { echo "[test.sh] error: installing the SGLang environment failed (exit $install_rc)" >&2; exit "$install_rc"; }
 # -p no:cacheprovider: no .pytest_cache writes racing the core run's
 SGLHICACHE_REQUIRE_SGLANG=1 limited 2700 "$SGL/bin/python" -m pytest -q -m sglang -p no:cacheprovider -rs "$@"
 echo "[test.sh] all done after $(( $(date +%s) - t0 )) s"
