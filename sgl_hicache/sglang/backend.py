@@ -37,8 +37,13 @@ buffer and disk directory; the ranks agree on every local fact once per schedule
 
 Built by `factory.factory` (which refuses what is not supported: PP, DP, SGLang's own HiCache, hybrid
 models) from the parts `assembly.assemble` composes; the stats it shows are put together in `export`.
-EAGLE (bigram keys) is refused here, pool kinds without an adapter by `pool_adapters`. Requests with a LoRA
-`extra_key` or a `cache_salt` are served without the cache (a miss, never stored).
+Pool kinds without an adapter are refused by `pool_adapters`. Requests with a LoRA `extra_key` or a
+`cache_salt` are served without the cache (a miss, never stored).
+
+Speculative decoding (EAGLE, EAGLE3, MTP; `is_eagle`): the tree is keyed by token bigrams, as SGLang's
+RadixCache keys it (`tree_keys`, `speculative.bigram_keys`): position i of a request is cached under
+(t[i], t[i+1]); the draft model's KV pools are tiered with the target's as further layers of each page
+(`draft_pools`, `pool_adapters.DraftPoolsAdapter`).
 """
 
 from __future__ import annotations
@@ -75,11 +80,11 @@ from ..tiers.base import DEVICE, DISK
 from .assembly import assemble
 from .call_timer import CallTimer, IOGuard
 from .coverage import PREFIX as REFUSAL_PREFIX
-from .coverage import refusal
 from .device_pool import frees_batched
 from .hint_server import refuse_hints_at_tp
 from .export import StatsPublisher, pool_accounting, stats_snapshot, tree_text
 from .rank_consensus import RankConsensus
+from .speculative import bigram_keys
 from .req_states import ReqState, RequestStates
 from .settings import BackendSettings, load_settings
 from .step_calls import StepCalls
@@ -126,7 +131,8 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
 
     def __init__(self, params: Any, settings: BackendSettings | None = None, *, architecture: str = "llama",
                  model_salt: str = "", server_port: int | None = None,
-                 consensus: RankConsensus | None = None, vocab_size: int | None = None) -> None:
+                 consensus: RankConsensus | None = None, vocab_size: int | None = None,
+                 draft_pools: tuple[Any, ...] = ()) -> None:
         self.settings = s = settings or load_settings()
         refuse_hints_at_tp(s.hint_port, consensus is not None, REFUSAL_PREFIX)
         self.consensus = consensus  # TP >= 2: agreement with the other ranks (rank_consensus.py)
@@ -137,10 +143,8 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
         self.is_eagle = bool(getattr(params, "is_eagle", False))
         self.sliding_window_size = getattr(params, "sliding_window_size", None)
         self.kv_events = None
-        if self.is_eagle:
-            raise ValueError(REFUSAL_PREFIX + refusal("eagle"))
         parts = assemble(params, s, architecture=architecture, model_salt=model_salt, consensus=consensus,
-                         clock=consensus.clock if consensus is not None else time.monotonic)
+                         clock=consensus.clock if consensus is not None else time.monotonic, draft_pools=draft_pools)
         self.device_pool = parts.device_pool
         self.device = self.device_pool.device
         self.config = parts.config
@@ -214,14 +218,19 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
 
     @staticmethod
     def _cacheable(key) -> bool:
-        return not (getattr(key, "is_bigram", False) or key.extra_key or key.cache_salt)
+        return not (key.extra_key or key.cache_salt)
+
+    def tree_keys(self, tokens):
+        """The tree's key of a request's `tokens`: the tokens, or under EAGLE their bigrams (one per
+        position but the last: `speculative.bigram_keys`)."""
+        return bigram_keys(tokens) if self.is_eagle else tokens
 
     @frees_batched
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         key = params.key
         if self.disable or len(key) == 0 or not self._cacheable(key):
             return self._empty_match()
-        tokens = key.raw_token_ids()
+        tokens = self.tree_keys(key.raw_token_ids())
         aligned = self.cache.tree.page_aligned(tokens)
         if aligned == 0:
             return self._empty_match()
@@ -282,7 +291,7 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
                 return fallback
         prefix = int(req.prefix_len)
         target = prefix + promised
-        tokens = req.full_untruncated_fill_ids[:target]
+        tokens = self.tree_keys(req.full_untruncated_fill_ids[:target + int(self.is_eagle)])
         m = self.cache.match(tokens, touch=False)
         if m.tokens != target or m.last_node is not node or m.device_tokens != prefix or m.disk_tokens:
             # the tree changed since the match (a page went missing on disk), or pages are still on
@@ -323,7 +332,7 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
             self.counters.uncacheable_requests += 1
             return
         ps = self.page_size
-        token_ids = req.full_untruncated_fill_ids[:up_to]
+        token_ids = self.tree_keys(req.full_untruncated_fill_ids[:up_to])
         aligned = self.cache.tree.page_aligned(token_ids)
         protected = int(req.kv.cache_protected_len)
         if aligned <= protected:
@@ -368,7 +377,7 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
         `value[:prefix_len]` (duplicates) and the tree owns the rest it adopted."""
         if self.disable or params.key is None or not self._cacheable(params.key):
             return InsertResult(prefix_len=0)
-        tokens = params.key.raw_token_ids()
+        tokens = self.tree_keys(params.key.raw_token_ids())
         aligned = self.cache.tree.page_aligned(tokens)
         if aligned == 0 or params.value is None:
             return InsertResult(prefix_len=0)
@@ -444,7 +453,7 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
     def touch_prefix(self, key) -> None:
         if self.disable or len(key) == 0 or not self._cacheable(key):
             return
-        tokens = key.raw_token_ids()
+        tokens = self.tree_keys(key.raw_token_ids())
         aligned = self.cache.tree.page_aligned(tokens)
         if aligned:
             self.cache.match(tokens[:aligned], touch=True, count=False)

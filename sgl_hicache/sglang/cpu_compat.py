@@ -11,6 +11,8 @@ With these three replaced (no registration, no pinning, a pure-torch copy) it ru
 ``--hicache-io-backend direct --hicache-mem-layout layer_first``, which is what lets the project
 measure SGLang's own HiCache as a baseline on CPU.
 
+EAGLE speculative decoding on ``torch_native`` attention: ``cpu_compat_spec`` (applied from here).
+
 One opt-in knob for benchmarks on a shared machine: HiCache refuses to start unless the host has
 10 GiB free beyond its host pool (``HICACHE_HOST_MEMORY_RESERVE_BYTES``, a margin sized for GPU
 nodes). ``SGLHICACHE_CPU_HICACHE_HOST_RESERVE_BYTES=N`` sets that margin to N bytes in this process;
@@ -80,6 +82,9 @@ def apply() -> bool:
         logger.info("sgl_hicache cpu_compat: HiCache host memory reserve set to %s bytes", reserve)
     if not hasattr(torch.cpu.Stream, "synchronize"):
         torch.cpu.Stream.synchronize = lambda self: None
+    from . import cpu_compat_spec  # EAGLE on torch_native (its own module: cpu_compat_spec.py)
+
+    cpu_compat_spec.apply()
     _applied = True
     logger.info("sgl_hicache cpu_compat: SGLang HiCache host pool patched for CPU")
     return True

@@ -165,7 +165,7 @@ def queued_work(cache, req) -> tuple[int, int]:
         return _peeked[req]
     matched = 0
     if not (getattr(req, "extra_key", None) or getattr(req, "cache_salt", None)):
-        tokens = list(req.origin_input_ids) + list(req.output_ids)
+        tokens = cache.tree_keys(list(req.origin_input_ids) + list(req.output_ids))
         p = cache.cache.match(tokens[:cache.cache.tree.page_aligned(tokens)], touch=False)
         matched = p.device_tokens + (p.lower_tier_tokens if cache.settings.prefetch else p.host_tokens)
     _peeked[req] = work = (max(0, total - matched), matched)
@@ -261,6 +261,9 @@ def register_hooks() -> None:
     HookRegistry.register(GET_NEW_BATCH_PREFILL, set_consumer_index, HookType.AFTER)
     HookRegistry.register(PROCESS_BATCH_RESULT, time_prefill, HookType.AFTER)
     HookRegistry.register(CALC_PRIORITY, order_queue, HookType.AFTER)
+    from .speculative import register_hooks as register_speculative_hooks  # the draft model's KV pools
+
+    register_speculative_hooks()
 
 
 __all__ = ["order_queue", "queued_work", "computed_tokens", "context_tokens", "step_end", "step_pairs", "demand_shortfall_tokens", "extend_tokens", "hold_new", "keep_admitting", "record_landed_copies", "register_hooks", "set_consumer_index",

