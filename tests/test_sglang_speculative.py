@@ -158,3 +158,119 @@ def test_a_draft_of_another_page_layout_is_refused_naming_both():
                             layer_num=1, device="cpu", enable_memory_saver=False, enable_alt_stream=False)
     with pytest.raises(UnsupportedPool, match=r"draft model whose KV page layout differs.*4 heads x 8.*target 2 x 2 x 8.*Instead: "):
         SGLangDevicePool(alloc, draft_pools=(wide,))
+
+
+# ---- 2. the real server -----------------------------------------------------------------------------
+sys.path.insert(0, str(REPO / "scripts" / "cpu"))
+from realistic_weights import TINY, make_model  # noqa: E402
+
+from test_sglang_e2e import LOGPROB_TOL, _flood, _gen_lp, _logprob_diff, _prompt, _settled_pool  # noqa: E402
+
+SERVER_PAGE, HIT, VOCAB = 16, 304, 1024
+SPEC_ARGS = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "1", "--speculative-eagle-topk", "1",
+             "--speculative-num-draft-tokens", "2"]
+
+
+def make_eagle_draft(target: Path, dst: Path) -> Path:
+    """A one-layer EAGLE draft (`LlamaForCausalLMEagle`) of the tiny Llama: its layer is the target's
+    first layer and its `fc` passes the next token's embedding through (the target's hidden state is
+    ignored), so it proposes roughly what the target's first layer predicts and some proposals are
+    accepted; it shares the target's embedding and LM head (SGLang's EAGLE worker sets them)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((TINY / "config.json").read_text())
+    cfg.update(architectures=["LlamaForCausalLMEagle"], num_hidden_layers=1)
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    w = load_file(str(target / "model.safetensors"))
+    h = cfg["hidden_size"]
+    t = {"fc.weight": torch.cat([torch.eye(h), torch.zeros(h, h)], 1).to(torch.bfloat16),
+         "fc.bias": torch.zeros(h, dtype=torch.bfloat16)}
+    for name, value in w.items():  # layer 0 without its input norm (EAGLE's first layer has none)
+        if name.startswith("model.layers.0.") and "input_layernorm" not in name:
+            t[name[len("model."):]] = value
+    save_file(t, str(dst / "model.safetensors"))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sglang_spec")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def models(workdir):
+    target = make_model(workdir / "target")
+    return target, make_eagle_draft(target, workdir / "draft")
+
+
+@pytest.fixture
+def start_server(workdir, models):
+    from sgl_hicache.sglang.server import SGLangServer
+
+    target, draft = models
+    started = []
+
+    def start(name: str, disk_dir: Path) -> SGLangServer:
+        env = {"SGLHICACHE_HOST_TOKENS": "4096", "SGLHICACHE_DISK_DIR": str(disk_dir),
+               "SGLHICACHE_DISK_TOKENS": str(64 * 1024), "SGLHICACHE_CHECK_INVARIANTS": "1",
+               "SGLHICACHE_CHECK_SCHEDULER_IO": "1"}
+        srv = SGLangServer.start(target, load_format=None, log_path=workdir / f"{name}.log", env=env, timeout_s=400,
+                                 extra_args=["--max-total-tokens", "1024", "--page-size", str(SERVER_PAGE),
+                                             "--radix-cache-backend", "sgl_hicache", "--log-level", "warning",
+                                             "--speculative-draft-model-path", str(draft), *SPEC_ARGS])
+        started.append(srv)
+        return srv
+
+    yield start
+    for srv in started:
+        srv.stop()
+        assert not srv.alive()
+
+
+def test_eagle_server_outputs_equal_from_scratch_and_from_every_tier_and_after_a_restart(start_server, workdir):
+    disk = workdir / "disk"
+    srv = start_server("first", disk)
+    st = _settled_pool(srv)
+    assert st["config"]["pool_kind"] == "draft", st["config"]
+    P = _prompt(1, HIT + 17)  # 320 bigram positions: HIT cached (whole pages), the last page's tail computed
+    out_scratch, d0, lp_scratch = _gen_lp(srv, P, 0)
+    assert sum(d0.values()) == 0, d0
+    out_dev, d1, lp_dev = _gen_lp(srv, P, HIT)
+    assert d1["device"] == HIT, d1
+    _flood(srv, 2, 4)  # P leaves the device, stays on host
+    out_host, d2, lp_host = _gen_lp(srv, P, HIT)
+    assert d2["host"] > 0 and d2["host"] + d2["storage"] == HIT, d2
+    _flood(srv, 3, 20)  # P leaves device and host, stays on disk
+    out_disk, d3, lp_disk = _gen_lp(srv, P, HIT)
+    assert d3["storage"] > 0 and d3["device"] + d3["host"] + d3["storage"] == HIT, d3
+    assert out_scratch == out_dev == out_host == out_disk, (out_scratch, out_dev, out_host, out_disk)
+    diffs = {n: _logprob_diff(lp_scratch, lp) for n, lp in (("device", lp_dev), ("host", lp_host), ("disk", lp_disk))}
+    print(f"\nEAGLE logprob |diff| vs scratch: {diffs}")
+    assert all(d <= LOGPROB_TOL for d in diffs.values()), diffs
+    # not vacuous: one token changed in the last cached page moves the tail's logprobs
+    P3 = list(P)
+    P3[HIT - 3] = (P[HIT - 3] - 16 + 1) % (VOCAB - 16) + 16
+    lp3 = _gen_lp(srv, P3, HIT)[2]
+    late = max(abs(lp3["input"][q][1] - lp_scratch["input"][q][1]) for q in range(HIT + 1, len(P)))
+    print(f"EAGLE logprob |diff| of the tail with a token of the last cached page changed: {late:.4f}")
+    assert late > 1000 * LOGPROB_TOL, late
+    st = _settled_pool(srv)
+    pool = st["pool"]
+    assert pool["request_held_tokens"] == 0 and pool["check"] == "ok", pool
+    io = st["scheduler_io"]
+    offenders = io.pop("first_offender")
+    assert io["copy"] == 0 and io["disk_write"] == io["sleep"] == io["event_wait"] == 0, (io, offenders)
+    assert st["layer_loads"]["loads"] > 0, st["layer_loads"]
+    srv.stop()
+
+    again = start_server("restart", disk)
+    out, d, lp = _gen_lp(again, P, HIT)
+    assert d["storage"] > 0 and d["device"] == 0, d
+    assert out == out_scratch, (out, out_scratch)
+    diff = _logprob_diff(lp_scratch, lp)
+    print(f"EAGLE logprob |diff| after the restart: {diff}")
+    assert diff <= LOGPROB_TOL, diff

@@ -221,8 +221,7 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
         return not (key.extra_key or key.cache_salt)
 
     def tree_keys(self, tokens):
-        """The tree's key of a request's `tokens`: the tokens, or under EAGLE their bigrams (one per
-        position but the last: `speculative.bigram_keys`)."""
+        """The tree's key of `tokens`: the tokens, or under EAGLE their bigrams (`speculative.bigram_keys`)."""
         return bigram_keys(tokens) if self.is_eagle else tokens
 
     @frees_batched

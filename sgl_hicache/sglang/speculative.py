@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import logging
 from array import array
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
