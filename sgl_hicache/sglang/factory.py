@@ -92,7 +92,7 @@ def _draft_pools(ctx: Any) -> tuple[Any, ...]:
     if not getattr(ctx.params, "is_eagle", False):
         return ()
     pools = draft_pools_of(ctx.params.token_to_kv_pool_allocator)
-    if not pools:
+    if pools is None:
         raise ValueError(f"{_REFUSAL}speculative decoding, but the draft model's KV pools were not recorded "
                          "(the sgl_hicache plugin's hook on Scheduler.init_memory_pools did not run; see the log)")
     return pools
@@ -110,7 +110,7 @@ def factory(ctx: Any) -> TieredRadixCache:
     sa = ctx.server_args
     drafts = _draft_pools(ctx)
     salt = model_salt(sa)
-    if drafts:  # bigram keys; the pages carry the draft model's KV too
+    if getattr(ctx.params, "is_eagle", False):  # bigram keys; the pages carry the draft model's KV too
         draft = str(getattr(sa, "speculative_draft_model_path", "") or "")
         salt += f";keys=bigram;draft={os.path.realpath(draft) if os.path.isdir(draft) else draft}"
     cache = TieredRadixCache(ctx.params, settings, architecture=_architecture(ctx), model_salt=salt,

@@ -57,18 +57,18 @@ def record_draft_pools(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -
         runners = spec._draft_model_runners() if spec is not None and hasattr(spec, "_draft_model_runners") else ()
         target_pool = scheduler.tp_worker.model_runner.token_to_kv_pool
         pools = tuple(p for p in (getattr(r, "token_to_kv_pool", None) for r in runners)
-                      if p is not None and p is not target_pool)
-        if pools:
-            _, allocator = scheduler.tp_worker.get_memory_pool()
-            _DRAFT_POOLS[id(allocator)] = pools
+                      if p is not None and p is not target_pool)  # none: the draft reads the target's KV (frozen-KV MTP)
+        _, allocator = scheduler.tp_worker.get_memory_pool()
+        _DRAFT_POOLS[id(allocator)] = pools
     except Exception:  # never break SGLang's start; the factory refuses EAGLE without the pools
         logger.exception("sgl_hicache: recording the draft model's KV pools failed")
     return result
 
 
-def draft_pools_of(allocator: Any) -> tuple[Any, ...]:
-    """The draft runners' KV pools recorded for the scheduler whose allocator is `allocator` (empty: none)."""
-    return _DRAFT_POOLS.get(id(allocator), ())
+def draft_pools_of(allocator: Any) -> tuple[Any, ...] | None:
+    """The draft runners' KV pools recorded for the scheduler whose allocator is `allocator` (empty: the
+    draft keeps no KV of its own; None: nothing was recorded)."""
+    return _DRAFT_POOLS.get(id(allocator))
 
 
 def register_hooks() -> None:
