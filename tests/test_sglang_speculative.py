@@ -34,12 +34,17 @@ PAGE, POOL_TOKENS, LAYERS, DRAFT_LAYERS = 4, 64, 2, 1
 
 
 # ---- 1. real SGLang pools ---------------------------------------------------------------------------
-def _pools():
+def _pools(kind: str = "mha"):
+    """A target pool and a draft pool at the same slots: MHA (EAGLE / EAGLE3 drafts of a Llama) or MLA
+    (a DeepSeek NextN MTP layer's pool, SGLang's "packed" draft), with one allocator over the target's."""
     import torch
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
     def pool(layers):
+        if kind == "mla":
+            return MLATokenToKVPool(size=POOL_TOKENS, page_size=PAGE, dtype=torch.bfloat16, kv_lora_rank=32,
+                                    qk_rope_head_dim=8, layer_num=layers, device="cpu", enable_memory_saver=False)
         return MHATokenToKVPool(size=POOL_TOKENS, page_size=PAGE, dtype=torch.bfloat16, head_num=2, head_dim=8,
                                 layer_num=layers, device="cpu", enable_memory_saver=False, enable_alt_stream=False)
 
@@ -49,6 +54,8 @@ def _pools():
 
 def _buffers(alloc, draft) -> list:
     t = alloc.get_kvcache()
+    if hasattr(t, "kv_buffer"):
+        return list(t.kv_buffer) + list(draft.kv_buffer)
     return list(t.k_buffer) + list(t.v_buffer) + list(draft.k_buffer) + list(draft.v_buffer)
 
 
@@ -84,7 +91,8 @@ def _match_and_load(cache, tokens, n: int):
     return req, cache.path_device_indices(loaded[1])
 
 
-def test_eagle_keys_by_bigrams_and_round_trips_the_draft_kv_with_the_target_kv(tmp_path):
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_eagle_keys_by_bigrams_and_round_trips_the_draft_kv_with_the_target_kv(tmp_path, kind):
     import torch
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
@@ -92,7 +100,7 @@ def test_eagle_keys_by_bigrams_and_round_trips_the_draft_kv_with_the_target_kv(t
     from sgl_hicache.sglang.speculative import DraftLayerCounter
     from sgl_hicache.tiers.base import DISK
 
-    alloc, draft = _pools()
+    alloc, draft = _pools(kind)
     cache = _cache(alloc, draft, tmp_path / "disk")
     adapter = cache.device_pool.adapter
     assert adapter.kind == "draft" and adapter.draft_offsets == [LAYERS]
@@ -132,7 +140,7 @@ def test_eagle_keys_by_bigrams_and_round_trips_the_draft_kv_with_the_target_kv(t
         disk_pages = cache.cache.stores[DISK].used_pages
     finally:
         cache.shutdown()
-    alloc2, draft2 = _pools()  # a restart: both pools' rows come back from disk alone
+    alloc2, draft2 = _pools(kind)  # a restart: both pools' rows come back from disk alone
     cache2 = _cache(alloc2, draft2, tmp_path / "disk")
     try:
         assert cache2.cache.stores[DISK].used_pages == disk_pages
