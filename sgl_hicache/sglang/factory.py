@@ -5,9 +5,10 @@ each with what to run instead (`coverage.REFUSED`): PP > 1, DP attention and `--
 server, `--enable-hierarchical-cache` (SGLang's own HiCache), hybrid SWA / Mamba / DSA models. (Pool
 kinds without an adapter are refused by `pool_adapters`, MLA at TP > 1 by `assembly`.) Speculative
 decoding (EAGLE / EAGLE3 / MTP) gets bigram keys and the draft model's KV pools tiered with the
-target's (`speculative.py`; `_draft_pools`). Then it reads the settings, sets up the TP ranks' agreement, builds the `TieredRadixCache` under a namespace
-salted by the model (`model_salt`), registers the layer-wise loads as SGLang's layer transfer counter,
-and starts it.
+target's (`speculative.py`; `_draft_pools`). Then it reads the settings, sets up the TP ranks'
+agreement, builds the `TieredRadixCache` under a namespace salted by the model (`model_salt`; with a
+draft, its path too), registers the layer-wise loads as SGLang's layer transfer counter (and, per
+draft pool, a `DraftLayerCounter`), and starts it.
 """
 
 from __future__ import annotations
