@@ -5,8 +5,9 @@ On the Llama path with ``--attention-backend torch_native`` none of them is call
 resolves to a function that raises ``NotImplementedError`` only when it is *called*. Names that were
 called are recorded in ``CALLED`` so that a test can assert the CPU path never needed a real kernel.
 
-A few kernels that SGLang's CPU path does call have pure-torch reference implementations here
-(``REFERENCE``), each naming the SGLang call site it serves; they are correct, not fast.
+The kernels that SGLang's CPU path calls for EAGLE speculative decoding (``--speculative-eagle-topk 1``)
+have pure-torch reference implementations here (``REFERENCE``): ports of SGLang's own Triton kernels,
+each naming the SGLang call site it serves; correct, not fast. They are recorded in ``CALLED`` too.
 
 This is a CPU workaround installed by ``scripts/install_sglang_cpu.sh`` (via a .pth file); it is not
 part of the ``sgl_hicache`` product and is never installed on a GPU machine.
