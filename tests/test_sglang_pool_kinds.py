@@ -190,17 +190,6 @@ def test_refusals_name_the_kind_and_what_to_run_instead():
                                        server_args=SimpleNamespace())) == []
 
 
-def test_eagle_is_refused_with_what_to_run_instead():
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-
-    from sgl_hicache.sglang.backend import TieredRadixCache
-
-    params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=_pool("mha-fp8_e4m3"),
-                             page_size=PAGE, is_eagle=True)
-    with pytest.raises(ValueError, match=r"EAGLE.*Instead: drop --speculative-algorithm"):
-        TieredRadixCache(params)
-
-
 def test_a_pool_with_a_kv_quant_method_is_refused_naming_it():
     """SGLang's CPU fp8 pool (`CPUFP8KVCacheMethod`, what `--kv-cache-dtype fp8_e4m3` builds on a CPU
     with AMX) quantises through a method of its own: refused, naming the method and what to run."""

@@ -88,12 +88,13 @@ def cache_config(settings: BackendSettings, device_pool: SGLangDevicePool, page_
 
 def assemble(params: Any, settings: BackendSettings, *, architecture: str = "llama", model_salt: str = "",
              consensus: RankConsensus | None = None, clock: Callable[[], float],
-             fault_disk_read_file: str | None = None) -> Assembly:
-    """Build one backend's parts over SGLang's KV pool (`params`: SGLang's `CacheInitParams`).
-    `fault_disk_read_file` is a test switch (`debug_settings`): while it names this rank, disk reads fail."""
+             fault_disk_read_file: str | None = None, draft_pools: tuple[Any, ...] = ()) -> Assembly:
+    """Build one backend's parts over SGLang's KV pool (`params`: SGLang's `CacheInitParams`; `draft_pools`:
+    a speculative draft model's KV pools at the same slots, tiered with it). `fault_disk_read_file` is a
+    test switch (`debug_settings`): while it names this rank, disk reads fail."""
     s = settings
     page_size = int(params.page_size)
-    device_pool = SGLangDevicePool(params.token_to_kv_pool_allocator, architecture=architecture)
+    device_pool = SGLangDevicePool(params.token_to_kv_pool_allocator, architecture=architecture, draft_pools=draft_pools)
     if device_pool.adapter.replicated_across_tp and consensus is not None:
         consensus.replicate()  # every rank holds the same KV (MLA): one copy, the leader writes it
     config = cache_config(s, device_pool, page_size, sglang_eviction=getattr(params, "eviction_policy", "lru"),

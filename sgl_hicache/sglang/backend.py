@@ -37,8 +37,13 @@ buffer and disk directory; the ranks agree on every local fact once per schedule
 
 Built by `factory.factory` (which refuses what is not supported: PP, DP, SGLang's own HiCache, hybrid
 models) from the parts `assembly.assemble` composes; the stats it shows are put together in `export`.
-EAGLE (bigram keys) is refused here, pool kinds without an adapter by `pool_adapters`. Requests with a LoRA
-`extra_key` or a `cache_salt` are served without the cache (a miss, never stored).
+Pool kinds without an adapter are refused by `pool_adapters`. Requests with a LoRA `extra_key` or a
+`cache_salt` are served without the cache (a miss, never stored).
+
+Speculative decoding (EAGLE, EAGLE3, MTP; `is_eagle`): the tree is keyed by token bigrams, as SGLang's
+RadixCache keys it (`tree_keys`, `speculative.bigram_keys`): position i of a request is cached under
+(t[i], t[i+1]); the draft model's KV pools are tiered with the target's as further layers of each page
+(`draft_pools`, `pool_adapters.DraftPoolsAdapter`).
 """
 
 from __future__ import annotations
@@ -69,19 +74,18 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from ..cache import PrefixMatch
 from ..controller import Admission
 from ..policy.admission import PrefillCostFit
-from ..stats import prometheus_text
 from ..tiers.base import DEVICE, DISK
 from .assembly import assemble
 from .call_timer import CallTimer, IOGuard
 from .coverage import PREFIX as REFUSAL_PREFIX
-from .coverage import refusal
 from .debug_settings import DebugSettings
 from .device_pool import frees_batched
-from .export import StatsPublisher, pool_accounting, stats_snapshot, tree_text
+from .export import CacheViews, StatsPublisher
 from .hint_server import refuse_hints_at_tp
 from .rank_consensus import RankConsensus
 from .req_states import ReqState, RequestStates
 from .settings import BackendSettings, load_settings
+from .speculative import bigram_keys
 from .step_calls import StepCalls
 
 logger = logging.getLogger(__name__)
@@ -114,7 +118,7 @@ class BackendCounters:
     extra: dict = field(default_factory=dict)
 
 
-class TieredRadixCache(StepCalls, BasePrefixCache):
+class TieredRadixCache(StepCalls, CacheViews, BasePrefixCache):
     """SGLang `BasePrefixCache` over one `TieredCache` (see the module docstring).
 
     Contract with SGLang's scheduler (docs/sglang-integration.md): `match_prefix` returns the device
@@ -127,7 +131,7 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
     def __init__(self, params: Any, settings: BackendSettings | None = None, *, architecture: str = "llama",
                  model_salt: str = "", server_port: int | None = None,
                  consensus: RankConsensus | None = None, vocab_size: int | None = None,
-                 debug: DebugSettings | None = None) -> None:
+                 debug: DebugSettings | None = None, draft_pools: tuple[Any, ...] = ()) -> None:
         self.settings = s = settings or load_settings()
         self.debug = debug = debug if debug is not None else DebugSettings.from_env()
         refuse_hints_at_tp(s.hint_port, consensus is not None, REFUSAL_PREFIX)
@@ -139,11 +143,9 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
         self.is_eagle = bool(getattr(params, "is_eagle", False))
         self.sliding_window_size = getattr(params, "sliding_window_size", None)
         self.kv_events = None
-        if self.is_eagle:
-            raise ValueError(REFUSAL_PREFIX + refusal("eagle"))
         parts = assemble(params, s, architecture=architecture, model_salt=model_salt, consensus=consensus,
                          fault_disk_read_file=debug.fault_disk_read_file,
-                         clock=consensus.clock if consensus is not None else time.monotonic)
+                         clock=consensus.clock if consensus is not None else time.monotonic, draft_pools=draft_pools)
         self.device_pool = parts.device_pool
         self.device = self.device_pool.device
         self.config = parts.config
@@ -216,14 +218,18 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
 
     @staticmethod
     def _cacheable(key) -> bool:
-        return not (getattr(key, "is_bigram", False) or key.extra_key or key.cache_salt)
+        return not (key.extra_key or key.cache_salt)
+
+    def tree_keys(self, tokens):
+        """The tree's key of `tokens`: the tokens, or under EAGLE their bigrams (`speculative.bigram_keys`)."""
+        return bigram_keys(tokens) if self.is_eagle else tokens
 
     @frees_batched
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         key = params.key
         if self.disable or len(key) == 0 or not self._cacheable(key):
             return self._empty_match()
-        tokens = key.raw_token_ids()
+        tokens = self.tree_keys(key.raw_token_ids())
         aligned = self.cache.tree.page_aligned(tokens)
         if aligned == 0:
             return self._empty_match()
@@ -284,7 +290,7 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
                 return fallback
         prefix = int(req.prefix_len)
         target = prefix + promised
-        tokens = req.full_untruncated_fill_ids[:target]
+        tokens = self.tree_keys(req.full_untruncated_fill_ids[:target + int(self.is_eagle)])
         m = self.cache.match(tokens, touch=False)
         if m.tokens != target or m.last_node is not node or m.device_tokens != prefix or m.disk_tokens:
             # the tree changed since the match (a page went missing on disk), or pages are still on
@@ -325,7 +331,7 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
             self.counters.uncacheable_requests += 1
             return
         ps = self.page_size
-        token_ids = req.full_untruncated_fill_ids[:up_to]
+        token_ids = self.tree_keys(req.full_untruncated_fill_ids[:up_to])
         aligned = self.cache.tree.page_aligned(token_ids)
         protected = int(req.kv.cache_protected_len)
         if aligned <= protected:
@@ -370,7 +376,7 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
         `value[:prefix_len]` (duplicates) and the tree owns the rest it adopted."""
         if self.disable or params.key is None or not self._cacheable(params.key):
             return InsertResult(prefix_len=0)
-        tokens = params.key.raw_token_ids()
+        tokens = self.tree_keys(params.key.raw_token_ids())
         aligned = self.cache.tree.page_aligned(tokens)
         if aligned == 0 or params.value is None:
             return InsertResult(prefix_len=0)
@@ -446,7 +452,7 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
     def touch_prefix(self, key) -> None:
         if self.disable or len(key) == 0 or not self._cacheable(key):
             return
-        tokens = key.raw_token_ids()
+        tokens = self.tree_keys(key.raw_token_ids())
         aligned = self.cache.tree.page_aligned(tokens)
         if aligned:
             self.cache.match(tokens[:aligned], touch=True, count=False)
@@ -493,23 +499,3 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
 
     def release_aborted_request(self, handle: CacheRequestHandle) -> None:
         self.req_states.forget(handle.rid)
-
-    def pretty_print(self) -> None:
-        print(self.tree_text())
-
-    def tree_text(self, max_nodes: int = 200) -> str:
-        """The tree, one node a line (`export.tree_text`)."""
-        return tree_text(self.cache.tree, self.page_size, max_nodes)
-
-    def pool_accounting(self) -> dict[str, Any]:
-        """The pools' free counts against the tree's (`export.pool_accounting`; scheduler thread)."""
-        return pool_accounting(self)
-
-    def stats(self, exact: bool = False) -> dict[str, Any]:
-        """Everything `sgl-hicache stats` shows (`export.stats_snapshot`; `exact` only from the
-        scheduler thread: it adds the pool accounting and the tree view)."""
-        return stats_snapshot(self, exact)
-
-    def prometheus(self) -> str:
-        """The cache's figures as Prometheus text."""
-        return prometheus_text(self.cache.snapshot(), self.cache.stored_pages(), self.page_size)

@@ -29,11 +29,11 @@ class Refusal:
 _SGLANG_HICACHE = "SGLang's own HiCache (drop --radix-cache-backend sgl_hicache, add --enable-hierarchical-cache)"
 
 REFUSED: dict[str, Refusal] = {
-    "eagle": Refusal(
-        "EAGLE speculative decoding (--speculative-algorithm EAGLE/EAGLE3, bigram radix keys)",
-        "the tree would have to key pages by token bigrams and the draft model's KV pool would need its own "
-        "tiers; neither is built",
-        f"drop --speculative-algorithm to keep the tiers, or run {_SGLANG_HICACHE}"),
+    "eagle_draft_layout": Refusal(
+        "a speculative draft model whose KV page layout differs from the target's",
+        "a page of the tree holds the target's and the draft's rows of its tokens in one layout (planes, KV "
+        "heads, head dim, dtype); a draft of another layout would need a page set of its own per node",
+        f"a draft model with the target's attention shape, or {_SGLANG_HICACHE}"),
     "dp_attention": Refusal(
         "DP attention (--enable-dp-attention)",
         "its attention-DP ranks of one TP group schedule different requests, so one tree cannot be agreed "

@@ -16,6 +16,8 @@ references of the ``sgl_kernel`` linear-attention ops (scripts/cpu/shim/sgl_kern
 CPU without AMX, :func:`hybrid_linear_attention_without_amx`, which routes two layers SGLang would
 otherwise run as Triton kernels (no CPU driver) to CPU ops.
 
+EAGLE speculative decoding on ``torch_native`` attention: ``cpu_compat_spec`` (applied from here).
+
 One opt-in knob for benchmarks on a shared machine: HiCache refuses to start unless the host has
 10 GiB free beyond its host pool (``HICACHE_HOST_MEMORY_RESERVE_BYTES``, a margin sized for GPU
 nodes). ``SGLHICACHE_CPU_HICACHE_HOST_RESERVE_BYTES=N`` sets that margin to N bytes in this process;
@@ -125,6 +127,9 @@ def apply() -> bool:
         logger.info("sgl_hicache cpu_compat: HiCache host memory reserve set to %s bytes", reserve)
     if not hasattr(torch.cpu.Stream, "synchronize"):
         torch.cpu.Stream.synchronize = lambda self: None  # type: ignore[attr-defined]  # (the patch adds it)
+    from . import cpu_compat_spec  # EAGLE on torch_native (its own module: cpu_compat_spec.py)
+
+    cpu_compat_spec.apply()
     _applied = True
     logger.info("sgl_hicache cpu_compat: SGLang HiCache host pool patched for CPU")
     return True

@@ -31,7 +31,7 @@ import torch
 from ..config import KVLayout
 from ..hashing import PageKey
 from ..tiers.base import DEVICE, Handle, LayeredPages, TierStore, page_shape
-from .pool_adapters import PoolAdapter, UnsupportedPool, adapter_for  # noqa: F401 (UnsupportedPool: re-exported)
+from .pool_adapters import DraftPoolsAdapter, PoolAdapter, UnsupportedPool, adapter_for  # noqa: F401 (UnsupportedPool: re-exported)
 
 
 def layout_of(kvcache, architecture: str = "llama") -> KVLayout:
@@ -44,11 +44,15 @@ class SGLangDevicePool(TierStore, LayeredPages):
 
     name = DEVICE
 
-    def __init__(self, allocator, architecture: str = "llama") -> None:
+    def __init__(self, allocator, architecture: str = "llama", draft_pools: Sequence[Any] = ()) -> None:
+        """`draft_pools`: a speculative draft model's KV pools at the same token slots (EAGLE / MTP),
+        tiered as further layers of each page (`pool_adapters.DraftPoolsAdapter`)."""
         # TierStore.__init__ would set capacity_pages, which is derived here: set the fields directly.
         self.allocator = allocator
         self.kvcache = allocator.get_kvcache()
         self.adapter: PoolAdapter = adapter_for(self.kvcache, architecture)
+        if draft_pools:
+            self.adapter = DraftPoolsAdapter(self.adapter, [adapter_for(p, f"{architecture}:draft") for p in draft_pools])
         self.layout = self.adapter.layout
         self.page_size = int(allocator.page_size)
         self.page_shape = page_shape(self.layout, self.page_size)

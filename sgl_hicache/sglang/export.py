@@ -154,6 +154,34 @@ def stats_snapshot(rc: TieredRadixCache, exact: bool = False) -> dict[str, Any]:
     return snap
 
 
+class CacheViews:
+    """Mixin of `TieredRadixCache`: the read-only views of the cache that the stats, the Prometheus
+    text and SGLang's `pretty_print` show (the functions above do the work)."""
+
+    cache: Any
+    page_size: int
+
+    def pretty_print(self) -> None:
+        print(self.tree_text())
+
+    def tree_text(self, max_nodes: int = 200) -> str:
+        """The tree, one node a line (`export.tree_text`)."""
+        return tree_text(self.cache.tree, self.page_size, max_nodes)
+
+    def pool_accounting(self) -> dict[str, Any]:
+        """The pools' free counts against the tree's (`export.pool_accounting`; scheduler thread)."""
+        return pool_accounting(self)  # type: ignore[arg-type]  # (self is a TieredRadixCache)
+
+    def stats(self, exact: bool = False) -> dict[str, Any]:
+        """Everything `sgl-hicache stats` shows (`export.stats_snapshot`; `exact` only from the
+        scheduler thread: it adds the pool accounting and the tree view)."""
+        return stats_snapshot(self, exact)  # type: ignore[arg-type]  # (self is a TieredRadixCache)
+
+    def prometheus(self) -> str:
+        """The cache's figures as Prometheus text."""
+        return prometheus_text(self.cache.snapshot(), self.cache.stored_pages(), self.page_size)
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write `text` to `path` through a temporary file in the same folder and a rename, so a reader
     sees the old file or the new one, never a part."""

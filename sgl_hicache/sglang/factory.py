@@ -3,11 +3,12 @@
 `factory(ctx)` refuses the configurations we do not support with one clear error naming them all,
 each with what to run instead (`coverage.REFUSED`): PP > 1, DP attention and `--dp-size > 1` in one
 server, `--enable-hierarchical-cache` (SGLang's own HiCache), hybrid SWA / Mamba / DSA models. (Pool
-kinds without an adapter are refused by `pool_adapters`, MLA at TP > 1 by `assembly`, EAGLE by the
-backend.) Then it
-reads the settings, sets up the TP ranks' agreement, builds the `TieredRadixCache` under a namespace
-salted by the model (`model_salt`), registers the layer-wise loads as SGLang's layer transfer counter,
-and starts it.
+kinds without an adapter are refused by `pool_adapters`, MLA at TP > 1 by `assembly`.) Speculative
+decoding (EAGLE / EAGLE3 / MTP) gets bigram keys and the draft model's KV pools tiered with the
+target's (`speculative.py`; `_draft_pools`). Then it reads the settings, sets up the TP ranks'
+agreement, builds the `TieredRadixCache` under a namespace salted by the model (`model_salt`; with a
+draft, its path too), registers the layer-wise loads as SGLang's layer transfer counter (and, per
+draft pool, a `DraftLayerCounter`), and starts it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .debug_settings import DebugSettings
 from .hicache_flags import apply_hicache_flags
 from .rank_consensus import RankConsensus, step_hook_installed
 from .settings import given_settings, load_settings, unknown_env
+from .speculative import DraftLayerCounter, draft_pools_of
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +90,17 @@ def _architecture(ctx: Any) -> str:
     return "llama"
 
 
+def _draft_pools(ctx: Any) -> tuple[Any, ...]:
+    """EAGLE / MTP: the draft model's KV pools at the target's slots (recorded by `speculative.record_draft_pools`)."""
+    if not getattr(ctx.params, "is_eagle", False):
+        return ()
+    pools = draft_pools_of(ctx.params.token_to_kv_pool_allocator)
+    if pools is None:
+        raise ValueError(f"{_REFUSAL}speculative decoding, but the draft model's KV pools were not recorded "
+                         "(the sgl_hicache plugin's hook on Scheduler.init_memory_pools did not run; see the log)")
+    return pools
+
+
 def factory(ctx: Any) -> TieredRadixCache:
     """`register_radix_cache_backend` factory: validates what we support and builds the cache."""
     problems = unsupported(ctx)
@@ -99,9 +112,14 @@ def factory(ctx: Any) -> TieredRadixCache:
     consensus = _consensus(ctx, debug)
     for var in unknown_env():
         logger.warning("sgl_hicache: ignoring unknown environment variable %s", var)
-    cache = TieredRadixCache(ctx.params, settings, debug=debug, architecture=_architecture(ctx), model_salt=model_salt(sa),
+    drafts = _draft_pools(ctx)
+    salt = model_salt(sa)
+    if getattr(ctx.params, "is_eagle", False):  # bigram keys; the pages carry the draft model's KV too
+        draft = str(getattr(sa, "speculative_draft_model_path", "") or "")
+        salt += f";keys=bigram;draft={os.path.realpath(draft) if os.path.isdir(draft) else draft}"
+    cache = TieredRadixCache(ctx.params, settings, debug=debug, architecture=_architecture(ctx), model_salt=salt,
                              server_port=getattr(sa, "port", None), consensus=consensus,
-                             vocab_size=getattr(ctx.model_config, "vocab_size", None))
+                             vocab_size=getattr(ctx.model_config, "vocab_size", None), draft_pools=drafts)
     if cache.layer_loads is not None:
         cache.layer_loads.forward_stream = getattr(getattr(ctx.tp_worker, "model_runner", None), "forward_stream", None)
         # SGLang's supported seam for layer-wise loads (mem_cache/registry.py does the same for its
@@ -109,6 +127,10 @@ def factory(ctx: Any) -> TieredRadixCache:
         # TP worker sets the consumer from batch.hicache_consumer_index (scheduler_hooks sets it)
         ctx.params.token_to_kv_pool_allocator.get_kvcache().register_layer_transfer_counter(cache.layer_loads)
         ctx.tp_worker.register_hicache_layer_transfer_counter(cache.layer_loads)
+        adapter = cache.device_pool.adapter
+        for pool, offset in zip(drafts, getattr(adapter, "draft_offsets", ())):
+            # the draft's forward reads its layers through its own pool: it waits for them as well
+            pool.register_layer_transfer_counter(DraftLayerCounter(cache.layer_loads, offset, int(pool.layer_num)))
     return cache.start()
 
 

@@ -23,6 +23,8 @@ Supported:
   them a `MambaPool`: not pages of tokens but one recurrent state per slot; `MambaStateAdapter` reads and writes a slot's state as one snapshot (every layer's conv and
   temporal state), which the host and disk tiers store as a one-token page of its own layout;
   served: refused (coverage "mamba").
+- Speculative decoding (EAGLE, EAGLE3, NextN MTP): `DraftPoolsAdapter` puts the draft model's pools
+  (their rows at the target's token slots) beside the target's, as further layers of one page.
 """
 
 from __future__ import annotations
@@ -219,6 +221,52 @@ class HybridLinearPoolAdapter(_SubPoolAdapter):
         self.state = MambaStateAdapter(self.kvcache.mamba_pool, architecture)
 
 
+class DraftPoolsAdapter(PoolAdapter):
+    """The target's pool with the speculative draft model's KV pools beside it (EAGLE / EAGLE3 / NextN
+    MTP: the draft runners write their rows at the target's token slots). One page holds every layer of
+    both: layers `0..T-1` are the target's (`target`), then each draft pool's in turn (`drafts`,
+    `draft_offsets[i]` its first layer), so the host and disk tiers carry the draft's KV with the
+    target's. Every draft pool must have the target's page layout (planes, heads, head dim, dtype);
+    otherwise `UnsupportedPool` (coverage "eagle_draft_layout")."""
+
+    kind = "draft"
+
+    def __init__(self, target: PoolAdapter, drafts: list[PoolAdapter]) -> None:
+        self.target, self.drafts = target, list(drafts)
+        self.kvcache = target.kvcache
+        t = target.layout
+        for d in self.drafts:
+            dl = d.layout
+            if (dl.kv_planes, dl.num_kv_heads, dl.head_dim, dl.dtype) != (t.kv_planes, t.num_kv_heads, t.head_dim, t.dtype):
+                raise UnsupportedPool(refusal("eagle_draft_layout", (
+                    f"draft {type(d.kvcache).__name__} {dl.kv_planes} planes x {dl.num_kv_heads} heads x {dl.head_dim} "
+                    f"{dl.dtype}, target {t.kv_planes} x {t.num_kv_heads} x {t.head_dim} {t.dtype}")))
+        self._layers: list[tuple[PoolAdapter, int]] = [(target, i) for i in range(t.num_layers)]
+        self.draft_offsets: list[int] = []
+        for d in self.drafts:
+            self.draft_offsets.append(len(self._layers))
+            self._layers.extend((d, i) for i in range(d.layout.num_layers))
+        self.replicated_across_tp = target.replicated_across_tp and all(d.replicated_across_tp for d in self.drafts)
+        self.layout = self._layout(t.architecture)
+
+    @staticmethod
+    def matches(kvcache: Any) -> bool:
+        return False  # built by the factory from the recorded draft pools, never picked by buffers
+
+    def _layout(self, architecture: str) -> KVLayout:
+        t = self.target.layout
+        return KVLayout(num_layers=len(self._layers), num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, dtype=t.dtype,
+                        architecture=f"{architecture}+draft{len(self._layers) - t.num_layers}", kv_planes=t.kv_planes)
+
+    def _buffer(self, layer: int, p: int) -> torch.Tensor:
+        adapter, i = self._layers[layer]
+        return adapter._buffer(i, p)
+
+    def plane(self, layer: int, p: int) -> torch.Tensor:
+        adapter, i = self._layers[layer]
+        return adapter.plane(i, p)
+
+
 ADAPTERS: tuple[type[PoolAdapter], ...] = (MHAPoolAdapter, MLAPoolAdapter, SWAPoolAdapter, HybridLinearPoolAdapter)
 
 # SGLang pool classes refused, by (a base of) their class name: the `coverage.REFUSED` kind
@@ -258,7 +306,7 @@ def adapter_for(kvcache: Any, architecture: str = "llama") -> PoolAdapter:
     raise UnsupportedPool(f"KV pool {kind} has neither k_buffer/v_buffer (MHA) nor kv_buffer/kv_lora_rank (MLA)")
 
 
-__all__ = ["ADAPTERS", "HybridLinearPoolAdapter", "MHAPoolAdapter", "MLAPoolAdapter", "MambaStateAdapter", "PoolAdapter", "SWAPoolAdapter",
+__all__ = ["ADAPTERS", "DraftPoolsAdapter", "HybridLinearPoolAdapter", "MHAPoolAdapter", "MLAPoolAdapter", "MambaStateAdapter", "PoolAdapter", "SWAPoolAdapter",
            "UnsupportedPool", "adapter_for"]
 
 

@@ -221,6 +221,9 @@ def register_hooks() -> None:
     HookRegistry.register(GET_NEW_BATCH_PREFILL, set_consumer_index, HookType.AFTER)
     HookRegistry.register(PROCESS_BATCH_RESULT, time_prefill, HookType.AFTER)
     HookRegistry.register(SCHEDULER_INIT, disown_hicache_storage, HookType.AFTER)
+    from .speculative import register_hooks as register_speculative_hooks  # the draft model's KV pools
+
+    register_speculative_hooks()
 
 
 __all__ = ["disown_hicache_storage", "computed_tokens", "context_tokens", "step_end", "step_pairs", "demand_shortfall_tokens", "extend_tokens", "hold_new", "keep_admitting", "record_landed_copies", "register_hooks", "set_consumer_index",

@@ -132,7 +132,7 @@ class StepCalls:
         desk = self.controller.hints
         for hint in hints:
             try:
-                self.hint_tokens += desk.apply(hint, hint.input_ids)
+                self.hint_tokens += desk.apply(hint, self.tree_keys(hint.input_ids))  # type: ignore[attr-defined]
             except HintError as e:  # counted by the desk
                 self.hint_error = f"{hint.action}: {e}"
 
