@@ -103,7 +103,7 @@ def test_attention_layers_pages_round_trip_through_the_backend_bit_for_bit(tmp_p
     make = _swa_alloc if kind == "swa" else _mamba_alloc
     alloc = make()
     cache = _cache(alloc, tmp_path / "disk")
-    assert cache.device_pool.adapter.kind == kind and cache.device_pool.layout.num_layers == (2 if kind == "swa" else 1)
+    assert cache.device_pool.adapter.kind == kind and cache.device_pool.layout.num_layers == (4 if kind == "swa" else 1)
     tokens = array("q", range(100, 124))
     try:
         slots = alloc.alloc(24)

@@ -379,10 +379,12 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
 
     @frees_batched
     def evict(self, params: EvictParams) -> EvictResult:
-        if self.disable or params.num_tokens <= 0:
+        # (a window-row shortfall is met by evicting as many tokens: each holds one of each)
+        wanted = max(int(params.num_tokens), int(getattr(params, "swa_num_tokens", 0) or 0))
+        if self.disable or wanted <= 0:
             return EvictResult()
         t0 = time.perf_counter()
-        pages = -(-int(params.num_tokens) // self.page_size)
+        pages = -(-wanted // self.page_size)
         if self.layer_loads is not None:
             self.layer_loads.reap()  # finished layer-wise loads unpin their nodes
         # record finished background copies (their pages become free drops), but start none here:
@@ -390,13 +392,13 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
         # scheduler sized its allocation from evictable_size() before calling
         self.controller.pump_writeback(start_new=False)
         freed = self.cache.evict(DEVICE, pages) * self.page_size
-        if freed < params.num_tokens and any(op.src == DEVICE for op in self.controller.writeback):
+        if freed < wanted and any(op.src == DEVICE for op in self.controller.writeback):
             # the scheduler counted on pages a background copy holds (it never counts them:
             # write-back locks its path, so evictable_size() leaves them out; kept as a guard): stop
             # the copies not started yet, never wait for a running one
             self.controller.cancel_device_writeback()
             freed += self.cache.evict(DEVICE, pages - freed // self.page_size) * self.page_size
-        if freed < params.num_tokens:
+        if freed < wanted:
             self.counters.evict_short += 1  # SGLang's allocation may then fail: counted, never waited for
         self.counters.evict_calls += 1
         self.counters.evicted_tokens += freed
@@ -458,8 +460,10 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
     def protected_size(self) -> int:
         return self.cache.tree.protected[DEVICE] * self.page_size
 
-    full_evictable_size = evictable_size
-    full_protected_size = protected_size
+    # a hybrid sliding-window pool: every tree token holds its window row too (SWAPoolAdapter), so
+    # evicting a token frees one of each and the window figures are the full ones
+    full_evictable_size = swa_evictable_size = evictable_size
+    full_protected_size = swa_protected_size = protected_size
 
     def total_size(self) -> int:
         return self.cache.tree.pages[DEVICE] * self.page_size
