@@ -3,7 +3,20 @@ config (`scripts/cpu/tiny-granite-swa`: 3 layers, window, full, window; a 64-tok
 sinks in every layer), random weights of realistic scale. SGLang builds an `SWAKVPool` (the full
 layer's KV in one sub-pool, the window layers' in another, reached through SGLang's full -> window
 slot mapping); the CPU test layer's reference attention (`sglang/cpu_attention.py`) gives
-`torch_native` the sinks and the window-layer reads it lacks.
+`torch_native` the sinks and the window-layer reads it lacks (its greedy output on these weights
+equals transformers' own GraniteSWA forward in bf16, checked by hand).
+
+The backend tiers every layer of a page, the window layers' rows with the full layers' (pages of
+`SWAPoolAdapter`), so every page in every tier is complete and a hit anywhere restores the window
+before the hit point. Proven here:
+- accounting: a page's bytes are SGLang's two sub-pools' bytes per token, and the host and disk
+  tiers size their pages and budgets at that (no server);
+- every layer, window rows included, round-trips device -> host -> disk -> device at page 16
+  through the real backend with layer-wise loads, and after a restart, bit for bit (no server);
+- the real server: a 320-token prompt (five windows) gives the same greedy tokens and logprobs from
+  scratch and from a device, a host and a disk hit of 304 tokens, and after a restart; the tail's
+  window layers read the hit's last 63 tokens, so wrong window rows would move them; a token changed
+  in the last cached page moves them; the scheduler thread made no copy, disk write, sleep or wait.
 """
 
 from __future__ import annotations
@@ -13,7 +26,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import NEEDS_SGLANG
 
 pytestmark = NEEDS_SGLANG
@@ -106,13 +118,73 @@ def test_swa_pages_are_charged_every_layer_at_sglangs_own_sizes(tmp_path):
         cache.shutdown()
 
 
+def test_swa_layered_device_host_moves_follow_each_layers_index_space(monkeypatch):
+    """The per-layer device <-> host moves (`layered_device_host`) address a window layer's pages in
+    the window sub-pool: pages written through the pool's own read / write path come back bit for bit
+    into other pages whose window rows are not their full slots."""
+    import random
+
+    import torch
+
+    from sgl_hicache.sglang.device_pool import SGLangDevicePool
+    from sgl_hicache.sglang.pool_adapters import SWAPoolAdapter
+    from sgl_hicache.tiers.base import DEVICE, HOST
+    from sgl_hicache.tiers.memory import HostKVBuffer
+    from sgl_hicache.transfer import handlers
+    from sgl_hicache.transfer.ops import TransferOp
+    from sgl_hicache.tree.node import TreeNode
+
+    monkeypatch.setattr(handlers, "_LAYERED_MIN_BYTES", 0)
+    alloc = _swa_alloc()
+    dev = SGLangDevicePool(alloc)
+    assert [dev.layer_space(layer) for layer in range(4)] == [1, 0, 1, 0]
+    host = HostKVBuffer(dev.layout, PAGE, 8)
+    stores = {DEVICE: dev, HOST: host}
+    hold = alloc.swa_attn_allocator.alloc(3 * PAGE)
+    d_pages = dev.pages_of(SWAPoolAdapter.alloc(alloc, 4 * PAGE))
+    back = dev.pages_of(SWAPoolAdapter.alloc(alloc, 4 * PAGE))
+    alloc.swa_attn_allocator.free(hold)
+    assert dev.space_pages(1, torch.tensor(back)).tolist() != back
+    data = torch.randn(4, *dev.page_shape, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    dev.write(d_pages, data)
+
+    def op(src, src_h, dst_h):
+        return TransferOp(TreeNode(None, (), [], 0), src, HOST if src == DEVICE else DEVICE, src_h, dst_h, 0, "demote")
+
+    h_pages = random.Random(1).sample(range(8), 4)
+    handlers.layered_device_host(stores, DEVICE, HOST)(op(DEVICE, d_pages, h_pages), 0, 4)
+    assert torch.equal(host.read(h_pages), data)
+    handlers.layered_device_host(stores, HOST, DEVICE)(op(HOST, h_pages, back), 0, 4)
+    assert torch.equal(dev.read(back), data)
+
+
+def test_the_engines_gpt_oss_preset_costs_what_sglangs_pool_of_its_shape_tiers():
+    """The embedded engine and the replay size gpt-oss-120b's tiers at the bytes per token the backend
+    tiers for SGLang's SWAKVPool of its shape (18 window and 18 full layers, 8 KV heads x 64, bf16)."""
+    import torch
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    from sgl_hicache.engine.presets import get_model
+    from sgl_hicache.sglang.device_pool import SGLangDevicePool
+
+    m = get_model("gpt-oss-120b")
+    pool = SWAKVPool(size=64, size_swa=32, page_size=PAGE, dtype=torch.bfloat16, head_num=m.num_kv_heads,
+                     head_dim=m.head_dim, swa_attention_layer_ids=list(range(0, 36, 2)),
+                     full_attention_layer_ids=list(range(1, 36, 2)), device="cpu", enable_memory_saver=False,
+                     enable_alt_stream=False)
+    alloc = SWATokenToKVPoolAllocator(64, 32, PAGE, torch.bfloat16, "cpu", pool, need_sort=False)
+    sglang_per_token = sum(sum(sub.get_kv_size_bytes()) // (sub.size + PAGE) for sub in (pool.full_kv_pool, pool.swa_kv_pool))
+    assert SGLangDevicePool(alloc).layout.bytes_per_token == sglang_per_token == m.kv_bytes_per_token == 72 * 1024
+
+
 def test_swa_window_and_full_layers_round_trip_through_the_backend_at_page_16(tmp_path):
     """Every layer of a 16-token-page SWAKVPool, the window layers' rows through SGLang's full -> window
     mapping, goes device -> host -> disk -> device through the real backend (layer-wise loads) and
     comes back bit for bit into other full and window slots; again from disk after a restart."""
-    import torch
     from array import array
 
+    import torch
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from test_sglang_pool_kinds import _load_back
@@ -146,12 +218,15 @@ def test_swa_window_and_full_layers_round_trip_through_the_backend_at_page_16(tm
     alloc = _swa_alloc()
     cache = _cache(alloc, tmp_path / "disk", host_tokens=n)
     try:
+        hold = alloc.swa_attn_allocator.alloc(2 * PAGE)  # so that window rows are not the full slots
         slots = SWAPoolAdapter.alloc(alloc, n)
+        assert not torch.equal(alloc.translate_loc_from_full_to_swa(slots), slots)
         fill(alloc, slots, seed=1)
         before = [r.clone() for r in layer_rows(alloc, slots)]
         cache.insert(InsertParams(key=RadixKey(tokens), value=slots))
         assert cache.evict(EvictParams(num_tokens=n)).num_tokens_evicted == n  # -> host
         other = SWAPoolAdapter.alloc(alloc, n)
+        alloc.swa_attn_allocator.free(hold)
         fill(alloc, other, seed=2)
         cache.insert(InsertParams(key=RadixKey(array("q", range(500, 500 + n))), value=other))
         cache.evict(EvictParams(swa_num_tokens=n))  # a window shortfall evicts as much; the first prompt -> disk
@@ -191,7 +266,7 @@ def start_server(workdir):
     started = []
 
     def start(name: str, disk_dir: Path, **env_extra: str) -> SGLangServer:
-        env = {"SGLHICACHE_HOST_TOKENS": "4096", "SGLHICACHE_DISK_DIR": str(disk_dir),
+        env = {"SGLHICACHE_HOST_TOKENS": "2048", "SGLHICACHE_DISK_DIR": str(disk_dir),
                "SGLHICACHE_DISK_TOKENS": str(64 * 1024), "SGLHICACHE_CHECK_INVARIANTS": "1",
                "SGLHICACHE_CHECK_SCHEDULER_IO": "1", **env_extra}
         srv = SGLangServer.start(model, load_format=None, log_path=workdir / f"{name}.log", env=env, timeout_s=400,
@@ -211,7 +286,14 @@ def test_swa_server_outputs_equal_from_scratch_and_from_every_tier_and_after_a_r
     its first 304 tokens, then from disk after a restart: the same greedy tokens and logprobs. A
     token changed inside the last window before the hit point moves them (the window layers' KV of
     the hit is what the tail reads)."""
-    from test_sglang_e2e import LOGPROB_TOL, _flood, _gen_lp, _logprob_diff, _prompt, _settled_pool
+    from test_sglang_e2e import (
+        LOGPROB_TOL,
+        _flood,
+        _gen_lp,
+        _logprob_diff,
+        _prompt,
+        _settled_pool,
+    )
 
     disk = workdir / "disk"
     srv = start_server("first", disk)
@@ -226,7 +308,7 @@ def test_swa_server_outputs_equal_from_scratch_and_from_every_tier_and_after_a_r
     _flood(srv, 2, 4)  # P leaves the device, stays on host
     out_host, d2, lp_host = _gen_lp(srv, P, HIT)
     assert d2["host"] > 0 and d2["host"] + d2["storage"] == HIT, d2
-    _flood(srv, 3, 20)  # P leaves device and host, stays on disk
+    _flood(srv, 3, 10)  # P leaves device and host, stays on disk
     out_disk, d3, lp_disk = _gen_lp(srv, P, HIT)
     assert d3["storage"] > 0 and d3["device"] + d3["host"] + d3["storage"] == HIT, d3
     assert out_ref == out_dev == out_host == out_disk, (out_ref, out_dev, out_host, out_disk)

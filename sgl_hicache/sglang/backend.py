@@ -379,8 +379,7 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
 
     @frees_batched
     def evict(self, params: EvictParams) -> EvictResult:
-        # (a window-row shortfall is met by evicting as many tokens: each holds one of each)
-        wanted = max(int(params.num_tokens), int(getattr(params, "swa_num_tokens", 0) or 0))
+        wanted = max(int(params.num_tokens), int(getattr(params, "swa_num_tokens", 0) or 0))  # (window rows: as many)
         if self.disable or wanted <= 0:
             return EvictResult()
         t0 = time.perf_counter()
@@ -460,8 +459,7 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
     def protected_size(self) -> int:
         return self.cache.tree.protected[DEVICE] * self.page_size
 
-    # a hybrid sliding-window pool: every tree token holds its window row too (SWAPoolAdapter), so
-    # evicting a token frees one of each and the window figures are the full ones
+    # hybrid sliding window: each tree token holds its window row too (SWAPoolAdapter): same figures
     full_evictable_size = swa_evictable_size = evictable_size
     full_protected_size = swa_protected_size = protected_size
 
