@@ -251,6 +251,35 @@ def test_swa_window_and_full_layers_round_trip_through_the_backend_at_page_16(tm
         cache2.shutdown()
 
 
+def test_reference_attention_matches_sdpa_and_sinks_only_add_to_the_denominator():
+    """The CPU test layer's attention (`cpu_attention.attend`): without sinks, torch's SDPA with the
+    same causal / window mask (GQA, a query offset as in an extend); a sink adds `exp(sink)` to each
+    row's softmax denominator and nothing to its numerator."""
+    import torch
+    import torch.nn.functional as F
+
+    from sgl_hicache.sglang.cpu_attention import attend
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(t, h, 8, generator=g) for t, h in ((5, 4), (12, 2), (12, 2)))
+    for window in (-1, 3):
+        q_pos, k_pos = torch.arange(7, 12).unsqueeze(1), torch.arange(12).unsqueeze(0)
+        mask = (k_pos <= q_pos) & ((k_pos >= q_pos - window) if window > -1 else True)
+        ref = F.scaled_dot_product_attention(q.movedim(0, 1), k.movedim(0, 1), v.movedim(0, 1), attn_mask=mask,
+                                             scale=0.3, enable_gqa=True).movedim(1, 0)
+        got = attend(q, k, v, scale=0.3, q_offset=7, window=window, sinks=None)
+        assert torch.allclose(got, ref, atol=1e-5), (window, (got - ref).abs().max())
+    sinks = torch.tensor([0.0, 1.0, -2.0, 3.0])
+    plain = attend(q, k, v, scale=0.3, q_offset=7, window=3, sinks=None)
+    scores = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(2, dim=1)) * 0.3
+    q_pos, k_pos = torch.arange(7, 12).unsqueeze(1), torch.arange(12).unsqueeze(0)
+    scores = scores.masked_fill(~((k_pos <= q_pos) & (k_pos >= q_pos - 3)), float("-inf"))
+    denom = torch.logsumexp(scores, -1)  # [h, q]
+    share = torch.sigmoid(denom - sinks.view(4, 1)).movedim(0, 1).unsqueeze(-1)  # Z / (Z + exp(sink))
+    got = attend(q, k, v, scale=0.3, q_offset=7, window=3, sinks=sinks)
+    assert torch.allclose(got, plain * share, atol=1e-5), (got - plain * share).abs().max()
+
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     d = tmp_path_factory.mktemp("sglang_swa")

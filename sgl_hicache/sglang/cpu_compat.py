@@ -47,13 +47,13 @@ def _reference_attention() -> None:
     ``layers/attention/torch_native_backend.py:279/338`` take no ``sinks``, and lines 137/238 read a
     window layer of an ``SWAKVPool`` at the full pool's slots)."""
     try:
-        from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+        from sglang.srt.layers.attention import torch_native_backend
     except ImportError as e:
         logger.warning("sgl_hicache cpu_compat: torch_native attention not found (%s); not patched", e)
         return
     from .cpu_attention import install
 
-    install(TorchNativeAttnBackend)
+    install(torch_native_backend.TorchNativeAttnBackend)
 
 
 def needed() -> bool:
