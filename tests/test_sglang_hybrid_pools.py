@@ -2,14 +2,16 @@
 (`SWAKVPool` + `SWATokenToKVPoolAllocator`: gpt-oss, Gemma 2/3) and the Mamba / linear-attention pool
 (`HybridLinearKVPool` + `MambaPool`: Qwen3-Next, Nemotron-H).
 
-- SWA: the full-attention layers' pages round-trip through the real backend (device -> host -> disk
-  -> device, and from disk after a restart) bit for bit, and the window layers' rows, addressed
-  through SGLang's full -> window slot mapping, round-trip through the host and disk stores.
+- SWA: pages (every layer; the full-attention layers' bytes checked here, all layers in
+  tests/test_sglang_swa.py) round-trip through the real backend (device -> host -> disk -> device,
+  and from disk after a restart) bit for bit, and the window layers' rows, addressed through
+  SGLang's full -> window slot mapping, round-trip through the host and disk stores.
 - Mamba: the attention layers' pages round-trip through the real backend the same way, and each
   request slot's recurrent state round-trips as one snapshot (`MambaStateAdapter`) device -> host ->
   disk -> device (and from disk after a restart) into other slots, equal to SGLang's own
   `get_cpu_copy` of the original slots; the snapshot's size is SGLang's own `mamba_cache_per_req`.
-Serving either kind stays refused (docs/sglang-backend.md, "Model coverage": why).
+SWA is served (tests/test_sglang_swa.py); Mamba stays refused (docs/sglang-backend.md, "Model
+coverage": why).
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ def test_attention_layers_pages_round_trip_through_the_backend_bit_for_bit(tmp_p
     make = _swa_alloc if kind == "swa" else _mamba_alloc
     alloc = make()
     cache = _cache(alloc, tmp_path / "disk")
-    assert cache.device_pool.adapter.kind == kind and cache.device_pool.layout.num_layers == (2 if kind == "swa" else 1)
+    assert cache.device_pool.adapter.kind == kind and cache.device_pool.layout.num_layers == (4 if kind == "swa" else 1)
     tokens = array("q", range(100, 124))
     try:
         slots = alloc.alloc(24)

@@ -183,11 +183,11 @@ def test_refusals_name_the_kind_and_what_to_run_instead():
     sa = SimpleNamespace(enable_dp_attention=True, dp_size=2, pp_size=2)
     ctx = SimpleNamespace(enable_hierarchical_cache=True, is_hybrid_swa=True, is_hybrid_ssm=True, is_dsa=True, server_args=sa)
     problems = unsupported(ctx)
-    for kind in ("sglang_hicache", "swa", "mamba", "dsa", "dp_attention", "dp_size", "pp"):
+    for kind in ("sglang_hicache", "mamba", "dsa", "dp_attention", "dp_size", "pp"):
         r = REFUSED[kind]
         assert any(r.what in p and "Instead: " + r.instead in p for p in problems), (kind, problems)
-    assert unsupported(SimpleNamespace(enable_hierarchical_cache=False, is_hybrid_swa=False, is_hybrid_ssm=False,
-                                       server_args=SimpleNamespace())) == []
+    assert unsupported(SimpleNamespace(enable_hierarchical_cache=False, is_hybrid_swa=True, is_hybrid_ssm=False,
+                                       server_args=SimpleNamespace())) == []  # SWAKVPool: served
 
 
 def test_a_pool_with_a_kv_quant_method_is_refused_naming_it():

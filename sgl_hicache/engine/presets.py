@@ -146,6 +146,10 @@ MODELS: dict[str, ModelPreset] = {
     "qwen2.5-32b": ModelPreset("qwen2.5-32b", 64, 5120, 40, 8, 128, "bfloat16", 32.5e9, 32.5e9, architecture="qwen2"),
     # Qwen/Qwen3-Coder-480B-A35B-Instruct config.json: 62 layers, 96 query heads, 8 KV heads, head_dim 128
     "qwen3-coder-480b-a35b": ModelPreset("qwen3-coder-480b-a35b", 62, 6144, 96, 8, 128, "bfloat16", 480e9, 35e9, architecture="qwen3_moe"),
+    # openai/gpt-oss-120b config.json: 36 layers (every other one a 128-token window layer), 64 query
+    # heads, 8 KV heads, head_dim 64; 116.8 B parameters, 5.1 B active. The SGLang backend tiers every
+    # layer of a page, window layers included (SWAPoolAdapter), so a page costs every layer's K and V
+    "gpt-oss-120b": ModelPreset("gpt-oss-120b", 36, 2880, 64, 8, 64, "bfloat16", 116.8e9, 5.1e9, architecture="gpt_oss"),
     # /work/shared/reference/sglang-cpu-probe/tiny-llama/config.json (557,696 parameters)
     "tiny-llama": ModelPreset("tiny-llama", 2, 128, 4, 2, 32, "bfloat16", float(_TINY), float(_TINY)),
     # scripts/cpu/bench-llama/config.json: the CPU benchmark model (dummy weights; 96,486,400 parameters)

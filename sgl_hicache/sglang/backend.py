@@ -387,10 +387,11 @@ class TieredRadixCache(StepCalls, CacheViews, BasePrefixCache):
 
     @frees_batched
     def evict(self, params: EvictParams) -> EvictResult:
-        if self.disable or params.num_tokens <= 0:
+        wanted = max(int(params.num_tokens), int(getattr(params, "swa_num_tokens", 0) or 0))  # (window rows: as many)
+        if self.disable or wanted <= 0:
             return EvictResult()
         t0 = time.perf_counter()
-        pages = -(-int(params.num_tokens) // self.page_size)
+        pages = -(-wanted // self.page_size)
         if self.layer_loads is not None:
             self.layer_loads.reap()  # finished layer-wise loads unpin their nodes
         # record finished background copies (their pages become free drops), but start none here:
@@ -398,13 +399,13 @@ class TieredRadixCache(StepCalls, CacheViews, BasePrefixCache):
         # scheduler sized its allocation from evictable_size() before calling
         self.controller.pump_writeback(start_new=False)
         freed = self.cache.evict(DEVICE, pages) * self.page_size
-        if freed < params.num_tokens and any(op.src == DEVICE for op in self.controller.writeback):
+        if freed < wanted and any(op.src == DEVICE for op in self.controller.writeback):
             # the scheduler counted on pages a background copy holds (it never counts them:
             # write-back locks its path, so evictable_size() leaves them out; kept as a guard): stop
             # the copies not started yet, never wait for a running one
             self.controller.cancel_device_writeback()
             freed += self.cache.evict(DEVICE, pages - freed // self.page_size) * self.page_size
-        if freed < params.num_tokens:
+        if freed < wanted:
             self.counters.evict_short += 1  # SGLang's allocation may then fail: counted, never waited for
         self.counters.evict_calls += 1
         self.counters.evicted_tokens += freed
@@ -466,8 +467,9 @@ class TieredRadixCache(StepCalls, CacheViews, BasePrefixCache):
     def protected_size(self) -> int:
         return self.cache.tree.protected[DEVICE] * self.page_size
 
-    full_evictable_size = evictable_size
-    full_protected_size = protected_size
+    # hybrid sliding window: each tree token holds its window row too (SWAPoolAdapter): same figures
+    full_evictable_size = swa_evictable_size = evictable_size
+    full_protected_size = swa_protected_size = protected_size
 
     def total_size(self) -> int:
         return self.cache.tree.pages[DEVICE] * self.page_size

@@ -50,12 +50,10 @@ REFUSED: dict[str, Refusal] = {
         "layout and the per-step agreement assume one rank holds every layer",
         "--pp-size 1 with --tp over the same GPUs"),
     "swa": Refusal(
-        "serving hybrid sliding-window models (SWAKVPool: gpt-oss, Granite SWA, Gemma 4, ...)",
-        "the pool keeps the full-attention layers' KV for every token but the window layers' KV only for a "
-        "request's last `sliding_window` tokens (SGLang frees the rest), while this tree keeps one page set per "
-        "node; the full layers' pages are addressed and round-trip bit for bit (SWAPoolAdapter), but a hit also "
-        "needs the window layers' KV of the window before the hit point, which the tree does not track per node "
-        "yet (SGLang's SWARadixCache keeps tombstones for it)",
+        "a sliding-window KV pool other than SGLang's SWAKVPool of two MHA sub-pools with a paged window "
+        "allocator (DeepSeek V4's pool, MLA / DSA sub-pools, a per-request window ring, unified hybrid memory)",
+        "the backend tiers a hybrid sliding-window model's window layers with its full layers, page by page, "
+        "through SWAKVPool's full -> window slot mapping; these pools address the window otherwise",
         "--disable-hybrid-swa-memory (every layer in one full MHA pool, which the backend tiers), "
         f"or {_SGLANG_HICACHE}"),
     "mamba": Refusal(

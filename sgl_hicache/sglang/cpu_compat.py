@@ -18,6 +18,10 @@ otherwise run as Triton kernels (no CPU driver) to CPU ops.
 
 EAGLE speculative decoding on ``torch_native`` attention: ``cpu_compat_spec`` (applied from here).
 
+It also gives SGLang's ``torch_native`` attention what hybrid sliding-window models with attention
+sinks (gpt-oss, Granite SWA) need on CPU: the ``sinks`` argument and window-layer reads of an
+``SWAKVPool`` (``cpu_attention``, a float32 reference implementation).
+
 One opt-in knob for benchmarks on a shared machine: HiCache refuses to start unless the host has
 10 GiB free beyond its host pool (``HICACHE_HOST_MEMORY_RESERVE_BYTES``, a margin sized for GPU
 nodes). ``SGLHICACHE_CPU_HICACHE_HOST_RESERVE_BYTES=N`` sets that margin to N bytes in this process;
@@ -84,6 +88,20 @@ def hybrid_linear_attention_without_amx() -> bool:
     return True
 
 
+def _reference_attention() -> None:
+    """Attention sinks and window-layer reads for ``torch_native`` (``cpu_attention``: SGLang's
+    ``layers/attention/torch_native_backend.py:279/338`` take no ``sinks``, and lines 137/238 read a
+    window layer of an ``SWAKVPool`` at the full pool's slots)."""
+    try:
+        from sglang.srt.layers.attention import torch_native_backend
+    except ImportError as e:
+        logger.warning("sgl_hicache cpu_compat: torch_native attention not found (%s); not patched", e)
+        return
+    from .cpu_attention import install
+
+    install(torch_native_backend.TorchNativeAttnBackend)
+
+
 def needed() -> bool:
     import torch
 
@@ -99,6 +117,7 @@ def apply() -> bool:
         return False
     import torch
 
+    _reference_attention()
     try:
         from sglang.srt.mem_cache.pool_host import common, mha
         from sglang.srt.mem_cache.pool_host.base import HostKVCache

@@ -13,8 +13,10 @@ used ones (allocated by SGLang's scheduler, not through this store). So:
   held KV. `pool_pages` is the pool's full size. When no request runs,
   `pool_pages == free_pages + used_pages` must hold (checked by the backend's `pool_accounting`).
 
-The pool's kind is addressed through its adapter (`pool_adapters.PoolAdapter`: MHA, fp8 MHA, MLA);
-nothing here depends on the kind. An unsupported pool raises `UnsupportedPool` at start, naming
+The pool's kind is addressed through its adapter (`pool_adapters.PoolAdapter`: MHA, fp8 MHA, MLA,
+hybrid sliding window); nothing here depends on the kind. A hybrid sliding-window pool's window
+layers keep their rows in a sub-pool of their own: `layer_space(layer)` is 1 for them and
+`space_pages(1, pages)` their pages there (SGLang's full -> window mapping). An unsupported pool raises `UnsupportedPool` at start, naming
 what was found and what to run instead.
 """
 
@@ -51,6 +53,7 @@ class SGLangDevicePool(TierStore, LayeredPages):
         self.allocator = allocator
         self.kvcache = allocator.get_kvcache()
         self.adapter: PoolAdapter = adapter_for(self.kvcache, architecture)
+        self.adapter.check_allocator(allocator)
         if draft_pools:
             self.adapter = DraftPoolsAdapter(self.adapter, [adapter_for(p, f"{architecture}:draft") for p in draft_pools])
         self.layout = self.adapter.layout
@@ -63,6 +66,8 @@ class SGLangDevicePool(TierStore, LayeredPages):
         self._owned = 0
         self._offsets = torch.arange(self.page_size, dtype=torch.int64, device=self.device)
         self._deferred: list[Handle] | None = None  # pages freed inside `deferred_frees`, not yet given back
+        # hybrid sliding window: the window layers' rows are reached through SGLang's slot mapping
+        self._space = [1 if self.adapter.is_window(layer) else 0 for layer in range(self.layout.num_layers)]
 
     # ---- batched frees -----------------------------------------------------------------
     @contextlib.contextmanager
@@ -136,7 +141,7 @@ class SGLangDevicePool(TierStore, LayeredPages):
         if n == 0:
             return []
         self._flush_frees()  # pages freed earlier in this call are free for this allocation
-        slots = self.allocator.alloc(n * self.page_size)
+        slots = self.adapter.alloc(self.allocator, n * self.page_size)
         if slots is None:
             return None
         self._owned += n
@@ -153,9 +158,27 @@ class SGLangDevicePool(TierStore, LayeredPages):
             self.allocator.free(self.token_slots(handles))
         self._owned -= len(handles)
 
+    def layer_space(self, layer: int) -> int:
+        return self._space[layer]
+
+    def space_pages(self, space: int, pages: torch.Tensor) -> torch.Tensor:
+        if space == 0:
+            return pages
+        # both sub-pools page in step: a full page's first slot maps into its window page
+        return self.adapter.window_slots(pages * self.page_size) // self.page_size
+
+    def _rows(self, layer: int, idx: torch.Tensor, window: list[torch.Tensor]) -> torch.Tensor:
+        """The rows of `layer`'s buffer that hold token slots `idx` (`window` caches the window rows)."""
+        if not self._space[layer]:
+            return idx
+        if not window:
+            window.append(self.adapter.window_slots(idx))
+        return window[0]
+
     def layer_pages(self, layer: int, kv: int) -> torch.Tensor:
         """Plane `kv` (K=0 / V=1, or MLA's latent=0) of one layer, page by page: `(pages, page tokens,
-        heads, dim)`, no copy. (SGLang's buffers carry `page_size` padding rows; whole pages only.)"""
+        heads, dim)`, no copy, indexed in `layer_space(layer)`. (SGLang's buffers carry `page_size`
+        padding rows; whole pages only.)"""
         buf = self.adapter.plane(layer, kv)
         rows = buf.shape[0] - buf.shape[0] % self.page_size
         return buf[:rows].view(-1, self.page_size, self.layout.num_kv_heads, self.layout.head_dim)
@@ -166,9 +189,11 @@ class SGLangDevicePool(TierStore, LayeredPages):
         L, P, ps = self.layout.num_layers, self.planes, self.page_size
         H, D = self.layout.num_kv_heads, self.layout.head_dim
         out = torch.empty((L, P, n * ps, H, D), dtype=self._dtype, device=self.device)
+        window: list[torch.Tensor] = []
         for layer in range(L):
+            rows = self._rows(layer, idx, window)
             for p in range(P):
-                torch.index_select(self.adapter.plane(layer, p), 0, idx, out=out[layer, p])
+                torch.index_select(self.adapter.plane(layer, p), 0, rows, out=out[layer, p])
         # (L, P, n, ps, H, D) -> (n, L, P, ps, H, D)
         return out.view(L, P, n, ps, H, D).permute(2, 0, 1, 3, 4, 5).contiguous()
 
@@ -181,9 +206,11 @@ class SGLangDevicePool(TierStore, LayeredPages):
         src = data.to(self.device, non_blocking=True).permute(1, 2, 0, 3, 4, 5).reshape(L, P, n * ps, H, D)
         if src.dtype != self._dtype:
             raise ValueError(f"device: write of dtype {src.dtype}, pool holds {self._dtype}")
+        window: list[torch.Tensor] = []
         for layer in range(L):
+            rows = self._rows(layer, idx, window)
             for p in range(P):
-                self.adapter.plane(layer, p).index_copy_(0, idx, src[layer, p])
+                self.adapter.plane(layer, p).index_copy_(0, rows, src[layer, p])
 
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])

@@ -2,13 +2,13 @@
 
 `factory(ctx)` refuses the configurations we do not support with one clear error naming them all,
 each with what to run instead (`coverage.REFUSED`): PP > 1, DP attention and `--dp-size > 1` in one
-server, `--enable-hierarchical-cache` (SGLang's own HiCache), hybrid SWA / Mamba / DSA models. (Pool
-kinds without an adapter are refused by `pool_adapters`, MLA at TP > 1 by `assembly`.) Speculative
-decoding (EAGLE / EAGLE3 / MTP) gets bigram keys and the draft model's KV pools tiered with the
-target's (`speculative.py`; `_draft_pools`). Then it reads the settings, sets up the TP ranks'
-agreement, builds the `TieredRadixCache` under a namespace salted by the model (`model_salt`; with a
-draft, its path too), registers the layer-wise loads as SGLang's layer transfer counter (and, per
-draft pool, a `DraftLayerCounter`), and starts it.
+server, `--enable-hierarchical-cache` (SGLang's own HiCache), hybrid Mamba / DSA models. (Pool
+kinds without an adapter, sliding-window pools other than `SWAKVPool` among them, are refused by
+`pool_adapters`, MLA at TP > 1 by `assembly`.) Speculative decoding (EAGLE / EAGLE3 / MTP) gets bigram
+keys and the draft model's KV pools tiered with the target's (`speculative.py`; `_draft_pools`). Then it
+reads the settings, sets up the TP ranks' agreement, builds the `TieredRadixCache` under a namespace
+salted by the model (`model_salt`; with a draft, its path too), registers the layer-wise loads as
+SGLang's layer transfer counter (and, per draft pool, a `DraftLayerCounter`), and starts it.
 """
 
 from __future__ import annotations
@@ -50,8 +50,6 @@ def unsupported(ctx: Any) -> list[str]:
     problems = []
     if ctx.enable_hierarchical_cache:
         problems.append(refusal("sglang_hicache"))
-    if ctx.is_hybrid_swa:
-        problems.append(refusal("swa"))
     if ctx.is_hybrid_ssm:
         problems.append(refusal("mamba"))
     if getattr(ctx, "is_dsa", False):

@@ -17,8 +17,8 @@ Supported:
   stores fp8 as uint8; pages move as the fp8 dtype, bytes unchanged). An fp8 pool has no scale
   buffer: its scale is the model's (per layer, `layer.k_scale`), part of the model, not of a page.
 - `MLATokenToKVPool`: `kv_buffer[layer]` of `[slots, 1, kv_lora_rank + qk_rope_head_dim]`.
-- `SWAKVPool` (hybrid sliding window): the full-attention layers' pages, and the window layers' rows
-  through SGLang's full -> window slot mapping (`SWAPoolAdapter`); served: refused (coverage "swa").
+- `SWAKVPool` (hybrid sliding window): every layer's pages, the window layers' rows through SGLang's
+  full -> window slot mapping (`SWAPoolAdapter`).
 - `HybridLinearKVPool` (hybrid Mamba / linear attention): the attention layers' pages, and beside
   them a `MambaPool`: not pages of tokens but one recurrent state per slot; `MambaStateAdapter` reads and writes a slot's state as one snapshot (every layer's conv and
   temporal state), which the host and disk tiers store as a one-token page of its own layout;
@@ -83,6 +83,24 @@ class PoolAdapter(ABC):
     @property
     def device(self) -> torch.device:
         return self._buffer(0, 0).device
+
+    def is_window(self, layer: int) -> bool:
+        """Whether `layer`'s rows of token slots `s` are `window_slots(s)` rather than `s` (hybrid
+        sliding-window pools only)."""
+        return False
+
+    def window_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} has no window layers")
+
+    def check_allocator(self, allocator: Any) -> None:
+        """Raise `UnsupportedPool` if SGLang's `allocator` cannot serve this pool through `alloc`
+        (every allocator can, unless an adapter says otherwise)."""
+        return
+
+    @staticmethod
+    def alloc(allocator: Any, tokens: int) -> torch.Tensor | None:
+        """`tokens` page-aligned token slots from SGLang's `allocator` (None: not enough free)."""
+        return allocator.alloc(tokens)
 
     def _dtype_name(self, buf: torch.Tensor) -> str:
         kind = type(self.kvcache).__name__
@@ -180,14 +198,21 @@ class _SubPoolAdapter(PoolAdapter):
         return self.full._buffer(layer, p)
 
 
-class SWAPoolAdapter(_SubPoolAdapter):
-    """SGLang's `SWAKVPool` (hybrid sliding-window models: gpt-oss, Gemma 2/3): two MHA sub-pools, the
-    full-attention layers' (`full_kv_pool`, indexed by the allocator's token slots) and the window
-    layers' (`swa_kv_pool`, indexed through `translate_loc_from_full_to_swa`; SGLang frees a request's
-    window slots once they fall behind the window). The pages tiered are the full-attention layers'
-    (this adapter's `layout` and planes, every token of a node); `window` addresses the window layers'
-    rows of the slots `window_slots` gives, which exist only for a request's last `window` tokens.
-    Serving such a model is refused (`coverage.REFUSED["swa"]`: a hit would need both)."""
+class SWAPoolAdapter(PoolAdapter):
+    """SGLang's `SWAKVPool` (hybrid sliding-window models: gpt-oss, Granite SWA, Llama 4): two MHA
+    sub-pools, the full-attention layers' (`full`, indexed by the allocator's token slots) and the
+    window layers' (`window`, indexed through SGLang's full -> window slot mapping).
+
+    Contract: a page holds every layer of the model, in the model's layer order (`layout.num_layers`
+    is the full and the window layers together), so a tiered page is complete: a hit restores the
+    window layers' KV of every token it covers, and the window before any hit point is there. This
+    holds on the device too because the backend does not report `supports_swa()`: SGLang then never
+    frees a running request's window slots (`ScheduleBatch.maybe_evict_swa`), so every token the tree
+    adopts has its window row, freed with it (`SWATokenToKVPoolAllocator.free`). `is_window(layer)`
+    says which layers are windowed; their rows of token slots `s` are `window_slots(s)`.
+    `alloc(allocator, n)` allocates `n` page-aligned tokens in both sub-pools and records their
+    mapping (SGLang's own `alloc` takes single tokens only). Both sub-pools must be MHA of one head
+    count, head dim and dtype (otherwise `UnsupportedPool`)."""
 
     kind = "swa"
     pool_classes = ("SWAKVPool",)
@@ -196,12 +221,55 @@ class SWAPoolAdapter(_SubPoolAdapter):
     def matches(kvcache: Any) -> bool:
         return hasattr(kvcache, "full_kv_pool") and hasattr(kvcache, "swa_kv_pool")
 
-    def _beside(self, architecture: str) -> None:
-        self.window = adapter_for(self.kvcache.swa_kv_pool, f"{architecture}:window")
+    def _layout(self, architecture: str) -> KVLayout:
+        kv = self.kvcache
+        kind = type(kv).__name__
+        self.full = adapter_for(kv.full_kv_pool, architecture)
+        self.window = adapter_for(kv.swa_kv_pool, f"{architecture}:window")
+        a, b = self.full.layout, self.window.layout
+        if (self.full.kind, self.window.kind) != ("mha", "mha") or (a.num_kv_heads, a.head_dim, a.dtype) != (
+                b.num_kv_heads, b.head_dim, b.dtype):
+            raise UnsupportedPool(f"KV pool {kind}: full sub-pool {self.full.kind} {a.num_kv_heads}x{a.head_dim} "
+                                  f"{a.dtype}, window sub-pool {self.window.kind} {b.num_kv_heads}x{b.head_dim} "
+                                  f"{b.dtype}; supported: both MHA of one head count, head dim and dtype")
+        if getattr(kv, "swa_req_ring_size", None) is not None:
+            raise UnsupportedPool(refusal("swa", f"{kind} with a per-request window ring"))
+        mapping = dict(kv.layers_mapping)  # model layer -> (sub-pool layer, is a window layer)
+        if sorted(mapping) != list(range(len(mapping))):
+            raise UnsupportedPool(f"KV pool {kind} holds model layers {sorted(mapping)}; expected 0..{len(mapping) - 1}")
+        self._where = [mapping[layer] for layer in range(len(mapping))]
+        windowed = ",".join(str(i) for i, (_, w) in enumerate(self._where) if w)
+        return KVLayout(num_layers=len(mapping), num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, dtype=a.dtype,
+                        architecture=f"{architecture}:window_layers={windowed}")
+
+    def is_window(self, layer: int) -> bool:
+        """Whether model layer `layer` is a window layer (its rows live in the window sub-pool)."""
+        return self._where[layer][1]
+
+    def _buffer(self, layer: int, p: int) -> torch.Tensor:
+        index, windowed = self._where[layer]
+        return (self.window if windowed else self.full)._buffer(index, p)
 
     def window_slots(self, slots: torch.Tensor) -> torch.Tensor:
         """The window sub-pool's rows of the full pool's token `slots` (0 where SGLang freed them)."""
         return self.kvcache.translate_loc_from_full_to_swa(slots)
+
+    def check_allocator(self, allocator: Any) -> None:
+        if not all(hasattr(allocator, a) for a in ("full_attn_allocator", "swa_attn_allocator",
+                                                    "set_full_to_swa_mapping")):
+            raise UnsupportedPool(refusal("swa", f"{type(self.kvcache).__name__} with {type(allocator).__name__}"))
+
+    @staticmethod
+    def alloc(allocator: Any, tokens: int) -> torch.Tensor | None:
+        full = allocator.full_attn_allocator.alloc(tokens)
+        if full is None:
+            return None
+        window = allocator.swa_attn_allocator.alloc(tokens)
+        if window is None:
+            allocator.full_attn_allocator.free(full)
+            return None
+        allocator.set_full_to_swa_mapping(full, window)
+        return full
 
 
 class HybridLinearPoolAdapter(_SubPoolAdapter):
@@ -276,7 +344,7 @@ _REFUSED_POOLS = {
     "MLATokenToKVPoolFP4": "scaled_quant_kv",
     "PageMajorMHATokenToKVPool": "kv_layout",
     "DSATokenToKVPool": "dsa",
-    # (SWAKVPool and HybridLinearKVPool themselves have adapters; serving them is refused by the factory)
+    # (SWAKVPool and HybridLinearKVPool themselves have adapters; serving the latter is refused by the factory)
     "BaseSWAKVPool": "swa",
     "HybridLinearKVPool": "mamba",
 }

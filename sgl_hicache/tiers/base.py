@@ -218,12 +218,23 @@ class WritesFrom(ABC):
 class LayeredPages(ABC):
     """Capability: a device tier kept as separate per-layer buffers, one per plane (K and V, or MLA's
     latent; SGLang's pool): `layer_pages(layer, kv)` for `kv` in `range(layout.kv_planes)` is one
-    layer's buffer, indexed by page; `device` is where it lives."""
+    layer's buffer, indexed by page; `device` is where it lives.
+
+    `layer_space(layer)` names the index space of that layer's buffer: 0, the tier's own page
+    handles, for every layer of a plain pool; another space (a hybrid sliding-window pool's window
+    layers, kept in a sub-pool of their own) is reached by `space_pages(space, pages)`, the pages of
+    that space holding the tier's pages `pages` (a tensor of handles, on `device`; no host sync)."""
 
     device: torch.device
 
     @abstractmethod
     def layer_pages(self, layer: int, kv: int) -> torch.Tensor: ...
+
+    def layer_space(self, layer: int) -> int:
+        return 0
+
+    def space_pages(self, space: int, pages: torch.Tensor) -> torch.Tensor:
+        return pages
 
 
 class SlotAllocator:

@@ -118,26 +118,31 @@ def layered_device_host(stores: dict[str, TierStore], src: str, dst: str) -> Han
     def index(handles, where) -> torch.Tensor:
         return torch.as_tensor(list(handles), dtype=torch.int64, device=where)
 
+    spaces = [device.layer_space(layer) for layer in range(layers)]  # where each layer's pages are indexed
+
+    def in_spaces(d_idx: torch.Tensor) -> dict[int, torch.Tensor]:
+        return {space: device.space_pages(space, d_idx) for space in set(spaces)}
+
     def to_host(op: TransferOp, start: int, stop: int) -> None:
         if stop - start < min_pages:
             return generic(op, start, stop)
-        d_idx = index(op.src_handles[start:stop], device.device)
+        d_idx = in_spaces(index(op.src_handles[start:stop], device.device))
         h_idx = index(op.dst_handles[start:stop], buffer.device)
         for layer in range(layers):
             for kv in range(planes):
-                pages = device.layer_pages(layer, kv).index_select(0, d_idx)
+                pages = device.layer_pages(layer, kv).index_select(0, d_idx[spaces[layer]])
                 buffer[:, layer, kv].index_copy_(0, h_idx, pages.to(buffer.device))
 
     def to_device(op: TransferOp, start: int, stop: int) -> None:
         if stop - start < min_pages:
             return generic(op, start, stop)
         h_idx = index(op.src_handles[start:stop], buffer.device)
-        d_idx = index(op.dst_handles[start:stop], device.device)
+        d_idx = in_spaces(index(op.dst_handles[start:stop], device.device))
         for layer in range(layers):
             for kv in range(planes):
                 pages = buffer[:, layer, kv].index_select(0, h_idx)
                 target = device.layer_pages(layer, kv)
-                target.index_copy_(0, d_idx, pages.to(target.device, non_blocking=True))
+                target.index_copy_(0, d_idx[spaces[layer]], pages.to(target.device, non_blocking=True))
         if on_cuda:
             torch.cuda.current_stream().synchronize()
 

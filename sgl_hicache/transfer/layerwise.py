@@ -149,7 +149,13 @@ class LayerwiseLoader:
         self._d1, self._h1 = max(dev_h, default=-1) + 1, max(host_h, default=-1) + 1
         self._pairs = [(d - self._d0, h - self._h0) for d, h in zip(dev_h, host_h)]
         self._dev_h, self._host_h = dev_h, host_h
-        self._dev_idx: torch.Tensor | None = None
+        # each layer's index space on the device (`LayeredPages.layer_space`: a hybrid sliding-window
+        # pool's window layers sit in a sub-pool of their own); per space its handles' span and pairs
+        space_of = getattr(device, "layer_space", lambda layer: 0)
+        self._space = [space_of(layer) for layer in range(self.layers)]
+        self._space_pages = getattr(device, "space_pages", lambda space, pages: pages)
+        self._views: dict[int, tuple[int, int, list[tuple[int, int]]]] = {0: (self._d0, self._d1, self._pairs)}
+        self._dev_idx: dict[int, torch.Tensor] | None = None
         self._host_idx: torch.Tensor | None = None
         self._staging: torch.Tensor | None = None
         self._started = False
@@ -181,17 +187,27 @@ class LayerwiseLoader:
 
     def _per_page_layer(self, layer: int) -> None:
         for kv in range(self.planes):
-            dev = self._dev_pages(layer, kv)[self._d0:self._d1].unbind(0)
+            d0, d1, pairs = self._view(self._space[layer])
+            dev = self._dev_pages(layer, kv)[d0:d1].unbind(0)
             host = self._host[self._h0:self._h1, layer, kv].unbind(0)
-            for d, h in self._pairs:
+            for d, h in pairs:
                 if self.to_device:
                     dev[d].copy_(host[h], non_blocking=True)
                 else:
                     host[h].copy_(dev[d], non_blocking=True)
 
+    def _view(self, space: int) -> tuple[int, int, list[tuple[int, int]]]:
+        """The device handles' span and (device, host) pairs in `space` (computed on first use)."""
+        if space not in self._views:
+            dev = self._space_pages(space, torch.tensor(self._dev_h, dtype=torch.int64, device=self.device)).tolist()
+            d0, d1 = min(dev, default=0), max(dev, default=-1) + 1
+            self._views[space] = (d0, d1, [(d - d0, h - self._h0) for d, h in zip(dev, self._host_h)])
+        return self._views[space]
+
     def _ensure_indices(self) -> None:
         if self._dev_idx is None:  # first use, on the link's stream (CUDA) or the worker (CPU)
-            self._dev_idx, self._host_idx = (self._indices(h) for h in (self._dev_h, self._host_h))
+            base, self._host_idx = (self._indices(h) for h in (self._dev_h, self._host_h))
+            self._dev_idx = {space: self._space_pages(space, base) for space in set(self._space)}
 
     def _gather_layer(self, layer: int) -> None:
         self._ensure_indices()
@@ -200,9 +216,9 @@ class LayerwiseLoader:
             dev = as_bits(self._dev_pages(layer, kv))
             host = self._host_bits[:, layer, kv]
             if self.to_device:
-                dev.index_copy_(0, self._dev_idx, host.index_select(0, self._host_idx))
+                dev.index_copy_(0, self._dev_idx[self._space[layer]], host.index_select(0, self._host_idx))
             else:
-                host.index_copy_(0, self._host_idx, dev.index_select(0, self._dev_idx))
+                host.index_copy_(0, self._host_idx, dev.index_select(0, self._dev_idx[self._space[layer]]))
 
     def _staged_group(self, l0: int, l1: int, arrived) -> None:
         # host side: one copy per page of the group's layers (contiguous in the page-first buffer);
@@ -220,9 +236,9 @@ class LayerwiseLoader:
             for kv in range(self.planes):
                 dev = as_bits(self._dev_pages(layer, kv))
                 if self.to_device:
-                    dev.index_copy_(0, self._dev_idx, stage[:, layer - l0, kv])
+                    dev.index_copy_(0, self._dev_idx[self._space[layer]], stage[:, layer - l0, kv])
                 else:
-                    stage[:, layer - l0, kv].copy_(dev.index_select(0, self._dev_idx))
+                    stage[:, layer - l0, kv].copy_(dev.index_select(0, self._dev_idx[self._space[layer]]))
             if self.to_device:
                 arrived(layer)
         if not self.to_device:
