@@ -62,13 +62,14 @@ def _cache(alloc, draft, disk_dir):
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
     from sgl_hicache.sglang.backend import TieredRadixCache
+    from sgl_hicache.sglang.debug_settings import DebugSettings
     from sgl_hicache.sglang.settings import BackendSettings
 
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=PAGE,
                              is_eagle=True)
-    settings = BackendSettings(host_tokens=64, disk_dir=str(disk_dir), disk_tokens=1024, check_invariants=True,
+    settings = BackendSettings(host_tokens=64, disk_dir=str(disk_dir), disk_tokens=1024,
                                prefetch=True, eviction_demotes="all")
-    return TieredRadixCache(params, settings, draft_pools=(draft,))
+    return TieredRadixCache(params, settings, draft_pools=(draft,), debug=DebugSettings(check_invariants=True))
 
 
 def _match_and_load(cache, tokens, n: int):

@@ -87,12 +87,13 @@ def _cache(alloc, disk_dir, host_tokens: int = 64):
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
     from sgl_hicache.sglang.backend import TieredRadixCache
+    from sgl_hicache.sglang.debug_settings import DebugSettings
     from sgl_hicache.sglang.settings import BackendSettings
 
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=PAGE)
     settings = BackendSettings(host_tokens=host_tokens, disk_dir=str(disk_dir), disk_tokens=4096,
-                               check_invariants=True, prefetch=True, eviction_demotes="all")
-    return TieredRadixCache(params, settings)
+                               prefetch=True, eviction_demotes="all")
+    return TieredRadixCache(params, settings, debug=DebugSettings(check_invariants=True))
 
 
 def test_swa_pages_are_charged_every_layer_at_sglangs_own_sizes(tmp_path):
