@@ -34,16 +34,6 @@ REFUSED: dict[str, Refusal] = {
         "the tree would have to key pages by token bigrams and the draft model's KV pool would need its own "
         "tiers; neither is built",
         f"drop --speculative-algorithm to keep the tiers, or run {_SGLANG_HICACHE}"),
-    "dp_attention": Refusal(
-        "DP attention (--enable-dp-attention)",
-        "its attention-DP ranks of one TP group schedule different requests, so one tree cannot be agreed "
-        "across the group the way TP ranks agree theirs",
-        "one server per replica (--tp N, no --enable-dp-attention) behind a router, sharing SGLHICACHE_DISK_DIR "
-        f"(docs/sglang-backend.md), or {_SGLANG_HICACHE}"),
-    "dp_size": Refusal(
-        "--dp-size > 1 in one server",
-        "the replicas' caches are built without knowing their DP rank, so they could not keep their files apart",
-        "one server per replica (--tp N each) behind a router, sharing SGLHICACHE_DISK_DIR (docs/sglang-backend.md)"),
     "pp": Refusal(
         "pipeline parallelism (--pp-size > 1)",
         "each PP stage holds only its layers' KV and schedules micro-batches the others see later; the page "

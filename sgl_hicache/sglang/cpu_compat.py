@@ -15,6 +15,10 @@ One opt-in knob for benchmarks on a shared machine: HiCache refuses to start unl
 10 GiB free beyond its host pool (``HICACHE_HOST_MEMORY_RESERVE_BYTES``, a margin sized for GPU
 nodes). ``SGLHICACHE_CPU_HICACHE_HOST_RESERVE_BYTES=N`` sets that margin to N bytes in this process;
 the pool HiCache allocates is unchanged. Unset (the default): SGLang's own margin.
+
+DP attention (``--enable-dp-attention``) on CPU fails in the idle DP rank's padded batch
+(:func:`patch_dp_attention`): ``TorchNativeAttnBackend`` lacks the CPU graph fill value the padding
+asks for, and the native rotary embedding cannot reshape a batch of 0 tokens.
 """
 
 from __future__ import annotations
@@ -44,6 +48,31 @@ def needed() -> bool:
     return not torch.cuda.is_available()
 
 
+def patch_dp_attention() -> bool:
+    """Two gaps of SGLang 0.5.23's CPU path that stop DP attention at the first forward (both in the
+    idle DP rank's padded batch); each patch names the line it works around. Idempotent."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
+
+    # model_executor/forward_batch_info.py:2014 pads the idle DP rank's batch with
+    # attn_backend.get_cpu_graph_seq_len_fill_value(), which TorchNativeAttnBackend lacks
+    # (layers/attention/intel_amx_backend.py:198 has it and returns 1)
+    if not hasattr(TorchNativeAttnBackend, "get_cpu_graph_seq_len_fill_value"):
+        TorchNativeAttnBackend.get_cpu_graph_seq_len_fill_value = lambda self: 1
+    # layers/rotary_embedding/base.py:347 (RotaryEmbedding.forward_native) views the query as
+    # (num_tokens, -1, head_size), which fails for the idle rank's 0 tokens: nothing to rotate
+    native = RotaryEmbedding.forward_native
+    if not getattr(native, "_sgl_hicache_empty_batch", False):
+        def forward_native(self, positions, query, key, *args, **kwargs):
+            if positions.numel() == 0:
+                return query, key
+            return native(self, positions, query, key, *args, **kwargs)
+
+        forward_native._sgl_hicache_empty_batch = True
+        RotaryEmbedding.forward_native = forward_native
+    return True
+
+
 def apply() -> bool:
     """Patch SGLang's host KV pool for CPU torch. Idempotent; returns True if patches are in place."""
     global _applied
@@ -53,6 +82,10 @@ def apply() -> bool:
         return False
     import torch
 
+    try:
+        patch_dp_attention()
+    except (ImportError, AttributeError) as e:  # a different SGLang layout: leave it alone
+        logger.warning("sgl_hicache cpu_compat: DP attention's CPU gaps not patched (%s)", e)
     try:
         from sglang.srt.mem_cache.pool_host import common, mha
         from sglang.srt.mem_cache.pool_host.base import HostKVCache

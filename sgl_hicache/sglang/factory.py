@@ -1,11 +1,11 @@
 """The `sgl_hicache` radix-cache backend's factory, called by SGLang's `create_tree_cache(ctx)`.
 
 `factory(ctx)` refuses the configurations we do not support with one clear error naming them all,
-each with what to run instead (`coverage.REFUSED`): PP > 1, DP attention and `--dp-size > 1` in one
-server, `--enable-hierarchical-cache` (SGLang's own HiCache), hybrid SWA / Mamba / DSA models. (Pool
-kinds without an adapter are refused by `pool_adapters`, MLA at TP > 1 by `assembly`, EAGLE by the
-backend.) Then it
-reads the settings, sets up the TP ranks' agreement, builds the `TieredRadixCache` under a namespace
+each with what to run instead (`coverage.REFUSED`): PP > 1, `--enable-hierarchical-cache` (SGLang's
+own HiCache), hybrid SWA / Mamba / DSA models. (Pool kinds without an adapter are refused by
+`pool_adapters`, EAGLE by the backend.) Then it reads the settings, finds the cache's place in SGLang's
+data parallelism (`data_parallel.placement`: each attention-DP rank or replica is a tree of its own),
+sets up the agreement over the cache group SGLang passes, builds the `TieredRadixCache` under a namespace
 salted by the model (`model_salt`), registers the layer-wise loads as SGLang's layer transfer counter,
 and starts it.
 """
@@ -19,6 +19,7 @@ from typing import Any
 from .backend import TieredRadixCache
 from .coverage import PREFIX as _REFUSAL
 from .coverage import refusal
+from .data_parallel import DPPlacement, placement
 from .rank_consensus import RankConsensus, step_hook_installed
 from .settings import BackendSettings, load_settings, unknown_env
 
@@ -53,27 +54,28 @@ def unsupported(ctx: Any) -> list[str]:
     if getattr(ctx, "is_dsa", False):
         problems.append(refusal("dsa"))
     sa = ctx.server_args
-    if getattr(sa, "enable_dp_attention", False):
-        problems.append(refusal("dp_attention"))
-    if (getattr(sa, "dp_size", 1) or 1) > 1:
-        problems.append(refusal("dp_size", f"dp_size={sa.dp_size}"))
     if (getattr(sa, "pp_size", 1) or 1) > 1:
         problems.append(refusal("pp", f"pp_size={sa.pp_size}"))
     return problems
 
 
-def _consensus(ctx: Any, settings: BackendSettings) -> RankConsensus | None:
-    """TP >= 2: the ranks' per-step agreement over SGLang's TP CPU group (None at TP = 1)."""
-    tp = int(ctx.tp_size or 1)
-    if tp <= 1:
+def _consensus(ctx: Any, settings: BackendSettings, where: DPPlacement) -> RankConsensus | None:
+    """A cache group of >= 2 ranks: their per-step agreement over the CPU group SGLang passes the
+    cache (`params.tp_cache_group`: the attention-TP group under DP attention, the TP group otherwise);
+    None for a group of one (TP = 1, or one attention-TP rank per DP rank)."""
+    size = where.group_size
+    if size <= 1:
         return None
-    group = ctx.params.tp_cache_group or getattr(ctx.tp_group, "cpu_group", None)
+    group = ctx.params.tp_cache_group
+    if group is None and not where.attention_dp:
+        group = getattr(ctx.tp_group, "cpu_group", None)
     if group is None:
-        raise ValueError(f"{_REFUSAL}tp_size={tp} but SGLang gave the cache no TP group")
+        raise ValueError(f"{_REFUSAL}a cache group of {size} ranks (tp_size={ctx.tp_size}) but SGLang gave the "
+                         "cache no group to agree over")
     if not step_hook_installed():
-        raise ValueError(f"{_REFUSAL}tp_size={tp} needs the per-step hook on the scheduler, "
+        raise ValueError(f"{_REFUSAL}tp_size={size} needs the per-step hook on the scheduler, "
                          "which the sgl_hicache plugin did not install (see the log); run with --tp 1")
-    return RankConsensus(group, int(ctx.tp_rank), tp, check=settings.consensus_check)
+    return RankConsensus(group, where.group_rank, size, check=settings.consensus_check)
 
 
 def _architecture(ctx: Any) -> str:
@@ -92,12 +94,13 @@ def factory(ctx: Any) -> TieredRadixCache:
     if problems:
         raise ValueError(_REFUSAL + "; ".join(problems))
     settings = load_settings()
-    consensus = _consensus(ctx, settings)
+    where = placement(ctx)
+    consensus = _consensus(ctx, settings, where)
     for var in unknown_env():
         logger.warning("sgl_hicache: ignoring unknown environment variable %s", var)
     sa = ctx.server_args
     cache = TieredRadixCache(ctx.params, settings, architecture=_architecture(ctx), model_salt=model_salt(sa),
-                             server_port=getattr(sa, "port", None), consensus=consensus,
+                             server_port=getattr(sa, "port", None), consensus=consensus, placement=where,
                              vocab_size=getattr(ctx.model_config, "vocab_size", None))
     if cache.layer_loads is not None:
         cache.layer_loads.forward_stream = getattr(getattr(ctx.tp_worker, "model_runner", None), "forward_stream", None)
