@@ -1,4 +1,4 @@
-"""Data parallelism (`sglang/data_parallel.py`, `factory._consensus`): each attention-DP rank is a tree
+"""Data parallelism (`sglang/data_parallel.py`: `placement`, `group_consensus`, which the factory calls): each attention-DP rank is a tree
 of its own that agrees only with its attention-TP group, the group SGLang passes the cache.
 
 - `placement` reads the DP rank and the cache group from SGLang's context; the disk directory is
@@ -60,7 +60,7 @@ def _rank_main(rank: int, store_path: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     from sgl_hicache.sglang import rank_consensus
-    from sgl_hicache.sglang.factory import _consensus
+    from sgl_hicache.sglang.data_parallel import group_consensus
     from sgl_hicache.sglang.settings import BackendSettings
     from sgl_hicache.tiers.base import TierIOError
     from sgl_hicache.transfer.ops import TransferOp
@@ -73,7 +73,7 @@ def _rank_main(rank: int, store_path: str, out_dir: str) -> None:
         rank_consensus._hook_installed = True  # the plugin installs it in a server
         ctx = _ctx(4, rank, groups[rank // 2], enable_dp_attention=True, attn_dp_size=2)
         where = placement(ctx)
-        c = _consensus(ctx, BackendSettings(consensus_check=True), where)
+        c = group_consensus(ctx, BackendSettings(consensus_check=True), where)  # what the factory builds
         out["placement"] = where.describe()
         out["consensus"] = [c.rank, c.size, c.group is groups[rank // 2]]
         cache = make_cache(page_size=4)
@@ -97,7 +97,6 @@ def _rank_main(rank: int, store_path: str, out_dir: str) -> None:
 
 
 def test_each_attention_tp_group_agrees_alone_and_a_fault_stays_in_its_group(tmp_path):
-    pytest.importorskip("sglang")
     run_ranks(_rank_main, [(r, str(tmp_path / "store"), str(tmp_path)) for r in range(4)], timeout_s=180)
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     for r in res:
@@ -113,9 +112,11 @@ def test_each_attention_tp_group_agrees_alone_and_a_fault_stays_in_its_group(tmp
 
 
 def test_one_rank_per_group_builds_no_agreement():
-    pytest.importorskip("sglang")
-    from sgl_hicache.sglang.factory import _consensus
+    from sgl_hicache.sglang.data_parallel import group_consensus
     from sgl_hicache.sglang.settings import BackendSettings
 
     ctx = _ctx(2, 1, enable_dp_attention=True, attn_dp_size=2)  # --tp 2 --dp 2 --enable-dp-attention
-    assert _consensus(ctx, BackendSettings(), placement(ctx)) is None
+    assert group_consensus(ctx, BackendSettings(), placement(ctx)) is None
+    ctx = _ctx(4, 1, enable_dp_attention=True, attn_dp_size=2)  # --tp 4 --dp 2: a group of two, no group given
+    with pytest.raises(ValueError, match="no group to agree over"):
+        group_consensus(ctx, BackendSettings(), placement(ctx))

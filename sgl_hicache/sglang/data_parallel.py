@@ -20,9 +20,14 @@ Files: the DP ranks of one server are replicas of one model, so their pages are 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from .coverage import PREFIX as _REFUSAL
+from .rank_consensus import RankConsensus, step_hook_installed
+from .settings import BackendSettings
 
 
 @dataclass(frozen=True)
@@ -74,11 +79,12 @@ def _group_rank_size(group: Any) -> tuple[int, int] | None:
 
 
 def _sglang_parallel() -> Any:
+    """SGLang's published parallel context, where this process runs SGLang (None elsewhere: a
+    context built by hand, or not published yet)."""
+    module = sys.modules.get("sglang.srt.runtime_context")  # a scheduler has loaded it long before
     try:
-        from sglang.srt.runtime_context import get_parallel
-
-        return get_parallel()
-    except Exception:  # not published (unit tests build a context by hand)
+        return module.get_parallel() if module is not None else None
+    except Exception:
         return None
 
 
@@ -115,4 +121,23 @@ def placement(ctx: Any) -> DPPlacement:
     return DPPlacement(dp_rank, replicas, group_rank, group_size, tp_rank)
 
 
-__all__ = ["DPPlacement", "placement"]
+def group_consensus(ctx: Any, settings: BackendSettings, where: DPPlacement) -> RankConsensus | None:
+    """A cache group of >= 2 ranks: their per-step agreement over the CPU group SGLang passes the
+    cache (`params.tp_cache_group`: the attention-TP group under DP attention, the TP group otherwise);
+    None for a group of one (TP = 1, or one attention-TP rank per DP rank)."""
+    size = where.group_size
+    if size <= 1:
+        return None
+    group = ctx.params.tp_cache_group
+    if group is None and not where.attention_dp:
+        group = getattr(ctx.tp_group, "cpu_group", None)
+    if group is None:
+        raise ValueError(f"{_REFUSAL}a cache group of {size} ranks (tp_size={ctx.tp_size}) but SGLang gave the "
+                         "cache no group to agree over")
+    if not step_hook_installed():
+        raise ValueError(f"{_REFUSAL}tp_size={size} needs the per-step hook on the scheduler, "
+                         "which the sgl_hicache plugin did not install (see the log); run with --tp 1")
+    return RankConsensus(group, where.group_rank, size, check=settings.consensus_check)
+
+
+__all__ = ["DPPlacement", "group_consensus", "placement"]

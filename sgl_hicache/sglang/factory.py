@@ -19,8 +19,7 @@ from typing import Any
 from .backend import TieredRadixCache
 from .coverage import PREFIX as _REFUSAL
 from .coverage import refusal
-from .data_parallel import DPPlacement, placement
-from .rank_consensus import RankConsensus, step_hook_installed
+from .data_parallel import group_consensus, placement
 from .settings import BackendSettings, load_settings, unknown_env
 
 logger = logging.getLogger(__name__)
@@ -59,25 +58,6 @@ def unsupported(ctx: Any) -> list[str]:
     return problems
 
 
-def _consensus(ctx: Any, settings: BackendSettings, where: DPPlacement) -> RankConsensus | None:
-    """A cache group of >= 2 ranks: their per-step agreement over the CPU group SGLang passes the
-    cache (`params.tp_cache_group`: the attention-TP group under DP attention, the TP group otherwise);
-    None for a group of one (TP = 1, or one attention-TP rank per DP rank)."""
-    size = where.group_size
-    if size <= 1:
-        return None
-    group = ctx.params.tp_cache_group
-    if group is None and not where.attention_dp:
-        group = getattr(ctx.tp_group, "cpu_group", None)
-    if group is None:
-        raise ValueError(f"{_REFUSAL}a cache group of {size} ranks (tp_size={ctx.tp_size}) but SGLang gave the "
-                         "cache no group to agree over")
-    if not step_hook_installed():
-        raise ValueError(f"{_REFUSAL}tp_size={size} needs the per-step hook on the scheduler, "
-                         "which the sgl_hicache plugin did not install (see the log); run with --tp 1")
-    return RankConsensus(group, where.group_rank, size, check=settings.consensus_check)
-
-
 def _architecture(ctx: Any) -> str:
     try:
         archs = getattr(ctx.model_config.hf_config, "architectures", None) or []
@@ -95,7 +75,7 @@ def factory(ctx: Any) -> TieredRadixCache:
         raise ValueError(_REFUSAL + "; ".join(problems))
     settings = load_settings()
     where = placement(ctx)
-    consensus = _consensus(ctx, settings, where)
+    consensus = group_consensus(ctx, settings, where)
     for var in unknown_env():
         logger.warning("sgl_hicache: ignoring unknown environment variable %s", var)
     sa = ctx.server_args
