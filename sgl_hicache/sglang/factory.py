@@ -20,7 +20,7 @@ from .backend import TieredRadixCache
 from .coverage import PREFIX as _REFUSAL
 from .coverage import refusal
 from .data_parallel import group_consensus, placement
-from .settings import BackendSettings, load_settings, unknown_env
+from .settings import load_settings, unknown_env
 
 logger = logging.getLogger(__name__)
 
