@@ -13,6 +13,9 @@ server, and the prompt-tail logprobs computed on the prefill server, equal the s
 prefill-side device, host and disk hits and after a restart of the prefill server; a token changed
 in the last cached page moves them; the prefill server's scheduler thread made no copy, write, sleep
 or wait inside a cache call.
+
+SGLang's prefill server needs two CPU patches at its KV sends (pinned memory and CUDA events),
+applied by `sglang/cpu_compat.py` on CPU only.
 """
 
 from __future__ import annotations

@@ -19,12 +19,19 @@ the pool HiCache allocates is unchanged. Unset (the default): SGLang's own margi
 DP attention (``--enable-dp-attention``) on CPU fails in the idle DP rank's padded batch
 (:func:`patch_dp_attention`): ``TorchNativeAttnBackend`` lacks the CPU graph fill value the padding
 asks for, and the native rotary embedding cannot reshape a batch of 0 tokens.
+
+PD disaggregation's prefill server fails on CPU at its first KV send with the Mooncake sender (it
+stages the page indices in pinned memory behind a CUDA event), and at its first prefix hit (the early
+send of the cached prefix records a CUDA event): :func:`patch_pd_prefill`.
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import logging
 import os
+import sys
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +80,61 @@ def patch_dp_attention() -> bool:
     return True
 
 
+def _disable_host_tensor_indices(conn) -> None:
+    # disaggregation/prefill.py:1753 (_send_kv_chunk), taken when the sender has
+    # `supports_host_tensor_indices` (mooncake/conn.py:3312): torch.empty(..., pin_memory=True) and
+    # torch.cuda.Event(), both of which fail without CUDA; the `else` branch (kv_to_page_indices) is
+    # the one every other sender uses
+    conn.MooncakeKVSender.supports_host_tensor_indices = False
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs `patch(module)` once `name` is imported (importing it up front would cost every SGLang
+    process Mooncake's import, ~1 s unloaded, though only a PD server uses it)."""
+
+    def __init__(self, name: str, patch) -> None:
+        self.name, self.patch = name, patch
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # find the real spec, then wrap its loader
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        loader, patch = spec.loader, self.patch
+
+        class Loader(importlib.abc.Loader):
+            def create_module(self, spec):
+                return loader.create_module(spec)
+
+            def exec_module(self, module):
+                loader.exec_module(module)
+                patch(module)
+
+            def __getattr__(self, attr):  # get_source and the rest: the real loader's
+                return getattr(loader, attr)
+
+        spec.loader = Loader()
+        return spec
+
+
+def patch_pd_prefill() -> bool:
+    """The Mooncake sender's host-staged page indices need CUDA; on CPU the prefill server takes
+    SGLang's other path (page indices computed on the host). Applied when SGLang imports the sender."""
+    # disaggregation/prefill.py:1496 (maybe_send_cached_prefix_chunk): the early send of a cached
+    # prefix, under overlap scheduling, records a torch.cuda.Event, which fails without CUDA. The
+    # early send is an optimisation (the request's final send covers the whole range): off on CPU
+    # unless set explicitly
+    os.environ.setdefault("SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX", "false")
+    name = "sglang.srt.disaggregation.mooncake.conn"
+    if name in sys.modules:
+        _disable_host_tensor_indices(sys.modules[name])
+    else:
+        sys.meta_path.insert(0, _AfterImport(name, _disable_host_tensor_indices))
+    return True
+
+
 def apply() -> bool:
     """Patch SGLang's host KV pool for CPU torch. Idempotent; returns True if patches are in place."""
     global _applied
@@ -86,6 +148,10 @@ def apply() -> bool:
         patch_dp_attention()
     except (ImportError, AttributeError) as e:  # a different SGLang layout: leave it alone
         logger.warning("sgl_hicache cpu_compat: DP attention's CPU gaps not patched (%s)", e)
+    try:
+        patch_pd_prefill()
+    except (ImportError, AttributeError) as e:  # no Mooncake transfer backend in this SGLang
+        logger.debug("sgl_hicache cpu_compat: PD prefill's Mooncake sender not patched (%s)", e)
     try:
         from sglang.srt.mem_cache.pool_host import common, mha
         from sglang.srt.mem_cache.pool_host.base import HostKVCache
