@@ -56,6 +56,13 @@ def test_dp_ranks_share_a_directory_only_without_a_group_to_agree_with(tmp_path)
     assert DPPlacement().disk_dir(tmp_path) == tmp_path and alone[1].labels() == {"dp_rank": "1"}
 
 
+def test_every_scheduler_process_has_its_own_stats_file_suffix():
+    attn = [DPPlacement(r // 2, 2, r % 2, 2, r, True) for r in range(4)]  # --tp 4 --dp 2 --enable-dp-attention
+    assert [p.file_suffix() for p in attn] == ["", ".rank1", ".rank2", ".rank3"]
+    replicas = [DPPlacement(d, 2, t, 2, t) for d in range(2) for t in range(2)]  # --dp-size 2 --tp 2
+    assert [p.file_suffix() for p in replicas] == ["", ".rank1", ".dp1", ".dp1.rank1"]
+
+
 def _rank_main(rank: int, store_path: str, out_dir: str) -> None:
     import torch.distributed as dist
 

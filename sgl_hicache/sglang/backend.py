@@ -179,8 +179,8 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
         self.start_hint_api()
         if self._publisher is None and (self.settings.stats_file or self._metrics_enabled):
             path = self.settings.stats_file
-            if path and self.placement.tp_rank > 0:
-                path = f"{path}.rank{self.placement.tp_rank}"  # TP / DP: rank 0 writes the file, rank r its own beside it
+            if path:  # TP / DP: TP rank 0 of DP rank 0 writes the file, every other process its own beside it
+                path += self.placement.file_suffix()
             self._publisher = StatsPublisher(self, path, self.settings.stats_interval_s, prometheus=self._metrics_enabled,
                                              labels=self.placement.labels())
             self._publisher.start()

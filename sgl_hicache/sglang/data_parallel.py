@@ -57,6 +57,13 @@ class DPPlacement:
             return Path(base) / f"dp{self.dp_size}-rank{self.dp_rank}"
         return Path(base)
 
+    def file_suffix(self) -> str:
+        """What tells this scheduler process's per-process files (the stats file) apart from its
+        peers': `.rank<tp_rank>` (the TP rank is unique across attention-DP ranks), and `.dp<d>` before
+        it for a replica past the first (replicas repeat TP ranks). Empty for TP rank 0 of DP rank 0."""
+        replica = f".dp{self.dp_rank}" if self.data_parallel and not self.attention_dp and self.dp_rank else ""
+        return replica + (f".rank{self.tp_rank}" if self.tp_rank else "")
+
     def labels(self) -> dict[str, str]:
         """Prometheus labels that tell the DP ranks' figures apart (none without DP)."""
         return {"dp_rank": str(self.dp_rank)} if self.data_parallel else {}
