@@ -118,6 +118,7 @@ def _prefill_state(srv) -> dict:
 
 
 def test_prefill_server_with_the_backend_serves_from_every_tier_and_after_a_restart(servers, workdir):
+    pytest.importorskip("mooncake.engine", reason="the Mooncake transfer engine (mooncake-transfer-engine-non-cuda)")
     disk = workdir / "disk"
     boot = servers.free_port()
     decode = servers("decode", "decode", boot)
