@@ -55,28 +55,38 @@ def needed() -> bool:
     return not torch.cuda.is_available()
 
 
-def patch_dp_attention() -> bool:
-    """Two gaps of SGLang 0.5.23's CPU path that stop DP attention at the first forward (both in the
-    idle DP rank's padded batch); each patch names the line it works around. Idempotent."""
-    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-    from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
-
+def _fill_value(module) -> None:
     # model_executor/forward_batch_info.py:2014 pads the idle DP rank's batch with
     # attn_backend.get_cpu_graph_seq_len_fill_value(), which TorchNativeAttnBackend lacks
     # (layers/attention/intel_amx_backend.py:198 has it and returns 1)
-    if not hasattr(TorchNativeAttnBackend, "get_cpu_graph_seq_len_fill_value"):
-        TorchNativeAttnBackend.get_cpu_graph_seq_len_fill_value = lambda self: 1
+    backend = module.TorchNativeAttnBackend
+    if not hasattr(backend, "get_cpu_graph_seq_len_fill_value"):
+        backend.get_cpu_graph_seq_len_fill_value = lambda self: 1
+
+
+def _rotary_empty_batch(module) -> None:
     # layers/rotary_embedding/base.py:347 (RotaryEmbedding.forward_native) views the query as
     # (num_tokens, -1, head_size), which fails for the idle rank's 0 tokens: nothing to rotate
-    native = RotaryEmbedding.forward_native
-    if not getattr(native, "_sgl_hicache_empty_batch", False):
-        def forward_native(self, positions, query, key, *args, **kwargs):
-            if positions.numel() == 0:
-                return query, key
-            return native(self, positions, query, key, *args, **kwargs)
+    rotary = module.RotaryEmbedding
+    native = rotary.forward_native
+    if getattr(native, "_sgl_hicache_empty_batch", False):
+        return
 
-        forward_native._sgl_hicache_empty_batch = True
-        RotaryEmbedding.forward_native = forward_native
+    def forward_native(self, positions, query, key, *args, **kwargs):
+        if positions.numel() == 0:
+            return query, key
+        return native(self, positions, query, key, *args, **kwargs)
+
+    forward_native._sgl_hicache_empty_batch = True
+    rotary.forward_native = forward_native
+
+
+def patch_dp_attention() -> bool:
+    """Two gaps of SGLang 0.5.23's CPU path that stop DP attention at the first forward (both in the
+    idle DP rank's padded batch); each patch names the line it works around. Applied when SGLang
+    imports the module patched."""
+    _when_imported("sglang.srt.layers.attention.torch_native_backend", _fill_value)
+    _when_imported("sglang.srt.layers.rotary_embedding.base", _rotary_empty_batch)
     return True
 
 
@@ -89,8 +99,9 @@ def _disable_host_tensor_indices(conn) -> None:
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs `patch(module)` once `name` is imported (importing it up front would cost every SGLang
-    process Mooncake's import, ~1 s unloaded, though only a PD server uses it)."""
+    """Runs `patch(module)` once `name` is imported: importing the modules up front would cost every
+    SGLang process (HTTP server, detokenizer) their import, which only some use (Mooncake's took 36 s
+    here at a load average of ~30)."""
 
     def __init__(self, name: str, patch) -> None:
         self.name, self.patch = name, patch
@@ -110,13 +121,24 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
             def exec_module(self, module):
                 loader.exec_module(module)
-                patch(module)
+                try:
+                    patch(module)
+                except Exception:  # a different SGLang layout: never break SGLang's own import
+                    logger.exception("sgl_hicache cpu_compat: patching %s failed; left as it is", module.__name__)
 
             def __getattr__(self, attr):  # get_source and the rest: the real loader's
                 return getattr(loader, attr)
 
         spec.loader = Loader()
         return spec
+
+
+def _when_imported(name: str, patch) -> None:
+    """`patch(module)` now if `name` is imported, else right after SGLang imports it."""
+    if name in sys.modules:
+        patch(sys.modules[name])
+    else:
+        sys.meta_path.insert(0, _AfterImport(name, patch))
 
 
 def patch_pd_prefill() -> bool:
@@ -127,11 +149,7 @@ def patch_pd_prefill() -> bool:
     # early send is an optimisation (the request's final send covers the whole range): off on CPU
     # unless set explicitly
     os.environ.setdefault("SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX", "false")
-    name = "sglang.srt.disaggregation.mooncake.conn"
-    if name in sys.modules:
-        _disable_host_tensor_indices(sys.modules[name])
-    else:
-        sys.meta_path.insert(0, _AfterImport(name, _disable_host_tensor_indices))
+    _when_imported("sglang.srt.disaggregation.mooncake.conn", _disable_host_tensor_indices)
     return True
 
 
