@@ -180,10 +180,11 @@ def test_refusals_name_the_kind_and_what_to_run_instead():
     from sgl_hicache.sglang.coverage import REFUSED
     from sgl_hicache.sglang.factory import unsupported
 
-    sa = SimpleNamespace(enable_dp_attention=True, dp_size=2, pp_size=2)
+    sa = SimpleNamespace(enable_dp_attention=True, dp_size=2, pp_size=2)  # DP is served: only PP is refused
     ctx = SimpleNamespace(enable_hierarchical_cache=True, is_hybrid_swa=True, is_hybrid_ssm=True, is_dsa=True, server_args=sa)
     problems = unsupported(ctx)
-    for kind in ("sglang_hicache", "mamba", "dsa", "dp_attention", "dp_size", "pp"):
+    assert not any("DP" in p or "dp_size" in p for p in problems), problems
+    for kind in ("sglang_hicache", "mamba", "dsa", "pp"):
         r = REFUSED[kind]
         assert any(r.what in p and "Instead: " + r.instead in p for p in problems), (kind, problems)
     assert unsupported(SimpleNamespace(enable_hierarchical_cache=False, is_hybrid_swa=True, is_hybrid_ssm=False,

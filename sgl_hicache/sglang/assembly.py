@@ -23,6 +23,7 @@ from ..hashing import Namespace
 from ..tiers.base import DISK, HOST
 from ..transfer.engine import TransferEngine
 from ..transfer.executors import ThreadExecutor
+from .data_parallel import DPPlacement
 from .device_pool import SGLangDevicePool
 from .layer_loads import LayerLoads
 from .rank_consensus import RankConsensus, inject_read_faults
@@ -45,9 +46,10 @@ class Assembly:
 
 def cache_config(settings: BackendSettings, device_pool: SGLangDevicePool, page_size: int, *,
                  sglang_eviction: Any = "lru", model_salt: str = "",
-                 consensus: RankConsensus | None = None) -> CacheConfig:
+                 consensus: RankConsensus | None = None, placement: DPPlacement | None = None) -> CacheConfig:
     """The core's configuration: host capacity from the device pool's, disk only with a host tier
-    and no shared store, the disk directory under the namespace (one per TP rank, or one per TP
+    and no shared store, the disk directory under the namespace (one per DP rank whose cache group
+    agrees over >= 2 ranks, `DPPlacement.disk_dir`; inside it one per TP rank, or one per TP
     group whose ranks hold the same KV: `RankConsensus.rank_dir`), the eviction
     policy ours or else SGLang's when it is one we support."""
     s = settings
@@ -61,6 +63,8 @@ def cache_config(settings: BackendSettings, device_pool: SGLangDevicePool, page_
     disk_dir = None
     if disk_tokens >= page_size:
         disk_dir = Path(s.disk_dir).expanduser() if s.disk_dir else default_disk_dir() / namespace.root.hex()[:16]
+        if placement is not None:
+            disk_dir = placement.disk_dir(disk_dir)
         if consensus is not None:
             disk_dir = consensus.rank_dir(disk_dir)  # each rank's shard of every page in its own files
     else:
@@ -87,8 +91,9 @@ def cache_config(settings: BackendSettings, device_pool: SGLangDevicePool, page_
 
 
 def assemble(params: Any, settings: BackendSettings, *, architecture: str = "llama", model_salt: str = "",
-             consensus: RankConsensus | None = None, clock: Callable[[], float],
-             fault_disk_read_file: str | None = None, draft_pools: tuple[Any, ...] = ()) -> Assembly:
+             consensus: RankConsensus | None = None, placement: DPPlacement | None = None,
+             clock: Callable[[], float], fault_disk_read_file: str | None = None,
+             draft_pools: tuple[Any, ...] = ()) -> Assembly:
     """Build one backend's parts over SGLang's KV pool (`params`: SGLang's `CacheInitParams`; `draft_pools`:
     a speculative draft model's KV pools at the same slots, tiered with it). `fault_disk_read_file` is a
     test switch (`debug_settings`): while it names this rank, disk reads fail."""
@@ -98,7 +103,7 @@ def assemble(params: Any, settings: BackendSettings, *, architecture: str = "lla
     if device_pool.adapter.replicated_across_tp and consensus is not None:
         consensus.replicate()  # every rank holds the same KV (MLA): one copy, the leader writes it
     config = cache_config(s, device_pool, page_size, sglang_eviction=getattr(params, "eviction_policy", "lru"),
-                          model_salt=model_salt, consensus=consensus)
+                          model_salt=model_salt, consensus=consensus, placement=placement)
     host = lower = None
     if consensus is not None and consensus.replicated:
         host, lower = replicated_tiers(consensus, config)  # a collective

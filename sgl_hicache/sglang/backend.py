@@ -33,9 +33,11 @@ Request path:
 
 Tensor parallelism (`--tp N`): every rank runs this cache on its own KV-head shard, with its own host
 buffer and disk directory; the ranks agree on every local fact once per scheduler step
-(`rank_consensus.py`), so their trees and answers stay equal.
+(`rank_consensus.py`), so their trees and answers stay equal. Data parallelism (DP attention,
+`--dp-size`): each DP rank is a tree of its own, agreeing only with its attention-TP group
+(`data_parallel.py`).
 
-Built by `factory.factory` (which refuses what is not supported: PP, DP, SGLang's own HiCache, hybrid
+Built by `factory.factory` (which refuses what is not supported: PP, SGLang's own HiCache, hybrid
 models) from the parts `assembly.assemble` composes; the stats it shows are put together in `export`.
 Pool kinds without an adapter are refused by `pool_adapters`. Requests with a LoRA `extra_key` or a
 `cache_salt` are served without the cache (a miss, never stored).
@@ -78,6 +80,7 @@ from ..tiers.base import DEVICE, DISK
 from .assembly import assemble
 from .call_timer import CallTimer, IOGuard
 from .coverage import PREFIX as REFUSAL_PREFIX
+from .data_parallel import DPPlacement
 from .debug_settings import DebugSettings
 from .device_pool import frees_batched
 from .export import CacheViews, StatsPublisher
@@ -131,10 +134,12 @@ class TieredRadixCache(StepCalls, CacheViews, BasePrefixCache):
     def __init__(self, params: Any, settings: BackendSettings | None = None, *, architecture: str = "llama",
                  model_salt: str = "", server_port: int | None = None,
                  consensus: RankConsensus | None = None, vocab_size: int | None = None,
-                 debug: DebugSettings | None = None, draft_pools: tuple[Any, ...] = ()) -> None:
+                 debug: DebugSettings | None = None, draft_pools: tuple[Any, ...] = (),
+                 placement: DPPlacement | None = None) -> None:
         self.settings = s = settings or load_settings()
         self.debug = debug = debug if debug is not None else DebugSettings.from_env()
-        refuse_hints_at_tp(s.hint_port, consensus is not None, REFUSAL_PREFIX)
+        self.placement = placement or DPPlacement()  # this DP rank's tree (data_parallel.py)
+        refuse_hints_at_tp(s.hint_port, consensus is not None or self.placement.data_parallel, REFUSAL_PREFIX)
         self.consensus = consensus  # TP >= 2: agreement with the other ranks (rank_consensus.py)
         self.disable = bool(params.disable)
         self.req_to_token_pool = params.req_to_token_pool
@@ -144,7 +149,7 @@ class TieredRadixCache(StepCalls, CacheViews, BasePrefixCache):
         self.sliding_window_size = getattr(params, "sliding_window_size", None)
         self.kv_events = None
         parts = assemble(params, s, architecture=architecture, model_salt=model_salt, consensus=consensus,
-                         fault_disk_read_file=debug.fault_disk_read_file,
+                         placement=self.placement, fault_disk_read_file=debug.fault_disk_read_file,
                          clock=consensus.clock if consensus is not None else time.monotonic, draft_pools=draft_pools)
         self.device_pool = parts.device_pool
         self.device = self.device_pool.device
@@ -178,9 +183,10 @@ class TieredRadixCache(StepCalls, CacheViews, BasePrefixCache):
         self.start_hint_api()
         if self._publisher is None and (self.settings.stats_file or self._metrics_enabled):
             path = self.settings.stats_file
-            if path and self.consensus is not None and self.consensus.rank > 0:
-                path = f"{path}.rank{self.consensus.rank}"  # TP: rank 0 writes the file, rank r its own beside it
-            self._publisher = StatsPublisher(self, path, self.settings.stats_interval_s, prometheus=self._metrics_enabled)
+            if path:  # TP / DP: TP rank 0 of DP rank 0 writes the file, every other process its own beside it
+                path += self.placement.file_suffix()
+            self._publisher = StatsPublisher(self, path, self.settings.stats_interval_s, prometheus=self._metrics_enabled,
+                                             labels=self.placement.labels())
             self._publisher.start()
         return self
 

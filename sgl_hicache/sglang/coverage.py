@@ -34,16 +34,6 @@ REFUSED: dict[str, Refusal] = {
         "a page of the tree holds the target's and the draft's rows of its tokens in one layout (planes, KV "
         "heads, head dim, dtype); a draft of another layout would need a page set of its own per node",
         f"a draft model with the target's attention shape, or {_SGLANG_HICACHE}"),
-    "dp_attention": Refusal(
-        "DP attention (--enable-dp-attention)",
-        "its attention-DP ranks of one TP group schedule different requests, so one tree cannot be agreed "
-        "across the group the way TP ranks agree theirs",
-        "one server per replica (--tp N, no --enable-dp-attention) behind a router, sharing SGLHICACHE_DISK_DIR "
-        f"(docs/sglang-backend.md), or {_SGLANG_HICACHE}"),
-    "dp_size": Refusal(
-        "--dp-size > 1 in one server",
-        "the replicas' caches are built without knowing their DP rank, so they could not keep their files apart",
-        "one server per replica (--tp N each) behind a router, sharing SGLHICACHE_DISK_DIR (docs/sglang-backend.md)"),
     "pp": Refusal(
         "pipeline parallelism (--pp-size > 1)",
         "each PP stage holds only its layers' KV and schedules micro-batches the others see later; the page "

@@ -26,12 +26,23 @@ One opt-in knob for benchmarks on a shared machine: HiCache refuses to start unl
 10 GiB free beyond its host pool (``HICACHE_HOST_MEMORY_RESERVE_BYTES``, a margin sized for GPU
 nodes). ``SGLHICACHE_CPU_HICACHE_HOST_RESERVE_BYTES=N`` sets that margin to N bytes in this process;
 the pool HiCache allocates is unchanged. Unset (the default): SGLang's own margin.
+
+DP attention (``--enable-dp-attention``) on CPU fails in the idle DP rank's padded batch
+(:func:`patch_dp_attention`): ``TorchNativeAttnBackend`` lacks the CPU graph fill value the padding
+asks for, and the native rotary embedding cannot reshape a batch of 0 tokens.
+
+PD disaggregation's prefill server fails on CPU at its first KV send with the Mooncake sender (it
+stages the page indices in pinned memory behind a CUDA event), and at its first prefix hit (the early
+send of the cached prefix records a CUDA event): :func:`patch_pd_prefill`.
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import logging
 import os
+import sys
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +119,104 @@ def needed() -> bool:
     return not torch.cuda.is_available()
 
 
+def _fill_value(module) -> None:
+    # model_executor/forward_batch_info.py:2014 pads the idle DP rank's batch with
+    # attn_backend.get_cpu_graph_seq_len_fill_value(), which TorchNativeAttnBackend lacks
+    # (layers/attention/intel_amx_backend.py:198 has it and returns 1)
+    backend = module.TorchNativeAttnBackend
+    if not hasattr(backend, "get_cpu_graph_seq_len_fill_value"):
+        backend.get_cpu_graph_seq_len_fill_value = lambda self: 1
+
+
+def _rotary_empty_batch(module) -> None:
+    # layers/rotary_embedding/base.py:347 (RotaryEmbedding.forward_native) views the query as
+    # (num_tokens, -1, head_size), which fails for the idle rank's 0 tokens: nothing to rotate
+    rotary = module.RotaryEmbedding
+    native = rotary.forward_native
+    if getattr(native, "_sgl_hicache_empty_batch", False):
+        return
+
+    def forward_native(self, positions, query, key, *args, **kwargs):
+        if positions.numel() == 0:
+            return query, key
+        return native(self, positions, query, key, *args, **kwargs)
+
+    forward_native._sgl_hicache_empty_batch = True  # type: ignore[attr-defined]  # (the marker that it is patched)
+    rotary.forward_native = forward_native
+
+
+def patch_dp_attention() -> bool:
+    """Two gaps of SGLang 0.5.23's CPU path that stop DP attention at the first forward (both in the
+    idle DP rank's padded batch); each patch names the line it works around. Applied when SGLang
+    imports the module patched."""
+    _when_imported("sglang.srt.layers.attention.torch_native_backend", _fill_value)
+    _when_imported("sglang.srt.layers.rotary_embedding.base", _rotary_empty_batch)
+    return True
+
+
+def _disable_host_tensor_indices(conn) -> None:
+    # disaggregation/prefill.py:1753 (_send_kv_chunk), taken when the sender has
+    # `supports_host_tensor_indices` (mooncake/conn.py:3312): torch.empty(..., pin_memory=True) and
+    # torch.cuda.Event(), both of which fail without CUDA; the `else` branch (kv_to_page_indices) is
+    # the one every other sender uses
+    conn.MooncakeKVSender.supports_host_tensor_indices = False
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs `patch(module)` once `name` is imported: importing the modules up front would cost every
+    SGLang process (HTTP server, detokenizer) their import, which only some use (Mooncake's took 36 s
+    here at a load average of ~30)."""
+
+    def __init__(self, name: str, patch) -> None:
+        self.name, self.patch = name, patch
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # find the real spec, then wrap its loader
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        loader, patch = spec.loader, self.patch
+
+        class Loader(importlib.abc.Loader):
+            def create_module(self, spec):
+                return loader.create_module(spec)
+
+            def exec_module(self, module):
+                loader.exec_module(module)
+                try:
+                    patch(module)
+                except Exception:  # a different SGLang layout: never break SGLang's own import
+                    logger.exception("sgl_hicache cpu_compat: patching %s failed; left as it is", module.__name__)
+
+            def __getattr__(self, attr):  # get_source and the rest: the real loader's
+                return getattr(loader, attr)
+
+        spec.loader = Loader()
+        return spec
+
+
+def _when_imported(name: str, patch) -> None:
+    """`patch(module)` now if `name` is imported, else right after SGLang imports it."""
+    if name in sys.modules:
+        patch(sys.modules[name])
+    else:
+        sys.meta_path.insert(0, _AfterImport(name, patch))
+
+
+def patch_pd_prefill() -> bool:
+    """The Mooncake sender's host-staged page indices need CUDA; on CPU the prefill server takes
+    SGLang's other path (page indices computed on the host). Applied when SGLang imports the sender."""
+    # disaggregation/prefill.py:1496 (maybe_send_cached_prefix_chunk): the early send of a cached
+    # prefix, under overlap scheduling, records a torch.cuda.Event, which fails without CUDA. The
+    # early send is an optimisation (the request's final send covers the whole range): off on CPU
+    # unless set explicitly
+    os.environ.setdefault("SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX", "false")
+    _when_imported("sglang.srt.disaggregation.mooncake.conn", _disable_host_tensor_indices)
+    return True
+
+
 def apply() -> bool:
     """Patch SGLang's host KV pool for CPU torch. Idempotent; returns True if patches are in place."""
     global _applied
@@ -118,6 +227,14 @@ def apply() -> bool:
     import torch
 
     _reference_attention()
+    try:
+        patch_dp_attention()
+    except (ImportError, AttributeError) as e:  # a different SGLang layout: leave it alone
+        logger.warning("sgl_hicache cpu_compat: DP attention's CPU gaps not patched (%s)", e)
+    try:
+        patch_pd_prefill()
+    except (ImportError, AttributeError) as e:  # no Mooncake transfer backend in this SGLang
+        logger.debug("sgl_hicache cpu_compat: PD prefill's Mooncake sender not patched (%s)", e)
     try:
         from sglang.srt.mem_cache.pool_host import common, mha
         from sglang.srt.mem_cache.pool_host.base import HostKVCache

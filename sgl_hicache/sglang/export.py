@@ -129,6 +129,8 @@ def stats_snapshot(rc: TieredRadixCache, exact: bool = False) -> dict[str, Any]:
         "pool_kind": rc.device_pool.adapter.kind,  # the device-pool adapter serving SGLang's pool (mha, mla)
         "store": config.store_url,
     }
+    if rc.placement.data_parallel:
+        backend["dp"] = rc.placement.describe()
     if rc.consensus is not None:
         backend["tp"] = {"size": rc.consensus.size, "rank": rc.consensus.rank, **vars(rc.consensus.counts)}
     if rc.hint_listener is not None:  # the hint API: where it listens (the replayer finds it here) and its counters
@@ -206,11 +208,12 @@ class StatsPublisher:
     SGLang's own `/metrics`. Started by `TieredRadixCache.start`, stopped (after one last publish) by
     `TieredRadixCache.shutdown`. A failed publish is logged, never raised."""
 
-    def __init__(self, cache: TieredRadixCache, path: str | None, interval: float, prometheus: bool) -> None:
+    def __init__(self, cache: TieredRadixCache, path: str | None, interval: float, prometheus: bool,
+                 labels: dict[str, str] | None = None) -> None:
         self.cache = cache
         self.path = Path(path).expanduser() if path else None
         self.interval = interval
-        self.prom = PromExport(cache.config.page_size) if prometheus else None
+        self.prom = PromExport(cache.config.page_size, labels) if prometheus else None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -240,13 +243,13 @@ class StatsPublisher:
             logger.exception("sgl_hicache: publishing stats failed")
 
 
-def _counter(name: str, doc: str, *labels: str) -> Any:
+def _counter_metric(name: str, doc: str, *labels: str) -> Any:
     from prometheus_client import Counter
 
     return Counter(name, doc, list(labels))
 
 
-def _gauge(name: str, doc: str, *labels: str) -> Any:
+def _gauge_metric(name: str, doc: str, *labels: str) -> Any:
     from prometheus_client import Gauge
 
     return Gauge(name, doc, list(labels), multiprocess_mode="mostrecent")
@@ -257,11 +260,14 @@ class PromExport:
     SGLang's multiprocess directory; SGLang's HTTP `/metrics` exports them). Counters are fed by the
     difference to the last snapshot. SGLang's own `sglang:cached_tokens_total{cache_source}` is not
     duplicated: SGLang already counts it from `cached_tokens_details`. One per process (the
-    registry refuses a second metric of the same name)."""
+    registry refuses a second metric of the same name). `labels` go on every series: under data
+    parallelism `dp_rank`, so the DP ranks' scheduler processes publish apart."""
 
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, labels: dict[str, str] | None = None) -> None:
         self.page_size = page_size
+        self.fixed = dict(labels or {})  # on every series: this process's DP rank under data parallelism
         self.last: dict[tuple, float] = {}
+        _counter, _gauge = self._with_fixed(_counter_metric), self._with_fixed(_gauge_metric)
         self.counters = {
             "hit_tokens": _counter("sgl_hicache_hit_tokens", "Prompt tokens served per tier (sgl_hicache)", "tier"),
             "miss_tokens": _counter("sgl_hicache_miss_tokens", "Prompt tokens computed (sgl_hicache)"),
@@ -282,13 +288,20 @@ class PromExport:
                                    "Wall time of a cache call on the scheduler thread", "call", "quantile"),
         }
 
+    def _with_fixed(self, make: Any) -> Any:
+        return lambda name, doc, *labels: make(name, doc, *labels, *self.fixed)
+
     def _inc(self, name: str, value: float, **labels: str) -> None:
         key = (name, tuple(sorted(labels.items())))
         delta = value - self.last.get(key, 0.0)
         if delta > 0:
             c = self.counters[name]
+            labels.update(self.fixed)
             (c.labels(**labels) if labels else c).inc(delta)
         self.last[key] = value
+
+    def _gauge(self, name: str, **labels: str) -> Any:
+        return self.gauges[name].labels(**labels, **self.fixed)
 
     def update(self, snap: dict[str, Any]) -> None:
         """Bring the registry up to `snap` (a `stats_snapshot`)."""
@@ -296,8 +309,8 @@ class PromExport:
             label = snap.get("lower_tier", t) if t == DISK else t  # the lower slot is named by what holds it
             for name in ("hit_tokens", "evicted_tokens", "demoted_tokens", "promoted_tokens"):
                 self._inc(name, snap[name][t], tier=label)
-            self.gauges["stored_tokens"].labels(tier=label).set(snap["stored_tokens"][t])
-            self.gauges["capacity_tokens"].labels(tier=label).set(snap["capacity_tokens"][t])
+            self._gauge("stored_tokens", tier=label).set(snap["stored_tokens"][t])
+            self._gauge("capacity_tokens", tier=label).set(snap["capacity_tokens"][t])
         for event, v in (snap.get("store") or {}).items():
             if isinstance(v, int) and not isinstance(v, bool) and event != "tracked_pages":
                 self._inc("store", v, event=event)
@@ -305,7 +318,7 @@ class PromExport:
         self._inc("requests", snap["requests"])
         for call, d in (snap.get("scheduler_calls") or {}).items():
             for q in ("p50", "p99", "max"):
-                self.gauges["call_seconds"].labels(call=call, quantile=q).set(d[f"{q}_us"] / 1e6)
+                self._gauge("call_seconds", call=call, quantile=q).set(d[f"{q}_us"] / 1e6)
         for link, v in snap["bytes_moved"].items():
             self._inc("bytes_moved", v, link=link)
         for kind, d in snap["prefetch"].items():

@@ -1,14 +1,16 @@
 """The `sgl_hicache` radix-cache backend's factory, called by SGLang's `create_tree_cache(ctx)`.
 
 `factory(ctx)` refuses the configurations we do not support with one clear error naming them all,
-each with what to run instead (`coverage.REFUSED`): PP > 1, DP attention and `--dp-size > 1` in one
-server, `--enable-hierarchical-cache` (SGLang's own HiCache), hybrid Mamba / DSA models. (Pool
-kinds without an adapter, sliding-window pools other than `SWAKVPool` among them, are refused by
-`pool_adapters`, MLA at TP > 1 by `assembly`.) Speculative decoding (EAGLE / EAGLE3 / MTP) gets bigram
-keys and the draft model's KV pools tiered with the target's (`speculative.py`; `_draft_pools`). Then it
-reads the settings, sets up the TP ranks' agreement, builds the `TieredRadixCache` under a namespace
-salted by the model (`model_salt`; with a draft, its path too), registers the layer-wise loads as
-SGLang's layer transfer counter (and, per draft pool, a `DraftLayerCounter`), and starts it.
+each with what to run instead (`coverage.REFUSED`): PP > 1, `--enable-hierarchical-cache` (SGLang's
+own HiCache), hybrid Mamba / DSA models. (Pool kinds without an adapter, sliding-window pools other than
+`SWAKVPool` among them, are refused by `pool_adapters`, MLA at TP > 1 by `assembly`.) Speculative
+decoding (EAGLE / EAGLE3 / MTP) gets bigram keys and the draft model's KV pools tiered with the target's
+(`speculative.py`; `_draft_pools`). Then it reads the settings (SGLang's `--hicache-*` flags mapped onto
+them, `hicache_flags.py`), finds the cache's place in SGLang's data parallelism
+(`data_parallel.placement`: each attention-DP rank or replica is a tree of its own), sets up the
+agreement over the cache group SGLang passes, builds the `TieredRadixCache` under a namespace salted by
+the model (`model_salt`; with a draft, its path too), registers the layer-wise loads as SGLang's layer
+transfer counter (and, per draft pool, a `DraftLayerCounter`), and starts it.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from typing import Any
 from .backend import TieredRadixCache
 from .coverage import PREFIX as _REFUSAL
 from .coverage import refusal
+from .data_parallel import group_consensus, placement
 from .debug_settings import DebugSettings
 from .hicache_flags import apply_hicache_flags
-from .rank_consensus import RankConsensus, step_hook_installed
 from .settings import given_settings, load_settings, unknown_env
 from .speculative import DraftLayerCounter, draft_pools_of
 
@@ -55,27 +57,9 @@ def unsupported(ctx: Any) -> list[str]:
     if getattr(ctx, "is_dsa", False):
         problems.append(refusal("dsa"))
     sa = ctx.server_args
-    if getattr(sa, "enable_dp_attention", False):
-        problems.append(refusal("dp_attention"))
-    if (getattr(sa, "dp_size", 1) or 1) > 1:
-        problems.append(refusal("dp_size", f"dp_size={sa.dp_size}"))
     if (getattr(sa, "pp_size", 1) or 1) > 1:
         problems.append(refusal("pp", f"pp_size={sa.pp_size}"))
     return problems
-
-
-def _consensus(ctx: Any, debug: DebugSettings) -> RankConsensus | None:
-    """TP >= 2: the ranks' per-step agreement over SGLang's TP CPU group (None at TP = 1)."""
-    tp = int(ctx.tp_size or 1)
-    if tp <= 1:
-        return None
-    group = ctx.params.tp_cache_group or getattr(ctx.tp_group, "cpu_group", None)
-    if group is None:
-        raise ValueError(f"{_REFUSAL}tp_size={tp} but SGLang gave the cache no TP group")
-    if not step_hook_installed():
-        raise ValueError(f"{_REFUSAL}tp_size={tp} needs the per-step hook on the scheduler, "
-                         "which the sgl_hicache plugin did not install (see the log); run with --tp 1")
-    return RankConsensus(group, int(ctx.tp_rank), tp, check=debug.consensus_check)
 
 
 def _architecture(ctx: Any) -> str:
@@ -107,7 +91,8 @@ def factory(ctx: Any) -> TieredRadixCache:
     sa = ctx.server_args
     settings = apply_hicache_flags(load_settings(), sa, given_settings())
     debug = DebugSettings.from_env()
-    consensus = _consensus(ctx, debug)
+    where = placement(ctx)
+    consensus = group_consensus(ctx, debug, where)
     for var in unknown_env():
         logger.warning("sgl_hicache: ignoring unknown environment variable %s", var)
     drafts = _draft_pools(ctx)
@@ -116,7 +101,7 @@ def factory(ctx: Any) -> TieredRadixCache:
         draft = str(getattr(sa, "speculative_draft_model_path", "") or "")
         salt += f";keys=bigram;draft={os.path.realpath(draft) if os.path.isdir(draft) else draft}"
     cache = TieredRadixCache(ctx.params, settings, debug=debug, architecture=_architecture(ctx), model_salt=salt,
-                             server_port=getattr(sa, "port", None), consensus=consensus,
+                             server_port=getattr(sa, "port", None), consensus=consensus, placement=where,
                              vocab_size=getattr(ctx.model_config, "vocab_size", None), draft_pools=drafts)
     if cache.layer_loads is not None:
         cache.layer_loads.forward_stream = getattr(getattr(ctx.tp_worker, "model_runner", None), "forward_stream", None)

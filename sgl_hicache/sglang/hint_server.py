@@ -164,8 +164,9 @@ class HintListener:
 def refuse_hints_at_tp(hint_port: int | None, multi_rank: bool, prefix: str = "") -> None:
     """The hint API runs at TP=1 only: raises ValueError naming what to change otherwise."""
     if hint_port is not None and multi_rank:
-        raise ValueError(prefix + "the hint API (hint_port) is not supported with --tp > 1: every rank would need the "
-                         "same hints at the same step; run without SGLHICACHE_HINT_PORT / --hint-port")
+        raise ValueError(prefix + "the hint API (hint_port) is not supported with --tp > 1 or DP > 1: every rank would "
+                         "need the same hints at the same step, and each DP rank a listener of its own; run without "
+                         "SGLHICACHE_HINT_PORT / --hint-port")
 
 
 __all__ = ["HintListener", "parse_hint_batch", "refuse_hints_at_tp"]
