@@ -49,7 +49,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from regime_map import load_slice, working_set  # noqa: E402
 from retention import split_capacities  # noqa: E402
-from sgl_hicache import speculation  # noqa: E402
 from sgl_hicache.engine.presets import get_hardware, get_model  # noqa: E402
 from sgl_hicache.engine.simulator import EmbeddedEngine, EngineConfig  # noqa: E402
 from sgl_hicache.replay import load_trace  # noqa: E402
@@ -107,7 +106,7 @@ def run(requests: list, config: EngineConfig, targets: set[str], groups: dict[st
             "bytes_moved": snap["bytes_moved"],
             "bytes_moved_total": sum(snap["bytes_moved"].values()),
             "predictor": {k: pred.get(k) for k in ("promoted_tokens", "used_tokens", "wasted_tokens", "precision")},
-            **speculation.counters(engine.controller),
+            **engine.controller.speculation.counters(),
             "half_life_s": engine.cache.tree.half_life.value,
             "virtual_s": engine.now,
         }

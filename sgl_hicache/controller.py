@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .cache import PrefixMatch, TieredCache
-from . import speculation
+from .speculation import Speculation
 from .hint_desk import HintDesk
 from .config import DEFAULT_POLICY
 from .transfer.ops import PromotionJob
@@ -99,11 +99,8 @@ class RequestController:
                  clock: Callable[[], float]) -> None:
         self.cache = cache
         self.executor = executor
-        self.predictor = predictor
         self.settings = settings
         self.clock = clock
-        self.predicted: list[PromotionJob] = []
-        self.planned: dict[str, int] = {}  # tokens of predictions planned, per guard trigger
         self.writeback: list[TransferOp] = []
         self.dropped: list[PromotionJob] = []  # cancelled jobs waiting for a running copy to end
         self._writeback_at = -float("inf")
@@ -114,10 +111,11 @@ class RequestController:
         self._round_started: float | None = None
         self._round_seconds = 0.0
         self._committed_seen = (0, 0)
-        self.guard = PromotionGuard()
-        self.shadow = ShadowBets()  # a trigger's picks judged without copies, until it is proven
         self.queue_delay = QueueDelay()  # first match -> admission (`admitted`)
-        self.hints = HintDesk(self)  # client hints, through this controller (`hint_desk.py`)
+        # predictions and hint prefetches (`speculation.py`), and client hints (`hint_desk.py`)
+        self.speculation = Speculation(cache, executor, predictor, settings, clock, self.queue_delay,
+                                       self.eviction_rates[HOST], self.free_drop_trend)
+        self.hints = HintDesk(cache, self.speculation, clock)
         self.prefetch_skipped = 0  # queue prefetches the guard refused (no room to spare on host)
         self.preempted_prefetches = 0  # queued requests' prefetch jobs ended for a demand (yield_to_demand)
         self.disk_reads_recomputed = 0  # disk-only tokens recomputed: reading them would land later (read_or_recompute)
@@ -331,18 +329,42 @@ class RequestController:
 
     # ---- prediction (`speculation.py`) ---------------------------------------------------------
     def predict(self, m: PrefixMatch) -> None:
-        """Bring likely nodes (the predictor's choice) disk -> host ahead of their use (`speculation.predict`)."""
-        speculation.predict(self, m)
+        """Bring likely nodes (the predictor's choice) disk -> host ahead of their use (`Speculation.predict`)."""
+        self.speculation.predict(m)
 
     def advance_predictions(self) -> None:
-        self.executor.poll()
-        keep = []
-        for job in self.predicted:
-            if self.cache.advance(job):
-                self.cache.release(job)
-            else:
-                keep.append(job)
-        self.predicted = keep
+        self.speculation.advance()
+
+    @property
+    def predictor(self) -> Predictor:
+        """The predictor speculation asks (`Speculation.predictor`)."""
+        return self.speculation.predictor
+
+    @predictor.setter
+    def predictor(self, predictor: Predictor) -> None:
+        self.speculation.predictor = predictor
+
+    @property
+    def predicted(self) -> list[PromotionJob]:
+        """The speculative jobs in flight (`Speculation.predicted`)."""
+        return self.speculation.predicted
+
+    @property
+    def planned(self) -> dict[str, int]:
+        return self.speculation.planned
+
+    @property
+    def guard(self) -> PromotionGuard:
+        """The promotion guard, shared by queue prefetches and speculation."""
+        return self.speculation.guard
+
+    @guard.setter
+    def guard(self, guard: PromotionGuard) -> None:
+        self.speculation.guard = guard
+
+    @property
+    def shadow(self) -> ShadowBets:
+        return self.speculation.shadow
 
     # ---- background write-back ---------------------------------------------------------------
     def pump_writeback(self, start_new: bool = True) -> bool:
@@ -467,10 +489,7 @@ class RequestController:
     def shutdown(self) -> None:
         """Cancel and release everything in flight (tickets are dropped by their owner); end every pin."""
         self.hints.shutdown()
-        for job in self.predicted:
-            self.executor.cancel(job.ops())
-            self.cache.release(job)
-        self.predicted = []
+        self.speculation.shutdown()
         self._reap_dropped(wait=True)
         self.executor.cancel(self.writeback)
         for op in self.writeback + self.cache.orphans:

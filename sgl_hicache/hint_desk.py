@@ -14,22 +14,21 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
+from .cache import TieredCache
 from .policy.hints import Hint, HintError, HintLimits, check_prefix
-from .speculation import admit, prediction_budget, promote_fresh
+from .speculation import Speculation
 from .tiers.base import HOST, TIERS
 from .tree.node import TreeNode
-
-if TYPE_CHECKING:
-    from .controller import RequestController
 
 HINT_TRIGGER = "hint"
 
 
 class HintDesk:
-    """Applies hints for one `RequestController` (its owner calls `expire` as time passes).
+    """Applies hints for one `RequestController` (its owner calls `expire` as time passes), on its
+    `cache`, submitting prefetches through its `speculation` (same guard, same job limit), with its
+    `clock`.
 
     Contract: `apply(hint, tokens)` runs `hint` on the prefix `tokens` (the caller resolved a
     session to its tokens) and returns the tokens it acted on (0: nothing cached matched, the guard
@@ -38,8 +37,11 @@ class HintDesk:
     `counts` tallies applied hints per action, `rejected` the refused ones.
     """
 
-    def __init__(self, controller: "RequestController", limits: HintLimits | None = None) -> None:
-        self.ctl = controller
+    def __init__(self, cache: TieredCache, speculation: Speculation, clock: Callable[[], float],
+                 limits: HintLimits | None = None) -> None:
+        self.cache = cache
+        self.speculation = speculation
+        self.clock = clock
         self.limits = limits or HintLimits()
         self._pins: list[tuple[float, int, TreeNode, int]] = []  # (expiry, seq, locked node, tokens)
         self._seq = itertools.count()
@@ -55,15 +57,14 @@ class HintDesk:
             raise
 
     def _apply(self, hint: Hint, tokens: Sequence[int]) -> int:
-        ctl = self.ctl
-        cache = ctl.cache
+        cache = self.cache
         check_prefix(len(tokens), cache.page_size)
         aligned = cache.tree.page_aligned(tokens)
         self.expire()
         m = cache.match(tokens[:aligned], touch=False, count=False)
         if not m.path:
             return 0
-        now = ctl.clock()
+        now = self.clock()
         if hint.action == "retain":
             cache.match(tokens[:aligned], touch=True, count=False)
         elif hint.action == "demote":
@@ -85,37 +86,31 @@ class HintDesk:
     def _prefetch(self, node: TreeNode, now: float) -> None:
         """`node`'s path disk -> host, node by node (root first, each over host pages ranked below
         it), as speculative jobs of the controller, under the guard, up to its budget."""
-        ctl = self.ctl
-        budget = prediction_budget(ctl)
-        left = budget if budget is not None else None
+        spec = self.speculation
+        left = spec.prediction_budget()
         if not any(n.host is None and n.device is None for n in node.path_from_root()):
             return
-        if admit(ctl, HINT_TRIGGER) is None:  # one decision per hint
+        if spec.admit(HINT_TRIGGER) is None:  # one decision per hint
             return
         for n in node.path_from_root():
             if n.host is not None or n.device is not None or n.parent is None:
                 continue
-            if len(ctl.predicted) >= ctl.settings.max_predicted_jobs:
+            if len(spec.predicted) >= spec.settings.max_predicted_jobs:
                 return
-            tokens = n.num_pages * ctl.cache.page_size
+            tokens = n.num_pages * self.cache.page_size
             if left is not None and tokens > left:
                 return  # it would not land in time: the demand load does the rest
-            job = promote_fresh(ctl, n, now, may_evict=True)
+            job = spec.promote_fresh(n, now, may_evict=True)
             if job is None:
                 return
-            mine = [st.node for st in job.stages if st.ops]  # (not those another job brings)
-            for m in mine:
-                m.prefetch_trigger = HINT_TRIGGER
-            ctl.planned[HINT_TRIGGER] = ctl.planned.get(HINT_TRIGGER, 0) + sum(m.num_pages for m in mine) * ctl.cache.page_size
-            ctl.executor.submit_job(job, speculative=True)
-            ctl.predicted.append(job)
+            spec.submit(job, HINT_TRIGGER)
             if left is not None:
                 left -= tokens
 
     def _demote(self, path: list[TreeNode]) -> None:
         """The prefix goes first: its recency set to the oldest (each node re-queued as an eviction
         candidate where its tier keeps an incremental order, since its key went down)."""
-        tree = self.ctl.cache.tree
+        tree = self.cache.tree
         for n in path:
             n.last_access = 0.0
         tree.touched()
@@ -127,11 +122,11 @@ class HintDesk:
 
     def expire(self) -> int:
         """Unlock the pins whose time is up. Returns how many ended."""
-        now = self.ctl.clock()
+        now = self.clock()
         ended = 0
         while self._pins and self._pins[0][0] <= now:
             _, _, node, tokens = heapq.heappop(self._pins)
-            self.ctl.cache.unlock(node)
+            self.cache.unlock(node)
             self.pinned_tokens -= tokens
             ended += 1
         return ended
@@ -140,7 +135,7 @@ class HintDesk:
         """End every pin now."""
         while self._pins:
             _, _, node, tokens = heapq.heappop(self._pins)
-            self.ctl.cache.unlock(node)
+            self.cache.unlock(node)
             self.pinned_tokens -= tokens
 
     @property

@@ -9,7 +9,6 @@ from conftest import make_cache, serve
 from sgl_hicache.policy.guard import PromotionGuard
 from sgl_hicache.policy.predictor import Prediction
 from sgl_hicache.policy.writeback import fresh_copy_stay_s, host_pages_before_fresh_copy
-from sgl_hicache.speculation import host_stay_s
 from sgl_hicache.tiers.base import DEVICE, DISK, HOST
 from test_oracle_reuse import PS, Clock, seq
 from test_predictor_blockers import _controller, _disk_only, _Fixed
@@ -84,7 +83,7 @@ def _live_prediction(tmp_path, ahead_pages: int):
 def test_a_live_prediction_is_refused_while_the_host_would_evict_it_within_its_lead(tmp_path):
     cache, ctl, target = _live_prediction(tmp_path, ahead_pages=0)
     ctl.eviction_rates[HOST].rate = 4.0  # pages/s: host eviction is under way, nothing goes before it
-    assert host_stay_s(ctl) == 0.0
+    assert ctl.speculation.host_stay_s() == 0.0
     ctl.arrive(seq(9000, 1))
     assert ctl.predicted == [] and ctl.guard.short_stay == 1
     assert cache.stats.prefetch["predict"]["promoted_tokens"] == 0
@@ -94,7 +93,7 @@ def test_a_live_prediction_goes_ahead_while_the_free_drops_before_it_last_its_le
     cache, ctl, target = _live_prediction(tmp_path, ahead_pages=4)
     ctl.eviction_rates[HOST].rate = 8.0
     ctl.free_drop_trend.rate = -2.0  # 4 pages ahead of it, shrinking by 2 pages/s: 2 s, the lead
-    assert host_stay_s(ctl) == 2.0
+    assert ctl.speculation.host_stay_s() == 2.0
     ctl.arrive(seq(9000, 1))
     assert len(ctl.predicted) == 1 and ctl.guard.short_stay == 0
 
@@ -123,7 +122,7 @@ def test_the_pool_trend_is_measured_at_each_write_back_round(tmp_path):
 
 def test_a_host_that_evicts_nothing_keeps_a_prediction_however_few_pages_go_before_it(tmp_path):
     cache, ctl, target = _live_prediction(tmp_path, ahead_pages=0)
-    assert ctl.eviction_rates[HOST].rate == 0 and host_stay_s(ctl) == float("inf")
+    assert ctl.eviction_rates[HOST].rate == 0 and ctl.speculation.host_stay_s() == float("inf")
     ctl.arrive(seq(9000, 1))
     assert len(ctl.predicted) == 1
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 
 from conftest import make_cache, serve
-from sgl_hicache import speculation
 from sgl_hicache.controller import ControllerSettings, RequestController
 from sgl_hicache.policy.guard import PromotionGuard, QueueDelay
 from sgl_hicache.policy.predictor import Prediction, Predictor, TreeWalkPredictor
@@ -183,11 +182,11 @@ def test_budget_is_lead_time_times_the_link_rate(tmp_path):
     clock = Clock()
     cache = make_cache(tmp_path)
     _, ctl = _controller(cache, clock, seconds=lambda link, tokens: tokens / 500.0, predictor_lead_s=2.0)
-    assert speculation.prediction_budget(ctl) == 1000
+    assert ctl.speculation.prediction_budget() == 1000
     _, ctl = _controller(cache, clock, seconds=lambda link, tokens: tokens / 2000.0, predictor_lead_s=0.5)
-    assert speculation.prediction_budget(ctl) == 1000
+    assert ctl.speculation.prediction_budget() == 1000
     _, ctl = _controller(cache, clock, predictor_lead_s=0.0)
-    assert speculation.prediction_budget(ctl) is None  # the predictor's own budget
+    assert ctl.speculation.prediction_budget() is None  # the predictor's own budget
 
 
 # ---- speculation charged and ordered -------------------------------------------------------------
@@ -291,7 +290,7 @@ def test_a_trigger_is_charged_once_for_each_page_it_copies(tmp_path):
     ctl.predictor = _Fixed([Prediction(parent, 1.0), Prediction(child, 1.0)])
     ctl.arrive(seq(9000, 1))
     assert len(ctl.predicted) == 2
-    trigger = speculation.trigger_of(ctl, cache.match(seq(9000, 1), touch=False).last_node)
+    trigger = ctl.speculation.trigger_of(cache.match(seq(9000, 1), touch=False).last_node)
     assert ctl.planned[trigger] == (parent.num_pages + child.num_pages) * PS
     ex.finish_all([op for job in ctl.predicted for op in job.ops()])
     ctl.advance_predictions()
@@ -319,7 +318,7 @@ def test_the_guard_is_charged_for_the_arriving_requests_own_path_a_prediction_br
     cache, ex, ctl, child = _own_path_and_child(tmp_path)
     arriving = seq(0, 2) + seq(7000, 1)
     ctl.arrive(arriving)
-    trigger = speculation.trigger_of(ctl, child.parent)
+    trigger = ctl.speculation.trigger_of(child.parent)
     assert ctl.planned[trigger] == (child.parent.num_pages + child.num_pages) * PS
     ex.finish_all([op for job in ctl.predicted for op in job.ops()])
     ctl.advance_predictions()
@@ -345,8 +344,8 @@ def test_the_arriving_requests_own_path_comes_out_of_the_budget(tmp_path):
     seen = []
     ctl.predictor = _Fixed([])
     ctl.predictor.predict = lambda start, now, budget_tokens=None: seen.append(budget_tokens) or []
-    full = speculation.prediction_budget(ctl)
-    assert full == 20 and full < speculation.host_room(ctl, 0)
+    full = ctl.speculation.prediction_budget()
+    assert full == 20 and full < ctl.speculation.host_room(0)
     ctl.arrive(seq(9000, 1))  # nothing of its own on disk
     ctl.arrive(seq(0, 2) + seq(7000, 1))  # two pages of its own on disk
     assert seen == [full, full - 2 * PS]
@@ -358,7 +357,7 @@ def test_a_prediction_gets_no_more_host_room_than_a_queue_prefetch(tmp_path):
     cache, ex, ctl, child = _own_path_and_child(tmp_path)  # host: 8 pages; a prefetch may hold 4
     seen = []
     ctl.predictor.predict = lambda start, now, budget_tokens=None: seen.append(budget_tokens) or []
-    assert speculation.prediction_budget(ctl) > 4 * PS  # the room binds, not the lead
+    assert ctl.speculation.prediction_budget() > 4 * PS  # the room binds, not the lead
     ctl.arrive(seq(9000, 1))
     ctl.arrive(seq(0, 2) + seq(7000, 1))  # two pages of its own on disk: two left for picks
     assert seen == [4 * PS, 2 * PS]
@@ -397,7 +396,7 @@ def test_no_prediction_while_requests_queue_longer_than_the_lead(tmp_path, waite
     ctl.arrive(seq(9000, 1))
     assert bool(ctl.predicted) is predicts
     assert ctl.guard.queue_deep == (0 if predicts else 1)
-    counters = speculation.counters(ctl)  # what the server's stats and the engine's benchmarks report
+    counters = ctl.speculation.counters()  # what the server's stats and the engine's benchmarks report
     assert counters["queue_deep"] == ctl.guard.queue_deep and counters["queue_delay_s"] == pytest.approx(waited)
     if predicts:
         ex.finish_all([op for job in ctl.predicted for op in job.ops()])
