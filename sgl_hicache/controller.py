@@ -115,7 +115,7 @@ class RequestController:
         # predictions and hint prefetches (`speculation.py`), and client hints (`hint_desk.py`)
         self.speculation = Speculation(cache, executor, predictor, settings, clock, self.queue_delay,
                                        self.eviction_rates[HOST], self.free_drop_trend)
-        self.hints = HintDesk(cache, self.speculation, clock)
+        self.hints = HintDesk(cache, self.speculation, clock, self.eviction_rates)
         self.prefetch_skipped = 0  # queue prefetches the guard refused (no room to spare on host)
         self.preempted_prefetches = 0  # queued requests' prefetch jobs ended for a demand (yield_to_demand)
         self.disk_reads_recomputed = 0  # disk-only tokens recomputed: reading them would land later (read_or_recompute)

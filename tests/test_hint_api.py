@@ -52,7 +52,7 @@ def test_valid_hints_are_queued_in_order_and_drained_once(listener):
     ({"hints": [{"action": "prefetch", "input_ids": [1, -3]}]}, "non-negative"),
     ({"hints": [{"action": "prefetch", "input_ids": "1 2"}]}, "list of integer token ids"),
     ({"hints": [{"action": "prefetch", "input_ids": [1], "colour": 1}]}, "unknown field(s) colour"),
-    ({"hints": [{"action": "pin", "input_ids": [1, 2], "ttl_s": 86400}]}, "hint 0: pin for 86400 s exceeds the longest allowed, 600 s"),
+    ({"hints": [{"action": "pin", "input_ids": [1, 2], "ttl_s": 86400}]}, "hint 0: 'ttl_s' of 86400 s exceeds the longest allowed, 600 s"),
     ({"hint": []}, '{"hints": [...]}'),
     (b"{not json", "Expecting property name"),
 ])
