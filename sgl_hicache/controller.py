@@ -22,8 +22,7 @@ from .speculation import Speculation
 from .hint_desk import HintDesk
 from .config import DEFAULT_POLICY
 from .transfer.ops import PromotionJob
-from .policy.shadow import ShadowBets
-from .policy.guard import PromotionGuard, QueueDelay
+from .policy.guard import QueueDelay
 from .policy.yielding import yield_plan
 from .policy.predictor import Predictor
 from .policy.writeback import EvictionRate, host_pages_before_fresh_copy, selective_write_through_due, watermark_pages
@@ -125,7 +124,7 @@ class RequestController:
         """First sight of a request: match (counting its traffic, once), remember its disk range, predict."""
         m = self.cache.match(tokens, count=True)
         ticket = Ticket(tokens, disk_start=m.device_tokens + m.host_tokens, disk_end=m.tokens, arrived_s=self.clock())
-        if self.predictor.name != "none":
+        if self.speculation.predictor.name != "none":
             self.predict(m)
         return ticket, m
 
@@ -140,7 +139,7 @@ class RequestController:
             return False
         # a prefetch holds its host pages until its request is scheduled: only while the tier has room
         # to spare for that (the guard) may it start, else the demand load does it at schedule time
-        if not self.guard.prefetch_fits(self.cache.tree.protected[HOST], m.lower_tier_tokens // self.cache.page_size,
+        if not self.speculation.guard.prefetch_fits(self.cache.tree.protected[HOST], m.lower_tier_tokens // self.cache.page_size,
                                         self.cache.stores[HOST].capacity_pages, head=head):
             self.prefetch_skipped += 1
             return False
@@ -321,7 +320,7 @@ class RequestController:
         if hit_tokens is not None and hit_tokens < m.tokens:
             m = m.head(hit_tokens)
         dev, host, disk = self.attribute(ticket, m)
-        self.shadow.observe(m.path, self.clock())  # an admitted request uses the shadow picks on its path
+        self.speculation.shadow.observe(m.path, self.clock())  # an admitted request uses the shadow picks on its path
         covered = min(ticket.prefetched_disk_tokens + self._brought_from_disk(ticket.job), disk) if ticket is not None else 0
         self.cache.record_request(prompt_tokens, PrefixMatch(m.path, dev, host, disk, m.device_handles, m.last_node, m.last_device_node),
                                   covered_by_prefetch=covered)
@@ -336,35 +335,10 @@ class RequestController:
         self.speculation.advance()
 
     @property
-    def predictor(self) -> Predictor:
-        """The predictor speculation asks (`Speculation.predictor`)."""
-        return self.speculation.predictor
-
-    @predictor.setter
-    def predictor(self, predictor: Predictor) -> None:
-        self.speculation.predictor = predictor
-
-    @property
     def predicted(self) -> list[PromotionJob]:
         """The speculative jobs in flight (`Speculation.predicted`)."""
         return self.speculation.predicted
 
-    @property
-    def planned(self) -> dict[str, int]:
-        return self.speculation.planned
-
-    @property
-    def guard(self) -> PromotionGuard:
-        """The promotion guard, shared by queue prefetches and speculation."""
-        return self.speculation.guard
-
-    @guard.setter
-    def guard(self, guard: PromotionGuard) -> None:
-        self.speculation.guard = guard
-
-    @property
-    def shadow(self) -> ShadowBets:
-        return self.speculation.shadow
 
     # ---- background write-back ---------------------------------------------------------------
     def pump_writeback(self, start_new: bool = True) -> bool:
