@@ -30,7 +30,7 @@ from .cache import TieredCache
 from .policy.hints import Hint, HintError, HintLimits, RateGate, check_prefix, retention_s
 from .policy.writeback import EvictionRate
 from .speculation import Speculation
-from .tiers.base import DEVICE, HOST, TIERS
+from .tiers.base import DEVICE, DISK, HOST, TIERS
 from .tree.node import TreeNode
 
 HINT_TRIGGER = "hint"
@@ -148,8 +148,12 @@ class HintDesk:
         """How long after its start a retention holds in `tier` (`retention_s`, with the tier's
         measured eviction rate)."""
         rate = self.eviction_rates.get(tier)
+        stats = self.cache.stats
+        below = (HOST, DISK) if tier == DEVICE else (DISK,)
+        evicted = stats.evicted_tokens[tier]
+        reloaded = sum(stats.hit_tokens[t] for t in below) / evicted if evicted else 0.0
         return retention_s(float("inf"), self.cache.stores[tier].capacity_pages, rate.rate if rate else 0.0,
-                           self.precision(), self.limits.stay_factor)
+                           self.precision(), reloaded, self.limits.stay_factor)
 
     def refresh(self, now: float) -> None:
         """Keep the retained prefixes among the most recently used pages: the retentions ending

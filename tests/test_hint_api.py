@@ -46,7 +46,7 @@ def test_valid_hints_are_queued_in_order_and_drained_once(listener):
 
 @pytest.mark.parametrize("body, words", [
     ({"hints": [{"action": "prefetch", "input_ids": [1]}, {"action": "evict", "input_ids": [1]}]}, "hint 1: 'action'"),
-    ({"hints": [{"action": "retain", "session": "s1"}]}, "tracks no sessions"),
+    ({"hints": [{"action": "retain", "session": "s1"}]}, "names prefixes by 'input_ids'"),
     ({"hints": [{"action": "pin", "input_ids": [1, 2]}]}, "'ttl_s' is required"),
     ({"hints": [{"action": "prefetch", "input_ids": [1, 2000]}]}, "hint 0: 'input_ids' holds token id 2000, outside the vocabulary"),
     ({"hints": [{"action": "prefetch", "input_ids": [1, -3]}]}, "non-negative"),

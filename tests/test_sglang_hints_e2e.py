@@ -9,8 +9,8 @@ output):
 - `prefetch` of a prefix demoted to disk brings it to host before it is asked for: the request then
   hits host, not disk (a control prompt without the hint hits disk), the promoted tokens count as
   used, and its greedy output equals the one computed from scratch;
-- `pin` for T seconds keeps a prefix on the device through a flood, and once T has passed nothing is
-  pinned and no device page is protected;
+- `pin` for T seconds keeps a prefix off disk through a flood (retained, never locked), and once T has
+  passed nothing is retained and no device page is protected;
 - the HTTP replayer (`replay_http`, and `sgl-hicache replay --url`) sends a trace's hints at their
   time, counts a refused one with its reason, and the outputs equal those of the same trace without
   hints; a dead hint API fails the command before anything is sent.
@@ -90,8 +90,8 @@ def test_bad_hints_are_refused_with_the_field_named(server):
         ({"action": "prefetch", "input_ids": ok[:20] + [VOCAB + 5]}, f"hint 0: 'input_ids' holds token id {VOCAB + 5}, outside the vocabulary"),
         ({"action": "prefetch", "input_ids": ok[:PAGE - 1]}, "hint 0: 'input_ids': a hint's prefix must hold at least one whole page (16 tokens)"),
         ({"action": "pin", "input_ids": _prompt(11, 600), "ttl_s": 5}, "hint 0: pin of 592 tokens is over 25% of the 2048-token host tier (512 tokens)"),
-        ({"action": "pin", "input_ids": ok, "ttl_s": 3600}, "hint 0: pin for 3600 s exceeds the longest allowed, 600 s"),
-        ({"action": "retain", "session": "s1"}, "hint 0: the server tracks no sessions"),
+        ({"action": "pin", "input_ids": ok, "ttl_s": 3600}, "hint 0: 'ttl_s' of 3600 s exceeds the longest allowed, 600 s"),
+        ({"action": "retain", "session": "s1"}, "hint 0: the hint API names prefixes by 'input_ids'"),
         ({"action": "evict", "input_ids": ok}, "hint 0: 'action' must be one of prefetch, pin, retain, demote"),
     ]
     for hint, words in cases:
@@ -144,7 +144,8 @@ def test_a_pin_holds_its_prefix_for_its_ttl_and_no_longer(server):
     out, hits = _gen(server, pinned)
     assert _stats(server)["hints"]["pins"] == 1, f"the flood outlasted the {ttl:.0f} s pin ({time.monotonic() - t0:.1f} s); raise ttl"
     assert out == ref
-    assert hits["device"] == HIT, hits  # the flood did not move it off the device
+    # retained, not locked: it may age from the device (10 % of it is for hints) to host, never to disk
+    assert hits["storage"] == 0 and hits["device"] + hits["host"] == HIT, hits
     # the pin ends on its own: nothing pinned, nothing protected once the server is idle
     st = _wait_for(lambda: (s := _stats(server))["hints"]["pins"] == 0 and s, "the pin to expire", timeout_s=ttl + 60)
     assert time.monotonic() - t0 >= ttl

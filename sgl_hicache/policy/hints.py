@@ -74,7 +74,8 @@ class HintLimits:
     - At most `max_retained` retentions are held at once, and at most `max_hints_per_s` hints are
       applied per second (bursts up to `burst`): past either, a hint is refused as a ``flood``.
     - `stay_factor`: the cost test (`retention_s`) retains a prefix in a tier for at most this many
-      times as long as the tier keeps an unhinted page, scaled by how often hinted prefixes came back.
+      times as long as the tier keeps an unhinted page, scaled by how often hinted prefixes came back
+      over how often the tier's evicted pages are needed again.
     """
 
     max_ttl_s: float = 600.0
@@ -120,18 +121,22 @@ def hint_tokens(hint: Hint, sessions: dict[str, Sequence[int]]) -> Sequence[int]
     return tokens
 
 
-def retention_s(ttl_s: float, capacity_pages: int, evicted_pages_per_s: float, precision: float, stay_factor: float) -> float:
+def retention_s(ttl_s: float, capacity_pages: int, evicted_pages_per_s: float, precision: float, reloaded: float,
+                stay_factor: float) -> float:
     """How long a hinted prefix is retained in a tier (Continuum's cost test, per token): holding a
-    page for `t` seconds pushes out, on average, `t / stay` other pages' worth of residency, where
-    `stay = capacity_pages / evicted_pages_per_s` is how long the tier keeps an unhinted page; each
-    of those may be reloaded at about the cost the hint saves. So retention pays up to the tier's
-    own stay time, times how much likelier the hinted prefix is to come back than an unhinted page
-    (`precision`: the share of retained prefixes that came back before their retention ended, times
-    `stay_factor`). A tier that evicts nothing keeps it for the whole `ttl_s` (holding is free)."""
+    page for `t` seconds takes `t / stay` of another page's residency, where `stay = capacity_pages /
+    evicted_pages_per_s` is how long the tier keeps an unhinted page, and that page is needed again
+    with probability `reloaded` (the share of the tier's evicted tokens that requests later hit
+    below it); the hinted one comes back with probability `precision` (the share of ended
+    retentions whose prefix came back in time). Either miss costs about one reload of a page, so
+    retention pays while `t <= stay * precision / reloaded`, times `stay_factor` (a hint's page is
+    needed at a known time; an unhinted page's reuse is spread out). A tier that evicts nothing keeps
+    it for the whole `ttl_s` (holding is free), and so does one whose evicted pages never come back
+    (`reloaded` is floored at 5 %: one in twenty)."""
     if evicted_pages_per_s <= 0:
         return ttl_s
     stay = capacity_pages / evicted_pages_per_s
-    return min(ttl_s, stay_factor * precision * stay)
+    return min(ttl_s, stay_factor * stay * precision / max(reloaded, 0.05))
 
 
 class RateGate:

@@ -81,6 +81,7 @@ from .hint_server import refuse_hints_at_tp
 from .export import StatsPublisher, pool_accounting, stats_snapshot, tree_text
 from .rank_consensus import RankConsensus
 from .req_states import ReqState, RequestStates
+from .request_hints import RequestHints
 from .settings import BackendSettings, load_settings
 from .step_calls import StepCalls
 
@@ -155,6 +156,7 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
         self.counters = BackendCounters()
         self.server_port = server_port
         self.req_states = RequestStates(self.controller, consensus)
+        self.request_hints = RequestHints(self.cache, self.controller.hints)  # hints in custom_params
         self._empty_indices = torch.empty((0,), dtype=torch.int64, device=self.device)
         self._publisher: StatsPublisher | None = None
         self._metrics_enabled = bool(getattr(params, "enable_metrics", False))
@@ -468,6 +470,7 @@ class TieredRadixCache(StepCalls, BasePrefixCache):
         return not self.disable
 
     def on_release(self, req, *, checkpointed: bool) -> None:
+        self.request_hints.on_finish(req)
         st = self.req_states.forget(req.rid)
         if getattr(req, "_sgl_hicache_recorded", False) or not getattr(req, "_cache_breakdown_computed", False):
             return

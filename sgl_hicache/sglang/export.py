@@ -111,6 +111,7 @@ def stats_snapshot(rc: TieredRadixCache, exact: bool = False) -> dict[str, Any]:
     backend["queue_reorders"] = rc.queue_order.reordered  # steps whose waiting queue admission_order changed
     snap["backend"] = backend
     snap["speculation"] = rc.controller.speculation.counters()
+    snap["agent_hints"] = {**rc.controller.hints.summary(), "requests": rc.request_hints.status()}
     snap["config"] = {
         "page_size": rc.page_size,
         "device_tokens": rc.device_pool.pool_pages * rc.page_size,

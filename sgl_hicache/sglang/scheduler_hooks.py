@@ -1,4 +1,4 @@
-"""Five hooks on SGLang 0.5.23's scheduler, registered through its `HookRegistry` by `plugin.register`.
+"""Six hooks on SGLang 0.5.23's scheduler, registered through its `HookRegistry` by `plugin.register`.
 Both do nothing unless the scheduler's tree cache is ours.
 
 1. Admission that never stalls the queue (AROUND `PrefillAdder.add_one_req`). When our
@@ -37,6 +37,8 @@ Both do nothing unless the scheduler's tree cache is ours.
    choice) and `admission_order=cost` (not the default: measured no better, issue 23): the queue's head (`ORDER_WINDOW` requests) is reordered by
    `policy.admission.QueueOrder`, cheapest first at the measured prefill cost (`queued_work`), so
    admission (1) offers short prefills before long ones and holds the long ones together.
+6. Before a new request is queued (BEFORE `Scheduler._add_request_to_queue`): the hints it carries
+   in `custom_params` (`request_hints.on_add_request`).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ ADD_ONE_REQ = "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"
 GET_NEW_BATCH_PREFILL = "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill"
 PROCESS_BATCH_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
 CALC_PRIORITY = "sglang.srt.managers.schedule_policy.SchedulePolicy.calc_priority"
+ADD_REQUEST = "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue"
 ORDER_WINDOW = 64  # the waiting queue's head that is costed and reordered (bounds the scheduler thread's work)
 
 
@@ -261,6 +264,9 @@ def register_hooks() -> None:
     HookRegistry.register(GET_NEW_BATCH_PREFILL, set_consumer_index, HookType.AFTER)
     HookRegistry.register(PROCESS_BATCH_RESULT, time_prefill, HookType.AFTER)
     HookRegistry.register(CALC_PRIORITY, order_queue, HookType.AFTER)
+    from .request_hints import on_add_request  # hints in the request (`request_hints.py`)
+
+    HookRegistry.register(ADD_REQUEST, on_add_request, HookType.BEFORE)
 
 
 __all__ = ["order_queue", "queued_work", "computed_tokens", "context_tokens", "step_end", "step_pairs", "demand_shortfall_tokens", "extend_tokens", "hold_new", "keep_admitting", "record_landed_copies", "register_hooks", "set_consumer_index",
