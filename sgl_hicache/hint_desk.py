@@ -4,7 +4,8 @@ API, the hints a request carries, and the embedded engine's replay of trace hint
 
 - ``prefetch``: the prefix's disk-only part comes up to host as a speculative job of the
   controller (paced: `max_predicted_jobs`, sized by `prediction_budget`; guarded: trigger ``hint``;
-  charged like a prediction, behind demand and ahead of write-back);
+  charged like a prediction, behind demand and ahead of write-back); the prefix is wanted soon, so it
+  is retained for `HintLimits.prefetch_retain_s`;
 - ``pin``: the same, then the prefix is retained for `ttl_s`;
 - ``retain``: the prefix's recency is refreshed, as a request using it would; with `ttl_s`, it is
   retained for that long;
@@ -106,6 +107,8 @@ class HintDesk:
         aligned = cache.tree.page_aligned(tokens)
         self.expire()
         ttl = hint.ttl_s if hint.action in ("pin", "retain") else None
+        if hint.action == "prefetch" and self.limits.prefetch_retain_s > 0:
+            ttl = self.limits.prefetch_retain_s  # it is wanted soon: kept until then, like a short retention
         if ttl is not None:
             self.limits.check_ttl(ttl)
         m = cache.match(tokens[:aligned], touch=False, count=False)
@@ -119,7 +122,11 @@ class HintDesk:
         elif m.disk_tokens:
             self._prefetch(m.path[-1], now)
         if ttl is not None:
-            self._retain(m.last_node, m.tokens, ttl, now)
+            try:
+                self._retain(m.last_node, m.tokens, ttl, now)
+            except HintError:
+                if hint.action != "prefetch":
+                    raise
         self.counts[hint.action] += 1
         return m.tokens
 

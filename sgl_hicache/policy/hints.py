@@ -76,6 +76,8 @@ class HintLimits:
     - `stay_factor`: the cost test (`retention_s`) retains a prefix in a tier for at most this many
       times as long as the tier keeps an unhinted page, scaled by how often hinted prefixes came back
       over how often the tier's evicted pages are needed again.
+    - `prefetch_retain_s`: a prefetched prefix is wanted soon: it is retained this long (as a
+      ``retain`` with that `ttl_s`; past the retention book's size the prefetch still runs).
     """
 
     max_ttl_s: float = 600.0
@@ -85,6 +87,7 @@ class HintLimits:
     max_hints_per_s: float = 200.0
     burst: int = 400
     stay_factor: float = 2.0
+    prefetch_retain_s: float = 10.0
 
     def check_ttl(self, ttl_s: float) -> None:
         """The lifetime part of `check_pin` (what can be refused before the tree is seen)."""
