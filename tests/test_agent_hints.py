@@ -110,3 +110,25 @@ def test_malformed_and_unknown_hints_are_refused_and_counted(tmp_path):
     rh.on_arrival(huge)
     rh.on_finish(huge)
     assert ctl.hints.refused["limit"] == 1 and ctl.hints.pins == 0
+
+
+def test_the_agent_shape_with_pins_keeps_its_requests_and_estimates_with_noise():
+    from sgl_hicache.replay.shapes import agent
+
+    plain = agent(sessions=3, steps=4)
+    pinned = agent(sessions=3, steps=4, pins=True, estimate_sigma=0.5)
+    assert [(r.request_id, r.arrival_s, list(r.input_ids)) for r in plain] == \
+           [(r.request_id, r.arrival_s, list(r.input_ids)) for r in pinned]
+    hinted = [r for r in pinned if r.hints]
+    assert len(hinted) == 3 * 3  # every step followed by a tool call
+    by_id = {r.request_id: r for r in pinned}
+    errors = []
+    for r in hinted:
+        pin, prefetch = r.hints
+        assert pin.action == "pin" and pin.input_ids == tuple(r.input_ids) and pin.after_s == 2.0
+        assert prefetch.action == "prefetch" and prefetch.after_s == max(2.0, round(2.0 + pin.ttl_s - 2.0, 6))
+        s, k = r.request_id.rsplit("/", 1)
+        step = 0 if k == "start" else int(k[len("resume"):])
+        true_tool = by_id[f"{s}/resume{step + 1}"].arrival_s - r.arrival_s - 2.0
+        errors.append(pin.ttl_s / true_tool)
+    assert any(abs(e - 1) > 0.05 for e in errors)  # the framework's estimates are noisy
