@@ -253,19 +253,22 @@ class HintDesk:
 
     # ---- time ---------------------------------------------------------------------------------
     def expire(self) -> int:
-        """End the retentions whose time is up (and those whose prefix left the tree); refresh the
-        rest at most every `REFRESH_S`. Returns how many ended."""
+        """End the retentions whose time is up, whose prefix left the tree, or whose conversation
+        came back; refresh the rest at most every `REFRESH_S`. Returns how many ended."""
         now = self.clock()
         ended = 0
         while self._retained and self._retained[0].until <= now:
             self._end(heapq.heappop(self._retained))
             ended += 1
         if self._retained and now - self._refreshed_at >= REFRESH_S:
-            gone = [r for r in self._retained if r.node.parent is None]
+            # a prefix that left the tree, or whose conversation came back (a request used it since),
+            # needs no more retention: its share goes to the others
+            gone = [r for r in self._retained if r.node.parent is None or r.node.hit_count > r.hits]
             if gone:
                 for r in gone:
                     self._end(r)
-                self._retained = [r for r in self._retained if r.node.parent is not None]
+                ended_ids = {id(r) for r in gone}
+                self._retained = [r for r in self._retained if id(r) not in ended_ids]
                 heapq.heapify(self._retained)
                 ended += len(gone)
             self._refreshed_at = now
