@@ -22,7 +22,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 from array import array
 from pathlib import Path
 
