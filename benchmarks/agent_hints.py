@@ -34,9 +34,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sgl_hicache.engine.presets import get_hardware, get_model  # noqa: E402
-from sgl_hicache.engine.simulator import EmbeddedEngine, EngineConfig  # noqa: E402
-from sgl_hicache.replay.shapes import agent  # noqa: E402
+from sgl_hicache.engine.presets import get_hardware, get_model
+from sgl_hicache.engine.simulator import EmbeddedEngine, EngineConfig
+from sgl_hicache.replay.shapes import agent
 
 TIERS = ((30_000, 300_000), (40_000, 80_000), (80_000, 160_000))  # (device, host) tokens
 PAUSES = {"short": (5.0, 20.0), "long": (30.0, 120.0)}  # the long tools' duration range, s
@@ -87,8 +87,8 @@ def hostile(requests: list) -> list:
 def cell(device: int, host: int, long_s: tuple[float, float], sessions: int, seed: int, with_hostile: bool = False) -> dict[str, Any]:
     """One grid cell: no hints, hints and the oracle on the same requests, and the bars (with
     `with_hostile`, also the hostile client's hints, `hostile`, against no hints)."""
-    shape = dict(sessions=sessions, task_tokens=4096, result_tokens=(512, 2048), long_s=long_s, other_gap_s=2.0,
-                 session_gap_s=5.0, seed=seed)
+    shape = {"sessions": sessions, "task_tokens": 4096, "result_tokens": (512, 2048), "long_s": long_s,
+             "other_gap_s": 2.0, "session_gap_s": 5.0, "seed": seed}
     plain, hinted = agent(**shape), agent(**shape, pins=True, estimate_sigma=0.5)
     out: dict[str, Any] = {"device_tokens": device, "host_tokens": host, "long_tool_s": list(long_s), "requests": len(plain)}
     out["no_hints"] = run(plain, "predict", device, host)

@@ -28,10 +28,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .cache import TieredCache
-from .policy.hints import Hint, HintError, HintLimits, RateGate, check_prefix, retention_s
+from .policy.hints import (
+    Hint,
+    HintError,
+    HintLimits,
+    RateGate,
+    check_prefix,
+    retention_s,
+)
 from .policy.writeback import EvictionRate
 from .speculation import Speculation
-from .tiers.base import DEVICE, DISK, HOST, TIERS
+from .tiers.base import DEVICE, DISK, HOST, TIERS, Tier
 from .tree.node import TreeNode
 
 HINT_TRIGGER = "hint"
@@ -151,7 +158,7 @@ class HintDesk:
         done = self.retained_used + self.retained_wasted
         return (self.retained_used + 3) / (done + 3) if done < 4 else self.retained_used / done
 
-    def _lasts(self, tier: str) -> float:
+    def _lasts(self, tier: Tier) -> float:
         """How long after its start a retention holds in `tier` (`retention_s`, with the tier's
         measured eviction rate)."""
         rate = self.eviction_rates.get(tier)

@@ -13,7 +13,11 @@ from .cache import PrefixMatch, TieredCache
 from .policy.guard import PromotionGuard, QueueDelay
 from .policy.predictor import Predictor
 from .policy.shadow import ShadowBets
-from .policy.writeback import EvictionRate, fresh_copy_stay_s, host_pages_before_fresh_copy
+from .policy.writeback import (
+    EvictionRate,
+    fresh_copy_stay_s,
+    host_pages_before_fresh_copy,
+)
 from .tiers.base import HOST
 from .transfer.executors import Executor
 from .transfer.ops import PromotionJob

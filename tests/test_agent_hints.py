@@ -7,14 +7,14 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from conftest import serve
+from test_hints import _controller
+from test_oracle_reuse import PS, Clock, seq
 
 from sgl_hicache.policy.agent_hints import AgentHints, parse_agent_hints
 from sgl_hicache.policy.hints import HintError
 from sgl_hicache.sglang.request_hints import RequestHints
 from sgl_hicache.tiers.base import DEVICE, HOST
-from test_hints import _controller
-from test_oracle_reuse import PS, Clock, seq
-from conftest import serve
 
 
 def test_the_schema_parses():
@@ -96,7 +96,7 @@ def test_a_request_retains_its_conversation_ends_it_and_prefetches_it_by_handle(
 
 def test_malformed_and_unknown_hints_are_refused_and_counted(tmp_path):
     clock = Clock(10.0)
-    cache, ex, ctl = _controller(tmp_path, clock)
+    cache, _, ctl = _controller(tmp_path, clock)
     rh = RequestHints(cache, ctl.hints)
     bad = _req("r1", seq(0, 1), cache_ttl_ms=-5)
     rh.on_arrival(bad)

@@ -25,9 +25,17 @@ import urllib.error
 import urllib.request
 
 import pytest
-
 from conftest import NEEDS_SGLANG
-from test_sglang_e2e import HIT, PAGE, _flood, _gen, _pool, _prompt, _settled_pool, make_model
+from test_sglang_e2e import (
+    HIT,
+    PAGE,
+    _flood,
+    _gen,
+    _pool,
+    _prompt,
+    _settled_pool,
+    make_model,
+)
 
 pytestmark = NEEDS_SGLANG
 

@@ -122,6 +122,6 @@ def on_add_request(scheduler: Any, req: Any = None, is_retracted: bool = False, 
     cache = getattr(scheduler, "tree_cache", None)
     hints = getattr(cache, "request_hints", None)
     if hints is None or req is None or is_retracted or getattr(req, "finished", lambda: False)():
-        return None
+        return
     hints.on_arrival(req)
-    return None
+    return
