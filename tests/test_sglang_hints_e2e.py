@@ -144,9 +144,13 @@ def test_a_pin_holds_its_prefix_until_it_comes_back(server):
     assert out == ref
     # retained, not locked: it may age from the device (10 % of it is for hints) to host, never to disk
     assert hits["storage"] == 0 and hits["device"] + hits["host"] == HIT, hits
+    # the conversation comes back (its prompt, the answer, a new question): the retention ends at the
+    # next refresh (a scheduler step)
+    _, hits = _gen(server, pinned + ref + _prompt(33, 32))
+    assert hits["storage"] == 0 and hits["device"] + hits["host"] == HIT + PAGE, hits
     probe = _prompt(32, 16)
 
-    def ended():  # its prefix came back: the retention ends at the next refresh (a scheduler step)
+    def ended():
         _gen(server, probe, 1)
         s = _stats(server)
         return s if s["hints"]["pins"] == 0 else None
