@@ -183,7 +183,7 @@ def test_the_http_replayer_sends_a_traces_hints_and_outputs_equal_without(server
     assert (h["sent"], h["accepted"], h["refused"], h["unresolved"], h["unsent"]) == (3, 2, 1, 0, 0), h
     assert "request b/1: pin of 64 tokens: HTTP 400: hint 0: 'ttl_s' of 9000 s exceeds the longest allowed" in h["first_error"], h
     assert h["endpoint_error"] is None and h["url"] == _hint_url(server) + "/hints"
-    assert h["server"]["applied"]["prefetch"] == 1 and h["server"]["applied"]["pin"] == 1 and h["server"]["rejected"] == 0, h
+    assert h["server"]["applied"]["prefetch"] == 1 and h["server"]["applied"]["pin"] == 1 and h["server"]["rejected"] == 0, h["server"]
     without = replay_http(_trace(False), server.url, concurrency=2, trace_clock=True, keep_outputs=True)
     assert "hints" not in without
     outputs = {r["request_id"]: r["output_ids"] for r in with_hints["records"]}
