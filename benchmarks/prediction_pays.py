@@ -50,7 +50,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from regime_map import load_slice, working_set
 from retention import split_capacities
 
-from sgl_hicache import speculation
 from sgl_hicache.engine.presets import get_hardware, get_model
 from sgl_hicache.engine.simulator import EmbeddedEngine, EngineConfig
 from sgl_hicache.replay import load_trace
@@ -108,7 +107,7 @@ def run(requests: list, config: EngineConfig, targets: set[str], groups: dict[st
             "bytes_moved": snap["bytes_moved"],
             "bytes_moved_total": sum(snap["bytes_moved"].values()),
             "predictor": {k: pred.get(k) for k in ("promoted_tokens", "used_tokens", "wasted_tokens", "precision")},
-            **speculation.counters(engine.controller),
+            **engine.controller.speculation.counters(),
             "half_life_s": engine.cache.tree.half_life.value,
             "virtual_s": engine.now,
         }

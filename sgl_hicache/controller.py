@@ -17,15 +17,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from . import speculation
 from .cache import PrefixMatch, TieredCache
 from .config import DEFAULT_POLICY
 from .hint_desk import HintDesk
-from .policy.guard import PromotionGuard, QueueDelay
+from .policy.guard import QueueDelay
 from .policy.predictor import Predictor
-from .policy.shadow import ShadowBets
 from .policy.writeback import EvictionRate, host_pages_before_fresh_copy, selective_write_through_due, watermark_pages
 from .policy.yielding import yield_plan
+from .speculation import Speculation
 from .tiers.base import DEVICE, DISK, HOST
 from .transfer.executors import Executor, LoadTime
 from .transfer.ops import PromotionJob, TransferOp
@@ -98,11 +97,8 @@ class RequestController:
                  clock: Callable[[], float]) -> None:
         self.cache = cache
         self.executor = executor
-        self.predictor = predictor
         self.settings = settings
         self.clock = clock
-        self.predicted: list[PromotionJob] = []
-        self.planned: dict[str, int] = {}  # tokens of predictions planned, per guard trigger
         self.writeback: list[TransferOp] = []
         self.dropped: list[PromotionJob] = []  # cancelled jobs waiting for a running copy to end
         self._writeback_at = -float("inf")
@@ -113,10 +109,11 @@ class RequestController:
         self._round_started: float | None = None
         self._round_seconds = 0.0
         self._committed_seen = (0, 0)
-        self.guard = PromotionGuard()
-        self.shadow = ShadowBets()  # a trigger's picks judged without copies, until it is proven
         self.queue_delay = QueueDelay()  # first match -> admission (`admitted`)
-        self.hints = HintDesk(self)  # client hints, through this controller (`hint_desk.py`)
+        # predictions and hint prefetches (`speculation.py`), and client hints (`hint_desk.py`)
+        self.speculation = Speculation(cache, executor, predictor, settings, clock, self.queue_delay,
+                                       self.eviction_rates[HOST], self.free_drop_trend)
+        self.hints = HintDesk(cache, self.speculation, clock, self.eviction_rates)
         self.prefetch_skipped = 0  # queue prefetches the guard refused (no room to spare on host)
         self.preempted_prefetches = 0  # queued requests' prefetch jobs ended for a demand (yield_to_demand)
         self.disk_reads_recomputed = 0  # disk-only tokens recomputed: reading them would land later (read_or_recompute)
@@ -126,7 +123,7 @@ class RequestController:
         """First sight of a request: match (counting its traffic, once), remember its disk range, predict."""
         m = self.cache.match(tokens, count=True)
         ticket = Ticket(tokens, disk_start=m.device_tokens + m.host_tokens, disk_end=m.tokens, arrived_s=self.clock())
-        if self.predictor.name != "none":
+        if self.speculation.predictor.name != "none":
             self.predict(m)
         return ticket, m
 
@@ -141,7 +138,7 @@ class RequestController:
             return False
         # a prefetch holds its host pages until its request is scheduled: only while the tier has room
         # to spare for that (the guard) may it start, else the demand load does it at schedule time
-        if not self.guard.prefetch_fits(self.cache.tree.protected[HOST], m.lower_tier_tokens // self.cache.page_size,
+        if not self.speculation.guard.prefetch_fits(self.cache.tree.protected[HOST], m.lower_tier_tokens // self.cache.page_size,
                                         self.cache.stores[HOST].capacity_pages, head=head):
             self.prefetch_skipped += 1
             return False
@@ -322,7 +319,7 @@ class RequestController:
         if hit_tokens is not None and hit_tokens < m.tokens:
             m = m.head(hit_tokens)
         dev, host, disk = self.attribute(ticket, m)
-        self.shadow.observe(m.path, self.clock())  # an admitted request uses the shadow picks on its path
+        self.speculation.shadow.observe(m.path, self.clock())  # an admitted request uses the shadow picks on its path
         covered = min(ticket.prefetched_disk_tokens + self._brought_from_disk(ticket.job), disk) if ticket is not None else 0
         self.cache.record_request(prompt_tokens, PrefixMatch(m.path, dev, host, disk, m.device_handles, m.last_node, m.last_device_node),
                                   covered_by_prefetch=covered)
@@ -330,18 +327,17 @@ class RequestController:
 
     # ---- prediction (`speculation.py`) ---------------------------------------------------------
     def predict(self, m: PrefixMatch) -> None:
-        """Bring likely nodes (the predictor's choice) disk -> host ahead of their use (`speculation.predict`)."""
-        speculation.predict(self, m)
+        """Bring likely nodes (the predictor's choice) disk -> host ahead of their use (`Speculation.predict`)."""
+        self.speculation.predict(m)
 
     def advance_predictions(self) -> None:
-        self.executor.poll()
-        keep = []
-        for job in self.predicted:
-            if self.cache.advance(job):
-                self.cache.release(job)
-            else:
-                keep.append(job)
-        self.predicted = keep
+        self.speculation.advance()
+
+    @property
+    def predicted(self) -> list[PromotionJob]:
+        """The speculative jobs in flight (`Speculation.predicted`)."""
+        return self.speculation.predicted
+
 
     # ---- background write-back ---------------------------------------------------------------
     def pump_writeback(self, start_new: bool = True) -> bool:
@@ -466,10 +462,7 @@ class RequestController:
     def shutdown(self) -> None:
         """Cancel and release everything in flight (tickets are dropped by their owner); end every pin."""
         self.hints.shutdown()
-        for job in self.predicted:
-            self.executor.cancel(job.ops())
-            self.cache.release(job)
-        self.predicted = []
+        self.speculation.shutdown()
         self._reap_dropped(wait=True)
         self.executor.cancel(self.writeback)
         for op in self.writeback + self.cache.orphans:

@@ -1,121 +1,254 @@
 """Client hints run through the request controller: the one implementation for the server's hint
-API and the embedded engine's replay of trace hints (`policy/hints.py` says what a hint is).
+API, the hints a request carries, and the embedded engine's replay of trace hints
+(`policy/hints.py` says what a hint is).
 
 - ``prefetch``: the prefix's disk-only part comes up to host as a speculative job of the
   controller (paced: `max_predicted_jobs`, sized by `prediction_budget`; guarded: trigger ``hint``;
-  charged like a prediction, behind demand and ahead of write-back);
-- ``pin``: the same, then the prefix is locked until its time is up (`expire` unlocks it; a
-  pin's size and lifetime are bounded by `HintLimits`);
-- ``retain``: the prefix's recency is refreshed, as a request using it would;
-- ``demote``: the prefix is the first to go when room is needed (its recency set to the oldest).
+  charged like a prediction, behind demand and ahead of write-back); the prefix is wanted soon, so it
+  is retained for `HintLimits.prefetch_retain_s`;
+- ``pin``: the same, then the prefix is retained for `ttl_s`;
+- ``retain``: the prefix's recency is refreshed, as a request using it would; with `ttl_s`, it is
+  retained for that long;
+- ``demote``: the prefix is the first to go when room is needed (its recency set to the oldest),
+  and its retention ends.
+
+Retention is advice, never a lock: a retained prefix's recency is refreshed as time passes
+(`refresh`), so eviction takes it after the unhinted pages, and a request that needs the room still
+takes it. Each tier holds at most its share of retained tokens (`HintLimits`; the retentions that
+end soonest first), and each retention lasts in a tier only as long as the cost test allows
+(`retention_s`): where the device is contended (it evicts fast) a prefix ages out of it and stays on
+host; where hinted prefixes do not come back, retention shrinks.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
-from .policy.hints import Hint, HintError, HintLimits, check_prefix
-from .speculation import admit, prediction_budget, promote_fresh
-from .tiers.base import HOST, TIERS
+from .cache import TieredCache
+from .policy.hints import (
+    Hint,
+    HintError,
+    HintLimits,
+    RateGate,
+    check_prefix,
+    retention_s,
+)
+from .policy.writeback import EvictionRate
+from .speculation import Speculation
+from .tiers.base import DEVICE, DISK, HOST, TIERS, Tier
 from .tree.node import TreeNode
 
-if TYPE_CHECKING:
-    from .controller import RequestController
-
 HINT_TRIGGER = "hint"
+REFRESH_S = 0.25  # how often retained prefixes are refreshed (their recency lags by at most this)
+
+
+@dataclass(order=True)
+class Retention:
+    """One retained prefix: until `until` (clock seconds), its last node `node`, `tokens` long,
+    registered at `start` when the node had `hits` matches (a later match means it came back)."""
+
+    until: float
+    seq: int
+    node: TreeNode = field(compare=False)
+    tokens: int = field(compare=False)
+    start: float = field(compare=False)
+    hits: int = field(compare=False)
 
 
 class HintDesk:
-    """Applies hints for one `RequestController` (its owner calls `expire` as time passes).
+    """Applies hints for one `RequestController` (its owner calls `expire` as time passes), on its
+    `cache`, submitting prefetches through its `speculation` (same guard, same job limit), with its
+    `clock`, reading the tiers' measured eviction rates (`eviction_rates`) for the cost test.
 
     Contract: `apply(hint, tokens)` runs `hint` on the prefix `tokens` (the caller resolved a
     session to its tokens) and returns the tokens it acted on (0: nothing cached matched, the guard
-    refused, or no room); a hint that cannot run raises `HintError` (an oversized or over-long pin).
-    Never waits on I/O. Every pin ends: at its expiry (`expire`), or at `shutdown`.
-    `counts` tallies applied hints per action, `rejected` the refused ones.
+    refused, or no room); a hint that cannot run raises `HintError` (an over-long or oversized
+    retention, a flood). Never waits on I/O, never locks a page. Every retention ends: at its
+    expiry (`expire`), at a ``demote`` of its prefix, or at `shutdown`. `counts` tallies applied
+    hints per action, `rejected` the refused ones (`refused` by reason); `retained_used` /
+    `retained_wasted` count the retentions whose prefix came back / did not before they ended.
     """
 
-    def __init__(self, controller: RequestController, limits: HintLimits | None = None) -> None:
-        self.ctl = controller
+    def __init__(self, cache: TieredCache, speculation: Speculation, clock: Callable[[], float],
+                 eviction_rates: dict[Tier, EvictionRate] | None = None, limits: HintLimits | None = None) -> None:
+        self.cache = cache
+        self.speculation = speculation
+        self.clock = clock
+        self.eviction_rates = eviction_rates or {}
         self.limits = limits or HintLimits()
-        self._pins: list[tuple[float, int, TreeNode, int]] = []  # (expiry, seq, locked node, tokens)
+        self._retained: list[Retention] = []  # a heap, soonest end first
         self._seq = itertools.count()
+        self._gate: RateGate | None = None
+        self._refreshed_at = -float("inf")
         self.pinned_tokens = 0
         self.counts = dict.fromkeys(("prefetch", "pin", "retain", "demote"), 0)
         self.rejected = 0
+        self.refused: dict[str, int] = {}
+        self.retained_used = 0
+        self.retained_wasted = 0
+        self.refreshed_tokens = {DEVICE: 0, HOST: 0}  # tokens kept by the last refresh, per tier
 
     def apply(self, hint: Hint, tokens: Sequence[int]) -> int:
         try:
             return self._apply(hint, tokens)
-        except HintError:
-            self.rejected += 1  # every refusal, counted once, whoever calls
+        except HintError as e:
+            self.refuse(e)
             raise
 
+    def refuse(self, error: HintError) -> None:
+        """Count a refused hint (every refusal, counted once, whoever refused it)."""
+        self.rejected += 1
+        self.refused[error.reason] = self.refused.get(error.reason, 0) + 1
+
     def _apply(self, hint: Hint, tokens: Sequence[int]) -> int:
-        ctl = self.ctl
-        cache = ctl.cache
+        cache = self.cache
+        now = self.clock()
+        if self._gate is None or self._gate.rate != self.limits.max_hints_per_s:
+            self._gate = RateGate(self.limits.max_hints_per_s, self.limits.burst)
+        if not self._gate.take(now):
+            raise HintError(f"more than {self.limits.max_hints_per_s:g} hints per second: refused", reason="flood")
         check_prefix(len(tokens), cache.page_size)
         aligned = cache.tree.page_aligned(tokens)
         self.expire()
+        ttl = hint.ttl_s if hint.action in ("pin", "retain") else None
+        if hint.action == "prefetch" and self.limits.prefetch_retain_s > 0:
+            ttl = self.limits.prefetch_retain_s  # it is wanted soon: kept until then, like a short retention
+        if ttl is not None:
+            self.limits.check_ttl(ttl)
         m = cache.match(tokens[:aligned], touch=False, count=False)
         if not m.path:
             return 0
-        now = ctl.clock()
         if hint.action == "retain":
             cache.match(tokens[:aligned], touch=True, count=False)
         elif hint.action == "demote":
+            self._end_under(m.path[-1])
             self._demote(m.path)
-        else:
-            if hint.action == "pin":
-                if not cache.has_tier(HOST):
-                    raise HintError("a pin needs a host tier")
-                self.limits.check_pin(m.tokens, hint.ttl_s or 0.0, self.pinned_tokens, cache.stores[HOST].capacity_pages * cache.page_size)
-            if m.disk_tokens:
-                self._prefetch(m.path[-1], now)
-            if hint.action == "pin":
-                cache.lock(m.last_node)
-                heapq.heappush(self._pins, (now + (hint.ttl_s or 0.0), next(self._seq), m.last_node, m.tokens))
-                self.pinned_tokens += m.tokens
+        elif m.disk_tokens:
+            self._prefetch(m.path[-1], now)
+        if ttl is not None:
+            try:
+                self._retain(m.last_node, m.tokens, ttl, now)
+            except HintError:
+                if hint.action != "prefetch":
+                    raise
         self.counts[hint.action] += 1
         return m.tokens
 
+    # ---- retention ----------------------------------------------------------------------------
+    def _retain(self, node: TreeNode, tokens: int, ttl_s: float, now: float) -> None:
+        cache = self.cache
+        if not cache.has_tier(HOST) and not cache.has_tier(DEVICE):
+            return
+        if len(self._retained) >= self.limits.max_retained:
+            raise HintError(f"{self.limits.max_retained} prefixes are retained already: refused", reason="flood")
+        if cache.has_tier(HOST):
+            self.limits.check_share(tokens, 0, cache.stores[HOST].capacity_pages * cache.page_size)
+        heapq.heappush(self._retained, Retention(now + ttl_s, next(self._seq), node, tokens, now, node.hit_count))
+        self.pinned_tokens += tokens
+        for n in node.path_from_root():  # the hint counts as a use now; the shares apply from the next refresh
+            n.last_access = max(n.last_access, now)
+        cache.tree.touched()
+
+    def precision(self) -> float:
+        """The share of ended retentions whose prefix came back in time (1.0 until 4 have ended:
+        a prior that trusts a new client, quickly corrected)."""
+        done = self.retained_used + self.retained_wasted
+        return (self.retained_used + 3) / (done + 3) if done < 4 else self.retained_used / done
+
+    def _lasts(self, tier: Tier) -> float:
+        """How long after its start a retention holds in `tier` (`retention_s`, with the tier's
+        measured eviction rate)."""
+        rate = self.eviction_rates.get(tier)
+        stats = self.cache.stats
+        below = (HOST, DISK) if tier == DEVICE else (DISK,)
+        evicted = stats.evicted_tokens[tier]
+        reloaded = sum(stats.hit_tokens[t] for t in below) / evicted if evicted else 0.0
+        return retention_s(float("inf"), self.cache.stores[tier].capacity_pages, rate.rate if rate else 0.0,
+                           self.precision(), reloaded, self.limits.stay_factor)
+
+    def refresh(self, now: float) -> None:
+        """Keep the retained prefixes among the most recently used pages: the retentions ending
+        soonest first, each tier up to its share, each for as long as its tier's cost test allows.
+        A prefix past its device share or time is left to age there (eviction demotes it to host,
+        where it is kept); past its host share or time it ages like any other page."""
+        cache, ps = self.cache, self.cache.page_size
+        caps = {t: share * cache.stores[t].capacity_pages * ps for t, share in
+                ((DEVICE, self.limits.device_share), (HOST, self.limits.max_pin_share)) if cache.has_tier(t)}
+        lasts = {t: self._lasts(t) for t in caps}
+        used = dict.fromkeys(caps, 0)
+        seen: set[int] = set()
+        touched = False
+        for r in sorted(self._retained):
+            age = now - r.start
+            for n in r.node.path_from_root():
+                if n.id in seen:
+                    continue
+                tier = DEVICE if n.device is not None else HOST if n.host is not None else None
+                if tier not in caps or age > lasts[tier] or used[tier] + n.num_pages * ps > caps[tier]:
+                    break  # prefix closure: nothing below a page left to age is kept either
+                seen.add(n.id)
+                used[tier] += n.num_pages * ps
+                if n.last_access < now:
+                    n.last_access = now
+                    touched = True
+        if touched:
+            cache.tree.touched()
+        self.refreshed_tokens = {t: used.get(t, 0) for t in (DEVICE, HOST)}
+
+    def _end(self, r: Retention) -> None:
+        self.pinned_tokens -= r.tokens
+        if r.node.hit_count > r.hits:
+            self.retained_used += 1
+        else:
+            self.retained_wasted += 1
+
+    def _end_under(self, node: TreeNode) -> None:
+        """End the retentions of `node` and of the prefixes below it (the conversation ended)."""
+        keep = []
+        for r in self._retained:
+            n: TreeNode | None = r.node
+            while n is not None and n is not node:
+                n = n.parent
+            if n is node:
+                self._end(r)
+            else:
+                keep.append(r)
+        if len(keep) != len(self._retained):
+            heapq.heapify(keep)
+            self._retained = keep
+
+    # ---- prefetch and demote ------------------------------------------------------------------
     def _prefetch(self, node: TreeNode, now: float) -> None:
         """`node`'s path disk -> host, node by node (root first, each over host pages ranked below
         it), as speculative jobs of the controller, under the guard, up to its budget."""
-        ctl = self.ctl
-        budget = prediction_budget(ctl)
-        left = budget if budget is not None else None
+        spec = self.speculation
+        left = spec.prediction_budget()
         if not any(n.host is None and n.device is None for n in node.path_from_root()):
             return
-        if admit(ctl, HINT_TRIGGER) is None:  # one decision per hint
+        if spec.admit(HINT_TRIGGER) is None:  # one decision per hint
             return
         for n in node.path_from_root():
             if n.host is not None or n.device is not None or n.parent is None:
                 continue
-            if len(ctl.predicted) >= ctl.settings.max_predicted_jobs:
+            if len(spec.predicted) >= spec.settings.max_predicted_jobs:
                 return
-            tokens = n.num_pages * ctl.cache.page_size
+            tokens = n.num_pages * self.cache.page_size
             if left is not None and tokens > left:
                 return  # it would not land in time: the demand load does the rest
-            job = promote_fresh(ctl, n, now, may_evict=True)
+            job = spec.promote_fresh(n, now, may_evict=True)
             if job is None:
                 return
-            mine = [st.node for st in job.stages if st.ops]  # (not those another job brings)
-            for m in mine:
-                m.prefetch_trigger = HINT_TRIGGER
-            ctl.planned[HINT_TRIGGER] = ctl.planned.get(HINT_TRIGGER, 0) + sum(m.num_pages for m in mine) * ctl.cache.page_size
-            ctl.executor.submit_job(job, speculative=True)
-            ctl.predicted.append(job)
+            spec.submit(job, HINT_TRIGGER)
             if left is not None:
                 left -= tokens
 
     def _demote(self, path: list[TreeNode]) -> None:
         """The prefix goes first: its recency set to the oldest (each node re-queued as an eviction
         candidate where its tier keeps an incremental order, since its key went down)."""
-        tree = self.ctl.cache.tree
+        tree = self.cache.tree
         for n in path:
             n.last_access = 0.0
         tree.touched()
@@ -125,24 +258,43 @@ class HintDesk:
                     if n.in_tier(tier):
                         tree.leaf_queue(tier).push(n)
 
+    # ---- time ---------------------------------------------------------------------------------
     def expire(self) -> int:
-        """Unlock the pins whose time is up. Returns how many ended."""
-        now = self.ctl.clock()
+        """End the retentions whose time is up, whose prefix left the tree, or whose conversation
+        came back; refresh the rest at most every `REFRESH_S`. Returns how many ended."""
+        now = self.clock()
         ended = 0
-        while self._pins and self._pins[0][0] <= now:
-            _, _, node, tokens = heapq.heappop(self._pins)
-            self.ctl.cache.unlock(node)
-            self.pinned_tokens -= tokens
+        while self._retained and self._retained[0].until <= now:
+            self._end(heapq.heappop(self._retained))
             ended += 1
+        if self._retained and now - self._refreshed_at >= REFRESH_S:
+            # a prefix that left the tree, or whose conversation came back (a request used it since),
+            # needs no more retention: its share goes to the others
+            gone = [r for r in self._retained if r.node.parent is None or r.node.hit_count > r.hits]
+            if gone:
+                for r in gone:
+                    self._end(r)
+                ended_ids = {id(r) for r in gone}
+                self._retained = [r for r in self._retained if id(r) not in ended_ids]
+                heapq.heapify(self._retained)
+                ended += len(gone)
+            self._refreshed_at = now
+            self.refresh(now)
         return ended
 
     def shutdown(self) -> None:
-        """End every pin now."""
-        while self._pins:
-            _, _, node, tokens = heapq.heappop(self._pins)
-            self.ctl.cache.unlock(node)
-            self.pinned_tokens -= tokens
+        """End every retention now."""
+        while self._retained:
+            self._end(heapq.heappop(self._retained))
 
     @property
     def pins(self) -> int:
-        return len(self._pins)
+        """Retentions held now."""
+        return len(self._retained)
+
+    def summary(self) -> dict[str, object]:
+        """What the server's stats (`hints`) and the benchmarks report."""
+        return {"applied": dict(self.counts), "rejected": self.rejected, "refused": dict(self.refused),
+                "retained": self.pins, "retained_tokens": self.pinned_tokens, "retained_used": self.retained_used,
+                "retained_wasted": self.retained_wasted, "precision": self.precision(),
+                "kept_tokens": {str(getattr(t, "value", t)): n for t, n in self.refreshed_tokens.items()}}

@@ -394,3 +394,11 @@ def test_prediction_pays_silence_reports_each_cells_noise_floor(tmp_path: Path) 
     bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "prediction_pays.py"), "--workloads", "silence", "--noise", "one"],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--noise" in bad.stderr
+
+
+def test_agent_hints_smoke(tmp_path: Path) -> None:
+    result = _run("agent_hints.py", tmp_path / "agent_hints.json")
+    (cell,) = result["cells"]
+    assert {"no_hints", "hints", "oracle", "summary"} <= set(cell)
+    assert cell["hints"]["hints"]["applied"]["pin"] > 0 and cell["no_hints"]["hints"]["applied"]["pin"] == 0
+    assert cell["summary"]["mean_ratio"] <= 1.05 and cell["summary"]["p99_ratio"] <= 1.05  # the hints never harm

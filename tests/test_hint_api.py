@@ -46,13 +46,13 @@ def test_valid_hints_are_queued_in_order_and_drained_once(listener):
 
 @pytest.mark.parametrize("body, words", [
     ({"hints": [{"action": "prefetch", "input_ids": [1]}, {"action": "evict", "input_ids": [1]}]}, "hint 1: 'action'"),
-    ({"hints": [{"action": "retain", "session": "s1"}]}, "tracks no sessions"),
+    ({"hints": [{"action": "retain", "session": "s1"}]}, "names prefixes by 'input_ids'"),
     ({"hints": [{"action": "pin", "input_ids": [1, 2]}]}, "'ttl_s' is required"),
     ({"hints": [{"action": "prefetch", "input_ids": [1, 2000]}]}, "hint 0: 'input_ids' holds token id 2000, outside the vocabulary"),
     ({"hints": [{"action": "prefetch", "input_ids": [1, -3]}]}, "non-negative"),
     ({"hints": [{"action": "prefetch", "input_ids": "1 2"}]}, "list of integer token ids"),
     ({"hints": [{"action": "prefetch", "input_ids": [1], "colour": 1}]}, "unknown field(s) colour"),
-    ({"hints": [{"action": "pin", "input_ids": [1, 2], "ttl_s": 86400}]}, "hint 0: pin for 86400 s exceeds the longest allowed, 600 s"),
+    ({"hints": [{"action": "pin", "input_ids": [1, 2], "ttl_s": 86400}]}, "hint 0: 'ttl_s' of 86400 s exceeds the longest allowed, 600 s"),
     ({"hint": []}, '{"hints": [...]}'),
     (b"{not json", "Expecting property name"),
 ])

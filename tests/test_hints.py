@@ -86,29 +86,89 @@ def test_prefetch_hint_brings_the_prefix_to_host(tmp_path):
     cache.check()
 
 
-def test_a_pin_holds_until_it_expires_and_never_longer(tmp_path):
+def test_a_pin_retains_without_locking_and_ends_at_its_time(tmp_path):
     clock = Clock(10.0)
-    cache, ex, ctl = _controller(tmp_path, clock)
+    cache, _ex, ctl = _controller(tmp_path, clock)
+    ctl.hints.limits = HintLimits(device_share=0.5)  # 4 of the 8 device pages
     serve(cache, seq(0, 2))
     node = cache.match(seq(0, 2), touch=False).last_node
     base = node.lock_ref
     ctl.hints.apply(Hint("pin", tuple(seq(0, 2)), ttl_s=5.0), seq(0, 2))
-    assert node.lock_ref == base + 1 and ctl.hints.pins == 1
-    for i in range(6):  # other prompts fill the tiers: the pinned one stays on the device
+    assert node.lock_ref == base and ctl.hints.pins == 1  # advice, never a lock
+    clock.t = 14.0
+    for i in range(3):  # other prompts come and go: the retained one is refreshed past them
         serve(cache, seq(1000 * (i + 1), 2))
-    assert node.device is not None
-    clock.t = 14.9
-    ctl.pump_writeback(start_new=False)
-    assert ctl.hints.pins == 1 and node.lock_ref >= 1
+        ctl.pump_writeback(start_new=False)
+    assert node.last_access >= 14.0
     clock.t = 15.0
-    ctl.pump_writeback(start_new=False)  # its time is up: unlocked, evictable again
-    ex.finish_all(list(ex._ops.values()))  # (and background copies that lock the path have landed)
-    ctl.pump_writeback(start_new=False)
-    assert node.lock_ref == base and ctl.hints.pins == 0 and ctl.hints.pinned_tokens == 0
-    ctl.hints.apply(Hint("pin", tuple(seq(0, 2)), ttl_s=5.0), seq(0, 2))
+    ctl.pump_writeback(start_new=False)  # its time is up
+    assert ctl.hints.pins == 0 and ctl.hints.pinned_tokens == 0 and ctl.hints.retained_wasted == 1
+    ctl.hints.apply(Hint("retain", tuple(seq(0, 2)), ttl_s=5.0), seq(0, 2))
     ctl.shutdown()  # and nothing outlives the controller
-    assert node.lock_ref == base
+    assert node.lock_ref == base and ctl.hints.pins == 0
     cache.check()
+
+
+def test_a_retained_prefix_yields_to_a_request_that_needs_the_room(tmp_path):
+    clock = Clock(10.0)
+    cache, _ex, ctl = _controller(tmp_path, clock)
+    ctl.hints.limits = HintLimits(device_share=1.0, max_pin_share=1.0)
+    serve(cache, seq(0, 2))
+    node = cache.match(seq(0, 2), touch=False).last_node
+    ctl.hints.apply(Hint("pin", tuple(seq(0, 2)), ttl_s=60.0), seq(0, 2))
+    ctl.pump_writeback(start_new=False)
+    big = seq(5000, cache.stores[DEVICE].capacity_pages)  # needs every device page
+    serve(cache, big)
+    assert node.device is None and cache.match(big, touch=False).device_tokens == len(big)
+    cache.check()
+
+
+def test_retention_keeps_within_its_share_of_each_tier(tmp_path):
+    clock = Clock(10.0)
+    cache, _ex, ctl = _controller(tmp_path, clock)
+    ctl.hints.limits = HintLimits(device_share=0.25, max_pin_share=0.5)  # 2 device pages, 4 host pages
+    a, b = seq(0, 2), seq(100, 2)
+    serve(cache, a)
+    serve(cache, b)
+    ctl.hints.apply(Hint("retain", tuple(a), ttl_s=30.0), a)  # ends first: kept first
+    ctl.hints.apply(Hint("retain", tuple(b), ttl_s=60.0), b)
+    clock.t = 20.0
+    ctl.pump_writeback(start_new=False)
+    na, nb = cache.match(a, touch=False).last_node, cache.match(b, touch=False).last_node
+    assert na.last_access == 20.0 and nb.last_access < 20.0  # b is past the device share: it ages
+    assert ctl.hints.refreshed_tokens[DEVICE] == 2 * PS
+
+
+def test_demote_ends_the_retention_of_its_conversation(tmp_path):
+    clock = Clock(10.0)
+    cache, _ex, ctl = _controller(tmp_path, clock)
+    ctl.hints.limits = HintLimits(max_pin_share=1.0)
+    serve(cache, seq(0, 3))
+    ctl.hints.apply(Hint("pin", tuple(seq(0, 3)), ttl_s=60.0), seq(0, 3))
+    ctl.hints.apply(Hint("demote", tuple(seq(0, 2))), seq(0, 2))  # the conversation ends at its head
+    assert ctl.hints.pins == 0 and ctl.hints.pinned_tokens == 0
+
+
+def test_hostile_hints_are_refused_and_counted_by_reason(tmp_path):
+    clock = Clock(10.0)
+    cache, _ex, ctl = _controller(tmp_path, clock)
+    ctl.hints.limits = HintLimits(max_retained=2, max_hints_per_s=10.0, burst=5)
+    serve(cache, seq(0, 1))
+    with pytest.raises(HintError, match="'ttl_s' of 1e\\+06 s exceeds"):
+        ctl.hints.apply(Hint("retain", tuple(seq(0, 1)), ttl_s=1e6), seq(0, 1))
+    for _ in range(2):
+        ctl.hints.apply(Hint("retain", tuple(seq(0, 1)), ttl_s=30.0), seq(0, 1))
+    with pytest.raises(HintError, match="2 prefixes are retained already"):
+        ctl.hints.apply(Hint("retain", tuple(seq(0, 1)), ttl_s=30.0), seq(0, 1))
+    refused = 0
+    for _ in range(20):  # a flood in one instant: the bucket (5) is spent, the rest refused
+        try:
+            ctl.hints.apply(Hint("retain", tuple(seq(0, 1))), seq(0, 1))
+        except HintError as e:
+            assert "hints per second" in str(e)
+            refused += 1
+    assert refused == 19 and ctl.hints.refused == {"limit": 1, "flood": 20}
+    assert ctl.hints.rejected == 21
 
 
 def test_an_oversized_or_overlong_pin_is_refused(tmp_path):

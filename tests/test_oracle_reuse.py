@@ -152,13 +152,13 @@ def test_guard_stops_a_wrong_predictor_through_the_controller(tmp_path):
     cache.clock = clock
     ex = VirtualExecutor(cache, VirtualPipes(lambda link, tokens: 0.0), clock, PS)
     ctl = RequestController(cache, ex, Predictor(), ControllerSettings(max_predicted_jobs=1), clock)
-    ctl.guard = PromotionGuard(min_precision=0.5, min_resolved_tokens=2 * PS, probe_every=1000, shadow_bets=0)
+    ctl.speculation.guard = PromotionGuard(min_precision=0.5, min_resolved_tokens=2 * PS, probe_every=1000, shadow_bets=0)
     junk = [seq(500_000 + 1000 * i, 1) for i in range(40)]
     for p in junk:
         serve(cache, p)
     nodes = [cache.match(p, touch=False).last_node for p in junk]
     assert all(not n.in_tier(HOST) and n.disk is not None for n in nodes[:20])
-    ctl.predictor = _Wrong(nodes[:20])
+    ctl.speculation.predictor = _Wrong(nodes[:20])
     for i in range(30):
         cache.evict(HOST, 2)  # room for a promotion
         ctl.arrive(seq(900_000 + 1000 * i, 1))
@@ -167,7 +167,7 @@ def test_guard_stops_a_wrong_predictor_through_the_controller(tmp_path):
         serve(cache, seq(900_000 + 1000 * i, 1))  # evicts the unused promotions: wasted
     promoted = cache.stats.prefetch["predict"]["promoted_tokens"]
     assert cache.stats.prefetch["predict"]["used_tokens"] == 0
-    assert ctl.guard.stopped > 0 and promoted < 20 * PS  # it stopped long before promoting all 20
+    assert ctl.speculation.guard.stopped > 0 and promoted < 20 * PS  # it stopped long before promoting all 20
     cache.check()
 
 

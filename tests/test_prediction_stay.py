@@ -12,7 +12,6 @@ from test_predictor_blockers import _controller, _disk_only, _Fixed
 from sgl_hicache.policy.guard import PromotionGuard
 from sgl_hicache.policy.predictor import Prediction
 from sgl_hicache.policy.writeback import fresh_copy_stay_s, host_pages_before_fresh_copy
-from sgl_hicache.speculation import host_stay_s
 from sgl_hicache.tiers.base import DEVICE, DISK, HOST
 
 
@@ -78,16 +77,16 @@ def _live_prediction(tmp_path, ahead_pages: int):
     target = _disk_only(cache, seq(5000, 2))
     if ahead_pages:
         _host_and_disk(cache, seq(0, ahead_pages))
-    ctl.predictor = _Fixed([Prediction(target, 1.0)])
+    ctl.speculation.predictor = _Fixed([Prediction(target, 1.0)])
     return cache, ctl, target
 
 
 def test_a_live_prediction_is_refused_while_the_host_would_evict_it_within_its_lead(tmp_path):
     cache, ctl, _target = _live_prediction(tmp_path, ahead_pages=0)
     ctl.eviction_rates[HOST].rate = 4.0  # pages/s: host eviction is under way, nothing goes before it
-    assert host_stay_s(ctl) == 0.0
+    assert ctl.speculation.host_stay_s() == 0.0
     ctl.arrive(seq(9000, 1))
-    assert ctl.predicted == [] and ctl.guard.short_stay == 1
+    assert ctl.predicted == [] and ctl.speculation.guard.short_stay == 1
     assert cache.stats.prefetch["predict"]["promoted_tokens"] == 0
 
 
@@ -95,9 +94,9 @@ def test_a_live_prediction_goes_ahead_while_the_free_drops_before_it_last_its_le
     _cache, ctl, _target = _live_prediction(tmp_path, ahead_pages=4)
     ctl.eviction_rates[HOST].rate = 8.0
     ctl.free_drop_trend.rate = -2.0  # 4 pages ahead of it, shrinking by 2 pages/s: 2 s, the lead
-    assert host_stay_s(ctl) == 2.0
+    assert ctl.speculation.host_stay_s() == 2.0
     ctl.arrive(seq(9000, 1))
-    assert len(ctl.predicted) == 1 and ctl.guard.short_stay == 0
+    assert len(ctl.predicted) == 1 and ctl.speculation.guard.short_stay == 0
 
 
 def test_a_live_prediction_is_refused_while_the_free_drops_before_it_run_out_within_its_lead(tmp_path):
@@ -105,7 +104,7 @@ def test_a_live_prediction_is_refused_while_the_free_drops_before_it_run_out_wit
     ctl.eviction_rates[HOST].rate = 8.0
     ctl.free_drop_trend.rate = -4.0  # gone in 1 s
     ctl.arrive(seq(9000, 1))
-    assert ctl.predicted == [] and ctl.guard.short_stay == 1
+    assert ctl.predicted == [] and ctl.speculation.guard.short_stay == 1
 
 
 def test_the_pool_trend_is_measured_at_each_write_back_round(tmp_path):
@@ -124,20 +123,20 @@ def test_the_pool_trend_is_measured_at_each_write_back_round(tmp_path):
 
 def test_a_host_that_evicts_nothing_keeps_a_prediction_however_few_pages_go_before_it(tmp_path):
     _cache, ctl, _target = _live_prediction(tmp_path, ahead_pages=0)
-    assert ctl.eviction_rates[HOST].rate == 0 and host_stay_s(ctl) == float("inf")
+    assert ctl.eviction_rates[HOST].rate == 0 and ctl.speculation.host_stay_s() == float("inf")
     ctl.arrive(seq(9000, 1))
     assert len(ctl.predicted) == 1
 
 
 def test_a_shadow_pick_the_host_would_evict_at_once_is_judged_wasted(tmp_path):
     clock, cache, ctl = _clocked(tmp_path)
-    ctl.guard = PromotionGuard(shadow_bets=1)
+    ctl.speculation.guard = PromotionGuard(shadow_bets=1)
     cache.tree.half_life.value = 30.0
     target = _disk_only(cache, seq(0, 2) + seq(100, 2))
-    ctl.predictor = _Fixed([Prediction(target, 1.0)])
+    ctl.speculation.predictor = _Fixed([Prediction(target, 1.0)])
     ctl.eviction_rates[HOST].rate = 4.0  # nothing ranks before the copy: gone as soon as it lands
     ctl.arrive(seq(9000, 1))
     assert not ctl.predicted
     clock.t += 5.0  # the request the bet was for, well after the copy would have landed
     ctl.account(None, 4 * PS, cache.match(seq(0, 2) + seq(100, 2), touch=False))
-    assert sum(ctl.shadow.used.values()) == 0 and sum(ctl.shadow.wasted.values()) == target.num_pages * PS
+    assert sum(ctl.speculation.shadow.used.values()) == 0 and sum(ctl.speculation.shadow.wasted.values()) == target.num_pages * PS

@@ -1,4 +1,4 @@
-"""Each part of the prediction path that used to stop promotion on its own, one test each
+"""Each part of the prediction path that could stop promotion on its own, one test each
 (learned half-life, windowed per-trigger guard, room made over lower-ranked host pages only, fresh
 promoted pages, the head of an oversized node, a budget from lead time x link rate, speculative
 copies charged and ordered), and the generated shapes where prediction can pay."""
@@ -9,7 +9,6 @@ import pytest
 from conftest import make_cache, serve
 from test_oracle_reuse import PS, Clock, seq
 
-from sgl_hicache import speculation
 from sgl_hicache.controller import ControllerSettings, RequestController
 from sgl_hicache.policy.guard import PromotionGuard, QueueDelay
 from sgl_hicache.policy.predictor import Prediction, Predictor, TreeWalkPredictor
@@ -95,7 +94,7 @@ def _disk_only(cache, tokens):
 def _controller(cache, clock, seconds=lambda link, tokens: tokens / 1000.0, **settings):
     ex = VirtualExecutor(cache, VirtualPipes(seconds), clock, PS)
     ctl = RequestController(cache, ex, Predictor(), ControllerSettings(**settings), clock)
-    ctl.guard = PromotionGuard(shadow_bets=0)  # these tests are about real copies: no shadow phase
+    ctl.speculation.guard = PromotionGuard(shadow_bets=0)  # these tests are about real copies: no shadow phase
     return ex, ctl
 
 
@@ -113,8 +112,8 @@ def test_promotion_evicts_only_host_pages_ranked_below_and_is_fresh(tmp_path):
     cache.evict(DEVICE, cache.stores[DEVICE].capacity_pages)
     assert cache.stores[HOST].free_pages == 0  # the host is full of the two earlier prompts
     old_node = cache.match(old, touch=False).last_node
-    assert ctl.predictor.predict(old_node, 0.0) == []  # (the controller's default predictor: none)
-    ctl.predictor = _Fixed([Prediction(target, 1.0)])
+    assert ctl.speculation.predictor.predict(old_node, 0.0) == []  # (the controller's default predictor: none)
+    ctl.speculation.predictor = _Fixed([Prediction(target, 1.0)])
     ctl.arrive(seq(7000, 1))
     assert ctl.predicted == []  # the host pages have no copy below: a guess never drops them
     for n in list(cache.nodes_in(HOST)):
@@ -144,7 +143,7 @@ def test_promotion_never_evicts_a_page_ranked_above(tmp_path):
     assert cache.stores[HOST].free_pages == 0
     held = {n.id for n in cache.nodes_in(HOST)}
     clock.t = 130.0
-    ctl.predictor = _Fixed([Prediction(target, 1.0)])
+    ctl.speculation.predictor = _Fixed([Prediction(target, 1.0)])
     ctl.arrive(seq(7000, 1))
     assert ctl.predicted == [] and target.host is None
     assert {n.id for n in cache.nodes_in(HOST)} == held  # nothing pushed out for it
@@ -157,7 +156,7 @@ def test_the_head_of_an_oversized_node_is_promoted(tmp_path):
     cache.clock = clock
     ex, ctl = _controller(cache, clock)
     big = _disk_only(cache, seq(0, 6))
-    ctl.predictor = _Fixed([Prediction(big, 1.0, pages=2)])
+    ctl.speculation.predictor = _Fixed([Prediction(big, 1.0, pages=2)])
     ctl.arrive(seq(9000, 1))
     assert len(ctl.predicted) == 1
     head = ctl.predicted[0].stages[-1].node
@@ -183,11 +182,11 @@ def test_budget_is_lead_time_times_the_link_rate(tmp_path):
     clock = Clock()
     cache = make_cache(tmp_path)
     _, ctl = _controller(cache, clock, seconds=lambda link, tokens: tokens / 500.0, predictor_lead_s=2.0)
-    assert speculation.prediction_budget(ctl) == 1000
+    assert ctl.speculation.prediction_budget() == 1000
     _, ctl = _controller(cache, clock, seconds=lambda link, tokens: tokens / 2000.0, predictor_lead_s=0.5)
-    assert speculation.prediction_budget(ctl) == 1000
+    assert ctl.speculation.prediction_budget() == 1000
     _, ctl = _controller(cache, clock, predictor_lead_s=0.0)
-    assert speculation.prediction_budget(ctl) is None  # the predictor's own budget
+    assert ctl.speculation.prediction_budget() is None  # the predictor's own budget
 
 
 # ---- speculation charged and ordered -------------------------------------------------------------
@@ -288,11 +287,11 @@ def test_a_trigger_is_charged_once_for_each_page_it_copies(tmp_path):
     child = _disk_only(cache, seq(0, 2) + seq(100, 2))
     parent = child.parent
     assert parent.disk is not None and parent.host is None
-    ctl.predictor = _Fixed([Prediction(parent, 1.0), Prediction(child, 1.0)])
+    ctl.speculation.predictor = _Fixed([Prediction(parent, 1.0), Prediction(child, 1.0)])
     ctl.arrive(seq(9000, 1))
     assert len(ctl.predicted) == 2
-    trigger = speculation.trigger_of(ctl, cache.match(seq(9000, 1), touch=False).last_node)
-    assert ctl.planned[trigger] == (parent.num_pages + child.num_pages) * PS
+    trigger = ctl.speculation.trigger_of(cache.match(seq(9000, 1), touch=False).last_node)
+    assert ctl.speculation.planned[trigger] == (parent.num_pages + child.num_pages) * PS
     ex.finish_all([op for job in ctl.predicted for op in job.ops()])
     ctl.advance_predictions()
     assert child.host is not None and child.prefetch_trigger == trigger
@@ -308,7 +307,7 @@ def _own_path_and_child(tmp_path):
     serve(cache, seq(0, 2))
     child = _disk_only(cache, seq(0, 2) + seq(100, 2))
     assert child.parent.disk is not None and child.parent.host is None
-    ctl.predictor = _Fixed([Prediction(child, 1.0)])
+    ctl.speculation.predictor = _Fixed([Prediction(child, 1.0)])
     return cache, ex, ctl, child
 
 
@@ -319,8 +318,8 @@ def test_the_guard_is_charged_for_the_arriving_requests_own_path_a_prediction_br
     cache, ex, ctl, child = _own_path_and_child(tmp_path)
     arriving = seq(0, 2) + seq(7000, 1)
     ctl.arrive(arriving)
-    trigger = speculation.trigger_of(ctl, child.parent)
-    assert ctl.planned[trigger] == (child.parent.num_pages + child.num_pages) * PS
+    trigger = ctl.speculation.trigger_of(child.parent)
+    assert ctl.speculation.planned[trigger] == (child.parent.num_pages + child.num_pages) * PS
     ex.finish_all([op for job in ctl.predicted for op in job.ops()])
     ctl.advance_predictions()
     assert child.parent.prefetch_trigger == trigger and child.prefetch_trigger == trigger
@@ -329,9 +328,9 @@ def test_the_guard_is_charged_for_the_arriving_requests_own_path_a_prediction_br
 
 def test_a_probe_never_brings_more_than_a_probe_own_path_included(tmp_path):
     cache, _ex, ctl, _child = _own_path_and_child(tmp_path)
-    ctl.guard.admit = lambda used, wasted, trigger=None: PS  # the guard allows a one-page probe
+    ctl.speculation.guard.admit = lambda used, wasted, trigger=None: PS  # the guard allows a one-page probe
     ctl.arrive(seq(0, 2) + seq(7000, 1))  # its own disk path alone is two pages: no probe
-    assert not ctl.predicted and not ctl.planned
+    assert not ctl.predicted and not ctl.speculation.planned
     cache.check()
 
 
@@ -343,10 +342,10 @@ def test_the_arriving_requests_own_path_comes_out_of_the_budget(tmp_path):
     serve(cache, seq(0, 2))
     _disk_only(cache, seq(0, 2) + seq(100, 2))
     seen = []
-    ctl.predictor = _Fixed([])
-    ctl.predictor.predict = lambda start, now, budget_tokens=None: seen.append(budget_tokens) or []
-    full = speculation.prediction_budget(ctl)
-    assert full == 20 and full < speculation.host_room(ctl, 0)
+    ctl.speculation.predictor = _Fixed([])
+    ctl.speculation.predictor.predict = lambda start, now, budget_tokens=None: seen.append(budget_tokens) or []
+    full = ctl.speculation.prediction_budget()
+    assert full == 20 and full < ctl.speculation.host_room(0)
     ctl.arrive(seq(9000, 1))  # nothing of its own on disk
     ctl.arrive(seq(0, 2) + seq(7000, 1))  # two pages of its own on disk
     assert seen == [full, full - 2 * PS]
@@ -357,12 +356,12 @@ def test_a_prediction_gets_no_more_host_room_than_a_queue_prefetch(tmp_path):
     queue prefetch of a request not at the head may hold (`PromotionGuard.prefetch_room`)."""
     _cache, _ex, ctl, _child = _own_path_and_child(tmp_path)  # host: 8 pages; a prefetch may hold 4
     seen = []
-    ctl.predictor.predict = lambda start, now, budget_tokens=None: seen.append(budget_tokens) or []
-    assert speculation.prediction_budget(ctl) > 4 * PS  # the room binds, not the lead
+    ctl.speculation.predictor.predict = lambda start, now, budget_tokens=None: seen.append(budget_tokens) or []
+    assert ctl.speculation.prediction_budget() > 4 * PS  # the room binds, not the lead
     ctl.arrive(seq(9000, 1))
     ctl.arrive(seq(0, 2) + seq(7000, 1))  # two pages of its own on disk: two left for picks
     assert seen == [4 * PS, 2 * PS]
-    ctl.guard.prefetch_share = 0.25  # a prefetch may hold 2 pages: its own path fills them
+    ctl.speculation.guard.prefetch_share = 0.25  # a prefetch may hold 2 pages: its own path fills them
     ctl.arrive(seq(0, 2) + seq(7001, 1))
     assert len(seen) == 2 and not ctl.predicted  # no room for a pick below its own path
 
@@ -393,16 +392,16 @@ def test_no_prediction_while_requests_queue_longer_than_the_lead(tmp_path, waite
     ctl.admitted(ticket)  # it left the queue `waited` s after it arrived
     ctl.admitted(ticket)  # (once per request)
     assert ctl.queue_delay.seconds == pytest.approx(waited)
-    ctl.predictor = _Fixed([Prediction(target, 1.0)])
+    ctl.speculation.predictor = _Fixed([Prediction(target, 1.0)])
     ctl.arrive(seq(9000, 1))
     assert bool(ctl.predicted) is predicts
-    assert ctl.guard.queue_deep == (0 if predicts else 1)
-    counters = speculation.counters(ctl)  # what the server's stats and the engine's benchmarks report
-    assert counters["queue_deep"] == ctl.guard.queue_deep and counters["queue_delay_s"] == pytest.approx(waited)
+    assert ctl.speculation.guard.queue_deep == (0 if predicts else 1)
+    counters = ctl.speculation.counters()  # what the server's stats and the engine's benchmarks report
+    assert counters["queue_deep"] == ctl.speculation.guard.queue_deep and counters["queue_delay_s"] == pytest.approx(waited)
     if predicts:
         ex.finish_all([op for job in ctl.predicted for op in job.ops()])
         ctl.advance_predictions()
         assert target.host is not None
     else:
-        assert target.host is None and not ctl.planned
+        assert target.host is None and not ctl.speculation.planned
     cache.check()

@@ -398,21 +398,23 @@ def test_hint_api_demotes_and_pins_through_the_scheduler_step(tmp_path):
         cache.before_batch_formed()
         assert cache.controller.hints.counts == {"prefetch": 0, "pin": 1, "retain": 0, "demote": 1}
         assert cache.evict(EvictParams(num_tokens=32)).num_tokens_evicted == 32
-        # the demoted prefix went first although it is the most recent (`old`, the oldest, is pinned)
+        # the demoted prefix went first although it is the most recent (`old`, the oldest, is retained)
         assert device_tokens(new) == 0 and device_tokens(old) == 32 and device_tokens(third) == 32
-        cache.evict(EvictParams(num_tokens=64))
-        assert device_tokens(old) == 32  # pinned: kept
+        cache.evict(EvictParams(num_tokens=32))
+        assert device_tokens(old) == 32 and device_tokens(third) == 0  # retained: kept over an older one
         code, out = post([{"action": "retain", "input_ids": [5, 1000]}])
         assert code == 400 and "outside the vocabulary" in out["error"]
         with urllib.request.urlopen(f"http://127.0.0.1:{cache.hint_listener.port}/hints", timeout=5) as r:
             status = json.loads(r.read())
         assert status["applied"]["pin"] == 1 and status["pins"] == 1 and status["pinned_tokens"] == 32
-        # a pin over 25 % of the 256-token host tier is refused when applied: counted once, reason kept
+        # past the retention book's size a pin is refused when applied: counted once, reason kept
+        from sgl_hicache.policy.hints import HintLimits
+        cache.controller.hints.limits = HintLimits(max_retained=2)
         assert post([{"action": "pin", "input_ids": list(old), "ttl_s": 60}] * 2)[0] == 202
         cache.before_batch_formed()
         with urllib.request.urlopen(f"http://127.0.0.1:{cache.hint_listener.port}/hints", timeout=5) as r:
             status = json.loads(r.read())
-        assert status["applied"]["pin"] == 2 and status["rejected"] == 1 and "25%" in status["last_error"], status
+        assert status["applied"]["pin"] == 2 and status["rejected"] == 1 and "retained already" in status["last_error"], status
     finally:
         cache.shutdown()
     assert cache.hint_listener is None

@@ -82,10 +82,10 @@ def _setup(tmp_path):
     cache = make_cache(tmp_path, device=8, host=8, disk=64)
     cache.clock = clock
     ex, ctl = _controller(cache, clock)
-    ctl.guard = PromotionGuard(shadow_bets=1)
+    ctl.speculation.guard = PromotionGuard(shadow_bets=1)
     cache.tree.half_life.value = 30.0  # the shadow horizon
     child = _disk_only(cache, seq(0, 2) + seq(100, 2))
-    ctl.predictor = _Fixed([Prediction(child, 1.0)])
+    ctl.speculation.predictor = _Fixed([Prediction(child, 1.0)])
     return cache, ex, ctl, clock, child
 
 
@@ -94,15 +94,15 @@ def test_an_unproven_trigger_copies_nothing_until_requests_use_its_shadow_picks(
     moved = dict(cache.stats.bytes_moved)
     ctl.arrive(seq(9000, 1))
     assert not ctl.predicted and dict(cache.stats.bytes_moved) == moved  # written down, not copied
-    assert sum(ctl.shadow.used.values()) == 0
+    assert sum(ctl.speculation.shadow.used.values()) == 0
     # a request admitted through the pick within the horizon: the record is made
     clock.t += 5.0
     ctl.account(None, 4 * PS, cache.match(seq(0, 2) + seq(100, 2), touch=False))
-    assert sum(ctl.shadow.used.values()) == child.num_pages * PS
+    assert sum(ctl.speculation.shadow.used.values()) == child.num_pages * PS
     clock.t += 1.0
     ctl.arrive(seq(9001, 1))
     assert len(ctl.predicted) == 1  # proven: a real copy now
-    assert ctl.shadow.live
+    assert ctl.speculation.shadow.live
     ex.finish_all([op for job in ctl.predicted for op in job.ops()])
     ctl.advance_predictions()
     assert child.host is not None
@@ -114,6 +114,6 @@ def test_a_trigger_whose_shadow_picks_go_unused_never_copies(tmp_path):
     for i in range(4):
         ctl.arrive(seq(9000 + i, 1))
         clock.t += 31.0  # past the horizon: the bet expires unused
-    assert not ctl.predicted and not ctl.shadow.live
-    assert sum(ctl.shadow.wasted.values()) > 0 and sum(ctl.shadow.used.values()) == 0
+    assert not ctl.predicted and not ctl.speculation.shadow.live
+    assert sum(ctl.speculation.shadow.wasted.values()) > 0 and sum(ctl.speculation.shadow.used.values()) == 0
     assert cache.stats.prefetch["predict"]["promoted_tokens"] == 0

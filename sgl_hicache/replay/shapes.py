@@ -27,7 +27,11 @@ a benchmark can score the requests a prediction is for (`role_of`):
   during a long pause. Roles: ``start`` (step 0), ``resume<k>`` (step k, after tool call k),
   ``other``. With `hints`, each step followed by a tool call carries what an agent framework that
   sees its tool finishing would send: ``prefetch`` of the step's prompt (the next step's cached
-  prefix, by token ids), running `lead_s` before the tool returns (``after_s``).
+  prefix, by token ids), running `lead_s` before the tool returns (``after_s``). With `pins`, a
+  framework that only estimates its tools' durations: when the tool call starts (`decode_s` after
+  the step) it asks the cache to keep the step's prompt for its estimate (``pin``, `ttl_s`), and it
+  sends the ``prefetch`` `lead_s` before the estimate runs out; the estimate is the true duration
+  times a lognormal error of spread `estimate_sigma` (0: exact).
 
 Sizes are in tokens and rounded down to whole pages of `page_size`.
 """
@@ -137,15 +141,18 @@ def agent(sessions: int = 24, steps: int = 8, system_tokens: int = 2048, task_to
           result_tokens: tuple[int, int] = (512, 2048), output_tokens: int = 256, decode_s: float = 2.0,
           short_s: tuple[float, float] = (0.5, 4.0), long_s: tuple[float, float] = (30.0, 120.0), long_share: float = 0.3,
           session_gap_s: float = 3.0, other_tokens: int = 4096, other_gap_s: float = 0.5, lead_s: float = 2.0,
-          page_size: int = 256, seed: int = 0, hints: bool = False) -> list[Request]:
+          page_size: int = 256, seed: int = 0, hints: bool = False, pins: bool = False,
+          estimate_sigma: float = 0.0) -> list[Request]:
     """The `agent` shape (module docstring), in arrival order. Session ``agent<s>``'s step k is
-    ``agent<s>/start`` (k = 0) or ``agent<s>/resume<k>``; the others are ``other<i>/other``."""
+    ``agent<s>/start`` (k = 0) or ``agent<s>/resume<k>``; the others are ``other<i>/other``. The
+    requests are the same with and without `hints` / `pins` (the hints draw from their own seed)."""
     if not 0 <= long_share <= 1 or steps < 1:
         raise ValueError(f"agent: long_share must be in [0, 1] and steps >= 1, got {long_share}, {steps}")
     for name, (lo, hi) in (("result_tokens", result_tokens), ("short_s", short_s), ("long_s", long_s)):
         if not 0 <= lo <= hi:
             raise ValueError(f"agent: {name} must be a range (low, high) with 0 <= low <= high, got {(lo, hi)}")
     rng = random.Random(seed)
+    noise = random.Random(seed + 7919)  # the framework's estimates: the requests stay the same
     system_tokens, task_tokens, output_tokens = (_pages(n, page_size) for n in (system_tokens, task_tokens, output_tokens))
     lo_pages, hi_pages = _pages(result_tokens[0], page_size) // page_size, _pages(result_tokens[1], page_size) // page_size
     system = _ids(SYSTEM_ID, system_tokens)
@@ -164,7 +171,13 @@ def agent(sessions: int = 24, steps: int = 8, system_tokens: int = 2048, task_to
                 break
             tool_s = rng.uniform(*long_s) if rng.random() < long_share else rng.uniform(*short_s)
             nxt = round(t + decode_s + tool_s, 6)
-            if hints:  # the framework sees its tool finishing `lead_s` ahead: the next step's prefix comes up
+            if pins:  # retain for the estimate from the tool call's start; prefetch `lead_s` before it ends
+                est = max(0.1, tool_s * noise.lognormvariate(0.0, estimate_sigma)) if estimate_sigma > 0 else tool_s
+                mine = tuple(prompt)
+                req = Request(req.request_id, req.session, req.arrival_s, req.input_ids, req.output_length, 0,
+                              hints=(Hint("pin", mine, ttl_s=round(est, 6), after_s=decode_s),
+                                     Hint("prefetch", mine, after_s=round(max(decode_s, decode_s + est - lead_s), 6))))
+            elif hints:  # the framework sees its tool finishing `lead_s` ahead: the next step's prefix comes up
                 after = max(0.0, nxt - lead_s - req.arrival_s)
                 req = Request(req.request_id, req.session, req.arrival_s, req.input_ids, req.output_length, 0,
                               hints=(Hint("prefetch", tuple(prompt), after_s=round(after, 6)),))

@@ -87,6 +87,7 @@ from .export import CacheViews, StatsPublisher
 from .hint_server import refuse_hints_at_tp
 from .rank_consensus import RankConsensus
 from .req_states import ReqState, RequestStates
+from .request_hints import RequestHints
 from .settings import BackendSettings, load_settings
 from .speculative import bigram_keys
 from .step_calls import StepCalls
@@ -164,6 +165,7 @@ class TieredRadixCache(StepCalls, CacheViews, BasePrefixCache):
         self.counters = BackendCounters()
         self.server_port = server_port
         self.req_states = RequestStates(self.controller, consensus)
+        self.request_hints = RequestHints(self.cache, self.controller.hints)  # hints in custom_params
         self._empty_indices = torch.empty((0,), dtype=torch.int64, device=self.device)
         self._publisher: StatsPublisher | None = None
         self._metrics_enabled = bool(getattr(params, "enable_metrics", False))
@@ -484,6 +486,7 @@ class TieredRadixCache(StepCalls, CacheViews, BasePrefixCache):
         return not self.disable
 
     def on_release(self, req, *, checkpointed: bool) -> None:
+        self.request_hints.on_finish(req)
         st = self.req_states.forget(req.rid)
         if getattr(req, "_sgl_hicache_recorded", False) or not getattr(req, "_cache_breakdown_computed", False):
             return

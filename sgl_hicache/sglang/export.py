@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import speculation
 from ..stats import prometheus_text
 from ..tiers.base import DEVICE, DISK, HOST, TIERS
 from ..tree.radix import RadixTree
@@ -110,7 +109,8 @@ def stats_snapshot(rc: TieredRadixCache, exact: bool = False) -> dict[str, Any]:
     backend["prefill_cost"] = {"steps_timed": rc.prefill_cost_fit.steps, "fixed_s": cost.fixed_s if cost else None,
                                "per_token_s": cost.per_token_s if cost else None, "per_pair_s": cost.per_pair_s if cost else None}
     snap["backend"] = backend
-    snap["speculation"] = speculation.counters(rc.controller)
+    snap["speculation"] = rc.controller.speculation.counters()
+    snap["agent_hints"] = {**rc.controller.hints.summary(), "requests": rc.request_hints.status()}
     snap["config"] = {
         "page_size": rc.page_size,
         "device_tokens": rc.device_pool.pool_pages * rc.page_size,

@@ -12,8 +12,10 @@ only parses and queues: it never touches the tree.
 
 SGLang's own `/set_internal_state` accepts numbers only, so the hints come through their own port
 (`SGLHICACHE_HINT_PORT`, `sgl-hicache serve --hint-port`), bound to 127.0.0.1 unless
-`SGLHICACHE_HINT_HOST` says otherwise. The server tracks no sessions, so a hint names its prefix by
-`input_ids`. Refused at TP >= 2 (each rank would need the same hints at the same step).
+`SGLHICACHE_HINT_HOST` says otherwise. A hint here names its prefix by `input_ids` (a router holds
+token ids). Refused at TP >= 2 (each rank would need the same hints at the same step): hints that
+travel with the request (`request_hints.py`, `custom_params["agent_hints"]`) work at any TP and
+name a conversation by a handle instead.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ def parse_hint_batch(body: Any) -> list[Hint]:
         if unknown:
             raise HintError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
         if "session" in h:
-            raise HintError(f"{where}: the server tracks no sessions; name the prefix by 'input_ids'")
+            raise HintError(f"{where}: the hint API names prefixes by 'input_ids'; name a conversation by its "
+                            "handle with agent_hints.prefetch in the request's custom_params")
         ids = h.get("input_ids")
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise HintError(f"{where}: 'input_ids' must be a list of integer token ids")

@@ -36,6 +36,8 @@ Both do nothing unless the scheduler's tree cache is ours.
    prefetch on whenever `--hicache-storage-backend` is set (`scheduler.py:516`, read by
    `_prefetch_kvcache`), even with another radix cache. With ours that flag only chooses our lower
    tier (`hicache_flags.py`), so the scheduler's storage path is switched off again.
+7. Before a new request is queued (BEFORE `Scheduler._add_request_to_queue`): the hints it carries
+   in `custom_params` (`request_hints.on_add_request`).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ ADD_ONE_REQ = "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"
 GET_NEW_BATCH_PREFILL = "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill"
 PROCESS_BATCH_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
 SCHEDULER_INIT = "sglang.srt.managers.scheduler.Scheduler.__init__"
+ADD_REQUEST = "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue"
 
 
 def _our_cache(cache: Any) -> Any:
@@ -224,6 +227,9 @@ def register_hooks() -> None:
     from .speculative import register_hooks as register_speculative_hooks  # the draft model's KV pools
 
     register_speculative_hooks()
+    from .request_hints import on_add_request  # hints in the request (`request_hints.py`)
+
+    HookRegistry.register(ADD_REQUEST, on_add_request, HookType.BEFORE)
 
 
 __all__ = ["disown_hicache_storage", "computed_tokens", "context_tokens", "step_end", "step_pairs", "demand_shortfall_tokens", "extend_tokens", "hold_new", "keep_admitting", "record_landed_copies", "register_hooks", "set_consumer_index",
