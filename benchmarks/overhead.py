@@ -8,6 +8,7 @@ Workload: the prompts of the first `--requests` lines of the Mooncake conversati
 (`load_trace(limit=N, scale=S)`), served one after the other; the device tier holds every page of every
 prompt, so nothing is ever evicted, and host and disk tiers are configured (small) but never used.
 
+Each prompt is an int64 `array` on both sides, built before the clock (SGLang's `RadixKey.token_ids`).
 Per request, what a scheduler calls:
 - ours (`TieredCache`): `match`, `record_request`, `promote` only if the match has lower-tier tokens
   (never here), `lock`, `allocate_device` for the new pages, `insert`, `free_device(duplicates)`,
@@ -59,6 +60,7 @@ def run_ours(prompts: list[list[int]], page_size: int) -> dict[str, float]:
     pages = sum(len(p) // page_size for p in prompts)
     cfg = CacheConfig(TINY, device_tokens=pages * page_size + page_size, host_tokens=64 * page_size, page_size=page_size)
     cache = TieredCache(cfg)
+    prompts = [array("q", p) for p in prompts]  # type: ignore[misc]  # as SGLang's RadixKey holds them
     alloc_s = 0.0
     pc = time.perf_counter
     gc.collect()
