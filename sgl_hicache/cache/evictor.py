@@ -9,8 +9,10 @@ a copy it starts never evicts (room was made before it was prepared).
 from __future__ import annotations
 
 import heapq
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
+from ..policy.eviction import lru
 from ..policy.writeback import below, eviction_demotes, host_eviction_rank, is_clean
 from ..tiers.base import DEVICE, DISK, HOST
 from ..tree.leaves import LeafKey
@@ -18,6 +20,9 @@ from ..tree.node import TreeNode
 
 if TYPE_CHECKING:
     from .residency import TieredCache
+
+
+_LRU_KEY: LeafKey = attrgetter("last_access", "id")
 
 
 class Evictor:
@@ -78,9 +83,12 @@ class Evictor:
 
     def leaf_key_for(self, tier: str) -> LeafKey:
         """`leaf_key(node, tier)` as a function of the node alone, with the config's choice made once
-        (the leaf queues call it on every push). It reads `cache.priority` at each call."""
+        (the leaf queues call it on every push). It reads `cache.priority` at each call, except for
+        the default `lru` where demotion decides alone: then the key reads the node's recency directly."""
         cache = self.cache
         if eviction_demotes(cache.config, tier):
+            if cache.priority is lru:
+                return _LRU_KEY  # the same tuple as `lru`, built in C (it runs on every push and pop)
             return lambda node: cache.priority(node)
         if tier == HOST:
             return lambda node: (host_eviction_rank(node), cache.priority(node))
