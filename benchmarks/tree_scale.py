@@ -139,7 +139,7 @@ def run_ours(args: argparse.Namespace, page_size: int, tiered: bool) -> dict:
     calls = Calls()
     clock = time.thread_time
     store = cache.stores[DEVICE]
-    n = 0
+    n = measured = 0
     gc.collect()
     for tokens in requests(args, page_size):
         t = clock()
@@ -163,6 +163,7 @@ def run_ours(args: argparse.Namespace, page_size: int, tiered: bool) -> dict:
         calls.add("alloc", clock() - t)
         if fresh is None:  # everything left is locked by this request: skip it
             cache.unlock(m.last_node)
+            measured += calls.on
             continue
         t = clock()
         r = cache.insert(tokens, m.device_handles + fresh)
@@ -173,6 +174,9 @@ def run_ours(args: argparse.Namespace, page_size: int, tiered: bool) -> dict:
         cache.unlock(m.last_node)
         calls.add("unlock", clock() - t)
         n += 1
+        measured += calls.on
+        if measured == args.measure_requests:
+            break
     return {"requests": n, "tree_nodes": cache.tree.node_count, "tree_tokens": cache.tree.pages[DEVICE] * page_size,
             "calls": calls.summary()}
 
@@ -182,7 +186,7 @@ def run_radix(args: argparse.Namespace, page_size: int) -> dict:
     pool = args.pool_tokens // page_size * page_size
     calls = Calls()
     clock = time.thread_time
-    n = 0
+    n = measured = 0
     gc.collect()
     for tokens in requests(args, page_size):
         key = RadixKey(tokens)
@@ -207,6 +211,9 @@ def run_radix(args: argparse.Namespace, page_size: int) -> dict:
         cache.dec_lock_ref(m.last_device_node, lk.to_dec_params())
         calls.add("unlock", clock() - t)
         n += 1
+        measured += calls.on
+        if measured == args.measure_requests:
+            break
     nodes = 0
     stack = [cache.root_node]
     while stack:
@@ -222,6 +229,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--pool-tokens", type=int, default=1_000_000, help="device pool, tokens (default 1M)")
     ap.add_argument("--target-nodes", type=int, default=120_000, help="sets the node size: pool / this (default 120k)")
     ap.add_argument("--pressure", type=float, default=2.0, help="tokens inserted, in pools (default 2)")
+    ap.add_argument("--measure-requests", type=int, default=0,
+                    help="stop after this many requests past the first eviction (0: run the whole stream)")
     ap.add_argument("--sessions", type=int, default=0, help="default: 1.5 pools of history (working set > pool)")
     ap.add_argument("--system-prompts", type=int, default=16)
     ap.add_argument("--system-tokens", type=int, default=512)
