@@ -50,7 +50,7 @@ sys.path.insert(0, str(REPO))
 
 from sgl_hicache.cache import TieredCache  # noqa: E402
 from sgl_hicache.config import CacheConfig, KVLayout  # noqa: E402
-from sgl_hicache.tiers.base import DEVICE, DISK, HOST  # noqa: E402
+from sgl_hicache.tiers.base import DEVICE, HOST  # noqa: E402
 from sgl_hicache.tiers.metadata import MetadataDiskStore, MetadataSlotStore  # noqa: E402
 
 TINY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1)  # the tree does not care about KV bytes

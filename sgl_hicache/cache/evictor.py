@@ -133,7 +133,7 @@ class Evictor:
                 continue
             if node.tiers() == only_here and not node.prefetched and not node.children:
                 # the plain case: its only copy, nothing below to keep it: drop it in one step
-                store.free(tree.drop_leaf(node, tier))
+                store.free(tree.drop_leaf(node, tier))  # type: ignore[union-attr]  # (set whenever only_here is)
                 dropped += node.num_pages
                 freed += node.num_pages
             else:
