@@ -85,6 +85,20 @@ def test_tree_ops_smoke_without_sglang(tmp_path: Path) -> None:
     assert list(result["results"]) == ["16"]
 
 
+def test_tree_scale_smoke(tmp_path: Path) -> None:
+    result = _run("tree_scale.py", tmp_path / "scale.json", "--page-sizes", "16")
+    assert result["benchmark"] == "tree_scale" and result["config"]["quick"]
+    sides = result["results"]["16"]
+    assert {"ours", "ours_tiered"} <= set(sides) and ("radix" in sides) == _sglang_importable()
+    for side in ("ours", "ours_tiered") + (("radix",) if "radix" in sides else ()):
+        calls = sides[side]["calls_us"]
+        assert {"match", "lock", "evict", "insert", "unlock"} <= set(calls)  # the pool was under pressure
+        assert all(c["n"] > 0 and c["max"] >= c["p99"] >= c["p50"] >= 0 for c in calls.values())
+    if "radix" in sides:  # one request stream: both trees served every request
+        assert sides["radix"]["requests"] == sides["ours"]["requests"]
+        assert set(sides["p99_ratio_ours_over_radix"]) >= {"match", "insert", "evict"}
+
+
 def test_host_bandwidth_smoke(tmp_path: Path) -> None:
     result = _run("host_bandwidth.py", tmp_path / "host.json")
     assert result["benchmark"] == "host_bandwidth"

@@ -9,14 +9,20 @@ a copy it starts never evicts (room was made before it was prepared).
 from __future__ import annotations
 
 import heapq
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
+from ..policy.eviction import lru
 from ..policy.writeback import below, eviction_demotes, host_eviction_rank, is_clean
 from ..tiers.base import DEVICE, DISK, HOST
+from ..tree.leaves import LeafKey
 from ..tree.node import TreeNode
 
 if TYPE_CHECKING:
     from .residency import TieredCache
+
+
+_LRU_KEY: LeafKey = attrgetter("last_access", "id")
 
 
 class Evictor:
@@ -75,10 +81,35 @@ class Evictor:
             return (host_eviction_rank(node), self.cache.priority(node))
         return (not is_clean(node, tier), self.cache.priority(node))
 
+    def leaf_key_for(self, tier: str) -> LeafKey:
+        """`leaf_key(node, tier)` as a function of the node alone, with the config's choice made once
+        (the leaf queues call it on every push). It reads `cache.priority` at each call, except for
+        the default `lru` where demotion decides alone: then the key reads the node's recency directly."""
+        cache = self.cache
+        if eviction_demotes(cache.config, tier):
+            if cache.priority is lru:
+                return _LRU_KEY  # the same tuple as `lru`, built in C (it runs on every push and pop)
+            return lambda node: cache.priority(node)
+        if tier == HOST:
+            return lambda node: (host_eviction_rank(node), cache.priority(node))
+        return lambda node: (not is_clean(node, tier), cache.priority(node))
+
     def _evict_ordered(self, tier: str, num_pages: int, spare: bool = False) -> int:
         """`evict` over the tree's incrementally kept leaf queue (`tree/leaves.py`): O(log n) per
         page freed or stale entry skipped, plus the locked or pinned leaves it must step over."""
-        queue = self.cache.tree.leaf_queue(tier)
+        c = self.cache
+        tree = c.tree
+        queue = tree.leaf_queue(tier)
+        leaf_key = queue.key
+        # a node held in `tier` alone is dropped by `tree.drop_leaf` when no tier below could take
+        # it (none configured, or the shared store, which eviction never writes)
+        dst = below(tier)
+        plain = dst is None or dst not in c.stores or (dst == DISK and not c.stores[DISK].demote_on_evict)
+        only_here = (tier,) if plain else None
+        store = c.stores[tier] if tier != DISK else None
+        if store is None:
+            only_here = None  # the lower tier frees through `LowerTier.free_disk`
+        dropped = 0
         freed = 0
         held: list[TreeNode] = []  # in use now: queued again once this eviction is done
         while freed < num_pages:
@@ -86,9 +117,10 @@ class Evictor:
             if entry is None:
                 break
             key, node = entry
-            if node.parent is None or not node.in_tier(tier) or has_child_in(node, tier):
+            if (node.parent is None or getattr(node, tier) is None or node.children_in.get(tier)
+                    or (node.children and has_child_in(node, tier))):
                 continue  # stale: queued again when it becomes a leaf of `tier` again
-            if not node.evictable:
+            if node.lock_ref or node.pins:
                 held.append(node)
                 continue
             if spare and node.device is not None:
@@ -96,12 +128,22 @@ class Evictor:
                 if self._ranked(tier):
                     break  # the queue ranks device copies last: only such pages are left
                 continue
-            if queue.key(node) > key:  # used since it was queued: its turn comes later
+            if leaf_key(node) > key:  # used since it was queued: its turn comes later
                 queue.push(node)
                 continue
-            freed += self.evict_node(node, tier)  # (its parent is queued as it becomes a leaf)
+            if node.tiers() == only_here and not node.prefetched and not node.children:
+                # the plain case: its only copy, nothing below to keep it: drop it in one step
+                store.free(tree.drop_leaf(node, tier))  # type: ignore[union-attr]  # (set whenever only_here is)
+                dropped += node.num_pages
+                freed += node.num_pages
+            else:
+                freed += self.evict_node(node, tier)  # (its parent is queued as it becomes a leaf)
         for node in held:
             queue.push(node)
+        if dropped:
+            tokens = dropped * c.page_size
+            c.stats.add("evicted_tokens", tokens, tier)
+            c.stats.add("dropped_tokens", tokens)
         return freed
 
     def _evict_rebuilt(self, tier: str, num_pages: int, spare: bool = False) -> int:
@@ -129,7 +171,7 @@ class Evictor:
         c = self.cache
         tokens = node.num_pages * c.page_size
         dst = below(tier)
-        dirty = dst is not None and c.has_tier(dst) and not is_clean(node, tier)
+        dirty = dst is not None and dst in c.stores and not is_clean(node, tier)
         if dirty and dst == DISK and not c.stores[DISK].demote_on_evict:
             dirty = False  # the shared store is written by background write-back only, never here
         # write-back admission (policy/reuse.py): is this page worth a copy below?
@@ -151,7 +193,7 @@ class Evictor:
         if node.prefetched and (tier == DEVICE or (tier == HOST and node.device is None)):
             c.stats.add_prefetch(node.prefetched, "wasted_tokens", tokens, node.prefetch_trigger)
             node.prefetched = node.prefetch_trigger = None
-        if not node.tiers():
+        if node.device is None and node.host is None and node.disk is None:
             c.tree.remove_leaf(node)
             c.stats.add("dropped_tokens", tokens)
         return node.num_pages

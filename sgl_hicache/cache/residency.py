@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import threading
 import time
+from array import array
 from collections.abc import Callable, Iterable, Sequence
 from itertools import compress
 from operator import ne
 
 from ..config import CacheConfig
-from ..hashing import Namespace
+from ..hashing import Namespace, int64_tokens
 from ..policy.eviction import eviction_policy, orders_incrementally
 from ..policy.reuse import ReuseModel
 from ..policy.writeback import disk_write_through_due, selective_write_through_due, write_through_on_insert
@@ -115,7 +116,7 @@ class TieredCache:
         only grow with use (`lru`, `lfu`: see `tree/leaves.py`); other orders (`reuse`, the oracle's)
         move with the clock, so their evictions order the leaves afresh each call."""
         if self._incremental_order:
-            self.tree.order_leaves(self.evictor.leaf_key)
+            self.tree.order_leaves(self.evictor.leaf_key_for)
 
     @property
     def orphans(self) -> list[TransferOp]:
@@ -208,13 +209,17 @@ class TieredCache:
             limit = self.tree.page_aligned(tokens)
             if len(device_handles) != limit // ps:
                 raise ValueError(f"insert of {limit // ps} whole pages with {len(device_handles)} device handles")
+            if not (isinstance(tokens, array) and tokens.typecode == "q"):
+                tokens = int64_tokens(tokens)  # once: the walk and the new node's edge use it as is
             path, matched = self.tree.walk(tokens)
             duplicates: list[Handle] = []
             prefix_tokens = 0
             page = 0
             adopted = 0
+            if type(device_handles) is not list:
+                device_handles = list(device_handles)  # slices of a list are lists already
             for node in path:
-                mine = list(device_handles[page : page + node.num_pages])
+                mine = device_handles[page : page + node.num_pages]
                 if node.device is not None:
                     if mine != node.device:  # the usual SGLang case reuses the tree's pages: equal lists
                         duplicates.extend(compress(mine, map(ne, mine, node.device)))
@@ -234,9 +239,9 @@ class TieredCache:
             if matched < limit:
                 # the walk splits every node it ends inside, so no child holds the next page here
                 if last.is_root or last.device is not None:
-                    node = self.tree.add_child(last, tokens[matched:limit])
+                    node = self.tree.add_child(last, tokens[matched:limit], owned=True)
                     node.last_access = self.clock()  # before it is queued for eviction with that key
-                    self.tree.set_resident(node, DEVICE, list(device_handles[page:]))
+                    self.tree.set_resident(node, DEVICE, device_handles[page:], owned=True)
                     adopted += node.num_pages
                     new_nodes.append(node)
                     last = node

@@ -260,13 +260,22 @@ class SlotAllocator:
 
     def free(self, slots: Sequence[int]) -> None:
         """Free all of `slots` or, when one is not allocated (or appears twice), none of them."""
+        used = self._used
+        before = len(used)
+        used.difference_update(slots)  # one pass; checked by the count, undone on error
+        if before - len(used) != len(slots):
+            self._undo_free(slots)
+        self._give(slots)
+
+    def _undo_free(self, slots: Sequence[int]) -> None:
+        """`free` removed fewer slots than it was given: put back those that were allocated (every
+        slot not on the free list) and raise naming what was wrong."""
         batch = set(slots)
+        free = set(self._free)
+        self._used.update(s for s in batch if s not in free and isinstance(s, int) and 0 <= s < self.capacity)
         if len(batch) != len(slots):
             raise KeyError("free got the same slot twice")
-        if not batch <= self._used:
-            raise KeyError(f"slot {min(batch - self._used)} is not allocated")
-        self._used -= batch
-        self._give(slots)
+        raise KeyError(f"slot {min(batch - self._used)} is not allocated")
 
     def _take(self, n: int) -> list[int]:
         """Remove `n` (<= free_count) slots from the free list: the last freed first."""

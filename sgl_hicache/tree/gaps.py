@@ -25,19 +25,26 @@ class TierGaps:
 
     def __init__(self) -> None:
         self.missing: dict[tuple[str, str], set[TreeNode]] = {link: set() for link in WRITEBACK_LINKS}
+        # per tier, the links it is the source of (with their destination) and the destination of
+        # (with their source): each residency change touches only its own links
+        self._as_src: dict[str, list[tuple[str, set[TreeNode]]]] = {t: [] for t in (DEVICE, HOST, DISK)}
+        self._as_dst: dict[str, list[tuple[str, set[TreeNode]]]] = {t: [] for t in (DEVICE, HOST, DISK)}
+        for (src, dst), gap in self.missing.items():
+            self._as_src[src].append((dst, gap))
+            self._as_dst[dst].append((src, gap))
 
     def entered(self, node: TreeNode, tier: str) -> None:
-        for (src, dst), gap in self.missing.items():
-            if tier == src and getattr(node, dst) is None:
+        for dst, gap in self._as_src[tier]:
+            if getattr(node, dst) is None:
                 gap.add(node)
-            elif tier == dst:
-                gap.discard(node)
+        for _, gap in self._as_dst[tier]:
+            gap.discard(node)
 
     def left(self, node: TreeNode, tier: str) -> None:
-        for (src, dst), gap in self.missing.items():
-            if tier == src:
-                gap.discard(node)
-            elif tier == dst and getattr(node, src) is not None:
+        for _, gap in self._as_src[tier]:
+            gap.discard(node)
+        for src, gap in self._as_dst[tier]:
+            if getattr(node, src) is not None:
                 gap.add(node)
 
     def split(self, upper: TreeNode, node: TreeNode) -> None:

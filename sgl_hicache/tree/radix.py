@@ -64,23 +64,21 @@ class RadixTree:
         # changes what eviction orders by): equal versions mean the same tree for a planner
         self.version = 0
 
-    def order_leaves(self, key: Callable[[TreeNode, str], tuple]) -> None:
-        """Keep each tier's eviction candidates ordered by `key(node, tier)` from now on (see
+    def order_leaves(self, key_for: Callable[[str], LeafKey]) -> None:
+        """Keep each tier's eviction candidates ordered by `key_for(tier)(node)` from now on (see
         `tree/leaves.py` for what the key must satisfy), starting from the current leaves."""
         self.leaves = {}
         for tier in TIERS:
-            q = LeafQueue(self._tier_key(key, tier))
+            q = LeafQueue(key_for(tier))
             q.rebuild(self.tier_leaves(tier))
             self.leaves[tier] = q
 
-    @staticmethod
-    def _tier_key(key: Callable[[TreeNode, str], tuple], tier: str) -> LeafKey:
-        return lambda node: key(node, tier)
-
     def push_leaf(self, node: TreeNode | None, tier: str) -> None:
         """`node` may have become an eviction candidate in `tier`, or its key there may have
-        dropped: queue it (a no-op unless `order_leaves` was called, or `node` is not there)."""
-        if self.leaves is None or node is None or node.parent is None or not node.in_tier(tier):
+        dropped: queue it (a no-op unless `order_leaves` was called, or `node` is not a candidate
+        there: not resident, or a child is; it is queued when its last such child leaves)."""
+        if (self.leaves is None or node is None or node.parent is None or getattr(node, tier) is None
+                or node.children_in.get(tier)):
             return
         q = self.leaves[tier]
         if q.needs_compaction(len(self.resident[tier])):
@@ -191,10 +189,12 @@ class RadixTree:
         self.node_count += 1
         return upper
 
-    def add_child(self, parent: TreeNode, tokens: Sequence[int]) -> TreeNode:
-        """A new node under `parent` for whole pages `tokens`; the caller sets its residency at once."""
+    def add_child(self, parent: TreeNode, tokens: Sequence[int], owned: bool = False) -> TreeNode:
+        """A new node under `parent` for whole pages `tokens`; the caller sets its residency at once.
+        `owned`: `tokens` is a fresh slice the caller gives away (an int64 array is then kept as is)."""
         self.version += 1
-        tokens = int64_tokens(tokens)
+        if not (owned and isinstance(tokens, array) and tokens.typecode == "q"):
+            tokens = int64_tokens(tokens)
         assert tokens and len(tokens) % self.page_size == 0
         first = edge_key_of(tokens[: self.page_size])
         assert first not in parent.children, "add_child over an existing edge"
@@ -205,10 +205,9 @@ class RadixTree:
         return node
 
     def remove_leaf(self, node: TreeNode) -> None:
-        assert not node.children and not node.is_root and node.evictable, node
+        assert not node.children and node.parent is not None and not node.lock_ref and not node.pins, node
         self.version += 1
-        assert not node.tiers(), f"removing {node} that is still resident"
-        assert node.parent is not None
+        assert node.device is None and node.host is None and node.disk is None, f"removing {node} that is still resident"
         first = node.edge_key
         del node.parent.children[first]
         # its traffic count goes with it: a long replay would otherwise keep a count (and a page of
@@ -217,12 +216,15 @@ class RadixTree:
         node.parent = None
         self.node_count -= 1
 
-    def set_resident(self, node: TreeNode, tier: str, handles: Sequence[Handle] | None = None) -> None:
-        assert not node.in_tier(tier), f"{node} already in {tier}"
+    def set_resident(self, node: TreeNode, tier: str, handles: Sequence[Handle] | None = None,
+                     owned: bool = False) -> None:
+        """Record `node`'s copy in `tier` (`handles`: one per page; the disk tier's default to the
+        keys). `owned`: `handles` is a fresh list the caller gives away (kept, not copied)."""
+        assert getattr(node, tier) is None, f"{node} already in {tier}"
         if handles is None and tier == DISK:
             handles = node.keys  # the lower tier is content-addressed: its handles are the keys
         assert handles is not None and len(handles) == node.num_pages
-        setattr(node, tier, list(handles))
+        setattr(node, tier, handles if owned and type(handles) is list else list(handles))
         self.version += 1
         self._share(node, tier, +1)
         self.resident[tier].add(node)
@@ -241,7 +243,7 @@ class RadixTree:
         assert node.in_tier(tier), f"{node} not in {tier}"
         self.version += 1
         self._share(node, tier, -1)
-        handles: list[Handle] = node.handles(tier)
+        handles: list[Handle] = getattr(node, tier)
         setattr(node, tier, None)
         self.resident[tier].discard(node)
         self.gaps.left(node, tier)
@@ -249,17 +251,45 @@ class RadixTree:
         self.pages[tier] -= node.num_pages
         if node.lock_ref or node.pins:
             self.protected[tier] -= node.num_pages
-        self.push_leaf(node.parent, tier)  # the parent may be a leaf of `tier` now
         if self.leaves is not None:
+            self.push_leaf(node.parent, tier)  # the parent may be a leaf of `tier` now
             for t in node.tiers():  # its key may have dropped where it stays (host: no longer on the device)
                 self.push_leaf(node, t)
         return handles
 
+    def drop_leaf(self, node: TreeNode, tier: str) -> list[Handle]:
+        """`clear_resident(node, tier)` then `remove_leaf(node)` in one step, for an unused leaf
+        whose only copy is in `tier` (eviction's plain case: it shares nothing, protects nothing,
+        has no other tier to requeue). Returns the handles the store must free."""
+        parent = node.parent
+        assert parent is not None and not node.children and not node.lock_ref and not node.pins, node
+        handles: list[Handle] = getattr(node, tier)
+        setattr(node, tier, None)
+        assert node.device is None and node.host is None and node.disk is None, f"{node} is in another tier"
+        self.version += 1
+        self.resident[tier].discard(node)
+        self.gaps.left(node, tier)
+        self.leaf_sets[tier].discard(node)
+        n = parent.children_in.get(tier, 0) - 1
+        parent.children_in[tier] = n
+        self.pages[tier] -= node.num_pages
+        first = node.edge_key
+        del parent.children[first]
+        drop_edge(parent, first)
+        node.parent = None
+        self.node_count -= 1
+        if n == 0 and parent.parent is not None and getattr(parent, tier) is not None:
+            self.leaf_sets[tier].add(parent)  # the parent is a leaf of `tier` now
+            self.push_leaf(parent, tier)
+        return handles
+
     def _share(self, node: TreeNode, tier: str, sign: int) -> None:
-        """`node` enters (+1) or leaves (-1) `tier`: update the pages of the tier sets it shares."""
-        others = [t for t in TIERS if t != tier and node.in_tier(t)]
-        if not others:
+        """`node` enters (+1) or leaves (-1) `tier` (it is in `tier` when called): update the pages of
+        the tier sets it shares."""
+        held = node.tiers()
+        if len(held) < 2:  # in `tier` alone: it shares nothing
             return
+        others = [t for t in held if t != tier]
         books = (self.shared, self.protected_shared) if (node.lock_ref or node.pins) else (self.shared,)
         for shared in books:
             for other in others:
@@ -281,7 +311,7 @@ class RadixTree:
             return
         n = parent.children_in.get(tier, 0) + sign
         parent.children_in[tier] = n
-        if parent.is_root or not parent.in_tier(tier):
+        if parent.parent is None or getattr(parent, tier) is None:
             return
         if n == 0:
             leaves.add(parent)
@@ -310,21 +340,21 @@ class RadixTree:
 
     def lock(self, node: TreeNode) -> None:
         self.version += 1
-        while node is not None and not node.is_root:
+        while node is not None and node.parent is not None:  # up to the root, which is never locked
             if node.lock_ref == 0 and node.pins == 0:
                 self._protect(node, +1)
             node.lock_ref += 1
-            node = node.parent  # type: ignore[assignment]
+            node = node.parent
 
     def unlock(self, node: TreeNode) -> None:
         self.version += 1
-        while node is not None and not node.is_root:
+        while node is not None and node.parent is not None:
             if node.lock_ref <= 0:
                 raise InvariantError(f"unlock of {node} with lock_ref {node.lock_ref}")
             node.lock_ref -= 1
             if node.lock_ref == 0 and node.pins == 0:
                 self._protect(node, -1)
-            node = node.parent  # type: ignore[assignment]
+            node = node.parent
 
     def pin(self, node: TreeNode) -> None:
         """A transfer reads or writes `node`: never evict or split it until `unpin`."""
@@ -343,8 +373,9 @@ class RadixTree:
 
     def _protect(self, node: TreeNode, sign: int) -> None:
         tiers = node.tiers()
+        protected = self.protected
         for tier in tiers:
-            self.protected[tier] += sign * node.num_pages
+            protected[tier] += sign * node.num_pages
         if len(tiers) > 1:
             ps = self.protected_shared
             for i, a in enumerate(tiers):
