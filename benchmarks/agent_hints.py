@@ -49,8 +49,16 @@ def percentile(xs: list[float], q: float) -> float:
 
 def run(requests: list, policy: str, device: int, host: int) -> dict[str, Any]:
     """One policy on one trace: the figures of the module docstring."""
-    cfg = EngineConfig(policy=policy, model=get_model("llama3-8b"), hardware=get_hardware("h200"), device_tokens=device,
-                       host_tokens=host, disk_tokens=4_000_000, concurrency=None, byte_mode="metadata")
+    cfg = EngineConfig(
+        policy=policy,
+        model=get_model("llama3-8b"),
+        hardware=get_hardware("h200"),
+        device_tokens=device,
+        host_tokens=host,
+        disk_tokens=4_000_000,
+        concurrency=None,
+        byte_mode="metadata",
+    )
     engine = EmbeddedEngine(cfg)
     started = time.process_time()
     try:
@@ -66,10 +74,17 @@ def run(requests: list, policy: str, device: int, host: int) -> dict[str, Any]:
                 jobs[r.session] = (min(first, r.arrival_s), max(last, r.arrival_s))
         jct = [done[last] - first for first, last in jobs.values() if last in done]
         snap = engine.cache.snapshot()
-        return {"ttft_mean_s": mean(ttft), "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
-                "jct_mean_s": mean(jct) if jct else None, "hit_tokens": snap["hit_tokens"],
-                "bytes_moved_total": sum(snap["bytes_moved"].values()), "hints": engine.controller.hints.summary(),
-                "hints_rejected_by_engine": engine.hints_rejected, "cpu_s": time.process_time() - started}
+        return {
+            "ttft_mean_s": mean(ttft),
+            "ttft_p50_s": percentile(ttft, 0.5),
+            "ttft_p99_s": percentile(ttft, 0.99),
+            "jct_mean_s": mean(jct) if jct else None,
+            "hit_tokens": snap["hit_tokens"],
+            "bytes_moved_total": sum(snap["bytes_moved"].values()),
+            "hints": engine.controller.hints.summary(),
+            "hints_rejected_by_engine": engine.hints_rejected,
+            "cpu_s": time.process_time() - started,
+        }
     finally:
         engine.close()
 
@@ -80,17 +95,41 @@ def hostile(requests: list) -> list:
     from sgl_hicache.policy.hints import Hint
     from sgl_hicache.replay.trace import Request
 
-    return [Request(r.request_id, r.session, r.arrival_s, r.input_ids, r.output_length, r.line,
-                    hints=(Hint("pin", tuple(r.input_ids), ttl_s=600.0, after_s=0.5),)) for r in requests]
+    return [
+        Request(
+            r.request_id,
+            r.session,
+            r.arrival_s,
+            r.input_ids,
+            r.output_length,
+            r.line,
+            hints=(Hint("pin", tuple(r.input_ids), ttl_s=600.0, after_s=0.5),),
+        )
+        for r in requests
+    ]
 
 
-def cell(device: int, host: int, long_s: tuple[float, float], sessions: int, seed: int, with_hostile: bool = False) -> dict[str, Any]:
+def cell(
+    device: int, host: int, long_s: tuple[float, float], sessions: int, seed: int, with_hostile: bool = False
+) -> dict[str, Any]:
     """One grid cell: no hints, hints and the oracle on the same requests, and the bars (with
     `with_hostile`, also the hostile client's hints, `hostile`, against no hints)."""
-    shape = {"sessions": sessions, "task_tokens": 4096, "result_tokens": (512, 2048), "long_s": long_s,
-             "other_gap_s": 2.0, "session_gap_s": 5.0, "seed": seed}
+    shape = {
+        "sessions": sessions,
+        "task_tokens": 4096,
+        "result_tokens": (512, 2048),
+        "long_s": long_s,
+        "other_gap_s": 2.0,
+        "session_gap_s": 5.0,
+        "seed": seed,
+    }
     plain, hinted = agent(**shape), agent(**shape, pins=True, estimate_sigma=0.5)
-    out: dict[str, Any] = {"device_tokens": device, "host_tokens": host, "long_tool_s": list(long_s), "requests": len(plain)}
+    out: dict[str, Any] = {
+        "device_tokens": device,
+        "host_tokens": host,
+        "long_tool_s": list(long_s),
+        "requests": len(plain),
+    }
     out["no_hints"] = run(plain, "predict", device, host)
     out["hints"] = run(hinted, "predict", device, host)
     out["oracle"] = run(plain, "oracle", device, host)
@@ -102,17 +141,26 @@ def cell(device: int, host: int, long_s: tuple[float, float], sessions: int, see
         "mean_ratio": h["ttft_mean_s"] / base["ttft_mean_s"],
         "p99_ratio": h["ttft_p99_s"] / base["ttft_p99_s"],
         "oracle_gain_s": gain,
-        "share_of_oracle_gain": (base["ttft_mean_s"] - h["ttft_mean_s"]) / gain if gain > 0.01 * base["ttft_mean_s"] else None,
+        "share_of_oracle_gain": (base["ttft_mean_s"] - h["ttft_mean_s"]) / gain
+        if gain > 0.01 * base["ttft_mean_s"]
+        else None,
     }
     if with_hostile:
         out["summary"]["hostile_mean_ratio"] = out["hostile"]["ttft_mean_s"] / base["ttft_mean_s"]
         out["summary"]["hostile_p99_ratio"] = out["hostile"]["ttft_p99_s"] / base["ttft_p99_s"]
     s = out["summary"]
-    s["passes"] = s["mean_ratio"] <= 1.05 and s["p99_ratio"] <= 1.05 and (s["share_of_oracle_gain"] is None or s["share_of_oracle_gain"] >= 0.5)
-    print(f"device {device:>7,} host {host:>8,} long {long_s}: mean {base['ttft_mean_s']:.3f} / {h['ttft_mean_s']:.3f} / "
-          f"{orc['ttft_mean_s']:.3f} s  p99 {base['ttft_p99_s']:.3f} / {h['ttft_p99_s']:.3f} / {orc['ttft_p99_s']:.3f}  "
-          f"(no hints / hints / oracle)  share {s['share_of_oracle_gain']}  passes {s['passes']}"
-          + (f"  hostile mean x{s['hostile_mean_ratio']:.3f} p99 x{s['hostile_p99_ratio']:.3f}" if with_hostile else ""), flush=True)
+    s["passes"] = (
+        s["mean_ratio"] <= 1.05
+        and s["p99_ratio"] <= 1.05
+        and (s["share_of_oracle_gain"] is None or s["share_of_oracle_gain"] >= 0.5)
+    )
+    print(
+        f"device {device:>7,} host {host:>8,} long {long_s}: mean {base['ttft_mean_s']:.3f} / {h['ttft_mean_s']:.3f} / "
+        f"{orc['ttft_mean_s']:.3f} s  p99 {base['ttft_p99_s']:.3f} / {h['ttft_p99_s']:.3f} / {orc['ttft_p99_s']:.3f}  "
+        f"(no hints / hints / oracle)  share {s['share_of_oracle_gain']}  passes {s['passes']}"
+        + (f"  hostile mean x{s['hostile_mean_ratio']:.3f} p99 x{s['hostile_p99_ratio']:.3f}" if with_hostile else ""),
+        flush=True,
+    )
     return out
 
 
@@ -133,9 +181,13 @@ def main(argv: list[str] | None = None) -> int:
         cells = [c for c in cells if f"{c[0]}/{c[1]}/{c[2]}" in wanted]
     if args.quick:
         cells, sessions, seeds = [(30_000, 300_000, "short", PAUSES["short"])], 4, [0]
-    results: dict[str, Any] = {"workload": "agent shape, pins for a noisy tool estimate (sigma 0.5) + prefetch 2 s before it",
-                               "engine": "embedded, llama3-8b / h200, trace clock, predict (hints or not) and oracle",
-                               "sessions": sessions, "seeds": seeds, "cells": []}
+    results: dict[str, Any] = {
+        "workload": "agent shape, pins for a noisy tool estimate (sigma 0.5) + prefetch 2 s before it",
+        "engine": "embedded, llama3-8b / h200, trace clock, predict (hints or not) and oracle",
+        "sessions": sessions,
+        "seeds": seeds,
+        "cells": [],
+    }
     for device, host, name, pause in cells:
         for seed in seeds:
             c = cell(device, host, pause, sessions, seed, args.hostile)

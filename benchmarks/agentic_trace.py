@@ -27,9 +27,19 @@ import sys
 import zipfile
 from pathlib import Path
 
-DOCS = {"GorillaFileSystem": "gorilla_file_system", "MathAPI": "math_api", "MessageAPI": "message_api", "TwitterAPI": "posting_api",
-        "TicketAPI": "ticket_api", "TradingBot": "trading_bot", "TravelAPI": "travel_booking", "VehicleControlAPI": "vehicle_control"}
-SYSTEM = "You are an agent that completes the user's tasks by calling the functions documented below, one call per step.\n"
+DOCS = {
+    "GorillaFileSystem": "gorilla_file_system",
+    "MathAPI": "math_api",
+    "MessageAPI": "message_api",
+    "TwitterAPI": "posting_api",
+    "TicketAPI": "ticket_api",
+    "TradingBot": "trading_bot",
+    "TravelAPI": "travel_booking",
+    "VehicleControlAPI": "vehicle_control",
+}
+SYSTEM = (
+    "You are an agent that completes the user's tasks by calling the functions documented below, one call per step.\n"
+)
 
 
 def _reader(wheel: Path | None):
@@ -41,7 +51,9 @@ def _reader(wheel: Path | None):
 
         root = files("bfcl_eval") / "data"
     except ModuleNotFoundError:
-        raise SystemExit("bfcl_eval is not importable: pass --wheel (pip download --no-deps bfcl-eval==2026.3.23)") from None
+        raise SystemExit(
+            "bfcl_eval is not importable: pass --wheel (pip download --no-deps bfcl-eval==2026.3.23)"
+        ) from None
     return lambda rel: (root / rel).read_text()
 
 
@@ -60,7 +72,10 @@ def sessions(read) -> list[dict]:
             continue
         system = SYSTEM + "".join(f"# {cls}\n{docs[cls]}\n" for cls in q["involved_classes"] if cls in docs)
         state = "Initial state: " + json.dumps(q.get("initial_config", {}), sort_keys=True) + "\n"
-        turns = [(" ".join(m["content"] for m in turn if m.get("role") == "user"), calls) for turn, calls in zip(q["question"], truth)]
+        turns = [
+            (" ".join(m["content"] for m in turn if m.get("role") == "user"), calls)
+            for turn, calls in zip(q["question"], truth)
+        ]
         out.append({"id": q["id"], "prefix": system + state, "turns": turns})
     return out
 
@@ -76,7 +91,9 @@ def build(sess: list[dict], session_rate: float, tool_s: float, think_s: float, 
                 t += think_s * rng.uniform(0.5, 1.5)
             text += f"User: {user}\n"
             for call in calls:
-                rows.append({"session": s["id"], "prompt": text, "output_length": max(8, len(call)), "timestamp": round(t, 3)})
+                rows.append(
+                    {"session": s["id"], "prompt": text, "output_length": max(8, len(call)), "timestamp": round(t, 3)}
+                )
                 text += f"Call: {call}\nResult: ok ({call.split('(')[0]})\n"
                 t += tool_s * rng.uniform(0.5, 1.5)
             rows.append({"session": s["id"], "prompt": text, "output_length": 64, "timestamp": round(t, 3)})

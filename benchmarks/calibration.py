@@ -63,7 +63,9 @@ def pipeline_ttfts(loads: list[float], computes: list[float]) -> list[float]:
     return out
 
 
-def ttft_p50(model: ModelPreset, hw: HardwarePreset, *, concurrency: int, context: int, new: int, read_bw: float | None) -> dict:
+def ttft_p50(
+    model: ModelPreset, hw: HardwarePreset, *, concurrency: int, context: int, new: int, read_bw: float | None
+) -> dict:
     """read_bw None = recompute everything; else load `context` tokens of KV at read_bw first."""
     if read_bw is None:
         load, comp = 0.0, prefill_seconds(model, hw, context + new, 0)
@@ -83,7 +85,12 @@ def ttft_p50(model: ModelPreset, hw: HardwarePreset, *, concurrency: int, contex
 def figure(published: float, engine: dict, key: str = "p50_s") -> dict:
     value = engine[key]
     ratio = value / published
-    return {"published_s": published, "engine_s": round(value, 3), "ratio": round(ratio, 3), "within_2x": 0.5 <= ratio <= 2.0}
+    return {
+        "published_s": published,
+        "engine_s": round(value, 3),
+        "ratio": round(ratio, 3),
+        "within_2x": 0.5 <= ratio <= 2.0,
+    }
 
 
 def run() -> dict:
@@ -100,11 +107,21 @@ def run() -> dict:
 
     def case_a(context: int) -> tuple[dict, dict]:
         rec = ttft_p50(ma, ha, concurrency=a["concurrency"], context=context, new=a["new_tokens"], read_bw=None)
-        tier = ttft_p50(ma, ha, concurrency=a["concurrency"], context=context, new=a["new_tokens"], read_bw=ha.link_bandwidth("disk", "host"))
+        tier = ttft_p50(
+            ma,
+            ha,
+            concurrency=a["concurrency"],
+            context=context,
+            new=a["new_tokens"],
+            read_bw=ha.link_bandwidth("disk", "host"),
+        )
         return rec, tier
 
     def case_b(context: int) -> tuple[dict, dict]:
-        slow, fast = (ttft_p50(mb, hb, concurrency=b["concurrency"], context=context, new=b["new_tokens"], read_bw=bw) for bw in b["read_bandwidths"])
+        slow, fast = (
+            ttft_p50(mb, hb, concurrency=b["concurrency"], context=context, new=b["new_tokens"], read_bw=bw)
+            for bw in b["read_bandwidths"]
+        )
         return slow, fast
 
     rec, tier = case_a(a["context_tokens"])

@@ -75,15 +75,29 @@ def fold_into_vocab(requests: list[Request], vocab: int) -> list[Request]:
     out = []
     for r in requests:
         hints = tuple(replace(h, input_ids=tuple(fold(h.input_ids))) if h.input_ids else h for h in r.hints)
-        out.append(Request(r.request_id, r.session, r.arrival_s, fold(r.input_ids), r.output_length, r.line, hints=hints))
+        out.append(
+            Request(r.request_id, r.session, r.arrival_s, fold(r.input_ids), r.output_length, r.line, hints=hints)
+        )
     return out
 
 
 def workload(a: argparse.Namespace, hints: bool, vocab: int) -> list[Request]:
-    reqs = chain(sessions=a.sessions, turns=a.turns, turn_tokens=a.turn_tokens, system_tokens=a.system_tokens,
-                 probe_tokens=a.page_size * 2, question_tokens=a.page_size * 2, output_tokens=a.output_tokens,
-                 turn_gap_s=a.turn_gap, session_gap_s=a.session_gap, pause_s=a.pause, lead_s=a.lead,
-                 page_size=a.page_size, seed=a.seed, hints=hints)
+    reqs = chain(
+        sessions=a.sessions,
+        turns=a.turns,
+        turn_tokens=a.turn_tokens,
+        system_tokens=a.system_tokens,
+        probe_tokens=a.page_size * 2,
+        question_tokens=a.page_size * 2,
+        output_tokens=a.output_tokens,
+        turn_gap_s=a.turn_gap,
+        session_gap_s=a.session_gap,
+        pause_s=a.pause,
+        lead_s=a.lead,
+        page_size=a.page_size,
+        seed=a.seed,
+        hints=hints,
+    )
     return fold_into_vocab(reqs, vocab)
 
 
@@ -99,13 +113,23 @@ def run_one(config: str, a: argparse.Namespace, model: Path, work: Path, tag: st
         args.append("--disable-radix-cache")
     else:
         args += ["--radix-cache-backend", "sgl_hicache"]
-        env = {"SGLHICACHE_HOST_TOKENS": str(a.host_tokens), "SGLHICACHE_DISK_DIR": str(disk),
-               "SGLHICACHE_DISK_TOKENS": str(a.disk_tokens), "SGLHICACHE_PREDICTOR": "tree_walk" if config == "predict" else "none"}
+        env = {
+            "SGLHICACHE_HOST_TOKENS": str(a.host_tokens),
+            "SGLHICACHE_DISK_DIR": str(disk),
+            "SGLHICACHE_DISK_TOKENS": str(a.disk_tokens),
+            "SGLHICACHE_PREDICTOR": "tree_walk" if config == "predict" else "none",
+        }
         if config == "hints":
             env["SGLHICACHE_HINT_PORT"] = "0"
     try:
-        srv = SGLangServer.start(model, load_format=a.load_format, log_path=work / f"{tag}.log", env=env,
-                                 timeout_s=a.start_timeout, extra_args=args)
+        srv = SGLangServer.start(
+            model,
+            load_format=a.load_format,
+            log_path=work / f"{tag}.log",
+            env=env,
+            timeout_s=a.start_timeout,
+            extra_args=args,
+        )
     except ServerStartError as e:
         shutil.rmtree(disk, ignore_errors=True)
         return {"config": config, "error": f"server not up: {str(e)[-1500:]}"}
@@ -113,8 +137,15 @@ def run_one(config: str, a: argparse.Namespace, model: Path, work: Path, tag: st
         server = probe_server(srv.url)
         reqs = workload(a, config == "hints", server.usable_vocab)
         t0 = time.monotonic()
-        rep = replay_http(reqs, srv.url, concurrency=a.concurrency, trace_clock=True, keep_outputs=True, server=server,
-                          timeout_s=a.request_timeout)
+        rep = replay_http(
+            reqs,
+            srv.url,
+            concurrency=a.concurrency,
+            trace_clock=True,
+            keep_outputs=True,
+            server=server,
+            timeout_s=a.request_timeout,
+        )
         wall = time.monotonic() - t0
     finally:
         srv.stop()
@@ -128,9 +159,13 @@ def run_one(config: str, a: argparse.Namespace, model: Path, work: Path, tag: st
     pred = (stats.get("prefetch") or {}).get("predict") or {}  # a fresh server: its totals are this run's
     ttft = [r["ttft_s"] for r in conts if r.get("error") is None]
     return {
-        "config": config, "wall_s": wall, "requests": len(records), "failed": rep["requests_failed"],
+        "config": config,
+        "wall_s": wall,
+        "requests": len(records),
+        "failed": rep["requests_failed"],
         "first_error": (rep.get("errors") or {}).get("first_error"),
-        "cont_ttft_mean_s": statistics.fmean(ttft) if ttft else None, "cont_ttft_p50_s": statistics.median(ttft) if ttft else None,
+        "cont_ttft_mean_s": statistics.fmean(ttft) if ttft else None,
+        "cont_ttft_p50_s": statistics.median(ttft) if ttft else None,
         "probe_ttft_p50_s": statistics.median([r["ttft_s"] for r in probes]) if probes else None,
         "cont_hits": {t: sum(r[f"hit_{t}"] for r in conts) for t in ("device", "host", "disk")},
         "cont_prompt_tokens": sum(r["prompt_tokens"] for r in conts),
@@ -167,19 +202,28 @@ def summarise(runs: list[dict[str, Any]], configs: list[str]) -> dict[str, Any]:
         if not mine:
             out[c] = {"runs": 0}
             continue
+
         def med(key: str, mine: list[dict[str, Any]] = mine) -> Any:
-            return (statistics.median(r[key] for r in mine if r[key] is not None)
-                    if any(r[key] is not None for r in mine) else None)
+            return (
+                statistics.median(r[key] for r in mine if r[key] is not None)
+                if any(r[key] is not None for r in mine)
+                else None
+            )
 
         vs_scratch, vs_prefetch = _differ(mine, ref), _differ(mine, base_outputs)
-        out[c] = {"runs": len(mine), "cont_ttft_mean_s": med("cont_ttft_mean_s"), "cont_ttft_p50_s": med("cont_ttft_p50_s"),
-                  "probe_ttft_p50_s": med("probe_ttft_p50_s"),
-                  "cont_hits": mine[0]["cont_hits"], "predict": mine[0]["predict"],
-                  "speculation": mine[0].get("speculation"),
-                  "outputs_equal_scratch": None if vs_scratch is None else not vs_scratch,
-                  "differ_from_scratch": vs_scratch,
-                  "outputs_equal_prefetch": None if vs_prefetch is None else not vs_prefetch,
-                  "differ_from_prefetch": vs_prefetch}
+        out[c] = {
+            "runs": len(mine),
+            "cont_ttft_mean_s": med("cont_ttft_mean_s"),
+            "cont_ttft_p50_s": med("cont_ttft_p50_s"),
+            "probe_ttft_p50_s": med("probe_ttft_p50_s"),
+            "cont_hits": mine[0]["cont_hits"],
+            "predict": mine[0]["predict"],
+            "speculation": mine[0].get("speculation"),
+            "outputs_equal_scratch": None if vs_scratch is None else not vs_scratch,
+            "differ_from_scratch": vs_scratch,
+            "outputs_equal_prefetch": None if vs_prefetch is None else not vs_prefetch,
+            "differ_from_prefetch": vs_prefetch,
+        }
     base = out.get("prefetch", {}).get("cont_ttft_mean_s")
     for s in out.values():
         if base and s.get("cont_ttft_mean_s") is not None:
@@ -193,9 +237,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="one repeat, 5 sessions, a shorter pause")
-    ap.add_argument("--model", type=Path, help="a model folder (default: the tiny Llama, with --realistic-weights written to the work dir)")
-    ap.add_argument("--load-format", default=None, help="SGLang --load-format (default: the folder's weights; 'dummy' with the bare config)")
-    ap.add_argument("--dummy-weights", action="store_true", help="serve the tiny Llama with dummy weights (the output check is then weak)")
+    ap.add_argument(
+        "--model",
+        type=Path,
+        help="a model folder (default: the tiny Llama, with --realistic-weights written to the work dir)",
+    )
+    ap.add_argument(
+        "--load-format",
+        default=None,
+        help="SGLang --load-format (default: the folder's weights; 'dummy' with the bare config)",
+    )
+    ap.add_argument(
+        "--dummy-weights",
+        action="store_true",
+        help="serve the tiny Llama with dummy weights (the output check is then weak)",
+    )
     ap.add_argument("--device-tokens", type=int, default=1024)
     ap.add_argument("--host-tokens", type=int, default=2048)
     ap.add_argument("--disk-tokens", type=int, default=65536)
@@ -235,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         a.load_format = load_format
         runs = []
         for r in range(a.repeats):
-            order = configs[r % len(configs):] + configs[: r % len(configs)]
+            order = configs[r % len(configs) :] + configs[: r % len(configs)]
             for c in order:
                 res = run_one(c, a, model, work, f"{c}-{r}")
                 res["repeat"] = r
@@ -245,15 +301,39 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if a.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
-    regime = {"model": str(a.model or "tiny-llama (hidden 128, 2 layers, 2 KV heads x 32, bf16)"),
-              "weights": "dummy" if a.dummy_weights else ("given" if a.model else "realistic random (scripts/cpu/realistic_weights.py)"),
-              "device_tokens": a.device_tokens, "host_tokens": a.host_tokens, "disk_tokens": a.disk_tokens, "page_size": a.page_size,
-              "chain": {"sessions": a.sessions, "turns": a.turns, "turn_tokens": a.turn_tokens, "system_tokens": a.system_tokens,
-                        "probe_tokens": 2 * a.page_size, "question_tokens": 2 * a.page_size, "output_tokens": a.output_tokens,
-                        "turn_gap_s": a.turn_gap, "session_gap_s": a.session_gap, "pause_s": a.pause, "lead_s": a.lead, "seed": a.seed},
-              "concurrency": a.concurrency, "repeats": a.repeats, "machine": "CPU, SGLang 0.5.23, torch_native attention"}
-    result = {"benchmark": "chain_server", "regime": regime, "summary": summary,
-              "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs]}
+    regime = {
+        "model": str(a.model or "tiny-llama (hidden 128, 2 layers, 2 KV heads x 32, bf16)"),
+        "weights": "dummy"
+        if a.dummy_weights
+        else ("given" if a.model else "realistic random (scripts/cpu/realistic_weights.py)"),
+        "device_tokens": a.device_tokens,
+        "host_tokens": a.host_tokens,
+        "disk_tokens": a.disk_tokens,
+        "page_size": a.page_size,
+        "chain": {
+            "sessions": a.sessions,
+            "turns": a.turns,
+            "turn_tokens": a.turn_tokens,
+            "system_tokens": a.system_tokens,
+            "probe_tokens": 2 * a.page_size,
+            "question_tokens": 2 * a.page_size,
+            "output_tokens": a.output_tokens,
+            "turn_gap_s": a.turn_gap,
+            "session_gap_s": a.session_gap,
+            "pause_s": a.pause,
+            "lead_s": a.lead,
+            "seed": a.seed,
+        },
+        "concurrency": a.concurrency,
+        "repeats": a.repeats,
+        "machine": "CPU, SGLang 0.5.23, torch_native attention",
+    }
+    result = {
+        "benchmark": "chain_server",
+        "regime": regime,
+        "summary": summary,
+        "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs],
+    }
     text = json.dumps(result, indent=2)
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)

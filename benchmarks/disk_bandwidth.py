@@ -249,11 +249,23 @@ def run(args: argparse.Namespace) -> dict:
         return {
             "benchmark": "disk_bandwidth",
             "config": {
-                "pages": n, "threads": threads, "repeats": args.repeats, "page_bytes": store.page_bytes,
-                "total_bytes": total_bytes, "layout": {"layers": args.layers, "kv_heads": args.kv_heads,
-                "head_dim": args.head_dim, "page_size": args.page_size, "dtype": "bfloat16"},
-                "directory": str(base), "filesystem_device": os.stat(base).st_dev,
-                "cpu_count": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0],
+                "pages": n,
+                "threads": threads,
+                "repeats": args.repeats,
+                "page_bytes": store.page_bytes,
+                "total_bytes": total_bytes,
+                "layout": {
+                    "layers": args.layers,
+                    "kv_heads": args.kv_heads,
+                    "head_dim": args.head_dim,
+                    "page_size": args.page_size,
+                    "dtype": "bfloat16",
+                },
+                "directory": str(base),
+                "filesystem_device": os.stat(base).st_dev,
+                "cpu_count": os.cpu_count(),
+                "platform": platform.platform(),
+                "python": sys.version.split()[0],
                 "torch": torch.__version__,
             },
             "gbps_median": gbps,
@@ -286,7 +298,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--dir", default=None, help="where to write (default: a temp dir); use the disk under test")
-    p.add_argument("--drop-caches", action="store_true", help="use /proc/sys/vm/drop_caches (root; affects the whole machine)")
+    p.add_argument(
+        "--drop-caches", action="store_true", help="use /proc/sys/vm/drop_caches (root; affects the whole machine)"
+    )
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     for name in ("pages", "threads", "repeats"):
@@ -296,7 +310,11 @@ def main(argv: list[str] | None = None) -> dict:
     text = json.dumps(result, indent=2)
     if args.json:
         Path(args.json).write_text(text + "\n")
-    print(json.dumps({"gbps_median": result["gbps_median"], "ratios": result["ratios"], "cache": result["cache"]}, indent=2))
+    print(
+        json.dumps(
+            {"gbps_median": result["gbps_median"], "ratios": result["ratios"], "cache": result["cache"]}, indent=2
+        )
+    )
     return result
 
 

@@ -72,7 +72,9 @@ def one_round(directory: Path, pages: int, batch: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pages", type=int, default=20000)
-    ap.add_argument("--batch", type=int, default=32, help="pages a transfer op moves (the replay's host -> disk ops average ~31)")
+    ap.add_argument(
+        "--batch", type=int, default=32, help="pages a transfer op moves (the replay's host -> disk ops average ~31)"
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", type=Path, help="where the store's directories go (default /dev/shm, else the temp dir)")
     ap.add_argument("--json", type=Path, required=True)
@@ -89,8 +91,13 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     out = {
         "benchmark": "disk_page_cpu",
-        "config": {"pages": args.pages, "batch": args.batch, "repeats": args.repeats, "page_bytes": PAGE * LAYOUT.bytes_per_token,
-                   "dir": str(parent) if parent else tempfile.gettempdir()},
+        "config": {
+            "pages": args.pages,
+            "batch": args.batch,
+            "repeats": args.repeats,
+            "page_bytes": PAGE * LAYOUT.bytes_per_token,
+            "dir": str(parent) if parent else tempfile.gettempdir(),
+        },
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_avg": os.getloadavg()},
         "rounds": rounds,
         "median_us_per_page": {k: statistics.median(r[k] for r in rounds) for k in rounds[0]},

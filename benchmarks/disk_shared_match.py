@@ -61,9 +61,14 @@ def build(side: str, prompts: list[list[int]], page_size: int, root: Path) -> tu
     disk_dir = root / side
     with_disk = side != "no_disk"
     cfg = CacheConfig(
-        TINY, device_tokens=(pages + 1) * page_size, host_tokens=(pages + 1) * page_size, page_size=page_size,
-        disk_tokens=(pages + 1) * page_size if with_disk else 0, disk_dir=disk_dir if with_disk else None,
-        write_policy="write_through", disk_write_policy="write_through",
+        TINY,
+        device_tokens=(pages + 1) * page_size,
+        host_tokens=(pages + 1) * page_size,
+        page_size=page_size,
+        disk_tokens=(pages + 1) * page_size if with_disk else 0,
+        disk_dir=disk_dir if with_disk else None,
+        write_policy="write_through",
+        disk_write_policy="write_through",
     )
     cache = TieredCache(cfg)
     for p in prompts:  # the tree holds the first half of every prompt
@@ -127,7 +132,9 @@ def gate_cost(store: DiskPageStore, calls: int = 100_000) -> float:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_trace_args(ap, repeats=9)
-    ap.add_argument("--dir", type=Path, default=None, help="where the disk directories go (default: a temporary directory)")
+    ap.add_argument(
+        "--dir", type=Path, default=None, help="where the disk directories go (default: a temporary directory)"
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.quick:
@@ -139,11 +146,15 @@ def main(argv: list[str] | None = None) -> dict:
         built = {side: build(side, prompts, args.page_size, root) for side in SIDES}
         caches = {side: c for side, (c, _) in built.items()}
         looked = {side: probes(caches[side], prompts) for side in SIDES}
-        past_tree = sum(1 for p in prompts if caches["lone"].match(p, touch=False).tokens < (len(p) // args.page_size) * args.page_size)
+        past_tree = sum(
+            1
+            for p in prompts
+            if caches["lone"].match(p, touch=False).tokens < (len(p) // args.page_size) * args.page_size
+        )
         samples: dict[str, list[float]] = {s: [] for s in SIDES}
         gate: list[float] = []
         for rnd in range(args.repeats):
-            order = SIDES[rnd % len(SIDES):] + SIDES[: rnd % len(SIDES)]
+            order = SIDES[rnd % len(SIDES) :] + SIDES[: rnd % len(SIDES)]
             for side in order:
                 samples[side].append(timed(caches[side], prompts))
             gate.append(gate_cost(caches["lone"].stores[DISK], 10_000 if args.quick else 100_000))  # type: ignore[arg-type]
@@ -157,8 +168,16 @@ def main(argv: list[str] | None = None) -> dict:
     us = {side: round(statistics.median(samples[side]) / n * 1e6, 3) for side in SIDES}
     out = {
         "benchmark": "disk_shared_match",
-        "config": {"trace": str(args.trace), "requests": n, "prompt_tokens": sum(map(len, prompts)), "scale": args.scale,
-                   "page_size": args.page_size, "repeats": args.repeats, "quick": args.quick, "dir": disk_fs},
+        "config": {
+            "trace": str(args.trace),
+            "requests": n,
+            "prompt_tokens": sum(map(len, prompts)),
+            "scale": args.scale,
+            "page_size": args.page_size,
+            "repeats": args.repeats,
+            "quick": args.quick,
+            "dir": disk_fs,
+        },
         "machine": {"python": platform.python_version(), "platform": platform.platform()},
         "matches_past_tree": past_tree,
         "files_looked_for_per_round": looked,
@@ -178,8 +197,24 @@ def main(argv: list[str] | None = None) -> dict:
     text = json.dumps(out, indent=2)
     if args.json:
         args.json.write_text(text + "\n")
-    print(json.dumps({k: out[k] for k in ("matches_past_tree", "files_looked_for_per_round", "us_per_match", "ratio", "lone_gate_us_per_match",
-                                          "added_us_per_match_shared_over_lone", "added_us_per_file_looked_for", "wall_s")}, indent=2))
+    print(
+        json.dumps(
+            {
+                k: out[k]
+                for k in (
+                    "matches_past_tree",
+                    "files_looked_for_per_round",
+                    "us_per_match",
+                    "ratio",
+                    "lone_gate_us_per_match",
+                    "added_us_per_match_shared_over_lone",
+                    "added_us_per_file_looked_for",
+                    "wall_s",
+                )
+            },
+            indent=2,
+        )
+    )
     return out
 
 

@@ -70,37 +70,82 @@ def run_server(reqs: list, a: argparse.Namespace, pool: int, host: int, disk: in
     from sgl_hicache.sglang.server import SGLangServer
 
     store = workdir / "store"
-    settings = BackendSettings(host_tokens=host, disk_dir=str(store), disk_tokens=disk, prefetch=True, predictor=a.predictor,
-                               eviction_demotes=a.eviction_demotes)
-    args = ["--page-size", str(a.page_size), "--max-total-tokens", str(pool), "--radix-cache-backend", "sgl_hicache", *a.server_arg]
+    settings = BackendSettings(
+        host_tokens=host,
+        disk_dir=str(store),
+        disk_tokens=disk,
+        prefetch=True,
+        predictor=a.predictor,
+        eviction_demotes=a.eviction_demotes,
+    )
+    args = [
+        "--page-size",
+        str(a.page_size),
+        "--max-total-tokens",
+        str(pool),
+        "--radix-cache-backend",
+        "sgl_hicache",
+        *a.server_arg,
+    ]
     log = workdir / "server.log"
-    srv = SGLangServer.start(a.model, extra_args=args, env=settings_env(settings), log_path=log, load_format="dummy",
-                             timeout_s=a.start_timeout)
+    srv = SGLangServer.start(
+        a.model,
+        extra_args=args,
+        env=settings_env(settings),
+        log_path=log,
+        load_format="dummy",
+        timeout_s=a.start_timeout,
+    )
     try:
         # the requests the server takes (a prompt at or over its input limit is skipped there, so the
         # embedded engine replays the same list: `kept`)
         model = probe_server(srv.url)
         kept, skipped = fit_requests(reqs, model, a.output_tokens)
-        rep = replay_http(kept, srv.url, concurrency=a.concurrency, max_new_tokens=a.output_tokens, keep_outputs=True,
-                          timeout_s=a.request_timeout, server=model)
+        rep = replay_http(
+            kept,
+            srv.url,
+            concurrency=a.concurrency,
+            max_new_tokens=a.output_tokens,
+            keep_outputs=True,
+            timeout_s=a.request_timeout,
+            server=model,
+        )
     finally:
         srv.stop()
         if a.keep_log and log.exists():
             Path(a.keep_log).write_bytes(log.read_bytes())
     if rep["requests_failed"]:
-        raise RuntimeError(f"{rep['requests_failed']} requests failed on the server: {rep['errors'].get('first_error')}")
+        raise RuntimeError(
+            f"{rep['requests_failed']} requests failed on the server: {rep['errors'].get('first_error')}"
+        )
     per_request = [(r["hit_device"], r["hit_host"], r["hit_disk"]) for r in rep["records"]]
-    cap = (rep.get("capacity_tokens") or {})
-    return {"hit_tokens": dict(rep["hit_tokens"]), "per_request": per_request, "capacity_tokens": cap, "kept": kept, "skipped": skipped,
-            "prompt_tokens": rep["prompt_tokens"], "wall_s": rep["duration_s"]}
+    cap = rep.get("capacity_tokens") or {}
+    return {
+        "hit_tokens": dict(rep["hit_tokens"]),
+        "per_request": per_request,
+        "capacity_tokens": cap,
+        "kept": kept,
+        "skipped": skipped,
+        "prompt_tokens": rep["prompt_tokens"],
+        "wall_s": rep["duration_s"],
+    }
 
 
 def run_embedded(reqs: list, a: argparse.Namespace, device: int, host: int, disk: int) -> dict[str, Any]:
     """Replay `reqs` through the embedded engine at the server's capacities."""
     preset = a.engine_model or (a.model.name if a.model.name in MODELS else "bench-llama")
-    cfg = EngineConfig(policy="predict" if a.predictor != "none" else "prefetch", model=get_model(preset), hardware=get_hardware("cpu-local"), device_tokens=device, host_tokens=host, disk_tokens=disk,
-                       page_size=a.page_size, concurrency=a.concurrency, predictor=a.predictor if a.predictor != "none" else "tree_walk",
-                       eviction_demotes=a.eviction_demotes)
+    cfg = EngineConfig(
+        policy="predict" if a.predictor != "none" else "prefetch",
+        model=get_model(preset),
+        hardware=get_hardware("cpu-local"),
+        device_tokens=device,
+        host_tokens=host,
+        disk_tokens=disk,
+        page_size=a.page_size,
+        concurrency=a.concurrency,
+        predictor=a.predictor if a.predictor != "none" else "tree_walk",
+        eviction_demotes=a.eviction_demotes,
+    )
     engine = EmbeddedEngine(cfg)
     try:
         t0 = time.perf_counter()
@@ -128,17 +173,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", type=Path, default=REPO / "scripts" / "cpu" / "tiny-llama")
     p.add_argument("--scale", type=int, default=4, help="tokens per 512-token trace block (default 4)")
     p.add_argument("--page-size", type=int, default=4)
-    p.add_argument("--pool", type=float, default=0.02, help="device pool as a fraction of the working set, floored at the longest prompt (default 0.02)")
+    p.add_argument(
+        "--pool",
+        type=float,
+        default=0.02,
+        help="device pool as a fraction of the working set, floored at the longest prompt (default 0.02)",
+    )
     p.add_argument("--host-ratio", type=float, default=16.0, help="host tier = R x device pool (default 16)")
     p.add_argument("--disk-ratio", type=float, default=2.0, help="disk tier = R x the working set (default 2)")
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--output-tokens", type=int, default=1)
     p.add_argument("--predictor", default="none", help="none | tree_walk (both sides; default none)")
     p.add_argument("--eviction-demotes", default="all", help="all | host | none (both sides; default all)")
-    p.add_argument("--server-arg", action="append", default=[], help="extra SGLang server argument (repeatable), e.g. --server-arg=--disable-overlap-schedule")
-    p.add_argument("--engine-model", default=None,
-                   help="the embedded engine's model preset (its virtual step times; default: the served model's preset). "
-                        "Time-paced work (background write-back every writeback_interval_s) follows it")
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra SGLang server argument (repeatable), e.g. --server-arg=--disable-overlap-schedule",
+    )
+    p.add_argument(
+        "--engine-model",
+        default=None,
+        help="the embedded engine's model preset (its virtual step times; default: the served model's preset). "
+        "Time-paced work (background write-back every writeback_interval_s) follows it",
+    )
     p.add_argument("--tolerance", type=float, default=0.02)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--keep-log", default=None, help="copy the server's log here")
@@ -162,17 +220,36 @@ def main(argv: list[str] | None = None) -> int:
     rel = {t: relative(embedded["hit_tokens"][t], server["hit_tokens"][t]) for t in TIERS}
     total_e, total_s = sum(embedded["hit_tokens"].values()), sum(server["hit_tokens"].values())
     rel["total"] = relative(total_e, total_s)
-    diffs = [{"request": i, "server": list(s), "embedded": list(e)}
-             for i, (s, e) in enumerate(zip(server["per_request"], embedded["per_request"])) if tuple(s) != tuple(e)]
+    diffs = [
+        {"request": i, "server": list(s), "embedded": list(e)}
+        for i, (s, e) in enumerate(zip(server["per_request"], embedded["per_request"]))
+        if tuple(s) != tuple(e)
+    ]
     worst = max(rel[t] for t in TIERS)
     out = {
         "benchmark": "engine_server_parity",
-        "regime": {"requests": len(reqs), "prompt_tokens": sum(len(r.input_ids) for r in reqs), "working_set_tokens": ws,
-                   "scale": a.scale, "page_size": a.page_size, "max_total_tokens": pool, "device_tokens": device,
-                   "host_tokens": host, "disk_tokens": disk, "concurrency": a.concurrency, "output_tokens": a.output_tokens,
-                   "predictor": a.predictor, "eviction_demotes": a.eviction_demotes, "model": str(a.model), "engine_model": a.engine_model, "server_args": a.server_arg,
-                   "server_capacity_tokens": server["capacity_tokens"], "loadavg": os.getloadavg(),
-                   "replayed": len(server["kept"]), "skipped_by_server": server["skipped"]},
+        "regime": {
+            "requests": len(reqs),
+            "prompt_tokens": sum(len(r.input_ids) for r in reqs),
+            "working_set_tokens": ws,
+            "scale": a.scale,
+            "page_size": a.page_size,
+            "max_total_tokens": pool,
+            "device_tokens": device,
+            "host_tokens": host,
+            "disk_tokens": disk,
+            "concurrency": a.concurrency,
+            "output_tokens": a.output_tokens,
+            "predictor": a.predictor,
+            "eviction_demotes": a.eviction_demotes,
+            "model": str(a.model),
+            "engine_model": a.engine_model,
+            "server_args": a.server_arg,
+            "server_capacity_tokens": server["capacity_tokens"],
+            "loadavg": os.getloadavg(),
+            "replayed": len(server["kept"]),
+            "skipped_by_server": server["skipped"],
+        },
         "server": {"hit_tokens": server["hit_tokens"], "total": total_s, "wall_s": server["wall_s"]},
         "embedded": {"hit_tokens": embedded["hit_tokens"], "total": total_e, "wall_s": round(embedded["wall_s"], 2)},
         "relative_difference": rel,
@@ -186,7 +263,15 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(out, indent=1)
     if a.json:
         a.json.write_text(text + "\n")
-    print(json.dumps({k: out[k] for k in ("server", "embedded", "relative_difference", "within_tolerance", "requests_differing")}, indent=1))
+    print(
+        json.dumps(
+            {
+                k: out[k]
+                for k in ("server", "embedded", "relative_difference", "within_tolerance", "requests_differing")
+            },
+            indent=1,
+        )
+    )
     return 0 if out["within_tolerance"] else 1
 
 

@@ -39,8 +39,14 @@ PAGE = 16
 
 def build(prompts: list[list[int]], incremental: bool, policy: str = "lru") -> TieredCache:
     tokens = sum(len(p) for p in prompts) + PAGE
-    cfg = CacheConfig(KVLayout(num_layers=1, num_kv_heads=1, head_dim=8), device_tokens=tokens, host_tokens=0, disk_tokens=0, page_size=PAGE,
-                      eviction_policy=policy)
+    cfg = CacheConfig(
+        KVLayout(num_layers=1, num_kv_heads=1, head_dim=8),
+        device_tokens=tokens,
+        host_tokens=0,
+        disk_tokens=0,
+        page_size=PAGE,
+        eviction_policy=policy,
+    )
     clock = [0.0]
     cache = TieredCache(cfg, clock=lambda: clock[0])
     if not incremental:
@@ -54,7 +60,9 @@ def build(prompts: list[list[int]], incremental: bool, policy: str = "lru") -> T
     return cache
 
 
-def one_round(prompts: list[list[int]], incremental: bool, calls: int, pages: int, policy: str = "lru") -> dict[str, float]:
+def one_round(
+    prompts: list[list[int]], incremental: bool, calls: int, pages: int, policy: str = "lru"
+) -> dict[str, float]:
     cache = build(prompts, incremental, policy)
     leaves = sum(1 for _ in cache.tree.tier_leaves(DEVICE))
     clock = float(len(prompts))
@@ -67,8 +75,13 @@ def one_round(prompts: list[list[int]], incremental: bool, calls: int, pages: in
         cache.evict(DEVICE, pages)
         times.append(time.thread_time() - t0)
     times.sort()
-    return {"p50_us": times[len(times) // 2] * 1e6, "p99_us": times[min(len(times) - 1, int(len(times) * 0.99))] * 1e6,
-            "max_us": times[-1] * 1e6, "device_leaves_before": leaves, "nodes_after": cache.tree.node_count}
+    return {
+        "p50_us": times[len(times) // 2] * 1e6,
+        "p99_us": times[min(len(times) - 1, int(len(times) * 0.99))] * 1e6,
+        "max_us": times[-1] * 1e6,
+        "device_leaves_before": leaves,
+        "nodes_after": cache.tree.node_count,
+    }
 
 
 def main() -> int:
@@ -96,8 +109,16 @@ def main() -> int:
     med = {mode: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for mode, rs in rounds.items()}
     out = {
         "benchmark": "evict_calls",
-        "config": {"requests": a.requests, "scale": a.scale, "page_size": PAGE, "calls": a.calls, "pages": a.pages,
-                   "repeats": a.repeats, "quick": a.quick, "clock": "thread_time"},
+        "config": {
+            "requests": a.requests,
+            "scale": a.scale,
+            "page_size": PAGE,
+            "calls": a.calls,
+            "pages": a.pages,
+            "repeats": a.repeats,
+            "quick": a.quick,
+            "clock": "thread_time",
+        },
         "machine": {"python": platform.python_version(), "loadavg": __import__("os").getloadavg()},
         "median": med,
         "rounds": rounds,

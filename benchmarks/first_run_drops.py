@@ -58,24 +58,71 @@ def _env() -> dict[str, str]:
 def serve_and_replay(trace: Path, disk_dir: Path, work: Path, a: argparse.Namespace, tag: str) -> dict[str, Any]:
     """One `sgl-hicache serve` (README flags) and one replay of `trace` against it."""
     port = free_port()
-    serve = [*_cli(), "serve", "--host-tokens", str(a.host_tokens), "--disk-dir", str(disk_dir), "--page-size", "16", "--",
-             "--model-path", str(MODEL), "--load-format", "dummy", "--skip-tokenizer-init", "--port", str(port),
-             "--max-total-tokens", str(a.device_tokens), "--enable-metrics"]
+    serve = [
+        *_cli(),
+        "serve",
+        "--host-tokens",
+        str(a.host_tokens),
+        "--disk-dir",
+        str(disk_dir),
+        "--page-size",
+        "16",
+        "--",
+        "--model-path",
+        str(MODEL),
+        "--load-format",
+        "dummy",
+        "--skip-tokenizer-init",
+        "--port",
+        str(port),
+        "--max-total-tokens",
+        str(a.device_tokens),
+        "--enable-metrics",
+    ]
     log_path = work / f"{tag}.server.log"
     log = open(log_path, "wb")  # noqa: SIM115 (the server writes it; closed when it stops)
-    proc = subprocess.Popen(serve, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        serve,
+        cwd=REPO,
+        env=_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     # the README's `sgl-hicache serve` process group, waited for and stopped as every other server is
-    srv = SGLangServer(proc=proc, host="127.0.0.1", port=port, log_path=log_path, argv=serve, started_at=time.monotonic(),
-                       _log_file=log)
+    srv = SGLangServer(
+        proc=proc,
+        host="127.0.0.1",
+        port=port,
+        log_path=log_path,
+        argv=serve,
+        started_at=time.monotonic(),
+        _log_file=log,
+    )
     try:
         try:
             srv.wait_healthy(a.start_timeout)
         except ServerStartError as e:
             return {"error": f"server not up: {str(e)[-1500:]}"}
         report = work / f"{tag}.report.json"
-        replay = [*_cli(), "replay", str(trace), "--url", srv.url, "--limit", str(a.limit), "--scale", "16",
-                  "--max-new-tokens", "4", "--concurrency", "4", "--report", str(report)]
+        replay = [
+            *_cli(),
+            "replay",
+            str(trace),
+            "--url",
+            srv.url,
+            "--limit",
+            str(a.limit),
+            "--scale",
+            "16",
+            "--max-new-tokens",
+            "4",
+            "--concurrency",
+            "4",
+            "--report",
+            str(report),
+        ]
         t1 = time.monotonic()
         rp = subprocess.run(replay, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=a.replay_timeout)
         wall = time.monotonic() - t1
@@ -85,10 +132,17 @@ def serve_and_replay(trace: Path, disk_dir: Path, work: Path, a: argparse.Namesp
     finally:
         srv.stop()
     st = rep.get("server_stats") or {}
-    out = {"replay_exit": rp.returncode, "requests": rep["requests"], "requests_failed": rep["requests_failed"],
-           "requests_skipped": rep.get("requests_skipped", 0), "prompt_tokens": rep["prompt_tokens"],
-           "hit_tokens": dict(rep["hit_tokens"]), "hit_rate": rep["hit_rate"], "ttft_mean_s": rep["ttft_s"]["mean"],
-           "replay_wall_s": round(wall, 1)}
+    out = {
+        "replay_exit": rp.returncode,
+        "requests": rep["requests"],
+        "requests_failed": rep["requests_failed"],
+        "requests_skipped": rep.get("requests_skipped", 0),
+        "prompt_tokens": rep["prompt_tokens"],
+        "hit_tokens": dict(rep["hit_tokens"]),
+        "hit_rate": rep["hit_rate"],
+        "ttft_mean_s": rep["ttft_s"]["mean"],
+        "replay_wall_s": round(wall, 1),
+    }
     for key in ("evicted_tokens", "dropped_dirty_tokens", "dropped_tokens"):
         if key in st:
             out[key] = st[key]
@@ -121,8 +175,14 @@ def as_block_trace(text_trace: Path, out: Path) -> Path:
             parent = ids.setdefault((parent, b), len(ids))
             hash_ids.append(parent)
         tail_tokens = max(1, -(-len(blocks[-1]) // 4))
-        lines.append({"timestamp": int(float(row.get("timestamp", 0)) * 1000), "output_length": int(row.get("output_length", 16)),
-                      "input_length": 512 * (len(blocks) - 1) + min(tail_tokens, 512), "hash_ids": hash_ids})
+        lines.append(
+            {
+                "timestamp": int(float(row.get("timestamp", 0)) * 1000),
+                "output_length": int(row.get("output_length", 16)),
+                "input_length": 512 * (len(blocks) - 1) + min(tail_tokens, 512),
+                "hash_ids": hash_ids,
+            }
+        )
     out.write_text("".join(json.dumps(x) + "\n" for x in lines))
     return out
 
@@ -138,17 +198,48 @@ def resolve_traces(names: list[str], work: Path, a: argparse.Namespace) -> dict[
                 out[name] = f"{SHIPPED} missing"
                 continue
             dst = work / "synth.jsonl"
-            p = subprocess.run([*_cli(), "synth", str(SHIPPED), "--requests", str(max(a.limit * 4, 1000)), "--seed", "1",
-                                "--out", str(dst)], cwd=REPO, env=_env(), capture_output=True, text=True)
+            p = subprocess.run(
+                [
+                    *_cli(),
+                    "synth",
+                    str(SHIPPED),
+                    "--requests",
+                    str(max(a.limit * 4, 1000)),
+                    "--seed",
+                    "1",
+                    "--out",
+                    str(dst),
+                ],
+                cwd=REPO,
+                env=_env(),
+                capture_output=True,
+                text=True,
+            )
             out[name] = dst if p.returncode == 0 else f"synth failed: {p.stderr[-500:]}"
         elif name == "agentic":
             if a.agentic:
                 out[name] = as_block_trace(Path(a.agentic), work / "agentic-blocks.jsonl")
             elif a.bfcl_wheel:
                 dst = work / "agentic.jsonl"
-                p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "agentic_trace.py"), "--wheel", a.bfcl_wheel,
-                                    "--out", str(dst)], cwd=REPO, env=_env(), capture_output=True, text=True)
-                out[name] = as_block_trace(dst, work / "agentic-blocks.jsonl") if p.returncode == 0 else f"agentic_trace failed: {p.stderr[-500:]}"
+                p = subprocess.run(
+                    [
+                        sys.executable,
+                        str(REPO / "benchmarks" / "agentic_trace.py"),
+                        "--wheel",
+                        a.bfcl_wheel,
+                        "--out",
+                        str(dst),
+                    ],
+                    cwd=REPO,
+                    env=_env(),
+                    capture_output=True,
+                    text=True,
+                )
+                out[name] = (
+                    as_block_trace(dst, work / "agentic-blocks.jsonl")
+                    if p.returncode == 0
+                    else f"agentic_trace failed: {p.stderr[-500:]}"
+                )
             else:
                 out[name] = "no --agentic FILE or --bfcl-wheel WHEEL given"
         else:
@@ -159,21 +250,35 @@ def resolve_traces(names: list[str], work: Path, a: argparse.Namespace) -> dict[
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--traces", default="mooncake,agentic,synth", help="comma-separated: mooncake, agentic, synth, or paths")
+    p.add_argument(
+        "--traces", default="mooncake,agentic,synth", help="comma-separated: mooncake, agentic, synth, or paths"
+    )
     p.add_argument("--agentic", default=None, help="a BFCL agentic trace from benchmarks/agentic_trace.py")
     p.add_argument("--bfcl-wheel", default=None, help="bfcl_eval wheel to generate the agentic trace from")
     p.add_argument("--limit", type=int, default=300, help="requests per trace (README: 300)")
     p.add_argument("--device-tokens", type=int, default=1024, help="--max-total-tokens (README: 1024)")
     p.add_argument("--host-tokens", type=int, default=4096, help="--host-tokens (README: 4096)")
     p.add_argument("--restart", action="store_true", help="replay again on a second server over the same disk dir")
-    p.add_argument("--max-drop", type=float, default=0.01, help="fail above this dirty-drop share per tier (default 0.01)")
+    p.add_argument(
+        "--max-drop", type=float, default=0.01, help="fail above this dirty-drop share per tier (default 0.01)"
+    )
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--replay-timeout", type=float, default=1800.0)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    results: dict[str, Any] = {"regime": {"model": str(MODEL.relative_to(REPO)), "device_tokens": a.device_tokens,
-                                          "host_tokens": a.host_tokens, "page_size": 16, "limit": a.limit,
-                                          "scale": 16, "concurrency": 4, "max_new_tokens": 4}, "traces": {}}
+    results: dict[str, Any] = {
+        "regime": {
+            "model": str(MODEL.relative_to(REPO)),
+            "device_tokens": a.device_tokens,
+            "host_tokens": a.host_tokens,
+            "page_size": 16,
+            "limit": a.limit,
+            "scale": 16,
+            "concurrency": 4,
+            "max_new_tokens": 4,
+        },
+        "traces": {},
+    }
     ok = True
     with tempfile.TemporaryDirectory(prefix="first-run-drops-") as tmp:
         work = Path(tmp)
@@ -183,12 +288,19 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name}: skipped ({trace})", file=sys.stderr)
                 continue
             disk = work / f"{name}-disk"
-            row: dict[str, Any] = {"trace": str(trace), "first": serve_and_replay(trace, disk, work, a, f"{name}-first")}
+            row: dict[str, Any] = {
+                "trace": str(trace),
+                "first": serve_and_replay(trace, disk, work, a, f"{name}-first"),
+            }
             if a.restart and "error" not in row["first"]:
                 row["restart"] = serve_and_replay(trace, disk, work, a, f"{name}-restart")
             results["traces"][name] = row
             first = row["first"]
-            if "error" in first or first.get("requests_failed") or max(first["device_dirty_drop_share"], first["host_dirty_drop_share"]) > a.max_drop:
+            if (
+                "error" in first
+                or first.get("requests_failed")
+                or max(first["device_dirty_drop_share"], first["host_dirty_drop_share"]) > a.max_drop
+            ):
                 ok = False
             print(f"{name}: {json.dumps({k: v for k, v in first.items() if k != 'hit_tokens'})}", file=sys.stderr)
     text = json.dumps(results, indent=1)

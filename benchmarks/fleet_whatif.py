@@ -43,16 +43,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--disk-tokens", type=int, default=16_000_000)
     ap.add_argument("--policy", default="prefetch")
     ap.add_argument("--routes", default=",".join(ROUTES), help="comma-separated: round_robin, session")
-    ap.add_argument("--quick", action="store_true", help="200 requests, 2 servers, round-robin, 10 GB/s, smaller tiers (smoke size)")
+    ap.add_argument(
+        "--quick", action="store_true", help="200 requests, 2 servers, round-robin, 10 GB/s, smaller tiers (smoke size)"
+    )
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
     if args.quick:
         args.requests, args.servers, args.bandwidths, args.routes = 200, 2, "10", "round_robin"
         args.device_tokens, args.host_tokens = 200_000, 800_000
     requests = load_trace(TRACE, limit=args.requests)
-    base = EngineConfig(policy=args.policy, model=get_model("llama3-8b"), hardware=get_hardware("h200"),
-                        device_tokens=args.device_tokens, host_tokens=args.host_tokens, disk_tokens=args.disk_tokens,
-                        store_latency_s=args.latency_us * 1e-6)
+    base = EngineConfig(
+        policy=args.policy,
+        model=get_model("llama3-8b"),
+        hardware=get_hardware("h200"),
+        device_tokens=args.device_tokens,
+        host_tokens=args.host_tokens,
+        disk_tokens=args.disk_tokens,
+        store_latency_s=args.latency_us * 1e-6,
+    )
     rows = []
     t0 = time.perf_counter()
     for route in args.routes.split(","):
@@ -60,22 +68,45 @@ def main(argv: list[str] | None = None) -> int:
             cfg = base.__class__(**{**base.__dict__, "store_bandwidth": gbps * 1e9})
             out = fleet_whatif(requests, cfg, args.servers, route)
             loc, sto = out["policies"]["local"], out["policies"]["store"]
-            row = {"route": route, "store_gbps": gbps,
-                   "hit_rate_local": loc["hit_rate"], "hit_rate_store": sto["hit_rate"],
-                   "store_hit_tokens": sto["hit_tokens"]["disk"], "local_disk_hit_tokens": loc["hit_tokens"]["disk"],
-                   "ttft_mean_local": loc["ttft_s"]["mean"], "ttft_mean_store": sto["ttft_s"]["mean"],
-                   "ttft_p90_local": loc["ttft_s"]["p90"], "ttft_p90_store": sto["ttft_s"]["p90"],
-                   "throughput_local": loc["throughput_tok_s"], "throughput_store": sto["throughput_tok_s"],
-                   "store_pages_written": sto["store"]["pages_written"], "store_pages_read": sto["store"]["pages_read"],
-                   "loads_recomputed_store": sto["prefetch"]["loads_recomputed"],
-                   **{f"ratio_{k}": v for k, v in out["ratios"]["store/local"].items()}}
+            row = {
+                "route": route,
+                "store_gbps": gbps,
+                "hit_rate_local": loc["hit_rate"],
+                "hit_rate_store": sto["hit_rate"],
+                "store_hit_tokens": sto["hit_tokens"]["disk"],
+                "local_disk_hit_tokens": loc["hit_tokens"]["disk"],
+                "ttft_mean_local": loc["ttft_s"]["mean"],
+                "ttft_mean_store": sto["ttft_s"]["mean"],
+                "ttft_p90_local": loc["ttft_s"]["p90"],
+                "ttft_p90_store": sto["ttft_s"]["p90"],
+                "throughput_local": loc["throughput_tok_s"],
+                "throughput_store": sto["throughput_tok_s"],
+                "store_pages_written": sto["store"]["pages_written"],
+                "store_pages_read": sto["store"]["pages_read"],
+                "loads_recomputed_store": sto["prefetch"]["loads_recomputed"],
+                **{f"ratio_{k}": v for k, v in out["ratios"]["store/local"].items()},
+            }
             rows.append(row)
-            print(f"{route:<11} {gbps:>5g} GB/s  hit {100 * row['hit_rate_local']:.1f}% -> {100 * row['hit_rate_store']:.1f}%  "
-                  f"ttft mean x{row['ratio_ttft_mean']:.3f} p90 x{row['ratio_ttft_p90']:.3f}  throughput x{row['ratio_throughput']:.3f}", flush=True)
-    result = {"benchmark": "fleet_whatif", "requests": len(requests), "servers": args.servers, "policy": args.policy,
-              "model": "llama3-8b", "hardware": "h200", "device_tokens": args.device_tokens, "host_tokens": args.host_tokens,
-              "disk_tokens": args.disk_tokens, "latency_us": args.latency_us, "rows": rows, "wall_s": time.perf_counter() - t0,
-              "python": platform.python_version()}
+            print(
+                f"{route:<11} {gbps:>5g} GB/s  hit {100 * row['hit_rate_local']:.1f}% -> {100 * row['hit_rate_store']:.1f}%  "
+                f"ttft mean x{row['ratio_ttft_mean']:.3f} p90 x{row['ratio_ttft_p90']:.3f}  throughput x{row['ratio_throughput']:.3f}",
+                flush=True,
+            )
+    result = {
+        "benchmark": "fleet_whatif",
+        "requests": len(requests),
+        "servers": args.servers,
+        "policy": args.policy,
+        "model": "llama3-8b",
+        "hardware": "h200",
+        "device_tokens": args.device_tokens,
+        "host_tokens": args.host_tokens,
+        "disk_tokens": args.disk_tokens,
+        "latency_us": args.latency_us,
+        "rows": rows,
+        "wall_s": time.perf_counter() - t0,
+        "python": platform.python_version(),
+    }
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return 0

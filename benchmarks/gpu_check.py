@@ -113,7 +113,9 @@ def check_size(args: argparse.Namespace, device: torch.device, pages_n: int, clo
     ps, n, L = args.page_size, pages_n, args.layers
     cfg = CacheConfig(layout, device_tokens=n * ps, host_tokens=n * ps, page_size=ps)
     # the stores TieredCache builds by default, with the device named so --cpu-smoke stays on the CPU
-    cache = TieredCache(cfg, device=DeviceKVPool(layout, ps, n, device=device), host=HostKVBuffer(layout, ps, n, pin_memory=cuda))
+    cache = TieredCache(
+        cfg, device=DeviceKVPool(layout, ps, n, device=device), host=HostKVBuffer(layout, ps, n, pin_memory=cuda)
+    )
     dev, host = cache.stores[DEVICE], cache.stores[HOST]
     assert isinstance(dev, DeviceKVPool) and isinstance(host, HostKVBuffer)
     nbytes = n * dev.page_bytes
@@ -138,8 +140,12 @@ def check_size(args: argparse.Namespace, device: torch.device, pages_n: int, clo
         s, d = (host_slots, dev_slots) if src == HOST else (dev_slots, host_slots)
         return TransferOp(cache.tree.root, src, DEVICE if src == HOST else HOST, list(s), list(d), nbytes, "demand")
 
-    def load(ahead: int | None = None, dev_handles: list[int] | None = None, method: str | None = None) -> LayerwiseLoader:
-        return LayerwiseLoader(dev, host, dev_handles or dev_slots, host_slots, to_device=True, ahead=ahead, method=method).start()
+    def load(
+        ahead: int | None = None, dev_handles: list[int] | None = None, method: str | None = None
+    ) -> LayerwiseLoader:
+        return LayerwiseLoader(
+            dev, host, dev_handles or dev_slots, host_slots, to_device=True, ahead=ahead, method=method
+        ).start()
 
     def store(method: str | None = None) -> LayerwiseLoader:
         return LayerwiseLoader(dev, host, dev_slots, host_slots, to_device=False, method=method).start()
@@ -201,8 +207,13 @@ def check_size(args: argparse.Namespace, device: torch.device, pages_n: int, clo
         "handler_d2h": lambda: d2h(op(DEVICE), 0, n),
         "loader_h2d": loader_h2d,
         "loader_d2h": loader_d2h,
-        **{f"loader_{m}_{link}": (lambda m=m, link=link: (load(method=m) if link == "h2d" else store(method=m)).wait_layer(L - 1))
-           for m in ("per_page", "gather") for link in ("h2d", "d2h")},
+        **{
+            f"loader_{m}_{link}": (
+                lambda m=m, link=link: (load(method=m) if link == "h2d" else store(method=m)).wait_layer(L - 1)
+            )
+            for m in ("per_page", "gather")
+            for link in ("h2d", "d2h")
+        },
         "strided_h2d": lambda: strided(True),
         "strided_d2h": lambda: strided(False),
     }
@@ -256,6 +267,7 @@ def check_size(args: argparse.Namespace, device: torch.device, pages_n: int, clo
             for layer in range(L):
                 loader.wait_layer(layer)
                 compute(layer)
+
         return run
 
     def compute_only() -> None:
@@ -275,15 +287,19 @@ def check_size(args: argparse.Namespace, device: torch.device, pages_n: int, clo
     clock.sync()
     serial_sums = sums.cpu().clone()  # .cpu() of a CPU tensor is the tensor itself
     others = ("per_page", "gather")  # the loader's other methods, for comparison with its default
-    runs = {"copy_only": copy_only, "compute_only": compute_only,
-            "overlapped": overlapped(None), "overlapped_ahead": overlapped(args.ahead),
-            **{f"copy_only_{m}": (lambda m=m: load(method=m).wait_layer(L - 1)) for m in others},
-            **{f"overlapped_ahead_{m}": overlapped(args.ahead, m) for m in others}}
+    runs = {
+        "copy_only": copy_only,
+        "compute_only": compute_only,
+        "overlapped": overlapped(None),
+        "overlapped_ahead": overlapped(args.ahead),
+        **{f"copy_only_{m}": (lambda m=m: load(method=m).wait_layer(L - 1)) for m in others},
+        **{f"overlapped_ahead_{m}": overlapped(args.ahead, m) for m in others},
+    }
     checked = {"overlapped", "overlapped_ahead", *(f"overlapped_ahead_{m}" for m in others)}
     times: dict[str, list[float]] = {k: [] for k in runs}
     overlap_ok = True
     for rnd in range(args.repeats + 1):  # round 0 warms up
-        order = list(runs)[rnd % len(runs):] + list(runs)[:rnd % len(runs)]
+        order = list(runs)[rnd % len(runs) :] + list(runs)[: rnd % len(runs)]
         for name in order:
             dev.kv.zero_()
             sums.zero_()
@@ -338,8 +354,14 @@ def check_size(args: argparse.Namespace, device: torch.device, pages_n: int, clo
 
 
 def _environment(device: torch.device) -> dict:
-    env = {"torch": torch.__version__, "cuda_runtime": torch.version.cuda, "python": platform.python_version(),
-           "host": platform.node(), "device": str(device), "cpus": os.cpu_count()}
+    env = {
+        "torch": torch.__version__,
+        "cuda_runtime": torch.version.cuda,
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "device": str(device),
+        "cpus": os.cpu_count(),
+    }
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
         env.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), capability=f"{p.major}.{p.minor}")
@@ -350,14 +372,21 @@ def _summary(name: str, r: dict) -> str:
     if "error" in r:
         return f"{name}: ERROR {r['error']}"
     g, o = r["gbps"], r["overlap"]
-    lines = [f"{name} ({r['pages']} pages x {r['page_bytes'] / 2**20:.2f} MiB, pool on {r['device_pool']}, host pinned {r['host_pinned']})",
-             f"  bit-exact: {r['bit_exact']}; loader method: {r.get('loader_method')}"]
+    lines = [
+        f"{name} ({r['pages']} pages x {r['page_bytes'] / 2**20:.2f} MiB, pool on {r['device_pool']}, host pinned {r['host_pinned']})",
+        f"  bit-exact: {r['bit_exact']}; loader method: {r.get('loader_method')}",
+    ]
     for link in ("h2d", "d2h"):
-        row = "  ".join(f"{k} {g[k + '_' + link]:.2f}" for k in ("plain", "handler", "loader", "loader_per_page", "loader_gather", "strided"))
+        row = "  ".join(
+            f"{k} {g[k + '_' + link]:.2f}"
+            for k in ("plain", "handler", "loader", "loader_per_page", "loader_gather", "strided")
+        )
         lines.append(f"  {link} GB/s: {row}")
     lines.append(f"  ratios: {r['ratios']}")
-    lines.append(f"  overlap ms {o['ms']}; hidden {o['hidden']} (all queued), {o['hidden_ahead']} (ahead {o['ahead']}); "
-                 f"issue {o['issue_ms']} ms; others ahead {o.get('hidden_ahead_by_method')}; {o['matmuls_per_layer']} matmuls/layer; race visible without wait: {o['race_visible_without_wait']}")
+    lines.append(
+        f"  overlap ms {o['ms']}; hidden {o['hidden']} (all queued), {o['hidden_ahead']} (ahead {o['ahead']}); "
+        f"issue {o['issue_ms']} ms; others ahead {o.get('hidden_ahead_by_method')}; {o['matmuls_per_layer']} matmuls/layer; race visible without wait: {o['race_visible_without_wait']}"
+    )
     return "\n".join(lines)
 
 
@@ -369,7 +398,9 @@ def _out_path(args: argparse.Namespace) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU tensors, no streams/events (for the test suite)")
+    p.add_argument(
+        "--cpu-smoke", action="store_true", help="tiny sizes on CPU tensors, no streams/events (for the test suite)"
+    )
     p.add_argument("--json", help="output path when $OUT is not set (default ./gpu_check.json)")
     p.add_argument("--sizes-mib", default="128,1024", help="KV sizes to move, MiB, comma separated")
     p.add_argument("--layers", type=int, default=32)
@@ -379,7 +410,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--ahead", type=int, default=2, help="layers the loader keeps queued beyond the one waited for")
     p.add_argument("--matmul", type=int, default=2048, help="side of the square bf16 matmul of the synthetic compute")
-    p.add_argument("--matmuls", type=int, default=None, help="matmuls per layer (default: calibrated to one layer's copy)")
+    p.add_argument(
+        "--matmuls", type=int, default=None, help="matmuls per layer (default: calibrated to one layer's copy)"
+    )
     p.add_argument("--max-matmuls", type=int, default=1000)
     p.add_argument("--budget-s", type=float, default=200.0, help="skip the sizes not started by then")
     args = p.parse_args(argv)
@@ -396,7 +429,13 @@ def main(argv: list[str] | None = None) -> int:
             msg = "gpu_check: no CUDA device (torch.cuda.is_available() is false); nothing measured. Use --cpu-smoke to run the code path on CPU."
             print(msg, file=sys.stderr)
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps({"benchmark": "gpu_check", "ok": False, "error": msg, "env": _environment(torch.device("cpu"))}, indent=2) + "\n")
+            out.write_text(
+                json.dumps(
+                    {"benchmark": "gpu_check", "ok": False, "error": msg, "env": _environment(torch.device("cpu"))},
+                    indent=2,
+                )
+                + "\n"
+            )
             return NO_CUDA
         device = torch.device("cuda", torch.cuda.current_device())
         page_bytes = args.page_size * KVLayout(args.layers, args.kv_heads, args.head_dim).bytes_per_token
@@ -407,8 +446,16 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "gpu_check",
         "mode": "cpu_smoke" if args.cpu_smoke else "cuda",
         "env": _environment(device),
-        "config": {"layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "page_size": args.page_size,
-                   "dtype": "bfloat16", "repeats": args.repeats, "ahead": args.ahead, "matmul": args.matmul},
+        "config": {
+            "layers": args.layers,
+            "kv_heads": args.kv_heads,
+            "head_dim": args.head_dim,
+            "page_size": args.page_size,
+            "dtype": "bfloat16",
+            "repeats": args.repeats,
+            "ahead": args.ahead,
+            "matmul": args.matmul,
+        },
         "sizes": {},
         "ok": False,
     }
@@ -425,8 +472,15 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         result["kinds"] = {"error": f"{type(exc).__name__}: {exc}"}
         ok = False
-    print("kinds: " + ", ".join(f"{k} {'bit-exact' if v.get('bit_exact') else 'MISMATCH'}"
-                                for k, v in result["kinds"].items() if isinstance(v, dict)), flush=True)
+    print(
+        "kinds: "
+        + ", ".join(
+            f"{k} {'bit-exact' if v.get('bit_exact') else 'MISMATCH'}"
+            for k, v in result["kinds"].items()
+            if isinstance(v, dict)
+        ),
+        flush=True,
+    )
     write()
     for n in page_counts:
         page_bytes = args.page_size * KVLayout(args.layers, args.kv_heads, args.head_dim).bytes_per_token

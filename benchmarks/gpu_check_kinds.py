@@ -46,8 +46,11 @@ def round_trip(layout: KVLayout, device: torch.device, pages: int, page_size: in
     """device -> host -> disk -> (reopen) -> host -> device, bit for bit (see the module docstring)."""
     cuda = device.type == "cuda"
     cfg = CacheConfig(layout, device_tokens=pages * page_size, host_tokens=pages * page_size, page_size=page_size)
-    cache = TieredCache(cfg, device=DeviceKVPool(layout, page_size, pages, device=device),
-                        host=HostKVBuffer(layout, page_size, pages, pin_memory=cuda))
+    cache = TieredCache(
+        cfg,
+        device=DeviceKVPool(layout, page_size, pages, device=device),
+        host=HostKVBuffer(layout, page_size, pages, pin_memory=cuda),
+    )
     dev, host = cache.stores[DEVICE], cache.stores[HOST]
     dev_slots, host_slots = dev.allocate([b""] * pages), host.allocate([b""] * pages)
     ref = _random_pages((pages, *dev.page_shape), layout.torch_dtype, device, seed)
@@ -77,8 +80,11 @@ def check_kinds(device: torch.device, pages: int = 16, page_size: int = 64) -> d
     out = {}
     for i, (name, layout) in enumerate(KINDS.items()):
         ok = round_trip(layout, device, pages, page_size, seed=i)
-        out[name] = {"bit_exact": ok, "page_bytes": page_size * layout.bytes_per_token,
-                     "layout": f"{layout.num_layers}x{layout.kv_planes}x{layout.num_kv_heads}x{layout.head_dim} {layout.dtype}"}
+        out[name] = {
+            "bit_exact": ok,
+            "page_bytes": page_size * layout.bytes_per_token,
+            "layout": f"{layout.num_layers}x{layout.kv_planes}x{layout.num_kv_heads}x{layout.head_dim} {layout.dtype}",
+        }
     return out
 
 

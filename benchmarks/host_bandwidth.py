@@ -87,7 +87,9 @@ def _time(fn) -> float:
 def run(args: argparse.Namespace) -> dict:
     layout = KVLayout(num_layers=args.layers, num_kv_heads=args.kv_heads, head_dim=args.head_dim, dtype="bfloat16")
     n = args.pages
-    cfg = CacheConfig(layout, device_tokens=n * args.page_size, host_tokens=n * args.page_size, page_size=args.page_size)
+    cfg = CacheConfig(
+        layout, device_tokens=n * args.page_size, host_tokens=n * args.page_size, page_size=args.page_size
+    )
     cache = TieredCache(cfg)
     dev, host = cache.stores[DEVICE], cache.stores[HOST]
     page_bytes = dev.page_bytes
@@ -127,7 +129,10 @@ def run(args: argparse.Namespace) -> dict:
         "device_to_host": (lambda: d2h(op(DEVICE, HOST), 0, n), lambda: plain_host_pinned.copy_(plain_dev)),
         "host_to_device": (lambda: h2d(op(HOST, DEVICE), 0, n), lambda: plain_dev_dst.copy_(plain_host_pinned)),
         "device_to_host_chunked": (lambda: chunked(d2h, op(DEVICE, HOST)), lambda: plain_host_pinned.copy_(plain_dev)),
-        "host_to_device_chunked": (lambda: chunked(h2d, op(HOST, DEVICE)), lambda: plain_dev_dst.copy_(plain_host_pinned)),
+        "host_to_device_chunked": (
+            lambda: chunked(h2d, op(HOST, DEVICE)),
+            lambda: plain_dev_dst.copy_(plain_host_pinned),
+        ),
     }
     # SGLang's layout: pages 1..n of a per-layer-list pool <-> the same host slots
     sgl_dev = SGLangDevicePool(_FixedAllocator(_LayerListPool(layout, args.page_size, n, device), args.page_size, n))
@@ -141,12 +146,30 @@ def run(args: argparse.Namespace) -> dict:
 
     sgl_d2h, sgl_h2d = layered_device_host(sgl_stores, DEVICE, HOST), layered_device_host(sgl_stores, HOST, DEVICE)
     generic = copy_via_tensor(sgl_stores)
-    pairs["sglang_layout_device_to_host"] = (lambda: sgl_d2h(sgl_op(DEVICE), 0, n), lambda: plain_host_pinned.copy_(plain_dev))
-    pairs["sglang_layout_host_to_device"] = (lambda: sgl_h2d(sgl_op(HOST), 0, n), lambda: plain_dev_dst.copy_(plain_host_pinned))
-    pairs["sglang_layout_device_to_host_generic"] = (lambda: generic(sgl_op(DEVICE), 0, n), lambda: plain_host_pinned.copy_(plain_dev))
-    pairs["sglang_layout_host_to_device_generic"] = (lambda: generic(sgl_op(HOST), 0, n), lambda: plain_dev_dst.copy_(plain_host_pinned))
-    pairs["sglang_layout_device_to_host_chunked"] = (lambda: chunked(sgl_d2h, sgl_op(DEVICE)), lambda: plain_host_pinned.copy_(plain_dev))
-    pairs["sglang_layout_device_to_host_chunked_generic"] = (lambda: chunked(generic, sgl_op(DEVICE)), lambda: plain_host_pinned.copy_(plain_dev))
+    pairs["sglang_layout_device_to_host"] = (
+        lambda: sgl_d2h(sgl_op(DEVICE), 0, n),
+        lambda: plain_host_pinned.copy_(plain_dev),
+    )
+    pairs["sglang_layout_host_to_device"] = (
+        lambda: sgl_h2d(sgl_op(HOST), 0, n),
+        lambda: plain_dev_dst.copy_(plain_host_pinned),
+    )
+    pairs["sglang_layout_device_to_host_generic"] = (
+        lambda: generic(sgl_op(DEVICE), 0, n),
+        lambda: plain_host_pinned.copy_(plain_dev),
+    )
+    pairs["sglang_layout_host_to_device_generic"] = (
+        lambda: generic(sgl_op(HOST), 0, n),
+        lambda: plain_dev_dst.copy_(plain_host_pinned),
+    )
+    pairs["sglang_layout_device_to_host_chunked"] = (
+        lambda: chunked(sgl_d2h, sgl_op(DEVICE)),
+        lambda: plain_host_pinned.copy_(plain_dev),
+    )
+    pairs["sglang_layout_device_to_host_chunked_generic"] = (
+        lambda: chunked(generic, sgl_op(DEVICE)),
+        lambda: plain_host_pinned.copy_(plain_dev),
+    )
 
     if cuda:
         pinned = pages.pin_memory()
@@ -183,11 +206,18 @@ def run(args: argparse.Namespace) -> dict:
     sgl_h2d(sgl_op(HOST), 0, n)
     assert torch.equal(sgl_dev.read(sgl_slots).cpu().view(torch.int16), pages.view(torch.int16))
 
-    gbps = {name: {side: round(nbytes / statistics.median(v) / 1e9, 3) for side, v in s.items()} for name, s in samples.items()}
+    gbps = {
+        name: {side: round(nbytes / statistics.median(v) / 1e9, 3) for side, v in s.items()}
+        for name, s in samples.items()
+    }
     ratios = {name: round(g_["ours"] / g_["plain"], 3) if g_["plain"] else None for name, g_ in gbps.items()}
     layered_over_generic = {
         name: round(gbps[name]["ours"] / gbps[name + "_generic"]["ours"], 3)
-        for name in ("sglang_layout_device_to_host", "sglang_layout_host_to_device", "sglang_layout_device_to_host_chunked")
+        for name in (
+            "sglang_layout_device_to_host",
+            "sglang_layout_host_to_device",
+            "sglang_layout_device_to_host_chunked",
+        )
     }
     return {
         "benchmark": "host_bandwidth",
@@ -195,7 +225,13 @@ def run(args: argparse.Namespace) -> dict:
             "pages": n,
             "page_bytes": page_bytes,
             "bytes_per_copy": nbytes,
-            "layout": {"layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "page_size": args.page_size, "dtype": "bfloat16"},
+            "layout": {
+                "layers": args.layers,
+                "kv_heads": args.kv_heads,
+                "head_dim": args.head_dim,
+                "page_size": args.page_size,
+                "dtype": "bfloat16",
+            },
             "repeats": args.repeats,
             "chunk_pages": args.chunk_pages,
             "quick": args.quick,
@@ -211,8 +247,11 @@ def run(args: argparse.Namespace) -> dict:
         "samples_s": {name: {side: [round(x, 6) for x in v] for side, v in s.items()} for name, s in samples.items()},
         "note": (
             "ratio = ours / plain torch copy of the same bytes (1.0 = the limit). "
-            + ("CUDA present: device<->host crosses PCIe/NVLink."
-               if cuda else "No CUDA: the device pool is a CPU tensor, so device<->host is memory to memory; no pinned-copy figures.")
+            + (
+                "CUDA present: device<->host crosses PCIe/NVLink."
+                if cuda
+                else "No CUDA: the device pool is a CPU tensor, so device<->host is memory to memory; no pinned-copy figures."
+            )
         ),
     }
 
@@ -225,7 +264,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--chunk-pages", type=int, default=4, help="pages per handler call in the _chunked variants (the engine's default)")
+    ap.add_argument(
+        "--chunk-pages",
+        type=int,
+        default=4,
+        help="pages per handler call in the _chunked variants (the engine's default)",
+    )
     ap.add_argument("--quick", action="store_true", help="smallest size: 8 pages of a small layout, 2 rounds")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)

@@ -49,9 +49,17 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def run(reqs: list, policy: str, a: argparse.Namespace, device_tokens: int) -> dict:
-    cfg = EngineConfig(policy=policy, model=get_model(a.model), hardware=get_hardware(a.hardware), device_tokens=device_tokens,
-                       host_tokens=a.host_tokens, disk_tokens=a.disk_tokens, page_size=a.page_size, concurrency=a.concurrency,
-                       byte_mode=a.bytes)
+    cfg = EngineConfig(
+        policy=policy,
+        model=get_model(a.model),
+        hardware=get_hardware(a.hardware),
+        device_tokens=device_tokens,
+        host_tokens=a.host_tokens,
+        disk_tokens=a.disk_tokens,
+        page_size=a.page_size,
+        concurrency=a.concurrency,
+        byte_mode=a.bytes,
+    )
     engine = EmbeddedEngine(cfg)
     t0 = time.perf_counter()
     try:
@@ -60,10 +68,18 @@ def run(reqs: list, policy: str, a: argparse.Namespace, device_tokens: int) -> d
         engine.close()
     ttft = list(recs.ttft_s)
     st = engine.cache.stats
-    return {"ttft_mean_s": statistics.fmean(ttft), "ttft_p50_s": pct(ttft, 0.5), "ttft_p90_s": pct(ttft, 0.9),
-            "hit_tokens": {"device": sum(recs.hit_device), "host": sum(recs.hit_host), "disk": sum(recs.hit_disk)},
-            "bytes_moved": dict(st.bytes_moved), "evicted_tokens": dict(st.evicted_tokens), "steps": engine.steps,
-            "demote_seconds": engine.demote_seconds, "virtual_end_s": engine.now, "wall_s": round(time.perf_counter() - t0, 2)}
+    return {
+        "ttft_mean_s": statistics.fmean(ttft),
+        "ttft_p50_s": pct(ttft, 0.5),
+        "ttft_p90_s": pct(ttft, 0.9),
+        "hit_tokens": {"device": sum(recs.hit_device), "host": sum(recs.hit_host), "disk": sum(recs.hit_disk)},
+        "bytes_moved": dict(st.bytes_moved),
+        "evicted_tokens": dict(st.evicted_tokens),
+        "steps": engine.steps,
+        "demote_seconds": engine.demote_seconds,
+        "virtual_end_s": engine.now,
+        "wall_s": round(time.perf_counter() - t0, 2),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--host-tokens", type=int, default=2_000_000)
     p.add_argument("--disk-tokens", type=int, default=16_000_000)
-    p.add_argument("--device-slack", type=float, default=1.0, help="device = working set x this + 64 pages (default 1.0)")
+    p.add_argument(
+        "--device-slack", type=float, default=1.0, help="device = working set x this + 64 pages (default 1.0)"
+    )
     p.add_argument("--bytes", choices=("metadata", "real"), default="metadata")
     p.add_argument("--max-ratio", type=float, default=1.0)
     p.add_argument("--quick", action="store_true", help="200 requests")
@@ -89,16 +107,30 @@ def main(argv: list[str] | None = None) -> int:
     device = int(ws_pages * a.device_slack + 64) * a.page_size
     res = {pol: run(reqs, pol, a, device) for pol in POLICIES}
     base = res["recompute"]
-    ratios = {pol: {"ttft_mean": r["ttft_mean_s"] / base["ttft_mean_s"], "ttft_p90": r["ttft_p90_s"] / base["ttft_p90_s"]}
-              for pol, r in res.items() if pol != "recompute"}
+    ratios = {
+        pol: {"ttft_mean": r["ttft_mean_s"] / base["ttft_mean_s"], "ttft_p90": r["ttft_p90_s"] / base["ttft_p90_s"]}
+        for pol, r in res.items()
+        if pol != "recompute"
+    }
     fits = all(r["evicted_tokens"].get("device", 0) == 0 for r in res.values())
     worst = max(max(v.values()) for v in ratios.values())
     out = {
         "benchmark": "no_tax",
-        "regime": {"trace": str(a.trace), "requests": len(reqs), "prompt_tokens": sum(len(r.input_ids) for r in reqs),
-                   "working_set_tokens": ws_pages * a.page_size, "device_tokens": device, "host_tokens": a.host_tokens,
-                   "disk_tokens": a.disk_tokens, "page_size": a.page_size, "concurrency": a.concurrency, "model": a.model,
-                   "hardware": a.hardware, "bytes": a.bytes, "fits_device": fits},
+        "regime": {
+            "trace": str(a.trace),
+            "requests": len(reqs),
+            "prompt_tokens": sum(len(r.input_ids) for r in reqs),
+            "working_set_tokens": ws_pages * a.page_size,
+            "device_tokens": device,
+            "host_tokens": a.host_tokens,
+            "disk_tokens": a.disk_tokens,
+            "page_size": a.page_size,
+            "concurrency": a.concurrency,
+            "model": a.model,
+            "hardware": a.hardware,
+            "bytes": a.bytes,
+            "fits_device": fits,
+        },
         "policies": res,
         "ratio_vs_recompute": ratios,
         "max_ratio": worst,

@@ -59,7 +59,9 @@ except Exception as exc:  # noqa: BLE001
 
 def run_ours(prompts: list[list[int]], page_size: int) -> dict[str, float]:
     pages = sum(len(p) // page_size for p in prompts)
-    cfg = CacheConfig(TINY, device_tokens=pages * page_size + page_size, host_tokens=64 * page_size, page_size=page_size)
+    cfg = CacheConfig(
+        TINY, device_tokens=pages * page_size + page_size, host_tokens=64 * page_size, page_size=page_size
+    )
     cache = TieredCache(cfg)
     prompts = [array("q", p) for p in prompts]  # type: ignore[misc]  # as SGLang's RadixKey holds them
     alloc_s = 0.0
@@ -118,7 +120,9 @@ def add_trace_args(ap: argparse.ArgumentParser, repeats: int) -> None:
     ap.add_argument("--requests", type=int, default=2000, help="first N lines of the trace (default 2000)")
     ap.add_argument("--scale", type=int, default=32, help="tokens per 512-token trace block (default 32)")
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=repeats, help=f"interleaved rounds; figures are medians (default {repeats})")
+    ap.add_argument(
+        "--repeats", type=int, default=repeats, help=f"interleaved rounds; figures are medians (default {repeats})"
+    )
     ap.add_argument("--quick", action="store_true", help="smallest size: 50 requests, 2 rounds")
 
 
@@ -139,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
     samples: dict[str, list[dict]] = {s: [] for s in sides}
     t_start = time.perf_counter()
     for rnd in range(args.repeats):
-        for side in (sides if rnd % 2 == 0 else list(reversed(sides))):
+        for side in sides if rnd % 2 == 0 else list(reversed(sides)):
             samples[side].append(runners[side](prompts, args.page_size))
 
     n = len(prompts)
@@ -149,11 +153,20 @@ def main(argv: list[str] | None = None) -> dict:
 
     per_req = {side: {"cpu_us": us(side, "cpu_s"), "wall_us": us(side, "wall_s")} for side in sides}
     per_req["sgl_hicache"]["alloc_us"] = us("sgl_hicache", "alloc_s")
-    per_req["sgl_hicache"]["cpu_us_without_alloc"] = round(per_req["sgl_hicache"]["cpu_us"] - per_req["sgl_hicache"]["alloc_us"], 2)
+    per_req["sgl_hicache"]["cpu_us_without_alloc"] = round(
+        per_req["sgl_hicache"]["cpu_us"] - per_req["sgl_hicache"]["alloc_us"], 2
+    )
     out = {
         "benchmark": "overhead",
-        "config": {"trace": str(args.trace), "requests": n, "prompt_tokens": sum(map(len, prompts)), "scale": args.scale,
-                   "page_size": args.page_size, "repeats": args.repeats, "quick": args.quick},
+        "config": {
+            "trace": str(args.trace),
+            "requests": n,
+            "prompt_tokens": sum(map(len, prompts)),
+            "scale": args.scale,
+            "page_size": args.page_size,
+            "repeats": args.repeats,
+            "quick": args.quick,
+        },
         "sglang": {"available": SGLANG, "used": with_sglang, "error": SGLANG_ERROR},
         "machine": {"python": platform.python_version(), "platform": platform.platform()},
         "us_per_request": per_req,
@@ -174,7 +187,15 @@ def main(argv: list[str] | None = None) -> dict:
     text = json.dumps(out, indent=2)
     if args.json:
         args.json.write_text(text + "\n")
-    print(json.dumps({k: out.get(k) for k in ("sglang", "us_per_request", "ratio_ours_over_sglang", "device_hit_tokens", "wall_s")}, indent=2))
+    print(
+        json.dumps(
+            {
+                k: out.get(k)
+                for k in ("sglang", "us_per_request", "ratio_ours_over_sglang", "device_hit_tokens", "wall_s")
+            },
+            indent=2,
+        )
+    )
     return out
 
 

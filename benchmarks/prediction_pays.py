@@ -73,7 +73,9 @@ def pause_groups(requests: list[Request]) -> dict[str, str]:
     return out
 
 
-def run(requests: list, config: EngineConfig, targets: set[str], groups: dict[str, str] | None = None) -> dict[str, Any]:
+def run(
+    requests: list, config: EngineConfig, targets: set[str], groups: dict[str, str] | None = None
+) -> dict[str, Any]:
     """One policy on one workload: the figures of the module docstring. `groups`: a label per
     request id; the targets' TTFT mean is also given per label."""
     if targets and len({r.arrival_s for r in requests}) != len(requests):
@@ -86,8 +88,11 @@ def run(requests: list, config: EngineConfig, targets: set[str], groups: dict[st
         rec = engine.records
         by_arrival = {r.arrival_s * config.time_scale: r for r in requests} if targets else {}
         ttft = list(rec.ttft_s)
-        hits = [(by_arrival[a], t) for a, t in zip(rec.arrival_s, rec.ttft_s)
-                if a in by_arrival and any(role_of(by_arrival[a]).startswith(x) for x in targets)]
+        hits = [
+            (by_arrival[a], t)
+            for a, t in zip(rec.arrival_s, rec.ttft_s)
+            if a in by_arrival and any(role_of(by_arrival[a]).startswith(x) for x in targets)
+        ]
         target = [t for _, t in hits]
         per_group: dict[str, list[float]] = {}
         for r, t in hits:
@@ -115,18 +120,31 @@ def run(requests: list, config: EngineConfig, targets: set[str], groups: dict[st
         engine.close()
 
 
-def compare(name: str, requests: list, base: dict[str, Any], targets: set[str], policies: tuple[str, ...] = POLICIES,
-            against: dict[str, Any] | None = None, groups: dict[str, str] | None = None) -> dict[str, Any]:
+def compare(
+    name: str,
+    requests: list,
+    base: dict[str, Any],
+    targets: set[str],
+    policies: tuple[str, ...] = POLICIES,
+    against: dict[str, Any] | None = None,
+    groups: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """`policies` on one workload, and the summary: `predict` against `prefetch` and its share of
     the oracle's gain over `prefetch`, the baseline and the oracle taken from `against` (another
     workload's results, e.g. the hint-less trace) when given, else from this one."""
-    out: dict[str, Any] = {"requests": len(requests), "settings": {k: v for k, v in base.items() if k not in ("model", "hardware")}}
+    out: dict[str, Any] = {
+        "requests": len(requests),
+        "settings": {k: v for k, v in base.items() if k not in ("model", "hardware")},
+    }
     for policy in policies:
         out[policy] = run(requests, EngineConfig(policy=policy, **base), targets, groups)
         r = out[policy]
-        print(f"{name:7s} {policy:9s} hits {r['hit_tokens_total']:>10,}  ttft {r['ttft_mean_s']:.3f} s  "
-              f"target ttft {r['target_ttft_mean_s'] if r['target_ttft_mean_s'] is None else round(r['target_ttft_mean_s'], 3)}  "
-              f"bytes {r['bytes_moved_total'] / 2**30:.2f} GiB  predictor {r['predictor']}", flush=True)
+        print(
+            f"{name:7s} {policy:9s} hits {r['hit_tokens_total']:>10,}  ttft {r['ttft_mean_s']:.3f} s  "
+            f"target ttft {r['target_ttft_mean_s'] if r['target_ttft_mean_s'] is None else round(r['target_ttft_mean_s'], 3)}  "
+            f"bytes {r['bytes_moved_total'] / 2**30:.2f} GiB  predictor {r['predictor']}",
+            flush=True,
+        )
     ref = against if against is not None else out
     pf, pr, orc = ref["prefetch"], out["predict"], ref["oracle"]
     key = "target_ttft_mean_s" if targets else "ttft_mean_s"
@@ -134,28 +152,43 @@ def compare(name: str, requests: list, base: dict[str, Any], targets: set[str], 
     out["summary"] = {
         "ttft_ratio_predict_over_prefetch": pr[key] / pf[key],
         "share_of_oracle_gain": (pf[key] - pr[key]) / gain if gain > 0 else None,
-        "bytes_ratio_predict_over_prefetch": pr["bytes_moved_total"] / pf["bytes_moved_total"] if pf["bytes_moved_total"] else None,
+        "bytes_ratio_predict_over_prefetch": pr["bytes_moved_total"] / pf["bytes_moved_total"]
+        if pf["bytes_moved_total"]
+        else None,
         "hit_tokens_predict_minus_prefetch": pr["hit_tokens_total"] - pf["hit_tokens_total"],
         "on": key,
         "baseline_and_oracle_from": "this workload" if against is None else "the workload without hints",
     }
     if groups:
         out["summary"]["share_of_oracle_gain_by_group"] = {
-            g: (v["ttft_mean_s"] - pr["target_groups"][g]["ttft_mean_s"]) / (v["ttft_mean_s"] - orc["target_groups"][g]["ttft_mean_s"])
-            if v["ttft_mean_s"] > orc["target_groups"][g]["ttft_mean_s"] else None for g, v in pf["target_groups"].items()}
+            g: (v["ttft_mean_s"] - pr["target_groups"][g]["ttft_mean_s"])
+            / (v["ttft_mean_s"] - orc["target_groups"][g]["ttft_mean_s"])
+            if v["ttft_mean_s"] > orc["target_groups"][g]["ttft_mean_s"]
+            else None
+            for g, v in pf["target_groups"].items()
+        }
     print(f"{name:7s} summary {out['summary']}", flush=True)
     return out
 
 
-def silence(families: dict[str, tuple[Path, int]], count: int, fractions: list[float], page_size: int = 256,
-            host_deltas: tuple[int, ...] = ()) -> dict[str, Any]:
+def silence(
+    families: dict[str, tuple[Path, int]],
+    count: int,
+    fractions: list[float],
+    page_size: int = 256,
+    host_deltas: tuple[int, ...] = (),
+) -> dict[str, Any]:
     """`prefetch` against `predict` on chat families (path, first request) at capacity `fractions`
     of each family's working set (`retention.py`'s regime): TTFT and bytes ratios per cell.
     `host_deltas`: also `prefetch` with the host tier that many pages larger (or smaller), against
     `prefetch`: how far a change that small moves the cell (its noise floor)."""
     model, hw = get_model("llama3-8b"), get_hardware("h200")
-    out: dict[str, Any] = {"regime": "retention.py's: device:host:disk = 1:2:8 of the fraction x working set, llama3-8b/h200, "
-                                     "trace clock x4, open loop, --bytes metadata, lru", "cells": [], "skipped": []}
+    out: dict[str, Any] = {
+        "regime": "retention.py's: device:host:disk = 1:2:8 of the fraction x working set, llama3-8b/h200, "
+        "trace clock x4, open loop, --bytes metadata, lru",
+        "cells": [],
+        "skipped": [],
+    }
     for fam, (path, start) in families.items():
         if not path.exists():
             out["skipped"].append(f"{fam}: {path} not found")
@@ -164,10 +197,28 @@ def silence(families: dict[str, tuple[Path, int]], count: int, fractions: list[f
         ws = working_set(requests, page_size)
         for frac in fractions:
             device, host, disk = split_capacities(requests, frac, ws, page_size)
-            base = dict(model=model, hardware=hw, device_tokens=device, host_tokens=host, disk_tokens=disk, page_size=page_size,
-                        concurrency=None, time_scale=4.0, byte_mode="metadata")
-            cell: dict[str, Any] = {"family": fam, "trace": str(path), "start": start, "requests": len(requests), "working_set_tokens": ws,
-                                    "capacity_fraction": frac, "device_tokens": device, "host_tokens": host, "disk_tokens": disk}
+            base = dict(
+                model=model,
+                hardware=hw,
+                device_tokens=device,
+                host_tokens=host,
+                disk_tokens=disk,
+                page_size=page_size,
+                concurrency=None,
+                time_scale=4.0,
+                byte_mode="metadata",
+            )
+            cell: dict[str, Any] = {
+                "family": fam,
+                "trace": str(path),
+                "start": start,
+                "requests": len(requests),
+                "working_set_tokens": ws,
+                "capacity_fraction": frac,
+                "device_tokens": device,
+                "host_tokens": host,
+                "disk_tokens": disk,
+            }
             for policy in ("prefetch", "predict"):
                 cell[policy] = run(requests, EngineConfig(policy=policy, **base), set())
             pf, pr = cell["prefetch"], cell["predict"]
@@ -177,12 +228,26 @@ def silence(families: dict[str, tuple[Path, int]], count: int, fractions: list[f
             cell["holds"] = cell["ttft_ratio"] <= 1.0 and cell["bytes_ratio"] <= 1.01
             cell["noise"] = {}
             for delta in host_deltas:
-                moved = run(requests, EngineConfig(policy="prefetch", **{**base, "host_tokens": host + delta * page_size}), set())
-                cell["noise"][f"host{delta:+d} pages"] = {"ttft_ratio": moved["ttft_mean_s"] / pf["ttft_mean_s"],
-                                                           "bytes_ratio": moved["bytes_moved_total"] / pf["bytes_moved_total"] if pf["bytes_moved_total"] else 1.0}
-            print(f"silence {fam:9s} {frac:.1f}x WS  ttft {cell['ttft_ratio']:.5f}x  bytes {cell['bytes_ratio']:.5f}x  "
-                  f"hits {cell['hit_tokens_diff']:+,}  predictor {pr['predictor']}  holds {cell['holds']}"
-                  + "".join(f"  [{k}: ttft {v['ttft_ratio']:.5f}x bytes {v['bytes_ratio']:.5f}x]" for k, v in cell["noise"].items()), flush=True)
+                moved = run(
+                    requests,
+                    EngineConfig(policy="prefetch", **{**base, "host_tokens": host + delta * page_size}),
+                    set(),
+                )
+                cell["noise"][f"host{delta:+d} pages"] = {
+                    "ttft_ratio": moved["ttft_mean_s"] / pf["ttft_mean_s"],
+                    "bytes_ratio": moved["bytes_moved_total"] / pf["bytes_moved_total"]
+                    if pf["bytes_moved_total"]
+                    else 1.0,
+                }
+            print(
+                f"silence {fam:9s} {frac:.1f}x WS  ttft {cell['ttft_ratio']:.5f}x  bytes {cell['bytes_ratio']:.5f}x  "
+                f"hits {cell['hit_tokens_diff']:+,}  predictor {pr['predictor']}  holds {cell['holds']}"
+                + "".join(
+                    f"  [{k}: ttft {v['ttft_ratio']:.5f}x bytes {v['bytes_ratio']:.5f}x]"
+                    for k, v in cell["noise"].items()
+                ),
+                flush=True,
+            )
             out["cells"].append(cell)
     out["holds_everywhere"] = all(c["holds"] for c in out["cells"])
     return out
@@ -194,17 +259,39 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="smaller shapes and no chat trace (a smoke run)")
     ap.add_argument("--chat-trace", type=Path, default=CHAT_TRACE)
     ap.add_argument("--chat-limit", type=int, default=2000)
-    ap.add_argument("--workloads", default="chain,chain_hints,branch,agent,agent_hints,chat",
-                    help="comma-separated subset of chain, chain_hints, branch, agent, agent_hints, chat, silence")
-    ap.add_argument("--lead", type=float, default=2.0, help="seconds from the probe (or the hint) to the request it announces")
+    ap.add_argument(
+        "--workloads",
+        default="chain,chain_hints,branch,agent,agent_hints,chat",
+        help="comma-separated subset of chain, chain_hints, branch, agent, agent_hints, chat, silence",
+    )
+    ap.add_argument(
+        "--lead", type=float, default=2.0, help="seconds from the probe (or the hint) to the request it announces"
+    )
     ap.add_argument("--start", type=int, default=6000, help="silence: first request of the Mooncake slice")
     ap.add_argument("--requests", type=int, default=1000, help="silence: requests per family")
-    ap.add_argument("--synth", type=Path, default=Path("out/synth3000.jsonl"), help="silence: `sgl-hicache synth TRACE --requests 3000 --seed 1`")
-    ap.add_argument("--agentic", type=Path, default=Path("out/agentic.jsonl"), help="silence: `benchmarks/agentic_trace.py` (BFCL)")
-    ap.add_argument("--capacities", default="0.1,0.2,0.3", help="silence: capacity fractions of each family's working set")
-    ap.add_argument("--families", default="mooncake,synth,agentic", help="silence: comma-separated subset of mooncake, synth, agentic")
-    ap.add_argument("--noise", default="", help="silence: comma-separated host-tier changes in pages (e.g. 1,2,-1): each cell also runs "
-                                                "`prefetch` with its host tier so changed, against `prefetch` (the cell's noise floor)")
+    ap.add_argument(
+        "--synth",
+        type=Path,
+        default=Path("out/synth3000.jsonl"),
+        help="silence: `sgl-hicache synth TRACE --requests 3000 --seed 1`",
+    )
+    ap.add_argument(
+        "--agentic", type=Path, default=Path("out/agentic.jsonl"), help="silence: `benchmarks/agentic_trace.py` (BFCL)"
+    )
+    ap.add_argument(
+        "--capacities", default="0.1,0.2,0.3", help="silence: capacity fractions of each family's working set"
+    )
+    ap.add_argument(
+        "--families",
+        default="mooncake,synth,agentic",
+        help="silence: comma-separated subset of mooncake, synth, agentic",
+    )
+    ap.add_argument(
+        "--noise",
+        default="",
+        help="silence: comma-separated host-tier changes in pages (e.g. 1,2,-1): each cell also runs "
+        "`prefetch` with its host tier so changed, against `prefetch` (the cell's noise floor)",
+    )
     args = ap.parse_args(argv)
     wanted = set(args.workloads.split(","))
     unknown = wanted - {"chain", "chain_hints", "branch", "agent", "agent_hints", "chat", "silence"}
@@ -214,16 +301,32 @@ def main(argv: list[str] | None = None) -> int:
     n = 12 if args.quick else 24
     turn = 2048 if args.quick else 4096
     # small tiers, so that a session's history spills to disk before it comes back
-    shape = dict(model=model, hardware=hw, device_tokens=16_384 if args.quick else 65_536,
-                 host_tokens=32_768 if args.quick else 131_072, disk_tokens=4_000_000, concurrency=None, byte_mode="metadata")
-    result: dict[str, Any] = {"benchmark": "prediction_pays", "quick": args.quick, "model": model.name, "hardware": hw.name,
-                              "lead_s": args.lead}
+    shape = dict(
+        model=model,
+        hardware=hw,
+        device_tokens=16_384 if args.quick else 65_536,
+        host_tokens=32_768 if args.quick else 131_072,
+        disk_tokens=4_000_000,
+        concurrency=None,
+        byte_mode="metadata",
+    )
+    result: dict[str, Any] = {
+        "benchmark": "prediction_pays",
+        "quick": args.quick,
+        "model": model.name,
+        "hardware": hw.name,
+        "lead_s": args.lead,
+    }
     if "chain" in wanted:
         result["chain"] = compare("chain", chain(sessions=n, turn_tokens=turn, lead_s=args.lead), shape, {"cont"})
     if "chain_hints" in wanted:  # the same chain, each probe carrying the client's prefetch hint
-        result["chain_hints"] = compare("chain+h", chain(sessions=n, turn_tokens=turn, lead_s=args.lead, hints=True), shape, {"cont"})
+        result["chain_hints"] = compare(
+            "chain+h", chain(sessions=n, turn_tokens=turn, lead_s=args.lead, hints=True), shape, {"cont"}
+        )
     if "branch" in wanted:
-        result["branch"] = compare("branch", branch(sessions=n, doc_tokens=turn, branch_tokens=turn // 2, lead_s=args.lead), shape, {"revisit"})
+        result["branch"] = compare(
+            "branch", branch(sessions=n, doc_tokens=turn, branch_tokens=turn // 2, lead_s=args.lead), shape, {"revisit"}
+        )
     if wanted & {"agent", "agent_hints"}:
         sessions = 12 if args.quick else 24
         plain = agent(sessions=sessions, lead_s=args.lead)
@@ -232,12 +335,26 @@ def main(argv: list[str] | None = None) -> int:
         shape = dict(shape, device_tokens=65_536, host_tokens=131_072)
         result["agent"] = compare("agent", plain, shape, {"resume"}, groups=groups)
         if "agent_hints" in wanted:
-            result["agent_hints"] = compare("agent+h", agent(sessions=sessions, lead_s=args.lead, hints=True), shape, {"resume"},
-                                            ("prefetch", "predict"), against=result["agent"], groups=groups)
+            result["agent_hints"] = compare(
+                "agent+h",
+                agent(sessions=sessions, lead_s=args.lead, hints=True),
+                shape,
+                {"resume"},
+                ("prefetch", "predict"),
+                against=result["agent"],
+                groups=groups,
+            )
     if "chat" in wanted and not args.quick:
         chat = list(load_trace(args.chat_trace, limit=args.chat_limit))
-        base = dict(model=model, hardware=hw, device_tokens=500_000, host_tokens=2_000_000, disk_tokens=16_000_000,
-                    concurrency=16, byte_mode="metadata")
+        base = dict(
+            model=model,
+            hardware=hw,
+            device_tokens=500_000,
+            host_tokens=2_000_000,
+            disk_tokens=16_000_000,
+            concurrency=16,
+            byte_mode="metadata",
+        )
         result["chat"] = compare("chat", chat, base, set())
     if "silence" in wanted:
         sources = {"mooncake": (args.chat_trace, args.start), "synth": (args.synth, 0), "agentic": (args.agentic, 0)}
@@ -249,8 +366,12 @@ def main(argv: list[str] | None = None) -> int:
             deltas = tuple(int(x) for x in args.noise.split(",") if x.strip())
         except ValueError:
             ap.error(f"--noise: not a comma-separated list of page counts: {args.noise!r}")
-        result["silence"] = silence(families, 60 if args.quick else args.requests,
-                                    [0.3] if args.quick else [float(x) for x in args.capacities.split(",")], host_deltas=deltas)
+        result["silence"] = silence(
+            families,
+            60 if args.quick else args.requests,
+            [0.3] if args.quick else [float(x) for x in args.capacities.split(",")],
+            host_deltas=deltas,
+        )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")

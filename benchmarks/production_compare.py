@@ -46,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--limit", type=int, default=2000)
     ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--device-fraction", type=float, default=0.9, help="share of the GPUs' free memory given to the prefix cache")
+    ap.add_argument(
+        "--device-fraction", type=float, default=0.9, help="share of the GPUs' free memory given to the prefix cache"
+    )
     ap.add_argument("--host-gb", type=float, default=256)
     ap.add_argument("--disk-tb", type=float, default=4)
     ap.add_argument("--quick", action="store_true", help="smallest size: 60 requests, llama3-8b only")
@@ -54,24 +56,50 @@ def main(argv: list[str] | None = None) -> int:
     limit = 60 if args.quick else args.limit
     cases = CASES[:1] if args.quick else CASES
     requests = load_trace(TRACE, limit=limit)
-    out = {"benchmark": "production_compare", "date": time.strftime("%Y-%m-%d"), "machine": platform.node(),
-           "trace": str(TRACE), "requests": limit, "concurrency": args.concurrency, "cases": {}}
+    out = {
+        "benchmark": "production_compare",
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": platform.node(),
+        "trace": str(TRACE),
+        "requests": limit,
+        "concurrency": args.concurrency,
+        "cases": {},
+    }
     for model_name, hw_name in cases:
         caps = capacities(model_name, hw_name, args.device_fraction, args.host_gb, args.disk_tb)
-        base = EngineConfig("recompute", get_model(model_name), get_hardware(hw_name), page_size=256,
-                            concurrency=args.concurrency, **caps)
+        base = EngineConfig(
+            "recompute",
+            get_model(model_name),
+            get_hardware(hw_name),
+            page_size=256,
+            concurrency=args.concurrency,
+            **caps,
+        )
         t0 = time.perf_counter()
         result = compare(requests, base)
         summary = {}
         for name, rep in result["policies"].items():
             summary[name] = {
-                "hit_tokens": rep["hit_tokens"], "hit_rate": rep["hit_rate"], "ttft_s": rep["ttft_s"],
-                "throughput_tok_s": rep["throughput_tok_s"], "prefetch": rep["prefetch"], "predict": rep["predict"],
+                "hit_tokens": rep["hit_tokens"],
+                "hit_rate": rep["hit_rate"],
+                "ttft_s": rep["ttft_s"],
+                "throughput_tok_s": rep["throughput_tok_s"],
+                "prefetch": rep["prefetch"],
+                "predict": rep["predict"],
             }
-        out["cases"][f"{model_name}@{hw_name}"] = {"capacities": caps, "policies": summary, "ratios": result["ratios"],
-                                                    "wall_s": time.perf_counter() - t0}
-        print(f"{model_name}@{hw_name}: " + ", ".join(
-            f"{n} ttft {s['ttft_s']['mean']:.2f}s hit {100 * s['hit_rate']:.1f}%" for n, s in summary.items()), flush=True)
+        out["cases"][f"{model_name}@{hw_name}"] = {
+            "capacities": caps,
+            "policies": summary,
+            "ratios": result["ratios"],
+            "wall_s": time.perf_counter() - t0,
+        }
+        print(
+            f"{model_name}@{hw_name}: "
+            + ", ".join(
+                f"{n} ttft {s['ttft_s']['mean']:.2f}s hit {100 * s['hit_rate']:.1f}%" for n, s in summary.items()
+            ),
+            flush=True,
+        )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=2, sort_keys=True))
     return 0

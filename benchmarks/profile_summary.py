@@ -52,16 +52,23 @@ def summarize(stacks: Counter[tuple[str, ...]], top: int = 15) -> dict[str, Any]
             ours[mine.split(" (")[0] + " (" + mine.split("sgl_hicache/")[-1]] += n
         self_time[stack[-1]] += n
     share = lambda c: {k: round(v / total, 4) for k, v in c.most_common(top)}  # noqa: E731
-    return {"samples": total, "phases": share(phases), "sgl_hicache_share": round(sum(ours.values()) / total, 4),
-            "sgl_hicache_calls": share(ours), "top_self": share(self_time)}
+    return {
+        "samples": total,
+        "phases": share(phases),
+        "sgl_hicache_share": round(sum(ours.values()) / total, 4),
+        "sgl_hicache_calls": share(ours),
+        "top_self": share(self_time),
+    }
 
 
 # py-spy's raw stacks carry no thread id: the scheduler's own thread is the one started by the
 # process's entry point; every other stack belongs to a helper thread (ours: transfer and disk
 # workers; HiCache's: its cache controller's and storage threads)
 MAIN_THREAD_ROOT = "<module> (<string>:1)"
-IDLE_LEAVES = re.compile(r"\b(wait|Condition\.wait|Event\.wait|select|poll|epoll|accept|recv\w*|sleep|get|join|"
-                         r"_wait_for_tstate_lock|_watchdog_once|serve_forever|communicate|_worker)\b")
+IDLE_LEAVES = re.compile(
+    r"\b(wait|Condition\.wait|Event\.wait|select|poll|epoll|accept|recv\w*|sleep|get|join|"
+    r"_wait_for_tstate_lock|_watchdog_once|serve_forever|communicate|_worker)\b"
+)
 
 
 def thread_split(stacks: Counter[tuple[str, ...]]) -> dict[str, Any]:
@@ -79,9 +86,12 @@ def thread_split(stacks: Counter[tuple[str, ...]]) -> dict[str, Any]:
         elif stack and not IDLE_LEAVES.search(stack[-1].split(" (")[0]):
             busy[stack[-1]] += n
     total = sum(v for k, v in main.items() if k != "any sgl_hicache frame") or 1
-    return {"scheduler_thread_samples": total, "scheduler_thread": {k: round(v / total, 4) for k, v in main.most_common()},
-            "other_threads_busy_over_scheduler": round(sum(busy.values()) / total, 4),
-            "other_threads_top": {k: round(v / total, 4) for k, v in busy.most_common(6)}}
+    return {
+        "scheduler_thread_samples": total,
+        "scheduler_thread": {k: round(v / total, 4) for k, v in main.most_common()},
+        "other_threads_busy_over_scheduler": round(sum(busy.values()) / total, 4),
+        "other_threads_top": {k: round(v / total, 4) for k, v in busy.most_common(6)},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,24 +68,52 @@ def working_set(requests: list, page_size: int) -> int:
     return len(pages) * page_size
 
 
-def run_cell(requests: list, cell: dict[str, Any], policies: list[str], page_size: int, largest_prompt: int) -> dict[str, Any]:
+def run_cell(
+    requests: list, cell: dict[str, Any], policies: list[str], page_size: int, largest_prompt: int
+) -> dict[str, Any]:
     model_name, hw_name = MODELS[cell["model"]]
-    hw = get_hardware(hw_name).replace(disk_read_bandwidth=cell["disk_gbs"] * GB, disk_write_bandwidth=cell["disk_gbs"] * GB)
+    hw = get_hardware(hw_name).replace(
+        disk_read_bandwidth=cell["disk_gbs"] * GB, disk_write_bandwidth=cell["disk_gbs"] * GB
+    )
     total = cell["capacity_tokens"]
     # device:host:disk = 1:2:8 of the total, the device at least one prompt plus its output
     device = max(total // 11, largest_prompt + 4 * page_size)
     host, disk = 2 * total // 11, max(0, total - device - 2 * total // 11)
-    out: dict[str, Any] = {"cell": cell, "device_tokens": device, "host_tokens": host, "disk_tokens": disk, "policies": {}}
+    out: dict[str, Any] = {
+        "cell": cell,
+        "device_tokens": device,
+        "host_tokens": host,
+        "disk_tokens": disk,
+        "policies": {},
+    }
     for name in policies:
         policy, eviction, predictor = POLICIES[name]
-        cfg = EngineConfig(policy=policy, model=get_model(model_name), hardware=hw, device_tokens=device, host_tokens=host, disk_tokens=disk,
-                           page_size=page_size, concurrency=None, time_scale=cell["load_stretch"], eviction_policy=eviction, predictor=predictor)
+        cfg = EngineConfig(
+            policy=policy,
+            model=get_model(model_name),
+            hardware=hw,
+            device_tokens=device,
+            host_tokens=host,
+            disk_tokens=disk,
+            page_size=page_size,
+            concurrency=None,
+            time_scale=cell["load_stretch"],
+            eviction_policy=eviction,
+            predictor=predictor,
+        )
         rep = run_policy(requests, cfg)
         pred = rep.get("predict") or {}
-        out["policies"][name] = {"hit_rate": rep["hit_rate"], "ttft_mean": rep["ttft_s"]["mean"], "ttft_p90": rep["ttft_s"]["p90"],
-                                 "bytes_moved": sum(rep["bytes_moved"].values()) // cfg.storage_layout.bytes_per_token * cfg.model.kv_bytes_per_token,
-                                 "predict_promoted_tokens": pred.get("promoted_tokens", 0), "predict_precision": pred.get("precision"),
-                                 "prefetch_coverage": (rep.get("prefetch") or {}).get("coverage")}
+        out["policies"][name] = {
+            "hit_rate": rep["hit_rate"],
+            "ttft_mean": rep["ttft_s"]["mean"],
+            "ttft_p90": rep["ttft_s"]["p90"],
+            "bytes_moved": sum(rep["bytes_moved"].values())
+            // cfg.storage_layout.bytes_per_token
+            * cfg.model.kv_bytes_per_token,
+            "predict_promoted_tokens": pred.get("promoted_tokens", 0),
+            "predict_precision": pred.get("precision"),
+            "prefetch_coverage": (rep.get("prefetch") or {}).get("coverage"),
+        }
     p = out["policies"]
     if "lru" in p and "oracle" in p:
         lru, orc = p["lru"]["hit_rate"], p["oracle"]["hit_rate"]
@@ -99,8 +127,15 @@ def run_cell(requests: list, cell: dict[str, Any], policies: list[str], page_siz
 
 
 def table(cells: list[dict[str, Any]], policies: list[str]) -> str:
-    head = "| capacity / WS | disk GB/s | model | load | " + " | ".join(f"{p} hit" for p in policies) + " | oracle gain | " + \
-        " | ".join(f"{p} share" for p in policies if p not in ("lru", "oracle")) + " | " + " | ".join(f"{p} TTFT/lru" for p in policies if p != "lru") + " |"
+    head = (
+        "| capacity / WS | disk GB/s | model | load | "
+        + " | ".join(f"{p} hit" for p in policies)
+        + " | oracle gain | "
+        + " | ".join(f"{p} share" for p in policies if p not in ("lru", "oracle"))
+        + " | "
+        + " | ".join(f"{p} TTFT/lru" for p in policies if p != "lru")
+        + " |"
+    )
     lines = [head, "|" + "---|" * head.count("|")[:-1] if False else "|" + "---|" * (head.count("|") - 1)]
     for c in cells:
         cell, p = c["cell"], c["policies"]
@@ -108,8 +143,14 @@ def table(cells: list[dict[str, Any]], policies: list[str]) -> str:
         row += [f"{100 * p[n]['hit_rate']:.1f} %" for n in policies]
         gain = c.get("oracle_gain")
         row.append("-" if gain is None else f"{100 * gain:+.0f} %" + ("" if c.get("gainable") else " (none)"))
-        row += ["-" if p[n].get("share_of_oracle_gain") is None else f"{p[n]['share_of_oracle_gain']:.2f}" for n in policies if n not in ("lru", "oracle")]
-        row += ["-" if p[n].get("ttft_vs_lru") is None else f"{p[n]['ttft_vs_lru']:.3f}" for n in policies if n != "lru"]
+        row += [
+            "-" if p[n].get("share_of_oracle_gain") is None else f"{p[n]['share_of_oracle_gain']:.2f}"
+            for n in policies
+            if n not in ("lru", "oracle")
+        ]
+        row += [
+            "-" if p[n].get("ttft_vs_lru") is None else f"{p[n]['ttft_vs_lru']:.3f}" for n in policies if n != "lru"
+        ]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -122,7 +163,10 @@ def plot(cells: list[dict[str, Any]], policies: list[str], path: Path) -> None:
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(max(10, len(cells) * 0.9), 4.8))
     xs = list(range(len(cells)))
-    labels = [f"{c['cell']['capacity_fraction']:.2f}/{c['cell']['disk_gbs']}/{c['cell']['model']}/x{c['cell']['load_stretch']:g}" for c in cells]
+    labels = [
+        f"{c['cell']['capacity_fraction']:.2f}/{c['cell']['disk_gbs']}/{c['cell']['model']}/x{c['cell']['load_stretch']:g}"
+        for c in cells
+    ]
     for name in policies:
         ax.plot(xs, [100 * c["policies"][name]["hit_rate"] for c in cells], marker="o", label=name)
         ax2.plot(xs, [c["policies"][name].get("ttft_vs_lru") or 1.0 for c in cells], marker="o", label=name)
@@ -140,16 +184,29 @@ def plot(cells: list[dict[str, Any]], policies: list[str], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", type=Path, default=TRACE)
-    ap.add_argument("--start", type=int, default=6000, help="first request of the slice (held out: the reuse model was looked at on 0..5999)")
+    ap.add_argument(
+        "--start",
+        type=int,
+        default=6000,
+        help="first request of the slice (held out: the reuse model was looked at on 0..5999)",
+    )
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--page-size", type=int, default=256)
-    ap.add_argument("--capacities", default="0.3,0.1,1.0", help="total tier capacity as fractions of the slice's working set")
+    ap.add_argument(
+        "--capacities", default="0.3,0.1,1.0", help="total tier capacity as fractions of the slice's working set"
+    )
     ap.add_argument("--disk-gbs", default="5.23,0.98")
     ap.add_argument("--models", default="8b,32b,480b")
-    ap.add_argument("--loads", default="4,1", help="trace clock stretch factors (1 = the trace's own clock, 4 = 4x slower arrivals)")
+    ap.add_argument(
+        "--loads", default="4,1", help="trace clock stretch factors (1 = the trace's own clock, 4 = 4x slower arrivals)"
+    )
     ap.add_argument("--policies", default="lru,reuse,predict,oracle")
-    ap.add_argument("--grid", choices=["star", "full"], default="star",
-                    help="star (default): a base cell (the first value of each axis) and one axis changed at a time; full: every combination")
+    ap.add_argument(
+        "--grid",
+        choices=["star", "full"],
+        default="star",
+        help="star (default): a base cell (the first value of each axis) and one axis changed at a time; full: every combination",
+    )
     ap.add_argument("--quick", action="store_true", help="the smallest map: 30 requests, one cell")
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--plot", type=Path)
@@ -165,20 +222,37 @@ def main(argv: list[str] | None = None) -> int:
     largest = max(len(r.input_ids) + r.output_length for r in requests)
     cells = []
     wall = time.perf_counter()
-    axes = ([float(x) for x in args.capacities.split(",")], [float(x) for x in args.disk_gbs.split(",")],
-            args.models.split(","), [float(x) for x in args.loads.split(",")])
+    axes = (
+        [float(x) for x in args.capacities.split(",")],
+        [float(x) for x in args.disk_gbs.split(",")],
+        args.models.split(","),
+        [float(x) for x in args.loads.split(",")],
+    )
     if args.grid == "full":
         grid = list(itertools.product(*axes))
     else:  # star: the first value of every axis, then each other value of one axis at a time
         base = tuple(a[0] for a in axes)
         grid = [base] + [tuple(v if i == k else base[i] for i in range(4)) for k, a in enumerate(axes) for v in a[1:]]
     for frac, gbs, model, load in grid:
-        cell = {"capacity_fraction": frac, "capacity_tokens": int(frac * ws), "disk_gbs": gbs, "model": model, "load_stretch": load}
+        cell = {
+            "capacity_fraction": frac,
+            "capacity_tokens": int(frac * ws),
+            "disk_gbs": gbs,
+            "model": model,
+            "load_stretch": load,
+        }
         cells.append(run_cell(requests, cell, policies, args.page_size, largest))
         print(table(cells[-1:], policies).splitlines()[-1], flush=True)
-    result = {"trace": str(args.trace), "slice": [args.start, args.start + args.requests], "working_set_tokens": ws, "page_size": args.page_size,
-              "policies": {n: dict(zip(("engine_policy", "eviction", "predictor"), POLICIES[n])) for n in policies},
-              "wall_s": time.perf_counter() - wall, "cells": cells, "table": table(cells, policies)}
+    result = {
+        "trace": str(args.trace),
+        "slice": [args.start, args.start + args.requests],
+        "working_set_tokens": ws,
+        "page_size": args.page_size,
+        "policies": {n: dict(zip(("engine_policy", "eviction", "predictor"), POLICIES[n])) for n in policies},
+        "wall_s": time.perf_counter() - wall,
+        "cells": cells,
+        "table": table(cells, policies),
+    }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1))
     if args.plot:

@@ -73,10 +73,31 @@ def _run(cmd: list[str], repo: Path = REPO) -> dict[str, Any]:
 
 def replay_point(trace: Path, n: int, mode: str, work: Path, repo: Path = REPO) -> dict[str, Any]:
     report = work / f"r-{n}-{mode}.json"
-    out = _run(_cli("replay", str(trace), "--limit", str(n), "--policy", "predict", "--bytes", mode, "--quiet", "--report", str(report)), repo)
+    out = _run(
+        _cli(
+            "replay",
+            str(trace),
+            "--limit",
+            str(n),
+            "--policy",
+            "predict",
+            "--bytes",
+            mode,
+            "--quiet",
+            "--report",
+            str(report),
+        ),
+        repo,
+    )
     rep = json.loads(report.read_text())["policies"]["predict"]
-    out.update(engine_cpu_s=rep["engine"]["cpu_s"], engine_wall_s=rep["engine"]["wall_s"], hit_tokens=rep["hit_tokens"],
-               ttft_mean_s=rep["ttft_s"]["mean"], virtual_s=rep["engine"]["virtual_s"], requests=rep["requests"])
+    out.update(
+        engine_cpu_s=rep["engine"]["cpu_s"],
+        engine_wall_s=rep["engine"]["wall_s"],
+        hit_tokens=rep["hit_tokens"],
+        ttft_mean_s=rep["ttft_s"]["mean"],
+        virtual_s=rep["engine"]["virtual_s"],
+        requests=rep["requests"],
+    )
     return out
 
 
@@ -97,7 +118,17 @@ def long_run(trace: Path, work: Path, every: int, limit: int | None = None, poll
     requests: a row per checkpoint (requests done, engine CPU / wall seconds, RSS and its high-water
     mark), then the process's wall, CPU and max RSS and the final report's engine figures."""
     report = work / "long.json"
-    cmd = _cli("replay", str(trace), "--bytes", "metadata", "--quiet", "--report", str(report), "--checkpoint-every", str(every))
+    cmd = _cli(
+        "replay",
+        str(trace),
+        "--bytes",
+        "metadata",
+        "--quiet",
+        "--report",
+        str(report),
+        "--checkpoint-every",
+        str(every),
+    )
     if limit:
         cmd += ["--limit", str(limit)]
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -120,16 +151,29 @@ def long_run(trace: Path, work: Path, every: int, limit: int | None = None, poll
             if data is not None:
                 seen = stamp
                 rep = next(iter(data["policies"].values()))
-                rows.append({"requests_done": data["partial"]["requests_done"], "engine_cpu_s": rep["engine"]["cpu_s"],
-                             "engine_wall_s": rep["engine"]["wall_s"], "rss_mb": _proc_mb(proc.pid, "VmRSS"),
-                             "rss_hwm_mb": _proc_mb(proc.pid, "VmHWM"), "load_avg": os.getloadavg()[0]})
+                rows.append(
+                    {
+                        "requests_done": data["partial"]["requests_done"],
+                        "engine_cpu_s": rep["engine"]["cpu_s"],
+                        "engine_wall_s": rep["engine"]["wall_s"],
+                        "rss_mb": _proc_mb(proc.pid, "VmRSS"),
+                        "rss_hwm_mb": _proc_mb(proc.pid, "VmHWM"),
+                        "load_avg": os.getloadavg()[0],
+                    }
+                )
                 print(f"long: {rows[-1]}", file=sys.stderr)
         time.sleep(poll_s)
     err = proc.stderr.read().decode() if proc.stderr else ""
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {err[-2000:]}")
-    out: dict[str, Any] = {"every": every, "limit": limit, "checkpoints": rows, "wall_s": time.perf_counter() - t0,
-                           "cpu_s": usage.ru_utime + usage.ru_stime, "max_rss_mb": usage.ru_maxrss / 1024}
+    out: dict[str, Any] = {
+        "every": every,
+        "limit": limit,
+        "checkpoints": rows,
+        "wall_s": time.perf_counter() - t0,
+        "cpu_s": usage.ru_utime + usage.ru_stime,
+        "max_rss_mb": usage.ru_maxrss / 1024,
+    }
     if report.exists():
         rep = next(iter(json.loads(report.read_text())["policies"].values()))
         out.update(requests=rep["requests"], engine=rep["engine"], hit_tokens=rep["hit_tokens"])
@@ -146,15 +190,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="metadata,real")
     ap.add_argument("--real-max", type=int, default=10**9, help="skip real-bytes runs above this length")
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--compare-requests", type=int, default=0, help="also time --compare on this many requests (0: skip)")
+    ap.add_argument(
+        "--compare-requests", type=int, default=0, help="also time --compare on this many requests (0: skip)"
+    )
     ap.add_argument("--source", type=Path, default=TRACE)
-    ap.add_argument("--source-requests", type=int, default=0,
-                    help="also replay the first N requests of --source itself (not synthesised), as a point with trace 'source'")
-    ap.add_argument("--baseline", type=Path, help="another checkout (its root holds sgl_hicache/) run interleaved on every point")
-    ap.add_argument("--long-requests", type=int, default=0, help="also one metadata replay of this many synthesised requests, "
-                    "with checkpoints: time and RSS against requests done (0: skip)")
-    ap.add_argument("--long-checkpoint", type=int, default=100000, help="checkpoint every this many requests of the long run")
-    ap.add_argument("--long-limit", type=int, default=0, help="stop the long run at this many requests (0: the whole trace)")
+    ap.add_argument(
+        "--source-requests",
+        type=int,
+        default=0,
+        help="also replay the first N requests of --source itself (not synthesised), as a point with trace 'source'",
+    )
+    ap.add_argument(
+        "--baseline", type=Path, help="another checkout (its root holds sgl_hicache/) run interleaved on every point"
+    )
+    ap.add_argument(
+        "--long-requests",
+        type=int,
+        default=0,
+        help="also one metadata replay of this many synthesised requests, "
+        "with checkpoints: time and RSS against requests done (0: skip)",
+    )
+    ap.add_argument(
+        "--long-checkpoint", type=int, default=100000, help="checkpoint every this many requests of the long run"
+    )
+    ap.add_argument(
+        "--long-limit", type=int, default=0, help="stop the long run at this many requests (0: the whole trace)"
+    )
     ap.add_argument("--quick", action="store_true", help="smoke size: 60 requests, both modes, compare on 20")
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--plot", type=Path)
@@ -165,11 +226,12 @@ def main(argv: list[str] | None = None) -> int:
         args.long_requests, args.long_checkpoint = 60, 20
     lengths = [int(float(x)) for x in args.lengths.split(",")]
     modes = args.modes.split(",")
-    out: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                                       "load_avg_start": os.getloadavg()},
-                           "regime": "policy predict, llama3-8b / h200 cost model, device 500k / host 2M / disk 16M tokens, "
-                                     "page 256, concurrency 16; traces grown from the shipped trace by `sgl-hicache synth` (seed 0)",
-                           "points": []}
+    out: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_avg_start": os.getloadavg()},
+        "regime": "policy predict, llama3-8b / h200 cost model, device 500k / host 2M / disk 16M tokens, "
+        "page 256, concurrency 16; traces grown from the shipped trace by `sgl-hicache synth` (seed 0)",
+        "points": [],
+    }
     with tempfile.TemporaryDirectory(prefix="replay-scale-") as tmp:
         work = Path(tmp)
         points: list[tuple[str, int, Path | None]] = [("synth", n, None) for n in lengths]
@@ -194,42 +256,108 @@ def main(argv: list[str] | None = None) -> int:
                 if not rows:
                     continue
                 cpu = _median(rows, "engine_cpu_s")
-                out["points"].append({
-                    "requests": n, "trace": kind, "bytes": mode, "runs": len(rows), "wall_s": _median(rows, "wall_s"), "cpu_s": _median(rows, "cpu_s"),
-                    "engine_cpu_s": cpu, "engine_wall_s": _median(rows, "engine_wall_s"), "max_rss_mb": _median(rows, "max_rss_mb"),
-                    "requests_per_s_cpu": n / cpu if cpu else None, "requests_per_s_wall": n / _median(rows, "engine_wall_s"),
-                    "hit_tokens": rows[0]["hit_tokens"], "ttft_mean_s": rows[0]["ttft_mean_s"], "virtual_s": rows[0]["virtual_s"],
-                })
+                out["points"].append(
+                    {
+                        "requests": n,
+                        "trace": kind,
+                        "bytes": mode,
+                        "runs": len(rows),
+                        "wall_s": _median(rows, "wall_s"),
+                        "cpu_s": _median(rows, "cpu_s"),
+                        "engine_cpu_s": cpu,
+                        "engine_wall_s": _median(rows, "engine_wall_s"),
+                        "max_rss_mb": _median(rows, "max_rss_mb"),
+                        "requests_per_s_cpu": n / cpu if cpu else None,
+                        "requests_per_s_wall": n / _median(rows, "engine_wall_s"),
+                        "hit_tokens": rows[0]["hit_tokens"],
+                        "ttft_mean_s": rows[0]["ttft_mean_s"],
+                        "virtual_s": rows[0]["virtual_s"],
+                    }
+                )
                 if base[mode]:
                     b = base[mode]
                     out["points"][-1]["baseline"] = {
-                        "repo": str(args.baseline), "runs": b, "engine_cpu_s": _median(b, "engine_cpu_s"), "max_rss_mb": _median(b, "max_rss_mb"),
+                        "repo": str(args.baseline),
+                        "runs": b,
+                        "engine_cpu_s": _median(b, "engine_cpu_s"),
+                        "max_rss_mb": _median(b, "max_rss_mb"),
                         "speed_over_baseline": _median(b, "engine_cpu_s") / cpu,
-                        "same_hits": all(r["hit_tokens"] == rows[0]["hit_tokens"] and r["virtual_s"] == rows[0]["virtual_s"] for r in b)}
+                        "same_hits": all(
+                            r["hit_tokens"] == rows[0]["hit_tokens"] and r["virtual_s"] == rows[0]["virtual_s"]
+                            for r in b
+                        ),
+                    }
             if len([m for m in modes if runs[m]]) == 2:
                 a, b = runs["metadata"][0], runs["real"][0]
-                out["points"][-1]["modes_agree"] = a["hit_tokens"] == b["hit_tokens"] and a["virtual_s"] == b["virtual_s"]
-                out["points"][-1]["real_over_metadata_speed"] = _median(runs["metadata"], "engine_cpu_s") / _median(runs["real"], "engine_cpu_s")
+                out["points"][-1]["modes_agree"] = (
+                    a["hit_tokens"] == b["hit_tokens"] and a["virtual_s"] == b["virtual_s"]
+                )
+                out["points"][-1]["real_over_metadata_speed"] = _median(runs["metadata"], "engine_cpu_s") / _median(
+                    runs["real"], "engine_cpu_s"
+                )
         if args.compare_requests:
             cmp: dict[str, list[dict[str, Any]]] = {"workers1": [], "workers2": []}
             for _ in range(max(1, args.repeats)):
                 for w in ("2", "1"):
-                    cmp[f"workers{w}"].append(_run(_cli("replay", str(args.source), "--limit", str(args.compare_requests), "--compare",
-                                                        "--workers", w, "--quiet", "--bytes", "metadata")))
+                    cmp[f"workers{w}"].append(
+                        _run(
+                            _cli(
+                                "replay",
+                                str(args.source),
+                                "--limit",
+                                str(args.compare_requests),
+                                "--compare",
+                                "--workers",
+                                w,
+                                "--quiet",
+                                "--bytes",
+                                "metadata",
+                            )
+                        )
+                    )
             par, seq = _median(cmp["workers2"], "wall_s"), _median(cmp["workers1"], "wall_s")
-            out["compare"] = {"requests": args.compare_requests, "bytes": "metadata", "parallel_wall_s": par, "sequential_wall_s": seq,
-                              "parallel_over_sequential": par / seq, "runs": cmp}
+            out["compare"] = {
+                "requests": args.compare_requests,
+                "bytes": "metadata",
+                "parallel_wall_s": par,
+                "sequential_wall_s": seq,
+                "parallel_over_sequential": par / seq,
+                "runs": cmp,
+            }
         if args.long_requests:
             trace = work / f"syn-{args.long_requests}.jsonl"
             _run(_cli("synth", str(args.source), "--requests", str(args.long_requests), "--out", str(trace)))
-            out["long"] = long_run(trace, work, args.long_checkpoint, args.long_limit or None, poll_s=0.2 if args.quick else 2.0)
+            out["long"] = long_run(
+                trace, work, args.long_checkpoint, args.long_limit or None, poll_s=0.2 if args.quick else 2.0
+            )
             out["long"]["trace_requests"] = args.long_requests
     out["machine"]["load_avg_end"] = os.getloadavg()
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=2))
-    print(json.dumps({k: v for k, v in out.items() if k != "points"} | {"points": [
-        {k: p[k] for k in ("requests", "trace", "bytes", "engine_cpu_s", "engine_wall_s", "max_rss_mb", "requests_per_s_cpu")} for p in out["points"]]},
-        indent=1, default=str))
+    print(
+        json.dumps(
+            {k: v for k, v in out.items() if k != "points"}
+            | {
+                "points": [
+                    {
+                        k: p[k]
+                        for k in (
+                            "requests",
+                            "trace",
+                            "bytes",
+                            "engine_cpu_s",
+                            "engine_wall_s",
+                            "max_rss_mb",
+                            "requests_per_s_cpu",
+                        )
+                    }
+                    for p in out["points"]
+                ]
+            },
+            indent=1,
+            default=str,
+        )
+    )
     if args.plot:
         plot(out, args.plot)
     return 0

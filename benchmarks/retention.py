@@ -69,16 +69,37 @@ def split_capacities(requests: list, frac: float, ws: int, page_size: int) -> tu
 def run_cell(requests: list, frac: float, ws: int, policies: list[str], page_size: int) -> dict[str, Any]:
     model_name, hw_name = MODELS["8b"]
     device, host, disk = split_capacities(requests, frac, ws, page_size)
-    out: dict[str, Any] = {"capacity_fraction": frac, "device_tokens": device, "host_tokens": host, "disk_tokens": disk, "policies": {}}
+    out: dict[str, Any] = {
+        "capacity_fraction": frac,
+        "device_tokens": device,
+        "host_tokens": host,
+        "disk_tokens": disk,
+        "policies": {},
+    }
     for name in policies:
         policy, eviction, window = POLICIES[name]
-        cfg = EngineConfig(policy=policy, model=get_model(model_name), hardware=get_hardware(hw_name), device_tokens=device,
-                           host_tokens=host, disk_tokens=disk, page_size=page_size, concurrency=None, time_scale=4.0,
-                           eviction_policy=eviction, prefetch_window=window, byte_mode="metadata")
+        cfg = EngineConfig(
+            policy=policy,
+            model=get_model(model_name),
+            hardware=get_hardware(hw_name),
+            device_tokens=device,
+            host_tokens=host,
+            disk_tokens=disk,
+            page_size=page_size,
+            concurrency=None,
+            time_scale=4.0,
+            eviction_policy=eviction,
+            prefetch_window=window,
+            byte_mode="metadata",
+        )
         t = time.perf_counter()
         rep = run_policy(requests, cfg)
-        out["policies"][name] = {"hit_rate": rep["hit_rate"], "ttft_mean": rep["ttft_s"]["mean"], "ttft_p90": rep["ttft_s"]["p90"],
-                                 "wall_s": round(time.perf_counter() - t, 1)}
+        out["policies"][name] = {
+            "hit_rate": rep["hit_rate"],
+            "ttft_mean": rep["ttft_s"]["mean"],
+            "ttft_p90": rep["ttft_s"]["p90"],
+            "wall_s": round(time.perf_counter() - t, 1),
+        }
     p = out["policies"]
     if "lru" in p:
         lru = p["lru"]["hit_rate"]
@@ -86,13 +107,19 @@ def run_cell(requests: list, frac: float, ws: int, policies: list[str], page_siz
         out["ceiling_gain_points"] = None if ceiling is None else 100 * (ceiling - lru)
         for r in p.values():
             r["vs_lru_points"] = 100 * (r["hit_rate"] - lru)
-            r["share_of_ceiling_gain"] = (r["hit_rate"] - lru) / (ceiling - lru) if ceiling is not None and ceiling > lru else None
+            r["share_of_ceiling_gain"] = (
+                (r["hit_rate"] - lru) / (ceiling - lru) if ceiling is not None and ceiling > lru else None
+            )
     return out
 
 
 def table(families: list[dict[str, Any]], policies: list[str]) -> str:
-    head = ["family", "capacity / WS"] + [f"{n} hit / TTFT" for n in policies] + ["ceiling gain (pt)"] + \
-        [f"{n} share" for n in policies if n not in ("lru",) + CEILINGS]
+    head = (
+        ["family", "capacity / WS"]
+        + [f"{n} hit / TTFT" for n in policies]
+        + ["ceiling gain (pt)"]
+        + [f"{n} share" for n in policies if n not in ("lru",) + CEILINGS]
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for fam in families:
         for c in fam["cells"]:
@@ -101,8 +128,13 @@ def table(families: list[dict[str, Any]], policies: list[str]) -> str:
             row += [f"{100 * p[n]['hit_rate']:.2f} % / {p[n]['ttft_mean']:.2f} s" for n in policies]
             g = c.get("ceiling_gain_points")
             row.append("-" if g is None else f"{g:+.2f}")
-            row += ["-" if p[n].get("share_of_ceiling_gain") is None or (g or 0) < 3 else f"{p[n]['share_of_ceiling_gain']:.2f}"
-                    for n in policies if n not in ("lru",) + CEILINGS]
+            row += [
+                "-"
+                if p[n].get("share_of_ceiling_gain") is None or (g or 0) < 3
+                else f"{p[n]['share_of_ceiling_gain']:.2f}"
+                for n in policies
+                if n not in ("lru",) + CEILINGS
+            ]
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -112,8 +144,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mooncake", type=Path, default=TRACE)
     ap.add_argument("--start", type=int, default=6000, help="first request of the Mooncake slice")
     ap.add_argument("--requests", type=int, default=1000, help="requests per family")
-    ap.add_argument("--synth", type=Path, default=Path("out/synth3000.jsonl"), help="`sgl-hicache synth TRACE --requests 3000 --seed 1`")
-    ap.add_argument("--agentic", type=Path, default=Path("out/agentic40.jsonl"), help="`benchmarks/agentic_trace.py --sessions 40`")
+    ap.add_argument(
+        "--synth",
+        type=Path,
+        default=Path("out/synth3000.jsonl"),
+        help="`sgl-hicache synth TRACE --requests 3000 --seed 1`",
+    )
+    ap.add_argument(
+        "--agentic", type=Path, default=Path("out/agentic40.jsonl"), help="`benchmarks/agentic_trace.py --sessions 40`"
+    )
     ap.add_argument("--families", default="mooncake,synth,agentic")
     ap.add_argument("--capacities", default="0.1,0.2,0.3")
     ap.add_argument("--policies", default="lru,belady,oracle")
@@ -137,15 +176,29 @@ def main(argv: list[str] | None = None) -> int:
             continue
         requests = load_family(path, start, args.requests)
         ws = working_set(requests, args.page_size)
-        entry = {"family": fam, "trace": str(path), "requests": len(requests), "start": start, "working_set_tokens": ws, "cells": []}
+        entry = {
+            "family": fam,
+            "trace": str(path),
+            "requests": len(requests),
+            "start": start,
+            "working_set_tokens": ws,
+            "cells": [],
+        }
         families.append(entry)
         for frac in (float(x) for x in args.capacities.split(",")):
             entry["cells"].append(run_cell(requests, frac, ws, policies, args.page_size))
             print(table([{"family": fam, "cells": entry["cells"][-1:]}], policies).splitlines()[-1], flush=True)
-    result = {"benchmark": "retention", "engine": "embedded, --bytes metadata, demote (no queue prefetch), llama3-8b/h200, trace clock x4",
-              "page_size": args.page_size, "split": "device:host:disk = 1:2:8", "policies": {n: dict(zip(("engine_policy", "eviction", "prefetch_window"),
-              POLICIES[n])) for n in policies}, "families": families, "skipped": skipped, "wall_s": round(time.perf_counter() - wall, 1),
-              "table": table(families, policies)}
+    result = {
+        "benchmark": "retention",
+        "engine": "embedded, --bytes metadata, demote (no queue prefetch), llama3-8b/h200, trace clock x4",
+        "page_size": args.page_size,
+        "split": "device:host:disk = 1:2:8",
+        "policies": {n: dict(zip(("engine_policy", "eviction", "prefetch_window"), POLICIES[n])) for n in policies},
+        "families": families,
+        "skipped": skipped,
+        "wall_s": round(time.perf_counter() - wall, 1),
+        "table": table(families, policies),
+    }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1))
     print(result["table"])

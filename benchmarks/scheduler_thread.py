@@ -67,13 +67,26 @@ def run_one(config: str, reqs: list, pool: int, a: argparse.Namespace, workdir: 
     srv = None
     try:
         srv = SGLangServer.start(
-            a.model, extra_args=server_args("sgl_hicache", pool, a.page_size, a.host_ratio),
-            env={**server_env("sgl_hicache", pool, a.host_ratio, run_dir / "store", a.disk_tokens, a.page_size, extra),
-                 "SGLHICACHE_CHECK_SCHEDULER_IO": "1"},
-            log_path=log, load_format="dummy", timeout_s=a.start_timeout)
-        rep = replay_http(reqs, srv.url, concurrency=a.concurrency, max_new_tokens=a.output_tokens, timeout_s=a.request_timeout)
-        out.update(requests=rep["requests"], failed=rep["requests_failed"], hit_tokens=rep["hit_tokens"],
-                   ttft_mean_s=(rep.get("ttft_s") or {}).get("mean"), throughput_tok_s=rep.get("throughput_tok_s"))
+            a.model,
+            extra_args=server_args("sgl_hicache", pool, a.page_size, a.host_ratio),
+            env={
+                **server_env("sgl_hicache", pool, a.host_ratio, run_dir / "store", a.disk_tokens, a.page_size, extra),
+                "SGLHICACHE_CHECK_SCHEDULER_IO": "1",
+            },
+            log_path=log,
+            load_format="dummy",
+            timeout_s=a.start_timeout,
+        )
+        rep = replay_http(
+            reqs, srv.url, concurrency=a.concurrency, max_new_tokens=a.output_tokens, timeout_s=a.request_timeout
+        )
+        out.update(
+            requests=rep["requests"],
+            failed=rep["requests_failed"],
+            hit_tokens=rep["hit_tokens"],
+            ttft_mean_s=(rep.get("ttft_s") or {}).get("mean"),
+            throughput_tok_s=rep.get("throughput_tok_s"),
+        )
         st = fetch_stats(srv.url)
         out["scheduler_calls"] = st.get("scheduler_calls")
         out["scheduler_io"] = {k: v for k, v in (st.get("scheduler_io") or {}).items() if k != "first_offender"}
@@ -123,14 +136,21 @@ def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
         p99, mx = worst(median["scheduler_calls"])
         out[config] = {
             "calls": median["scheduler_calls"],
-            "worst_p99_us": p99, "worst_max_us": mx, "worst_cpu_p99_us": worst_cpu_p99(median["scheduler_calls"]),
+            "worst_p99_us": p99,
+            "worst_max_us": mx,
+            "worst_cpu_p99_us": worst_cpu_p99(median["scheduler_calls"]),
             "worst_p99_us_all_repeats": [worst(s["scheduler_calls"])[0] for s in runs],
             "goal_met": p99 <= GOAL_P99_US and mx <= GOAL_MAX_US,
             "scheduler_io": median["scheduler_io"],
             "hit_tokens": median.get("hit_tokens"),
             "dropped_dirty_tokens": median.get("dropped_dirty_tokens"),
-            "writeback_pages": {k: (median.get("backend") or {}).get(k) for k in ("device_writeback_pages", "writeback_pages", "evict_short")},
-            "ttft_mean_s_median": statistics.median(s["ttft_mean_s"] for s in runs if s.get("ttft_mean_s") is not None) if any(s.get("ttft_mean_s") for s in runs) else None,
+            "writeback_pages": {
+                k: (median.get("backend") or {}).get(k)
+                for k in ("device_writeback_pages", "writeback_pages", "evict_short")
+            },
+            "ttft_mean_s_median": statistics.median(s["ttft_mean_s"] for s in runs if s.get("ttft_mean_s") is not None)
+            if any(s.get("ttft_mean_s") for s in runs)
+            else None,
             "failed": sum(s.get("failed", 0) for s in runs),
         }
     return out
@@ -142,9 +162,13 @@ def render(summary: dict[str, Any]) -> str:
         if "calls" not in d:
             lines.append(f"{config}: no result ({d.get('error')})")
             continue
-        lines.append(f"== {config}: worst p99 {d['worst_p99_us']:.0f} us, worst max {d['worst_max_us']:.0f} us, "
-                     f"goal {'met' if d['goal_met'] else 'NOT met'}; scheduler-thread I/O {d['scheduler_io']}; hits {d['hit_tokens']}")
-        lines.append(f"{'call':<24}{'count':>8}{'p50 us':>10}{'p99 us':>10}{'max us':>10}{'cpu p50':>10}{'cpu p99':>10}{'cpu max':>10}")
+        lines.append(
+            f"== {config}: worst p99 {d['worst_p99_us']:.0f} us, worst max {d['worst_max_us']:.0f} us, "
+            f"goal {'met' if d['goal_met'] else 'NOT met'}; scheduler-thread I/O {d['scheduler_io']}; hits {d['hit_tokens']}"
+        )
+        lines.append(
+            f"{'call':<24}{'count':>8}{'p50 us':>10}{'p99 us':>10}{'max us':>10}{'cpu p50':>10}{'cpu p99':>10}{'cpu max':>10}"
+        )
         for name, c in d["calls"].items():
             cpu = "".join(f"{c.get(k, float('nan')):>10.1f}" for k in ("cpu_p50_us", "cpu_p99_us", "cpu_max_us"))
             lines.append(f"{name:<24}{c['count']:>8}{c['p50_us']:>10.1f}{c['p99_us']:>10.1f}{c['max_us']:>10.1f}{cpu}")
@@ -152,7 +176,9 @@ def render(summary: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", type=Path, default=TINY)
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     p.add_argument("--requests", type=int, default=400)
@@ -196,24 +222,42 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     try:
         for r in range(a.repeats):
-            order = configs[r % len(configs):] + configs[: r % len(configs)]
+            order = configs[r % len(configs) :] + configs[: r % len(configs)]
             for config in order:
                 s = run_one(config, reqs, pool, a, workdir, f"{config}-r{r}")
                 s["repeat"] = r
                 samples.append(s)
-                print(f"[scheduler_thread] {config} r{r}: worst p99/max {worst(s.get('scheduler_calls'))} us, io {s.get('scheduler_io')}, "
-                      f"hits {s.get('hit_tokens')}, error {s.get('error')}", flush=True)
+                print(
+                    f"[scheduler_thread] {config} r{r}: worst p99/max {worst(s.get('scheduler_calls'))} us, io {s.get('scheduler_io')}, "
+                    f"hits {s.get('hit_tokens')}, error {s.get('error')}",
+                    flush=True,
+                )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     summary = summarize(samples)
     print(render(summary))
-    result = {"benchmark": "scheduler_thread", "regime": {
-        "model": str(a.model.relative_to(REPO) if a.model.is_relative_to(REPO) else a.model), "requests": len(reqs),
-        "scale": a.scale, "working_set_tokens": ws, "device_pool_tokens": pool, "host_tokens": int(pool * a.host_ratio) // a.page_size * a.page_size,
-        "disk_tokens": a.disk_tokens, "page_size": a.page_size, "concurrency": a.concurrency, "output_tokens": a.output_tokens,
-        "repeats": a.repeats, "cpus": os.cpu_count(), "machine": platform.machine()},
-        "goal": {"p99_us": GOAL_P99_US, "max_us": GOAL_MAX_US}, "summary": summary, "samples": samples,
-        "wall_s": time.monotonic() - t0}
+    result = {
+        "benchmark": "scheduler_thread",
+        "regime": {
+            "model": str(a.model.relative_to(REPO) if a.model.is_relative_to(REPO) else a.model),
+            "requests": len(reqs),
+            "scale": a.scale,
+            "working_set_tokens": ws,
+            "device_pool_tokens": pool,
+            "host_tokens": int(pool * a.host_ratio) // a.page_size * a.page_size,
+            "disk_tokens": a.disk_tokens,
+            "page_size": a.page_size,
+            "concurrency": a.concurrency,
+            "output_tokens": a.output_tokens,
+            "repeats": a.repeats,
+            "cpus": os.cpu_count(),
+            "machine": platform.machine(),
+        },
+        "goal": {"p99_us": GOAL_P99_US, "max_us": GOAL_MAX_US},
+        "summary": summary,
+        "samples": samples,
+        "wall_s": time.monotonic() - t0,
+    }
     if a.json:
         a.json.write_text(json.dumps(result, indent=1, default=str))
     failed = any(s.get("error") or s.get("failed") for s in samples)

@@ -80,20 +80,39 @@ DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace
 if not DEFAULT_TRACE.exists():
     DEFAULT_TRACE = REPO / "traces" / "mooncake_conversation_trace.jsonl"
 DEFAULT_MODEL = REPO / "scripts" / "cpu" / "bench-llama"
-CONFIGS = ("default", "hicache", "sgl_hicache", "hicache_host", "sgl_hicache_noskip", "sgl_hicache_hold", "sgl_hicache_nohold",
-           "sgl_hicache_spf", "hicache_spf")
+CONFIGS = (
+    "default",
+    "hicache",
+    "sgl_hicache",
+    "hicache_host",
+    "sgl_hicache_noskip",
+    "sgl_hicache_hold",
+    "sgl_hicache_nohold",
+    "sgl_hicache_spf",
+    "hicache_spf",
+)
 # sgl_hicache variants: the same server with these backend settings changed (an A/B in one run)
-VARIANTS: dict[str, dict[str, Any]] = {"sgl_hicache": {}, "sgl_hicache_noskip": {"skip_waiting_admission": False},
-                                       "sgl_hicache_hold": {"admission_hold": "always"}, "sgl_hicache_nohold": {"admission_hold": "off"},
-                                       "sgl_hicache_spf": {}}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "sgl_hicache": {},
+    "sgl_hicache_noskip": {"skip_waiting_admission": False},
+    "sgl_hicache_hold": {"admission_hold": "always"},
+    "sgl_hicache_nohold": {"admission_hold": "off"},
+    "sgl_hicache_spf": {},
+}
 # configurations that differ from their base only in SGLang's scheduling policy (an A/B of queue order)
 SCHEDULE_POLICY = {"sgl_hicache_spf": "shortest-prefill-first", "hicache_spf": "shortest-prefill-first"}
 DEFAULT_CONFIGS = CONFIGS[:3]
-LABELS = {"default": "SGLang default cache", "hicache": "SGLang HiCache (host + file)", "sgl_hicache": "sgl_hicache",
-          "hicache_host": "SGLang HiCache (host only)", "sgl_hicache_noskip": "sgl_hicache, skip_waiting_admission off",
-          "sgl_hicache_hold": "sgl_hicache, admission_hold always", "sgl_hicache_nohold": "sgl_hicache, admission_hold off",
-          "sgl_hicache_spf": "sgl_hicache, --schedule-policy shortest-prefill-first",
-          "hicache_spf": "SGLang HiCache, --schedule-policy shortest-prefill-first"}
+LABELS = {
+    "default": "SGLang default cache",
+    "hicache": "SGLang HiCache (host + file)",
+    "sgl_hicache": "sgl_hicache",
+    "hicache_host": "SGLang HiCache (host only)",
+    "sgl_hicache_noskip": "sgl_hicache, skip_waiting_admission off",
+    "sgl_hicache_hold": "sgl_hicache, admission_hold always",
+    "sgl_hicache_nohold": "sgl_hicache, admission_hold off",
+    "sgl_hicache_spf": "sgl_hicache, --schedule-policy shortest-prefill-first",
+    "hicache_spf": "SGLang HiCache, --schedule-policy shortest-prefill-first",
+}
 TIERS = ("device", "host", "disk")
 
 
@@ -112,7 +131,7 @@ def working_set_tokens(reqs: list, page: int) -> int:
         ids = r.input_ids
         key = 0
         for i in range(len(ids) // page):
-            key = hash((key, tuple(ids[i * page:(i + 1) * page])))
+            key = hash((key, tuple(ids[i * page : (i + 1) * page])))
             seen.add(key)
     return len(seen) * page
 
@@ -128,8 +147,15 @@ def server_args(config: str, pool: int, page: int, host_ratio: float) -> list[st
     if config in SCHEDULE_POLICY:
         args += ["--schedule-policy", SCHEDULE_POLICY[config]]
     if config in ("hicache", "hicache_host", "hicache_spf"):
-        args += ["--enable-hierarchical-cache", "--hicache-io-backend", "direct",
-                 "--hicache-mem-layout", "layer_first", "--hicache-ratio", f"{host_ratio:g}"]
+        args += [
+            "--enable-hierarchical-cache",
+            "--hicache-io-backend",
+            "direct",
+            "--hicache-mem-layout",
+            "layer_first",
+            "--hicache-ratio",
+            f"{host_ratio:g}",
+        ]
         if config in ("hicache", "hicache_spf"):
             args += ["--hicache-storage-backend", "file"]
     elif config in VARIANTS:
@@ -137,15 +163,23 @@ def server_args(config: str, pool: int, page: int, host_ratio: float) -> list[st
     return args
 
 
-def server_env(config: str, pool: int, host_ratio: float, store_dir: Path, disk_tokens: int, page: int,
-               extra: dict[str, Any] | None = None) -> dict[str, str]:
+def server_env(
+    config: str,
+    pool: int,
+    host_ratio: float,
+    store_dir: Path,
+    disk_tokens: int,
+    page: int,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, str]:
     env: dict[str, str] = {}  # (main() removed the caller's SGLHICACHE_* variables from os.environ)
     if config in ("hicache", "hicache_spf"):
         env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = str(store_dir)
     elif config in VARIANTS:
         host = int(pool * host_ratio) // page * page
-        s = BackendSettings(host_tokens=host, disk_dir=str(store_dir), disk_tokens=disk_tokens,
-                            prefetch=True, predictor="tree_walk").replace(**(extra or {}), **VARIANTS[config])
+        s = BackendSettings(
+            host_tokens=host, disk_dir=str(store_dir), disk_tokens=disk_tokens, prefetch=True, predictor="tree_walk"
+        ).replace(**(extra or {}), **VARIANTS[config])
         env.update(settings_env(s))
         env["SGLHICACHE_PREFETCH"] = "1"  # explicit, though it is the default
     return env
@@ -159,8 +193,15 @@ def _server_info(url: str) -> dict[str, Any]:
         return {}
     st = (info.get("internal_states") or [{}])[0] or {}
     out = {k: st.get(k) for k in ("max_total_num_tokens", "radix_cache_backend") if k in st}
-    for k in ("max_total_tokens", "hicache_ratio", "hicache_storage_backend", "hicache_write_policy", "chunked_prefill_size",
-              "max_running_requests", "radix_cache_backend"):
+    for k in (
+        "max_total_tokens",
+        "hicache_ratio",
+        "hicache_storage_backend",
+        "hicache_write_policy",
+        "chunked_prefill_size",
+        "max_running_requests",
+        "radix_cache_backend",
+    ):
         if k in info and k not in out:
             out[k] = info.get(k)
     return out
@@ -169,21 +210,37 @@ def _server_info(url: str) -> dict[str, Any]:
 def _summary(rep: dict[str, Any]) -> dict[str, Any]:
     t = rep["ttft_s"]
     out = {
-        "requests": rep["requests"], "requests_failed": rep["requests_failed"],
+        "requests": rep["requests"],
+        "requests_failed": rep["requests_failed"],
         "first_error": rep["errors"].get("first_error"),
-        "prompt_tokens": rep["prompt_tokens"], "output_tokens": rep["output_tokens"],
-        "ttft_mean_s": t["mean"], "ttft_p50_s": t["p50"], "ttft_p90_s": t["p90"], "ttft_p99_s": t["p99"],
+        "prompt_tokens": rep["prompt_tokens"],
+        "output_tokens": rep["output_tokens"],
+        "ttft_mean_s": t["mean"],
+        "ttft_p50_s": t["p50"],
+        "ttft_p90_s": t["p90"],
+        "ttft_p99_s": t["p99"],
         "latency_mean_s": rep["latency_s"]["mean"],
-        "throughput_tok_s": rep["throughput_tok_s"], "duration_s": rep["duration_s"],
-        "hit_tokens": dict(rep["hit_tokens"]), "hit_rate": rep["hit_rate"],
+        "throughput_tok_s": rep["throughput_tok_s"],
+        "duration_s": rep["duration_s"],
+        "hit_tokens": dict(rep["hit_tokens"]),
+        "hit_rate": rep["hit_rate"],
         "ttft_samples_s": rep.get("ttft_samples_s", []),
     }
     if rep.get("server_stats"):  # sgl_hicache only
-        out["sgl_hicache"] = {"prefetch": rep.get("prefetch"), "predict": rep.get("predict"),
-                              "bytes_moved": rep.get("bytes_moved"), "stored_tokens": rep.get("stored_tokens"),
-                              "capacity_tokens": rep.get("capacity_tokens"), "errors": rep.get("errors")}
+        out["sgl_hicache"] = {
+            "prefetch": rep.get("prefetch"),
+            "predict": rep.get("predict"),
+            "bytes_moved": rep.get("bytes_moved"),
+            "stored_tokens": rep.get("stored_tokens"),
+            "capacity_tokens": rep.get("capacity_tokens"),
+            "errors": rep.get("errors"),
+        }
         backend = (rep["server_stats"].get("backend") or {}) if isinstance(rep["server_stats"], dict) else {}
-        out["sgl_hicache"]["admission"] = {"holds": backend.get("admission_holds"), "reorders": backend.get("queue_reorders"), "prefill_cost": backend.get("prefill_cost")}
+        out["sgl_hicache"]["admission"] = {
+            "holds": backend.get("admission_holds"),
+            "reorders": backend.get("queue_reorders"),
+            "prefill_cost": backend.get("prefill_cost"),
+        }
     return out
 
 
@@ -203,8 +260,13 @@ def prefill_batches(log_text: str) -> dict[str, Any]:
         cached += int(m.group(3))
     batches = sum(sizes.values())
     seqs = sum(int(k) * v for k, v in sizes.items())
-    return {"batches": batches, "by_new_seqs": dict(sorted(sizes.items(), key=lambda kv: int(kv[0]))),
-            "mean_new_seqs": seqs / batches if batches else None, "new_tokens": new, "cached_tokens": cached}
+    return {
+        "batches": batches,
+        "by_new_seqs": dict(sorted(sizes.items(), key=lambda kv: int(kv[0]))),
+        "mean_new_seqs": seqs / batches if batches else None,
+        "new_tokens": new,
+        "cached_tokens": cached,
+    }
 
 
 def run_one(config: str, pool: int, reqs: list, a: argparse.Namespace, workdir: Path, tag: str) -> dict[str, Any]:
@@ -216,15 +278,25 @@ def run_one(config: str, pool: int, reqs: list, a: argparse.Namespace, workdir: 
     t0 = time.monotonic()
     try:
         srv = SGLangServer.start(
-            a.model, extra_args=server_args(config, pool, a.page_size, a.host_ratio),
+            a.model,
+            extra_args=server_args(config, pool, a.page_size, a.host_ratio),
             env=server_env(config, pool, a.host_ratio, store, a.disk_tokens, a.page_size, a.sgl_hicache_extra),
-            log_path=log, load_format="dummy", timeout_s=a.start_timeout)
+            log_path=log,
+            load_format="dummy",
+            timeout_s=a.start_timeout,
+        )
         sample["server_ready_s"] = srv.ready_after_s
         spy = start_profiler(srv.proc.pid, Path(a.profile) / f"{tag}.txt") if a.profile else None
         try:
-            rep = replay_http(reqs, srv.url, concurrency=a.concurrency, max_new_tokens=a.output_tokens,
-                              timeout_s=a.request_timeout, trace_clock=a.time_scale is not None,
-                              time_scale=a.time_scale or 1.0)
+            rep = replay_http(
+                reqs,
+                srv.url,
+                concurrency=a.concurrency,
+                max_new_tokens=a.output_tokens,
+                timeout_s=a.request_timeout,
+                trace_clock=a.time_scale is not None,
+                time_scale=a.time_scale or 1.0,
+            )
         finally:
             stop_profiler(spy)
         sample.update(_summary(rep))
@@ -248,7 +320,9 @@ def run_one(config: str, pool: int, reqs: list, a: argparse.Namespace, workdir: 
             if log.exists():
                 shutil.copy(log, dst / f"{tag}.log")
         try:
-            sample["store_bytes"] = sum(f.stat().st_size for f in store.rglob("*") if f.is_file()) if store.exists() else 0
+            sample["store_bytes"] = (
+                sum(f.stat().st_size for f in store.rglob("*") if f.is_file()) if store.exists() else 0
+            )
         except OSError:
             sample["store_bytes"] = None
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -263,14 +337,33 @@ def start_profiler(server_pid: int, out: Path) -> subprocess.Popen | None:
     import psutil
 
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    sched = [p for p in psutil.Process(server_pid).children(recursive=True)
-             if "scheduler" in " ".join(p.cmdline()) or "scheduler" in p.name()]
+    sched = [
+        p
+        for p in psutil.Process(server_pid).children(recursive=True)
+        if "scheduler" in " ".join(p.cmdline()) or "scheduler" in p.name()
+    ]
     if not sched or not Path(spy).exists():
         print(f"--profile: no scheduler process or no py-spy ({spy}); not profiled", file=sys.stderr)
         return None
     out.parent.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen([spy, "record", "--pid", str(sched[0].pid), "--rate", "200", "--format", "raw",
-                             "--nonblocking", "--idle", "-o", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [
+            spy,
+            "record",
+            "--pid",
+            str(sched[0].pid),
+            "--rate",
+            "200",
+            "--format",
+            "raw",
+            "--nonblocking",
+            "--idle",
+            "-o",
+            str(out),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def stop_profiler(spy: subprocess.Popen | None) -> None:
@@ -302,20 +395,28 @@ def summarize(samples: list[dict[str, Any]], pools: list[float]) -> dict[str, An
         for c in ran:
             ok = [s for s in ps if s["config"] == c and "error" not in s]
             per[c] = {
-                "runs": len(ok), "runs_failed": len([s for s in ps if s["config"] == c]) - len(ok),
+                "runs": len(ok),
+                "runs_failed": len([s for s in ps if s["config"] == c]) - len(ok),
                 "requests_failed": sum(s["requests_failed"] for s in ok),
                 **{m: _med([s[m] for s in ok]) for m in METRICS},
                 "hit_tokens": {t: _med([s["hit_tokens"][t] for s in ok]) for t in TIERS},
                 "prefill_batches": _med([s["prefill_batches"]["batches"] for s in ok if s.get("prefill_batches")]),
-                "mean_new_seqs_per_prefill": _med([s["prefill_batches"]["mean_new_seqs"] for s in ok
-                                                   if s.get("prefill_batches") and s["prefill_batches"]["mean_new_seqs"]]),
+                "mean_new_seqs_per_prefill": _med(
+                    [
+                        s["prefill_batches"]["mean_new_seqs"]
+                        for s in ok
+                        if s.get("prefill_batches") and s["prefill_batches"]["mean_new_seqs"]
+                    ]
+                ),
             }
         ratios: dict[str, Any] = {}
         paired: dict[str, Any] = {}
         for peer in (c for c in ran if c != "sgl_hicache" and "sgl_hicache" in ran):
             key = f"sgl_hicache / {peer}"
-            ratios[key] = {m: (per["sgl_hicache"][m] / per[peer][m]) if per["sgl_hicache"][m] and per[peer][m] else None
-                           for m in RATIO_METRICS}
+            ratios[key] = {
+                m: (per["sgl_hicache"][m] / per[peer][m]) if per["sgl_hicache"][m] and per[peer][m] else None
+                for m in RATIO_METRICS
+            }
             pr: dict[str, list[float]] = {m: [] for m in RATIO_METRICS}
             for r in sorted({s["repeat"] for s in ps}):
                 mine = [s for s in ps if s["repeat"] == r and s["config"] == "sgl_hicache" and "error" not in s]
@@ -325,8 +426,12 @@ def summarize(samples: list[dict[str, Any]], pools: list[float]) -> dict[str, An
                         if theirs[0][m]:
                             pr[m].append(mine[0][m] / theirs[0][m])
             paired[key] = {m: {"median": _med(v), "samples": v} for m, v in pr.items()}
-        out[f"{frac:g}"] = {"max_total_tokens": ps[0]["max_total_tokens"] if ps else None, "configs": per,
-                            "ratios": ratios, "paired_ratios": paired}
+        out[f"{frac:g}"] = {
+            "max_total_tokens": ps[0]["max_total_tokens"] if ps else None,
+            "configs": per,
+            "ratios": ratios,
+            "paired_ratios": paired,
+        }
     return out
 
 
@@ -337,18 +442,26 @@ def _f(x: float | None, fmt: str) -> str:
 def render(summary: dict[str, Any], ws: int) -> str:
     lines = []
     for frac, s in summary.items():
-        lines.append(f"device pool {float(frac):.0%} of the working set ({ws:,} tokens): --max-total-tokens {s['max_total_tokens']}")
-        lines.append(f"  {'config':<30} {'TTFT mean':>9} {'p50':>7} {'p90':>7} {'tok/s':>7} {'e2e s':>6} {'hit dev':>8} {'host':>7} {'disk':>7} {'hit %':>6} {'fail':>5} {'prefills':>8} {'seq/pf':>6}")
+        lines.append(
+            f"device pool {float(frac):.0%} of the working set ({ws:,} tokens): --max-total-tokens {s['max_total_tokens']}"
+        )
+        lines.append(
+            f"  {'config':<30} {'TTFT mean':>9} {'p50':>7} {'p90':>7} {'tok/s':>7} {'e2e s':>6} {'hit dev':>8} {'host':>7} {'disk':>7} {'hit %':>6} {'fail':>5} {'prefills':>8} {'seq/pf':>6}"
+        )
         for c in s["configs"]:
             r = s["configs"][c]
             h = r["hit_tokens"]
-            lines.append(f"  {LABELS[c]:<30} {_f(r['ttft_mean_s'], '9.3f')} {_f(r['ttft_p50_s'], '7.3f')} {_f(r['ttft_p90_s'], '7.3f')} "
-                         f"{_f(r['throughput_tok_s'], '7.0f')} {_f(r.get('latency_mean_s'), '6.3f')} {_f(h['device'], '8,.0f')} {_f(h['host'], '7,.0f')} {_f(h['disk'], '7,.0f')} "
-                         f"{_f(r['hit_rate'] and 100 * r['hit_rate'], '6.1f')} {r['requests_failed'] + r['runs_failed']:>5} "
-                         f"{_f(r.get('prefill_batches'), '8.0f')} {_f(r.get('mean_new_seqs_per_prefill'), '6.2f')}")
+            lines.append(
+                f"  {LABELS[c]:<30} {_f(r['ttft_mean_s'], '9.3f')} {_f(r['ttft_p50_s'], '7.3f')} {_f(r['ttft_p90_s'], '7.3f')} "
+                f"{_f(r['throughput_tok_s'], '7.0f')} {_f(r.get('latency_mean_s'), '6.3f')} {_f(h['device'], '8,.0f')} {_f(h['host'], '7,.0f')} {_f(h['disk'], '7,.0f')} "
+                f"{_f(r['hit_rate'] and 100 * r['hit_rate'], '6.1f')} {r['requests_failed'] + r['runs_failed']:>5} "
+                f"{_f(r.get('prefill_batches'), '8.0f')} {_f(r.get('mean_new_seqs_per_prefill'), '6.2f')}"
+            )
         for k, rr in s["ratios"].items():
-            lines.append(f"  {k:<30} {_f(rr['ttft_mean_s'], '9.2f')} {_f(rr['ttft_p50_s'], '7.2f')} {_f(rr['ttft_p90_s'], '7.2f')} "
-                         f"{_f(rr['throughput_tok_s'], '7.2f')} {_f(rr.get('latency_mean_s'), '6.2f')}")
+            lines.append(
+                f"  {k:<30} {_f(rr['ttft_mean_s'], '9.2f')} {_f(rr['ttft_p50_s'], '7.2f')} {_f(rr['ttft_p90_s'], '7.2f')} "
+                f"{_f(rr['throughput_tok_s'], '7.2f')} {_f(rr.get('latency_mean_s'), '6.2f')}"
+            )
     return "\n".join(lines)
 
 
@@ -357,41 +470,82 @@ def _git_rev() -> str | None:
     import subprocess
 
     try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "sgl_hicache"], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+        rev = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "sgl_hicache"], cwd=REPO, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return (rev + ("+dirty(sgl_hicache/)" if dirty else "")) or None
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--requests", type=int, default=200, help="first N requests of the trace (default 200)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default 3)")
-    p.add_argument("--pools", default="0.1,0.3", help="device pool sizes as fractions of the working set (default 0.1,0.3)")
-    p.add_argument("--profile", metavar="DIR", default=None,
-                   help="py-spy each run's scheduler process during the replay (collapsed stacks DIR/<run>.txt)")
-    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
-                   help=f"subset of {','.join(CONFIGS)} (default {','.join(DEFAULT_CONFIGS)}; hicache_host: HiCache without a storage backend)")
-    p.add_argument("--quick", action="store_true", help="tiny: 20 requests, 1 repeat, the first pool only (proves it runs)")
+    p.add_argument(
+        "--pools", default="0.1,0.3", help="device pool sizes as fractions of the working set (default 0.1,0.3)"
+    )
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        default=None,
+        help="py-spy each run's scheduler process during the replay (collapsed stacks DIR/<run>.txt)",
+    )
+    p.add_argument(
+        "--configs",
+        default=",".join(DEFAULT_CONFIGS),
+        help=f"subset of {','.join(CONFIGS)} (default {','.join(DEFAULT_CONFIGS)}; hicache_host: HiCache without a storage backend)",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="tiny: 20 requests, 1 repeat, the first pool only (proves it runs)"
+    )
     p.add_argument("--json", help="write all samples and the summary here")
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    p.add_argument("--as-blocks", action="store_true",
-                   help="--trace is a plain-text trace (`benchmarks/agentic_trace.py`): replay it rewritten as ~512-token "
-                        "blocks (`first_run_drops.as_block_trace`), so --scale shrinks it like a block trace")
+    p.add_argument(
+        "--as-blocks",
+        action="store_true",
+        help="--trace is a plain-text trace (`benchmarks/agentic_trace.py`): replay it rewritten as ~512-token "
+        "blocks (`first_run_drops.as_block_trace`), so --scale shrinks it like a block trace",
+    )
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     p.add_argument("--scale", type=int, default=32, help="tokens per 512-token trace block (default 32)")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--concurrency", type=int, default=4,
-                   help="requests in flight at most (default 4; a closed loop unless --time-scale is given)")
-    p.add_argument("--time-scale", type=float, default=None, metavar="S",
-                   help="open loop: send each request at its trace timestamp x S (at most --concurrency in flight); "
-                        "default: closed loop, the next request as soon as one finishes")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=4,
+        help="requests in flight at most (default 4; a closed loop unless --time-scale is given)",
+    )
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=None,
+        metavar="S",
+        help="open loop: send each request at its trace timestamp x S (at most --concurrency in flight); "
+        "default: closed loop, the next request as soon as one finishes",
+    )
     p.add_argument("--output-tokens", type=int, default=8)
-    p.add_argument("--host-ratio", type=float, default=4.0, help="host tier = R x device pool, for both HiCache and sgl_hicache (default 4)")
-    p.add_argument("--disk-tokens", type=int, default=None, help="sgl_hicache disk tier capacity (default 2x the working set)")
-    p.add_argument("--sgl-hicache-set", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra sgl_hicache backend setting (a BackendSettings field, JSON value), repeatable")
+    p.add_argument(
+        "--host-ratio",
+        type=float,
+        default=4.0,
+        help="host tier = R x device pool, for both HiCache and sgl_hicache (default 4)",
+    )
+    p.add_argument(
+        "--disk-tokens", type=int, default=None, help="sgl_hicache disk tier capacity (default 2x the working set)"
+    )
+    p.add_argument(
+        "--sgl-hicache-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra sgl_hicache backend setting (a BackendSettings field, JSON value), repeatable",
+    )
     p.add_argument("--workdir", default=None, help="where the per-run temp dirs go (default: the system temp dir)")
     p.add_argument("--keep-logs", default=None, help="copy every server log into this directory")
     p.add_argument("--start-timeout", type=float, default=300.0)
@@ -445,9 +599,12 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(a.workdir or tempfile.gettempdir())
     workdir.mkdir(parents=True, exist_ok=True)
 
-    print(f"slice: {len(reqs)} requests, {prompt_tokens:,} prompt tokens, working set {ws:,} tokens "
-          f"(ideal hit rate {1 - ws / prompt_tokens:.1%}), longest {longest:,}; pools "
-          + ", ".join(f"{f:g}: {t:,}" for f, t in pool_of.items()), flush=True)
+    print(
+        f"slice: {len(reqs)} requests, {prompt_tokens:,} prompt tokens, working set {ws:,} tokens "
+        f"(ideal hit rate {1 - ws / prompt_tokens:.1%}), longest {longest:,}; pools "
+        + ", ".join(f"{f:g}: {t:,}" for f, t in pool_of.items()),
+        flush=True,
+    )
 
     def _terminate(signum, _frame):  # SIGTERM -> unwind, so every `finally` stops its server
         raise KeyboardInterrupt(f"signal {signum}")
@@ -456,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
     samples: list[dict[str, Any]] = []
     t_start = time.monotonic()
     for r in range(a.repeats):
-        order = configs[r % len(configs):] + configs[:r % len(configs)]
+        order = configs[r % len(configs) :] + configs[: r % len(configs)]
         for frac in pools:
             for pos, c in enumerate(order):
                 tag = f"r{r}-p{frac:g}-{c}"
@@ -467,12 +624,18 @@ def main(argv: list[str] | None = None) -> int:
                     msg = "ERROR " + s["error"].splitlines()[0][:200]
                 else:
                     h = s["hit_tokens"]
-                    msg = (f"TTFT mean {s['ttft_mean_s']:.3f}s p90 {s['ttft_p90_s']:.3f}s, {s['throughput_tok_s']:.0f} tok/s, "
-                           f"hits {h['device']}/{h['host']}/{h['disk']} ({s['hit_rate']:.1%}), failed {s['requests_failed']}")
-                print(f"[{time.monotonic() - t_start:6.0f}s] {tag:<24} {msg} (run {s['wall_s']:.0f}s, load {s['loadavg_before'][0]:.1f})",
-                      flush=True)
+                    msg = (
+                        f"TTFT mean {s['ttft_mean_s']:.3f}s p90 {s['ttft_p90_s']:.3f}s, {s['throughput_tok_s']:.0f} tok/s, "
+                        f"hits {h['device']}/{h['host']}/{h['disk']} ({s['hit_rate']:.1%}), failed {s['requests_failed']}"
+                    )
+                print(
+                    f"[{time.monotonic() - t_start:6.0f}s] {tag:<24} {msg} (run {s['wall_s']:.0f}s, load {s['loadavg_before'][0]:.1f})",
+                    flush=True,
+                )
                 if a.json:  # partial results survive an interrupted run
-                    Path(a.json).write_text(json.dumps({"benchmark": "server_compare", "partial": True, "samples": samples}, indent=1))
+                    Path(a.json).write_text(
+                        json.dumps({"benchmark": "server_compare", "partial": True, "samples": samples}, indent=1)
+                    )
 
     summary = summarize(samples, pools)
     print(render(summary, ws))
@@ -481,19 +644,39 @@ def main(argv: list[str] | None = None) -> int:
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
         "config": {
-            "quick": a.quick, "requests": len(reqs), "repeats": a.repeats, "pools": pools, "configs": configs,
-            "trace": str(a.trace), "scale": a.scale, "model": str(a.model), "page_size": a.page_size,
-            "concurrency": a.concurrency, "time_scale": a.time_scale, "output_tokens": a.output_tokens, "host_ratio": a.host_ratio,
-            "disk_tokens": a.disk_tokens, "sgl_hicache_extra": a.sgl_hicache_extra, "git": _git_rev(), "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "quick": a.quick,
+            "requests": len(reqs),
+            "repeats": a.repeats,
+            "pools": pools,
+            "configs": configs,
+            "trace": str(a.trace),
+            "scale": a.scale,
+            "model": str(a.model),
+            "page_size": a.page_size,
+            "concurrency": a.concurrency,
+            "time_scale": a.time_scale,
+            "output_tokens": a.output_tokens,
+            "host_ratio": a.host_ratio,
+            "disk_tokens": a.disk_tokens,
+            "sgl_hicache_extra": a.sgl_hicache_extra,
+            "git": _git_rev(),
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
             "server_args": {c: server_args(c, 0, a.page_size, a.host_ratio) for c in configs},
         },
-        "workload": {"prompt_tokens": prompt_tokens, "working_set_tokens": ws, "longest_prompt": longest,
-                     "ideal_hit_rate": 1 - ws / prompt_tokens, "max_total_tokens": {f"{f:g}": t for f, t in pool_of.items()}},
+        "workload": {
+            "prompt_tokens": prompt_tokens,
+            "working_set_tokens": ws,
+            "longest_prompt": longest,
+            "ideal_hit_rate": 1 - ws / prompt_tokens,
+            "max_total_tokens": {f"{f:g}": t for f, t in pool_of.items()},
+        },
         "wall_s": time.monotonic() - t_start,
         "summary": summary,
         "samples": samples,
-        "note": ("ratios are sgl_hicache / peer of the medians across repeats: TTFT < 1 and throughput > 1 favour "
-                 "sgl_hicache. Hit tokens come from each reply's cached_tokens_details (storage -> disk)."),
+        "note": (
+            "ratios are sgl_hicache / peer of the medians across repeats: TTFT < 1 and throughput > 1 favour "
+            "sgl_hicache. Hit tokens come from each reply's cached_tokens_details (storage -> disk)."
+        ),
     }
     try:
         import sglang

@@ -72,38 +72,64 @@ PUT_FAILED = ("master_batch_put_start_failed_items_total", "master_put_start_fai
 
 
 # ------------------------------------------------------------------------------------------ servers
-def server_args(system: str, pool: int, page: int, host_ratio: float, store: LocalStore,
-                prefetch_policy: str = "timeout", log_level: str = "warning") -> list[str]:
+def server_args(
+    system: str,
+    pool: int,
+    page: int,
+    host_ratio: float,
+    store: LocalStore,
+    prefetch_policy: str = "timeout",
+    log_level: str = "warning",
+) -> list[str]:
     args = ["--page-size", str(page), "--max-total-tokens", str(pool), "--enable-metrics", "--log-level", log_level]
     if system == "hicache":
-        extra = {"master_server_address": f"127.0.0.1:{store.ports['master']}",
-                 "metadata_server": f"http://127.0.0.1:{store.ports['http']}/metadata",
-                 "protocol": "tcp", "device_name": "", "global_segment_size": 0, "local_hostname": "127.0.0.1"}
-        args += ["--enable-hierarchical-cache", "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
-                 "--hicache-ratio", f"{host_ratio:g}", "--hicache-storage-backend", "mooncake",
-                 "--hicache-storage-backend-extra-config", json.dumps(extra),
-                 "--hicache-storage-prefetch-policy", prefetch_policy]
+        extra = {
+            "master_server_address": f"127.0.0.1:{store.ports['master']}",
+            "metadata_server": f"http://127.0.0.1:{store.ports['http']}/metadata",
+            "protocol": "tcp",
+            "device_name": "",
+            "global_segment_size": 0,
+            "local_hostname": "127.0.0.1",
+        }
+        args += [
+            "--enable-hierarchical-cache",
+            "--hicache-io-backend",
+            "direct",
+            "--hicache-mem-layout",
+            "layer_first",
+            "--hicache-ratio",
+            f"{host_ratio:g}",
+            "--hicache-storage-backend",
+            "mooncake",
+            "--hicache-storage-backend-extra-config",
+            json.dumps(extra),
+            "--hicache-storage-prefetch-policy",
+            prefetch_policy,
+        ]
     else:
         args += ["--radix-cache-backend", "sgl_hicache"]
     return args
 
 
-def server_env(system: str, pool: int, page: int, host_ratio: float, store: LocalStore,
-               extra: dict[str, str]) -> dict[str, str]:
+def server_env(
+    system: str, pool: int, page: int, host_ratio: float, store: LocalStore, extra: dict[str, str]
+) -> dict[str, str]:
     env = {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "PYTHONPATH": str(REPO)}
     if system == "hicache":
         # HiCache wants 10 GiB free beyond its pool (a GPU-node margin) or refuses to start; this
         # shared 24 GiB machine rarely has it. Its pool is the same either way (cpu_compat.py).
         env["SGLHICACHE_CPU_HICACHE_HOST_RESERVE_BYTES"] = str(1 << 30)
     else:
-        env.update({
-            "SGLHICACHE_STORE": store.url,
-            "SGLHICACHE_HOST_TOKENS": str(int(pool * host_ratio) // page * page),
-            # HiCache's write_through sends every computed page down to host and on to its storage;
-            # the same here: every computed page goes to host, and every host page to the store
-            "SGLHICACHE_DEVICE_WRITEBACK_CLEAN_FRACTION": "1.0",
-            "SGLHICACHE_WRITEBACK_CLEAN_FRACTION": "1.0",
-        })
+        env.update(
+            {
+                "SGLHICACHE_STORE": store.url,
+                "SGLHICACHE_HOST_TOKENS": str(int(pool * host_ratio) // page * page),
+                # HiCache's write_through sends every computed page down to host and on to its storage;
+                # the same here: every computed page goes to host, and every host page to the store
+                "SGLHICACHE_DEVICE_WRITEBACK_CLEAN_FRACTION": "1.0",
+                "SGLHICACHE_WRITEBACK_CLEAN_FRACTION": "1.0",
+            }
+        )
         env.update(extra)
     return env
 
@@ -115,8 +141,17 @@ def conversations(repeat: int, n: int, turn1: int, vocab: int) -> list[list[int]
 
 
 def _requests(prompts: list[list[int]], tag: str, out: int) -> list[Request]:
-    return [Request(request_id=f"{tag}-{i}", session=f"{tag}-{i}", arrival_s=0.0, input_ids=array("q", p),
-                    output_length=out, line=i + 1) for i, p in enumerate(prompts)]
+    return [
+        Request(
+            request_id=f"{tag}-{i}",
+            session=f"{tag}-{i}",
+            arrival_s=0.0,
+            input_ids=array("q", p),
+            output_length=out,
+            line=i + 1,
+        )
+        for i, p in enumerate(prompts)
+    ]
 
 
 def _put_items(m: dict[str, float]) -> float:
@@ -124,22 +159,33 @@ def _put_items(m: dict[str, float]) -> float:
 
 
 def _store_view(m0: dict[str, float], m1: dict[str, float]) -> dict[str, float]:
-    return {"puts": _put_items(m1) - _put_items(m0),
-            "puts_failed": sum(m1.get(k, 0.0) - m0.get(k, 0.0) for k in PUT_FAILED),
-            "keys_added": m1.get("master_key_count", 0.0) - m0.get("master_key_count", 0.0),
-            "bytes_added": m1.get("master_allocated_bytes", 0.0) - m0.get("master_allocated_bytes", 0.0),
-            "evicted_keys": m1.get("master_evicted_key_count", 0.0) - m0.get("master_evicted_key_count", 0.0)}
+    return {
+        "puts": _put_items(m1) - _put_items(m0),
+        "puts_failed": sum(m1.get(k, 0.0) - m0.get(k, 0.0) for k in PUT_FAILED),
+        "keys_added": m1.get("master_key_count", 0.0) - m0.get("master_key_count", 0.0),
+        "bytes_added": m1.get("master_allocated_bytes", 0.0) - m0.get("master_allocated_bytes", 0.0),
+        "evicted_keys": m1.get("master_evicted_key_count", 0.0) - m0.get("master_evicted_key_count", 0.0),
+    }
 
 
 def _phase(rep: dict[str, Any]) -> dict[str, Any]:
     t = rep["ttft_s"]
-    return {"requests": rep["requests"], "requests_failed": rep["requests_failed"],
-            "first_error": rep["errors"].get("first_error"), "prompt_tokens": rep["prompt_tokens"],
-            "ttft_mean_s": t["mean"], "ttft_p50_s": t["p50"], "throughput_tok_s": rep["throughput_tok_s"],
-            "duration_s": rep["duration_s"], "hit_tokens": dict(rep["hit_tokens"])}
+    return {
+        "requests": rep["requests"],
+        "requests_failed": rep["requests_failed"],
+        "first_error": rep["errors"].get("first_error"),
+        "prompt_tokens": rep["prompt_tokens"],
+        "ttft_mean_s": t["mean"],
+        "ttft_p50_s": t["p50"],
+        "throughput_tok_s": rep["throughput_tok_s"],
+        "duration_s": rep["duration_s"],
+        "hit_tokens": dict(rep["hit_tokens"]),
+    }
 
 
-def settle(srv: SGLangServer, store: LocalStore, poke: list[int], timeout_s: float, quiet_s: float = 2.0) -> dict[str, Any]:
+def settle(
+    srv: SGLangServer, store: LocalStore, poke: list[int], timeout_s: float, quiet_s: float = 2.0
+) -> dict[str, Any]:
     """Send A one fixed prompt every 0.5 s until the master's put counter is still for `quiet_s`."""
     t0 = time.monotonic()
     last, still_since, pokes = _put_items(store.master_metrics()), time.monotonic(), 0
@@ -155,13 +201,25 @@ def settle(srv: SGLangServer, store: LocalStore, poke: list[int], timeout_s: flo
     return {"settle_s": time.monotonic() - t0, "pokes": pokes, "timed_out": True}
 
 
-def run_pair(system: str, pair: tuple[SGLangServer, SGLangServer], store: LocalStore, prompts: list[list[int]],
-             a: argparse.Namespace, repeat: int) -> dict[str, Any]:
+def run_pair(
+    system: str,
+    pair: tuple[SGLangServer, SGLangServer],
+    store: LocalStore,
+    prompts: list[list[int]],
+    a: argparse.Namespace,
+    repeat: int,
+) -> dict[str, Any]:
     srv_a, srv_b = pair
     sample: dict[str, Any] = {"system": system, "repeat": repeat, "loadavg_before": os.getloadavg()}
     m0 = store.master_metrics()
-    rep1 = replay_http(_requests(prompts, f"r{repeat}-t1", a.output_tokens), srv_a.url, concurrency=a.concurrency,
-                       max_new_tokens=a.output_tokens, keep_outputs=True, timeout_s=a.request_timeout)
+    rep1 = replay_http(
+        _requests(prompts, f"r{repeat}-t1", a.output_tokens),
+        srv_a.url,
+        concurrency=a.concurrency,
+        max_new_tokens=a.output_tokens,
+        keep_outputs=True,
+        timeout_s=a.request_timeout,
+    )
     sample["turn_n_on_a"] = _phase(rep1)
     m1 = store.master_metrics()
     sample["store_during_turn_n"] = _store_view(m0, m1)
@@ -171,11 +229,18 @@ def run_pair(system: str, pair: tuple[SGLangServer, SGLangServer], store: LocalS
     sample["store_during_settle"] = _store_view(m1, m2)
     outs = {r["request_id"]: r["output_ids"] for r in rep1.get("records", [])}
     rng = random.Random(5000 + repeat)
-    turn2 = [p + list(outs.get(f"r{repeat}-t1-{i}", [])) + [rng.randrange(16, a.vocab) for _ in range(a.turn2_new_tokens)]
-             for i, p in enumerate(prompts)]
+    turn2 = [
+        p + list(outs.get(f"r{repeat}-t1-{i}", [])) + [rng.randrange(16, a.vocab) for _ in range(a.turn2_new_tokens)]
+        for i, p in enumerate(prompts)
+    ]
     sample["turn_n_tokens"] = [len(p) + len(outs.get(f"r{repeat}-t1-{i}", [])) for i, p in enumerate(prompts)]
-    rep2 = replay_http(_requests(turn2, f"r{repeat}-t2", a.output_tokens), srv_b.url, concurrency=a.concurrency,
-                       max_new_tokens=a.output_tokens, timeout_s=a.request_timeout)
+    rep2 = replay_http(
+        _requests(turn2, f"r{repeat}-t2", a.output_tokens),
+        srv_b.url,
+        concurrency=a.concurrency,
+        max_new_tokens=a.output_tokens,
+        timeout_s=a.request_timeout,
+    )
     sample["turn_n1_on_b"] = _phase(rep2)
     m3 = store.master_metrics()
     sample["store_during_turn_n1"] = _store_view(m2, m3)
@@ -206,9 +271,13 @@ def hicache_prefetch_lines(log: Path) -> dict[str, Any]:
     except OSError:
         return {}
     found = _PREFETCH_LINE.findall(text)
-    return {"finished": len(found), "by_outcome": {o: sum(1 for f in found if f[0] == o) for o in {f[0] for f in found}},
-            "completed_tokens": sum(int(f[1]) for f in found), "loaded_tokens": sum(int(f[3]) for f in found),
-            "declined_lines": text.count("HiCache prefetch declined")}
+    return {
+        "finished": len(found),
+        "by_outcome": {o: sum(1 for f in found if f[0] == o) for o in {f[0] for f in found}},
+        "completed_tokens": sum(int(f[1]) for f in found),
+        "loaded_tokens": sum(int(f[3]) for f in found),
+        "declined_lines": text.count("HiCache prefetch declined"),
+    }
 
 
 # ------------------------------------------------------------------------------------------ summary
@@ -222,8 +291,16 @@ def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
             row[phase]["hit_tokens"] = {t: _med([s[phase]["hit_tokens"][t] for s in ok]) for t in TIERS}
             row[phase]["requests_failed"] = sum(s[phase]["requests_failed"] for s in ok)
         row["turn_n_tokens"] = _med([sum(s["turn_n_tokens"]) for s in ok])
-        for view in ("store_during_turn_n", "store_during_settle", "store_during_turn_n1", "store_after_turn_n1", "store_during_idle"):
-            row[view] = {k: _med([s[view][k] for s in ok]) for k in ("puts", "puts_failed", "keys_added", "bytes_added")}
+        for view in (
+            "store_during_turn_n",
+            "store_during_settle",
+            "store_during_turn_n1",
+            "store_after_turn_n1",
+            "store_during_idle",
+        ):
+            row[view] = {
+                k: _med([s[view][k] for s in ok]) for k in ("puts", "puts_failed", "keys_added", "bytes_added")
+            }
         row["settle_s"] = _med([s["settle"]["settle_s"] for s in ok])
         row["settle_timed_out"] = sum(s["settle"]["timed_out"] for s in ok)
         per[s_name] = row
@@ -232,8 +309,10 @@ def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
     if all(per[s]["runs"] for s in SYSTEMS):
         for phase in ("turn_n_on_a", "turn_n1_on_b"):
             mine, theirs = per["sgl_hicache"][phase], per["hicache"][phase]
-            ratios[phase] = {m: mine[m] / theirs[m] if mine[m] and theirs[m] else None
-                             for m in ("ttft_mean_s", "ttft_p50_s", "throughput_tok_s")}
+            ratios[phase] = {
+                m: mine[m] / theirs[m] if mine[m] and theirs[m] else None
+                for m in ("ttft_mean_s", "ttft_p50_s", "throughput_tok_s")
+            }
             pr: dict[str, list[float]] = {m: [] for m in ratios[phase]}
             for r in sorted({s["repeat"] for s in samples}):
                 x = [s for s in samples if s["repeat"] == r and s["system"] == "sgl_hicache" and "error" not in s]
@@ -247,27 +326,38 @@ def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def render(summary: dict[str, Any]) -> str:
-    lines = [f"  {'system':<28} {'phase':<12} {'TTFT mean':>9} {'p50':>7} {'tok/s':>7} {'dev':>7} {'host':>7} {'storage':>8} "
-             f"{'puts':>7} {'MB put':>7} {'idle puts':>9}"]
+    lines = [
+        f"  {'system':<28} {'phase':<12} {'TTFT mean':>9} {'p50':>7} {'tok/s':>7} {'dev':>7} {'host':>7} {'storage':>8} "
+        f"{'puts':>7} {'MB put':>7} {'idle puts':>9}"
+    ]
     for s_name, row in summary["systems"].items():
         for phase, label in (("turn_n_on_a", "turn N, A"), ("turn_n1_on_b", "turn N+1, B")):
             r, h = row[phase], row[phase]["hit_tokens"]
-            views = (("store_during_turn_n1", "store_after_turn_n1") if phase == "turn_n1_on_b"
-                     else ("store_during_turn_n", "store_during_settle"))
+            views = (
+                ("store_during_turn_n1", "store_after_turn_n1")
+                if phase == "turn_n1_on_b"
+                else ("store_during_turn_n", "store_during_settle")
+            )
             puts = sum(row[v]["puts"] or 0 for v in views)
             mb = sum(row[v]["bytes_added"] or 0 for v in views)
-            lines.append(f"  {LABELS[s_name]:<28} {label:<12} {_f(r['ttft_mean_s'], '9.3f')} {_f(r['ttft_p50_s'], '7.3f')} "
-                         f"{_f(r['throughput_tok_s'], '7.0f')} {_f(h['device'], '7,.0f')} {_f(h['host'], '7,.0f')} {_f(h['disk'], '8,.0f')} "
-                         f"{_f(puts, '7,.0f')} {_f(mb and mb / 1e6, '7.1f')} {_f(row['store_during_idle']['puts'], '9,.0f')}")
+            lines.append(
+                f"  {LABELS[s_name]:<28} {label:<12} {_f(r['ttft_mean_s'], '9.3f')} {_f(r['ttft_p50_s'], '7.3f')} "
+                f"{_f(r['throughput_tok_s'], '7.0f')} {_f(h['device'], '7,.0f')} {_f(h['host'], '7,.0f')} {_f(h['disk'], '8,.0f')} "
+                f"{_f(puts, '7,.0f')} {_f(mb and mb / 1e6, '7.1f')} {_f(row['store_during_idle']['puts'], '9,.0f')}"
+            )
     for phase, rr in summary["ratios"].items():
-        lines.append(f"  {'sgl_hicache / HiCache':<28} {phase:<12} {_f(rr['ttft_mean_s'], '9.2f')} {_f(rr['ttft_p50_s'], '7.2f')} "
-                     f"{_f(rr['throughput_tok_s'], '7.2f')}")
+        lines.append(
+            f"  {'sgl_hicache / HiCache':<28} {phase:<12} {_f(rr['ttft_mean_s'], '9.2f')} {_f(rr['ttft_p50_s'], '7.2f')} "
+            f"{_f(rr['throughput_tok_s'], '7.2f')}"
+        )
     return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default 3)")
     p.add_argument("--conversations", type=int, default=6, help="conversations per repeat (default 6)")
     p.add_argument("--turn1-tokens", type=int, default=1024, help="turn N prompt tokens (default 1024)")
@@ -276,21 +366,39 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-total-tokens", type=int, default=12288, help="device pool of every server (default 12288)")
-    p.add_argument("--host-ratio", type=float, default=2.0, help="host pool = R x device pool, both systems (default 2)")
+    p.add_argument(
+        "--host-ratio", type=float, default=2.0, help="host pool = R x device pool, both systems (default 2)"
+    )
     p.add_argument("--segment-mb", type=int, default=1024, help="the Mooncake holder's memory (default 1024 MiB)")
     p.add_argument("--idle-s", type=float, default=3.0, help="idle window after each pair's turn N+1 (default 3 s)")
     p.add_argument("--settle-timeout", type=float, default=60.0)
-    p.add_argument("--hicache-prefetch-policy", default="timeout", choices=("timeout", "wait_complete", "best_effort"),
-                   help="HiCache's --hicache-storage-prefetch-policy (default timeout, SGLang's default)")
-    p.add_argument("--hicache-log-level", default="info",
-                   help="HiCache servers' --log-level (default info: its 'HiCache prefetch' lines are counted)")
-    p.add_argument("--sgl-hicache-env", action="append", default=[], metavar="SGLHICACHE_X=VALUE",
-                   help="extra environment for the sgl_hicache servers, repeatable")
+    p.add_argument(
+        "--hicache-prefetch-policy",
+        default="timeout",
+        choices=("timeout", "wait_complete", "best_effort"),
+        help="HiCache's --hicache-storage-prefetch-policy (default timeout, SGLang's default)",
+    )
+    p.add_argument(
+        "--hicache-log-level",
+        default="info",
+        help="HiCache servers' --log-level (default info: its 'HiCache prefetch' lines are counted)",
+    )
+    p.add_argument(
+        "--sgl-hicache-env",
+        action="append",
+        default=[],
+        metavar="SGLHICACHE_X=VALUE",
+        help="extra environment for the sgl_hicache servers, repeatable",
+    )
     p.add_argument("--quick", action="store_true", help="1 repeat, 2 conversations (proves it runs)")
     p.add_argument("--json", help="write all samples and the summary here")
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
-    p.add_argument("--peer-python", type=Path, default=DEFAULT_PEER_PYTHON,
-                   help="python of the HiCache peer venv (scripts/install_hicache_peer.sh)")
+    p.add_argument(
+        "--peer-python",
+        type=Path,
+        default=DEFAULT_PEER_PYTHON,
+        help="python of the HiCache peer venv (scripts/install_hicache_peer.sh)",
+    )
     p.add_argument("--start-timeout", type=float, default=400.0)
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--keep-logs", default=None, help="copy every server log into this directory")
@@ -300,7 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     if min(a.repeats, a.conversations, a.turn1_tokens, a.concurrency) < 1 or a.turn2_new_tokens < 0:
         p.error("--repeats, --conversations, --turn1-tokens and --concurrency must be >= 1")
     if not a.peer_python.exists():
-        p.error(f"--peer-python {a.peer_python}: not found; build the HiCache peer venv with scripts/install_hicache_peer.sh")
+        p.error(
+            f"--peer-python {a.peer_python}: not found; build the HiCache peer venv with scripts/install_hicache_peer.sh"
+        )
     extra_env: dict[str, str] = {}
     for item in a.sgl_hicache_env:
         k, sep, v = item.partition("=")
@@ -326,10 +436,22 @@ def main(argv: list[str] | None = None) -> int:
             python = str(a.peer_python) if s_name == "hicache" else sys.executable
             for side in ("a", "b"):
                 srv = SGLangServer.start(
-                    a.model, python=python, load_format="dummy", wait=False, log_path=workdir / f"{s_name}-{side}.log",
-                    extra_args=server_args(s_name, a.max_total_tokens, a.page_size, a.host_ratio, store,
-                                           a.hicache_prefetch_policy, a.hicache_log_level if s_name == "hicache" else "warning"),
-                    env=server_env(s_name, a.max_total_tokens, a.page_size, a.host_ratio, store, extra_env))
+                    a.model,
+                    python=python,
+                    load_format="dummy",
+                    wait=False,
+                    log_path=workdir / f"{s_name}-{side}.log",
+                    extra_args=server_args(
+                        s_name,
+                        a.max_total_tokens,
+                        a.page_size,
+                        a.host_ratio,
+                        store,
+                        a.hicache_prefetch_policy,
+                        a.hicache_log_level if s_name == "hicache" else "warning",
+                    ),
+                    env=server_env(s_name, a.max_total_tokens, a.page_size, a.host_ratio, store, extra_env),
+                )
                 servers[s_name].append(srv)
                 pending.append(srv)
         for srv in pending:
@@ -345,16 +467,23 @@ def main(argv: list[str] | None = None) -> int:
                     s = {"system": s_name, "repeat": r, "error": f"{type(e).__name__}: {e}"[:2000]}
                 samples.append(s)
                 if "error" in s:
-                    print(f"[{time.monotonic() - t_start:5.0f}s] r{r} {s_name:<12} ERROR {s['error'][:300]}", flush=True)
+                    print(
+                        f"[{time.monotonic() - t_start:5.0f}s] r{r} {s_name:<12} ERROR {s['error'][:300]}", flush=True
+                    )
                 else:
                     b = s["turn_n1_on_b"]
-                    print(f"[{time.monotonic() - t_start:5.0f}s] r{r} {s_name:<12} A: TTFT {s['turn_n_on_a']['ttft_mean_s']:.3f}s; "
-                          f"settle {s['settle']['settle_s']:.1f}s ({s['settle']['pokes']} pokes); "
-                          f"B: TTFT {b['ttft_mean_s']:.3f}s, {b['throughput_tok_s']:.0f} tok/s, hits {b['hit_tokens']}, "
-                          f"failed {b['requests_failed']}; store puts A/B/idle {s['store_during_turn_n']['puts'] + s['store_during_settle']['puts']:.0f}"
-                          f"/{s['store_during_turn_n1']['puts'] + s['store_after_turn_n1']['puts']:.0f}/{s['store_during_idle']['puts']:.0f}", flush=True)
+                    print(
+                        f"[{time.monotonic() - t_start:5.0f}s] r{r} {s_name:<12} A: TTFT {s['turn_n_on_a']['ttft_mean_s']:.3f}s; "
+                        f"settle {s['settle']['settle_s']:.1f}s ({s['settle']['pokes']} pokes); "
+                        f"B: TTFT {b['ttft_mean_s']:.3f}s, {b['throughput_tok_s']:.0f} tok/s, hits {b['hit_tokens']}, "
+                        f"failed {b['requests_failed']}; store puts A/B/idle {s['store_during_turn_n']['puts'] + s['store_during_settle']['puts']:.0f}"
+                        f"/{s['store_during_turn_n1']['puts'] + s['store_after_turn_n1']['puts']:.0f}/{s['store_during_idle']['puts']:.0f}",
+                        flush=True,
+                    )
                 if a.json:
-                    Path(a.json).write_text(json.dumps({"benchmark": "store_compare", "partial": True, "samples": samples}, indent=1))
+                    Path(a.json).write_text(
+                        json.dumps({"benchmark": "store_compare", "partial": True, "samples": samples}, indent=1)
+                    )
     finally:
         for srv in (x for v in servers.values() for x in v):
             srv.stop()
@@ -378,15 +507,19 @@ def main(argv: list[str] | None = None) -> int:
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
-        "server_args": {s: server_args(s, a.max_total_tokens, a.page_size, a.host_ratio, store, a.hicache_prefetch_policy)
-                        for s in SYSTEMS},
+        "server_args": {
+            s: server_args(s, a.max_total_tokens, a.page_size, a.host_ratio, store, a.hicache_prefetch_policy)
+            for s in SYSTEMS
+        },
         "hicache_b_prefetch_log": prefetch_log,
         "wall_s": time.monotonic() - t_start,
         "summary": summary,
         "samples": samples,
-        "note": ("ratios: sgl_hicache / HiCache of the medians across repeats (TTFT < 1 and throughput > 1 favour "
-                 "sgl_hicache). Hit tokens from each reply's cached_tokens_details (storage -> 'disk'). Store puts, "
-                 "keys and bytes: the Mooncake master's own metrics, per phase."),
+        "note": (
+            "ratios: sgl_hicache / HiCache of the medians across repeats (TTFT < 1 and throughput > 1 favour "
+            "sgl_hicache). Hit tokens from each reply's cached_tokens_details (storage -> 'disk'). Store puts, "
+            "keys and bytes: the Mooncake master's own metrics, per phase."
+        ),
     }
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))

@@ -43,8 +43,9 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype="bfloat16")
     page = 4
-    cache = TieredCache(CacheConfig(layout, device_tokens=(2 * args.nodes + 8) * page, host_tokens=0,
-                                    disk_tokens=0, page_size=page))
+    cache = TieredCache(
+        CacheConfig(layout, device_tokens=(2 * args.nodes + 8) * page, host_tokens=0, disk_tokens=0, page_size=page)
+    )
     for i in range(args.nodes):  # a root fan of one-page nodes under a shared first page
         cache.insert([0, 0, 0, 0, i + 1, 0, 0, 0], cache.allocate_device(2))
     nodes = [cache.match([0, 0, 0, 0, i + 1, 0, 0, 0]).last_node for i in range(args.ops)]
@@ -55,8 +56,10 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
         op.executed.set()
         ops.append(op)
     waiting = [(object(), False) for _ in range(args.waiting)]
-    variants = {"off": RankConsensus(dist.group.WORLD, rank, 2, check=False),
-                "check": RankConsensus(dist.group.WORLD, rank, 2, check=True)}
+    variants = {
+        "off": RankConsensus(dist.group.WORLD, rank, 2, check=False),
+        "check": RankConsensus(dist.group.WORLD, rank, 2, check=True),
+    }
     vec_len = 9 + 2 * variants["off"].max_ops + variants["off"].max_waiting
     times: dict[str, list[float]] = {"off": [], "check": [], "allreduce": []}
     digest = lambda: tree_digest(cache)  # noqa: E731
@@ -78,9 +81,18 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
         med = {k: statistics.median(v) for k, v in times.items()}
         result = {
             "benchmark": "tp_consensus",
-            "config": {"nodes": args.nodes, "ops": args.ops, "waiting": args.waiting, "steps": args.steps,
-                       "repeats": args.repeats, "quick": args.quick, "ranks": 2, "backend": "gloo",
-                       "vector_int64": vec_len, "tree_nodes": cache.tree.node_count},
+            "config": {
+                "nodes": args.nodes,
+                "ops": args.ops,
+                "waiting": args.waiting,
+                "steps": args.steps,
+                "repeats": args.repeats,
+                "quick": args.quick,
+                "ranks": 2,
+                "backend": "gloo",
+                "vector_int64": vec_len,
+                "tree_nodes": cache.tree.node_count,
+            },
             "us_per_step_median": med,
             "us_per_step_rounds": times,
             "ratios": {"check / off": med["check"] / med["off"], "allreduce / off": med["allreduce"] / med["off"]},

@@ -166,7 +166,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     sides = ["sgl_hicache"] + (["sglang"] if with_sglang else [])
     runners = {"sgl_hicache": run_ours, "sglang": run_sglang}
-    samples: dict[int, dict[str, dict[str, list[float]]]] = {ps: {s: {op: [] for op in OPS} for s in sides} for ps in page_sizes}
+    samples: dict[int, dict[str, dict[str, list[float]]]] = {
+        ps: {s: {op: [] for op in OPS} for s in sides} for ps in page_sizes
+    }
     tree_tokens: dict[int, dict[str, int]] = {ps: {} for ps in page_sizes}
     t_start = time.perf_counter()
     for rnd in range(args.repeats):
@@ -180,15 +182,28 @@ def main(argv: list[str] | None = None) -> dict:
 
     results: dict[str, dict] = {}
     for ps in page_sizes:
-        entry: dict[str, dict] = {"seconds_median": {}, "prompts_per_s": {}, "tokens_per_s": {}, "tree_tokens": tree_tokens[ps]}
+        entry: dict[str, dict] = {
+            "seconds_median": {},
+            "prompts_per_s": {},
+            "tokens_per_s": {},
+            "tree_tokens": tree_tokens[ps],
+        }
         for side in sides:
             med = {op: statistics.median(samples[ps][side][op]) for op in OPS}
             entry["seconds_median"][side] = {op: round(v, 6) for op, v in med.items()}
-            entry["prompts_per_s"][side] = {op: round(len(prompts) / v, 1) if v else None for op, v in med.items() if op != "evict"}
-            entry["tokens_per_s"][side] = {op: round((tree_tokens[ps][side] if op == "evict" else n_tokens) / v, 1) if v else None for op, v in med.items()}
+            entry["prompts_per_s"][side] = {
+                op: round(len(prompts) / v, 1) if v else None for op, v in med.items() if op != "evict"
+            }
+            entry["tokens_per_s"][side] = {
+                op: round((tree_tokens[ps][side] if op == "evict" else n_tokens) / v, 1) if v else None
+                for op, v in med.items()
+            }
         if with_sglang:
             entry["ratio_ours_over_sglang"] = {
-                op: round(statistics.median(samples[ps]["sglang"][op]) / statistics.median(samples[ps]["sgl_hicache"][op]), 3) for op in OPS
+                op: round(
+                    statistics.median(samples[ps]["sglang"][op]) / statistics.median(samples[ps]["sgl_hicache"][op]), 3
+                )
+                for op in OPS
             }
         entry["samples_s"] = {side: {op: [round(x, 6) for x in samples[ps][side][op]] for op in OPS} for side in sides}
         results[str(ps)] = entry
@@ -205,7 +220,11 @@ def main(argv: list[str] | None = None) -> dict:
             "quick": args.quick,
         },
         "sglang": {"available": SGLANG, "used": with_sglang, "error": SGLANG_ERROR},
-        "machine": {"python": platform.python_version(), "platform": platform.platform(), "processor": platform.processor()},
+        "machine": {
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+        },
         "ours_path": "TieredCache (host and disk tiers off): insert / match(touch=True) / evict('device')",
         "sglang_path": "RadixCache.create_simulated(mock_allocator): insert / match_prefix / evict",
         "note": "ratio_ours_over_sglang = SGLang seconds / ours seconds (> 1: ours faster), medians of interleaved rounds"
@@ -216,7 +235,9 @@ def main(argv: list[str] | None = None) -> dict:
     text = json.dumps(out, indent=2)
     if args.json:
         args.json.write_text(text + "\n")
-    summary = {ps: {"prompts_per_s": r["prompts_per_s"], "ratio": r.get("ratio_ours_over_sglang")} for ps, r in results.items()}
+    summary = {
+        ps: {"prompts_per_s": r["prompts_per_s"], "ratio": r.get("ratio_ours_over_sglang")} for ps, r in results.items()
+    }
     print(json.dumps({"sglang": out["sglang"], "results": summary, "wall_s": out["wall_s"]}, indent=2))
     return out
 

@@ -118,21 +118,36 @@ class Calls:
         out = {}
         for name, xs in self.samples.items():
             s = sorted(xs)
-            out[name] = {"n": len(s), "p50": s[len(s) // 2], "p99": s[min(len(s) - 1, int(0.99 * len(s)))],
-                         "max": s[-1], "mean": sum(s) / len(s)}
+            out[name] = {
+                "n": len(s),
+                "p50": s[len(s) // 2],
+                "p99": s[min(len(s) - 1, int(0.99 * len(s)))],
+                "max": s[-1],
+                "mean": sum(s) / len(s),
+            }
         return out
 
 
 def run_ours(args: argparse.Namespace, page_size: int, tiered: bool) -> dict:
     pool_pages = args.pool_tokens // page_size
     if tiered:
-        cfg = CacheConfig(TINY, device_tokens=pool_pages * page_size, host_tokens=args.host_factor * pool_pages * page_size,
-                          disk_tokens=args.disk_factor * pool_pages * page_size, page_size=page_size,
-                          disk_dir=Path(tempfile.gettempdir()),  # never written: the disk store below is metadata
-                          write_policy="write_through", disk_write_policy="write_through", eviction_demotes="none")
-        cache = TieredCache(cfg, device=MetadataSlotStore(DEVICE, TINY, page_size, cfg.device_pages),
-                            host=MetadataSlotStore(HOST, TINY, page_size, cfg.host_pages),
-                            disk=MetadataDiskStore(TINY, page_size, cfg.disk_pages))
+        cfg = CacheConfig(
+            TINY,
+            device_tokens=pool_pages * page_size,
+            host_tokens=args.host_factor * pool_pages * page_size,
+            disk_tokens=args.disk_factor * pool_pages * page_size,
+            page_size=page_size,
+            disk_dir=Path(tempfile.gettempdir()),  # never written: the disk store below is metadata
+            write_policy="write_through",
+            disk_write_policy="write_through",
+            eviction_demotes="none",
+        )
+        cache = TieredCache(
+            cfg,
+            device=MetadataSlotStore(DEVICE, TINY, page_size, cfg.device_pages),
+            host=MetadataSlotStore(HOST, TINY, page_size, cfg.host_pages),
+            disk=MetadataDiskStore(TINY, page_size, cfg.disk_pages),
+        )
     else:
         cfg = CacheConfig(TINY, device_tokens=pool_pages * page_size, page_size=page_size)
         cache = TieredCache(cfg)
@@ -177,8 +192,12 @@ def run_ours(args: argparse.Namespace, page_size: int, tiered: bool) -> dict:
         measured += calls.on
         if measured == args.measure_requests:
             break
-    return {"requests": n, "tree_nodes": cache.tree.node_count, "tree_tokens": cache.tree.pages[DEVICE] * page_size,
-            "calls": calls.summary()}
+    return {
+        "requests": n,
+        "tree_nodes": cache.tree.node_count,
+        "tree_tokens": cache.tree.pages[DEVICE] * page_size,
+        "calls": calls.summary(),
+    }
 
 
 def run_radix(args: argparse.Namespace, page_size: int) -> dict:
@@ -220,8 +239,12 @@ def run_radix(args: argparse.Namespace, page_size: int) -> dict:
         x = stack.pop()
         nodes += 1
         stack.extend(x.children.values())
-    return {"requests": n, "tree_nodes": nodes - 1, "tree_tokens": cache.evictable_size() + cache.protected_size(),
-            "calls": calls.summary()}
+    return {
+        "requests": n,
+        "tree_nodes": nodes - 1,
+        "tree_tokens": cache.evictable_size() + cache.protected_size(),
+        "calls": calls.summary(),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -229,8 +252,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--pool-tokens", type=int, default=1_000_000, help="device pool, tokens (default 1M)")
     ap.add_argument("--target-nodes", type=int, default=120_000, help="sets the node size: pool / this (default 120k)")
     ap.add_argument("--pressure", type=float, default=2.0, help="tokens inserted, in pools (default 2)")
-    ap.add_argument("--measure-requests", type=int, default=0,
-                    help="stop after this many requests past the first eviction (0: run the whole stream)")
+    ap.add_argument(
+        "--measure-requests",
+        type=int,
+        default=0,
+        help="stop after this many requests past the first eviction (0: run the whole stream)",
+    )
     ap.add_argument("--sessions", type=int, default=0, help="default: 1.5 pools of history (working set > pool)")
     ap.add_argument("--system-prompts", type=int, default=16)
     ap.add_argument("--system-tokens", type=int, default=512)
@@ -255,7 +282,7 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     for rnd in range(args.repeats):
         for ps in page_sizes:
-            for side in (sides if rnd % 2 == 0 else sides[::-1]):
+            for side in sides if rnd % 2 == 0 else sides[::-1]:
                 res = run_radix(args, ps) if side == "radix" else run_ours(args, ps, tiered=side == "ours_tiered")
                 runs[str(ps)][side].append(res)
     results: dict[str, dict] = {}
@@ -264,34 +291,55 @@ def main(argv: list[str] | None = None) -> dict:
         for side, rs in by_side.items():
             names = sorted({c for r in rs for c in r["calls"]})
             entry[side] = {
-                "tree_nodes": [r["tree_nodes"] for r in rs], "tree_tokens": [r["tree_tokens"] for r in rs],
+                "tree_nodes": [r["tree_nodes"] for r in rs],
+                "tree_tokens": [r["tree_tokens"] for r in rs],
                 "requests": rs[0]["requests"],
-                "calls_us": {c: {f: round(statistics.median(r["calls"][c][f] for r in rs if c in r["calls"]), 2)
-                                 for f in ("n", "p50", "p99", "max", "mean")} for c in names},
-                "calls_us_range": {c: {f: [round(min(r["calls"][c][f] for r in rs if c in r["calls"]), 2),
-                                           round(max(r["calls"][c][f] for r in rs if c in r["calls"]), 2)]
-                                       for f in ("p50", "p99", "max")} for c in names},
+                "calls_us": {
+                    c: {
+                        f: round(statistics.median(r["calls"][c][f] for r in rs if c in r["calls"]), 2)
+                        for f in ("n", "p50", "p99", "max", "mean")
+                    }
+                    for c in names
+                },
+                "calls_us_range": {
+                    c: {
+                        f: [
+                            round(min(r["calls"][c][f] for r in rs if c in r["calls"]), 2),
+                            round(max(r["calls"][c][f] for r in rs if c in r["calls"]), 2),
+                        ]
+                        for f in ("p50", "p99", "max")
+                    }
+                    for c in names
+                },
             }
         if "radix" in entry:
             for side in ("ours", "ours_tiered"):
                 if side in entry:
                     entry[f"p99_ratio_{side}_over_radix"] = {
                         c: round(v["p99"] / entry["radix"]["calls_us"][c]["p99"], 3)
-                        for c, v in entry[side]["calls_us"].items() if c in entry["radix"]["calls_us"]}
+                        for c, v in entry[side]["calls_us"].items()
+                        if c in entry["radix"]["calls_us"]
+                    }
         results[ps] = entry
-    out = {"benchmark": "tree_scale", "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-           "sglang": {"available": SGLANG, "error": SGLANG_ERROR},
-           "machine": {"python": platform.python_version(), "platform": platform.platform()},
-           "note": "per-call CPU µs (thread_time), medians over rounds of each round's p50/p99/max; calls after the first eviction",
-           "results": results, "wall_s": round(time.perf_counter() - t0, 1)}
+    out = {
+        "benchmark": "tree_scale",
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "sglang": {"available": SGLANG, "error": SGLANG_ERROR},
+        "machine": {"python": platform.python_version(), "platform": platform.platform()},
+        "note": "per-call CPU µs (thread_time), medians over rounds of each round's p50/p99/max; calls after the first eviction",
+        "results": results,
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     for ps, entry in results.items():
         for side in sides:
             e = entry[side]
-            print(f"page {ps} {side:12s} nodes {e['tree_nodes']} " + "  ".join(
-                f"{c} {v['p50']:.0f}/{v['p99']:.0f}/{v['max']:.0f}" for c, v in e["calls_us"].items()))
+            print(
+                f"page {ps} {side:12s} nodes {e['tree_nodes']} "
+                + "  ".join(f"{c} {v['p50']:.0f}/{v['p99']:.0f}/{v['max']:.0f}" for c, v in e["calls_us"].items())
+            )
     print(f"wall {out['wall_s']} s")
     return out
 

@@ -78,58 +78,141 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
     from .engine.simulator import POLICIES
     from .replay import FORMATS
 
-    p = sub.add_parser("replay", help="replay a trace through the embedded engine (default) or a server (--url)",
-                       description="Replay a multi-turn trace and report per-tier hits, TTFT and throughput.")
-    p.add_argument("trace", help="trace file: Mooncake/LMBench JSONL, ShareGPT or vLLM multi-turn JSON, plain JSONL, "
-                                 "Azure CSV, SGLang bench output (docs/trace-formats.md)")
+    p = sub.add_parser(
+        "replay",
+        help="replay a trace through the embedded engine (default) or a server (--url)",
+        description="Replay a multi-turn trace and report per-tier hits, TTFT and throughput.",
+    )
+    p.add_argument(
+        "trace",
+        help="trace file: Mooncake/LMBench JSONL, ShareGPT or vLLM multi-turn JSON, plain JSONL, "
+        "Azure CSV, SGLang bench output (docs/trace-formats.md)",
+    )
     p.add_argument("--format", default="auto", choices=["auto", *FORMATS])
     p.add_argument("--limit", type=_positive_int, help="replay only the first N requests")
     p.add_argument("--block-size", type=_positive_int, default=512, help="Mooncake: tokens per hash id (default 512)")
-    p.add_argument("--scale", type=_positive_int, help="Mooncake: synthesise each block as this many tokens (shrinks the trace)")
+    p.add_argument(
+        "--scale", type=_positive_int, help="Mooncake: synthesise each block as this many tokens (shrinks the trace)"
+    )
     p.add_argument("--tokenizer", help="ShareGPT/plain text: a folder with tokenizer.json (default: byte-level)")
-    p.add_argument("--vocab-size", type=_int_at_least(18), help="Mooncake: synthesise token ids below this (default: with --url "
-                   "the server's vocabulary, else 32000); with --url it overrides what the server says")
+    p.add_argument(
+        "--vocab-size",
+        type=_int_at_least(18),
+        help="Mooncake: synthesise token ids below this (default: with --url "
+        "the server's vocabulary, else 32000); with --url it overrides what the server says",
+    )
     group = p.add_mutually_exclusive_group()
     group.add_argument("--policy", choices=POLICIES, default="predict", help="cache policy (default: predict)")
     group.add_argument("--compare", action="store_true", help="run every policy on the same trace and capacities")
     p.add_argument("--model", default="llama3-8b", choices=sorted(MODELS), help="model preset for the cost model")
     p.add_argument("--hardware", default="h200", choices=sorted(HARDWARE) + ["cpu-measured"], help="hardware preset")
     p.add_argument("--device-tokens", type=_positive_int, default=500_000, help="device (GPU) tier capacity in tokens")
-    p.add_argument("--host-tokens", type=_non_negative_int, default=2_000_000, help="host DRAM tier capacity in tokens (0: off)")
-    p.add_argument("--disk-tokens", type=_non_negative_int, default=16_000_000, help="disk tier capacity in tokens (0: off)")
-    p.add_argument("--disk-dir", type=Path, help="disk tier directory (default: a temporary one, removed after the run)")
+    p.add_argument(
+        "--host-tokens", type=_non_negative_int, default=2_000_000, help="host DRAM tier capacity in tokens (0: off)"
+    )
+    p.add_argument(
+        "--disk-tokens", type=_non_negative_int, default=16_000_000, help="disk tier capacity in tokens (0: off)"
+    )
+    p.add_argument(
+        "--disk-dir", type=Path, help="disk tier directory (default: a temporary one, removed after the run)"
+    )
     p.add_argument("--page-size", type=_positive_int, default=256, help="tokens per page (default 256)")
     p.add_argument("--concurrency", type=_positive_int, default=16, help="closed-loop concurrency (default 16)")
-    p.add_argument("--trace-clock", action="store_true", help="send requests at the trace's timestamps instead of at a fixed concurrency")
-    p.add_argument("--time-scale", type=_positive_float, default=1.0, help="with --trace-clock: multiply the trace's timestamps")
+    p.add_argument(
+        "--trace-clock",
+        action="store_true",
+        help="send requests at the trace's timestamps instead of at a fixed concurrency",
+    )
+    p.add_argument(
+        "--time-scale", type=_positive_float, default=1.0, help="with --trace-clock: multiply the trace's timestamps"
+    )
     p.add_argument("--max-batch-tokens", type=_positive_int, default=16384, help="prefill tokens per scheduler step")
     p.add_argument("--eviction", default=DEFAULT_POLICY.eviction_policy, choices=EVICTION_POLICIES)
-    p.add_argument("--write-policy", default=DEFAULT_POLICY.write_policy, choices=WRITE_POLICIES,
-                   help=f"device -> host copies (default {DEFAULT_POLICY.write_policy}: a background copy at commit)")
-    p.add_argument("--predictor", default=DEFAULT_POLICY.predictor, choices=PREDICTORS,
-                   help=f"what --policy predict runs (default {DEFAULT_POLICY.predictor}; none: predict runs as prefetch)")
-    p.add_argument("--admission", type=float, default=DEFAULT_POLICY.admission_min_probability, help="write-back admission: keep an evicted page one tier down only if its "
-                   "expected reuse (reuse model) is at least this (default 0: keep all)")
-    p.add_argument("--predictor-budget", type=_non_negative_int, default=DEFAULT_POLICY.predictor_budget_tokens, help="tokens the predictor may promote per request")
-    p.add_argument("--fleet", type=_positive_int, help="what-if: N simulated servers replaying the trace together, without and "
-                   "with a shared store in the disk tier's place (docs/store.md); prints both and the ratios")
-    p.add_argument("--route", default="session", choices=["round_robin", "session"], help="with --fleet: how requests reach servers (default session)")
-    p.add_argument("--store-bandwidth", type=_positive_float, default=1.0, help="with --fleet: each server's link to the store, GB/s (default 1.0)")
-    p.add_argument("--store-latency-us", type=_non_negative_float, default=200.0, help="with --fleet: per-transfer store latency, microseconds (default 200)")
-    p.add_argument("--url", help="replay against a running SGLang server (http://HOST:PORT) instead of the embedded engine")
+    p.add_argument(
+        "--write-policy",
+        default=DEFAULT_POLICY.write_policy,
+        choices=WRITE_POLICIES,
+        help=f"device -> host copies (default {DEFAULT_POLICY.write_policy}: a background copy at commit)",
+    )
+    p.add_argument(
+        "--predictor",
+        default=DEFAULT_POLICY.predictor,
+        choices=PREDICTORS,
+        help=f"what --policy predict runs (default {DEFAULT_POLICY.predictor}; none: predict runs as prefetch)",
+    )
+    p.add_argument(
+        "--admission",
+        type=float,
+        default=DEFAULT_POLICY.admission_min_probability,
+        help="write-back admission: keep an evicted page one tier down only if its "
+        "expected reuse (reuse model) is at least this (default 0: keep all)",
+    )
+    p.add_argument(
+        "--predictor-budget",
+        type=_non_negative_int,
+        default=DEFAULT_POLICY.predictor_budget_tokens,
+        help="tokens the predictor may promote per request",
+    )
+    p.add_argument(
+        "--fleet",
+        type=_positive_int,
+        help="what-if: N simulated servers replaying the trace together, without and "
+        "with a shared store in the disk tier's place (docs/store.md); prints both and the ratios",
+    )
+    p.add_argument(
+        "--route",
+        default="session",
+        choices=["round_robin", "session"],
+        help="with --fleet: how requests reach servers (default session)",
+    )
+    p.add_argument(
+        "--store-bandwidth",
+        type=_positive_float,
+        default=1.0,
+        help="with --fleet: each server's link to the store, GB/s (default 1.0)",
+    )
+    p.add_argument(
+        "--store-latency-us",
+        type=_non_negative_float,
+        default=200.0,
+        help="with --fleet: per-transfer store latency, microseconds (default 200)",
+    )
+    p.add_argument(
+        "--url", help="replay against a running SGLang server (http://HOST:PORT) instead of the embedded engine"
+    )
     p.add_argument("--max-new-tokens", type=_positive_int, help="with --url: cap each request's output length")
-    p.add_argument("--hint-url", help="with --url: the server's hint API (http://HOST:PORT) that a trace line's hints go to "
-                   "(default: the port the server's stats name, from sgl-hicache serve --hint-port)")
-    p.add_argument("--bytes", dest="byte_mode", default="real", choices=["real", "metadata"],
-                   help="embedded engine: 'real' copies every page's bytes through the real stores (proves the data path); "
-                        "'metadata' accounts and times the same transfers without holding or copying bytes (capacity "
-                        "planning at scale); hits and virtual times are identical (default: real)")
-    p.add_argument("--workers", type=_positive_int, help="with --compare: processes running the policies side by side "
-                   "(default: one per policy, at most the CPUs available; 1: one after another)")
-    p.add_argument("--checkpoint-every", type=_positive_int, help="with --report: every N finished requests write a partial "
-                   "report to REPORT.<policy>.partial.json (removed when the run ends), so a killed run is not lost")
+    p.add_argument(
+        "--hint-url",
+        help="with --url: the server's hint API (http://HOST:PORT) that a trace line's hints go to "
+        "(default: the port the server's stats name, from sgl-hicache serve --hint-port)",
+    )
+    p.add_argument(
+        "--bytes",
+        dest="byte_mode",
+        default="real",
+        choices=["real", "metadata"],
+        help="embedded engine: 'real' copies every page's bytes through the real stores (proves the data path); "
+        "'metadata' accounts and times the same transfers without holding or copying bytes (capacity "
+        "planning at scale); hits and virtual times are identical (default: real)",
+    )
+    p.add_argument(
+        "--workers",
+        type=_positive_int,
+        help="with --compare: processes running the policies side by side "
+        "(default: one per policy, at most the CPUs available; 1: one after another)",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=_positive_int,
+        help="with --report: every N finished requests write a partial "
+        "report to REPORT.<policy>.partial.json (removed when the run ends), so a killed run is not lost",
+    )
     p.add_argument("--report", type=Path, help="write the JSON report here")
-    p.add_argument("--quiet", action="store_true", help="no progress output (a tqdm bar on a terminal, plain lines every 10 s otherwise)")
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress output (a tqdm bar on a terminal, plain lines every 10 s otherwise)",
+    )
     p.set_defaults(func=cmd_replay)
 
 
@@ -141,11 +224,16 @@ def _load_requests(args: argparse.Namespace, vocab_size: int | None = None, stre
 
     path = Path(args.trace)
     if not path.exists():
-        raise UserError(f"trace file {str(path)!r} does not exist" + (f" (the shipped trace is {DEFAULT_TRACE_HINT})" if "mooncake" in str(path) else ""))
+        raise UserError(
+            f"trace file {str(path)!r} does not exist"
+            + (f" (the shipped trace is {DEFAULT_TRACE_HINT})" if "mooncake" in str(path) else "")
+        )
     if path.is_dir():
         raise UserError(f"trace {str(path)!r} is a directory, not a file")
     if args.scale is not None and args.scale > args.block_size:  # it would synthesise prompts larger than the trace's
-        raise UserError(f"--scale {args.scale} must be <= --block-size {args.block_size} (it shrinks each block to that many tokens)")
+        raise UserError(
+            f"--scale {args.scale} must be <= --block-size {args.block_size} (it shrinks each block to that many tokens)"
+        )
     fmt = args.format if args.format != "auto" else detect_format(path)
     opts: dict[str, Any] = {"limit": args.limit}
     if fmt == "mooncake":
@@ -167,13 +255,19 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.report is not None and args.report.is_dir():  # refuse before a long replay, not after
         raise UserError(f"--report {str(args.report)!r} is a directory; give a file path")
     if args.max_new_tokens is not None and not args.url:
-        raise UserError("--max-new-tokens caps a server's outputs; it needs --url (the embedded engine replays the trace's output lengths)")
+        raise UserError(
+            "--max-new-tokens caps a server's outputs; it needs --url (the embedded engine replays the trace's output lengths)"
+        )
     if args.hint_url is not None and not args.url:
-        raise UserError("--hint-url names a server's hint API; it needs --url (the embedded engine applies a trace's hints itself)")
+        raise UserError(
+            "--hint-url names a server's hint API; it needs --url (the embedded engine applies a trace's hints itself)"
+        )
     if args.fleet and args.url:
         raise UserError("--fleet simulates a fleet in the embedded engine; it does not take --url")
     if args.url and (args.byte_mode != "real" or args.checkpoint_every or args.workers):
-        raise UserError("--bytes, --checkpoint-every and --workers are embedded-engine options; a server (--url) takes none of them")
+        raise UserError(
+            "--bytes, --checkpoint-every and --workers are embedded-engine options; a server (--url) takes none of them"
+        )
     if args.checkpoint_every and args.report is None:
         raise UserError("--checkpoint-every writes partial reports beside the report: give --report FILE")
     progress = Progress(quiet=args.quiet)
@@ -195,7 +289,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
         raise ReplayFailed(f"{failed} of {sent} requests failed; first error: {_first_error(result)}")
     hints = next((rep["hints"] for rep in result["policies"].values() if rep.get("hints")), None)
     if hints and hints.get("endpoint_error"):
-        raise ReplayFailed(f"the hint API failed during the replay ({hints['unsent']} hints not sent): {hints['endpoint_error']}")
+        raise ReplayFailed(
+            f"the hint API failed during the replay ({hints['unsent']} hints not sent): {hints['endpoint_error']}"
+        )
     return 0
 
 
@@ -210,7 +306,14 @@ def _write_report(path: Path | None, result: dict[str, Any], what: str = "") -> 
 
 
 def _first_error(result: dict[str, Any]) -> str:
-    return next((rep["errors"]["first_error"] for rep in result["policies"].values() if (rep.get("errors") or {}).get("first_error")), "?")
+    return next(
+        (
+            rep["errors"]["first_error"]
+            for rep in result["policies"].values()
+            if (rep.get("errors") or {}).get("first_error")
+        ),
+        "?",
+    )
 
 
 def _replay_server(args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
@@ -219,7 +322,9 @@ def _replay_server(args: argparse.Namespace, progress: Progress) -> dict[str, An
     from .replay.http import ServerError, probe_server, replay_http
 
     if args.compare:
-        raise UserError("--compare runs the embedded engine's policies side by side; a server (--url) runs the configuration it was started with")
+        raise UserError(
+            "--compare runs the embedded engine's policies side by side; a server (--url) runs the configuration it was started with"
+        )
     try:
         server = probe_server(args.url, vocab_size=args.vocab_size)
     except ServerError as exc:
@@ -229,18 +334,33 @@ def _replay_server(args: argparse.Namespace, progress: Progress) -> dict[str, An
         raise UserError(f"trace {args.trace!r} holds no requests")
     print(f"server {server.url}: {server.describe()}")
     try:
-        report = replay_http(requests, args.url, concurrency=args.concurrency, max_new_tokens=args.max_new_tokens,
-                             trace_clock=args.trace_clock, time_scale=args.time_scale, server=server,
-                             progress=progress.callback("server"), hint_url=args.hint_url)
+        report = replay_http(
+            requests,
+            args.url,
+            concurrency=args.concurrency,
+            max_new_tokens=args.max_new_tokens,
+            trace_clock=args.trace_clock,
+            time_scale=args.time_scale,
+            server=server,
+            progress=progress.callback("server"),
+            hint_url=args.hint_url,
+        )
     except ServerError as exc:  # e.g. the trace carries hints and no hint API answers: nothing was sent
         raise UserError(str(exc)) from None
     if report["requests_sent"] == 0:
-        raise UserError(f"none of the {len(requests)} requests fits the server ({server.describe()}); "
-                        f"first: {report['skipped'].get('first')}; use a smaller --scale")
+        raise UserError(
+            f"none of the {len(requests)} requests fits the server ({server.describe()}); "
+            f"first: {report['skipped'].get('first')}; use a smaller --scale"
+        )
     report.setdefault("version", 1)
     report.setdefault("kind", "http")
     result = {"version": 1, "kind": "http", "policies": {"server": report}}
-    result["trace"] = {"path": str(args.trace), "requests": len(requests), "limit": args.limit, "notes": requests.notes.lines()}
+    result["trace"] = {
+        "path": str(args.trace),
+        "requests": len(requests),
+        "limit": args.limit,
+        "notes": requests.notes.lines(),
+    }
     return result
 
 
@@ -255,73 +375,141 @@ def _replay_embedded(args: argparse.Namespace, progress: Progress) -> dict[str, 
     if args.disk_dir is not None and args.disk_dir.exists() and not args.disk_dir.is_dir():
         raise UserError(f"--disk-dir {str(args.disk_dir)!r} exists and is not a directory")
     base = EngineConfig(
-        policy=args.policy, model=get_model(args.model), hardware=get_hardware(args.hardware),
-        device_tokens=args.device_tokens, host_tokens=args.host_tokens, disk_tokens=args.disk_tokens,
-        page_size=args.page_size, disk_dir=args.disk_dir, concurrency=None if args.trace_clock else args.concurrency,
-        time_scale=args.time_scale, max_batch_tokens=args.max_batch_tokens, eviction_policy=args.eviction,
-        write_policy=args.write_policy, predictor_budget_tokens=args.predictor_budget, byte_mode=args.byte_mode,
-        predictor=args.predictor, admission_min_probability=args.admission,
+        policy=args.policy,
+        model=get_model(args.model),
+        hardware=get_hardware(args.hardware),
+        device_tokens=args.device_tokens,
+        host_tokens=args.host_tokens,
+        disk_tokens=args.disk_tokens,
+        page_size=args.page_size,
+        disk_dir=args.disk_dir,
+        concurrency=None if args.trace_clock else args.concurrency,
+        time_scale=args.time_scale,
+        max_batch_tokens=args.max_batch_tokens,
+        eviction_policy=args.eviction,
+        write_policy=args.write_policy,
+        predictor_budget_tokens=args.predictor_budget,
+        byte_mode=args.byte_mode,
+        predictor=args.predictor,
+        admission_min_probability=args.admission,
     )
     # the embedded engine holds the device and host tiers in RAM: refuse sizes that cannot fit
     # (a MemoryError traceback at best, the machine swapping or OOM-killed at worst)
-    need = (args.device_tokens + args.host_tokens) * base.storage_layout.bytes_per_token if args.byte_mode == "real" else 0
+    need = (
+        (args.device_tokens + args.host_tokens) * base.storage_layout.bytes_per_token if args.byte_mode == "real" else 0
+    )
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > ram // 2:
-        raise UserError(f"--device-tokens {args.device_tokens} and --host-tokens {args.host_tokens} need {need / 2**30:.1f} GiB "
-                        f"of RAM for the embedded engine's tiers; this machine has {ram / 2**30:.1f} GiB")
+        raise UserError(
+            f"--device-tokens {args.device_tokens} and --host-tokens {args.host_tokens} need {need / 2**30:.1f} GiB "
+            f"of RAM for the embedded engine's tiers; this machine has {ram / 2**30:.1f} GiB"
+        )
     if args.fleet:
         if args.compare or args.disk_dir is not None:
-            raise UserError("--fleet compares the fleet without and with a store under one --policy; leave --compare and --disk-dir out")
+            raise UserError(
+                "--fleet compares the fleet without and with a store under one --policy; leave --compare and --disk-dir out"
+            )
         if args.policy == "recompute" or args.host_tokens < args.page_size:
-            raise UserError("--fleet needs a tiered policy (demote, prefetch, predict) and a host tier (--host-tokens >= --page-size)")
+            raise UserError(
+                "--fleet needs a tiered policy (demote, prefetch, predict) and a host tier (--host-tokens >= --page-size)"
+            )
         from .engine.fleet import fleet_whatif
 
-        base = dataclasses.replace(base, store_bandwidth=args.store_bandwidth * 1e9, store_latency_s=args.store_latency_us * 1e-6)
+        base = dataclasses.replace(
+            base, store_bandwidth=args.store_bandwidth * 1e9, store_latency_s=args.store_latency_us * 1e-6
+        )
         result = fleet_whatif(requests, base, args.fleet, args.route, progress=progress)
     elif args.compare:
         if args.disk_dir is not None:
             raise UserError("--compare runs every policy on a fresh disk tier; leave --disk-dir out")
-        result = compare(requests, base, POLICIES, progress=None if args.quiet else progress, workers=args.workers,
-                         checkpoint=args.report if args.checkpoint_every else None, checkpoint_every=args.checkpoint_every or 0)
+        result = compare(
+            requests,
+            base,
+            POLICIES,
+            progress=None if args.quiet else progress,
+            workers=args.workers,
+            checkpoint=args.report if args.checkpoint_every else None,
+            checkpoint_every=args.checkpoint_every or 0,
+        )
     else:
         from .engine.run import checkpoint_path
 
         ckpt = checkpoint_path(args.report, args.policy) if args.checkpoint_every else None
         rep = run_policy(requests, base, progress.callback(args.policy), ckpt, args.checkpoint_every or 0)
         result = {"version": 1, "kind": "replay", "policies": {args.policy: rep}}
-    result["trace"] = {"path": str(args.trace), "requests": len(requests), "limit": args.limit, "notes": requests.notes.lines()}
+    result["trace"] = {
+        "path": str(args.trace),
+        "requests": len(requests),
+        "limit": args.limit,
+        "notes": requests.notes.lines(),
+    }
     return result
 
 
 # ---- stats -----------------------------------------------------------------------------------
 def format_report(result: dict[str, Any]) -> str:
     """The per-tier table of a replay or compare report."""
-    rows = [("policy", "requests", "hit%", "device", "host", "disk", "miss", "ttft mean", "p50", "p90", "p99", "tok/s", "pf prec", "pf cov")]
+    rows = [
+        (
+            "policy",
+            "requests",
+            "hit%",
+            "device",
+            "host",
+            "disk",
+            "miss",
+            "ttft mean",
+            "p50",
+            "p90",
+            "p99",
+            "tok/s",
+            "pf prec",
+            "pf cov",
+        )
+    ]
     for name, rep in result.get("policies", {}).items():
         h = rep["hit_tokens"]
         pf = rep.get("prefetch") or {}
-        rows.append((
-            name, str(rep["requests"]), f"{100 * rep['hit_rate']:.1f}", str(h.get("device", 0)), str(h.get("host", 0)),
-            str(h.get("disk", 0)), str(rep["miss_tokens"]), f"{rep['ttft_s']['mean']:.3f}", f"{rep['ttft_s']['p50']:.3f}",
-            f"{rep['ttft_s']['p90']:.3f}", f"{rep['ttft_s']['p99']:.3f}", f"{rep['throughput_tok_s']:.0f}",
-            _fmt(pf.get("precision")), _fmt(pf.get("coverage")),
-        ))
+        rows.append(
+            (
+                name,
+                str(rep["requests"]),
+                f"{100 * rep['hit_rate']:.1f}",
+                str(h.get("device", 0)),
+                str(h.get("host", 0)),
+                str(h.get("disk", 0)),
+                str(rep["miss_tokens"]),
+                f"{rep['ttft_s']['mean']:.3f}",
+                f"{rep['ttft_s']['p50']:.3f}",
+                f"{rep['ttft_s']['p90']:.3f}",
+                f"{rep['ttft_s']['p99']:.3f}",
+                f"{rep['throughput_tok_s']:.0f}",
+                _fmt(pf.get("precision")),
+                _fmt(pf.get("coverage")),
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     for key, r in (result.get("ratios") or {}).items():
-        lines.append(f"{key:<22} ttft mean x{_fmt(r['ttft_mean'])}  p90 x{_fmt(r['ttft_p90'])}  throughput x{_fmt(r['throughput'])}")
+        lines.append(
+            f"{key:<22} ttft mean x{_fmt(r['ttft_mean'])}  p90 x{_fmt(r['ttft_p90'])}  throughput x{_fmt(r['throughput'])}"
+        )
     for name, rep in result.get("policies", {}).items():
         skipped = rep.get("skipped") or {}
         if skipped.get("requests"):
             total = skipped["requests"] + rep.get("requests_sent", rep["requests"])
-            lines.append(f"{name}: skipped {skipped['requests']} of {total} requests the server cannot take "
-                         f"(prompt + output > context {skipped.get('context_len')}: {skipped.get('over_context', 0)}, "
-                         f"prompt >= its limit {skipped.get('max_input_len')}: {skipped.get('over_max_input', 0)}), "
-                         f"as SGLang's bench_serving drops them; first: {skipped.get('first')}")
+            lines.append(
+                f"{name}: skipped {skipped['requests']} of {total} requests the server cannot take "
+                f"(prompt + output > context {skipped.get('context_len')}: {skipped.get('over_context', 0)}, "
+                f"prompt >= its limit {skipped.get('max_input_len')}: {skipped.get('over_max_input', 0)}), "
+                f"as SGLang's bench_serving drops them; first: {skipped.get('first')}"
+            )
         if rep.get("requests_failed"):
-            lines.append(f"{name}: FAILED {rep['requests_failed']} of {rep.get('requests_sent', '?')} requests; "
-                         f"first error: {(rep.get('errors') or {}).get('first_error')}")
+            lines.append(
+                f"{name}: FAILED {rep['requests_failed']} of {rep.get('requests_sent', '?')} requests; "
+                f"first error: {(rep.get('errors') or {}).get('first_error')}"
+            )
         if rep.get("hints"):
             lines.append(format_hints(name, rep["hints"]))
     return "\n".join(lines)
@@ -329,8 +517,10 @@ def format_report(result: dict[str, Any]) -> str:
 
 def format_hints(name: str, h: dict[str, Any]) -> str:
     """One line on the hints a server replay sent (`replay_http`'s report `hints`)."""
-    line = (f"{name}: hints to {h['url']}: sent {h['sent']}, accepted {h['accepted']}, refused {h['refused']}, "
-            f"unresolved {h['unresolved']}, not sent {h['unsent']}")
+    line = (
+        f"{name}: hints to {h['url']}: sent {h['sent']}, accepted {h['accepted']}, refused {h['refused']}, "
+        f"unresolved {h['unresolved']}, not sent {h['unsent']}"
+    )
     srv = h.get("server")
     if srv:
         applied = ", ".join(f"{k} {v}" for k, v in (srv.get("applied") or {}).items() if v)
@@ -347,13 +537,20 @@ def _fmt(v: float | None) -> str:
 
 
 def _add_stats(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("stats", help="show the per-tier table of a report file or a running server",
-                       description="Per-tier hit table, prefetch figures and tree view of a replay report or a running server.")
+    p = sub.add_parser(
+        "stats",
+        help="show the per-tier table of a report file or a running server",
+        description="Per-tier hit table, prefetch figures and tree view of a replay report or a running server.",
+    )
     p.add_argument("source", help="a report JSON written by `replay --report`, or http://HOST:PORT of a server")
-    p.add_argument("--plot", type=Path, help="write a PNG: hit rate per tier over time and the TTFT distribution per policy")
+    p.add_argument(
+        "--plot", type=Path, help="write a PNG: hit rate per tier over time and the TTFT distribution per policy"
+    )
     p.add_argument("--json", action="store_true", help="print the raw JSON")
     p.add_argument("--prometheus", action="store_true", help="print Prometheus text (server stats only)")
-    p.add_argument("--tokenizer", help="a folder with tokenizer.json (a local HF tokenizer): show the first words of each subtree")
+    p.add_argument(
+        "--tokenizer", help="a folder with tokenizer.json (a local HF tokenizer): show the first words of each subtree"
+    )
     p.set_defaults(func=cmd_stats)
 
 
@@ -380,7 +577,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
         from .sglang.stats_client import StatsError, fetch_stats
 
         if args.plot:
-            raise UserError("--plot draws a replay report; give the report JSON written by `replay --report`, not a server URL")
+            raise UserError(
+                "--plot draws a replay report; give the report JSON written by `replay --report`, not a server URL"
+            )
         try:
             stats = fetch_stats(args.source)
         except StatsError as exc:
@@ -415,7 +614,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
     print(format_report(result))
     for name, rep in result["policies"].items():
         if rep.get("tree"):
-            print(f"\n[{name}] largest subtrees at the end of the replay (tokens per tier; age on the replay's virtual clock):")
+            print(
+                f"\n[{name}] largest subtrees at the end of the replay (tokens per tier; age on the replay's virtual clock):"
+            )
             print(format_tree(rep["tree"], decoder))
     if args.plot:
         from .plot import plot_report
@@ -435,11 +636,18 @@ def format_snapshot(snap: dict[str, Any]) -> str:
         f"{'tier':<8}{'hit tokens':>12}{'stored':>12}{'capacity':>12}{'evicted':>12}{'promoted':>12}",
     ]
     for t in ("device", "host", "disk"):
-        lines.append(f"{t:<8}{h.get(t, 0):>12}{snap.get('stored_tokens', {}).get(t, 0):>12}{snap.get('capacity_tokens', {}).get(t, 0):>12}"
-                     f"{snap.get('evicted_tokens', {}).get(t, 0):>12}{snap.get('promoted_tokens', {}).get(t, 0):>12}")
+        lines.append(
+            f"{t:<8}{h.get(t, 0):>12}{snap.get('stored_tokens', {}).get(t, 0):>12}{snap.get('capacity_tokens', {}).get(t, 0):>12}"
+            f"{snap.get('evicted_tokens', {}).get(t, 0):>12}{snap.get('promoted_tokens', {}).get(t, 0):>12}"
+        )
     for kind, d in (snap.get("prefetch") or {}).items():
-        lines.append(f"{kind:<8} promoted {d.get('promoted_tokens', 0)}  used {d.get('used_tokens', 0)}  wasted {d.get('wasted_tokens', 0)}  precision {_fmt(d.get('precision'))}")
-    lines.append(f"coverage {_fmt(snap.get('coverage'))}   bytes moved " + ", ".join(f"{k} {v}" for k, v in (snap.get("bytes_moved") or {}).items()))
+        lines.append(
+            f"{kind:<8} promoted {d.get('promoted_tokens', 0)}  used {d.get('used_tokens', 0)}  wasted {d.get('wasted_tokens', 0)}  precision {_fmt(d.get('precision'))}"
+        )
+    lines.append(
+        f"coverage {_fmt(snap.get('coverage'))}   bytes moved "
+        + ", ".join(f"{k} {v}" for k, v in (snap.get("bytes_moved") or {}).items())
+    )
     if snap.get("errors"):
         lines.append("errors " + ", ".join(f"{k}={v}" for k, v in snap["errors"].items()))
     return "\n".join(lines)
@@ -447,18 +655,36 @@ def format_snapshot(snap: dict[str, Any]) -> str:
 
 # ---- synth -----------------------------------------------------------------------------------
 def _add_synth(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("synth", help="grow a Mooncake trace to N requests for scale tests (same session lengths, gaps, sharing)",
-                       description="Write a Mooncake JSONL trace of N requests grown from SOURCE: sessions resampled, private "
-                                   "hash ids shifted per drawn session, shared ids kept (method: sgl_hicache/replay/synth.py).")
+    p = sub.add_parser(
+        "synth",
+        help="grow a Mooncake trace to N requests for scale tests (same session lengths, gaps, sharing)",
+        description="Write a Mooncake JSONL trace of N requests grown from SOURCE: sessions resampled, private "
+        "hash ids shifted per drawn session, shared ids kept (method: sgl_hicache/replay/synth.py).",
+    )
     p.add_argument("source", nargs="?", help="a Mooncake JSONL trace (e.g. the shipped one); not with --shape")
-    p.add_argument("--requests", type=_positive_int, help="requests to write (1e6-style accepted); required without --shape")
-    p.add_argument("--shape", choices=("chain", "branch", "agent"), help="instead: a generated shape where prediction can pay, as "
-                   "plain JSONL (sgl_hicache/replay/shapes.py: chain = cold restore with a probe, branch = sibling branches "
-                   "revisited, agent = tool-call pauses beside other traffic)")
+    p.add_argument(
+        "--requests", type=_positive_int, help="requests to write (1e6-style accepted); required without --shape"
+    )
+    p.add_argument(
+        "--shape",
+        choices=("chain", "branch", "agent"),
+        help="instead: a generated shape where prediction can pay, as "
+        "plain JSONL (sgl_hicache/replay/shapes.py: chain = cold restore with a probe, branch = sibling branches "
+        "revisited, agent = tool-call pauses beside other traffic)",
+    )
     p.add_argument("--sessions", type=_positive_int, default=24, help="with --shape: sessions (default 24)")
-    p.add_argument("--lead", type=float, default=2.0, help="with --shape: seconds from the probe (agent: the hint) to the request it announces")
-    p.add_argument("--hints", action="store_true", help="with --shape chain: each probe carries the client's prefetch hint; with "
-                   "--shape agent: each step before a tool call carries the framework's prefetch of its prompt, --lead before the tool returns")
+    p.add_argument(
+        "--lead",
+        type=float,
+        default=2.0,
+        help="with --shape: seconds from the probe (agent: the hint) to the request it announces",
+    )
+    p.add_argument(
+        "--hints",
+        action="store_true",
+        help="with --shape chain: each probe carries the client's prefetch hint; with "
+        "--shape agent: each step before a tool call carries the framework's prefetch of its prompt, --lead before the tool returns",
+    )
     p.add_argument("--out", type=Path, required=True, help="the JSONL file to write")
     p.add_argument("--seed", type=int, default=0, help="resampling seed (default 0)")
     p.add_argument("--block-size", type=_positive_int, default=512, help="tokens per hash id (default 512)")
@@ -504,12 +730,16 @@ def _synth_shape(args: argparse.Namespace) -> int:
 
 # ---- serve -----------------------------------------------------------------------------------
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="launch SGLang with sgl_hicache tiering (flags after -- go to SGLang)", add_help=False)
+    p = sub.add_parser(
+        "serve", help="launch SGLang with sgl_hicache tiering (flags after -- go to SGLang)", add_help=False
+    )
     p.set_defaults(func=None)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sgl-hicache", description="A memory hierarchy for SGLang's radix prefix cache.")
+    parser = argparse.ArgumentParser(
+        prog="sgl-hicache", description="A memory hierarchy for SGLang's radix prefix cache."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_replay(sub)
@@ -524,7 +754,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             from .sglang.launch import main as serve_main
         except ImportError as exc:
-            print(f"sgl-hicache serve: SGLang is not installed ({exc}); run scripts/install_sglang_cpu.sh", file=sys.stderr)
+            print(
+                f"sgl-hicache serve: SGLang is not installed ({exc}); run scripts/install_sglang_cpu.sh",
+                file=sys.stderr,
+            )
             return 2
         return serve_main(argv[1:])
     args = build_parser().parse_args(argv)

@@ -60,7 +60,10 @@ class KVLayout:
             _require(isinstance(value, int) and value > 0, f"KVLayout.{name} must be a positive integer, got {value!r}")
         _require(self.dtype in _DTYPES, f"KVLayout.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         _require(bool(self.architecture), "KVLayout.architecture must not be empty")
-        _require(self.kv_planes in (1, 2), f"KVLayout.kv_planes must be 1 (MLA latent) or 2 (K and V), got {self.kv_planes!r}")
+        _require(
+            self.kv_planes in (1, 2),
+            f"KVLayout.kv_planes must be 1 (MLA latent) or 2 (K and V), got {self.kv_planes!r}",
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -113,21 +116,41 @@ class TieringPolicy:
     admission_min_probability: float = 0.0
 
     def __post_init__(self) -> None:
-        _require(self.eviction_policy in EVICTION_POLICIES, f"eviction_policy: unknown eviction policy {self.eviction_policy!r}; choose one of {', '.join(EVICTION_POLICIES)}")
-        _require(self.write_policy in WRITE_POLICIES, f"write_policy: unknown write policy {self.write_policy!r}; choose one of {', '.join(WRITE_POLICIES)}")
-        _require(self.disk_write_policy in DISK_WRITE_POLICIES,
-                 f"disk_write_policy: unknown disk write policy {self.disk_write_policy!r}; choose one of {', '.join(DISK_WRITE_POLICIES)}")
-        _require(self.eviction_demotes in EVICTION_DEMOTES, f"eviction_demotes must be one of {', '.join(EVICTION_DEMOTES)}, got {self.eviction_demotes!r}")
-        _require(self.predictor in PREDICTORS, f"predictor: unknown predictor {self.predictor!r}; choose one of {', '.join(PREDICTORS)}")
-        _require(isinstance(self.write_through_threshold, int) and self.write_through_threshold >= 1,
-                 f"write_through_threshold must be an integer >= 1, got {self.write_through_threshold!r}")
-        _require(isinstance(self.predictor_budget_tokens, int) and self.predictor_budget_tokens >= 0,
-                 f"predictor_budget_tokens must be an integer >= 0, got {self.predictor_budget_tokens!r}")
+        _require(
+            self.eviction_policy in EVICTION_POLICIES,
+            f"eviction_policy: unknown eviction policy {self.eviction_policy!r}; choose one of {', '.join(EVICTION_POLICIES)}",
+        )
+        _require(
+            self.write_policy in WRITE_POLICIES,
+            f"write_policy: unknown write policy {self.write_policy!r}; choose one of {', '.join(WRITE_POLICIES)}",
+        )
+        _require(
+            self.disk_write_policy in DISK_WRITE_POLICIES,
+            f"disk_write_policy: unknown disk write policy {self.disk_write_policy!r}; choose one of {', '.join(DISK_WRITE_POLICIES)}",
+        )
+        _require(
+            self.eviction_demotes in EVICTION_DEMOTES,
+            f"eviction_demotes must be one of {', '.join(EVICTION_DEMOTES)}, got {self.eviction_demotes!r}",
+        )
+        _require(
+            self.predictor in PREDICTORS,
+            f"predictor: unknown predictor {self.predictor!r}; choose one of {', '.join(PREDICTORS)}",
+        )
+        _require(
+            isinstance(self.write_through_threshold, int) and self.write_through_threshold >= 1,
+            f"write_through_threshold must be an integer >= 1, got {self.write_through_threshold!r}",
+        )
+        _require(
+            isinstance(self.predictor_budget_tokens, int) and self.predictor_budget_tokens >= 0,
+            f"predictor_budget_tokens must be an integer >= 0, got {self.predictor_budget_tokens!r}",
+        )
         for name in ("device_writeback_clean_fraction", "writeback_clean_fraction"):
             value = getattr(self, name)
             _require(0.0 <= value <= 1.0, f"{name} must be in [0, 1], got {value!r}")
-        _require(isinstance(self.writeback_batch_pages, int) and self.writeback_batch_pages >= 1,
-                 f"writeback_batch_pages must be an integer >= 1, got {self.writeback_batch_pages!r}")
+        _require(
+            isinstance(self.writeback_batch_pages, int) and self.writeback_batch_pages >= 1,
+            f"writeback_batch_pages must be an integer >= 1, got {self.writeback_batch_pages!r}",
+        )
 
     def replace(self, **changes: Any) -> TieringPolicy:
         return dataclasses.replace(self, **changes)
@@ -171,29 +194,70 @@ class CacheConfig:
     store_min_hits: int = 0  # write back to the store only pages hit at least this often
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.page_size, int) and self.page_size >= 1, f"page_size must be an integer >= 1, got {self.page_size!r}")
+        _require(
+            isinstance(self.page_size, int) and self.page_size >= 1,
+            f"page_size must be an integer >= 1, got {self.page_size!r}",
+        )
         for name in ("device_tokens", "host_tokens", "disk_tokens"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value >= 0, f"{name} must be a non-negative integer, got {value!r}")
-        _require(self.device_tokens >= self.page_size, f"device_tokens ({self.device_tokens}) must hold at least one page of {self.page_size} tokens")
-        _require(self.eviction_policy in EVICTION_POLICIES, f"eviction_policy: unknown eviction policy {self.eviction_policy!r}; choose one of {', '.join(EVICTION_POLICIES)}")
-        _require(self.write_policy in WRITE_POLICIES, f"write_policy: unknown write policy {self.write_policy!r}; choose one of {', '.join(WRITE_POLICIES)}")
-        _require(self.disk_write_policy in DISK_WRITE_POLICIES, f"disk_write_policy: unknown disk write policy {self.disk_write_policy!r}; choose one of {', '.join(DISK_WRITE_POLICIES)}")
-        _require(self.predictor in PREDICTORS, f"predictor: unknown predictor {self.predictor!r}; choose one of {', '.join(PREDICTORS)}")
-        _require(0.0 <= self.admission_min_probability <= 1.0, f"admission_min_probability must be in [0, 1], got {self.admission_min_probability!r}")
-        _require(isinstance(self.write_through_threshold, int) and self.write_through_threshold >= 1,
-                 f"write_through_threshold must be an integer >= 1, got {self.write_through_threshold!r}")
-        _require(self.eviction_demotes in EVICTION_DEMOTES, f"eviction_demotes must be one of {', '.join(EVICTION_DEMOTES)}, got {self.eviction_demotes!r}")
+        _require(
+            self.device_tokens >= self.page_size,
+            f"device_tokens ({self.device_tokens}) must hold at least one page of {self.page_size} tokens",
+        )
+        _require(
+            self.eviction_policy in EVICTION_POLICIES,
+            f"eviction_policy: unknown eviction policy {self.eviction_policy!r}; choose one of {', '.join(EVICTION_POLICIES)}",
+        )
+        _require(
+            self.write_policy in WRITE_POLICIES,
+            f"write_policy: unknown write policy {self.write_policy!r}; choose one of {', '.join(WRITE_POLICIES)}",
+        )
+        _require(
+            self.disk_write_policy in DISK_WRITE_POLICIES,
+            f"disk_write_policy: unknown disk write policy {self.disk_write_policy!r}; choose one of {', '.join(DISK_WRITE_POLICIES)}",
+        )
+        _require(
+            self.predictor in PREDICTORS,
+            f"predictor: unknown predictor {self.predictor!r}; choose one of {', '.join(PREDICTORS)}",
+        )
+        _require(
+            0.0 <= self.admission_min_probability <= 1.0,
+            f"admission_min_probability must be in [0, 1], got {self.admission_min_probability!r}",
+        )
+        _require(
+            isinstance(self.write_through_threshold, int) and self.write_through_threshold >= 1,
+            f"write_through_threshold must be an integer >= 1, got {self.write_through_threshold!r}",
+        )
+        _require(
+            self.eviction_demotes in EVICTION_DEMOTES,
+            f"eviction_demotes must be one of {', '.join(EVICTION_DEMOTES)}, got {self.eviction_demotes!r}",
+        )
         if self.disk_dir is not None:
             object.__setattr__(self, "disk_dir", Path(self.disk_dir))
-            _require(not self.disk_dir.exists() or self.disk_dir.is_dir(), f"disk_dir {str(self.disk_dir)!r} exists and is not a directory")
+            _require(
+                not self.disk_dir.exists() or self.disk_dir.is_dir(),
+                f"disk_dir {str(self.disk_dir)!r} exists and is not a directory",
+            )
         if self.disk_tokens > 0:
             _require(self.disk_dir is not None, "disk_tokens > 0 needs a disk_dir")
         if self.store_url:
-            _require(self.disk_pages == 0, "a store tier takes the disk tier's place: give disk_tokens=0 (or no disk_dir) with store_url")
-            _require(self.host_tokens >= self.page_size, "a store tier needs a host tier (host_tokens >= page_size): pages reach it through host")
-            _require(isinstance(self.store_tokens, int) and self.store_tokens >= self.page_size, f"store_tokens must be an integer >= page_size, got {self.store_tokens!r}")
-            _require(isinstance(self.store_min_hits, int) and self.store_min_hits >= 0, f"store_min_hits must be an integer >= 0, got {self.store_min_hits!r}")
+            _require(
+                self.disk_pages == 0,
+                "a store tier takes the disk tier's place: give disk_tokens=0 (or no disk_dir) with store_url",
+            )
+            _require(
+                self.host_tokens >= self.page_size,
+                "a store tier needs a host tier (host_tokens >= page_size): pages reach it through host",
+            )
+            _require(
+                isinstance(self.store_tokens, int) and self.store_tokens >= self.page_size,
+                f"store_tokens must be an integer >= page_size, got {self.store_tokens!r}",
+            )
+            _require(
+                isinstance(self.store_min_hits, int) and self.store_min_hits >= 0,
+                f"store_min_hits must be an integer >= 0, got {self.store_min_hits!r}",
+            )
 
     @property
     def device_pages(self) -> int:
@@ -217,8 +281,6 @@ class CacheConfig:
 
     def replace(self, **changes: Any) -> CacheConfig:
         return dataclasses.replace(self, **changes)
-
-
 
 
 def default_disk_dir() -> Path:

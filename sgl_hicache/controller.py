@@ -93,8 +93,14 @@ class RequestController:
     - Every job it starts is released by `drop`, `admit`+`account`, or `shutdown`.
     """
 
-    def __init__(self, cache: TieredCache, executor: Executor, predictor: Predictor, settings: ControllerSettings,
-                 clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        cache: TieredCache,
+        executor: Executor,
+        predictor: Predictor,
+        settings: ControllerSettings,
+        clock: Callable[[], float],
+    ) -> None:
         self.cache = cache
         self.executor = executor
         self.settings = settings
@@ -111,8 +117,16 @@ class RequestController:
         self._committed_seen = (0, 0)
         self.queue_delay = QueueDelay()  # first match -> admission (`admitted`)
         # predictions and hint prefetches (`speculation.py`), and client hints (`hint_desk.py`)
-        self.speculation = Speculation(cache, executor, predictor, settings, clock, self.queue_delay,
-                                       self.eviction_rates[HOST], self.free_drop_trend)
+        self.speculation = Speculation(
+            cache,
+            executor,
+            predictor,
+            settings,
+            clock,
+            self.queue_delay,
+            self.eviction_rates[HOST],
+            self.free_drop_trend,
+        )
         self.hints = HintDesk(cache, self.speculation, clock, self.eviction_rates)
         self.prefetch_skipped = 0  # queue prefetches the guard refused (no room to spare on host)
         self.preempted_prefetches = 0  # queued requests' prefetch jobs ended for a demand (yield_to_demand)
@@ -138,8 +152,12 @@ class RequestController:
             return False
         # a prefetch holds its host pages until its request is scheduled: only while the tier has room
         # to spare for that (the guard) may it start, else the demand load does it at schedule time
-        if not self.speculation.guard.prefetch_fits(self.cache.tree.protected[HOST], m.lower_tier_tokens // self.cache.page_size,
-                                        self.cache.stores[HOST].capacity_pages, head=head):
+        if not self.speculation.guard.prefetch_fits(
+            self.cache.tree.protected[HOST],
+            m.lower_tier_tokens // self.cache.page_size,
+            self.cache.stores[HOST].capacity_pages,
+            head=head,
+        ):
             self.prefetch_skipped += 1
             return False
         job = self.cache.plan_promotion(m, "prefetch", target=HOST)
@@ -171,8 +189,14 @@ class RequestController:
         """Tokens a finished part of `job` read from disk that are not on the device yet."""
         if job is None:
             return 0
-        return sum(st.node.num_pages for st in job.stages[: job.applied]
-                   if st.ops and st.ops[0].src == DISK and st.node.device is None) * self.cache.page_size
+        return (
+            sum(
+                st.node.num_pages
+                for st in job.stages[: job.applied]
+                if st.ops and st.ops[0].src == DISK and st.node.device is None
+            )
+            * self.cache.page_size
+        )
 
     def drop(self, ticket: Ticket) -> None:
         """The request went away (or will recompute): cancel and release its prefetch. Never waits:
@@ -276,7 +300,9 @@ class RequestController:
         self.disk_reads_recomputed += m.disk_tokens
         return m.head(m.device_tokens + m.host_tokens)
 
-    def load(self, tokens: Sequence[int], m: PrefixMatch, recompute_s: float = float("inf")) -> tuple[PrefixMatch, LoadTime]:
+    def load(
+        self, tokens: Sequence[int], m: PrefixMatch, recompute_s: float = float("inf")
+    ) -> tuple[PrefixMatch, LoadTime]:
         """Bring the lower-tier part of `m` (the match of `tokens`) to the device: a demand load,
         inline on the executor. Copies other jobs have in flight on the path are waited for when
         they land within `recompute_s` (what recomputing that part would cost); past them the load
@@ -312,7 +338,9 @@ class RequestController:
         disk = max(0, total - max(dev, disk_from))
         return dev, total - dev - disk, disk
 
-    def account(self, ticket: Ticket | None, prompt_tokens: int, m: PrefixMatch, hit_tokens: int | None = None) -> tuple[int, int, int]:
+    def account(
+        self, ticket: Ticket | None, prompt_tokens: int, m: PrefixMatch, hit_tokens: int | None = None
+    ) -> tuple[int, int, int]:
         """Count one admitted request's hits (the match taken before its load). `hit_tokens` caps
         the hit where the engine served less than the match (a recomputed tail). Returns the
         (device, host, disk) split."""
@@ -320,9 +348,14 @@ class RequestController:
             m = m.head(hit_tokens)
         dev, host, disk = self.attribute(ticket, m)
         self.speculation.shadow.observe(m.path, self.clock())  # an admitted request uses the shadow picks on its path
-        covered = min(ticket.prefetched_disk_tokens + self._brought_from_disk(ticket.job), disk) if ticket is not None else 0
-        self.cache.record_request(prompt_tokens, PrefixMatch(m.path, dev, host, disk, m.device_handles, m.last_node, m.last_device_node),
-                                  covered_by_prefetch=covered)
+        covered = (
+            min(ticket.prefetched_disk_tokens + self._brought_from_disk(ticket.job), disk) if ticket is not None else 0
+        )
+        self.cache.record_request(
+            prompt_tokens,
+            PrefixMatch(m.path, dev, host, disk, m.device_handles, m.last_node, m.last_device_node),
+            covered_by_prefetch=covered,
+        )
         return dev, host, disk
 
     # ---- prediction (`speculation.py`) ---------------------------------------------------------
@@ -337,7 +370,6 @@ class RequestController:
     def predicted(self) -> list[PromotionJob]:
         """The speculative jobs in flight (`Speculation.predicted`)."""
         return self.speculation.predicted
-
 
     # ---- background write-back ---------------------------------------------------------------
     def pump_writeback(self, start_new: bool = True) -> bool:
@@ -416,7 +448,10 @@ class RequestController:
         config = cache.config
         ops: list[TransferOp] = []
         horizon = 2 * s.writeback_interval_s + self._round_seconds
-        for src, dst, fraction in ((DEVICE, HOST, s.device_writeback_clean_fraction), (HOST, DISK, s.writeback_clean_fraction)):
+        for src, dst, fraction in (
+            (DEVICE, HOST, s.device_writeback_clean_fraction),
+            (HOST, DISK, s.writeback_clean_fraction),
+        ):
             store = cache.stores.get(src)
             if store is None or dst not in cache.stores:
                 continue

@@ -72,8 +72,14 @@ class HintDesk:
     `retained_wasted` count the retentions whose prefix came back / did not before they ended.
     """
 
-    def __init__(self, cache: TieredCache, speculation: Speculation, clock: Callable[[], float],
-                 eviction_rates: dict[Tier, EvictionRate] | None = None, limits: HintLimits | None = None) -> None:
+    def __init__(
+        self,
+        cache: TieredCache,
+        speculation: Speculation,
+        clock: Callable[[], float],
+        eviction_rates: dict[Tier, EvictionRate] | None = None,
+        limits: HintLimits | None = None,
+    ) -> None:
         self.cache = cache
         self.speculation = speculation
         self.clock = clock
@@ -166,8 +172,14 @@ class HintDesk:
         below = (HOST, DISK) if tier == DEVICE else (DISK,)
         evicted = stats.evicted_tokens[tier]
         reloaded = sum(stats.hit_tokens[t] for t in below) / evicted if evicted else 0.0
-        return retention_s(float("inf"), self.cache.stores[tier].capacity_pages, rate.rate if rate else 0.0,
-                           self.precision(), reloaded, self.limits.stay_factor)
+        return retention_s(
+            float("inf"),
+            self.cache.stores[tier].capacity_pages,
+            rate.rate if rate else 0.0,
+            self.precision(),
+            reloaded,
+            self.limits.stay_factor,
+        )
 
     def refresh(self, now: float) -> None:
         """Keep the retained prefixes among the most recently used pages: the retentions ending
@@ -175,8 +187,11 @@ class HintDesk:
         A prefix past its device share or time is left to age there (eviction demotes it to host,
         where it is kept); past its host share or time it ages like any other page."""
         cache, ps = self.cache, self.cache.page_size
-        caps = {t: share * cache.stores[t].capacity_pages * ps for t, share in
-                ((DEVICE, self.limits.device_share), (HOST, self.limits.max_pin_share)) if cache.has_tier(t)}
+        caps = {
+            t: share * cache.stores[t].capacity_pages * ps
+            for t, share in ((DEVICE, self.limits.device_share), (HOST, self.limits.max_pin_share))
+            if cache.has_tier(t)
+        }
         lasts = {t: self._lasts(t) for t in caps}
         used = dict.fromkeys(caps, 0)
         seen: set[int] = set()
@@ -294,7 +309,14 @@ class HintDesk:
 
     def summary(self) -> dict[str, object]:
         """What the server's stats (`hints`) and the benchmarks report."""
-        return {"applied": dict(self.counts), "rejected": self.rejected, "refused": dict(self.refused),
-                "retained": self.pins, "retained_tokens": self.pinned_tokens, "retained_used": self.retained_used,
-                "retained_wasted": self.retained_wasted, "precision": self.precision(),
-                "kept_tokens": {str(getattr(t, "value", t)): n for t, n in self.refreshed_tokens.items()}}
+        return {
+            "applied": dict(self.counts),
+            "rejected": self.rejected,
+            "refused": dict(self.refused),
+            "retained": self.pins,
+            "retained_tokens": self.pinned_tokens,
+            "retained_used": self.retained_used,
+            "retained_wasted": self.retained_wasted,
+            "precision": self.precision(),
+            "kept_tokens": {str(getattr(t, "value", t)): n for t, n in self.refreshed_tokens.items()},
+        }

@@ -23,7 +23,13 @@ def plot_report(result: dict[str, Any], out: Path) -> None:
         xs = [p["request"] for p in tl]
         ys = [[p[t] * 100 for p in tl] for t in ("device", "host", "disk")]
         if xs:
-            ax.stackplot(xs, *ys, labels=["device", "host", "disk"], colors=[TIER_COLORS[t] for t in ("device", "host", "disk")], alpha=0.9)
+            ax.stackplot(
+                xs,
+                *ys,
+                labels=["device", "host", "disk"],
+                colors=[TIER_COLORS[t] for t in ("device", "host", "disk")],
+                alpha=0.9,
+            )
         ax.set_title(f"{name}: hit rate {100 * rep['hit_rate']:.1f}%")
         ax.set_xlabel("requests")
         ax.set_ylabel("prompt tokens hit (%)")
@@ -33,7 +39,11 @@ def plot_report(result: dict[str, Any], out: Path) -> None:
     for name, rep in policies.items():
         samples = sorted(rep.get("ttft_samples_s") or [])
         if samples:
-            ax.plot(samples, [(i + 1) / len(samples) for i in range(len(samples))], label=f"{name} (p50 {rep['ttft_s']['p50']:.2f}s)")
+            ax.plot(
+                samples,
+                [(i + 1) / len(samples) for i in range(len(samples))],
+                label=f"{name} (p50 {rep['ttft_s']['p50']:.2f}s)",
+            )
     ax.set_xscale("log")
     ax.set_xlabel("TTFT (s)")
     ax.set_ylabel("fraction of requests")

@@ -25,8 +25,9 @@ from typing import IO, Any
 
 
 class Progress:
-    def __init__(self, quiet: bool = False, stream: IO[str] | None = None, interval_s: float = 10.0,
-                 terminal: bool | None = None) -> None:
+    def __init__(
+        self, quiet: bool = False, stream: IO[str] | None = None, interval_s: float = 10.0, terminal: bool | None = None
+    ) -> None:
         self.quiet = quiet
         self.stream = stream if stream is not None else sys.stderr
         if terminal is None:
@@ -57,7 +58,9 @@ class Progress:
 
         bar = self._bars.get(label)
         if bar is None:
-            bar = self._bars[label] = tqdm(total=total, desc=label, unit="req", file=self.stream, dynamic_ncols=True, leave=True)
+            bar = self._bars[label] = tqdm(
+                total=total, desc=label, unit="req", file=self.stream, dynamic_ncols=True, leave=True
+            )
         if hit_rate is not None and (done - bar.n >= 100 or (total is not None and done >= total) or bar.n == 0):
             bar.set_postfix_str(f"hit={100 * hit_rate:.1f}%", refresh=False)
         bar.update(done - bar.n)

@@ -66,8 +66,17 @@ class RecordColumns:
             cols.append(r)
         return cols
 
-    def add(self, arrival_s: float, ttft_s: float, finish_s: float, prompt_tokens: int, output_tokens: int,
-            hit_device: int, hit_host: int, hit_disk: int) -> None:
+    def add(
+        self,
+        arrival_s: float,
+        ttft_s: float,
+        finish_s: float,
+        prompt_tokens: int,
+        output_tokens: int,
+        hit_device: int,
+        hit_host: int,
+        hit_disk: int,
+    ) -> None:
         self.arrival_s.append(arrival_s)
         self.ttft_s.append(ttft_s)
         self.finish_s.append(finish_s)
@@ -78,7 +87,9 @@ class RecordColumns:
         self.hit_disk.append(hit_disk)
 
     def append(self, r: Any) -> None:
-        self.add(r.arrival_s, r.ttft_s, r.finish_s, r.prompt_tokens, r.output_tokens, r.hit_device, r.hit_host, r.hit_disk)
+        self.add(
+            r.arrival_s, r.ttft_s, r.finish_s, r.prompt_tokens, r.output_tokens, r.hit_device, r.hit_host, r.hit_disk
+        )
 
     def __len__(self) -> int:
         return len(self.arrival_s)
@@ -89,8 +100,17 @@ class RecordColumns:
             i += n
         if not 0 <= i < n:
             raise IndexError(i)
-        return RequestRecord(str(i), self.arrival_s[i], self.ttft_s[i], self.finish_s[i], self.prompt_tokens[i],
-                             self.output_tokens[i], self.hit_device[i], self.hit_host[i], self.hit_disk[i])
+        return RequestRecord(
+            str(i),
+            self.arrival_s[i],
+            self.ttft_s[i],
+            self.finish_s[i],
+            self.prompt_tokens[i],
+            self.output_tokens[i],
+            self.hit_device[i],
+            self.hit_host[i],
+            self.hit_disk[i],
+        )
 
     def __iter__(self) -> Iterator[RequestRecord]:
         return (self[i] for i in range(len(self)))

@@ -48,9 +48,17 @@ class Speculation:
     - `predicted` holds the jobs in flight; at most `max_predicted_jobs`.
     """
 
-    def __init__(self, cache: TieredCache, executor: Executor, predictor: Predictor, settings: SpeculationSettings,
-                 clock: Callable[[], float], queue_delay: QueueDelay, host_evictions: EvictionRate,
-                 free_drop_trend: EvictionRate) -> None:
+    def __init__(
+        self,
+        cache: TieredCache,
+        executor: Executor,
+        predictor: Predictor,
+        settings: SpeculationSettings,
+        clock: Callable[[], float],
+        queue_delay: QueueDelay,
+        host_evictions: EvictionRate,
+        free_drop_trend: EvictionRate,
+    ) -> None:
         self.cache = cache
         self.executor = executor
         self.predictor = predictor
@@ -99,8 +107,11 @@ class Speculation:
             budget = room if budget is None else min(budget, room)
         if budget is not None and budget < cache.page_size:
             return  # its own path alone fills the lead window, or the host room a prefetch may take
-        picks = [p for p in self.predictor.predict(m.last_node, now, budget)
-                 if p.node.parent is not None and p.node.host is None and p.node.device is None]
+        picks = [
+            p
+            for p in self.predictor.predict(m.last_node, now, budget)
+            if p.node.parent is not None and p.node.host is None and p.node.device is None
+        ]
         if not picks:
             return
         stay_s = self.host_stay_s()
@@ -168,9 +179,13 @@ class Speculation:
         low precision; `queue_deep`: requests queue longer than the lead; `short_stay`: the host
         would evict the copies first), each trigger's shadow record, and the measured queue delay.
         What the server's stats (`speculation`) and the engine's benchmarks report."""
-        return {"guard_stopped": self.guard.stopped, "queue_deep": self.guard.queue_deep,
-                "short_stay": self.guard.short_stay, "shadow": self.shadow.summary(),
-                "queue_delay_s": self.queue_delay.seconds}
+        return {
+            "guard_stopped": self.guard.stopped,
+            "queue_deep": self.guard.queue_deep,
+            "short_stay": self.guard.short_stay,
+            "shadow": self.shadow.summary(),
+            "queue_delay_s": self.queue_delay.seconds,
+        }
 
     # ---- decisions --------------------------------------------------------------------------------
     def shadowed(self, trigger: str, picks: list, own: int, now: float, stay_s: float) -> bool:
@@ -204,8 +219,12 @@ class Speculation:
         pages, so where the host holds few free drops a prediction is the next page it evicts (an
         agentic replay at 0.2x its working set: evicted 0.1 s after it landed, where capacity /
         rate read 3.6 s)."""
-        return fresh_copy_stay_s(host_pages_before_fresh_copy(self.cache.tree, self.cache.config), self.free_drop_trend.rate,
-                                 self.host_evictions.rate, self.settings.predictor_lead_s)
+        return fresh_copy_stay_s(
+            host_pages_before_fresh_copy(self.cache.tree, self.cache.config),
+            self.free_drop_trend.rate,
+            self.host_evictions.rate,
+            self.settings.predictor_lead_s,
+        )
 
     def trigger_of(self, start: TreeNode) -> str:
         """The class of prediction the guard judges on its own: the predictor, and how many children
@@ -252,7 +271,9 @@ class Speculation:
         host = cache.stores[HOST]
         need = sum(n.num_pages for n in node.path_from_root() if n.host is None and n.device is None) - host.free_pages
         leaves = (n for n in cache.tree.tier_leaves(HOST) if n.evictable)
-        return self.guard.worth_evicting(leaves, need, node, cache.priority, clean=lambda n: n.disk is not None or n.device is not None)
+        return self.guard.worth_evicting(
+            leaves, need, node, cache.priority, clean=lambda n: n.disk is not None or n.device is not None
+        )
 
     def admit(self, trigger: str) -> int | None:
         """The guard's word on one call's promotions for `trigger` (`PromotionGuard.admit`). A page
@@ -261,5 +282,3 @@ class Speculation:
         misses run on."""
         used = self.cache.stats.triggers[trigger]["used_tokens"]
         return self.guard.admit(used, max(0, self.planned.get(trigger, 0) - used), trigger=trigger)
-
-

@@ -46,7 +46,9 @@ class CacheStats:
         self.transfer_seconds = dict.fromkeys(LINKS, 0.0)
         self.prefetch = {kind: {"promoted_tokens": 0, "used_tokens": 0, "wasted_tokens": 0} for kind in PREFETCH_KINDS}
         # the same used / wasted figures per prediction trigger (`TreeNode.prefetch_trigger`), for the guard
-        self.triggers: dict[str, dict[str, int]] = defaultdict(lambda: {"promoted_tokens": 0, "used_tokens": 0, "wasted_tokens": 0})
+        self.triggers: dict[str, dict[str, int]] = defaultdict(
+            lambda: {"promoted_tokens": 0, "used_tokens": 0, "wasted_tokens": 0}
+        )
         self.lower_tier_hit_tokens = 0  # host+disk hits of scheduled requests
         self.lower_tier_covered_tokens = 0  # ... of which already promoted to device when needed
         self.load_wait_seconds = 0.0
@@ -67,7 +69,9 @@ class CacheStats:
             if trigger is not None:
                 self.triggers[trigger][field] += amount
 
-    def record_request(self, prompt_tokens: int, device: int, host: int, disk: int, covered_by_prefetch: int = 0) -> None:
+    def record_request(
+        self, prompt_tokens: int, device: int, host: int, disk: int, covered_by_prefetch: int = 0
+    ) -> None:
         with self._lock:
             self.requests += 1
             self.prompt_tokens += prompt_tokens
@@ -99,7 +103,9 @@ class CacheStats:
                 "bytes_moved": dict(self.bytes_moved),
                 "transfer_seconds": dict(self.transfer_seconds),
                 "prefetch": prefetch,
-                "coverage": (self.lower_tier_covered_tokens / self.lower_tier_hit_tokens) if self.lower_tier_hit_tokens else None,
+                "coverage": (self.lower_tier_covered_tokens / self.lower_tier_hit_tokens)
+                if self.lower_tier_hit_tokens
+                else None,
                 "load_wait_seconds": self.load_wait_seconds,
                 "loads_waited": self.loads_waited,
                 "loads_recomputed": self.loads_recomputed,
@@ -110,7 +116,12 @@ class CacheStats:
         return json.dumps({**self.snapshot(), **extra}, indent=2, sort_keys=True)
 
 
-def prometheus_text(snapshot: dict[str, Any], stored_pages: dict[str, int] | None = None, page_size: int = 1, prefix: str = "sgl_hicache") -> str:
+def prometheus_text(
+    snapshot: dict[str, Any],
+    stored_pages: dict[str, int] | None = None,
+    page_size: int = 1,
+    prefix: str = "sgl_hicache",
+) -> str:
     """Prometheus exposition of a snapshot. Hit counters also use SGLang's own name,
     `sglang:cached_tokens_total{cache_source=...}`, so existing dashboards keep working."""
     lines: list[str] = []
@@ -124,42 +135,95 @@ def prometheus_text(snapshot: dict[str, Any], stored_pages: dict[str, int] | Non
     source = {DEVICE: "device", HOST: "host", DISK: "storage"}
     # the lower-tier slot is labelled by what holds it: "disk", or "store" for a shared store
     tier_label = {DEVICE: DEVICE, HOST: HOST, DISK: snapshot.get("lower_tier", DISK)}
-    metric("sglang:cached_tokens_total", "counter", "Prompt tokens served from cache, by source",
-           [(f'{{cache_source="{source[t]}"}}', snapshot["hit_tokens"][t]) for t in TIERS])
-    metric(f"{prefix}_hit_tokens_total", "counter", "Prompt tokens served per tier",
-           [(f'{{tier="{tier_label[t]}"}}', snapshot["hit_tokens"][t]) for t in TIERS])
+    metric(
+        "sglang:cached_tokens_total",
+        "counter",
+        "Prompt tokens served from cache, by source",
+        [(f'{{cache_source="{source[t]}"}}', snapshot["hit_tokens"][t]) for t in TIERS],
+    )
+    metric(
+        f"{prefix}_hit_tokens_total",
+        "counter",
+        "Prompt tokens served per tier",
+        [(f'{{tier="{tier_label[t]}"}}', snapshot["hit_tokens"][t]) for t in TIERS],
+    )
     metric(f"{prefix}_miss_tokens_total", "counter", "Prompt tokens computed", [("", snapshot["miss_tokens"])])
     metric(f"{prefix}_prompt_tokens_total", "counter", "Prompt tokens seen", [("", snapshot["prompt_tokens"])])
     metric(f"{prefix}_requests_total", "counter", "Requests scheduled", [("", snapshot["requests"])])
     for field in ("evicted_tokens", "demoted_tokens", "promoted_tokens"):
-        metric(f"{prefix}_{field}_total", "counter", f"{field.replace('_', ' ')} per tier",
-               [(f'{{tier="{t}"}}', snapshot[field][t]) for t in TIERS])
-    metric(f"{prefix}_bytes_moved_total", "counter", "Bytes copied per link",
-           [(f'{{link="{link}"}}', v) for link, v in snapshot["bytes_moved"].items()])
+        metric(
+            f"{prefix}_{field}_total",
+            "counter",
+            f"{field.replace('_', ' ')} per tier",
+            [(f'{{tier="{t}"}}', snapshot[field][t]) for t in TIERS],
+        )
+    metric(
+        f"{prefix}_bytes_moved_total",
+        "counter",
+        "Bytes copied per link",
+        [(f'{{link="{link}"}}', v) for link, v in snapshot["bytes_moved"].items()],
+    )
     for kind, d in snapshot["prefetch"].items():
         for field in ("promoted_tokens", "used_tokens", "wasted_tokens"):
             metric(f"{prefix}_{kind}_{field}_total", "counter", f"{kind} {field.replace('_', ' ')}", [("", d[field])])
-    metric(f"{prefix}_errors_total", "counter", "Tier errors by kind",
-           [(f'{{error="{k}"}}', v) for k, v in sorted(snapshot["errors"].items())] or [('{error="none"}', 0)])
-    stored = {t: stored_pages[t] * page_size for t in TIERS} if stored_pages is not None else snapshot.get("stored_tokens")
+    metric(
+        f"{prefix}_errors_total",
+        "counter",
+        "Tier errors by kind",
+        [(f'{{error="{k}"}}', v) for k, v in sorted(snapshot["errors"].items())] or [('{error="none"}', 0)],
+    )
+    stored = (
+        {t: stored_pages[t] * page_size for t in TIERS} if stored_pages is not None else snapshot.get("stored_tokens")
+    )
     if stored is not None:
-        metric(f"{prefix}_stored_tokens", "gauge", "Tokens resident per tier", [(f'{{tier="{t}"}}', stored.get(t, 0)) for t in TIERS])
+        metric(
+            f"{prefix}_stored_tokens",
+            "gauge",
+            "Tokens resident per tier",
+            [(f'{{tier="{t}"}}', stored.get(t, 0)) for t in TIERS],
+        )
     calls = snapshot.get("scheduler_calls")
     if calls:  # per-call wall time on SGLang's scheduler thread (sglang.call_timer)
-        metric(f"{prefix}_scheduler_call_count", "counter", "Cache calls made by the scheduler thread",
-               [(f'{{call="{c}"}}', d["count"]) for c, d in calls.items()])
+        metric(
+            f"{prefix}_scheduler_call_count",
+            "counter",
+            "Cache calls made by the scheduler thread",
+            [(f'{{call="{c}"}}', d["count"]) for c, d in calls.items()],
+        )
         for q in ("p50", "p99", "max"):
-            metric(f"{prefix}_scheduler_call_{q}_seconds", "gauge", f"{q} wall time of a cache call on the scheduler thread",
-                   [(f'{{call="{c}"}}', d[f"{q}_us"] / 1e6) for c, d in calls.items()])
+            metric(
+                f"{prefix}_scheduler_call_{q}_seconds",
+                "gauge",
+                f"{q} wall time of a cache call on the scheduler thread",
+                [(f'{{call="{c}"}}', d[f"{q}_us"] / 1e6) for c, d in calls.items()],
+            )
     if snapshot.get("capacity_tokens") is not None:
-        metric(f"{prefix}_capacity_tokens", "gauge", "Tier capacity in tokens",
-               [(f'{{tier="{t}"}}', snapshot["capacity_tokens"].get(t, 0)) for t in TIERS])
+        metric(
+            f"{prefix}_capacity_tokens",
+            "gauge",
+            "Tier capacity in tokens",
+            [(f'{{tier="{t}"}}', snapshot["capacity_tokens"].get(t, 0)) for t in TIERS],
+        )
     store = snapshot.get("store")
     if store:
         for name, value in sorted(store.items()):
             if isinstance(value, int) and not isinstance(value, bool) and name != "tracked_pages":
-                metric(f"{prefix}_store_{name}_total", "counter", f"shared store tier: {name.replace('_', ' ')}", [("", value)])
-        metric(f"{prefix}_store_tracked_pages", "gauge", "store pages this server's tree tracks", [("", store.get("tracked_pages", 0))])
-        metric(f"{prefix}_store_available", "gauge", "1 while the shared store answers, 0 while it is backed off",
-               [("", int(bool(store.get("available"))))])
+                metric(
+                    f"{prefix}_store_{name}_total",
+                    "counter",
+                    f"shared store tier: {name.replace('_', ' ')}",
+                    [("", value)],
+                )
+        metric(
+            f"{prefix}_store_tracked_pages",
+            "gauge",
+            "store pages this server's tree tracks",
+            [("", store.get("tracked_pages", 0))],
+        )
+        metric(
+            f"{prefix}_store_available",
+            "gauge",
+            "1 while the shared store answers, 0 while it is backed off",
+            [("", int(bool(store.get("available"))))],
+        )
     return "\n".join(lines) + "\n"

@@ -41,8 +41,11 @@ def shared_file(relpath: str) -> Path:
     hides a broken checkout."""
     path = SHARED_DIR / relpath
     if not path.is_file():
-        pytest.fail(f"required shared file {path} is missing: the repository expects `shared/` beside it "
-                    f"({SHARED_DIR}), holding {relpath}", pytrace=False)
+        pytest.fail(
+            f"required shared file {path} is missing: the repository expects `shared/` beside it "
+            f"({SHARED_DIR}), holding {relpath}",
+            pytrace=False,
+        )
     return path
 
 
@@ -133,7 +136,7 @@ def serve(cache: TieredCache, tokens, write_kv: bool = True):
         assert fresh is not None, "device full of locked pages"
         handles = m2.device_handles + fresh
         if write_kv and fresh:
-            kv = kv_for(cache, tokens)[len(m2.device_handles):]
+            kv = kv_for(cache, tokens)[len(m2.device_handles) :]
             cache.stores["device"].write(fresh, kv)
         r = cache.insert(tokens, handles)
         cache.free_device(r.duplicates)
@@ -153,7 +156,9 @@ def assert_device_kv(cache: TieredCache, tokens) -> int:
         if n:
             got = cache.stores["device"].read(m.device_handles)
             want = kv_for(cache, tokens)[:n]
-            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"device KV differs for prompt {tokens[:2]}"
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (
+                f"device KV differs for prompt {tokens[:2]}"
+            )
         return n * cache.page_size
     finally:
         cache.unlock(m.last_node)
@@ -187,7 +192,12 @@ def pytest_collection_modifyitems(config, items):
         return
     err = _sglang_import_error()
     if err is not None:
-        why = f"{REQUIRE_SGLANG_ENV}=1" if required else f"-m {config.getoption('markexpr')!r} selects tests marked sglang"
+        why = (
+            f"{REQUIRE_SGLANG_ENV}=1"
+            if required
+            else f"-m {config.getoption('markexpr')!r} selects tests marked sglang"
+        )
         raise pytest.UsageError(
             f"{why}, but sglang cannot be imported ({err}) in {sys.executable}; these tests would only skip. "
-            "Run them with the SGLang venv (scripts/install_sglang_cpu.sh), or deselect them with -m 'not sglang'.")
+            "Run them with the SGLang venv (scripts/install_sglang_cpu.sh), or deselect them with -m 'not sglang'."
+        )

@@ -19,11 +19,21 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PARSE_ONLY_DIR = Path(__file__).resolve().parent / "parse_only"
-DOC_FILES = ["README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md")), "benchmarks/README.md"]
+DOC_FILES = [
+    "README.md",
+    *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md")),
+    "benchmarks/README.md",
+]
 # Path-like words a command names that must exist (relative to the repo root).
 _PATH_PREFIXES = ("scripts/", "benchmarks/", "examples/", "tests/", "docs/", "../shared/")
 # Commands that need SGLang (the .venv-sglang environment); the rest run in the core environment.
-_SGLANG_MARKERS = (".venv-sglang", "sgl-hicache serve", "sglang.launch_server", "serve_and_replay.sh", "install_sglang_cpu.sh")
+_SGLANG_MARKERS = (
+    ".venv-sglang",
+    "sgl-hicache serve",
+    "sglang.launch_server",
+    "serve_and_replay.sh",
+    "install_sglang_cpu.sh",
+)
 
 
 @dataclass(frozen=True)
@@ -100,8 +110,9 @@ def parse_only(cmd: DocCommand, bin_dirs: list[Path], timeout: float = 300) -> s
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(PARSE_ONLY_DIR), str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     env["PATH"] = os.pathsep.join([*map(str, bin_dirs), env.get("PATH", "")])
-    return subprocess.run(["bash", "-euo", "pipefail", "-c", cmd.text], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", cmd.text], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def check_documented(cmd: DocCommand, bin_dirs: list[Path], syntax_only: dict[str, str]) -> None:

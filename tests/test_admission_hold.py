@@ -17,14 +17,22 @@ LONG_PREFILLS = PrefillCost(fixed_s=0.05, per_token_s=1e-4)  # 1,000 new tokens 
 
 
 def _cache(mode: str, cost: PrefillCost | None = LONG_PREFILLS) -> SimpleNamespace:
-    return SimpleNamespace(settings=BackendSettings(admission_hold=mode), held_rids=set(),
-                           counters=SimpleNamespace(admission_holds=0), prefill_cost=lambda: cost)
+    return SimpleNamespace(
+        settings=BackendSettings(admission_hold=mode),
+        held_rids=set(),
+        counters=SimpleNamespace(admission_holds=0),
+        prefill_cost=lambda: cost,
+    )
 
 
 def _req(rid, new_tokens: int = 1000, host_hits: int = 0, device_prefix: int = 64) -> SimpleNamespace:
     """SGLang's `Req` as admission sees it: its input, the device prefix matched and the host + disk hits."""
-    return SimpleNamespace(rid=rid, full_untruncated_fill_ids=list(range(device_prefix + host_hits + new_tokens)),
-                           prefix_len=device_prefix, host_hit_length=host_hits)
+    return SimpleNamespace(
+        rid=rid,
+        full_untruncated_fill_ids=list(range(device_prefix + host_hits + new_tokens)),
+        prefix_len=device_prefix,
+        host_hit_length=host_hits,
+    )
 
 
 def test_hold_pays_compares_the_batch_delay_with_one_more_fixed_cost():

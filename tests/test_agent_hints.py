@@ -18,32 +18,48 @@ from sgl_hicache.tiers.base import DEVICE, HOST
 
 
 def test_the_schema_parses():
-    hints = parse_agent_hints({"agent_hints": {"workflow_id": "wf", "agent_id": "a", "step_id": 3, "tool_name": "pytest",
-                                               "expected_tool_duration_ms": 8000, "parent_step_id": "2",
-                                               "child_step_ids": [4, "5"]}, "other": 1})
+    hints = parse_agent_hints(
+        {
+            "agent_hints": {
+                "workflow_id": "wf",
+                "agent_id": "a",
+                "step_id": 3,
+                "tool_name": "pytest",
+                "expected_tool_duration_ms": 8000,
+                "parent_step_id": "2",
+                "child_step_ids": [4, "5"],
+            },
+            "other": 1,
+        }
+    )
     assert hints == AgentHints(retain_s=10.0, session="wf/a", tool_name="pytest", step_id="3")
-    assert parse_agent_hints({"agent_hints": {"cache_ttl_ms": 30000, "expected_tool_duration_ms": 8000}}).retain_s == 30.0
+    assert (
+        parse_agent_hints({"agent_hints": {"cache_ttl_ms": 30000, "expected_tool_duration_ms": 8000}}).retain_s == 30.0
+    )
     assert parse_agent_hints({"agent_hints": {"reuse_hint": "end"}}).end
     assert parse_agent_hints({"agent_hints": {"prefetch": "req-1"}}).prefetch == "req-1"
     assert parse_agent_hints(None) is None and parse_agent_hints({"thinking_budget": 5}) is None
 
 
-@pytest.mark.parametrize("obj, field", [
-    ([1], "agent_hints must be an object"),
-    ({"ttl": 5}, "unknown field(s) ttl"),
-    ({"workflow_id": 7}, "agent_hints.workflow_id must be a string"),
-    ({"agent_id": ""}, "agent_hints.agent_id must be a string"),
-    ({"step_id": True}, "agent_hints.step_id must be a string or an integer"),
-    ({"tool_name": "x" * 300}, "agent_hints.tool_name must be a string"),
-    ({"expected_tool_duration_ms": -1}, "agent_hints.expected_tool_duration_ms must be a finite number"),
-    ({"expected_tool_duration_ms": float("nan")}, "agent_hints.expected_tool_duration_ms must be a finite number"),
-    ({"cache_ttl_ms": 0}, "agent_hints.cache_ttl_ms must be a finite number of milliseconds > 0"),
-    ({"cache_ttl_ms": "60"}, "agent_hints.cache_ttl_ms must be a finite number"),
-    ({"reuse_hint": "forever"}, "agent_hints.reuse_hint must be one of retain, end, none"),
-    ({"reuse_hint": "end", "cache_ttl_ms": 5}, "agent_hints.reuse_hint 'end' contradicts"),
-    ({"prefetch": 5}, "agent_hints.prefetch must be a string"),
-    ({"child_step_ids": "4"}, "agent_hints.child_step_ids must be a list"),
-])
+@pytest.mark.parametrize(
+    "obj, field",
+    [
+        ([1], "agent_hints must be an object"),
+        ({"ttl": 5}, "unknown field(s) ttl"),
+        ({"workflow_id": 7}, "agent_hints.workflow_id must be a string"),
+        ({"agent_id": ""}, "agent_hints.agent_id must be a string"),
+        ({"step_id": True}, "agent_hints.step_id must be a string or an integer"),
+        ({"tool_name": "x" * 300}, "agent_hints.tool_name must be a string"),
+        ({"expected_tool_duration_ms": -1}, "agent_hints.expected_tool_duration_ms must be a finite number"),
+        ({"expected_tool_duration_ms": float("nan")}, "agent_hints.expected_tool_duration_ms must be a finite number"),
+        ({"cache_ttl_ms": 0}, "agent_hints.cache_ttl_ms must be a finite number of milliseconds > 0"),
+        ({"cache_ttl_ms": "60"}, "agent_hints.cache_ttl_ms must be a finite number"),
+        ({"reuse_hint": "forever"}, "agent_hints.reuse_hint must be one of retain, end, none"),
+        ({"reuse_hint": "end", "cache_ttl_ms": 5}, "agent_hints.reuse_hint 'end' contradicts"),
+        ({"prefetch": 5}, "agent_hints.prefetch must be a string"),
+        ({"child_step_ids": "4"}, "agent_hints.child_step_ids must be a list"),
+    ],
+)
 def test_every_malformed_field_is_refused_by_name(obj, field):
     with pytest.raises(HintError) as err:
         parse_agent_hints({"agent_hints": obj})
@@ -59,8 +75,14 @@ class _Req(SimpleNamespace):
 
 
 def _req(rid, prompt, output=(), **agent_hints):
-    return _Req(rid=rid, origin_input_ids=list(prompt), output_ids=list(output), done=True, aborted=None,
-                sampling_params=SimpleNamespace(custom_params={"agent_hints": agent_hints} if agent_hints else None))
+    return _Req(
+        rid=rid,
+        origin_input_ids=list(prompt),
+        output_ids=list(output),
+        done=True,
+        aborted=None,
+        sampling_params=SimpleNamespace(custom_params={"agent_hints": agent_hints} if agent_hints else None),
+    )
 
 
 def test_a_request_retains_its_conversation_ends_it_and_prefetches_it_by_handle(tmp_path):
@@ -104,7 +126,9 @@ def test_malformed_and_unknown_hints_are_refused_and_counted(tmp_path):
     unknown = _req("r2", seq(0, 1), prefetch="nobody")
     rh.on_arrival(unknown)
     assert unknown.aborted is None  # it runs as it would without the hint
-    assert ctl.hints.refused == {"malformed": 1, "unknown": 1} and "unknown handle 'nobody'" in rh.status()["last_error"]
+    assert (
+        ctl.hints.refused == {"malformed": 1, "unknown": 1} and "unknown handle 'nobody'" in rh.status()["last_error"]
+    )
     huge = _req("r3", seq(0, 1), cache_ttl_ms=1e9)
     serve(cache, seq(0, 1))
     rh.on_arrival(huge)
@@ -117,8 +141,9 @@ def test_the_agent_shape_with_pins_keeps_its_requests_and_estimates_with_noise()
 
     plain = agent(sessions=3, steps=4)
     pinned = agent(sessions=3, steps=4, pins=True, estimate_sigma=0.5)
-    assert [(r.request_id, r.arrival_s, list(r.input_ids)) for r in plain] == \
-           [(r.request_id, r.arrival_s, list(r.input_ids)) for r in pinned]
+    assert [(r.request_id, r.arrival_s, list(r.input_ids)) for r in plain] == [
+        (r.request_id, r.arrival_s, list(r.input_ids)) for r in pinned
+    ]
     hinted = [r for r in pinned if r.hints]
     assert len(hinted) == 3 * 3  # every step followed by a tool call
     by_id = {r.request_id: r for r in pinned}
@@ -128,7 +153,7 @@ def test_the_agent_shape_with_pins_keeps_its_requests_and_estimates_with_noise()
         assert pin.action == "pin" and pin.input_ids == tuple(r.input_ids) and pin.after_s == 2.0
         assert prefetch.action == "prefetch" and prefetch.after_s == max(2.0, round(2.0 + pin.ttl_s - 2.0, 6))
         s, k = r.request_id.rsplit("/", 1)
-        step = 0 if k == "start" else int(k[len("resume"):])
+        step = 0 if k == "start" else int(k[len("resume") :])
         true_tool = by_id[f"{s}/resume{step + 1}"].arrival_s - r.arrival_s - 2.0
         errors.append(pin.ttl_s / true_tool)
     assert any(abs(e - 1) > 0.05 for e in errors)  # the framework's estimates are noisy

@@ -30,7 +30,9 @@ def test_agent_is_deterministic_from_its_seed():
 
 def test_agent_steps_pauses_and_other_traffic_follow_the_documented_fields():
     ps, decode, short, long_ = 256, 2.0, (0.5, 4.0), (30.0, 120.0)
-    reqs = agent(sessions=16, steps=6, decode_s=decode, short_s=short, long_s=long_, long_share=0.3, other_gap_s=0.5, seed=5)
+    reqs = agent(
+        sessions=16, steps=6, decode_s=decode, short_s=short, long_s=long_, long_share=0.3, other_gap_s=0.5, seed=5
+    )
     assert [r.line for r in reqs] == list(range(1, len(reqs) + 1))
     assert all(a.arrival_s <= b.arrival_s for a, b in zip(reqs, reqs[1:]))
     sessions = _sessions(reqs)
@@ -84,8 +86,16 @@ def test_agent_hints_survive_the_trace_reader(tmp_path):
 
 def _replay(policy: str, hints: bool) -> tuple[float, dict, dict]:
     reqs = agent(sessions=8, steps=5, other_gap_s=0.5, hints=hints)
-    cfg = EngineConfig(policy=policy, model=get_model("llama3-8b"), hardware=get_hardware("h200"), device_tokens=32_768,
-                       host_tokens=65_536, disk_tokens=2_000_000, concurrency=None, byte_mode="metadata")
+    cfg = EngineConfig(
+        policy=policy,
+        model=get_model("llama3-8b"),
+        hardware=get_hardware("h200"),
+        device_tokens=32_768,
+        host_tokens=65_536,
+        disk_tokens=2_000_000,
+        concurrency=None,
+        byte_mode="metadata",
+    )
     eng = EmbeddedEngine(cfg)
     try:
         eng.run(reqs)
@@ -94,7 +104,11 @@ def _replay(policy: str, hints: bool) -> tuple[float, dict, dict]:
         ttft = [t for a, t in zip(eng.records.arrival_s, eng.records.ttft_s) if role[a].startswith("resume")]
         disk = sum(k for a, k in zip(eng.records.arrival_s, eng.records.hit_disk) if role[a].startswith("resume"))
         snap = eng.cache.snapshot()
-        return sum(ttft) / len(ttft), {"disk_hits": disk, "bytes": sum(snap["bytes_moved"].values())}, snap["prefetch"]["predict"]
+        return (
+            sum(ttft) / len(ttft),
+            {"disk_hits": disk, "bytes": sum(snap["bytes_moved"].values())},
+            snap["prefetch"]["predict"],
+        )
     finally:
         eng.close()
 
@@ -118,6 +132,8 @@ def test_synth_writes_the_agent_shape_with_hints(tmp_path, capsys):
     assert main(["synth", "--shape", "agent", "--sessions", "3", "--hints", "--lead", "1.0", "--out", str(out)]) == 0
     assert "(agent)" in capsys.readouterr().out
     back = list(load_trace(out, fmt="plain"))
-    assert [(r.request_id, r.hints) for r in back] == [(r.request_id, r.hints) for r in agent(sessions=3, hints=True, lead_s=1.0)]
+    assert [(r.request_id, r.hints) for r in back] == [
+        (r.request_id, r.hints) for r in agent(sessions=3, hints=True, lead_s=1.0)
+    ]
     assert main(["synth", "--shape", "branch", "--hints", "--out", str(out)]) == 2  # hints go with chain or agent only
     assert "--hints goes with --shape chain or --shape agent" in capsys.readouterr().err

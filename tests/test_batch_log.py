@@ -26,10 +26,17 @@ def test_passes_and_batches_are_logged_as_json_lines(monkeypatch, tmp_path):
     assert batch_log.note_admitted(plan, scheduler) is plan
     batch_log.note_queue(SimpleNamespace(waiting_queue=[]))
     batch_log.note_admitted(SimpleNamespace(batch_to_run=None), scheduler)  # an empty pass: not logged
-    batch = SimpleNamespace(forward_mode=SimpleNamespace(name="EXTEND"), launch_ts=5.0, reqs=[admitted], extend_num_tokens=96)
+    batch = SimpleNamespace(
+        forward_mode=SimpleNamespace(name="EXTEND"), launch_ts=5.0, reqs=[admitted], extend_num_tokens=96
+    )
     assert batch_log.note_batch("r", scheduler, batch) == "r"
     batch_log._out.close()
     lines = [json.loads(x) for x in next(tmp_path.glob("batches-*.jsonl")).read_text().splitlines()]
     assert [x["ev"] for x in lines] == ["pass", "batch"]
     assert lines[0]["queue"] == ["a", "b"] and lines[0]["admitted"] == [["a", 96, 32, 16]]
-    assert lines[1]["mode"] == "EXTEND" and lines[1]["n"] == 1 and lines[1]["tokens"] == 96 and lines[1]["t1"] >= lines[1]["t0"]
+    assert (
+        lines[1]["mode"] == "EXTEND"
+        and lines[1]["n"] == 1
+        and lines[1]["tokens"] == 96
+        and lines[1]["t1"] >= lines[1]["t0"]
+    )

@@ -15,18 +15,40 @@ REPO = Path(__file__).resolve().parents[1]
 def test_disk_bandwidth_smoke(tmp_path: Path) -> None:
     out = tmp_path / "bw.json"
     cmd = [
-        sys.executable, str(REPO / "benchmarks" / "disk_bandwidth.py"),
-        "--pages", "3", "--threads", "2", "--repeats", "1",
-        "--layers", "1", "--kv-heads", "1", "--head-dim", "8", "--page-size", "4",
-        "--dir", str(tmp_path / "bw"), "--json", str(out),
+        sys.executable,
+        str(REPO / "benchmarks" / "disk_bandwidth.py"),
+        "--pages",
+        "3",
+        "--threads",
+        "2",
+        "--repeats",
+        "1",
+        "--layers",
+        "1",
+        "--kv-heads",
+        "1",
+        "--head-dim",
+        "8",
+        "--page-size",
+        "4",
+        "--dir",
+        str(tmp_path / "bw"),
+        "--json",
+        str(out),
     ]
     subprocess.run(cmd, check=True, cwd=REPO, capture_output=True, timeout=120)
     result = json.loads(out.read_text())
     assert result["benchmark"] == "disk_bandwidth"
     assert result["config"]["pages"] == 3 and result["config"]["threads"] == 2
     for side in ("store", "raw"):
-        for metric in ("write_buffered", "write_durable", "read_serial_cold", "read_parallel_cold",
-                       "read_serial_warm", "read_parallel_warm"):
+        for metric in (
+            "write_buffered",
+            "write_durable",
+            "read_serial_cold",
+            "read_parallel_cold",
+            "read_serial_warm",
+            "read_parallel_warm",
+        ):
             assert result["gbps_median"][f"{side}_{metric}"] > 0
     assert "store_parallel_cold / raw_parallel_cold" in result["ratios"]
     assert "cold_reads_page_cache_warm" in result["cache"] and result["cache"]["cold_method"]
@@ -36,8 +58,20 @@ def test_disk_bandwidth_smoke(tmp_path: Path) -> None:
 
 def test_disk_page_cpu_smoke(tmp_path: Path) -> None:
     out = tmp_path / "cpu.json"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "disk_page_cpu.py"), "--pages", "40", "--batch", "16", "--repeats", "2",
-           "--dir", str(tmp_path / "d"), "--json", str(out)]
+    cmd = [
+        sys.executable,
+        str(REPO / "benchmarks" / "disk_page_cpu.py"),
+        "--pages",
+        "40",
+        "--batch",
+        "16",
+        "--repeats",
+        "2",
+        "--dir",
+        str(tmp_path / "d"),
+        "--json",
+        str(out),
+    ]
     (tmp_path / "d").mkdir()
     subprocess.run(cmd, check=True, cwd=REPO, capture_output=True, timeout=120)
     result = json.loads(out.read_text())
@@ -103,7 +137,14 @@ def test_host_bandwidth_smoke(tmp_path: Path) -> None:
     result = _run("host_bandwidth.py", tmp_path / "host.json")
     assert result["benchmark"] == "host_bandwidth"
     assert isinstance(result["cuda"], bool) and result["note"]
-    pairs = ("host_write", "host_read", "device_to_host", "host_to_device", "device_to_host_chunked", "host_to_device_chunked")
+    pairs = (
+        "host_write",
+        "host_read",
+        "device_to_host",
+        "host_to_device",
+        "device_to_host_chunked",
+        "host_to_device_chunked",
+    )
     for name in pairs:
         assert result["gbps_median"][name]["ours"] >= 0 and result["gbps_median"][name]["plain"] >= 0
         assert name in result["ratio_ours_over_plain"]
@@ -142,9 +183,11 @@ def test_first_run_drops_rewrites_a_text_trace_as_shared_blocks(tmp_path: Path) 
     from first_run_drops import as_block_trace
 
     system = "s" * 5000  # a shared tool prompt of ~3 blocks, then each session's own turns
-    rows = [{"session": "a", "prompt": system + "A" * 100, "output_length": 4, "timestamp": 0.5},
-            {"session": "b", "prompt": system + "B" * 3000, "output_length": 4, "timestamp": 1},
-            {"session": "a", "prompt": system + "A" * 100 + "more" * 600, "output_length": 4, "timestamp": 2}]
+    rows = [
+        {"session": "a", "prompt": system + "A" * 100, "output_length": 4, "timestamp": 0.5},
+        {"session": "b", "prompt": system + "B" * 3000, "output_length": 4, "timestamp": 1},
+        {"session": "a", "prompt": system + "A" * 100 + "more" * 600, "output_length": 4, "timestamp": 2},
+    ]
     src = tmp_path / "t.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = [json.loads(x) for x in as_block_trace(src, tmp_path / "b.jsonl").read_text().splitlines()]
@@ -157,27 +200,56 @@ def test_first_run_drops_rewrites_a_text_trace_as_shared_blocks(tmp_path: Path) 
 
 
 @pytest.mark.sglang
-@pytest.mark.skipif(not _sglang_importable(), reason="sglang is not installed (scripts/install_sglang_cpu.sh installs it into .venv-sglang)")
+@pytest.mark.skipif(
+    not _sglang_importable(),
+    reason="sglang is not installed (scripts/install_sglang_cpu.sh installs it into .venv-sglang)",
+)
 def test_first_run_drops_smoke(tmp_path: Path) -> None:
     # one `sgl-hicache serve` of the tiny model with the README's first-run flags, 40 requests
     out = tmp_path / "frd.json"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "first_run_drops.py"), "--traces", "mooncake",
-                           "--limit", "40", "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "first_run_drops.py"),
+            "--traces",
+            "mooncake",
+            "--limit",
+            "40",
+            "--json",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     result = json.loads(out.read_text())
     first = result["traces"]["mooncake"]["first"]
     assert "error" not in first, first.get("error")
     assert first["requests"] + first["requests_skipped"] == 40 and first["requests_failed"] == 0
     assert set(first["evicted_tokens"]) >= {"device", "host"} and first["evicted_tokens"]["device"] > 0
-    assert proc.returncode == (0 if max(first["device_dirty_drop_share"], first["host_dirty_drop_share"]) <= 0.01 else 1)
+    assert proc.returncode == (
+        0 if max(first["device_dirty_drop_share"], first["host_dirty_drop_share"]) <= 0.01 else 1
+    )
 
 
 @pytest.mark.sglang
-@pytest.mark.skipif(not _sglang_importable(), reason="sglang is not installed (scripts/install_sglang_cpu.sh installs it into .venv-sglang)")
+@pytest.mark.skipif(
+    not _sglang_importable(),
+    reason="sglang is not installed (scripts/install_sglang_cpu.sh installs it into .venv-sglang)",
+)
 def test_server_compare_smoke(tmp_path: Path) -> None:
     # three real servers (default cache, SGLang HiCache, sgl_hicache) one after the other: ~4 min here
     out = tmp_path / "server.json"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "server_compare.py"), "--quick", "--json", str(out),
-           "--workdir", str(tmp_path / "runs")]
+    cmd = [
+        sys.executable,
+        str(REPO / "benchmarks" / "server_compare.py"),
+        "--quick",
+        "--json",
+        str(out),
+        "--workdir",
+        str(tmp_path / "runs"),
+    ]
     subprocess.run(cmd, check=True, cwd=REPO, capture_output=True, timeout=1500)
     result = json.loads(out.read_text())
     assert result["benchmark"] == "server_compare"
@@ -200,8 +272,13 @@ def test_server_compare_smoke(tmp_path: Path) -> None:
 
 def test_server_compare_refuses_a_bad_time_scale() -> None:
     # the open-loop flag is checked before any server starts
-    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "server_compare.py"), "--time-scale", "0"],
-                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "server_compare.py"), "--time-scale", "0"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "--time-scale must be > 0, got 0.0" in r.stderr
 
 
@@ -209,13 +286,21 @@ def test_server_compare_as_blocks_refuses_a_trace_without_prompts(tmp_path: Path
     # `--as-blocks` wants a plain-text trace: a block trace given by mistake is named, before any server starts
     bad = tmp_path / "blocks.jsonl"
     bad.write_text('{"timestamp": 0, "input_length": 512, "output_length": 8, "hash_ids": [1]}\n')
-    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "server_compare.py"), "--trace", str(bad), "--as-blocks"],
-                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "server_compare.py"), "--trace", str(bad), "--as-blocks"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and f"--as-blocks: {bad} is not a plain-text trace" in r.stderr
 
 
 @pytest.mark.sglang
-@pytest.mark.skipif(not _sglang_importable(), reason="sglang is not installed (scripts/install_sglang_cpu.sh installs it into .venv-sglang)")
+@pytest.mark.skipif(
+    not _sglang_importable(),
+    reason="sglang is not installed (scripts/install_sglang_cpu.sh installs it into .venv-sglang)",
+)
 def test_scheduler_thread_smoke(tmp_path: Path) -> None:
     # one real server (sgl_hicache, the defaults), 20 requests: ~1.5 min here
     out = tmp_path / "sched.json"
@@ -253,8 +338,14 @@ def test_agentic_trace_builds_sessions_that_extend_their_prompt() -> None:
     sys.path.insert(0, str(REPO / "benchmarks"))
     import agentic_trace
 
-    sess = [{"id": "s1", "prefix": "DOCS\n", "turns": [("list files", ["ls()", "cd(folder='a')"]), ("read it", ["cat(file='x')"])]},
-            {"id": "s2", "prefix": "DOCS\n", "turns": [("hi", ["ls()"])]}]
+    sess = [
+        {
+            "id": "s1",
+            "prefix": "DOCS\n",
+            "turns": [("list files", ["ls()", "cd(folder='a')"]), ("read it", ["cat(file='x')"])],
+        },
+        {"id": "s2", "prefix": "DOCS\n", "turns": [("hi", ["ls()"])]},
+    ]
     rows = agentic_trace.build(sess, session_rate=1.0, tool_s=1.0, think_s=10.0, seed=0)
     s1 = [r for r in rows if r["session"] == "s1"]
     assert len(s1) == 2 + 1 + 1 + 1  # a step per call and an answer per turn
@@ -324,31 +415,68 @@ def test_store_compare_summary_and_bad_input(tmp_path: Path) -> None:
     import store_compare as sc
 
     def phase(ttft: float, tput: float, storage: int) -> dict:
-        return {"ttft_mean_s": ttft, "ttft_p50_s": ttft, "throughput_tok_s": tput, "requests_failed": 0,
-                "hit_tokens": {"device": 0, "host": 0, "disk": storage}}
+        return {
+            "ttft_mean_s": ttft,
+            "ttft_p50_s": ttft,
+            "throughput_tok_s": tput,
+            "requests_failed": 0,
+            "hit_tokens": {"device": 0, "host": 0, "disk": storage},
+        }
 
-    views = ("store_during_turn_n", "store_during_settle", "store_during_turn_n1", "store_after_turn_n1", "store_during_idle")
+    views = (
+        "store_during_turn_n",
+        "store_during_settle",
+        "store_during_turn_n1",
+        "store_after_turn_n1",
+        "store_during_idle",
+    )
 
     def sample(system: str, r: int, ttft_b: float, tput_b: float, storage: int) -> dict:
-        return {"system": system, "repeat": r, "turn_n_on_a": phase(2.0, 100.0, 0), "turn_n1_on_b": phase(ttft_b, tput_b, storage),
-                "turn_n_tokens": [1032, 1032], "settle": {"settle_s": 1.0, "pokes": 2, "timed_out": False},
-                **{v: {"puts": 4.0, "puts_failed": 0.0, "keys_added": 4.0, "bytes_added": 1e6} for v in views}}
+        return {
+            "system": system,
+            "repeat": r,
+            "turn_n_on_a": phase(2.0, 100.0, 0),
+            "turn_n1_on_b": phase(ttft_b, tput_b, storage),
+            "turn_n_tokens": [1032, 1032],
+            "settle": {"settle_s": 1.0, "pokes": 2, "timed_out": False},
+            **{v: {"puts": 4.0, "puts_failed": 0.0, "keys_added": 4.0, "bytes_added": 1e6} for v in views},
+        }
 
     samples = [sample("sgl_hicache", r, 1.0 + r, 200.0, 2048) for r in range(3)]
     samples += [sample("hicache", r, 4.0, 100.0 * (r + 1), 2016) for r in range(3)]
     out = sc.summarize(samples)
     assert out["systems"]["sgl_hicache"]["turn_n1_on_b"]["ttft_mean_s"] == 2.0  # median of 1, 2, 3
     assert out["systems"]["hicache"]["turn_n1_on_b"]["hit_tokens"]["disk"] == 2016
-    assert out["ratios"]["turn_n1_on_b"]["ttft_mean_s"] == 0.5 and out["ratios"]["turn_n1_on_b"]["throughput_tok_s"] == 1.0
+    assert (
+        out["ratios"]["turn_n1_on_b"]["ttft_mean_s"] == 0.5 and out["ratios"]["turn_n1_on_b"]["throughput_tok_s"] == 1.0
+    )
     assert out["paired_ratios"]["turn_n1_on_b"]["throughput_tok_s"]["samples"] == [2.0, 1.0, 200.0 / 300.0]
     assert "sgl_hicache / HiCache" in sc.render(out)
     log = tmp_path / "b.log"
-    log.write_text("x\n[t] HiCache prefetch success req=ab completed=1008 matched=0 loaded=1008 occupied=0\n"
-                   "[t] HiCache prefetch success req=cd completed=64 matched=0 loaded=48 occupied=0\n")
-    assert sc.hicache_prefetch_lines(log) == {"finished": 2, "by_outcome": {"success": 2}, "completed_tokens": 1072,
-                                              "loaded_tokens": 1056, "declined_lines": 0}
-    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "store_compare.py"), "--quick", "--peer-python", str(tmp_path / "none")],
-                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    log.write_text(
+        "x\n[t] HiCache prefetch success req=ab completed=1008 matched=0 loaded=1008 occupied=0\n"
+        "[t] HiCache prefetch success req=cd completed=64 matched=0 loaded=48 occupied=0\n"
+    )
+    assert sc.hicache_prefetch_lines(log) == {
+        "finished": 2,
+        "by_outcome": {"success": 2},
+        "completed_tokens": 1072,
+        "loaded_tokens": 1056,
+        "declined_lines": 0,
+    }
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "store_compare.py"),
+            "--quick",
+            "--peer-python",
+            str(tmp_path / "none"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "install_hicache_peer.sh" in r.stderr, r.stderr
 
 
@@ -370,18 +498,29 @@ def test_profile_summary_attributes_samples_to_phases_and_cache_calls(tmp_path: 
         "event_loop_overlap (scheduler.py:1);get_new_batch_prefill (scheduler.py:4);"
         "match_prefix (sgl_hicache/sglang/backend.py:5);walk (sgl_hicache/tree/radix.py:6) 30\n"
         "event_loop_overlap (scheduler.py:1);recv_requests (scheduler.py:7) 10\n"
-        "garbage line without a count\n")
+        "garbage line without a count\n"
+    )
     out = tmp_path / "s.json"
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "profile_summary.py"), str(prof), "--json", str(out)],
-                   check=True, cwd=REPO, capture_output=True, timeout=60)
+    subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "profile_summary.py"), str(prof), "--json", str(out)],
+        check=True,
+        cwd=REPO,
+        capture_output=True,
+        timeout=60,
+    )
     s = json.loads(out.read_text())[str(prof)]
     assert s["samples"] == 100
     assert s["phases"] == {"forward": 0.6, "batch formation": 0.3, "receive requests": 0.1}
     assert s["sgl_hicache_share"] == 0.3
     assert s["sgl_hicache_calls"] == {"match_prefix (sglang/backend.py:5)": 0.3}
     assert s["top_self"]["forward_extend (model_runner.py:3)"] == 0.6
-    bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "profile_summary.py"), str(tmp_path / "none.txt")],
-                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "profile_summary.py"), str(tmp_path / "none.txt")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "no such profile" in bad.stderr
 
 
@@ -395,18 +534,35 @@ def test_prediction_pays_smoke(tmp_path: Path) -> None:
         assert figures["predict"]["predictor"]["promoted_tokens"] > 0  # the walk fired where it can pay
     # the agent shape: the framework's hints bring paused sessions back before they resume
     agent, hinted = result["agent"], result["agent_hints"]
-    assert hinted["predict"]["hints"]["prefetch"] > 0 and hinted["summary"]["baseline_and_oracle_from"] == "the workload without hints"
+    assert (
+        hinted["predict"]["hints"]["prefetch"] > 0
+        and hinted["summary"]["baseline_and_oracle_from"] == "the workload without hints"
+    )
     assert hinted["predict"]["target_ttft_mean_s"] < agent["prefetch"]["target_ttft_mean_s"]
     assert set(agent["prefetch"]["target_groups"]) == {"long pause", "short pause"}
 
 
 def test_prediction_pays_silence_reports_each_cells_noise_floor(tmp_path: Path) -> None:
-    result = _run("prediction_pays.py", tmp_path / "silence.json", "--workloads", "silence", "--families", "mooncake", "--noise", "1,-1")
+    result = _run(
+        "prediction_pays.py",
+        tmp_path / "silence.json",
+        "--workloads",
+        "silence",
+        "--families",
+        "mooncake",
+        "--noise",
+        "1,-1",
+    )
     (cell,) = result["silence"]["cells"]
     assert set(cell["noise"]) == {"host+1 pages", "host-1 pages"}
     assert all(v["ttft_ratio"] > 0 and v["bytes_ratio"] > 0 for v in cell["noise"].values())
-    bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "prediction_pays.py"), "--workloads", "silence", "--noise", "one"],
-                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "prediction_pays.py"), "--workloads", "silence", "--noise", "one"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "--noise" in bad.stderr
 
 

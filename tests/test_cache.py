@@ -92,7 +92,9 @@ def test_lru_and_lfu_pick_different_victims():
 
 def test_restart_gets_disk_hits_with_the_same_bytes(tmp_path):
     # write-through on both links: every inserted page reaches disk (the persistent configuration)
-    cache = make_cache(tmp_path, device=4, host=4, disk=64, write_policy="write_through", disk_write_policy="write_through")
+    cache = make_cache(
+        tmp_path, device=4, host=4, disk=64, write_policy="write_through", disk_write_policy="write_through"
+    )
     prompts = [seq(1000 * i, 4) for i in range(8)]
     fill(cache, prompts)
     del cache
@@ -108,7 +110,9 @@ def test_restart_gets_disk_hits_with_the_same_bytes(tmp_path):
 
 
 def test_restart_extends_a_shared_prefix_from_disk(tmp_path):
-    cache = make_cache(tmp_path, device=8, host=8, disk=64, write_policy="write_through", disk_write_policy="write_through")
+    cache = make_cache(
+        tmp_path, device=8, host=8, disk=64, write_policy="write_through", disk_write_policy="write_through"
+    )
     fill(cache, [seq(0, 2) + seq(500, 2), seq(0, 2) + seq(900, 2)])
     fresh = make_cache(tmp_path, device=8, host=8, disk=64)
     assert fresh.match(seq(0, 2) + seq(500, 2)).disk_tokens == 16
@@ -117,7 +121,9 @@ def test_restart_extends_a_shared_prefix_from_disk(tmp_path):
 
 
 def test_corrupt_disk_page_is_a_miss_counted_and_removed(tmp_path):
-    cache = make_cache(tmp_path, device=4, host=4, disk=64, write_policy="write_through", disk_write_policy="write_through")
+    cache = make_cache(
+        tmp_path, device=4, host=4, disk=64, write_policy="write_through", disk_write_policy="write_through"
+    )
     a, b = seq(0, 4), seq(5000, 4)
     fill(cache, [a, b])
     del cache

@@ -24,11 +24,17 @@ op = st.one_of(
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=st.lists(op, min_size=1, max_size=40), page_size=st.sampled_from([1, 2, 4]), policy=st.sampled_from(["lru", "lfu"]),
-       write=st.sampled_from(["write_back", "write_through", "write_through_selective"]))
+@given(
+    ops=st.lists(op, min_size=1, max_size=40),
+    page_size=st.sampled_from([1, 2, 4]),
+    policy=st.sampled_from(["lru", "lfu"]),
+    write=st.sampled_from(["write_back", "write_through", "write_through_selective"]),
+)
 def test_random_operations_keep_every_invariant(ops, page_size, policy, write):
     with tempfile.TemporaryDirectory() as d:
-        cache = make_cache(Path(d), device=6, host=5, disk=8, page_size=page_size, eviction_policy=policy, write_policy=write)
+        cache = make_cache(
+            Path(d), device=6, host=5, disk=8, page_size=page_size, eviction_policy=policy, write_policy=write
+        )
         locked = []
         for step in ops:
             kind = step[0]
@@ -38,7 +44,7 @@ def test_random_operations_keep_every_invariant(ops, page_size, policy, write):
                 cache.lock(m.last_node)
                 fresh = cache.allocate_device(len(tokens) // page_size - len(m.device_handles))
                 if fresh is not None:
-                    cache.stores[DEVICE].write(fresh, kv_for(cache, tokens)[len(m.device_handles):])
+                    cache.stores[DEVICE].write(fresh, kv_for(cache, tokens)[len(m.device_handles) :])
                     r = cache.insert(tokens, m.device_handles + fresh)
                     cache.free_device(r.duplicates)
                 cache.unlock(m.last_node)

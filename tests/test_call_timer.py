@@ -66,7 +66,9 @@ def test_the_io_guard_counts_disk_writes_made_through_write_from(tmp_path) -> No
 
     from sgl_hicache.sglang.call_timer import IOGuard
 
-    cache = make_cache(tmp_path, device=4, host=8, disk=32, write_policy="write_through", disk_write_policy="write_through")
+    cache = make_cache(
+        tmp_path, device=4, host=8, disk=32, write_policy="write_through", disk_write_policy="write_through"
+    )
     guard = IOGuard().install(cache)
     serve(cache, list(range(16)))
     assert cache.stores["disk"].stored_pages > 0

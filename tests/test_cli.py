@@ -12,8 +12,23 @@ from conftest import SHARED_DIR, mooncake_trace
 from sgl_hicache.cli import main
 
 TRACE = SHARED_DIR / "traces" / "mooncake_conversation_trace.jsonl"  # tests that read it call mooncake_trace() first
-SMALL = ["--limit", "40", "--scale", "16", "--page-size", "16", "--device-tokens", "4096", "--host-tokens", "4096",
-         "--disk-tokens", "65536", "--concurrency", "4", "--quiet"]
+SMALL = [
+    "--limit",
+    "40",
+    "--scale",
+    "16",
+    "--page-size",
+    "16",
+    "--device-tokens",
+    "4096",
+    "--host-tokens",
+    "4096",
+    "--disk-tokens",
+    "65536",
+    "--concurrency",
+    "4",
+    "--quiet",
+]
 
 
 def test_replay_compare_writes_a_report_and_stats_reads_it(tmp_path, capsys):
@@ -24,7 +39,17 @@ def test_replay_compare_writes_a_report_and_stats_reads_it(tmp_path, capsys):
     data = json.loads(report.read_text())
     assert set(data["policies"]) == {"recompute", "demote", "prefetch", "predict", "oracle"}
     for rep in data["policies"].values():
-        for key in ("requests", "prompt_tokens", "hit_tokens", "miss_tokens", "hit_rate", "ttft_s", "throughput_tok_s", "prefetch", "bytes_moved"):
+        for key in (
+            "requests",
+            "prompt_tokens",
+            "hit_tokens",
+            "miss_tokens",
+            "hit_rate",
+            "ttft_s",
+            "throughput_tok_s",
+            "prefetch",
+            "bytes_moved",
+        ):
             assert key in rep, key
         assert set(rep["ttft_s"]) >= {"mean", "p50", "p90", "p99"}
         assert set(rep["hit_tokens"]) == {"device", "host", "disk"}
@@ -37,7 +62,17 @@ def test_replay_compare_writes_a_report_and_stats_reads_it(tmp_path, capsys):
 
 def test_single_policy_with_a_persistent_disk_dir(tmp_path, capsys):
     disk = tmp_path / "tier"
-    args = ["replay", str(mooncake_trace()), *SMALL, "--policy", "demote", "--disk-dir", str(disk), "--host-tokens", "512"]
+    args = [
+        "replay",
+        str(mooncake_trace()),
+        *SMALL,
+        "--policy",
+        "demote",
+        "--disk-dir",
+        str(disk),
+        "--host-tokens",
+        "512",
+    ]
     assert main(args) == 0
     assert any(disk.rglob("*.page")), "the disk tier wrote no page file"
 
@@ -61,8 +96,12 @@ def test_bad_input_is_a_clear_error_without_traceback(args, message):
 
 def test_malformed_trace_names_file_and_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1]}\n{"timestamp": 1, "input_length": -3}\n')
-    proc = subprocess.run([sys.executable, "-m", "sgl_hicache.cli", "replay", str(bad), "--quiet"], capture_output=True, text=True)
+    bad.write_text(
+        '{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1]}\n{"timestamp": 1, "input_length": -3}\n'
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "sgl_hicache.cli", "replay", str(bad), "--quiet"], capture_output=True, text=True
+    )
     assert proc.returncode == 2
     assert f"{bad}:2" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -70,21 +109,40 @@ def test_malformed_trace_names_file_and_line(tmp_path):
 def test_disk_dir_that_is_a_file_is_refused(tmp_path):
     f = tmp_path / "afile"
     f.write_text("x")
-    proc = subprocess.run([sys.executable, "-m", "sgl_hicache.cli", "replay", str(TRACE), *SMALL, "--policy", "demote", "--disk-dir", str(f)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sgl_hicache.cli",
+            "replay",
+            str(TRACE),
+            *SMALL,
+            "--policy",
+            "demote",
+            "--disk-dir",
+            str(f),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "not a directory" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_stats_rejects_a_json_that_is_not_a_report(tmp_path):
     other = tmp_path / "x.json"
     other.write_text("[1, 2]")
-    proc = subprocess.run([sys.executable, "-m", "sgl_hicache.cli", "stats", str(other)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "sgl_hicache.cli", "stats", str(other)], capture_output=True, text=True
+    )
     assert proc.returncode == 2 and "not an sgl-hicache report" in proc.stderr
 
 
 def test_predictor_none_runs_predict_as_prefetch(tmp_path):
     reports = {}
-    for name, extra in (("none", ["--policy", "predict", "--predictor", "none"]), ("prefetch", ["--policy", "prefetch"])):
+    for name, extra in (
+        ("none", ["--policy", "predict", "--predictor", "none"]),
+        ("prefetch", ["--policy", "prefetch"]),
+    ):
         reports[name] = tmp_path / f"{name}.json"
         assert main(["replay", str(mooncake_trace()), *SMALL, *extra, "--report", str(reports[name])]) == 0
     none, prefetch = (json.loads(reports[n].read_text())["policies"] for n in ("none", "prefetch"))

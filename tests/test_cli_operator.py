@@ -49,10 +49,26 @@ class StandIn:
 
             def do_GET(self):
                 if self.path == "/server_info":
-                    states = [{"sgl_hicache_model": {"vocab_size": stand_in.vocab, "context_len": 4096, "special_token_ids": [1, 2]}}
-                              if stand_in.vocab else {}]
-                    self._json({"max_req_input_len": stand_in.max_input, "page_size": 16, "max_total_num_tokens": 1024,
-                                "context_length": None, "internal_states": states})
+                    states = [
+                        {
+                            "sgl_hicache_model": {
+                                "vocab_size": stand_in.vocab,
+                                "context_len": 4096,
+                                "special_token_ids": [1, 2],
+                            }
+                        }
+                        if stand_in.vocab
+                        else {}
+                    ]
+                    self._json(
+                        {
+                            "max_req_input_len": stand_in.max_input,
+                            "page_size": 16,
+                            "max_total_num_tokens": 1024,
+                            "context_length": None,
+                            "internal_states": states,
+                        }
+                    )
                 elif self.path == "/model_info":
                     self._json({"model_path": "/nonexistent/model"})
                 elif self.path == "/health":
@@ -73,9 +89,14 @@ class StandIn:
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.end_headers()
-                chunk = {"output_ids": list(range(3, 3 + n)),
-                         "meta_info": {"completion_tokens": n, "cached_tokens": 0,
-                                       "cached_tokens_details": {"device": 0, "host": 0, "storage": 0}}}
+                chunk = {
+                    "output_ids": list(range(3, 3 + n)),
+                    "meta_info": {
+                        "completion_tokens": n,
+                        "cached_tokens": 0,
+                        "cached_tokens_details": {"device": 0, "host": 0, "storage": 0},
+                    },
+                }
                 self.wfile.write(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -91,7 +112,19 @@ class StandIn:
         self.httpd.server_close()
 
 
-REPLAY = ["replay", str(TRACE), "--limit", "11", "--scale", "16", "--max-new-tokens", "2", "--concurrency", "2", "--quiet"]
+REPLAY = [
+    "replay",
+    str(TRACE),
+    "--limit",
+    "11",
+    "--scale",
+    "16",
+    "--max-new-tokens",
+    "2",
+    "--concurrency",
+    "2",
+    "--quiet",
+]
 
 
 def _run(args, **kw):
@@ -158,12 +191,15 @@ def test_a_dead_url_is_one_error_line(cmd):
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("args, message", [
-    (["stats", "http://127.0.0.1:1", "--plot", "x.png"], "--plot draws a replay report"),
-    (["replay", str(TRACE), "--url", "http://127.0.0.1:1", "--compare"], "--compare runs the embedded engine"),
-    (["replay", str(TRACE), "--max-new-tokens", "4"], "it needs --url"),
-    (["stats", str(TRACE), "--tokenizer", "/nonexistent"], "--tokenizer"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["stats", "http://127.0.0.1:1", "--plot", "x.png"], "--plot draws a replay report"),
+        (["replay", str(TRACE), "--url", "http://127.0.0.1:1", "--compare"], "--compare runs the embedded engine"),
+        (["replay", str(TRACE), "--max-new-tokens", "4"], "it needs --url"),
+        (["stats", str(TRACE), "--tokenizer", "/nonexistent"], "--tokenizer"),
+    ],
+)
 def test_other_misuse_is_a_clear_error(args, message, tmp_path):
     proc = _run(args)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
@@ -171,13 +207,46 @@ def test_other_misuse_is_a_clear_error(args, message, tmp_path):
 
 def test_stats_prometheus_of_a_report_is_refused(tmp_path):
     report = tmp_path / "r.json"
-    assert main(["replay", str(TRACE), "--limit", "5", "--scale", "16", "--page-size", "16", "--quiet", "--report", str(report)]) == 0
+    assert (
+        main(
+            [
+                "replay",
+                str(TRACE),
+                "--limit",
+                "5",
+                "--scale",
+                "16",
+                "--page-size",
+                "16",
+                "--quiet",
+                "--report",
+                str(report),
+            ]
+        )
+        == 0
+    )
     proc = _run(["stats", str(report), "--prometheus"])
     assert proc.returncode == 2 and "running server" in proc.stderr
 
 
-EMBEDDED = ["replay", str(TRACE), "--limit", "20", "--scale", "16", "--page-size", "16", "--device-tokens", "4096",
-            "--host-tokens", "4096", "--disk-tokens", "65536", "--policy", "demote"]
+EMBEDDED = [
+    "replay",
+    str(TRACE),
+    "--limit",
+    "20",
+    "--scale",
+    "16",
+    "--page-size",
+    "16",
+    "--device-tokens",
+    "4096",
+    "--host-tokens",
+    "4096",
+    "--disk-tokens",
+    "65536",
+    "--policy",
+    "demote",
+]
 
 
 def test_progress_in_a_log_is_plain_lines_and_quiet_is_silent():
@@ -212,8 +281,30 @@ def _word_tokenizer(folder: Path) -> list[str]:
     tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import models, pre_tokenizers
 
-    words = ["[UNK]", "system", "you", "are", "a", "helpful", "cache", "operator", "tell", "me", "about", "disks",
-             "and", "hosts", "please", "now", "why", "is", "the", "sky", "blue", "today"]
+    words = [
+        "[UNK]",
+        "system",
+        "you",
+        "are",
+        "a",
+        "helpful",
+        "cache",
+        "operator",
+        "tell",
+        "me",
+        "about",
+        "disks",
+        "and",
+        "hosts",
+        "please",
+        "now",
+        "why",
+        "is",
+        "the",
+        "sky",
+        "blue",
+        "today",
+    ]
     tok = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     folder.mkdir()
@@ -226,13 +317,42 @@ def test_tree_view_shows_depth_tokens_hits_age_residency_and_text(tmp_path):
     _word_tokenizer(tok)
     system = "system you are a helpful cache operator now "
     trace = tmp_path / "t.jsonl"
-    lines = [{"session": "a", "prompt": system + "tell me about disks and hosts please now", "output_length": 2, "timestamp": 0},
-             {"session": "b", "prompt": system + "why is the sky blue today please now", "output_length": 2, "timestamp": 1},
-             {"session": "a", "prompt": system + "tell me about disks and hosts please now why is the sky", "output_length": 2, "timestamp": 2}]
+    lines = [
+        {
+            "session": "a",
+            "prompt": system + "tell me about disks and hosts please now",
+            "output_length": 2,
+            "timestamp": 0,
+        },
+        {"session": "b", "prompt": system + "why is the sky blue today please now", "output_length": 2, "timestamp": 1},
+        {
+            "session": "a",
+            "prompt": system + "tell me about disks and hosts please now why is the sky",
+            "output_length": 2,
+            "timestamp": 2,
+        },
+    ]
     trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
     report = tmp_path / "r.json"
-    args = ["replay", str(trace), "--tokenizer", str(tok), "--page-size", "4", "--device-tokens", "64", "--host-tokens", "64",
-            "--disk-tokens", "0", "--policy", "demote", "--quiet", "--report", str(report)]
+    args = [
+        "replay",
+        str(trace),
+        "--tokenizer",
+        str(tok),
+        "--page-size",
+        "4",
+        "--device-tokens",
+        "64",
+        "--host-tokens",
+        "64",
+        "--disk-tokens",
+        "0",
+        "--policy",
+        "demote",
+        "--quiet",
+        "--report",
+        str(report),
+    ]
     assert _run(args).returncode == 0
     tree = json.loads(report.read_text())["policies"]["demote"]["tree"]
     root = tree[0]

@@ -31,9 +31,29 @@ from sgl_hicache.engine.presets import (
 
 # A toy model and machine whose figures are easy to work by hand.
 # L=2, H=2, d=4 -> 4*L*H*d = 64; P = 1000 params, bf16 -> 2000 weight bytes; KV/token = 2*2*1*4*2 = 32 B.
-TOY = ModelPreset("toy", num_layers=2, hidden_size=8, num_attention_heads=2, num_kv_heads=1, head_dim=4, dtype="bfloat16", total_params=1000, active_params=1000)
+TOY = ModelPreset(
+    "toy",
+    num_layers=2,
+    hidden_size=8,
+    num_attention_heads=2,
+    num_kv_heads=1,
+    head_dim=4,
+    dtype="bfloat16",
+    total_params=1000,
+    active_params=1000,
+)
 # sustained 1e6 * 0.5 = 5e5 FLOP/s; HBM 1e5 B/s
-HW = HardwarePreset("toy-hw", 1, peak_flops=1e6, mfu=0.5, hbm_bandwidth=1e5, host_link_bandwidth=1e4, disk_read_bandwidth=2e3, disk_write_bandwidth=1e3, device_memory_bytes=1e9)
+HW = HardwarePreset(
+    "toy-hw",
+    1,
+    peak_flops=1e6,
+    mfu=0.5,
+    hbm_bandwidth=1e5,
+    host_link_bandwidth=1e4,
+    disk_read_bandwidth=2e3,
+    disk_write_bandwidth=1e3,
+    device_memory_bytes=1e9,
+)
 
 
 def test_prefill_hand_computed():
@@ -118,13 +138,28 @@ def test_presets_match_their_sources():
     assert (big.num_layers, big.num_kv_heads, big.head_dim, big.active_params) == (62, 8, 128, 35e9) and big.is_moe
     assert MODELS["bench-llama"].total_params == 96_486_400
     # the tiny model the SGLang tests serve (the repo's copy) and the probe's original in shared/ must agree with the preset
-    for tiny_cfg in (REPO / "scripts" / "cpu" / "tiny-llama" / "config.json", shared_file("reference/sglang-cpu-probe/tiny-llama/config.json")):
+    for tiny_cfg in (
+        REPO / "scripts" / "cpu" / "tiny-llama" / "config.json",
+        shared_file("reference/sglang-cpu-probe/tiny-llama/config.json"),
+    ):
         c = json.loads(tiny_cfg.read_text())
         t = MODELS["tiny-llama"]
         assert (t.num_layers, t.hidden_size, t.num_attention_heads, t.num_kv_heads, t.head_dim) == (
-            c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]), tiny_cfg
-        assert t.total_params == llama_params(hidden=c["hidden_size"], intermediate=c["intermediate_size"], layers=c["num_hidden_layers"],
-                                              heads=c["num_attention_heads"], kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"], vocab=c["vocab_size"]), tiny_cfg
+            c["num_hidden_layers"],
+            c["hidden_size"],
+            c["num_attention_heads"],
+            c["num_key_value_heads"],
+            c["head_dim"],
+        ), tiny_cfg
+        assert t.total_params == llama_params(
+            hidden=c["hidden_size"],
+            intermediate=c["intermediate_size"],
+            layers=c["num_hidden_layers"],
+            heads=c["num_attention_heads"],
+            kv_heads=c["num_key_value_heads"],
+            head_dim=c["head_dim"],
+            vocab=c["vocab_size"],
+        ), tiny_cfg
     for name in ("h200", "8xh200", "cpu-local"):
         assert get_hardware(name) is HARDWARE[name]
     assert HARDWARE["8xh200"].link_bandwidth("host", "device") == 8 * HARDWARE["h200"].link_bandwidth("host", "device")

@@ -42,8 +42,9 @@ def _conv_inputs(n, seed=0):
 
 
 def _prefill_conv(ops, x, w, b, states, slot, has_init):
-    return ops.causal_conv1d_fn_cpu(x, w, b, "silu", states, torch.tensor([has_init]), torch.tensor([slot]),
-                                    torch.tensor([0, x.shape[1]]))
+    return ops.causal_conv1d_fn_cpu(
+        x, w, b, "silu", states, torch.tensor([has_init]), torch.tensor([slot]), torch.tensor([0, x.shape[1]])
+    )
 
 
 def test_causal_conv_matches_torch_depthwise_conv1d(ops):
@@ -52,7 +53,7 @@ def test_causal_conv_matches_torch_depthwise_conv1d(ops):
     out = _prefill_conv(ops, x, w, b, states, 1, False)
     ref = F.silu(F.conv1d(F.pad(x.float()[None], (WIDTH - 1, 0)), w.float()[:, None, :], b.float(), groups=DIM))[0]
     torch.testing.assert_close(out.float(), ref.to(torch.bfloat16).float(), atol=2e-2, rtol=2e-2)
-    assert torch.equal(states[1], x[:, -(WIDTH - 1):]), "the slot's state is the last width-1 inputs"
+    assert torch.equal(states[1], x[:, -(WIDTH - 1) :]), "the slot's state is the last width-1 inputs"
     assert states[0].abs().sum() == 0 and states[2].abs().sum() == 0, "other slots untouched"
 
 
@@ -82,8 +83,18 @@ def _gdn_inputs(n, seed=0):
 
 def _prefill_gdn(ops, q, k, v, a, b, A_log, dt_bias, states, slot, lo, hi):
     g, beta = ops.fused_gdn_gating_cpu(A_log, a[lo:hi], b[lo:hi], dt_bias)
-    out, pool, h = ops.chunk_gated_delta_rule_cpu(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g, beta, states,
-                                                  torch.tensor([0, hi - lo]), False, True, torch.tensor([slot]))
+    out, pool, h = ops.chunk_gated_delta_rule_cpu(
+        q[:, lo:hi],
+        k[:, lo:hi],
+        v[:, lo:hi],
+        g,
+        beta,
+        states,
+        torch.tensor([0, hi - lo]),
+        False,
+        True,
+        torch.tensor([slot]),
+    )
     assert pool is states and h is None
     return out
 
@@ -93,13 +104,26 @@ def test_gated_delta_rule_split_prefill_and_decode_equal_one_pass_bit_for_bit(op
     one = torch.zeros(SLOTS, HV, V, K)
     whole = _prefill_gdn(ops, q, k, v, a, b, A_log, dt_bias, one, 0, 0, 9)
     two = torch.zeros_like(one)
-    parts = [_prefill_gdn(ops, q, k, v, a, b, A_log, dt_bias, two, 1, 0, 5),
-             _prefill_gdn(ops, q, k, v, a, b, A_log, dt_bias, two, 1, 5, 7)]
+    parts = [
+        _prefill_gdn(ops, q, k, v, a, b, A_log, dt_bias, two, 1, 0, 5),
+        _prefill_gdn(ops, q, k, v, a, b, A_log, dt_bias, two, 1, 5, 7),
+    ]
     for t in (7, 8):
-        parts.append(ops.fused_sigmoid_gating_delta_rule_update_cpu(
-            A_log=A_log, dt_bias=dt_bias, q=q[:, t:t + 1], k=k[:, t:t + 1], v=v[:, t:t + 1], a=a[t:t + 1],
-            b=b[t:t + 1], initial_state_source=two, initial_state_indices=torch.tensor([1]),
-            cu_seqlens=torch.tensor([0, 1]), use_qk_l2norm_in_kernel=True))
+        parts.append(
+            ops.fused_sigmoid_gating_delta_rule_update_cpu(
+                A_log=A_log,
+                dt_bias=dt_bias,
+                q=q[:, t : t + 1],
+                k=k[:, t : t + 1],
+                v=v[:, t : t + 1],
+                a=a[t : t + 1],
+                b=b[t : t + 1],
+                initial_state_source=two,
+                initial_state_indices=torch.tensor([1]),
+                cu_seqlens=torch.tensor([0, 1]),
+                use_qk_l2norm_in_kernel=True,
+            )
+        )
     assert torch.equal(torch.cat(parts, 1), whole)
     assert torch.equal(two[1], one[0]) and two[0].abs().sum() == 0
 
@@ -111,8 +135,9 @@ def test_gated_delta_rule_first_step_closed_form(ops):
     out = _prefill_gdn(ops, q, k, v, a, b, A_log, dt_bias, states, 0, 0, 1)
     beta = b.float().sigmoid()[0]
     kk = F.normalize(k.float()[0, 0], dim=-1, eps=1e-3).repeat_interleave(HV // H, 0)
-    qq = F.normalize(q.float()[0, 0], dim=-1, eps=1e-3).repeat_interleave(HV // H, 0) * K ** -0.5
+    qq = F.normalize(q.float()[0, 0], dim=-1, eps=1e-3).repeat_interleave(HV // H, 0) * K**-0.5
     S = beta[:, None, None] * v.float()[0, 0][:, :, None] * kk[:, None, :]
     torch.testing.assert_close(states[0], S, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(out.float()[0, 0], (S * qq[:, None, :]).sum(-1).to(torch.bfloat16).float(),
-                               atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(
+        out.float()[0, 0], (S * qq[:, None, :]).sum(-1).to(torch.bfloat16).float(), atol=2e-2, rtol=2e-2
+    )

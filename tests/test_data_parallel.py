@@ -27,8 +27,9 @@ from sgl_hicache.sglang.data_parallel import DPPlacement, placement
 
 def _ctx(tp_size: int, tp_rank: int, group=None, **server_args):
     sa = SimpleNamespace(**{"enable_dp_attention": False, "dp_size": 1, "pp_size": 1, **server_args})
-    return SimpleNamespace(server_args=sa, tp_size=tp_size, tp_rank=tp_rank, tp_group=None,
-                           params=SimpleNamespace(tp_cache_group=group))
+    return SimpleNamespace(
+        server_args=sa, tp_size=tp_size, tp_rank=tp_rank, tp_group=None, params=SimpleNamespace(tp_cache_group=group)
+    )
 
 
 def test_placement_from_sglang_flags():

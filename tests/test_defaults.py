@@ -17,10 +17,17 @@ from sgl_hicache.sglang.settings import load_settings
 def _replay_policy(argv: list[str]) -> TieringPolicy:
     """The policy `sgl-hicache replay` builds from `argv` (as cli._replay_embedded does)."""
     args = build_parser().parse_args(["replay", "t.jsonl", *argv])
-    return EngineConfig(policy=args.policy, model=get_model(args.model), hardware=get_hardware(args.hardware),
-                        device_tokens=args.device_tokens, eviction_policy=args.eviction, write_policy=args.write_policy,
-                        predictor_budget_tokens=args.predictor_budget, predictor=args.predictor,
-                        admission_min_probability=args.admission).tiering()
+    return EngineConfig(
+        policy=args.policy,
+        model=get_model(args.model),
+        hardware=get_hardware(args.hardware),
+        device_tokens=args.device_tokens,
+        eviction_policy=args.eviction,
+        write_policy=args.write_policy,
+        predictor_budget_tokens=args.predictor_budget,
+        predictor=args.predictor,
+        admission_min_probability=args.admission,
+    ).tiering()
 
 
 def _serve_policy(argv: list[str]) -> TieringPolicy:

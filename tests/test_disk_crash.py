@@ -99,7 +99,10 @@ class CrashHelper:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _HELPER, str(directory), tests_dir],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=repo,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            cwd=repo,
         )
         self.lines = _Lines(self.proc.stdout.fileno())
 

@@ -208,7 +208,14 @@ def _cache_worker(worker: int, directory: str, barrier, results) -> None:
     """One process: write its first slice, then read the others' slices while writing a second
     slice of its own, all under a disk capacity smaller than the total (so everyone evicts)."""
     torch.set_num_threads(1)
-    cache = make_cache(Path(directory), device=8, host=8, disk=DISK_PAGES, write_policy="write_through", disk_write_policy="write_through")
+    cache = make_cache(
+        Path(directory),
+        device=8,
+        host=8,
+        disk=DISK_PAGES,
+        write_policy="write_through",
+        disk_write_policy="write_through",
+    )
     store = cache.stores[DISK]
     # per key: when its latest acknowledged write started, when its latest free ended (CLOCK_MONOTONIC
     # is one clock for every process of the machine)
@@ -329,8 +336,10 @@ def test_processes_write_read_and_evict_one_directory_at_once(tmp_path: Path) ->
             deleted[k] = max(t, deleted.get(k, t))
     # a page must be there unless some process deleted it after its latest write began
     must_survive = [k for k, t in acked.items() if deleted.get(k, float("-inf")) < t]
-    print(f"\nshared disk, {WORKERS} processes: {totals}; pages acked {len(acked)}, deleted {len(deleted)}, "
-          f"acked with no later delete {len(must_survive)}, samples {len(samples)}, max files {max(f for f, _ in samples)}")
+    print(
+        f"\nshared disk, {WORKERS} processes: {totals}; pages acked {len(acked)}, deleted {len(deleted)}, "
+        f"acked with no later delete {len(must_survive)}, samples {len(samples)}, max files {max(f for f, _ in samples)}"
+    )
     for w, o in got.items():  # each found the others' pages while they ran
         assert o["peer_prompts_hit"] > 0 and o["pages_discovered"] > 0, (w, o)
     assert totals["corrupt_pages"] == 0 and totals["corrupt_removed"] == 0 and totals["write_errors"] == 0
@@ -380,7 +389,11 @@ def _serving_worker(directory: str, stop, ready, results) -> None:
         if len(mine) > 200:
             store.free(mine[:100])
             del mine[:100]
-    out.update(corrupt_removed=store.counters["corrupt_removed"], write_errors=store.counters["write_errors"], owner=store.owner)
+    out.update(
+        corrupt_removed=store.counters["corrupt_removed"],
+        write_errors=store.counters["write_errors"],
+        owner=store.owner,
+    )
     store.close()
     results.put(out)
 

@@ -344,7 +344,8 @@ def test_permissions_owner_only(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "bad", [b"short", b"x" * 17, b"", bytearray(16), "0123456789abcdef", 12345, None, b"x" * 32],
+    "bad",
+    [b"short", b"x" * 17, b"", bytearray(16), "0123456789abcdef", 12345, None, b"x" * 32],
     ids=["short", "long", "empty", "bytearray", "str", "int", "none", "hex32"],
 )
 def test_key_validation(tmp_path: Path, bad) -> None:

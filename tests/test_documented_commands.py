@@ -68,11 +68,17 @@ def _documented_hits(doc: str) -> dict[str, dict[str, int]]:
 
 def test_main_job_reproduces_the_documented_figures(tmp_path: Path) -> None:
     mooncake_trace()  # fails clearly when ../shared is missing
-    cmd = next(c for c in documented_commands() if c.where.startswith("docs/results.md")
-               and c.text.startswith("scripts/replay.sh") and "--report out/" in c.text)
+    cmd = next(
+        c
+        for c in documented_commands()
+        if c.where.startswith("docs/results.md")
+        and c.text.startswith("scripts/replay.sh")
+        and "--report out/" in c.text
+    )
     text = cmd.text.replace("--report out/", f"--report {tmp_path}/")
-    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", text], cwd=REPO, env=_env(), capture_output=True,
-                          text=True, timeout=1500)
+    proc = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", text], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=1500
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(next(tmp_path.glob("*.json")).read_text())
     documented = _documented_hits((REPO / "docs" / "results.md").read_text())
@@ -100,8 +106,14 @@ def test_trace_format_examples_replay(tmp_path: Path) -> None:
         trace = tmp_path / f"example{i}{suffix}"
         trace.write_text(body)
         report = tmp_path / f"example{i}.report.json"
-        proc = subprocess.run([str(BIN / "sgl-hicache"), "replay", str(trace), "--quiet", "--report", str(report)],
-                              cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [str(BIN / "sgl-hicache"), "replay", str(trace), "--quiet", "--report", str(report)],
+            cwd=REPO,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, f"{trace.name}:\n{body}\n{proc.stderr[-2000:]}"
         result = json.loads(report.read_text())
         assert all(p["requests"] > 0 for p in result["policies"].values()), (trace.name, result["policies"])

@@ -21,14 +21,31 @@ def req(i: int, tokens: list[int], out: int = 4, t: float = 0.0) -> Request:
 
 
 def config(policy: str, device: int = 64, host: int = 256, disk: int = 1024, **kw) -> EngineConfig:
-    return EngineConfig(policy, get_model("tiny-llama"), get_hardware("cpu-local"), device_tokens=device, host_tokens=host,
-                        disk_tokens=disk, page_size=4, concurrency=1, **kw)
+    return EngineConfig(
+        policy,
+        get_model("tiny-llama"),
+        get_hardware("cpu-local"),
+        device_tokens=device,
+        host_tokens=host,
+        disk_tokens=disk,
+        page_size=4,
+        concurrency=1,
+        **kw,
+    )
 
 
 def test_same_trace_same_report():
     reqs = load_trace(mooncake_trace(), limit=60, scale=16)
-    base = EngineConfig("prefetch", get_model("llama3-8b"), get_hardware("h200"), device_tokens=4096, host_tokens=8192,
-                        disk_tokens=65536, page_size=16, concurrency=4)
+    base = EngineConfig(
+        "prefetch",
+        get_model("llama3-8b"),
+        get_hardware("h200"),
+        device_tokens=4096,
+        host_tokens=8192,
+        disk_tokens=65536,
+        page_size=16,
+        concurrency=4,
+    )
     a, b = run_policy(reqs, base), run_policy(reqs, base)
     for r in (a, b):
         r.pop("engine")
@@ -58,8 +75,16 @@ def test_disk_hits_when_host_is_small():
 
 def test_demote_never_fewer_hits_than_recompute_on_the_real_trace():
     reqs = load_trace(mooncake_trace(), limit=300, scale=16)
-    base = EngineConfig("recompute", get_model("llama3-8b"), get_hardware("h200"), device_tokens=6144, host_tokens=16384,
-                        disk_tokens=131072, page_size=16, concurrency=4)
+    base = EngineConfig(
+        "recompute",
+        get_model("llama3-8b"),
+        get_hardware("h200"),
+        device_tokens=6144,
+        host_tokens=16384,
+        disk_tokens=131072,
+        page_size=16,
+        concurrency=4,
+    )
     out = compare(reqs, base)
     hits = {p: sum(r["hit_tokens"].values()) for p, r in out["policies"].items()}
     assert hits["demote"] >= hits["recompute"]
@@ -80,8 +105,16 @@ def test_prefetch_moves_disk_reads_off_the_critical_path():
     keeps most prefetches back, so the two are level (1.00002x after the eviction and
     demand-before-prefetch merges; 0.1 % is the bound, not a tuned figure)."""
     reqs = load_trace(mooncake_trace(), limit=200, scale=16)
-    base = EngineConfig("demote", get_model("llama3-8b"), get_hardware("h200"), device_tokens=8192, host_tokens=2048,
-                        disk_tokens=262144, page_size=16, concurrency=8)
+    base = EngineConfig(
+        "demote",
+        get_model("llama3-8b"),
+        get_hardware("h200"),
+        device_tokens=8192,
+        host_tokens=2048,
+        disk_tokens=262144,
+        page_size=16,
+        concurrency=8,
+    )
     demote = run_policy(reqs, base)
     prefetch = run_policy(reqs, dataclasses.replace(base, policy="prefetch"))
     assert prefetch["hit_tokens"]["disk"] > 0

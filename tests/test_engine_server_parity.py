@@ -27,13 +27,36 @@ def test_embedded_engine_and_server_agree_per_tier(tmp_path: Path) -> None:
     import engine_server_parity
 
     out_path = tmp_path / "parity.json"
-    rc = engine_server_parity.main([
-        # the benchmark's defaults (tiny model, scale 4, page 4, 1 output token, pool at its floor,
-        # host 16x, disk on, sequential), spelled out so that a change of defaults does not change the test
-        "--trace", str(mooncake_trace()), "--model", str(REPO / "scripts" / "cpu" / "tiny-llama"),
-        "--requests", "150", "--scale", "4", "--page-size", "4", "--output-tokens", "1",
-        "--pool", "0.02", "--host-ratio", "16", "--concurrency", "1", "--eviction-demotes", "all", "--start-timeout", "600", "--json", str(out_path),
-    ])
+    rc = engine_server_parity.main(
+        [
+            # the benchmark's defaults (tiny model, scale 4, page 4, 1 output token, pool at its floor,
+            # host 16x, disk on, sequential), spelled out so that a change of defaults does not change the test
+            "--trace",
+            str(mooncake_trace()),
+            "--model",
+            str(REPO / "scripts" / "cpu" / "tiny-llama"),
+            "--requests",
+            "150",
+            "--scale",
+            "4",
+            "--page-size",
+            "4",
+            "--output-tokens",
+            "1",
+            "--pool",
+            "0.02",
+            "--host-ratio",
+            "16",
+            "--concurrency",
+            "1",
+            "--eviction-demotes",
+            "all",
+            "--start-timeout",
+            "600",
+            "--json",
+            str(out_path),
+        ]
+    )
     out = json.loads(out_path.read_text())
     server, embedded = out["server"]["hit_tokens"], out["embedded"]["hit_tokens"]
     # the slice must exercise more than the device tier, or agreement proves little

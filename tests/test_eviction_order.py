@@ -171,10 +171,13 @@ def _eviction_order(cache) -> list[int]:
     return order
 
 
-@pytest.mark.parametrize("policy,order", [
-    ("lru", [3, 1, 2]),        # by last use: c (3), a (5), b (6)
-    ("lfu", [3, 2, 1]),
-])
+@pytest.mark.parametrize(
+    "policy,order",
+    [
+        ("lru", [3, 1, 2]),  # by last use: c (3), a (5), b (6)
+        ("lfu", [3, 2, 1]),
+    ],
+)
 def test_policy_order_on_a_small_tree(policy, order):
     cache, _ = _served_tree(policy)
     assert cache.tree.leaves is not None  # every one of these keeps the incremental queue

@@ -22,8 +22,14 @@ def _env() -> dict[str, str]:
 
 def test_cpu_smoke_writes_the_report(tmp_path: Path) -> None:
     out = tmp_path / "gpu_check.json"
-    proc = subprocess.run([str(REPO / "scripts" / "gpu_check.sh"), "--cpu-smoke", "--json", str(out)],
-                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [str(REPO / "scripts" / "gpu_check.sh"), "--cpu-smoke", "--json", str(out)],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
     assert result["benchmark"] == "gpu_check" and result["mode"] == "cpu_smoke" and result["ok"] is True
@@ -34,9 +40,13 @@ def test_cpu_smoke_writes_the_report(tmp_path: Path) -> None:
     assert size["device_pool"] == "cpu" and size["pages"] == 6
     methods = ("per_page", "gather", "staged")  # every way the layer-wise loader can move pages
     assert size["bit_exact"] == {
-        "handler_round_trip": True, "loader_round_trip": True, "loader_reversed_slots": True,
+        "handler_round_trip": True,
+        "loader_round_trip": True,
+        "loader_reversed_slots": True,
         **{f"loader_{m}_{check}": True for m in methods for check in ("round_trip", "reversed_slots")},
-        "intact_after_timed_moves": True, "overlap_matches_serial": True, "serial_matches_source": True,
+        "intact_after_timed_moves": True,
+        "overlap_matches_serial": True,
+        "serial_matches_source": True,
     }
     assert size["loader_method"] == "per_page"  # the default on a CPU
     paths = ("handler", "loader", "loader_per_page", "loader_gather", "strided")
@@ -45,9 +55,24 @@ def test_cpu_smoke_writes_the_report(tmp_path: Path) -> None:
             assert size["gbps"][f"{path}_{link}"] > 0
     assert set(size["ratios"]) == {f"{p}_{way} / plain_{way}" for p in paths for way in ("h2d", "d2h")}
     overlap = size["overlap"]
-    assert set(overlap["ms"]) == {"copy_only", "compute_only", "overlapped", "overlapped_ahead",
-                                  "copy_only_per_page", "copy_only_gather", "overlapped_ahead_per_page", "overlapped_ahead_gather"}
-    for key in ("hidden", "hidden_ahead", "hidden_ahead_by_method", "issue_ms", "matmuls_per_layer", "race_visible_without_wait"):
+    assert set(overlap["ms"]) == {
+        "copy_only",
+        "compute_only",
+        "overlapped",
+        "overlapped_ahead",
+        "copy_only_per_page",
+        "copy_only_gather",
+        "overlapped_ahead_per_page",
+        "overlapped_ahead_gather",
+    }
+    for key in (
+        "hidden",
+        "hidden_ahead",
+        "hidden_ahead_by_method",
+        "issue_ms",
+        "matmuls_per_layer",
+        "race_visible_without_wait",
+    ):
         assert key in overlap
     assert set(overlap["hidden_ahead_by_method"]) == {"per_page", "gather"}
     assert "bit-exact" in proc.stdout and "hidden" in proc.stdout
@@ -72,7 +97,9 @@ def test_without_cuda_it_fails_clearly_and_imports_only_the_core(tmp_path: Path)
         "print('imported:', bad)\n"
         "sys.exit(status)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
     assert "imported: []" in proc.stdout, proc.stdout + proc.stderr
     if torch.cuda.is_available():
         assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -49,14 +49,29 @@ def _drained(lst: HintListener, n: int, timeout_s: float = 10.0) -> list[Hint]:
 def test_a_session_hint_names_that_sessions_latest_prompt_before_its_request():
     a1 = _req("a/1", "a", 0.0, [1, 2, 3, 4])
     a2 = _req("a/2", "a", 1.0, [1, 2, 3, 4, 5, 6, 7, 8])
-    probe = _req("b/1", "b", 2.0, [9, 9, 9, 9], hints=(Hint("prefetch", session="a"), Hint("pin", session="b", ttl_s=5),
-                                                       Hint("demote", input_ids=(7, 7, 7, 7))))
+    probe = _req(
+        "b/1",
+        "b",
+        2.0,
+        [9, 9, 9, 9],
+        hints=(
+            Hint("prefetch", session="a"),
+            Hint("pin", session="b", ttl_s=5),
+            Hint("demote", input_ids=(7, 7, 7, 7)),
+        ),
+    )
     resolved, unresolved = resolve_hints([probe, a2, a1])  # any order: resolved in arrival order
-    assert [(h.hint.action, h.tokens) for h in resolved[id(probe)]] == [("prefetch", (1, 2, 3, 4, 5, 6, 7, 8)),
-                                                                          ("demote", (7, 7, 7, 7))]
+    assert [(h.hint.action, h.tokens) for h in resolved[id(probe)]] == [
+        ("prefetch", (1, 2, 3, 4, 5, 6, 7, 8)),
+        ("demote", (7, 7, 7, 7)),
+    ]
     assert unresolved == ["request b/1: hints[1] (pin): unknown session 'b'"]  # its own prompt is not "before" it
     assert resolved[id(probe)][0].body() == {"action": "prefetch", "input_ids": [1, 2, 3, 4, 5, 6, 7, 8]}
-    assert ResolvedHint("x", Hint("pin", input_ids=(1,), ttl_s=3.0), (1,)).body() == {"action": "pin", "input_ids": [1], "ttl_s": 3.0}
+    assert ResolvedHint("x", Hint("pin", input_ids=(1,), ttl_s=3.0), (1,)).body() == {
+        "action": "pin",
+        "input_ids": [1],
+        "ttl_s": 3.0,
+    }
 
 
 def test_hints_are_posted_at_their_due_time_in_due_order(listener):
@@ -77,7 +92,9 @@ def test_a_refused_hint_is_counted_with_its_reason_and_the_rest_still_go(listene
     sender = HintSender(f"127.0.0.1:{listener.port}/hints")
     now = time.perf_counter()
     sender.schedule(now, ResolvedHint("r1", Hint("prefetch", input_ids=(1, 2)), (1, 2)))  # shorter than a page
-    sender.schedule(now, ResolvedHint("r2", Hint("pin", input_ids=tuple(range(32)), ttl_s=5.0), tuple(range(32))))  # > 25 % of 64
+    sender.schedule(
+        now, ResolvedHint("r2", Hint("pin", input_ids=tuple(range(32)), ttl_s=5.0), tuple(range(32)))
+    )  # > 25 % of 64
     sender.schedule(now, ResolvedHint("r3", Hint("prefetch", input_ids=(1, 2, 3, 4)), (1, 2, 3, 4)))
     sender.schedule(now + 0.5, ResolvedHint("r4", Hint("retain", input_ids=(5, 6, 7, 8)), (5, 6, 7, 8)))  # due later
     assert [h.input_ids for h in _drained(listener, 1)] == [(1, 2, 3, 4)]
@@ -113,7 +130,9 @@ def test_a_hinted_trace_without_a_hint_api_fails_before_anything_is_sent():
     dead = f"http://127.0.0.1:{free_port()}"
     server = ServerModel(url=dead, vocab_size=1000, vocab_source="test")
     reqs = [_req("a/1", "a", 0.0, [1, 2, 3, 4], hints=(Hint("prefetch", input_ids=(1, 2, 3, 4)),))]
-    with pytest.raises(ServerError, match=r"the trace carries 1 hints, but the server at .* serves no hint API.*--hint-port"):
+    with pytest.raises(
+        ServerError, match=r"the trace carries 1 hints, but the server at .* serves no hint API.*--hint-port"
+    ):
         replay_http(reqs, dead, server=server)
     with pytest.raises(ServerError, match=r"does not answer.*the trace's 1 hints cannot be sent"):
         replay_http(reqs, dead, server=server, hint_url=f"http://127.0.0.1:{free_port()}")

@@ -26,26 +26,43 @@ def _write(tmp_path, rows):
 
 
 def test_trace_hints_are_parsed(tmp_path):
-    p = _write(tmp_path, [
-        {"session": "s1", "input_ids": [1, 2, 3, 4], "output_length": 2, "timestamp": 0.0},
-        {"session": "s2", "input_ids": [1, 2, 9, 9], "output_length": 2, "timestamp": 1.0,
-         "hints": [{"action": "prefetch", "session": "s1"}, {"action": "pin", "input_ids": [1, 2, 3, 4], "ttl_s": 30, "after_s": 0.5}]},
-    ])
+    p = _write(
+        tmp_path,
+        [
+            {"session": "s1", "input_ids": [1, 2, 3, 4], "output_length": 2, "timestamp": 0.0},
+            {
+                "session": "s2",
+                "input_ids": [1, 2, 9, 9],
+                "output_length": 2,
+                "timestamp": 1.0,
+                "hints": [
+                    {"action": "prefetch", "session": "s1"},
+                    {"action": "pin", "input_ids": [1, 2, 3, 4], "ttl_s": 30, "after_s": 0.5},
+                ],
+            },
+        ],
+    )
     reqs = list(load_trace(p, fmt="plain"))
     assert reqs[0].hints == ()
     assert reqs[1].hints == (Hint("prefetch", session="s1"), Hint("pin", (1, 2, 3, 4), ttl_s=30.0, after_s=0.5))
 
 
-@pytest.mark.parametrize("hint, message", [
-    ({"action": "evict", "session": "s"}, "hints[0]: unknown hint action 'evict'"),
-    ({"action": "pin", "session": "s"}, "hints[0]: 'ttl_s' is required for a pin"),
-    ({"action": "prefetch", "session": "s", "input_ids": [1]}, "hints[0]: a hint names its prefix by exactly one"),
-    ({"action": "prefetch", "input_ids": "12"}, "hints[0]: field 'input_ids' must be an array of integers"),
-    ({"action": "pin", "session": "s", "ttl_s": -1}, "hints[0]: field 'ttl_s' must be a finite number >= 0"),
-    ({"action": "prefetch", "session": "s", "when": 1}, "hints[0]: unknown field(s) 'when'"),
-])
+@pytest.mark.parametrize(
+    "hint, message",
+    [
+        ({"action": "evict", "session": "s"}, "hints[0]: unknown hint action 'evict'"),
+        ({"action": "pin", "session": "s"}, "hints[0]: 'ttl_s' is required for a pin"),
+        ({"action": "prefetch", "session": "s", "input_ids": [1]}, "hints[0]: a hint names its prefix by exactly one"),
+        ({"action": "prefetch", "input_ids": "12"}, "hints[0]: field 'input_ids' must be an array of integers"),
+        ({"action": "pin", "session": "s", "ttl_s": -1}, "hints[0]: field 'ttl_s' must be a finite number >= 0"),
+        ({"action": "prefetch", "session": "s", "when": 1}, "hints[0]: unknown field(s) 'when'"),
+    ],
+)
 def test_a_malformed_hint_names_the_line_and_the_field(tmp_path, hint, message):
-    p = _write(tmp_path, [{"input_ids": [1, 2], "output_length": 1}, {"input_ids": [1, 2], "output_length": 1, "hints": [hint]}])
+    p = _write(
+        tmp_path,
+        [{"input_ids": [1, 2], "output_length": 1}, {"input_ids": [1, 2], "output_length": 1, "hints": [hint]}],
+    )
     with pytest.raises(TraceError) as err:
         load_trace(p, fmt="plain")
     assert f"{p}:2: " in str(err.value) and message in str(err.value)
@@ -212,14 +229,26 @@ def test_the_engine_replays_hints_through_the_controller():
     for hints in (False, True):
         reqs = chain(sessions=12, turn_tokens=2048, hints=hints)
         role = {r.arrival_s: role_of(r) for r in reqs}
-        cfg = EngineConfig(policy="prefetch", model=get_model("llama3-8b"), hardware=get_hardware("h200"), device_tokens=16_384,
-                           host_tokens=32_768, disk_tokens=1_000_000, concurrency=None, byte_mode="metadata")
+        cfg = EngineConfig(
+            policy="prefetch",
+            model=get_model("llama3-8b"),
+            hardware=get_hardware("h200"),
+            device_tokens=16_384,
+            host_tokens=32_768,
+            disk_tokens=1_000_000,
+            concurrency=None,
+            byte_mode="metadata",
+        )
         eng = EmbeddedEngine(cfg)
         eng.run(reqs)
         eng.cache.check()
         ttft = [t for a, t in zip(eng.records.arrival_s, eng.records.ttft_s) if role[a] == "cont"]
-        out[hints] = (sum(ttft) / len(ttft), eng.controller.hints.counts["prefetch"], eng.hints_rejected,
-                      eng.cache.stats.triggers["hint"]["used_tokens"])
+        out[hints] = (
+            sum(ttft) / len(ttft),
+            eng.controller.hints.counts["prefetch"],
+            eng.hints_rejected,
+            eng.cache.stats.triggers["hint"]["used_tokens"],
+        )
         eng.close()
     assert out[False][1] == 0 and out[True][1] == 12 and out[True][2] == 0
     assert out[True][3] > 0 and out[True][0] < out[False][0]  # the client's word got the history up in time

@@ -39,8 +39,13 @@ def seq(start: int, pages: int, page_size: int = 4) -> list[int]:
 
 def _controller(cache, loads):
     engine = TransferEngine(cache, workers=1)
-    ctl = RequestController(cache, ThreadExecutor(cache, engine, layers=loads), make_predictor("none", cache.page_size, 0),
-                            ControllerSettings(device_writeback_clean_fraction=0, writeback_clean_fraction=0), clock=time.monotonic)
+    ctl = RequestController(
+        cache,
+        ThreadExecutor(cache, engine, layers=loads),
+        make_predictor("none", cache.page_size, 0),
+        ControllerSettings(device_writeback_clean_fraction=0, writeback_clean_fraction=0),
+        clock=time.monotonic,
+    )
     return ctl, engine
 
 

@@ -29,8 +29,9 @@ def _sglang_like_pool() -> SGLangDevicePool:
     rows = (DEVICE_PAGES + 1) * PAGE  # SGLang adds one padding page
     mk = lambda: [torch.zeros(rows, 2, 4, dtype=torch.bfloat16) for _ in range(LAYOUT.num_layers)]  # noqa: E731
     kv = SimpleNamespace(k_buffer=mk(), v_buffer=mk(), dtype=torch.bfloat16)
-    alloc = SimpleNamespace(page_size=PAGE, size=DEVICE_PAGES * PAGE, get_kvcache=lambda: kv,
-                            available_size=lambda: DEVICE_PAGES * PAGE)
+    alloc = SimpleNamespace(
+        page_size=PAGE, size=DEVICE_PAGES * PAGE, get_kvcache=lambda: kv, available_size=lambda: DEVICE_PAGES * PAGE
+    )
     return SGLangDevicePool(alloc)
 
 

@@ -21,7 +21,9 @@ def test_import_linter_contracts_hold() -> None:
     # which would silence the package's loggers for every test after this one
     code = f"from importlinter.cli import lint_imports; raise SystemExit(lint_imports(config_filename={str(ROOT / 'pyproject.toml')!r}))"
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, f"an import-linter contract is broken (run lint-imports):\n{run.stdout[-3000:]}{run.stderr[-2000:]}"
+    assert run.returncode == 0, (
+        f"an import-linter contract is broken (run lint-imports):\n{run.stdout[-3000:]}{run.stderr[-2000:]}"
+    )
 
 
 def _cycles(graph) -> list[list[str]]:

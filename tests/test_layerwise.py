@@ -49,7 +49,9 @@ def _round_trip(device: str, method: str | None = None, stage_layers: int | None
     assert torch.equal(_bits(dev.read(dev_slots)), _bits(pages))
 
     host.write(host_slots, torch.zeros_like(pages))
-    back = LayerwiseLoader(dev, host, dev_slots, host_slots, to_device=False, method=method, stage_layers=stage_layers).start()
+    back = LayerwiseLoader(
+        dev, host, dev_slots, host_slots, to_device=False, method=method, stage_layers=stage_layers
+    ).start()
     back.synchronize()
     assert torch.equal(_bits(host.read(host_slots)), _bits(pages))
     untouched = [s for s in range(host.capacity_pages) if s not in host_slots]
@@ -148,7 +150,9 @@ def test_worker_failure_reaches_the_waiter() -> None:
     dev, host = _stores()
     loader = LayerwiseLoader(dev, host, [0], [0])
     pages = loader._dev_pages
-    loader._dev_pages = lambda layer, kv: pages(layer, kv)[:, :1]  # a destination of the wrong shape: the first copy fails
+    loader._dev_pages = lambda layer, kv: pages(layer, kv)[
+        :, :1
+    ]  # a destination of the wrong shape: the first copy fails
     loader.start()
     with pytest.raises(RuntimeError):
         loader.wait_layer(LAYOUT.num_layers - 1)

@@ -59,8 +59,15 @@ def chat_trace(seed: int, n: int = 60) -> list[Request]:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_oracle_never_fewer_hits_than_lru(seed):
     reqs = chat_trace(seed)
-    base = dict(model=get_model("tiny-llama"), hardware=get_hardware("cpu-local"), device_tokens=64, host_tokens=24, disk_tokens=32,
-                page_size=PS, concurrency=1)
+    base = dict(
+        model=get_model("tiny-llama"),
+        hardware=get_hardware("cpu-local"),
+        device_tokens=64,
+        host_tokens=24,
+        disk_tokens=32,
+        page_size=PS,
+        concurrency=1,
+    )
     lru = run_policy(reqs, EngineConfig("demote", **base))
     oracle = run_policy(reqs, EngineConfig("oracle", **base))
     assert oracle["hit_rate"] >= lru["hit_rate"]
@@ -152,7 +159,9 @@ def test_guard_stops_a_wrong_predictor_through_the_controller(tmp_path):
     cache.clock = clock
     ex = VirtualExecutor(cache, VirtualPipes(lambda link, tokens: 0.0), clock, PS)
     ctl = RequestController(cache, ex, Predictor(), ControllerSettings(max_predicted_jobs=1), clock)
-    ctl.speculation.guard = PromotionGuard(min_precision=0.5, min_resolved_tokens=2 * PS, probe_every=1000, shadow_bets=0)
+    ctl.speculation.guard = PromotionGuard(
+        min_precision=0.5, min_resolved_tokens=2 * PS, probe_every=1000, shadow_bets=0
+    )
     junk = [seq(500_000 + 1000 * i, 1) for i in range(40)]
     for p in junk:
         serve(cache, p)

@@ -139,4 +139,7 @@ def test_a_shadow_pick_the_host_would_evict_at_once_is_judged_wasted(tmp_path):
     assert not ctl.predicted
     clock.t += 5.0  # the request the bet was for, well after the copy would have landed
     ctl.account(None, 4 * PS, cache.match(seq(0, 2) + seq(100, 2), touch=False))
-    assert sum(ctl.speculation.shadow.used.values()) == 0 and sum(ctl.speculation.shadow.wasted.values()) == target.num_pages * PS
+    assert (
+        sum(ctl.speculation.shadow.used.values()) == 0
+        and sum(ctl.speculation.shadow.wasted.values()) == target.num_pages * PS
+    )

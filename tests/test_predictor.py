@@ -92,7 +92,9 @@ def test_split_keeps_the_count():
     serve(cache, head)
     upper = node(cache, P + seq(100, 1))
     lower_key = edge_key_of(seq(104, 1))
-    assert upper.child_traffic[lower_key] * 0.5 ** ((clock() - upper.traffic_stamp) / TRAFFIC_HALF_LIFE_S) == pytest.approx(5)
+    assert upper.child_traffic[lower_key] * 0.5 ** (
+        (clock() - upper.traffic_stamp) / TRAFFIC_HALF_LIFE_S
+    ) == pytest.approx(5)
 
 
 def test_promotes_the_hot_child_not_the_cold_one():
@@ -168,9 +170,16 @@ def test_stays_within_budget_parents_first():
     start = node(cache, P)
     na, nb, nc = node(cache, a), node(cache, b), node(cache, c)
     # a node larger than what is left is taken by its head (`pages`), and the walk ends there
-    for budget, want in ((0, []), (3, []), (7, [(na, 1)]), (8, [(na, None)]), (15, [(na, None), (nb, 1)]),
-                         (16, [(na, None), (nb, None)]), (27, [(na, None), (nb, None), (nc, 2)]),
-                         (28, [(na, None), (nb, None), (nc, None)])):
+    for budget, want in (
+        (0, []),
+        (3, []),
+        (7, [(na, 1)]),
+        (8, [(na, None)]),
+        (15, [(na, None), (nb, 1)]),
+        (16, [(na, None), (nb, None)]),
+        (27, [(na, None), (nb, None), (nc, 2)]),
+        (28, [(na, None), (nb, None), (nc, None)]),
+    ):
         out = walker(budget, min_probability=0.1).predict(start, clock())
         assert [(pr.node, pr.pages) for pr in out] == want, budget
         assert sum(pr.pages or pr.node.num_pages for pr in out) * PS <= budget

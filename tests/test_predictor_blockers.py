@@ -231,7 +231,9 @@ def test_executor_moves_write_back_behind_a_speculative_copy(tmp_path):
 # ---- the shapes, and prediction paying on them ---------------------------------------------------
 def test_shapes_are_deterministic_and_tagged():
     a, b = chain(sessions=3, seed=1), chain(sessions=3, seed=1)
-    assert [(r.request_id, r.arrival_s, list(r.input_ids)) for r in a] == [(r.request_id, r.arrival_s, list(r.input_ids)) for r in b]
+    assert [(r.request_id, r.arrival_s, list(r.input_ids)) for r in a] == [
+        (r.request_id, r.arrival_s, list(r.input_ids)) for r in b
+    ]
     roles = [role_of(r) for r in a]
     assert roles.count("probe") == 3 and roles.count("cont") == 3
     by = {r.request_id: r for r in a}
@@ -253,13 +255,25 @@ def test_predict_gets_the_continuation_up_before_it_arrives(shape):
     from sgl_hicache.engine.presets import get_hardware, get_model
     from sgl_hicache.engine.simulator import EmbeddedEngine, EngineConfig
 
-    reqs = chain(sessions=12, turn_tokens=2048) if shape == "chain" else branch(sessions=12, doc_tokens=2048, branch_tokens=1024)
+    reqs = (
+        chain(sessions=12, turn_tokens=2048)
+        if shape == "chain"
+        else branch(sessions=12, doc_tokens=2048, branch_tokens=1024)
+    )
     target = "cont" if shape == "chain" else "revisit"
     arrival = {r.arrival_s: role_of(r) for r in reqs}
     out = {}
     for policy in ("prefetch", "predict"):
-        cfg = EngineConfig(policy=policy, model=get_model("llama3-8b"), hardware=get_hardware("h200"), device_tokens=16_384,
-                           host_tokens=32_768, disk_tokens=1_000_000, concurrency=None, byte_mode="metadata")
+        cfg = EngineConfig(
+            policy=policy,
+            model=get_model("llama3-8b"),
+            hardware=get_hardware("h200"),
+            device_tokens=16_384,
+            host_tokens=32_768,
+            disk_tokens=1_000_000,
+            concurrency=None,
+            byte_mode="metadata",
+        )
         eng = EmbeddedEngine(cfg)
         eng.run(reqs)
         eng.cache.check()
@@ -397,7 +411,9 @@ def test_no_prediction_while_requests_queue_longer_than_the_lead(tmp_path, waite
     assert bool(ctl.predicted) is predicts
     assert ctl.speculation.guard.queue_deep == (0 if predicts else 1)
     counters = ctl.speculation.counters()  # what the server's stats and the engine's benchmarks report
-    assert counters["queue_deep"] == ctl.speculation.guard.queue_deep and counters["queue_delay_s"] == pytest.approx(waited)
+    assert counters["queue_deep"] == ctl.speculation.guard.queue_deep and counters["queue_delay_s"] == pytest.approx(
+        waited
+    )
     if predicts:
         ex.finish_all([op for job in ctl.predicted for op in job.ops()])
         ctl.advance_predictions()

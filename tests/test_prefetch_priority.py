@@ -179,8 +179,12 @@ def test_the_server_sizes_a_refused_request_shortfall_as_sglang_admits_it():
 
     from sgl_hicache.sglang.scheduler_hooks import demand_shortfall_tokens
 
-    req = SimpleNamespace(full_untruncated_fill_ids=list(range(1000)), prefix_len=200, output_ids=[1, 2],
-                          sampling_params=SimpleNamespace(max_new_tokens=100))
+    req = SimpleNamespace(
+        full_untruncated_fill_ids=list(range(1000)),
+        prefix_len=200,
+        output_ids=[1, 2],
+        sampling_params=SimpleNamespace(max_new_tokens=100),
+    )
     adder = SimpleNamespace(rem_total_tokens=500, per_req_token_overhead=0, page_size=16)
     assert demand_shortfall_tokens(adder, req, clip_max_new_tokens=4096) == 800 + 98 + 16 - 500
     assert demand_shortfall_tokens(adder, req, clip_max_new_tokens=50) == 800 + 50 + 16 - 500

@@ -61,7 +61,9 @@ def _rank_main(rank: int, size: int, store_path: str, out_dir: str) -> None:
         c.step([a, b], [(ticket, rank == 1)], digest=lambda: tree_digest(cache))
         out["a"] = [a.settled, type(a.error).__name__, getattr(a.error, "page_gone", None)]
         out["b"] = [b.settled, type(b.error).__name__, getattr(b.error, "page_gone", None)]
-        out["peer_is_tier_error"] = isinstance(a.error, TierIOError) and (rank == 1 or isinstance(a.error, PeerTierError))
+        out["peer_is_tier_error"] = isinstance(a.error, TierIOError) and (
+            rank == 1 or isinstance(a.error, PeerTierError)
+        )
         out["gave_up"] = c.gave_up(ticket)
         out["clock"] = c.clock()
         out["counts"] = vars(c.counts)

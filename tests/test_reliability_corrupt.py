@@ -33,7 +33,9 @@ def seq(start: int, pages: int = PAGES) -> list[int]:
 
 def persist(tmp_path: Path, prompts) -> None:
     """Write every prompt's pages through to disk with one cache, then drop that cache (a restart)."""
-    cache = make_cache(tmp_path, device=8, host=8, disk=256, write_policy="write_through", disk_write_policy="write_through")
+    cache = make_cache(
+        tmp_path, device=8, host=8, disk=256, write_policy="write_through", disk_write_policy="write_through"
+    )
     for p in prompts:
         serve(cache, p)
     cache.check()
@@ -202,7 +204,9 @@ def test_corruption_after_adoption_is_a_miss_counted_removed_logged_once(tmp_pat
     assert len(disk_lines) == len(reasons), [r.getMessage() for r in disk_lines]  # one line per reason
     assert len(reasons) >= len(CORRUPTIONS) - 1 and len(disk_lines) < n
     cache_lines = warnings_from(caplog, "sgl_hicache.cache")
-    assert len(cache_lines) == len(reasons), [r.getMessage() for r in cache_lines]  # the transfer's line: also once per reason
+    assert len(cache_lines) == len(reasons), [
+        r.getMessage() for r in cache_lines
+    ]  # the transfer's line: also once per reason
     assert_served_right(cache, clean)
     cache.check()
 
@@ -219,7 +223,12 @@ def test_stray_files_and_directories_are_ignored_through_the_cache(tmp_path: Pat
     squat.unlink()
     squat.mkdir()
     (squat / "inside").write_bytes(b"x")
-    strays = [root / "README", root / "zz" / "y.page", root / squat.parent.name / "notes.txt", root / ("ab" * 16 + ".page")]
+    strays = [
+        root / "README",
+        root / "zz" / "y.page",
+        root / squat.parent.name / "notes.txt",
+        root / ("ab" * 16 + ".page"),
+    ]
     strays[1].parent.mkdir()
     for s in strays:
         s.write_bytes(b"not a page")
@@ -272,7 +281,9 @@ def test_non_file_replacing_an_adopted_page_is_a_miss(tmp_path: Path, caplog, ki
 def test_obstacles_to_a_write_fail_one_page_not_the_tier(tmp_path: Path) -> None:
     """A directory where a page file must be written, or a file where a fan-out directory must be:
     that node's demotion fails (counted), the disk tier stays enabled for every other page."""
-    cache = make_cache(tmp_path, device=4, host=4, disk=256, write_policy="write_through", disk_write_policy="write_through")
+    cache = make_cache(
+        tmp_path, device=4, host=4, disk=256, write_policy="write_through", disk_write_policy="write_through"
+    )
     disk = cache.stores[DISK]
     blocked_dir = seq(0)
     blocked_fan = seq(70_000)

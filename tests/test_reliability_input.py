@@ -89,12 +89,44 @@ def test_disk_dir_that_is_a_file_or_under_a_file(tmp_path: Path) -> None:
 
 
 # ---- the command line, fuzzed -----------------------------------------------------------------
-JUNK = ["", "-1", "0", "1e3", "1e9", "abc", "nan", "inf", "-0", "1.5", " 7", "0x10", "99999999999999999999", "--", "\u00e9", "1_000"]
-INT_FLAGS = ["--limit", "--block-size", "--page-size", "--concurrency", "--max-batch-tokens", "--device-tokens",
-             "--host-tokens", "--disk-tokens", "--predictor-budget", "--max-new-tokens"]
-CHOICE_FLAGS = {"--format": ["auto", "mooncake", "sharegpt", "plain"], "--policy": ["recompute", "demote", "prefetch", "predict"],
-                "--model": ["llama3-8b", "qwen3-480b"], "--hardware": ["h200", "cpu-measured"], "--eviction": ["lru", "lfu"],
-                "--write-policy": ["write_back", "write_through", "write_through_selective"]}
+JUNK = [
+    "",
+    "-1",
+    "0",
+    "1e3",
+    "1e9",
+    "abc",
+    "nan",
+    "inf",
+    "-0",
+    "1.5",
+    " 7",
+    "0x10",
+    "99999999999999999999",
+    "--",
+    "\u00e9",
+    "1_000",
+]
+INT_FLAGS = [
+    "--limit",
+    "--block-size",
+    "--page-size",
+    "--concurrency",
+    "--max-batch-tokens",
+    "--device-tokens",
+    "--host-tokens",
+    "--disk-tokens",
+    "--predictor-budget",
+    "--max-new-tokens",
+]
+CHOICE_FLAGS = {
+    "--format": ["auto", "mooncake", "sharegpt", "plain"],
+    "--policy": ["recompute", "demote", "prefetch", "predict"],
+    "--model": ["llama3-8b", "qwen3-480b"],
+    "--hardware": ["h200", "cpu-measured"],
+    "--eviction": ["lru", "lfu"],
+    "--write-policy": ["write_back", "write_through", "write_through_selective"],
+}
 SWITCHES = ["--compare", "--trace-clock", "--quiet"]
 
 int_value = st.one_of(st.integers(-3, 70_000).map(str), st.sampled_from(JUNK), st.text(max_size=4))
@@ -102,8 +134,13 @@ flag = st.one_of(
     st.tuples(st.sampled_from(INT_FLAGS), int_value),
     # --scale: small values only -- it multiplies every prompt's length (a value above --block-size is refused)
     st.tuples(st.just("--scale"), st.one_of(st.integers(-2, 600).map(str), st.sampled_from(JUNK[:12]))),
-    st.tuples(st.just("--time-scale"), st.one_of(st.floats(allow_nan=True, allow_infinity=True).map(repr), st.sampled_from(JUNK))),
-    st.sampled_from(sorted(CHOICE_FLAGS)).flatmap(lambda f: st.tuples(st.just(f), st.one_of(st.sampled_from(CHOICE_FLAGS[f]), st.text(max_size=6)))),
+    st.tuples(
+        st.just("--time-scale"),
+        st.one_of(st.floats(allow_nan=True, allow_infinity=True).map(repr), st.sampled_from(JUNK)),
+    ),
+    st.sampled_from(sorted(CHOICE_FLAGS)).flatmap(
+        lambda f: st.tuples(st.just(f), st.one_of(st.sampled_from(CHOICE_FLAGS[f]), st.text(max_size=6)))
+    ),
     st.tuples(st.sampled_from(SWITCHES)),
     st.tuples(st.sampled_from(["--disk-dir", "--report"]), st.sampled_from(["DIR", "FILE", "MISSING/x"])),
 )
@@ -118,11 +155,29 @@ def workdir(tmp_path_factory) -> Path:
     return d
 
 
-@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(flags=st.lists(flag, max_size=5))
 def test_random_replay_flags_exit_0_or_2_never_a_traceback(flags, workdir: Path, capsys) -> None:
-    argv = ["replay", str(workdir / "trace.jsonl"), "--quiet", "--device-tokens", "4096", "--host-tokens", "4096", "--disk-tokens", "16384",
-            "--page-size", "16", "--scale", "16"]
+    argv = [
+        "replay",
+        str(workdir / "trace.jsonl"),
+        "--quiet",
+        "--device-tokens",
+        "4096",
+        "--host-tokens",
+        "4096",
+        "--disk-tokens",
+        "16384",
+        "--page-size",
+        "16",
+        "--scale",
+        "16",
+    ]
     for f in flags:
         argv.append(f[0])
         if len(f) > 1:
@@ -168,8 +223,13 @@ def test_sizes_that_cannot_fit_are_refused_before_allocating(tmp_path: Path, ext
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
 
-    proc = subprocess.run([sys.executable, "-m", "sgl_hicache.cli", "replay", str(trace), "--quiet", *extra],
-                          capture_output=True, text=True, timeout=60, preexec_fn=limit)
+    proc = subprocess.run(
+        [sys.executable, "-m", "sgl_hicache.cli", "replay", str(trace), "--quiet", *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=limit,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert words in proc.stderr and "Traceback" not in proc.stderr
 
@@ -180,6 +240,8 @@ def test_a_token_count_too_large_to_be_real_is_a_trace_error(tmp_path):
     from sgl_hicache.replay.trace import TraceError
 
     bad = tmp_path / "bench.jsonl"
-    bad.write_text('{"request_rate": 4.0, "input_lens": [99999999999999999999999999999912, 30], "output_lens": [5, 0]}\n')
+    bad.write_text(
+        '{"request_rate": 4.0, "input_lens": [99999999999999999999999999999912, 30], "output_lens": [5, 0]}\n'
+    )
     with pytest.raises(TraceError, match=r"bench.jsonl:1: .*input_lens\[0\].* must be <= 100,000,000"):
         load_trace(bad, fmt="sglang-bench")

@@ -52,11 +52,27 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def build(directory: Path, clock: FakeClock) -> TieredCache:
     """Device and host hold two prompts each; every page that lands on host is written to disk."""
-    cfg = CacheConfig(SMALL_LAYOUT, device_tokens=8 * PS, host_tokens=8 * PS, disk_tokens=100_000 * PS, page_size=PS,
-                      disk_dir=directory, disk_write_policy="write_through", write_policy="write_back", eviction_demotes="all",
-                      predictor="none")
-    store = DiskPageStore(SMALL_LAYOUT, PS, cfg.disk_pages, directory, Namespace.for_model(SMALL_LAYOUT, PS),
-                          retry_interval_s=RETRY, clock=clock)
+    cfg = CacheConfig(
+        SMALL_LAYOUT,
+        device_tokens=8 * PS,
+        host_tokens=8 * PS,
+        disk_tokens=100_000 * PS,
+        page_size=PS,
+        disk_dir=directory,
+        disk_write_policy="write_through",
+        write_policy="write_back",
+        eviction_demotes="all",
+        predictor="none",
+    )
+    store = DiskPageStore(
+        SMALL_LAYOUT,
+        PS,
+        cfg.disk_pages,
+        directory,
+        Namespace.for_model(SMALL_LAYOUT, PS),
+        retry_interval_s=RETRY,
+        clock=clock,
+    )
     return TieredCache(cfg, disk=store)
 
 
@@ -67,7 +83,12 @@ def on_disk(cache: TieredCache, prompt) -> bool:
 def served_right(cache: TieredCache, prompt, tier: str) -> None:
     """The prompt is a hit in `tier`, promotes to the device, and reads back bit-identical."""
     m = cache.match(prompt)
-    assert {DEVICE: m.device_tokens, HOST: m.host_tokens, DISK: m.disk_tokens}[tier] == len(prompt), (tier, m.device_tokens, m.host_tokens, m.disk_tokens)
+    assert {DEVICE: m.device_tokens, HOST: m.host_tokens, DISK: m.disk_tokens}[tier] == len(prompt), (
+        tier,
+        m.device_tokens,
+        m.host_tokens,
+        m.disk_tokens,
+    )
     cache.record_request(len(prompt), m)
     m = cache.promote(m)
     assert m.device_tokens == len(prompt)
@@ -151,7 +172,12 @@ def tmpfs(tmp_path: Path):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     try:
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mnt)], capture_output=True, text=True, timeout=20)
+        proc = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mnt)],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         pytest.skip(f"cannot mount a tmpfs here: {exc}")
     if proc.returncode != 0:
@@ -185,12 +211,16 @@ def fill_up(mnt: Path) -> Path:
 def test_full_tmpfs_disables_disk_writes_serving_goes_on_and_resumes(tmpfs: Path, caplog) -> None:
     directory = tmpfs / "tier"
     holder = {}
-    scenario(directory, lambda: holder.setdefault("b", fill_up(tmpfs)), lambda: holder["b"].unlink(), caplog, errno.ENOSPC)
+    scenario(
+        directory, lambda: holder.setdefault("b", fill_up(tmpfs)), lambda: holder["b"].unlink(), caplog, errno.ENOSPC
+    )
 
 
 def test_read_only_tmpfs_disables_disk_writes_serving_goes_on_and_resumes(tmpfs: Path, caplog) -> None:
     def remount(mode: str) -> None:
-        proc = subprocess.run(["mount", "-o", f"remount,{mode}", str(tmpfs)], capture_output=True, text=True, timeout=20)
+        proc = subprocess.run(
+            ["mount", "-o", f"remount,{mode}", str(tmpfs)], capture_output=True, text=True, timeout=20
+        )
         if proc.returncode != 0:
             pytest.skip(f"cannot remount the tmpfs {mode}: {proc.stderr.strip()}")
 

@@ -26,9 +26,19 @@ PS = 4
 
 
 def cache_for(directory: Path, layout: KVLayout = SMALL_LAYOUT, salt: str = "", page_size: int = PS) -> TieredCache:
-    cfg = CacheConfig(layout, device_tokens=8 * page_size, host_tokens=8 * page_size, disk_tokens=512 * page_size, page_size=page_size,
-                      disk_dir=directory, tenant_salt=salt, write_policy="write_through", disk_write_policy="write_through",
-                      eviction_demotes="all", predictor="none")
+    cfg = CacheConfig(
+        layout,
+        device_tokens=8 * page_size,
+        host_tokens=8 * page_size,
+        disk_tokens=512 * page_size,
+        page_size=page_size,
+        disk_dir=directory,
+        tenant_salt=salt,
+        write_policy="write_through",
+        disk_write_policy="write_through",
+        eviction_demotes="all",
+        predictor="none",
+    )
     return TieredCache(cfg)
 
 
@@ -45,7 +55,7 @@ def serve_as(cache: TieredCache, tokens, seed: int) -> None:
         fresh = cache.allocate_device(need)
         assert fresh is not None
         if fresh:
-            cache.stores[DEVICE].write(fresh, kv(cache, tokens, seed)[len(m.device_handles):])
+            cache.stores[DEVICE].write(fresh, kv(cache, tokens, seed)[len(m.device_handles) :])
         r = cache.insert(tokens, m.device_handles + fresh)
         cache.free_device(r.duplicates)
     finally:
@@ -56,9 +66,18 @@ PROMPTS = [list(range(1000 * i, 1000 * i + 4 * PS)) for i in range(1, 7)]
 
 TENANTS = {
     "salt": (dict(salt="tenant-A"), dict(salt="tenant-B")),
-    "layout": (dict(layout=SMALL_LAYOUT), dict(layout=KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="bfloat16"))),
-    "dtype": (dict(layout=SMALL_LAYOUT), dict(layout=KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16"))),
-    "architecture": (dict(layout=SMALL_LAYOUT), dict(layout=KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, architecture="qwen2"))),
+    "layout": (
+        dict(layout=SMALL_LAYOUT),
+        dict(layout=KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="bfloat16")),
+    ),
+    "dtype": (
+        dict(layout=SMALL_LAYOUT),
+        dict(layout=KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16")),
+    ),
+    "architecture": (
+        dict(layout=SMALL_LAYOUT),
+        dict(layout=KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, architecture="qwen2")),
+    ),
     "page_size": (dict(page_size=PS), dict(page_size=2 * PS)),
 }
 
@@ -109,9 +128,19 @@ def test_disk_eviction_never_deletes_another_namespace_pages(tmp_path: Path) -> 
         serve_as(a, p, seed=0)
     theirs = set(directory.rglob("*.page"))
     del a
-    cfg = CacheConfig(SMALL_LAYOUT, device_tokens=8 * PS, host_tokens=8 * PS, disk_tokens=8 * PS, page_size=PS, disk_dir=directory,
-                      tenant_salt="B", write_policy="write_through", disk_write_policy="write_through",
-                      eviction_demotes="all", predictor="none")
+    cfg = CacheConfig(
+        SMALL_LAYOUT,
+        device_tokens=8 * PS,
+        host_tokens=8 * PS,
+        disk_tokens=8 * PS,
+        page_size=PS,
+        disk_dir=directory,
+        tenant_salt="B",
+        write_policy="write_through",
+        disk_write_policy="write_through",
+        eviction_demotes="all",
+        predictor="none",
+    )
     b = TieredCache(cfg)
     for i in range(20):
         serve_as(b, list(range(500_000 + 100 * i, 500_000 + 100 * i + 4 * PS)), seed=1)
@@ -126,7 +155,9 @@ def test_any_key_names_a_path_inside_the_directory(key: bytes) -> None:
     path = _STORE.page_path(key)
     assert path.parent.parent == _STORE.directory
     assert re.fullmatch(r"[0-9a-f]{2}", path.parent.name) and re.fullmatch(r"[0-9a-f]{32}\.page", path.name)
-    assert os.path.commonpath([os.path.realpath(path), os.path.realpath(_STORE.directory)]) == os.path.realpath(_STORE.directory)
+    assert os.path.commonpath([os.path.realpath(path), os.path.realpath(_STORE.directory)]) == os.path.realpath(
+        _STORE.directory
+    )
 
 
 _STORE: DiskPageStore  # set by the module fixture below (hypothesis tests cannot take function fixtures)
@@ -138,7 +169,20 @@ def _store(tmp_path_factory):
     _STORE = DiskPageStore(SMALL_LAYOUT, PS, 8, tmp_path_factory.mktemp("keys"), Namespace.for_model(SMALL_LAYOUT, PS))
 
 
-BAD_KEYS = [b"", b"\x00" * 15, b"\x00" * 17, b"../../../../etc/pass", "0" * 32, "../" * 6, bytearray(16), memoryview(b"x" * 16), 7, None, 1.5, ("a",)]
+BAD_KEYS = [
+    b"",
+    b"\x00" * 15,
+    b"\x00" * 17,
+    b"../../../../etc/pass",
+    "0" * 32,
+    "../" * 6,
+    bytearray(16),
+    memoryview(b"x" * 16),
+    7,
+    None,
+    1.5,
+    ("a",),
+]
 
 
 @pytest.mark.parametrize("bad", BAD_KEYS, ids=lambda b: f"{type(b).__name__}{len(b) if hasattr(b, '__len__') else ''}")

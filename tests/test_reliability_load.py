@@ -38,9 +38,18 @@ SEED = 7_000_007
 
 
 def build(tmp_path: Path) -> TieredCache:
-    cfg = CacheConfig(SMALL_LAYOUT, device_tokens=24 * PS, host_tokens=16 * PS, disk_tokens=48 * PS, page_size=PS,
-                      disk_dir=tmp_path / "tier", **{**SYNCHRONOUS, "disk_write_policy": "write_through"})
-    store = DiskPageStore(SMALL_LAYOUT, PS, cfg.disk_pages, cfg.disk_dir, Namespace.for_model(SMALL_LAYOUT, PS), retry_interval_s=0.05)
+    cfg = CacheConfig(
+        SMALL_LAYOUT,
+        device_tokens=24 * PS,
+        host_tokens=16 * PS,
+        disk_tokens=48 * PS,
+        page_size=PS,
+        disk_dir=tmp_path / "tier",
+        **{**SYNCHRONOUS, "disk_write_policy": "write_through"},
+    )
+    store = DiskPageStore(
+        SMALL_LAYOUT, PS, cfg.disk_pages, cfg.disk_dir, Namespace.for_model(SMALL_LAYOUT, PS), retry_interval_s=0.05
+    )
     return TieredCache(cfg, disk=store)
 
 
@@ -70,8 +79,17 @@ def check_under_load(cache: TieredCache) -> None:
                 if op.src == DISK:
                     reading_disk += len(op.src_handles)
         dev = cache.stores[DEVICE].used_pages
-        assert dev == cache.tree.pages[DEVICE] + cache.outstanding_device_pages + inflight[DEVICE], (dev, cache.tree.pages[DEVICE], cache.outstanding_device_pages, inflight)
-        assert cache.stores[HOST].used_pages == cache.tree.pages[HOST] + inflight[HOST], (cache.stores[HOST].used_pages, cache.tree.pages[HOST], inflight)
+        assert dev == cache.tree.pages[DEVICE] + cache.outstanding_device_pages + inflight[DEVICE], (
+            dev,
+            cache.tree.pages[DEVICE],
+            cache.outstanding_device_pages,
+            inflight,
+        )
+        assert cache.stores[HOST].used_pages == cache.tree.pages[HOST] + inflight[HOST], (
+            cache.stores[HOST].used_pages,
+            cache.tree.pages[HOST],
+            inflight,
+        )
         assert cache.stores[DISK].used_pages + reading_disk >= cache.tree.pages[DISK]
 
 
@@ -84,7 +102,22 @@ def test_storm_of_threads_with_a_failing_disk_keeps_every_invariant(tmp_path: Pa
         serve(cache, p)
     cache.check()
 
-    counts = dict.fromkeys(("served", "checked_tokens", "prefetch_jobs", "matches", "checks", "evicted", "flips", "faults", "enospc_raised", "targeted_flips", "targeted_detected"), 0)
+    counts = dict.fromkeys(
+        (
+            "served",
+            "checked_tokens",
+            "prefetch_jobs",
+            "matches",
+            "checks",
+            "evicted",
+            "flips",
+            "faults",
+            "enospc_raised",
+            "targeted_flips",
+            "targeted_detected",
+        ),
+        0,
+    )
     count_lock = threading.Lock()
 
     def bump(name: str, n: int = 1) -> None:
@@ -217,7 +250,10 @@ def test_storm_of_threads_with_a_failing_disk_keeps_every_invariant(tmp_path: Pa
         time.sleep(0.005)
 
     roles = [server, server, prefetcher, matcher, evictor, chaos]
-    threads = [threading.Thread(target=loop, args=(role, SEED + i), name=f"storm-{role.__name__}-{i}") for i, role in enumerate(roles)]
+    threads = [
+        threading.Thread(target=loop, args=(role, SEED + i), name=f"storm-{role.__name__}-{i}")
+        for i, role in enumerate(roles)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -251,7 +287,10 @@ def test_storm_of_threads_with_a_failing_disk_keeps_every_invariant(tmp_path: Pa
     assert counts["flips"] > 0 and counts["targeted_flips"] > 0, str(counts)
     assert counts["targeted_detected"] == counts["targeted_flips"], counts
     # each page the store dropped as corrupt was a failed read the cache counted
-    assert err_counts.get("corrupt_pages", 0) == disk.counters["corrupt_removed"] >= counts["targeted_detected"], (err_counts, disk.counters)
+    assert err_counts.get("corrupt_pages", 0) == disk.counters["corrupt_removed"] >= counts["targeted_detected"], (
+        err_counts,
+        disk.counters,
+    )
     corrupt_in_storm = disk.counters["corrupt_removed"]
 
     # every prompt still in the tree comes back bit-identical (corrupt pages are misses, recomputed)
@@ -261,4 +300,6 @@ def test_storm_of_threads_with_a_failing_disk_keeps_every_invariant(tmp_path: Pa
     cache.check()
     snap = cache.snapshot()
     assert snap["errors"]["corrupt_pages"] == disk.counters["corrupt_removed"] >= corrupt_in_storm
-    print(f"\nstorm: {counts}, errors {dict(snap['errors'])}, corrupt_removed {disk.counters['corrupt_removed']}, write_errors {disk.counters['write_errors']}")
+    print(
+        f"\nstorm: {counts}, errors {dict(snap['errors'])}, corrupt_removed {disk.counters['corrupt_removed']}, write_errors {disk.counters['write_errors']}"
+    )

@@ -29,8 +29,17 @@ N = 150  # the shipped trace's first N requests: enough for host and disk hits a
 def base(policy: str = "predict", **kw) -> EngineConfig:
     # small tiers so that all three serve hits within N requests (scale 16: 32 tokens a block); host 6x the
     # device: under write-through host holds a copy of every device page, and hits only beyond those
-    return EngineConfig(policy, get_model("llama3-8b"), get_hardware("h200"), device_tokens=8192, host_tokens=49152,
-                        disk_tokens=65536, page_size=16, concurrency=2, **kw)
+    return EngineConfig(
+        policy,
+        get_model("llama3-8b"),
+        get_hardware("h200"),
+        device_tokens=8192,
+        host_tokens=49152,
+        disk_tokens=65536,
+        page_size=16,
+        concurrency=2,
+        **kw,
+    )
 
 
 def _strip(rep: dict) -> dict:
@@ -58,7 +67,13 @@ def test_streamed_reader_yields_what_the_eager_reader_reads():
     stream = MooncakeStream(mooncake_trace(), limit=N, scale=16, max_blocks=8)  # a tiny block cache: evictions too
     assert len(stream) == N
     for a, b in zip(eager, stream, strict=True):
-        assert (a.request_id, a.arrival_s, a.input_ids, a.output_length, a.line) == (b.request_id, b.arrival_s, b.input_ids, b.output_length, b.line)
+        assert (a.request_id, a.arrival_s, a.input_ids, a.output_length, a.line) == (
+            b.request_id,
+            b.arrival_s,
+            b.input_ids,
+            b.output_length,
+            b.line,
+        )
 
 
 def test_an_unsorted_trace_falls_back_to_the_eager_reader(tmp_path):
@@ -106,7 +121,9 @@ def test_checkpoint_files_are_valid_partial_reports(tmp_path):
     seen: list[dict] = []
 
     def progress(done, total, hit_rate=None):
-        if ckpt.exists() and (not seen or seen[-1]["partial"]["requests_done"] != json.loads(ckpt.read_text())["partial"]["requests_done"]):
+        if ckpt.exists() and (
+            not seen or seen[-1]["partial"]["requests_done"] != json.loads(ckpt.read_text())["partial"]["requests_done"]
+        ):
             seen.append(json.loads(ckpt.read_text()))
 
     final = run_policy(reqs, base(byte_mode="metadata"), progress, ckpt, checkpoint_every=25)
@@ -132,19 +149,52 @@ def test_parallel_compare_equals_sequential():
 
 
 def test_a_pool_starts_the_longest_policies_first():
-    assert longest_first(["recompute", "demote", "prefetch", "predict", "oracle"]) == ["oracle", "predict", "prefetch", "demote", "recompute"]
-    assert longest_first(["demote", "mine", "recompute"]) == ["mine", "demote", "recompute"]  # unknown work: start it early
+    assert longest_first(["recompute", "demote", "prefetch", "predict", "oracle"]) == [
+        "oracle",
+        "predict",
+        "prefetch",
+        "demote",
+        "recompute",
+    ]
+    assert longest_first(["demote", "mine", "recompute"]) == [
+        "mine",
+        "demote",
+        "recompute",
+    ]  # unknown work: start it early
 
 
 def test_a_forked_compare_survives_a_parent_that_ran_torchs_thread_pool(tmp_path):
     # the command line forks its workers; a parent that already ran OpenMP work (a library caller)
     # must not leave a forked worker hanging in the pool it did not inherit (real bytes touch torch)
     out = tmp_path / "r.json"
-    argv = ["replay", str(mooncake_trace()), "--limit", "30", "--scale", "16", "--bytes", "real", "--compare", "--workers", "2",
-            "--device-tokens", "8192", "--host-tokens", "16384", "--disk-tokens", "65536", "--page-size", "16", "--quiet",
-            "--report", str(out)]
-    code = ("import torch; a = torch.randn(1024, 1024); (a @ a).sum(); "
-            f"from sgl_hicache.cli import main; raise SystemExit(main({argv!r}))")
+    argv = [
+        "replay",
+        str(mooncake_trace()),
+        "--limit",
+        "30",
+        "--scale",
+        "16",
+        "--bytes",
+        "real",
+        "--compare",
+        "--workers",
+        "2",
+        "--device-tokens",
+        "8192",
+        "--host-tokens",
+        "16384",
+        "--disk-tokens",
+        "65536",
+        "--page-size",
+        "16",
+        "--quiet",
+        "--report",
+        str(out),
+    ]
+    code = (
+        "import torch; a = torch.randn(1024, 1024); (a @ a).sum(); "
+        f"from sgl_hicache.cli import main; raise SystemExit(main({argv!r}))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
     assert list(json.loads(out.read_text())["policies"]) == ["recompute", "demote", "prefetch", "predict", "oracle"]
@@ -152,9 +202,38 @@ def test_a_forked_compare_survives_a_parent_that_ran_torchs_thread_pool(tmp_path
 
 def test_cli_streams_with_checkpoints_and_says_the_byte_mode(tmp_path, capsys):
     out = tmp_path / "r.json"
-    assert main(["replay", str(mooncake_trace()), "--limit", "30", "--scale", "16", "--bytes", "metadata", "--policy", "demote",
-                 "--device-tokens", "8192", "--host-tokens", "32768", "--disk-tokens", "65536", "--page-size", "16", "--concurrency", "2",
-                 "--checkpoint-every", "10", "--report", str(out), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "replay",
+                str(mooncake_trace()),
+                "--limit",
+                "30",
+                "--scale",
+                "16",
+                "--bytes",
+                "metadata",
+                "--policy",
+                "demote",
+                "--device-tokens",
+                "8192",
+                "--host-tokens",
+                "32768",
+                "--disk-tokens",
+                "65536",
+                "--page-size",
+                "16",
+                "--concurrency",
+                "2",
+                "--checkpoint-every",
+                "10",
+                "--report",
+                str(out),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     rep = json.loads(out.read_text())
     assert rep["policies"]["demote"]["settings"]["bytes"] == "metadata" and rep["trace"]["requests"] == 30
     assert not checkpoint_path(out, "demote").exists()
@@ -213,6 +292,19 @@ def test_predict_replay_keeps_the_trees_disk_residency_equal_to_the_store(tmp_pa
     requests: a disk eviction freed the pages of a background write still in flight; the unit
     test is `test_cache.py::test_a_disk_eviction_never_frees_the_pages_of_a_write_still_in_flight`.)"""
     report = tmp_path / "r.json"
-    rc = main(["replay", str(mooncake_trace()), "--limit", "5000", "--policy", "predict", "--bytes", "metadata",
-               "--quiet", "--report", str(report)])
+    rc = main(
+        [
+            "replay",
+            str(mooncake_trace()),
+            "--limit",
+            "5000",
+            "--policy",
+            "predict",
+            "--bytes",
+            "metadata",
+            "--quiet",
+            "--report",
+            str(report),
+        ]
+    )
     assert rc == 0 and report.exists()

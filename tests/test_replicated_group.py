@@ -25,8 +25,16 @@ def _group_cache(consensus, tmp: str):
     from sgl_hicache.tiers.memory import DeviceKVPool
 
     layout = KVLayout(num_layers=LAYERS, num_kv_heads=1, head_dim=WIDTH, kv_planes=1, architecture="mla-test")
-    cfg = CacheConfig(layout, device_tokens=8 * PAGE, host_tokens=16 * PAGE, disk_tokens=32 * PAGE, page_size=PAGE,
-                      disk_dir=consensus.rank_dir(Path(tmp) / "disk"), tenant_salt=consensus.salt, **SYNCHRONOUS)
+    cfg = CacheConfig(
+        layout,
+        device_tokens=8 * PAGE,
+        host_tokens=16 * PAGE,
+        disk_tokens=32 * PAGE,
+        page_size=PAGE,
+        disk_dir=consensus.rank_dir(Path(tmp) / "disk"),
+        tenant_salt=consensus.salt,
+        **SYNCHRONOUS,
+    )
     host, lower = replicated_tiers(consensus, cfg)
     cache = build_cache(cfg, device=DeviceKVPool(layout, PAGE, 8, device="cpu"), host=host, lower=lower)
     follow(cache, consensus)
@@ -144,7 +152,9 @@ def test_a_replicated_group_writes_once_and_reads_everywhere(tmp_path):
     assert r0["files"] == r1["files"] == 4 and r0["dirs"] == ["tp2-shared"]  # one copy, no rank directory
     assert r0["digests"] >= 3 and r1["digests"] >= 3
     assert r0["restart_has_pages"] and r1["restart_has_pages"]
-    assert r0["stopped_before"] == r1["stopped_before"] == [False, False] and r0["stopped_after"] and r1["stopped_after"]
+    assert (
+        r0["stopped_before"] == r1["stopped_before"] == [False, False] and r0["stopped_after"] and r1["stopped_after"]
+    )
     assert r0["next_slots"] == r1["next_slots"]
 
 
@@ -157,7 +167,9 @@ def _too_big(c, rank: int, tmp: str, out: dict) -> None:
     st = os.statvfs(shared_memory_dir())
     tokens = 2 * st.f_bavail * st.f_frsize // layout.bytes_per_token  # twice the room there is
     try:
-        replicated_tiers(c, CacheConfig(layout, device_tokens=8 * PAGE, host_tokens=tokens, page_size=PAGE, **SYNCHRONOUS))
+        replicated_tiers(
+            c, CacheConfig(layout, device_tokens=8 * PAGE, host_tokens=tokens, page_size=PAGE, **SYNCHRONOUS)
+        )
         out["error"] = "none"
     except OSError as exc:
         out["error"] = str(exc)

@@ -5,6 +5,7 @@ builds and either prints uvicorn's bind error and hangs (as SGLang 0.5.23 does, 
 ``/health``. What is under test is the launcher: it must notice the bind failure in the log without
 waiting for the health timeout, and choose another port.
 """
+
 from __future__ import annotations
 
 import stat
@@ -15,7 +16,7 @@ import pytest
 
 from sgl_hicache.sglang.server import PortInUseError, ServerStartError, SGLangServer, free_port
 
-STAND_IN = '''#!{python}
+STAND_IN = """#!{python}
 import http.server, sys, time
 from pathlib import Path
 port = int(sys.argv[sys.argv.index("--port") + 1])
@@ -32,14 +33,13 @@ class H(http.server.BaseHTTPRequestHandler):
     def log_message(self, *a):
         pass
 http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
-'''
+"""
 
 
 def _stand_in(tmp_path: Path, fail_first: int) -> tuple[Path, Path]:
     counter = tmp_path / "starts"
     exe = tmp_path / "fake-python"
-    exe.write_text(STAND_IN.format(python=sys.executable, counter=str(counter),
-                                   fail_first=fail_first))
+    exe.write_text(STAND_IN.format(python=sys.executable, counter=str(counter), fail_first=fail_first))
     exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
     return exe, counter
 
@@ -71,8 +71,7 @@ def test_lost_port_race_is_retried_on_a_new_port(tmp_path, monkeypatch):
         return ready
 
     monkeypatch.setattr(SGLangServer, "wait_healthy", wait_healthy)
-    srv = SGLangServer.start("unused-model", python=str(exe), cpu=False,
-                             log_path=tmp_path / "s.log", timeout_s=300)
+    srv = SGLangServer.start("unused-model", python=str(exe), cpu=False, log_path=tmp_path / "s.log", timeout_s=300)
     try:
         assert srv.alive()
         assert srv.get("/health") == "ok"
@@ -87,7 +86,8 @@ def test_explicit_port_bind_failure_raises_with_the_port_named(tmp_path):
     exe, _ = _stand_in(tmp_path, fail_first=1)
     port = free_port()
     with pytest.raises(PortInUseError, match=f"could not bind 127.0.0.1:{port}") as info:
-        SGLangServer.start("unused-model", port=port, python=str(exe), cpu=False,
-                           log_path=tmp_path / "s.log", timeout_s=60)
+        SGLangServer.start(
+            "unused-model", port=port, python=str(exe), cpu=False, log_path=tmp_path / "s.log", timeout_s=60
+        )
     assert isinstance(info.value, ServerStartError)
     assert "address already in use" in str(info.value)

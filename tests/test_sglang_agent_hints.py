@@ -48,13 +48,33 @@ TP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "SGLHICACHE_CONSENSUS_CHECK": "1
 def _start(work, model, name: str, tp: int = 1, **env_extra: str):
     from sgl_hicache.sglang.server import SGLangServer
 
-    env = {"SGLHICACHE_HOST_TOKENS": str(HOST_TOKENS), "SGLHICACHE_DISK_DIR": str(work / f"disk-{name}"),
-           "SGLHICACHE_DISK_TOKENS": str(64 * 1024), "SGLHICACHE_PREDICTOR": "none",
-           "SGLHICACHE_CHECK_INVARIANTS": "1", "SGLHICACHE_CHECK_SCHEDULER_IO": "1", **env_extra}
-    return SGLangServer.start(model, load_format=None, log_path=work / f"{name}.log", env=env, timeout_s=300,
-                              extra_args=["--max-total-tokens", str(DEVICE_TOKENS), "--page-size", str(PAGE),
-                                          "--radix-cache-backend", "sgl_hicache", "--log-level", "warning",
-                                          *(["--tp", str(tp)] if tp > 1 else [])])
+    env = {
+        "SGLHICACHE_HOST_TOKENS": str(HOST_TOKENS),
+        "SGLHICACHE_DISK_DIR": str(work / f"disk-{name}"),
+        "SGLHICACHE_DISK_TOKENS": str(64 * 1024),
+        "SGLHICACHE_PREDICTOR": "none",
+        "SGLHICACHE_CHECK_INVARIANTS": "1",
+        "SGLHICACHE_CHECK_SCHEDULER_IO": "1",
+        **env_extra,
+    }
+    return SGLangServer.start(
+        model,
+        load_format=None,
+        log_path=work / f"{name}.log",
+        env=env,
+        timeout_s=300,
+        extra_args=[
+            "--max-total-tokens",
+            str(DEVICE_TOKENS),
+            "--page-size",
+            str(PAGE),
+            "--radix-cache-backend",
+            "sgl_hicache",
+            "--log-level",
+            "warning",
+            *(["--tp", str(tp)] if tp > 1 else []),
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +101,12 @@ def server(work, model):
 
 def _hinted(srv, ids, n: int = 8, **agent_hints) -> tuple[list[int], dict, dict]:
     """Greedy generation with `agent_hints` in custom_params: (output ids, hits per tier, meta_info)."""
-    params = {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True, "custom_params": {"agent_hints": agent_hints}}
+    params = {
+        "max_new_tokens": n,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "custom_params": {"agent_hints": agent_hints},
+    }
     r = srv.post("/generate", {"input_ids": list(ids), "sampling_params": params})
     details = r["meta_info"].get("cached_tokens_details") or {}
     return r["output_ids"], {k: details.get(k, 0) for k in ("device", "host", "storage")}, r["meta_info"]
@@ -107,8 +132,15 @@ def _hints(srv) -> dict:
 def test_a_tool_calls_conversation_is_retained_through_a_flood(server):
     conv, control = _prompt(40, 320), _prompt(41, 320)
     before = _hints(server)
-    ref, _, meta = _hinted(server, conv, workflow_id="wf1", agent_id="coder", step_id=1, tool_name="pytest",
-                           expected_tool_duration_ms=400_000)  # retained 1.25 x: 500 s
+    ref, _, meta = _hinted(
+        server,
+        conv,
+        workflow_id="wf1",
+        agent_id="coder",
+        step_id=1,
+        tool_name="pytest",
+        expected_tool_duration_ms=400_000,
+    )  # retained 1.25 x: 500 s
     ref_control, _ = _gen(server, control)
     st = _hints(server)
     assert st["applied"]["retain"] == before["applied"]["retain"] + 1 and st["retained"] >= 1, st
@@ -130,19 +162,28 @@ def test_a_tool_calls_conversation_is_retained_through_a_flood(server):
     assert _hints(server)["applied"]["prefetch"] == before["applied"]["prefetch"] + 2
 
 
-@pytest.mark.parametrize("bad, field", [
-    ({"cache_ttl_ms": -1}, "agent_hints.cache_ttl_ms"),
-    ({"reuse_hint": "forever"}, "agent_hints.reuse_hint"),
-    ({"workflow_id": ""}, "agent_hints.workflow_id"),
-    ({"tool": "x"}, "unknown field(s) tool"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        ({"cache_ttl_ms": -1}, "agent_hints.cache_ttl_ms"),
+        ({"reuse_hint": "forever"}, "agent_hints.reuse_hint"),
+        ({"workflow_id": ""}, "agent_hints.workflow_id"),
+        ({"tool": "x"}, "unknown field(s) tool"),
+    ],
+)
 def test_a_malformed_hint_is_refused_with_the_field_named(server, bad, field):
     ids = _prompt(50, 40)
-    text = _refusal(server, "/generate", {"input_ids": ids, "sampling_params": {
-        "max_new_tokens": 2, "custom_params": {"agent_hints": bad}}})
+    text = _refusal(
+        server,
+        "/generate",
+        {"input_ids": ids, "sampling_params": {"max_new_tokens": 2, "custom_params": {"agent_hints": bad}}},
+    )
     assert field in text, text
-    text = _refusal(server, "/v1/completions", {"model": "default", "prompt": ids, "max_tokens": 2,
-                                                 "custom_params": {"agent_hints": bad}})
+    text = _refusal(
+        server,
+        "/v1/completions",
+        {"model": "default", "prompt": ids, "max_tokens": 2, "custom_params": {"agent_hints": bad}},
+    )
     assert field in text, text
 
 
@@ -167,8 +208,10 @@ def test_a_hint_flood_is_bounded_and_others_still_complete(server):
 
 def test_tp2_applies_the_same_hints_on_both_ranks(work, model, server):
     convs = [_prompt(70 + i, 320) for i in range(3)]
-    ref = [_hinted(server, c, workflow_id="wf-tp", agent_id=f"a{i}", expected_tool_duration_ms=30_000)[0]
-           for i, c in enumerate(convs)]
+    ref = [
+        _hinted(server, c, workflow_id="wf-tp", agent_id=f"a{i}", expected_tool_duration_ms=30_000)[0]
+        for i, c in enumerate(convs)
+    ]
     srv = _start(work, model, "tp2", tp=2, **TP_ENV)
     try:
         for i, c in enumerate(convs):

@@ -31,13 +31,43 @@ def test_predict_serves_the_continuation_from_promotions_made_during_the_lead(tm
     import chain_server
 
     out_path = tmp_path / "chain.json"
-    rc = chain_server.main([
-        # spelled out, so that a change of the benchmark's defaults does not change the test
-        "--configs", "prefetch,predict,scratch", "--repeats", "1", "--sessions", "7", "--turns", "3", "--turn-tokens", "192",
-        "--system-tokens", "64", "--output-tokens", "8", "--turn-gap", "1", "--session-gap", "2.5", "--pause", "10",
-        "--lead", "2", "--device-tokens", "1024", "--host-tokens", "2048", "--page-size", "16",
-        "--work-dir", str(tmp_path / "work"), "--json", str(out_path),
-    ])
+    rc = chain_server.main(
+        [
+            # spelled out, so that a change of the benchmark's defaults does not change the test
+            "--configs",
+            "prefetch,predict,scratch",
+            "--repeats",
+            "1",
+            "--sessions",
+            "7",
+            "--turns",
+            "3",
+            "--turn-tokens",
+            "192",
+            "--system-tokens",
+            "64",
+            "--output-tokens",
+            "8",
+            "--turn-gap",
+            "1",
+            "--session-gap",
+            "2.5",
+            "--pause",
+            "10",
+            "--lead",
+            "2",
+            "--device-tokens",
+            "1024",
+            "--host-tokens",
+            "2048",
+            "--page-size",
+            "16",
+            "--work-dir",
+            str(tmp_path / "work"),
+            "--json",
+            str(out_path),
+        ]
+    )
     # 7 sessions, not 5: the trigger's first two bets are shadow bets (no copies) until their continuations
     # are admitted, and sessions start 2.0-3.0 s apart against a 2 s lead, so on a slow machine a third or
     # fourth probe arrives before a bet is judged; with 5, one session (sometimes none) was left to copy for

@@ -58,8 +58,9 @@ def _readme_commands(port: int, disk_dir: Path) -> dict[str, list[str]]:
     for cmd in documented_commands():
         if not cmd.where.startswith("README.md") or "30123" not in cmd.text:
             continue
-        words = shlex.split(cmd.text.replace("\\\n", " ").replace("30123", str(port)).replace("/tmp/kv", str(disk_dir)),
-                            comments=True)
+        words = shlex.split(
+            cmd.text.replace("\\\n", " ").replace("30123", str(port)).replace("/tmp/kv", str(disk_dir)), comments=True
+        )
         assert words[0] == "sgl-hicache", cmd
         key = words[1] + (" --prometheus" if "--prometheus" in words else "")
         out[key] = [*_cli(), *words[1:]]
@@ -86,8 +87,15 @@ def server(tmp_path_factory):
     log = open(work / "server.log", "wb")  # noqa: SIM115 (the server writes it; closed when it stops)
     commands = _readme_commands(port, work / "disk")
     cmd = commands["serve"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     shm: set[Path] = set()
     t0 = time.monotonic()
     try:
@@ -96,7 +104,13 @@ def server(tmp_path_factory):
                 pytest.fail(f"server not up (exit {proc.poll()}):\n" + (work / "server.log").read_text()[-3000:])
             time.sleep(0.5)
         shm = group_shm_files(proc.pid)
-        yield {"url": url, "work": work, "log": work / "server.log", "start_s": time.monotonic() - t0, "commands": commands}
+        yield {
+            "url": url,
+            "work": work,
+            "log": work / "server.log",
+            "start_s": time.monotonic() - t0,
+            "commands": commands,
+        }
     finally:
         shm |= group_shm_files(proc.pid)
         for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):  # SGLang can take 20 s+ to exit on SIGTERM
@@ -155,8 +169,15 @@ def test_stats_prometheus_of_the_live_server(server):
     proc = _run(server["commands"]["stats --prometheus"])
     assert proc.returncode == 0, proc.stderr
     families = {f.name: f for f in text_string_to_metric_families(proc.stdout)}
-    for name in ("sgl_hicache_hit_tokens", "sgl_hicache_evicted_tokens", "sgl_hicache_promoted_tokens", "sgl_hicache_stored_tokens",
-                 "sgl_hicache_capacity_tokens", "sgl_hicache_requests", "sgl_hicache_bytes_moved"):
+    for name in (
+        "sgl_hicache_hit_tokens",
+        "sgl_hicache_evicted_tokens",
+        "sgl_hicache_promoted_tokens",
+        "sgl_hicache_stored_tokens",
+        "sgl_hicache_capacity_tokens",
+        "sgl_hicache_requests",
+        "sgl_hicache_bytes_moved",
+    ):
         assert name in families, sorted(families)
     for name in ("sgl_hicache_hit_tokens", "sgl_hicache_stored_tokens", "sgl_hicache_capacity_tokens"):
         tiers = {s.labels.get("tier"): s.value for s in families[name].samples}
@@ -174,8 +195,18 @@ def test_replay_real_trace_formats_against_the_server(server, excerpt):
     served, the reader's lenient choices noted in the report."""
     report = server["work"] / f"{excerpt}.report.json"
     replay = server["commands"]["replay"]
-    argv = [*replay[: replay.index("replay") + 1], str(REPO / "tests" / "data" / excerpt), "--url", server["url"],
-            "--max-new-tokens", "4", "--concurrency", "4", "--report", str(report)]
+    argv = [
+        *replay[: replay.index("replay") + 1],
+        str(REPO / "tests" / "data" / excerpt),
+        "--url",
+        server["url"],
+        "--max-new-tokens",
+        "4",
+        "--concurrency",
+        "4",
+        "--report",
+        str(report),
+    ]
     proc = _run(argv)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{server['log'].read_text()[-3000:]}"
     result = json.loads(report.read_text())

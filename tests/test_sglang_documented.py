@@ -49,8 +49,15 @@ def test_serve_and_replay_example(tmp_path: Path) -> None:
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     env["PY"] = sys.executable
     env["TMPDIR"] = str(tmp_path)  # the script's work dir (mktemp) lands here and goes with tmp_path
-    proc = subprocess.run(["bash", "examples/serve_and_replay.sh", trace, "scripts/cpu/tiny-llama", str(free_port())],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900, start_new_session=True)
+    proc = subprocess.run(
+        ["bash", "examples/serve_and_replay.sh", trace, "scripts/cpu/tiny-llama", str(free_port())],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        start_new_session=True,
+    )
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert "server up" in proc.stdout and "hit rate" in proc.stdout, proc.stdout[-3000:]
     assert "sglang:cached_tokens_total" in proc.stdout, proc.stdout[-3000:]

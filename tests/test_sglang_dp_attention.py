@@ -51,14 +51,39 @@ def start_server(workdir):
     started = []
 
     def start(name: str, disk_dir: Path) -> SGLangServer:
-        env = {"SGLHICACHE_HOST_TOKENS": "4096", "SGLHICACHE_DISK_DIR": str(disk_dir),
-               "SGLHICACHE_DISK_TOKENS": str(64 * 1024), "SGLHICACHE_CHECK_INVARIANTS": "1",
-               "SGLHICACHE_CHECK_SCHEDULER_IO": "1", "SGLHICACHE_STATS_FILE": str(workdir / f"{name}-stats.json"),
-               "SGLHICACHE_STATS_INTERVAL_S": "0.5", **DP_ENV}
-        srv = SGLangServer.start(model, load_format=None, log_path=workdir / f"{name}.log", env=env, timeout_s=600,
-                                 extra_args=["--max-total-tokens", "1024", "--page-size", str(PAGE),
-                                             "--radix-cache-backend", "sgl_hicache", "--enable-metrics",
-                                             "--log-level", "warning", "--tp", "2", "--dp", "2", "--enable-dp-attention"])
+        env = {
+            "SGLHICACHE_HOST_TOKENS": "4096",
+            "SGLHICACHE_DISK_DIR": str(disk_dir),
+            "SGLHICACHE_DISK_TOKENS": str(64 * 1024),
+            "SGLHICACHE_CHECK_INVARIANTS": "1",
+            "SGLHICACHE_CHECK_SCHEDULER_IO": "1",
+            "SGLHICACHE_STATS_FILE": str(workdir / f"{name}-stats.json"),
+            "SGLHICACHE_STATS_INTERVAL_S": "0.5",
+            **DP_ENV,
+        }
+        srv = SGLangServer.start(
+            model,
+            load_format=None,
+            log_path=workdir / f"{name}.log",
+            env=env,
+            timeout_s=600,
+            extra_args=[
+                "--max-total-tokens",
+                "1024",
+                "--page-size",
+                str(PAGE),
+                "--radix-cache-backend",
+                "sgl_hicache",
+                "--enable-metrics",
+                "--log-level",
+                "warning",
+                "--tp",
+                "2",
+                "--dp",
+                "2",
+                "--enable-dp-attention",
+            ],
+        )
         started.append(srv)
         return srv
 
@@ -71,8 +96,11 @@ def start_server(workdir):
 def _gen(srv, ids, dp_rank: int, start: int | None = None, n: int = 8) -> tuple[list[int], dict, dict]:
     """Greedy generation on DP rank `dp_rank` (with logprobs from prompt position `start` on, as
     test_sglang_e2e._gen_lp): (output ids, cached tokens by source, logprobs)."""
-    body = {"input_ids": list(ids), "routed_dp_rank": dp_rank,
-            "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}}
+    body = {
+        "input_ids": list(ids),
+        "routed_dp_rank": dp_rank,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
+    }
     if start is not None:
         body.update(return_logprob=True, logprob_start_len=start, top_logprobs_num=TOP_K)
     r = srv.post("/generate", body)
@@ -86,8 +114,10 @@ def _gen(srv, ids, dp_rank: int, start: int | None = None, n: int = 8) -> tuple[
         def entry(lp, top):
             return (lp[1], lp[0], [(t[1], t[0]) for t in (top or [])])
 
-        lps = {"input": {first + i: entry(lp, top) for i, (lp, top) in enumerate(zip(inp, inp_top)) if lp[0] is not None},
-               "output": [entry(lp, top) for lp, top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"])]}
+        lps = {
+            "input": {first + i: entry(lp, top) for i, (lp, top) in enumerate(zip(inp, inp_top)) if lp[0] is not None},
+            "output": [entry(lp, top) for lp, top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"])],
+        }
     return r["output_ids"], {k: details.get(k, 0) for k in ("device", "host", "storage")}, lps
 
 
@@ -144,8 +174,14 @@ def test_dp_attention_outputs_equal_from_every_tier_on_each_dp_rank_and_after_a_
     states = _settled(srv)
     for rank, st in states.items():
         dp = st["backend"]["dp"]
-        assert dp == {"rank": rank, "size": 2, "attention_dp": True, "group_rank": 0, "group_size": 1,
-                      "tp_rank": rank}, dp
+        assert dp == {
+            "rank": rank,
+            "size": 2,
+            "attention_dp": True,
+            "group_rank": 0,
+            "group_size": 1,
+            "tp_rank": rank,
+        }, dp
         assert "tp" not in st["backend"], st["backend"]  # one rank per attention-TP group: nothing to agree
         assert st["requests"] > 0 and st["config"]["disk_dir"] == str(disk), (rank, st["requests"], st["config"])
         assert st["pool"]["request_held_tokens"] == 0, st["pool"]

@@ -11,7 +11,10 @@ import pytest
 from test_sglang_hybrid_pools import _host_disk_round_trip
 
 _missing = importlib.util.find_spec("sglang") is None
-pytestmark = [pytest.mark.sglang, pytest.mark.skipif(_missing, reason="sglang is not installed (scripts/install_sglang_cpu.sh)")]
+pytestmark = [
+    pytest.mark.sglang,
+    pytest.mark.skipif(_missing, reason="sglang is not installed (scripts/install_sglang_cpu.sh)"),
+]
 
 PAGE = 64  # SGLang's DSA pool asserts 64-token pages on every platform but HIP / XPU
 TOKENS = 4 * PAGE
@@ -22,9 +25,19 @@ def _dsa_pool(layers=2):
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
 
     # index_buf_size given: the default reads the DCP width from a published parallel config
-    return DSATokenToKVPool(size=TOKENS, page_size=PAGE, kv_lora_rank=32, dtype=torch.bfloat16, qk_rope_head_dim=16,
-                            layer_num=layers, device="cpu", index_head_dim=128, enable_memory_saver=False,
-                            kv_cache_dim=48, index_buf_size=TOKENS)
+    return DSATokenToKVPool(
+        size=TOKENS,
+        page_size=PAGE,
+        kv_lora_rank=32,
+        dtype=torch.bfloat16,
+        qk_rope_head_dim=16,
+        layer_num=layers,
+        device="cpu",
+        index_head_dim=128,
+        enable_memory_saver=False,
+        kv_cache_dim=48,
+        index_buf_size=TOKENS,
+    )
 
 
 def test_indexer_pages_round_trip_through_host_and_disk_bit_for_bit(tmp_path):

@@ -89,10 +89,23 @@ def start_server(workdir, model_dir, request):
             **env_extra,
         }
         srv = SGLangServer.start(
-            model_dir, load_format=None, log_path=workdir / f"{name}.log", env=env, timeout_s=300,
-            extra_args=["--max-total-tokens", str(DEVICE_TOKENS), "--page-size", str(PAGE),
-                        "--radix-cache-backend", "sgl_hicache", "--enable-metrics", "--log-level", "warning",
-                        *(["--tp", str(tp)] if tp > 1 else [])],
+            model_dir,
+            load_format=None,
+            log_path=workdir / f"{name}.log",
+            env=env,
+            timeout_s=300,
+            extra_args=[
+                "--max-total-tokens",
+                str(DEVICE_TOKENS),
+                "--page-size",
+                str(PAGE),
+                "--radix-cache-backend",
+                "sgl_hicache",
+                "--enable-metrics",
+                "--log-level",
+                "warning",
+                *(["--tp", str(tp)] if tp > 1 else []),
+            ],
         )
         started.append(srv)
         return srv
@@ -130,9 +143,16 @@ LOGPROB_TOL = 1e-5
 def _gen_lp(srv, ids, start: int, n: int = 8) -> tuple[list[int], dict, dict]:
     """Greedy generation with logprobs from prompt position `start` on: (output ids, cached tokens by
     source, {"input": {pos: (token, logprob, top-k)}, "output": [(token, logprob, top-k)]})."""
-    r = srv.post("/generate", {"input_ids": list(ids),
-                               "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
-                               "return_logprob": True, "logprob_start_len": start, "top_logprobs_num": TOP_K})
+    r = srv.post(
+        "/generate",
+        {
+            "input_ids": list(ids),
+            "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
+            "return_logprob": True,
+            "logprob_start_len": start,
+            "top_logprobs_num": TOP_K,
+        },
+    )
     meta = r["meta_info"]
     details = meta.get("cached_tokens_details") or {}
     inp, inp_top = meta["input_token_logprobs"], meta["input_top_logprobs"]
@@ -142,8 +162,10 @@ def _gen_lp(srv, ids, start: int, n: int = 8) -> tuple[list[int], dict, dict]:
     def entry(lp, top):
         return (lp[1], lp[0], [(t[1], t[0]) for t in (top or [])])
 
-    lps = {"input": {first + i: entry(lp, top) for i, (lp, top) in enumerate(zip(inp, inp_top)) if lp[0] is not None},
-           "output": [entry(lp, top) for lp, top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"])]}
+    lps = {
+        "input": {first + i: entry(lp, top) for i, (lp, top) in enumerate(zip(inp, inp_top)) if lp[0] is not None},
+        "output": [entry(lp, top) for lp, top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"])],
+    }
     assert len(lps["output"]) == n and [e[0] for e in lps["output"]] == r["output_ids"], lps["output"]
     return r["output_ids"], {k: details.get(k, 0) for k in ("device", "host", "storage")}, lps
 
@@ -155,7 +177,9 @@ def _logprob_diff(ref: dict, got: dict) -> float:
     difference); a different chosen token is +inf."""
     positions = sorted(set(ref["input"]) & set(got["input"]))
     assert positions and positions[-1] == max(ref["input"]), (sorted(got["input"]), max(ref["input"]))
-    pairs = [(ref["input"][p], got["input"][p]) for p in positions] + list(zip(ref["output"], got["output"], strict=True))
+    pairs = [(ref["input"][p], got["input"][p]) for p in positions] + list(
+        zip(ref["output"], got["output"], strict=True)
+    )
     worst = 0.0
     for (tok_a, lp_a, top_a), (tok_b, lp_b, top_b) in pairs:
         if tok_a != tok_b or len(top_a) != TOP_K or len(top_b) != TOP_K:
@@ -265,7 +289,9 @@ def test_e2e_replay_hits_and_kv_correctness(start_server, workdir, shared):
     assert d3["storage"] > 0 and d3["device"] + d3["host"] + d3["storage"] == HIT, d3
     assert out_host == out_dev == out_disk, (out_dev, out_host, out_disk)
     assert out_disk == out_scratch, (out_scratch, out_disk)
-    diffs = {name: _logprob_diff(lp_scratch, lp) for name, lp in (("device", lp_dev), ("host", lp_host), ("disk", lp_disk))}
+    diffs = {
+        name: _logprob_diff(lp_scratch, lp) for name, lp in (("device", lp_dev), ("host", lp_host), ("disk", lp_disk))
+    }
     print(f"\nlogprob |diff| vs scratch: {diffs}")
     assert all(d <= LOGPROB_TOL for d in diffs.values()), diffs
     # the outputs depend on the cached context, so equal outputs mean equal KV
@@ -305,7 +331,9 @@ def test_e2e_replay_hits_and_kv_correctness(start_server, workdir, shared):
     pc = st["backend"]["prefill_cost"]
     assert pc["steps_timed"] >= 8 and pc["fixed_s"] is not None and pc["per_token_s"] is not None, pc
     assert min(pc["fixed_s"], pc["per_token_s"], pc["per_pair_s"]) >= 0, pc
-    assert pc["fixed_s"] + 1000 * pc["per_token_s"] + 500_000 * pc["per_pair_s"] > 0, pc  # a 1,000-token prompt costs time
+    assert pc["fixed_s"] + 1000 * pc["per_token_s"] + 500_000 * pc["per_pair_s"] > 0, (
+        pc
+    )  # a 1,000-token prompt costs time
     assert "device" in render(st)
     # 3b. the scheduler thread never waited on I/O: over the replay and the KV checks above (host and
     # disk hits, evictions, write-back), no load (host -> device, disk -> host), no disk write, no
@@ -320,7 +348,9 @@ def test_e2e_replay_hits_and_kv_correctness(start_server, workdir, shared):
     assert io.get("copy_elsewhere", 0) > 0 and io.get("disk_write_elsewhere", 0) > 0, io
     assert st["config"]["layerwise_loads"] and st["layer_loads"]["loads"] > 0, st["layer_loads"]
     calls = st["scheduler_calls"]
-    assert {"match_prefix", "init_load_back", "checkpoint", "evict", "inc_lock_ref", "dec_lock_ref"} <= set(calls), sorted(calls)
+    assert {"match_prefix", "init_load_back", "checkpoint", "evict", "inc_lock_ref", "dec_lock_ref"} <= set(calls), (
+        sorted(calls)
+    )
     assert all(c["count"] > 0 and 0 <= c["p50_us"] <= c["p99_us"] <= c["max_us"] for c in calls.values()), calls
 
     # 4. stats surfaces: /server_info (above), the stats file, Prometheus
@@ -338,7 +368,9 @@ def test_e2e_replay_hits_and_kv_correctness(start_server, workdir, shared):
     storage = [ln for ln in lines if ln.startswith("sglang:cached_tokens_total") and 'cache_source="storage"' in ln]
     assert storage and float(storage[0].rsplit(" ", 1)[1]) > 0, lines[:20]
     assert any(ln.startswith("sgl_hicache_stored_tokens") for ln in lines), lines[:40]
-    assert any(ln.startswith("sgl_hicache_scheduler_call_seconds") and 'call="match_prefix"' in ln for ln in lines), lines[:40]
+    assert any(ln.startswith("sgl_hicache_scheduler_call_seconds") and 'call="match_prefix"' in ln for ln in lines), (
+        lines[:40]
+    )
     shared["stats_first"] = st
     shared["wall_s"] = time.monotonic() - t0
 
@@ -366,7 +398,13 @@ def test_e2e_restart_serves_disk_hits(start_server, workdir, shared):
     shared["restart_report"] = report
     shared["restart_wall_s"] = time.monotonic() - t0
     out_path = workdir.parent / "sglang_e2e_figures.json"
-    out_path.write_text(json.dumps({k: shared.get(k) for k in ("report", "restart_report", "wall_s", "restart_wall_s", "start_s")}, indent=1, default=str))
+    out_path.write_text(
+        json.dumps(
+            {k: shared.get(k) for k in ("report", "restart_report", "wall_s", "restart_wall_s", "start_s")},
+            indent=1,
+            default=str,
+        )
+    )
     print(f"\nE2E figures written to {out_path}")
 
 
@@ -381,8 +419,11 @@ TP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "SGLHICACHE_CONSENSUS_CHECK": "1
 # comparison runs in that regime; the restarted TP=2 server runs with write-back on.
 # Without background write-back, only eviction puts pages on disk: `eviction_demotes=all` (the server
 # default `none` never copies on eviction), so the slice still gets disk hits to compare.
-DETERMINISTIC_ENV = {"SGLHICACHE_WRITEBACK_CLEAN_FRACTION": "0", "SGLHICACHE_DEVICE_WRITEBACK_CLEAN_FRACTION": "0",
-                     "SGLHICACHE_EVICTION_DEMOTES": "all"}
+DETERMINISTIC_ENV = {
+    "SGLHICACHE_WRITEBACK_CLEAN_FRACTION": "0",
+    "SGLHICACHE_DEVICE_WRITEBACK_CLEAN_FRACTION": "0",
+    "SGLHICACHE_EVICTION_DEMOTES": "all",
+}
 HANG_S = 120.0  # a request or a shutdown that takes longer is a hang (normal: seconds)
 
 
@@ -438,7 +479,10 @@ def test_e2e_tp2_matches_tp1(start_server, workdir, shared):
     srv = start_server("tp2", disk, tp=2, SGLHICACHE_FAULT_DISK_READ_FILE=str(fault), **TP_ENV, **DETERMINISTIC_ENV)
     start_s = time.monotonic() - t1
     report = replay_http(_trace_slice(), srv.url, concurrency=1, max_new_tokens=8)
-    assert report["requests_failed"] == 0 and ref_report["requests_failed"] == 0, (report["errors"], ref_report["errors"])
+    assert report["requests_failed"] == 0 and ref_report["requests_failed"] == 0, (
+        report["errors"],
+        ref_report["errors"],
+    )
     ref, got = ref_report["hit_tokens"], report["hit_tokens"]
     print(f"\nhit tokens TP=1 {ref} TP=2 {got}")
     assert ref["host"] > 0 and ref["disk"] > 0, ref
@@ -513,8 +557,15 @@ def test_e2e_tp2_matches_tp1(start_server, workdir, shared):
     except subprocess.TimeoutExpired:
         pytest.fail(f"the server still runs {HANG_S:.0f} s after its TP rank 1 was killed")
     exit_s = time.monotonic() - t_kill
-    shared["tp2"] = {"start_s": start_s, "hit_tokens_tp1": ref, "hit_tokens_tp2": got, "logprob_tp2_vs_tp1": tp_diff,
-                     "consensus_first_server": first_tp, "corrupted_rank1_pages": corrupted,
-                     "errors_after_corruption": st["errors"], "exit_after_kill_s": exit_s,
-                     "wall_s": time.monotonic() - t0}
+    shared["tp2"] = {
+        "start_s": start_s,
+        "hit_tokens_tp1": ref,
+        "hit_tokens_tp2": got,
+        "logprob_tp2_vs_tp1": tp_diff,
+        "consensus_first_server": first_tp,
+        "corrupted_rank1_pages": corrupted,
+        "errors_after_corruption": st["errors"],
+        "exit_after_kill_s": exit_s,
+        "wall_s": time.monotonic() - t0,
+    }
     print(f"TP=2 figures: {json.dumps(shared['tp2'], default=str)}")

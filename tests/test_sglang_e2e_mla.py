@@ -50,8 +50,13 @@ def make_mla_model(dst: Path, seed: int = 0) -> Path:
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     g = torch.Generator().manual_seed(seed)
     h, inter, L, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
-    nh, r, nope, rope, vd = (cfg["num_attention_heads"], cfg["kv_lora_rank"], cfg["qk_nope_head_dim"],
-                             cfg["qk_rope_head_dim"], cfg["v_head_dim"])
+    nh, r, nope, rope, vd = (
+        cfg["num_attention_heads"],
+        cfg["kv_lora_rank"],
+        cfg["qk_nope_head_dim"],
+        cfg["qk_rope_head_dim"],
+        cfg["v_head_dim"],
+    )
 
     def w(out_f, in_f, gain=1.0):
         return (torch.randn(out_f, in_f, generator=g) * gain / in_f**0.5).to(torch.bfloat16)
@@ -59,8 +64,11 @@ def make_mla_model(dst: Path, seed: int = 0) -> Path:
     def ones(n):
         return torch.ones(n, dtype=torch.bfloat16)
 
-    t = {"model.embed_tokens.weight": torch.randn(V, h, generator=g).to(torch.bfloat16),
-         "model.norm.weight": ones(h), "lm_head.weight": w(V, h)}
+    t = {
+        "model.embed_tokens.weight": torch.randn(V, h, generator=g).to(torch.bfloat16),
+        "model.norm.weight": ones(h),
+        "lm_head.weight": w(V, h),
+    }
     for i in range(L):
         p = f"model.layers.{i}."
         t[p + "self_attn.q_proj.weight"] = w(nh * (nope + rope), h, 2.0)
@@ -92,14 +100,33 @@ def start_server(workdir):
     started = []
 
     def start(name: str, disk_dir: Path, tp: int = 1, **env_extra: str) -> SGLangServer:
-        env = {"SGLHICACHE_HOST_TOKENS": "4096", "SGLHICACHE_DISK_DIR": str(disk_dir),
-               "SGLHICACHE_DISK_TOKENS": str(64 * 1024), "SGLHICACHE_CHECK_INVARIANTS": "1",
-               # a 64-page pool: eviction copies device -> host (see test_sglang_e2e / docs, "Open")
-               "SGLHICACHE_EVICTION_DEMOTES": "host", **env_extra}
-        srv = SGLangServer.start(model, load_format=None, log_path=workdir / f"{name}.log", env=env, timeout_s=400,
-                                 extra_args=["--max-total-tokens", "1024", "--page-size", str(PAGE),
-                                             "--radix-cache-backend", "sgl_hicache", "--log-level", "warning",
-                                             *(["--tp", str(tp)] if tp > 1 else [])])
+        env = {
+            "SGLHICACHE_HOST_TOKENS": "4096",
+            "SGLHICACHE_DISK_DIR": str(disk_dir),
+            "SGLHICACHE_DISK_TOKENS": str(64 * 1024),
+            "SGLHICACHE_CHECK_INVARIANTS": "1",
+            # a 64-page pool: eviction copies device -> host (see test_sglang_e2e / docs, "Open")
+            "SGLHICACHE_EVICTION_DEMOTES": "host",
+            **env_extra,
+        }
+        srv = SGLangServer.start(
+            model,
+            load_format=None,
+            log_path=workdir / f"{name}.log",
+            env=env,
+            timeout_s=400,
+            extra_args=[
+                "--max-total-tokens",
+                "1024",
+                "--page-size",
+                str(PAGE),
+                "--radix-cache-backend",
+                "sgl_hicache",
+                "--log-level",
+                "warning",
+                *(["--tp", str(tp)] if tp > 1 else []),
+            ],
+        )
         started.append(srv)
         return srv
 
@@ -174,8 +201,15 @@ def test_mla_tp2_one_rank_writes_both_read(start_server, workdir):
     disk = workdir / "disk-mla-tp2"
     stats = workdir / "mla-tp2-stats.json"
     fault = workdir / "mla-read-fault"  # names the rank whose disk reads fail while it exists
-    srv = start_server("mla-tp2", disk, tp=2, SGLHICACHE_STATS_FILE=str(stats), SGLHICACHE_STATS_INTERVAL_S="0.5",
-                       SGLHICACHE_FAULT_DISK_READ_FILE=str(fault), **TP_ENV)
+    srv = start_server(
+        "mla-tp2",
+        disk,
+        tp=2,
+        SGLHICACHE_STATS_FILE=str(stats),
+        SGLHICACHE_STATS_INTERVAL_S="0.5",
+        SGLHICACHE_FAULT_DISK_READ_FILE=str(fault),
+        **TP_ENV,
+    )
     pids = {r: _scheduler_pid(srv, r) for r in (0, 1)}
     maps = {r: _shared_host_mapping(pid) for r, pid in pids.items()}
     assert maps[0] == maps[1] and maps[0].endswith("(deleted)"), maps  # one buffer, its name already gone
@@ -189,8 +223,10 @@ def test_mla_tp2_one_rank_writes_both_read(start_server, workdir):
     _flood(srv, 3, 20)
     out_disk, d3, lp_disk = _gen_lp(srv, P, HIT)
     assert d3["storage"] > 0 and d3["device"] + d3["host"] + d3["storage"] == HIT, d3
-    print(f"\nMLA outputs TP=1 {out1}, TP=2 device/host/disk {out_dev} {out_host} {out_disk}; "
-          f"logprob |diff| TP=2 vs TP=1 device hit {_logprob_diff(lp1, lp_dev):.2e}")
+    print(
+        f"\nMLA outputs TP=1 {out1}, TP=2 device/host/disk {out_dev} {out_host} {out_disk}; "
+        f"logprob |diff| TP=2 vs TP=1 device hit {_logprob_diff(lp1, lp_dev):.2e}"
+    )
     assert out_dev == out_host == out_disk == out1, (out1, out_dev, out_host, out_disk)
     diffs = {n: _logprob_diff(lp_dev, lp) for n, lp in (("host", lp_host), ("disk", lp_disk))}
     assert all(v <= LOGPROB_TOL for v in diffs.values()), diffs
@@ -229,8 +265,10 @@ def test_mla_tp2_one_rank_writes_both_read(start_server, workdir):
     assert st1 is not None, "rank 1 published no stats with its disk hit"
     tp1 = st1["backend"]["tp"]
     left = tp1["left_to_leader"]
-    print(f"rank 1 left to rank 0 (pages per link): {left}; rank 1 read host->device "
-          f"{st1['bytes_moved']['host->device']} bytes")
+    print(
+        f"rank 1 left to rank 0 (pages per link): {left}; rank 1 read host->device "
+        f"{st1['bytes_moved']['host->device']} bytes"
+    )
     assert tp1["role"] == "follower" and left.get("device->host", 0) > 0 and left.get("host->disk", 0) > 0, tp1
     assert st1["bytes_moved"]["host->device"] > 0 and st1["hit_tokens"]["host"] > 0, st1["bytes_moved"]
     assert st1["errors"].get("peer_rank_errors", 0) > 0, st1["errors"]  # rank 0's failures, recorded by rank 1

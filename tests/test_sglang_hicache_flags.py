@@ -23,10 +23,24 @@ def test_hicache_flags_map_onto_the_settings(tmp_path):
 
     store = tmp_path / "hicache-files"
     with SGLangServer.start(
-        TINY, log_path=tmp_path / "server.log", timeout_s=300,
+        TINY,
+        log_path=tmp_path / "server.log",
+        timeout_s=300,
         env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(store), "SGLHICACHE_DIR": str(tmp_path / "default")},
-        extra_args=["--max-total-tokens", str(POOL), "--page-size", str(PAGE), "--radix-cache-backend", "sgl_hicache",
-                    "--hicache-ratio", "2", "--hicache-write-policy", "write_back", "--hicache-storage-backend", "file"],
+        extra_args=[
+            "--max-total-tokens",
+            str(POOL),
+            "--page-size",
+            str(PAGE),
+            "--radix-cache-backend",
+            "sgl_hicache",
+            "--hicache-ratio",
+            "2",
+            "--hicache-write-policy",
+            "write_back",
+            "--hicache-storage-backend",
+            "file",
+        ],
     ) as srv:
         out = srv.generate(list(range(5, 5 + 3 * PAGE)), max_new_tokens=2)
         assert len(out["output_ids"]) == 2
@@ -41,7 +55,19 @@ def test_a_hicache_flag_without_meaning_is_refused(tmp_path):
 
     log = tmp_path / "server.log"
     with pytest.raises(ServerStartError):
-        SGLangServer.start(TINY, log_path=log, timeout_s=300,
-                           extra_args=["--max-total-tokens", str(POOL), "--page-size", str(PAGE),
-                                       "--radix-cache-backend", "sgl_hicache", "--hicache-io-backend", "direct"])
+        SGLangServer.start(
+            TINY,
+            log_path=log,
+            timeout_s=300,
+            extra_args=[
+                "--max-total-tokens",
+                str(POOL),
+                "--page-size",
+                str(PAGE),
+                "--radix-cache-backend",
+                "sgl_hicache",
+                "--hicache-io-backend",
+                "direct",
+            ],
+        )
     assert "--hicache-io-backend direct has no meaning with sgl_hicache" in log.read_text()

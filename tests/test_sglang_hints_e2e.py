@@ -43,12 +43,32 @@ def server(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("hints_e2e")
     model = make_model(work / "model")
-    env = {"SGLHICACHE_HOST_TOKENS": str(HOST_TOKENS), "SGLHICACHE_DISK_DIR": str(work / "disk"),
-           "SGLHICACHE_DISK_TOKENS": str(64 * 1024), "SGLHICACHE_HINT_PORT": "0", "SGLHICACHE_PREDICTOR": "none",
-           "SGLHICACHE_CHECK_INVARIANTS": "1", "SGLHICACHE_CHECK_SCHEDULER_IO": "1"}
-    srv = SGLangServer.start(model, load_format=None, log_path=work / "server.log", env=env, timeout_s=300,
-                             extra_args=["--max-total-tokens", str(DEVICE_TOKENS), "--page-size", str(PAGE),
-                                         "--radix-cache-backend", "sgl_hicache", "--log-level", "warning"])
+    env = {
+        "SGLHICACHE_HOST_TOKENS": str(HOST_TOKENS),
+        "SGLHICACHE_DISK_DIR": str(work / "disk"),
+        "SGLHICACHE_DISK_TOKENS": str(64 * 1024),
+        "SGLHICACHE_HINT_PORT": "0",
+        "SGLHICACHE_PREDICTOR": "none",
+        "SGLHICACHE_CHECK_INVARIANTS": "1",
+        "SGLHICACHE_CHECK_SCHEDULER_IO": "1",
+    }
+    srv = SGLangServer.start(
+        model,
+        load_format=None,
+        log_path=work / "server.log",
+        env=env,
+        timeout_s=300,
+        extra_args=[
+            "--max-total-tokens",
+            str(DEVICE_TOKENS),
+            "--page-size",
+            str(PAGE),
+            "--radix-cache-backend",
+            "sgl_hicache",
+            "--log-level",
+            "warning",
+        ],
+    )
     try:
         yield srv
     finally:
@@ -85,10 +105,22 @@ def test_bad_hints_are_refused_with_the_field_named(server):
     before = _stats(server)["hints"]
     ok = _prompt(10, 64)
     cases = [
-        ({"action": "prefetch", "input_ids": ok[:20] + [VOCAB + 5]}, f"hint 0: 'input_ids' holds token id {VOCAB + 5}, outside the vocabulary"),
-        ({"action": "prefetch", "input_ids": ok[:PAGE - 1]}, "hint 0: 'input_ids': a hint's prefix must hold at least one whole page (16 tokens)"),
-        ({"action": "pin", "input_ids": _prompt(11, 600), "ttl_s": 5}, "hint 0: pin of 592 tokens is over 25% of the 2048-token host tier (512 tokens)"),
-        ({"action": "pin", "input_ids": ok, "ttl_s": 3600}, "hint 0: 'ttl_s' of 3600 s exceeds the longest allowed, 600 s"),
+        (
+            {"action": "prefetch", "input_ids": ok[:20] + [VOCAB + 5]},
+            f"hint 0: 'input_ids' holds token id {VOCAB + 5}, outside the vocabulary",
+        ),
+        (
+            {"action": "prefetch", "input_ids": ok[: PAGE - 1]},
+            "hint 0: 'input_ids': a hint's prefix must hold at least one whole page (16 tokens)",
+        ),
+        (
+            {"action": "pin", "input_ids": _prompt(11, 600), "ttl_s": 5},
+            "hint 0: pin of 592 tokens is over 25% of the 2048-token host tier (512 tokens)",
+        ),
+        (
+            {"action": "pin", "input_ids": ok, "ttl_s": 3600},
+            "hint 0: 'ttl_s' of 3600 s exceeds the longest allowed, 600 s",
+        ),
         ({"action": "retain", "session": "s1"}, "hint 0: the hint API names prefixes by 'input_ids'"),
         ({"action": "evict", "input_ids": ok}, "hint 0: 'action' must be one of prefetch, pin, retain, demote"),
     ]
@@ -98,7 +130,9 @@ def test_bad_hints_are_refused_with_the_field_named(server):
     code, answer = _post(server, {"action": "retain", "input_ids": ok}, {"action": "pin", "input_ids": ok, "ttl_s": 0})
     assert code == 400 and answer["error"].startswith("hint 1: 'ttl_s' must be > 0"), answer  # the whole batch refused
     after = _stats(server)["hints"]
-    assert after["applied"] == before["applied"] and after["rejected"] == before["rejected"]  # none reached the scheduler
+    assert (
+        after["applied"] == before["applied"] and after["rejected"] == before["rejected"]
+    )  # none reached the scheduler
 
 
 def test_prefetch_hint_brings_a_demoted_prefix_to_host_before_it_is_asked_for(server):
@@ -112,8 +146,14 @@ def test_prefetch_hint_brings_a_demoted_prefix_to_host_before_it_is_asked_for(se
 
     def landed():
         st = _stats(server)
-        return st if (st["hints"]["applied"]["prefetch"] > before["hints"]["applied"]["prefetch"]
-                      and _predicted(st)["promoted_tokens"] > _predicted(before)["promoted_tokens"]) else None
+        return (
+            st
+            if (
+                st["hints"]["applied"]["prefetch"] > before["hints"]["applied"]["prefetch"]
+                and _predicted(st)["promoted_tokens"] > _predicted(before)["promoted_tokens"]
+            )
+            else None
+        )
 
     mid = _wait_for(landed, "the prefetch hint's promotion to land")
     promoted = _predicted(mid)["promoted_tokens"] - _predicted(before)["promoted_tokens"]
@@ -168,8 +208,15 @@ def _trace(hints: bool) -> list:
 
     a1, b1 = _prompt(40, 320), _prompt(41, 320)
     a2 = a1 + _prompt(42, 48)
-    hs = (Hint("prefetch", session="a"), Hint("pin", input_ids=tuple(b1[:64]), ttl_s=2.0, after_s=1.0),
-          Hint("pin", input_ids=tuple(b1[:64]), ttl_s=9000.0)) if hints else ()
+    hs = (
+        (
+            Hint("prefetch", session="a"),
+            Hint("pin", input_ids=tuple(b1[:64]), ttl_s=2.0, after_s=1.0),
+            Hint("pin", input_ids=tuple(b1[:64]), ttl_s=9000.0),
+        )
+        if hints
+        else ()
+    )
     rows = [("a/1", "a", 0.0, a1, ()), ("b/1", "b", 0.2, b1, hs), ("a/2", "a", 1.0, a2, ())]
     return [Request(rid, s, t, array("q", ids), 4, i + 1, hints=h) for i, (rid, s, t, ids, h) in enumerate(rows)]
 
@@ -180,9 +227,14 @@ def test_the_http_replayer_sends_a_traces_hints_and_outputs_equal_without(server
     with_hints = replay_http(_trace(True), server.url, concurrency=2, trace_clock=True, keep_outputs=True)
     h = with_hints["hints"]
     assert (h["sent"], h["accepted"], h["refused"], h["unresolved"], h["unsent"]) == (3, 2, 1, 0, 0), h
-    assert "request b/1: pin of 64 tokens: HTTP 400: hint 0: 'ttl_s' of 9000 s exceeds the longest allowed" in h["first_error"], h
+    assert (
+        "request b/1: pin of 64 tokens: HTTP 400: hint 0: 'ttl_s' of 9000 s exceeds the longest allowed"
+        in h["first_error"]
+    ), h
     assert h["endpoint_error"] is None and h["url"] == _hint_url(server) + "/hints"
-    assert h["server"]["applied"]["prefetch"] == 1 and h["server"]["applied"]["pin"] == 1 and h["server"]["rejected"] == 0, h["server"]
+    assert (
+        h["server"]["applied"]["prefetch"] == 1 and h["server"]["applied"]["pin"] == 1 and h["server"]["rejected"] == 0
+    ), h["server"]
     without = replay_http(_trace(False), server.url, concurrency=2, trace_clock=True, keep_outputs=True)
     assert "hints" not in without
     outputs = {r["request_id"]: r["output_ids"] for r in with_hints["records"]}
@@ -195,12 +247,28 @@ def test_the_http_replayer_sends_a_traces_hints_and_outputs_equal_without(server
     trace = tmp_path / "hinted.jsonl"
     with trace.open("w") as f:
         write_plain(_trace(True), f)
-    cli = [sys.executable, "-m", "sgl_hicache.cli", "replay", str(trace), "--url", server.url, "--quiet", "--trace-clock"]
+    cli = [
+        sys.executable,
+        "-m",
+        "sgl_hicache.cli",
+        "replay",
+        str(trace),
+        "--url",
+        server.url,
+        "--quiet",
+        "--trace-clock",
+    ]
     run = subprocess.run(cli + ["--report", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    assert "server: hints to http://127.0.0.1:" in run.stdout and "sent 3, accepted 2, refused 1" in run.stdout, run.stdout
+    assert "server: hints to http://127.0.0.1:" in run.stdout and "sent 3, accepted 2, refused 1" in run.stdout, (
+        run.stdout
+    )
     assert json.loads((tmp_path / "r.json").read_text())["policies"]["server"]["hints"]["refused"] == 1
     from sgl_hicache.sglang.server import free_port
 
-    dead = subprocess.run(cli + ["--hint-url", f"http://127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=300)
-    assert dead.returncode == 2 and "does not answer" in dead.stderr and "hints cannot be sent" in dead.stderr, dead.stderr
+    dead = subprocess.run(
+        cli + ["--hint-url", f"http://127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=300
+    )
+    assert dead.returncode == 2 and "does not answer" in dead.stderr and "hints cannot be sent" in dead.stderr, (
+        dead.stderr
+    )

@@ -23,7 +23,10 @@ import pytest
 from test_sglang_pool_kinds import _load_back
 
 _missing = importlib.util.find_spec("sglang") is None
-pytestmark = [pytest.mark.sglang, pytest.mark.skipif(_missing, reason="sglang is not installed (scripts/install_sglang_cpu.sh)")]
+pytestmark = [
+    pytest.mark.sglang,
+    pytest.mark.skipif(_missing, reason="sglang is not installed (scripts/install_sglang_cpu.sh)"),
+]
 
 TOKENS = 64  # pool size (tokens; page size 1: SGLang's SWA allocator allocates single tokens on CPU)
 
@@ -34,17 +37,28 @@ def _swa_alloc():
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
     # gpt-oss-like: window and full layers alternate
-    pool = SWAKVPool(size=TOKENS, size_swa=TOKENS, page_size=1, dtype=torch.bfloat16, head_num=2, head_dim=8,
-                     swa_attention_layer_ids=[0, 2], full_attention_layer_ids=[1, 3], device="cpu",
-                     enable_memory_saver=False, enable_alt_stream=False)
+    pool = SWAKVPool(
+        size=TOKENS,
+        size_swa=TOKENS,
+        page_size=1,
+        dtype=torch.bfloat16,
+        head_num=2,
+        head_dim=8,
+        swa_attention_layer_ids=[0, 2],
+        full_attention_layer_ids=[1, 3],
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
     return SWATokenToKVPoolAllocator(TOKENS, TOKENS, 1, torch.bfloat16, "cpu", pool, need_sort=False)
 
 
 def _mamba_params(layers):
     from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
 
-    shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=64, n_groups=2, num_heads=4, head_dim=16,
-                                    state_size=8, conv_kernel=4)
+    shape = Mamba2StateShape.create(
+        tp_world_size=1, intermediate_size=64, n_groups=2, num_heads=4, head_dim=16, state_size=8, conv_kernel=4
+    )
     return Mamba2CacheParams(shape=shape, layers=layers)
 
 
@@ -54,10 +68,19 @@ def _mamba_alloc():
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool
 
     # Qwen3-Next-like: three linear-attention layers to one full-attention layer
-    mamba = MambaPool(size=8, spec_state_size=0, cache_params=_mamba_params([0, 1, 2]), mamba_layer_ids=[0, 1, 2],
-                      device="cpu")
-    pool = HybridLinearKVPool(size=TOKENS, dtype=torch.bfloat16, page_size=1, head_num=2, head_dim=8,
-                              full_attention_layer_ids=[3], device="cpu", mamba_pool=mamba)
+    mamba = MambaPool(
+        size=8, spec_state_size=0, cache_params=_mamba_params([0, 1, 2]), mamba_layer_ids=[0, 1, 2], device="cpu"
+    )
+    pool = HybridLinearKVPool(
+        size=TOKENS,
+        dtype=torch.bfloat16,
+        page_size=1,
+        head_num=2,
+        head_dim=8,
+        full_attention_layer_ids=[3],
+        device="cpu",
+        mamba_pool=mamba,
+    )
     return TokenToKVPoolAllocator(TOKENS, torch.bfloat16, "cpu", pool, need_sort=False)
 
 
@@ -69,8 +92,9 @@ def _cache(alloc, disk_dir):
     from sgl_hicache.sglang.settings import BackendSettings
 
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=1)
-    settings = BackendSettings(host_tokens=32, disk_dir=str(disk_dir), disk_tokens=1024,
-                               prefetch=True, eviction_demotes="all")
+    settings = BackendSettings(
+        host_tokens=32, disk_dir=str(disk_dir), disk_tokens=1024, prefetch=True, eviction_demotes="all"
+    )
     return TieredRadixCache(params, settings, debug=DebugSettings(check_invariants=True))
 
 
@@ -221,8 +245,9 @@ def test_a_qwen3_next_sized_snapshot_costs_thousands_of_tokens_of_kv():
 
     from sgl_hicache.config import KVLayout
 
-    shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=4096, n_groups=16, num_heads=32,
-                                    head_dim=128, state_size=128, conv_kernel=4)
+    shape = Mamba2StateShape.create(
+        tp_world_size=1, intermediate_size=4096, n_groups=16, num_heads=32, head_dim=128, state_size=128, conv_kernel=4
+    )
     state = Mamba2CacheParams(shape=shape, layers=list(range(36))).mamba_cache_per_req
     kv = KVLayout(num_layers=12, num_kv_heads=2, head_dim=256, dtype="bfloat16")
     tokens = math.ceil(state / kv.bytes_per_token)

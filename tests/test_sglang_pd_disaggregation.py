@@ -52,16 +52,34 @@ def servers(workdir):
 
     def start(role: str, name: str, bootstrap_port: int, disk_dir: Path | None = None) -> SGLangServer:
         env = dict(PD_ENV)
-        extra = ["--max-total-tokens", "1024", "--page-size", str(PAGE), "--log-level", "warning",
-                 "--disaggregation-mode", role, "--disaggregation-transfer-backend", "mooncake_tcp",
-                 "--disaggregation-bootstrap-port", str(bootstrap_port)]
+        extra = [
+            "--max-total-tokens",
+            "1024",
+            "--page-size",
+            str(PAGE),
+            "--log-level",
+            "warning",
+            "--disaggregation-mode",
+            role,
+            "--disaggregation-transfer-backend",
+            "mooncake_tcp",
+            "--disaggregation-bootstrap-port",
+            str(bootstrap_port),
+        ]
         if role == "prefill":
-            env.update({"SGLHICACHE_HOST_TOKENS": "4096", "SGLHICACHE_DISK_DIR": str(disk_dir),
-                        "SGLHICACHE_DISK_TOKENS": str(64 * 1024), "SGLHICACHE_CHECK_INVARIANTS": "1",
-                        "SGLHICACHE_CHECK_SCHEDULER_IO": "1"})
+            env.update(
+                {
+                    "SGLHICACHE_HOST_TOKENS": "4096",
+                    "SGLHICACHE_DISK_DIR": str(disk_dir),
+                    "SGLHICACHE_DISK_TOKENS": str(64 * 1024),
+                    "SGLHICACHE_CHECK_INVARIANTS": "1",
+                    "SGLHICACHE_CHECK_SCHEDULER_IO": "1",
+                }
+            )
             extra += ["--radix-cache-backend", "sgl_hicache"]
-        srv = SGLangServer.start(model, load_format=None, log_path=workdir / f"{name}.log", env=env, timeout_s=600,
-                                 extra_args=extra)
+        srv = SGLangServer.start(
+            model, load_format=None, log_path=workdir / f"{name}.log", env=env, timeout_s=600, extra_args=extra
+        )
         started.append(srv)
         return srv
 
@@ -76,10 +94,16 @@ def _pd_generate(prefill, decode, bootstrap_port: int, ids, start: int, n: int =
     """One request through the pair: the same body to both servers, as SGLang's load balancer sends it.
     Returns (the decode server's output ids, the prefill server's cached tokens by source, logprobs:
     the prompt tail's from the prefill server, the outputs' from the decode server)."""
-    body = {"input_ids": list(ids), "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
-            "return_logprob": True, "logprob_start_len": start, "top_logprobs_num": TOP_K,
-            "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port,
-            "bootstrap_room": random.randrange(1 << 62)}
+    body = {
+        "input_ids": list(ids),
+        "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
+        "return_logprob": True,
+        "logprob_start_len": start,
+        "top_logprobs_num": TOP_K,
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": bootstrap_port,
+        "bootstrap_room": random.randrange(1 << 62),
+    }
     replies: dict = {}
 
     def send(name, srv):
@@ -104,8 +128,10 @@ def _pd_generate(prefill, decode, bootstrap_port: int, ids, start: int, n: int =
     def entry(lp, top):
         return (lp[1], lp[0], [(t[1], t[0]) for t in (top or [])])
 
-    lps = {"input": {first + i: entry(lp, top) for i, (lp, top) in enumerate(zip(inp, inp_top)) if lp[0] is not None},
-           "output": [entry(lp, top) for lp, top in zip(d_meta["output_token_logprobs"], d_meta["output_top_logprobs"])]}
+    lps = {
+        "input": {first + i: entry(lp, top) for i, (lp, top) in enumerate(zip(inp, inp_top)) if lp[0] is not None},
+        "output": [entry(lp, top) for lp, top in zip(d_meta["output_token_logprobs"], d_meta["output_top_logprobs"])],
+    }
     return replies["decode"]["output_ids"], {k: details.get(k, 0) for k in ("device", "host", "storage")}, lps
 
 

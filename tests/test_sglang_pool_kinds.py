@@ -18,7 +18,10 @@ from types import SimpleNamespace
 import pytest
 
 _missing = importlib.util.find_spec("sglang") is None
-pytestmark = [pytest.mark.sglang, pytest.mark.skipif(_missing, reason="sglang is not installed (scripts/install_sglang_cpu.sh)")]
+pytestmark = [
+    pytest.mark.sglang,
+    pytest.mark.skipif(_missing, reason="sglang is not installed (scripts/install_sglang_cpu.sh)"),
+]
 
 PAGE, POOL_TOKENS, LAYERS = 4, 64, 3
 KINDS = ["mha-fp8_e4m3", "mha-fp8_e5m2", "mla-bf16", "mla-fp8_e4m3"]
@@ -32,11 +35,28 @@ def _pool(kind: str):
     arch, dtype_name = kind.split("-")
     dtype = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[dtype_name]
     if arch == "mha":
-        pool = MHATokenToKVPool(size=POOL_TOKENS, page_size=PAGE, dtype=dtype, head_num=2, head_dim=8, layer_num=LAYERS,
-                                device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+        pool = MHATokenToKVPool(
+            size=POOL_TOKENS,
+            page_size=PAGE,
+            dtype=dtype,
+            head_num=2,
+            head_dim=8,
+            layer_num=LAYERS,
+            device="cpu",
+            enable_memory_saver=False,
+            enable_alt_stream=False,
+        )
     else:  # DeepSeek-shaped: kv_lora_rank 512 / rope 64, scaled down
-        pool = MLATokenToKVPool(size=POOL_TOKENS, page_size=PAGE, dtype=dtype, kv_lora_rank=32, qk_rope_head_dim=8,
-                                layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+        pool = MLATokenToKVPool(
+            size=POOL_TOKENS,
+            page_size=PAGE,
+            dtype=dtype,
+            kv_lora_rank=32,
+            qk_rope_head_dim=8,
+            layer_num=LAYERS,
+            device="cpu",
+            enable_memory_saver=False,
+        )
     return PagedTokenToKVPoolAllocator(POOL_TOKENS, PAGE, dtype, "cpu", pool, need_sort=False)
 
 
@@ -73,8 +93,9 @@ def _cache(alloc, disk_dir):
     from sgl_hicache.sglang.settings import BackendSettings
 
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=PAGE)
-    settings = BackendSettings(host_tokens=64, disk_dir=str(disk_dir), disk_tokens=1024,
-                               prefetch=True, eviction_demotes="all")
+    settings = BackendSettings(
+        host_tokens=64, disk_dir=str(disk_dir), disk_tokens=1024, prefetch=True, eviction_demotes="all"
+    )
     return TieredRadixCache(params, settings, debug=DebugSettings(check_invariants=True))
 
 
@@ -84,8 +105,14 @@ def _load_back(cache, tokens, n: int, layers: int = LAYERS):
     from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    req = SimpleNamespace(rid=f"r{time.monotonic_ns()}", prefix_len=0, full_untruncated_fill_ids=tokens + array("q", [7]),
-                          last_node=None, storage_hit_length=0, storage_hit_start=None)
+    req = SimpleNamespace(
+        rid=f"r{time.monotonic_ns()}",
+        prefix_len=0,
+        full_untruncated_fill_ids=tokens + array("q", [7]),
+        last_node=None,
+        storage_hit_length=0,
+        storage_hit_start=None,
+    )
     m = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens), req=req))
     assert m.device_prefix_len == 0 and m.host_hit_length == n
     req.last_node = m.last_device_node
@@ -181,14 +208,22 @@ def test_refusals_name_the_kind_and_what_to_run_instead():
     from sgl_hicache.sglang.factory import unsupported
 
     sa = SimpleNamespace(enable_dp_attention=True, dp_size=2, pp_size=2)  # DP is served: only PP is refused
-    ctx = SimpleNamespace(enable_hierarchical_cache=True, is_hybrid_swa=True, is_hybrid_ssm=True, is_dsa=True, server_args=sa)
+    ctx = SimpleNamespace(
+        enable_hierarchical_cache=True, is_hybrid_swa=True, is_hybrid_ssm=True, is_dsa=True, server_args=sa
+    )
     problems = unsupported(ctx)
     assert not any("DP" in p or "dp_size" in p for p in problems), problems
     for kind in ("sglang_hicache", "mamba", "dsa", "pp"):
         r = REFUSED[kind]
         assert any(r.what in p and "Instead: " + r.instead in p for p in problems), (kind, problems)
-    assert unsupported(SimpleNamespace(enable_hierarchical_cache=False, is_hybrid_swa=True, is_hybrid_ssm=False,
-                                       server_args=SimpleNamespace())) == []  # SWAKVPool: served
+    assert (
+        unsupported(
+            SimpleNamespace(
+                enable_hierarchical_cache=False, is_hybrid_swa=True, is_hybrid_ssm=False, server_args=SimpleNamespace()
+            )
+        )
+        == []
+    )  # SWAKVPool: served
 
 
 def test_a_pool_with_a_kv_quant_method_is_refused_naming_it():
@@ -200,9 +235,18 @@ def test_a_pool_with_a_kv_quant_method_is_refused_naming_it():
 
     from sgl_hicache.sglang.pool_adapters import UnsupportedPool, adapter_for
 
-    pool = MHATokenToKVPool(size=POOL_TOKENS, page_size=PAGE, dtype=torch.float8_e4m3fn, head_num=2, head_dim=8,
-                            layer_num=LAYERS, device="cpu", enable_memory_saver=False, enable_alt_stream=False,
-                            quant_method=CPUFP8KVCacheMethod())
+    pool = MHATokenToKVPool(
+        size=POOL_TOKENS,
+        page_size=PAGE,
+        dtype=torch.float8_e4m3fn,
+        head_num=2,
+        head_dim=8,
+        layer_num=LAYERS,
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+        quant_method=CPUFP8KVCacheMethod(),
+    )
     with pytest.raises(UnsupportedPool, match=r"CPUFP8KVCacheMethod.*Instead: on a GPU --kv-cache-dtype fp8_e4m3"):
         adapter_for(pool)
 
@@ -225,7 +269,10 @@ def test_mla_at_tp2_is_one_copy_for_the_group_with_rank_free_keys(tmp_path):
         rc = RankConsensus(None, rank, 2)  # (no collective is made here)
         rc.replicate()
         two = cache_config(s, mla, PAGE, consensus=rc)
-        assert Namespace.for_model(two.layout, PAGE, two.tenant_salt).root == Namespace.for_model(one.layout, PAGE, one.tenant_salt).root
+        assert (
+            Namespace.for_model(two.layout, PAGE, two.tenant_salt).root
+            == Namespace.for_model(one.layout, PAGE, one.tenant_salt).root
+        )
         assert two.disk_dir == tmp_path / "disk" / "tp2-shared" and two.host_tokens == one.host_tokens
         assert rc.counts.role == ("leader" if rank == 0 else "follower")
     shard = cache_config(s, SGLangDevicePool(_pool("mha-fp8_e4m3")), PAGE, consensus=RankConsensus(None, 1, 2))

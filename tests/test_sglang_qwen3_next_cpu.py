@@ -43,8 +43,13 @@ def server(tmp_path_factory):
         pytest.skip("proves the CPU test layer's kernels; on a GPU SGLang runs its own")
     work = tmp_path_factory.mktemp("qwen3_next")
     model = make_model(work / "model")
-    srv = SGLangServer.start(model, load_format=None, log_path=work / "server.log", timeout_s=600,
-                             extra_args=["--max-total-tokens", "2048", "--log-level", "warning", *MAMBA_ARGS])
+    srv = SGLangServer.start(
+        model,
+        load_format=None,
+        log_path=work / "server.log",
+        timeout_s=600,
+        extra_args=["--max-total-tokens", "2048", "--log-level", "warning", *MAMBA_ARGS],
+    )
     try:
         yield srv
     finally:
@@ -61,8 +66,14 @@ def _flush(srv) -> None:
 
 
 def _gen(srv, ids, n=6):
-    r = srv.post("/generate", {"input_ids": list(ids), "return_logprob": True,
-                               "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}})
+    r = srv.post(
+        "/generate",
+        {
+            "input_ids": list(ids),
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
+        },
+    )
     meta = r["meta_info"]
     return r["output_ids"], int(meta.get("cached_tokens") or 0), [lp[0] for lp in meta["output_token_logprobs"]]
 

@@ -44,8 +44,23 @@ def test_bad_config_key(tmp_path):
 
 def test_launch_command_passes_flags_and_adds_backend(monkeypatch):
     monkeypatch.setattr("sgl_hicache.sglang.launch.has_cuda", lambda: False)
-    ns = build_parser().parse_args(["--host-tokens", "4096", "--disk-dir", "/tmp/kv", "--page-size", "16", "--",
-                                    "--model-path", "m", "--max-total-tokens", "1024", "--port", "31000"])
+    ns = build_parser().parse_args(
+        [
+            "--host-tokens",
+            "4096",
+            "--disk-dir",
+            "/tmp/kv",
+            "--page-size",
+            "16",
+            "--",
+            "--model-path",
+            "m",
+            "--max-total-tokens",
+            "1024",
+            "--port",
+            "31000",
+        ]
+    )
     argv, env = build_command(ns, environ={})
     assert argv[1:4] == ["-m", "sglang.launch_server", "--model-path"]
     assert argv[argv.index("--radix-cache-backend") + 1] == "sgl_hicache"
@@ -66,9 +81,17 @@ def test_launch_rejects_conflicts(capsys):
 def _server_args(**changes):
     from types import SimpleNamespace
 
-    base = dict(hicache_ratio=None, hicache_size=0, hicache_write_policy="write_through", hicache_storage_backend=None,
-                hicache_storage_backend_extra_config=None, hicache_io_backend="kernel", hicache_mem_layout="page_first",
-                hicache_storage_prefetch_policy="timeout", hicache_host_memory_mode="cache")
+    base = dict(
+        hicache_ratio=None,
+        hicache_size=0,
+        hicache_write_policy="write_through",
+        hicache_storage_backend=None,
+        hicache_storage_backend_extra_config=None,
+        hicache_io_backend="kernel",
+        hicache_mem_layout="page_first",
+        hicache_storage_prefetch_policy="timeout",
+        hicache_host_memory_mode="cache",
+    )
     return SimpleNamespace(**{**base, **changes})
 
 
@@ -78,22 +101,33 @@ def test_hicache_flags_map_onto_settings():
     assert hicache_flag_settings(_server_args(), environ={}) == {}
     sa = _server_args(hicache_ratio=2.0, hicache_write_policy="write_back", hicache_storage_backend="file")
     assert hicache_flag_settings(sa, environ={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": "/kv"}) == {
-        "host_ratio": 2.0, "write_policy": "write_back", "disk_dir": "/kv"}
+        "host_ratio": 2.0,
+        "write_policy": "write_back",
+        "disk_dir": "/kv",
+    }
     s = apply_hicache_flags(BackendSettings(), _server_args(hicache_size=3), given={}, environ={})
     assert s.host_gb == 3.0 and s.host_tokens_for(1024, bytes_per_token=1 << 20) == 3 * 1024
-    mc = _server_args(hicache_storage_backend="mooncake",
-                      hicache_storage_backend_extra_config='{"master_server_address": "10.0.0.1:50051", '
-                                                           '"metadata_server": "http://10.0.0.1:8080/metadata"}')
-    assert hicache_flag_settings(mc, environ={})["store"] == "mooncake://10.0.0.1:50051?metadata=http://10.0.0.1:8080/metadata"
+    mc = _server_args(
+        hicache_storage_backend="mooncake",
+        hicache_storage_backend_extra_config='{"master_server_address": "10.0.0.1:50051", '
+        '"metadata_server": "http://10.0.0.1:8080/metadata"}',
+    )
+    assert (
+        hicache_flag_settings(mc, environ={})["store"]
+        == "mooncake://10.0.0.1:50051?metadata=http://10.0.0.1:8080/metadata"
+    )
 
 
-@pytest.mark.parametrize("changes, needle", [
-    ({"hicache_io_backend": "direct"}, "--hicache-io-backend direct has no meaning"),
-    ({"hicache_mem_layout": "layer_first"}, "--hicache-mem-layout layer_first"),
-    ({"hicache_storage_backend": "hf3fs"}, "--hicache-storage-backend hf3fs is not served"),
-    ({"hicache_storage_backend": "mooncake"}, "needs the master's address"),
-    ({"hicache_storage_backend_extra_config": "{}"}, "read only with --hicache-storage-backend mooncake"),
-])
+@pytest.mark.parametrize(
+    "changes, needle",
+    [
+        ({"hicache_io_backend": "direct"}, "--hicache-io-backend direct has no meaning"),
+        ({"hicache_mem_layout": "layer_first"}, "--hicache-mem-layout layer_first"),
+        ({"hicache_storage_backend": "hf3fs"}, "--hicache-storage-backend hf3fs is not served"),
+        ({"hicache_storage_backend": "mooncake"}, "needs the master's address"),
+        ({"hicache_storage_backend_extra_config": "{}"}, "read only with --hicache-storage-backend mooncake"),
+    ],
+)
 def test_hicache_flags_without_meaning_are_refused(changes, needle):
     from sgl_hicache.sglang.hicache_flags import hicache_flag_settings
 
@@ -106,9 +140,15 @@ def test_a_setting_given_both_ways_must_agree():
 
     given = {"write_policy": "write_through_selective"}
     with pytest.raises(SettingsError, match="write_policy='write_through_selective'"):
-        apply_hicache_flags(BackendSettings(**given), _server_args(hicache_write_policy="write_back"), given, environ={})
-    agreed = apply_hicache_flags(BackendSettings(write_policy="write_back"), _server_args(hicache_write_policy="write_back"),
-                                 {"write_policy": "write_back"}, environ={})
+        apply_hicache_flags(
+            BackendSettings(**given), _server_args(hicache_write_policy="write_back"), given, environ={}
+        )
+    agreed = apply_hicache_flags(
+        BackendSettings(write_policy="write_back"),
+        _server_args(hicache_write_policy="write_back"),
+        {"write_policy": "write_back"},
+        environ={},
+    )
     assert agreed.write_policy == "write_back"
 
 

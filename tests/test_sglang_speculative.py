@@ -42,10 +42,27 @@ def _pools(kind: str = "mha"):
 
     def pool(layers):
         if kind == "mla":
-            return MLATokenToKVPool(size=POOL_TOKENS, page_size=PAGE, dtype=torch.bfloat16, kv_lora_rank=32,
-                                    qk_rope_head_dim=8, layer_num=layers, device="cpu", enable_memory_saver=False)
-        return MHATokenToKVPool(size=POOL_TOKENS, page_size=PAGE, dtype=torch.bfloat16, head_num=2, head_dim=8,
-                                layer_num=layers, device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+            return MLATokenToKVPool(
+                size=POOL_TOKENS,
+                page_size=PAGE,
+                dtype=torch.bfloat16,
+                kv_lora_rank=32,
+                qk_rope_head_dim=8,
+                layer_num=layers,
+                device="cpu",
+                enable_memory_saver=False,
+            )
+        return MHATokenToKVPool(
+            size=POOL_TOKENS,
+            page_size=PAGE,
+            dtype=torch.bfloat16,
+            head_num=2,
+            head_dim=8,
+            layer_num=layers,
+            device="cpu",
+            enable_memory_saver=False,
+            enable_alt_stream=False,
+        )
 
     target, draft = pool(LAYERS), pool(DRAFT_LAYERS)
     return PagedTokenToKVPoolAllocator(POOL_TOKENS, PAGE, torch.bfloat16, "cpu", target, need_sort=False), draft
@@ -65,10 +82,12 @@ def _cache(alloc, draft, disk_dir):
     from sgl_hicache.sglang.debug_settings import DebugSettings
     from sgl_hicache.sglang.settings import BackendSettings
 
-    params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=PAGE,
-                             is_eagle=True)
-    settings = BackendSettings(host_tokens=64, disk_dir=str(disk_dir), disk_tokens=1024,
-                               prefetch=True, eviction_demotes="all")
+    params = CacheInitParams(
+        disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=PAGE, is_eagle=True
+    )
+    settings = BackendSettings(
+        host_tokens=64, disk_dir=str(disk_dir), disk_tokens=1024, prefetch=True, eviction_demotes="all"
+    )
     return TieredRadixCache(params, settings, draft_pools=(draft,), debug=DebugSettings(check_invariants=True))
 
 
@@ -76,8 +95,14 @@ def _match_and_load(cache, tokens, n: int):
     from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    req = SimpleNamespace(rid=f"r{time.monotonic_ns()}", prefix_len=0, full_untruncated_fill_ids=tokens,
-                          last_node=None, storage_hit_length=0, storage_hit_start=None)
+    req = SimpleNamespace(
+        rid=f"r{time.monotonic_ns()}",
+        prefix_len=0,
+        full_untruncated_fill_ids=tokens,
+        last_node=None,
+        storage_hit_length=0,
+        storage_hit_start=None,
+    )
     m = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens), req=req))
     assert m.device_prefix_len == 0 and m.host_hit_length == n, (m.device_prefix_len, m.host_hit_length)
     req.last_node = m.last_device_node
@@ -135,8 +160,9 @@ def test_eagle_keys_by_bigrams_and_round_trips_the_draft_kv_with_the_target_kv(t
         for layer in range(LAYERS):
             cache.layer_loads.wait_until(layer)
         after = [buf[new_slots].clone() for buf in _buffers(alloc, draft)]
-        assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(after, before)), \
+        assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(after, before)), (
             "target or draft KV bytes changed on the round trip"
+        )
         disk_pages = cache.cache.stores[DISK].used_pages
     finally:
         cache.shutdown()
@@ -162,9 +188,20 @@ def test_a_draft_of_another_page_layout_is_refused_naming_both():
     from sgl_hicache.sglang.pool_adapters import UnsupportedPool
 
     alloc, _ = _pools()
-    wide = MHATokenToKVPool(size=POOL_TOKENS, page_size=PAGE, dtype=torch.bfloat16, head_num=4, head_dim=8,
-                            layer_num=1, device="cpu", enable_memory_saver=False, enable_alt_stream=False)
-    with pytest.raises(UnsupportedPool, match=r"draft model whose KV page layout differs.*4 heads x 8.*target 2 x 2 x 8.*Instead: "):
+    wide = MHATokenToKVPool(
+        size=POOL_TOKENS,
+        page_size=PAGE,
+        dtype=torch.bfloat16,
+        head_num=4,
+        head_dim=8,
+        layer_num=1,
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
+    with pytest.raises(
+        UnsupportedPool, match=r"draft model whose KV page layout differs.*4 heads x 8.*target 2 x 2 x 8.*Instead: "
+    ):
         SGLangDevicePool(alloc, draft_pools=(wide,))
 
 
@@ -177,8 +214,16 @@ SERVER_PAGE, HIT, VOCAB = 16, 304, 1024
 # SGLang caps a request's prefix match at its `logprob_start_len` in raw tokens; under bigram keys N raw
 # tokens make N - 1 positions, so a request that may reuse HIT cached positions asks from HIT + 1 on
 START = HIT + 1
-SPEC_ARGS = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "1", "--speculative-eagle-topk", "1",
-             "--speculative-num-draft-tokens", "2"]
+SPEC_ARGS = [
+    "--speculative-algorithm",
+    "EAGLE",
+    "--speculative-num-steps",
+    "1",
+    "--speculative-eagle-topk",
+    "1",
+    "--speculative-num-draft-tokens",
+    "2",
+]
 
 
 def make_eagle_draft(target: Path, dst: Path) -> Path:
@@ -195,11 +240,13 @@ def make_eagle_draft(target: Path, dst: Path) -> Path:
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     w = load_file(str(target / "model.safetensors"))
     h = cfg["hidden_size"]
-    t = {"fc.weight": torch.cat([torch.eye(h), torch.zeros(h, h)], 1).to(torch.bfloat16),
-         "fc.bias": torch.zeros(h, dtype=torch.bfloat16)}
+    t = {
+        "fc.weight": torch.cat([torch.eye(h), torch.zeros(h, h)], 1).to(torch.bfloat16),
+        "fc.bias": torch.zeros(h, dtype=torch.bfloat16),
+    }
     for name, value in w.items():  # layer 0 without its input norm (EAGLE's first layer has none)
         if name.startswith("model.layers.0.") and "input_layernorm" not in name:
-            t[name[len("model."):]] = value
+            t[name[len("model.") :]] = value
     save_file(t, str(dst / "model.safetensors"))
     return dst
 
@@ -225,13 +272,33 @@ def start_server(workdir, models):
     started = []
 
     def start(name: str, disk_dir: Path) -> SGLangServer:
-        env = {"SGLHICACHE_HOST_TOKENS": "4096", "SGLHICACHE_DISK_DIR": str(disk_dir),
-               "SGLHICACHE_DISK_TOKENS": str(64 * 1024), "SGLHICACHE_CHECK_INVARIANTS": "1",
-               "SGLHICACHE_CHECK_SCHEDULER_IO": "1"}
-        srv = SGLangServer.start(target, load_format=None, log_path=workdir / f"{name}.log", env=env, timeout_s=400,
-                                 extra_args=["--max-total-tokens", "1024", "--page-size", str(SERVER_PAGE),
-                                             "--radix-cache-backend", "sgl_hicache", "--log-level", "warning",
-                                             "--speculative-draft-model-path", str(draft), *SPEC_ARGS])
+        env = {
+            "SGLHICACHE_HOST_TOKENS": "4096",
+            "SGLHICACHE_DISK_DIR": str(disk_dir),
+            "SGLHICACHE_DISK_TOKENS": str(64 * 1024),
+            "SGLHICACHE_CHECK_INVARIANTS": "1",
+            "SGLHICACHE_CHECK_SCHEDULER_IO": "1",
+        }
+        srv = SGLangServer.start(
+            target,
+            load_format=None,
+            log_path=workdir / f"{name}.log",
+            env=env,
+            timeout_s=400,
+            extra_args=[
+                "--max-total-tokens",
+                "1024",
+                "--page-size",
+                str(SERVER_PAGE),
+                "--radix-cache-backend",
+                "sgl_hicache",
+                "--log-level",
+                "warning",
+                "--speculative-draft-model-path",
+                str(draft),
+                *SPEC_ARGS,
+            ],
+        )
         started.append(srv)
         return srv
 
@@ -243,8 +310,15 @@ def start_server(workdir, models):
 
 def _accepted(srv, ids, start: int) -> int:
     """How many of the draft model's proposals the target accepted for a greedy request."""
-    r = srv.post("/generate", {"input_ids": list(ids), "return_logprob": True, "logprob_start_len": start,
-                               "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}})
+    r = srv.post(
+        "/generate",
+        {
+            "input_ids": list(ids),
+            "return_logprob": True,
+            "logprob_start_len": start,
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True},
+        },
+    )
     return int(r["meta_info"]["spec_num_correct_drafts"])
 
 

@@ -48,11 +48,26 @@ def servers(tmp_path_factory, mooncake_service):
     started = []
     try:
         for name in ("a", "b"):
-            started.append(SGLangServer.start(
-                model, load_format=None, log_path=work / f"{name}.log", env=env, timeout_s=300,
-                extra_args=["--max-total-tokens", "2048", "--page-size", str(PAGE), "--radix-cache-backend", "sgl_hicache",
-                            "--enable-metrics", "--log-level", "warning"],
-            ))
+            started.append(
+                SGLangServer.start(
+                    model,
+                    load_format=None,
+                    log_path=work / f"{name}.log",
+                    env=env,
+                    timeout_s=300,
+                    extra_args=[
+                        "--max-total-tokens",
+                        "2048",
+                        "--page-size",
+                        str(PAGE),
+                        "--radix-cache-backend",
+                        "sgl_hicache",
+                        "--enable-metrics",
+                        "--log-level",
+                        "warning",
+                    ],
+                )
+            )
         yield started
     finally:
         for srv in started:
@@ -100,7 +115,9 @@ def test_turn_n_on_a_turn_n_plus_1_on_b(servers):
         try:
             _wait_for(written, f"A's write-back to the store (conversation {c})", timeout_s=90)
         except BaseException:
-            print("A:", json.loads(a.get("/server_info"))["internal_states"][0]["sgl_hicache"].get("tree_text", "")[:3000])
+            print(
+                "A:", json.loads(a.get("/server_info"))["internal_states"][0]["sgl_hicache"].get("tree_text", "")[:3000]
+            )
             print("A store:", _store_stats(a))
             raise
         turn2 = turn1 + out1 + _prompt(900 + c, 40)
@@ -123,8 +140,11 @@ def test_turn_n_on_a_turn_n_plus_1_on_b(servers):
     storage = [ln for ln in lines if ln.startswith("sglang:cached_tokens_total") and 'cache_source="storage"' in ln]
     assert storage and float(storage[0].rsplit(" ", 1)[1]) >= storage_total, storage
     # our own counters name the tier (published by the scheduler every stats interval)
-    _wait_for(lambda: any(ln.startswith('sgl_hicache_hit_tokens_total{tier="store"}') for ln in fetch_metrics(b.url)),
-              "/metrics to name the store tier", timeout_s=30)
+    _wait_for(
+        lambda: any(ln.startswith('sgl_hicache_hit_tokens_total{tier="store"}') for ln in fetch_metrics(b.url)),
+        "/metrics to name the store tier",
+        timeout_s=30,
+    )
     assert any(ln.startswith('sgl_hicache_store_total{event="pages_read"}') for ln in fetch_metrics(b.url))
 
 
@@ -155,5 +175,13 @@ def test_idle_servers_write_nothing(servers, mooncake_service):
     after = [mooncake_service.master_metrics().get(k, 0.0) for k in puts], [_store_stats(s) for s in servers]
     assert after[0] == before[0], (before[0], after[0])  # the store's own view: no put at all
     for b, a in zip(before[1], after[1]):
-        for c in ("pages_written", "bytes_written", "puts_failed", "puts_skipped", "exists_calls", "pages_read", "errors"):
+        for c in (
+            "pages_written",
+            "bytes_written",
+            "puts_failed",
+            "puts_skipped",
+            "exists_calls",
+            "pages_read",
+            "errors",
+        ):
             assert a[c] == b[c], (c, b, a)

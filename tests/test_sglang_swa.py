@@ -53,8 +53,11 @@ def make_swa_model(dst: Path, seed: int = 0) -> Path:
     def ones(n):
         return torch.ones(n, dtype=torch.bfloat16)
 
-    t = {"model.embed_tokens.weight": torch.randn(V, h, generator=g).to(torch.bfloat16),
-         "model.norm.weight": ones(h), "lm_head.weight": w(V, h)}
+    t = {
+        "model.embed_tokens.weight": torch.randn(V, h, generator=g).to(torch.bfloat16),
+        "model.norm.weight": ones(h),
+        "lm_head.weight": w(V, h),
+    }
     for i in range(L):
         p = f"model.layers.{i}."
         t[p + "self_attn.q_proj.weight"] = w(nh * hd, h, 2.0)
@@ -77,9 +80,19 @@ def _swa_alloc(page: int = PAGE, full_tokens: int = 256, window_tokens: int = 19
     from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
-    pool = SWAKVPool(size=full_tokens, size_swa=window_tokens, page_size=page, dtype=torch.bfloat16, head_num=2,
-                     head_dim=8, swa_attention_layer_ids=[0, 2], full_attention_layer_ids=[1, 3], device="cpu",
-                     enable_memory_saver=False, enable_alt_stream=False)
+    pool = SWAKVPool(
+        size=full_tokens,
+        size_swa=window_tokens,
+        page_size=page,
+        dtype=torch.bfloat16,
+        head_num=2,
+        head_dim=8,
+        swa_attention_layer_ids=[0, 2],
+        full_attention_layer_ids=[1, 3],
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
     return SWATokenToKVPoolAllocator(full_tokens, window_tokens, page, torch.bfloat16, "cpu", pool, need_sort=False)
 
 
@@ -91,8 +104,9 @@ def _cache(alloc, disk_dir, host_tokens: int = 64):
     from sgl_hicache.sglang.settings import BackendSettings
 
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=PAGE)
-    settings = BackendSettings(host_tokens=host_tokens, disk_dir=str(disk_dir), disk_tokens=4096,
-                               prefetch=True, eviction_demotes="all")
+    settings = BackendSettings(
+        host_tokens=host_tokens, disk_dir=str(disk_dir), disk_tokens=4096, prefetch=True, eviction_demotes="all"
+    )
     return TieredRadixCache(params, settings, debug=DebugSettings(check_invariants=True))
 
 
@@ -170,12 +184,23 @@ def test_the_engines_gpt_oss_preset_costs_what_sglangs_pool_of_its_shape_tiers()
     from sgl_hicache.sglang.device_pool import SGLangDevicePool
 
     m = get_model("gpt-oss-120b")
-    pool = SWAKVPool(size=64, size_swa=32, page_size=PAGE, dtype=torch.bfloat16, head_num=m.num_kv_heads,
-                     head_dim=m.head_dim, swa_attention_layer_ids=list(range(0, 36, 2)),
-                     full_attention_layer_ids=list(range(1, 36, 2)), device="cpu", enable_memory_saver=False,
-                     enable_alt_stream=False)
+    pool = SWAKVPool(
+        size=64,
+        size_swa=32,
+        page_size=PAGE,
+        dtype=torch.bfloat16,
+        head_num=m.num_kv_heads,
+        head_dim=m.head_dim,
+        swa_attention_layer_ids=list(range(0, 36, 2)),
+        full_attention_layer_ids=list(range(1, 36, 2)),
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
     alloc = SWATokenToKVPoolAllocator(64, 32, PAGE, torch.bfloat16, "cpu", pool, need_sort=False)
-    sglang_per_token = sum(sum(sub.get_kv_size_bytes()) // (sub.size + PAGE) for sub in (pool.full_kv_pool, pool.swa_kv_pool))
+    sglang_per_token = sum(
+        sum(sub.get_kv_size_bytes()) // (sub.size + PAGE) for sub in (pool.full_kv_pool, pool.swa_kv_pool)
+    )
     assert SGLangDevicePool(alloc).layout.bytes_per_token == sglang_per_token == m.kv_bytes_per_token == 72 * 1024
 
 
@@ -247,7 +272,9 @@ def test_swa_window_and_full_layers_round_trip_through_the_backend_at_page_16(tm
     try:
         req, new_slots = _load_back(cache2, tokens, n, 4)
         assert req.storage_hit_length == n
-        assert all(torch.equal(a, b) for a, b in zip(layer_rows(alloc2, new_slots), before)), "changed across the restart"
+        assert all(torch.equal(a, b) for a, b in zip(layer_rows(alloc2, new_slots), before)), (
+            "changed across the restart"
+        )
     finally:
         cache2.shutdown()
 
@@ -266,8 +293,9 @@ def test_reference_attention_matches_sdpa_and_sinks_only_add_to_the_denominator(
     for window in (-1, 3):
         q_pos, k_pos = torch.arange(7, 12).unsqueeze(1), torch.arange(12).unsqueeze(0)
         mask = (k_pos <= q_pos) & ((k_pos >= q_pos - window) if window > -1 else True)
-        ref = F.scaled_dot_product_attention(q.movedim(0, 1), k.movedim(0, 1), v.movedim(0, 1), attn_mask=mask,
-                                             scale=0.3, enable_gqa=True).movedim(1, 0)
+        ref = F.scaled_dot_product_attention(
+            q.movedim(0, 1), k.movedim(0, 1), v.movedim(0, 1), attn_mask=mask, scale=0.3, enable_gqa=True
+        ).movedim(1, 0)
         got = attend(q, k, v, scale=0.3, q_offset=7, window=window, sinks=None)
         assert torch.allclose(got, ref, atol=1e-5), (window, (got - ref).abs().max())
     sinks = torch.tensor([0.0, 1.0, -2.0, 3.0])
@@ -296,12 +324,31 @@ def start_server(workdir):
     started = []
 
     def start(name: str, disk_dir: Path, **env_extra: str) -> SGLangServer:
-        env = {"SGLHICACHE_HOST_TOKENS": "2048", "SGLHICACHE_DISK_DIR": str(disk_dir),
-               "SGLHICACHE_DISK_TOKENS": str(64 * 1024), "SGLHICACHE_CHECK_INVARIANTS": "1",
-               "SGLHICACHE_CHECK_SCHEDULER_IO": "1", **env_extra}
-        srv = SGLangServer.start(model, load_format=None, log_path=workdir / f"{name}.log", env=env, timeout_s=400,
-                                 extra_args=["--max-total-tokens", "1024", "--page-size", str(PAGE),
-                                             "--radix-cache-backend", "sgl_hicache", "--log-level", "warning"])
+        env = {
+            "SGLHICACHE_HOST_TOKENS": "2048",
+            "SGLHICACHE_DISK_DIR": str(disk_dir),
+            "SGLHICACHE_DISK_TOKENS": str(64 * 1024),
+            "SGLHICACHE_CHECK_INVARIANTS": "1",
+            "SGLHICACHE_CHECK_SCHEDULER_IO": "1",
+            **env_extra,
+        }
+        srv = SGLangServer.start(
+            model,
+            load_format=None,
+            log_path=workdir / f"{name}.log",
+            env=env,
+            timeout_s=400,
+            extra_args=[
+                "--max-total-tokens",
+                "1024",
+                "--page-size",
+                str(PAGE),
+                "--radix-cache-backend",
+                "sgl_hicache",
+                "--log-level",
+                "warning",
+            ],
+        )
         started.append(srv)
         return srv
 

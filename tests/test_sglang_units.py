@@ -10,7 +10,10 @@ import pytest
 from conftest import SYNCHRONOUS
 
 _missing = importlib.util.find_spec("sglang") is None
-pytestmark = [pytest.mark.sglang, pytest.mark.skipif(_missing, reason="sglang is not installed (scripts/install_sglang_cpu.sh)")]
+pytestmark = [
+    pytest.mark.sglang,
+    pytest.mark.skipif(_missing, reason="sglang is not installed (scripts/install_sglang_cpu.sh)"),
+]
 
 
 def _pools(page_size: int, size: int = 256):
@@ -19,8 +22,17 @@ def _pools(page_size: int, size: int = 256):
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    pool = MHATokenToKVPool(size=size, page_size=page_size, dtype=torch.bfloat16, head_num=2, head_dim=8, layer_num=2,
-                            device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+    pool = MHATokenToKVPool(
+        size=size,
+        page_size=page_size,
+        dtype=torch.bfloat16,
+        head_num=2,
+        head_dim=8,
+        layer_num=2,
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
     if page_size > 1:
         return PagedTokenToKVPoolAllocator(size, page_size, torch.bfloat16, "cpu", pool, need_sort=False)
     return TokenToKVPoolAllocator(size, torch.bfloat16, "cpu", pool, need_sort=False)
@@ -91,11 +103,14 @@ def test_backend_demotes_and_loads_back_exact_kv(tmp_path, page_size):
     from sgl_hicache.sglang.settings import BackendSettings
 
     alloc = _pools(page_size, size=64)
-    params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=page_size)
+    params = CacheInitParams(
+        disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=page_size
+    )
     # eviction_demotes="all": this checks the synchronous demotion chain (the server default, "none",
     # never copies on eviction)
-    settings = BackendSettings(host_tokens=64, disk_dir=str(tmp_path / "disk"), disk_tokens=1024, prefetch=True,
-                               eviction_demotes="all")
+    settings = BackendSettings(
+        host_tokens=64, disk_dir=str(tmp_path / "disk"), disk_tokens=1024, prefetch=True, eviction_demotes="all"
+    )
     cache = TieredRadixCache(params, settings, debug=DebugSettings(check_invariants=True))
     try:
         tokens = array("q", range(100, 148))  # 48 tokens
@@ -114,14 +129,22 @@ def test_backend_demotes_and_loads_back_exact_kv(tmp_path, page_size):
         cache.insert(InsertParams(key=RadixKey(other), value=s2))
         cache.evict(EvictParams(num_tokens=32))
         assert alloc.available_size() == 64 and cache.total_size() == 0
-        req = SimpleNamespace(rid="r1", prefix_len=0, full_untruncated_fill_ids=tokens + array("q", [7]), last_node=None,
-                              storage_hit_length=0, storage_hit_start=None)
+        req = SimpleNamespace(
+            rid="r1",
+            prefix_len=0,
+            full_untruncated_fill_ids=tokens + array("q", [7]),
+            last_node=None,
+            storage_hit_length=0,
+            storage_hit_start=None,
+        )
         m = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens), req=req))
         assert m.device_prefix_len == 0 and m.host_hit_length == 48
         req.last_node = m.last_device_node
         loaded = None
         for _ in range(200):  # the disk part is being prefetched to host: "retry next round"
-            loaded = cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=48, req=req))
+            loaded = cache.init_load_back(
+                InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=48, req=req)
+            )
             if loaded is not None:
                 break
             import time
@@ -171,8 +194,17 @@ def test_layered_moves_on_the_real_pool_are_bit_exact(monkeypatch, page_size):
 
     layers, heads, dim = 4, 8, 128  # 16 KiB of KV per token
     tokens, host_tokens, op_tokens = 2048, 1024, 320  # one op: 5 MiB
-    pool = MHATokenToKVPool(size=tokens, page_size=page_size, dtype=torch.bfloat16, head_num=heads, head_dim=dim,
-                            layer_num=layers, device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+    pool = MHATokenToKVPool(
+        size=tokens,
+        page_size=page_size,
+        dtype=torch.bfloat16,
+        head_num=heads,
+        head_dim=dim,
+        layer_num=layers,
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
     alloc = SimpleNamespace(page_size=page_size, size=tokens, get_kvcache=lambda: pool, available_size=lambda: tokens)
     dev = SGLangDevicePool(alloc)
     host = HostKVBuffer(dev.layout, page_size, host_tokens // page_size)
@@ -197,7 +229,9 @@ def test_layered_moves_on_the_real_pool_are_bit_exact(monkeypatch, page_size):
     to_device = handlers.layered_device_host(stores, HOST, DEVICE)
 
     def op(src, src_handles, dst_handles):
-        return TransferOp(TreeNode(None, (), [], 0), src, HOST if src == DEVICE else DEVICE, src_handles, dst_handles, 0, "demote")
+        return TransferOp(
+            TreeNode(None, (), [], 0), src, HOST if src == DEVICE else DEVICE, src_handles, dst_handles, 0, "demote"
+        )
 
     def rows(layer: int, kv: int, pages) -> torch.Tensor:
         """What SGLang's attention reads for `pages`: its own buffer rows, as (pages, page tokens, heads, dim) bits."""
@@ -221,7 +255,9 @@ def test_layered_moves_on_the_real_pool_are_bit_exact(monkeypatch, page_size):
         slots = dev.token_slots(d_pages)
         pool.k_buffer[layer][slots] = data[:, layer, 0].reshape(-1, heads, dim)
         pool.v_buffer[layer][slots] = data[:, layer, 1].reshape(-1, heads, dim)
-    host.buffer.view(torch.int16).copy_(torch.randint(-(2**15), 2**15, host.buffer.shape, dtype=torch.int16, generator=g))
+    host.buffer.view(torch.int16).copy_(
+        torch.randint(-(2**15), 2**15, host.buffer.shape, dtype=torch.int16, generator=g)
+    )
     host_before = bits(host.buffer).clone()
     device_before = [[bits(b).clone() for b in (pool.k_buffer[layer], pool.v_buffer[layer])] for layer in range(layers)]
 
@@ -234,7 +270,10 @@ def test_layered_moves_on_the_real_pool_are_bit_exact(monkeypatch, page_size):
     for layer in range(layers):
         for kv in (0, 1):
             assert torch.equal(rows(layer, kv, back), bits(data[:, layer, kv])), (layer, kv)
-            assert torch.equal(rows(layer, kv, d_pages), bits(data[:, layer, kv])), (layer, kv)  # the source is only read
+            assert torch.equal(rows(layer, kv, d_pages), bits(data[:, layer, kv])), (
+                layer,
+                kv,
+            )  # the source is only read
     touched = set(dev.token_slots(back).tolist())
     others = torch.tensor([s for s in range(pool.k_buffer[0].shape[0]) if s not in touched])
     for layer in range(layers):
@@ -258,7 +297,10 @@ def test_layer_loads_through_sglangs_own_kv_pool_read_path():
     ps = 16
     alloc = _pools(ps)
     dev = SGLangDevicePool(alloc)
-    cache = TieredCache(CacheConfig(dev.layout, device_tokens=dev.pool_pages * ps, host_tokens=8 * ps, page_size=ps, **SYNCHRONOUS), device=dev)
+    cache = TieredCache(
+        CacheConfig(dev.layout, device_tokens=dev.pool_pages * ps, host_tokens=8 * ps, page_size=ps, **SYNCHRONOUS),
+        device=dev,
+    )
     loads = LayerLoads(cache)
     kv = alloc.get_kvcache()
     kv.register_layer_transfer_counter(loads)
@@ -290,7 +332,12 @@ def test_admission_hook_skips_only_a_request_told_to_retry():
     from sgl_hicache.sglang.settings import BackendSettings
 
     cache = object.__new__(TieredRadixCache)
-    cache.settings, cache.counters, cache.deferred_rid, cache.held_rids = BackendSettings(), BackendCounters(), None, set()
+    cache.settings, cache.counters, cache.deferred_rid, cache.held_rids = (
+        BackendSettings(),
+        BackendCounters(),
+        None,
+        set(),
+    )
     adder = SimpleNamespace(tree_cache=cache, can_run_list=[])
     req = SimpleNamespace(rid="r1")
 
@@ -318,12 +365,24 @@ def test_admission_hook_yields_prefetch_locks_to_a_request_short_of_room_and_ret
     from sgl_hicache.sglang.settings import BackendSettings
 
     cache = object.__new__(TieredRadixCache)
-    cache.settings, cache.counters, cache.deferred_rid, cache.held_rids = BackendSettings(), BackendCounters(), None, set()
+    cache.settings, cache.counters, cache.deferred_rid, cache.held_rids = (
+        BackendSettings(),
+        BackendCounters(),
+        None,
+        set(),
+    )
     asked = []
     cache.yield_to_demand = lambda req, short: asked.append(short) or (1 if short > 0 else 0)
-    adder = SimpleNamespace(tree_cache=cache, can_run_list=[], rem_total_tokens=100, per_req_token_overhead=0, page_size=1)
-    req = SimpleNamespace(rid="r1", full_untruncated_fill_ids=list(range(300)), prefix_len=0, output_ids=[],
-                          sampling_params=SimpleNamespace(max_new_tokens=10))
+    adder = SimpleNamespace(
+        tree_cache=cache, can_run_list=[], rem_total_tokens=100, per_req_token_overhead=0, page_size=1
+    )
+    req = SimpleNamespace(
+        rid="r1",
+        full_untruncated_fill_ids=list(range(300)),
+        prefix_len=0,
+        output_ids=[],
+        sampling_params=SimpleNamespace(max_new_tokens=10),
+    )
     calls = []
 
     def no_room_then_fits(adder, req, *a, **k):
@@ -337,18 +396,28 @@ def test_admission_hook_yields_prefetch_locks_to_a_request_short_of_room_and_ret
     assert keep_admitting(no_room_then_fits, adder, req, False, None) == AddReqResult.NO_TOKEN and len(calls) == 1
 
 
-@pytest.mark.parametrize("change, words", [
-    ({"pp_size": 2}, ("pipeline parallelism", "pp_size=2", "Instead: --pp-size 1")),
-    ({"pp_size": 2, "enable_dp_attention": True, "dp_size": 2}, ("pipeline parallelism", "pp_size=2")),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"pp_size": 2}, ("pipeline parallelism", "pp_size=2", "Instead: --pp-size 1")),
+        ({"pp_size": 2, "enable_dp_attention": True, "dp_size": 2}, ("pipeline parallelism", "pp_size=2")),
+    ],
+)
 def test_factory_refuses_pp_with_a_clear_message(change, words):
     from sgl_hicache.sglang.factory import factory
 
     sa = SimpleNamespace(enable_dp_attention=False, dp_size=1, pp_size=1)
     for k, v in change.items():
         setattr(sa, k, v)
-    ctx = SimpleNamespace(enable_hierarchical_cache=False, is_hybrid_swa=False, is_hybrid_ssm=False, is_dsa=False,
-                          tp_size=2, tp_rank=0, server_args=sa)
+    ctx = SimpleNamespace(
+        enable_hierarchical_cache=False,
+        is_hybrid_swa=False,
+        is_hybrid_ssm=False,
+        is_dsa=False,
+        tp_size=2,
+        tp_rank=0,
+        server_args=sa,
+    )
     with pytest.raises(ValueError, match="--radix-cache-backend sgl_hicache") as e:
         factory(ctx)
     assert all(w in str(e.value) for w in words), str(e.value)
@@ -372,11 +441,17 @@ def test_hint_api_demotes_and_pins_through_the_scheduler_step(tmp_path):
 
     alloc = _pools(16, size=128)
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=16)
-    cache = TieredRadixCache(params, BackendSettings(host_tokens=256, disk_tokens=0, hint_port=0), vocab_size=1000).start()
+    cache = TieredRadixCache(
+        params, BackendSettings(host_tokens=256, disk_tokens=0, hint_port=0), vocab_size=1000
+    ).start()
 
     def post(hints):
-        req = urllib.request.Request(f"http://127.0.0.1:{cache.hint_listener.port}/hints", method="POST",
-                                     data=json.dumps({"hints": hints}).encode(), headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{cache.hint_listener.port}/hints",
+            method="POST",
+            data=json.dumps({"hints": hints}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         try:
             with urllib.request.urlopen(req, timeout=5) as r:
                 return r.status, json.loads(r.read())
@@ -384,16 +459,23 @@ def test_hint_api_demotes_and_pins_through_the_scheduler_step(tmp_path):
             return e.code, json.loads(e.read())
 
     def device_tokens(seq):
-        req = SimpleNamespace(rid="m", prefix_len=0, full_untruncated_fill_ids=seq + array("q", [7]), last_node=None,
-                              storage_hit_length=0, storage_hit_start=None)
+        req = SimpleNamespace(
+            rid="m",
+            prefix_len=0,
+            full_untruncated_fill_ids=seq + array("q", [7]),
+            last_node=None,
+            storage_hit_length=0,
+            storage_hit_start=None,
+        )
         return cache.match_prefix(MatchPrefixParams(key=RadixKey(seq), req=req)).device_prefix_len
 
     try:
         old, new, third = array("q", range(100, 132)), array("q", range(200, 232)), array("q", range(300, 332))
         for seq in (old, third, new):  # `new` is the most recent: LRU alone would evict `third` first
             cache.insert(InsertParams(key=RadixKey(seq), value=alloc.alloc(32)))
-        assert post([{"action": "demote", "input_ids": list(new)},
-                     {"action": "pin", "input_ids": list(old), "ttl_s": 60}]) == (202, {"queued": 2})
+        assert post(
+            [{"action": "demote", "input_ids": list(new)}, {"action": "pin", "input_ids": list(old), "ttl_s": 60}]
+        ) == (202, {"queued": 2})
         assert cache.controller.hints.counts["demote"] == 0  # nothing applied on the listener's thread
         cache.before_batch_formed()
         assert cache.controller.hints.counts == {"prefetch": 0, "pin": 1, "retain": 0, "demote": 1}
@@ -409,12 +491,15 @@ def test_hint_api_demotes_and_pins_through_the_scheduler_step(tmp_path):
         assert status["applied"]["pin"] == 1 and status["pins"] == 1 and status["pinned_tokens"] == 32
         # past the retention book's size a pin is refused when applied: counted once, reason kept
         from sgl_hicache.policy.hints import HintLimits
+
         cache.controller.hints.limits = HintLimits(max_retained=2)
         assert post([{"action": "pin", "input_ids": list(old), "ttl_s": 60}] * 2)[0] == 202
         cache.before_batch_formed()
         with urllib.request.urlopen(f"http://127.0.0.1:{cache.hint_listener.port}/hints", timeout=5) as r:
             status = json.loads(r.read())
-        assert status["applied"]["pin"] == 2 and status["rejected"] == 1 and "retained already" in status["last_error"], status
+        assert (
+            status["applied"]["pin"] == 2 and status["rejected"] == 1 and "retained already" in status["last_error"]
+        ), status
     finally:
         cache.shutdown()
     assert cache.hint_listener is None
@@ -426,7 +511,9 @@ def test_hint_api_is_refused_at_tp_above_one():
     from sgl_hicache.sglang.backend import TieredRadixCache
     from sgl_hicache.sglang.settings import BackendSettings
 
-    params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=_pools(16, size=64), page_size=16)
+    params = CacheInitParams(
+        disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=_pools(16, size=64), page_size=16
+    )
     with pytest.raises(ValueError, match=r"hint API .* not supported with --tp > 1"):
         TieredRadixCache(params, BackendSettings(host_tokens=64, disk_tokens=0, hint_port=0), consensus=object())
 

@@ -52,8 +52,10 @@ def test_a_node_already_bet_on_is_not_bet_again_and_triggers_are_kept_apart():
     assert book.bet("y", [(a, 4, 1.0, 99.0), (b, 4, 1.0, 99.0)], now=1.0, horizon_s=10.0) == 4  # only `b` is new
     book.observe([a, b], now=2.0)
     assert book.used == {"x": 4, "y": 4}
-    assert book.summary() == {"x": {"used_tokens": 4, "wasted_tokens": 0, "bets_judged": 1, "live": False},
-                              "y": {"used_tokens": 4, "wasted_tokens": 0, "bets_judged": 1, "live": False}}
+    assert book.summary() == {
+        "x": {"used_tokens": 4, "wasted_tokens": 0, "bets_judged": 1, "live": False},
+        "y": {"used_tokens": 4, "wasted_tokens": 0, "bets_judged": 1, "live": False},
+    }
 
 
 def test_proven_needs_enough_judged_bets_at_the_guards_precision():

@@ -37,13 +37,25 @@ class Server:
     served = 0  # requests served by every Server of the test (each checked for exact device KV)
 
     def __init__(self, url: str, salt: str, min_hits: int = 0, layout: KVLayout = SMALL_LAYOUT) -> None:
-        cfg = CacheConfig(layout, device_tokens=64 * PS, host_tokens=128 * PS, page_size=PS, tenant_salt=salt,
-                          store_url=url, store_min_hits=min_hits, **SYNCHRONOUS)
+        cfg = CacheConfig(
+            layout,
+            device_tokens=64 * PS,
+            host_tokens=128 * PS,
+            page_size=PS,
+            tenant_salt=salt,
+            store_url=url,
+            store_min_hits=min_hits,
+            **SYNCHRONOUS,
+        )
         self.cache = TieredCache(cfg)
         self.engine = TransferEngine(self.cache, workers=2)
         self.ctrl = RequestController(
-            self.cache, ThreadExecutor(self.cache, self.engine), make_predictor("none", PS, 0),
-            ControllerSettings(device_writeback_clean_fraction=1.0, writeback_clean_fraction=1.0, writeback_interval_s=0.0),
+            self.cache,
+            ThreadExecutor(self.cache, self.engine),
+            make_predictor("none", PS, 0),
+            ControllerSettings(
+                device_writeback_clean_fraction=1.0, writeback_clean_fraction=1.0, writeback_interval_s=0.0
+            ),
             clock=time.monotonic,
         )
         self.store: SharedStoreTier = self.cache.stores[DISK]  # type: ignore[assignment]
@@ -71,7 +83,7 @@ class Server:
             fresh = cache.allocate_device(need)
             assert fresh is not None
             if fresh:
-                cache.stores["device"].write(fresh, kv_for(cache, tokens)[len(m3.device_handles):])
+                cache.stores["device"].write(fresh, kv_for(cache, tokens)[len(m3.device_handles) :])
             r = cache.insert(tokens, m3.device_handles + fresh)
             cache.free_device(r.duplicates)
         finally:
@@ -162,7 +174,13 @@ def test_bad_value_under_a_valid_key_is_a_counted_miss(shared, damage: str) -> N
     key = keys[1]  # the second page of the node
     good = torch.zeros(a.store.page_shape, dtype=torch.bfloat16)
     if damage == "foreign":
-        codec = PageCodec(Namespace.for_model(SMALL_LAYOUT, PS, "someone-else"), a.store.page_shape, SMALL_LAYOUT.dtype, a.store.page_bytes, "t")
+        codec = PageCodec(
+            Namespace.for_model(SMALL_LAYOUT, PS, "someone-else"),
+            a.store.page_shape,
+            SMALL_LAYOUT.dtype,
+            a.store.page_bytes,
+            "t",
+        )
         value = codec.encode(key, tensor_bytes(good))
     else:
         value = bytearray(a.store.codec.encode(key, tensor_bytes(good)))
@@ -181,9 +199,11 @@ def test_bad_value_under_a_valid_key_is_a_counted_miss(shared, damage: str) -> N
 def _report(fault: str, t_fault: float, a: Server, b: Server, attempts: int) -> None:
     """The figures docs/reliability.md quotes (run with -s to see them)."""
     ca, cb = a.store.counters, b.store.counters
-    print(f"\n[store fault] {fault}: requests served {Server.served}, wrong KV 0 (each checked); "
-          f"errors A/B {ca['errors']}/{cb['errors']}, read misses B {cb['read_misses']}, puts failed A {ca['puts_failed']}, "
-          f"back after {time.monotonic() - t_fault:.1f} s ({attempts} tries), recoveries A/B {ca['recoveries']}/{cb['recoveries']}")
+    print(
+        f"\n[store fault] {fault}: requests served {Server.served}, wrong KV 0 (each checked); "
+        f"errors A/B {ca['errors']}/{cb['errors']}, read misses B {cb['read_misses']}, puts failed A {ca['puts_failed']}, "
+        f"back after {time.monotonic() - t_fault:.1f} s ({attempts} tries), recoveries A/B {ca['recoveries']}/{cb['recoveries']}"
+    )
 
 
 def _comes_back(a: Server, b: Server, seed: int, timeout: float) -> int:
@@ -230,11 +250,17 @@ def test_mooncake_master_killed(snapshot: bool, caplog) -> None:
         q = _prompt(7, 4)
         assert b.request(q)[2] == 0  # while down: no lookup, no error storm
         svc.restart("master")
-        _report(f"master killed ({'snapshot' if snapshot else 'plain'})", t_fault, a, b, _comes_back(a, b, 200, timeout=40))
-        c = Server(svc.url, a.cache.config.tenant_salt)  # a fresh server: were the objects written before the kill restored?
+        _report(
+            f"master killed ({'snapshot' if snapshot else 'plain'})", t_fault, a, b, _comes_back(a, b, 200, timeout=40)
+        )
+        c = Server(
+            svc.url, a.cache.config.tenant_salt
+        )  # a fresh server: were the objects written before the kill restored?
         try:
-            print(f"[store fault] master killed ({'snapshot' if snapshot else 'plain'}): a fresh server's store hits on the "
-                  f"pre-kill prompt after the restart: {c.request(p)[2]} of {len(p)} tokens")
+            print(
+                f"[store fault] master killed ({'snapshot' if snapshot else 'plain'}): a fresh server's store hits on the "
+                f"pre-kill prompt after the restart: {c.request(p)[2]} of {len(p)} tokens"
+            )
         finally:
             c.close()
         # (in snapshot mode, reading a restored object failed with -800 in 1 of 4 runs:
@@ -272,8 +298,10 @@ def test_store_full_puts_counted_as_failed() -> None:
             c = a.store.counters
             assert c["puts_failed"] > 0 and c["pages_written"] > 0
             assert a.store.available  # a full store is not an outage
-            print(f"\n[store fault] redis full (1 MiB, noeviction): pages written {c['pages_written']}, puts failed {c['puts_failed']}, "
-                  f"errors {c['errors']}, requests served {Server.served}")
+            print(
+                f"\n[store fault] redis full (1 MiB, noeviction): pages written {c['pages_written']}, puts failed {c['puts_failed']}, "
+                f"errors {c['errors']}, requests served {Server.served}"
+            )
             assert a.request(_prompt(100, 32))[0] >= 0  # still serving
         finally:
             a.close()
@@ -304,11 +332,13 @@ def test_mooncake_full_puts_counted_as_dropped() -> None:
             cb = b.store.counters
             assert 0 < sum(hits) < 16 * PS * len(prompts), hits
             assert cb["corrupt_values"] == cb["foreign_values"] == cb["errors"] == 0, cb
-            print(f"\n[store fault] mooncake full (16 MiB holder, 384 pages of 64 KiB offered): pages written "
-                  f"{c['pages_written']}, puts failed (dropped) {c['puts_failed']}, master evicted "
-                  f"{master.get('master_evicted_key_count', 0):.0f} objects, errors {c['errors']}; B's store hits "
-                  f"{sum(hits)} of {16 * PS * len(prompts)} tokens, read misses {cb['read_misses']}; requests served "
-                  f"{Server.served}, wrong KV 0")
+            print(
+                f"\n[store fault] mooncake full (16 MiB holder, 384 pages of 64 KiB offered): pages written "
+                f"{c['pages_written']}, puts failed (dropped) {c['puts_failed']}, master evicted "
+                f"{master.get('master_evicted_key_count', 0):.0f} objects, errors {c['errors']}; B's store hits "
+                f"{sum(hits)} of {16 * PS * len(prompts)} tokens, read misses {cb['read_misses']}; requests served "
+                f"{Server.served}, wrong KV 0"
+            )
         finally:
             a.close()
             b.close()

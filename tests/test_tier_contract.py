@@ -56,7 +56,14 @@ def _shared(service: str):
 
 
 _SALTS = itertools.count()
-STORES = {"device": _device, "host": _host, "host-shared": _host_shared, "disk": _disk, "store-mooncake": _shared("mooncake_service"), "store-redis": _shared("redis_service")}
+STORES = {
+    "device": _device,
+    "host": _host,
+    "host-shared": _host_shared,
+    "disk": _disk,
+    "store-mooncake": _shared("mooncake_service"),
+    "store-redis": _shared("redis_service"),
+}
 
 
 class Harness:

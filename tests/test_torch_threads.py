@@ -23,6 +23,7 @@ def test_a_worker_thread_caps_its_own_team_only():
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
+
         def worker():
             capped = single_threaded_torch()
             x = torch.arange(200_000, dtype=torch.float32)

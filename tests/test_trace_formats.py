@@ -27,8 +27,19 @@ VLLM = DATA / "vllm_multiturn_excerpt.json"
 AZURE = DATA / "azure_llm_conv_2023_excerpt.csv"
 BENCH_SERVING = DATA / "sglang_bench_serving_excerpt.jsonl"
 HICACHE_LOG = DATA / "sglang_hicache_debug_log_excerpt.jsonl"
-SMALL = ["--page-size", "16", "--device-tokens", "4096", "--host-tokens", "4096", "--disk-tokens", "65536",
-         "--concurrency", "4", "--quiet"]
+SMALL = [
+    "--page-size",
+    "16",
+    "--device-tokens",
+    "4096",
+    "--host-tokens",
+    "4096",
+    "--disk-tokens",
+    "65536",
+    "--concurrency",
+    "4",
+    "--quiet",
+]
 
 
 def rows(path: Path) -> list[dict]:
@@ -100,12 +111,18 @@ def test_lmbench_varying_coverage_honours_input_length_and_keeps_prefixes_shared
 
 def test_varying_coverage_block_sizes(tmp_path):
     p = tmp_path / "t.jsonl"
-    p.write_text("\n".join(json.dumps(r) for r in [
-        {"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1, 2, 3]},  # 4 + 3 + 3
-        {"timestamp": 1, "input_length": 12, "output_length": 1, "hash_ids": [1, 2, 4]},  # 4 + 3 + 5
-        {"timestamp": 2, "input_length": 9, "output_length": 1, "hash_ids": [1, 2]},      # 7 known + pad 2
-        {"timestamp": 3, "input_length": 5, "output_length": 1, "hash_ids": [1, 9]},      # cut inside block 1
-    ]) + "\n")
+    p.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1, 2, 3]},  # 4 + 3 + 3
+                {"timestamp": 1, "input_length": 12, "output_length": 1, "hash_ids": [1, 2, 4]},  # 4 + 3 + 5
+                {"timestamp": 2, "input_length": 9, "output_length": 1, "hash_ids": [1, 2]},  # 7 known + pad 2
+                {"timestamp": 3, "input_length": 5, "output_length": 1, "hash_ids": [1, 9]},  # cut inside block 1
+            ]
+        )
+        + "\n"
+    )
     a, b, c, d = read_mooncake(p, block_size=4)
     assert [len(r.input_ids) for r in (a, b, c, d)] == [10, 12, 9, 5]
     assert a.input_ids[:7] == b.input_ids[:7] == c.input_ids[:7]
@@ -118,7 +135,11 @@ def test_varying_coverage_block_sizes(tmp_path):
     assert note.line == 3 and "varying number of tokens" in note.message
     # lines that all fit keep fixed blocks (4 + 4 + rest) and note nothing
     fits = read_mooncake(p, block_size=4, limit=2)
-    assert not fits.notes and fits[0].input_ids[:8] == fits[1].input_ids[:8] and fits[0].input_ids[8:] != fits[1].input_ids[8:10]
+    assert (
+        not fits.notes
+        and fits[0].input_ids[:8] == fits[1].input_ids[:8]
+        and fits[0].input_ids[8:] != fits[1].input_ids[8:10]
+    )
 
 
 def test_timestamp_units_by_magnitude(tmp_path):
@@ -179,7 +200,11 @@ def test_sglang_bench_serving_output():
 def test_sglang_hicache_debug_log():
     assert detect_format(HICACHE_LOG) == "sglang-bench"
     trace = read_sglang_bench(HICACHE_LOG)
-    assert [(r.request_id, r.session, r.arrival_s) for r in trace] == [("0#0", "0", 0.0), ("1#0", "1", 0.5), ("0#1", "0", 3.25)]
+    assert [(r.request_id, r.session, r.arrival_s) for r in trace] == [
+        ("0#0", "0", 0.0),
+        ("1#0", "1", 0.5),
+        ("0#1", "0", 3.25),
+    ]
     assert trace[2].input_ids[: len(trace[0].input_ids)] == trace[0].input_ids  # the history is shared
     assert not trace.notes
 
@@ -187,20 +212,80 @@ def test_sglang_hicache_debug_log():
 @pytest.mark.parametrize(
     "name, content, line, words",
     [
-        ("a.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,374,44\n2023-11-16 18:15:47,x,1\n", 3, ["ContextTokens"]),
-        ("a.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,374,44\n2023-13-16 18:15:47,3,1\n", 3, ["not a valid date"]),
-        ("a.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,374,44\n2023-11-16 18:15:47,0,1\n", 3, [">= 1"]),
-        ("a.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,374,44\n2023-11-16 18:15:47,3\n", 3, ["CSV fields"]),
-        ("a.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,374,44\n1700000000,3,1\n", 3, ["like the first row"]),
+        (
+            "a.csv",
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,374,44\n2023-11-16 18:15:47,x,1\n",
+            3,
+            ["ContextTokens"],
+        ),
+        (
+            "a.csv",
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,374,44\n2023-13-16 18:15:47,3,1\n",
+            3,
+            ["not a valid date"],
+        ),
+        (
+            "a.csv",
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,374,44\n2023-11-16 18:15:47,0,1\n",
+            3,
+            [">= 1"],
+        ),
+        (
+            "a.csv",
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,374,44\n2023-11-16 18:15:47,3\n",
+            3,
+            ["CSV fields"],
+        ),
+        (
+            "a.csv",
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,374,44\n1700000000,3,1\n",
+            3,
+            ["like the first row"],
+        ),
         ("a.csv", "time,prompt,output\n1,2,3\n", 1, ["not an Azure", "ContextTokens"]),
-        ("b.jsonl", '{"input_lens": [5], "output_lens": [1]}\n{"input_lens": [5, 6], "output_lens": [1]}\n', 2, ["'output_lens' 1"]),
-        ("b.jsonl", '{"input_lens": [5], "output_lens": [1]}\n{"backend": "sglang", "completed": 5}\n', 2, ["--output-details"]),
-        ("b.jsonl", '{"input_lens": [5], "output_lens": [1]}\n{"timestamp": "x", "summary": {"total_requests": 5}}\n', 2, ["summary"]),
-        ("b.jsonl", '{"input_lens": [5], "output_lens": [1]}\n{"input_lens": [0], "output_lens": [1]}\n', 2, ["at least one prompt token"]),
-        ("b.jsonl", '{"input_lens": [5], "output_lens": [1]}\n{"input_lens": [5, -1], "output_lens": [1, 1]}\n', 2, ["input_lens[1]"]),
-        ("b.jsonl", '{"timestamp": 1, "user_data": {"user_id": 0, "current_round": 0, "prompt": "a", "return_tokens": 1}}\n'
-                    '{"timestamp": 2, "user_data": {"user_id": 0, "current_round": 0, "prompt": "ab", "return_tokens": 1}}\n', 2, ["logged twice"]),
-        ("b.jsonl", '{"input_lens": [5], "output_lens": [1]}\n{"input_lens": [5], "output_lens": [1]\n', 2, ["not valid JSON"]),
+        (
+            "b.jsonl",
+            '{"input_lens": [5], "output_lens": [1]}\n{"input_lens": [5, 6], "output_lens": [1]}\n',
+            2,
+            ["'output_lens' 1"],
+        ),
+        (
+            "b.jsonl",
+            '{"input_lens": [5], "output_lens": [1]}\n{"backend": "sglang", "completed": 5}\n',
+            2,
+            ["--output-details"],
+        ),
+        (
+            "b.jsonl",
+            '{"input_lens": [5], "output_lens": [1]}\n{"timestamp": "x", "summary": {"total_requests": 5}}\n',
+            2,
+            ["summary"],
+        ),
+        (
+            "b.jsonl",
+            '{"input_lens": [5], "output_lens": [1]}\n{"input_lens": [0], "output_lens": [1]}\n',
+            2,
+            ["at least one prompt token"],
+        ),
+        (
+            "b.jsonl",
+            '{"input_lens": [5], "output_lens": [1]}\n{"input_lens": [5, -1], "output_lens": [1, 1]}\n',
+            2,
+            ["input_lens[1]"],
+        ),
+        (
+            "b.jsonl",
+            '{"timestamp": 1, "user_data": {"user_id": 0, "current_round": 0, "prompt": "a", "return_tokens": 1}}\n'
+            '{"timestamp": 2, "user_data": {"user_id": 0, "current_round": 0, "prompt": "ab", "return_tokens": 1}}\n',
+            2,
+            ["logged twice"],
+        ),
+        (
+            "b.jsonl",
+            '{"input_lens": [5], "output_lens": [1]}\n{"input_lens": [5], "output_lens": [1]\n',
+            2,
+            ["not valid JSON"],
+        ),
     ],
 )
 def test_malformed_lines_name_file_and_line(tmp_path, name, content, line, words):

@@ -53,10 +53,35 @@ json_scalars = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=8),
 )
-json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=12)
-field_names = st.sampled_from(["timestamp", "input_length", "output_length", "hash_ids", "session", "prompt", "input_ids", "id",
-                               "conversations", "from", "value", "messages", "role", "content", "input_lens", "output_lens",
-                               "request_rate", "details", "user_data", "summary"])
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
+field_names = st.sampled_from(
+    [
+        "timestamp",
+        "input_length",
+        "output_length",
+        "hash_ids",
+        "session",
+        "prompt",
+        "input_ids",
+        "id",
+        "conversations",
+        "from",
+        "value",
+        "messages",
+        "role",
+        "content",
+        "input_lens",
+        "output_lens",
+        "request_rate",
+        "details",
+        "user_data",
+        "summary",
+    ]
+)
 # objects with the right keys and random values: reach the validation code, not just the JSON parser
 keyed_objects = st.dictionaries(field_names, json_values, max_size=6)
 
@@ -71,11 +96,17 @@ def mutated(draw, lines):
             break
         i = draw(st.integers(0, len(b) - 1))
         if op == "flip":
-            b[i] = draw(st.sampled_from(list(b'{}[],:"-0123456789.eE \n\xff'))) if draw(st.booleans()) else draw(st.integers(0, 255))
+            b[i] = (
+                draw(st.sampled_from(list(b'{}[],:"-0123456789.eE \n\xff')))
+                if draw(st.booleans())
+                else draw(st.integers(0, 255))
+            )
         elif op == "delete":
             del b[i : i + draw(st.integers(1, 8))]
         elif op == "insert":
-            b[i:i] = draw(st.sampled_from([b"-", b"1e999", b"NaN", b'"', b"[", b"]", b"9" * 30, b"null", b"true", b"\n"]))
+            b[i:i] = draw(
+                st.sampled_from([b"-", b"1e999", b"NaN", b'"', b"[", b"]", b"9" * 30, b"null", b"true", b"\n"])
+            )
         else:
             del b[i:]
     return bytes(b)
@@ -116,7 +147,16 @@ fuzz = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
 
 
 @fuzz
-@given(st.one_of(mutated(GOOD_MOONCAKE), mutated(GOOD_LMBENCH), mutated(GOOD_PLAIN), mutated(GOOD_SHAREGPT), mutated(GOOD_AZURE), mutated(GOOD_BENCH)))
+@given(
+    st.one_of(
+        mutated(GOOD_MOONCAKE),
+        mutated(GOOD_LMBENCH),
+        mutated(GOOD_PLAIN),
+        mutated(GOOD_SHAREGPT),
+        mutated(GOOD_AZURE),
+        mutated(GOOD_BENCH),
+    )
+)
 def test_mutated_good_files(data):
     run_all(data)
 
@@ -134,6 +174,14 @@ def test_random_bytes(data):
 
 
 @fuzz
-@given(st.lists(st.fixed_dictionaries({"from": st.one_of(st.sampled_from(["human", "gpt", "system"]), json_values), "value": json_values}), max_size=4), json_values)
+@given(
+    st.lists(
+        st.fixed_dictionaries(
+            {"from": st.one_of(st.sampled_from(["human", "gpt", "system"]), json_values), "value": json_values}
+        ),
+        max_size=4,
+    ),
+    json_values,
+)
 def test_random_conversations(turns, cid):
     run_all(json.dumps([{"id": cid, "conversations": turns}]).encode())

@@ -102,21 +102,48 @@ def test_mooncake_limit_and_blank_lines(tmp_path):
         ({"input_length": 1000, "output_length": 1, "hash_ids": [0, 1]}, ["missing field 'timestamp'"]),
         ({"timestamp": 0, "output_length": 1, "hash_ids": [0, 1]}, ["missing field 'input_length'"]),
         ({"timestamp": 0, "input_length": 1000, "output_length": 1}, ["missing field 'hash_ids'"]),
-        ({"timestamp": "soon", "input_length": 1000, "output_length": 1, "hash_ids": [0, 1]}, ["'timestamp'", "number"]),
-        ({"timestamp": "1e999", "input_length": 1000, "output_length": 1, "hash_ids": [0, 1]}, ["'timestamp'", "finite"]),
-        ({"timestamp": "9" * 30, "input_length": 1000, "output_length": 1, "hash_ids": [0, 1]}, ["'timestamp'", "number"]),
-        ({"timestamp": 10**19, "input_length": 1000, "output_length": 1, "hash_ids": [0, 1]}, ["'timestamp'", "out of range"]),
+        (
+            {"timestamp": "soon", "input_length": 1000, "output_length": 1, "hash_ids": [0, 1]},
+            ["'timestamp'", "number"],
+        ),
+        (
+            {"timestamp": "1e999", "input_length": 1000, "output_length": 1, "hash_ids": [0, 1]},
+            ["'timestamp'", "finite"],
+        ),
+        (
+            {"timestamp": "9" * 30, "input_length": 1000, "output_length": 1, "hash_ids": [0, 1]},
+            ["'timestamp'", "number"],
+        ),
+        (
+            {"timestamp": 10**19, "input_length": 1000, "output_length": 1, "hash_ids": [0, 1]},
+            ["'timestamp'", "out of range"],
+        ),
         ({"timestamp": 0, "input_length": 1000, "output_length": 1, "hash_ids": []}, ["hash_ids has 0 ids"]),
-        ({"timestamp": 0, "input_length": "1000", "output_length": 1, "hash_ids": [0, 1]}, ["'input_length'", "integer"]),
-        ({"timestamp": 0, "input_length": 1000, "output_length": 1.5, "hash_ids": [0, 1]}, ["'output_length'", "integer"]),
+        (
+            {"timestamp": 0, "input_length": "1000", "output_length": 1, "hash_ids": [0, 1]},
+            ["'input_length'", "integer"],
+        ),
+        (
+            {"timestamp": 0, "input_length": 1000, "output_length": 1.5, "hash_ids": [0, 1]},
+            ["'output_length'", "integer"],
+        ),
         ({"timestamp": 0, "input_length": 1000, "output_length": 1, "hash_ids": "0,1"}, ["'hash_ids'", "array"]),
         ({"timestamp": 0, "input_length": 1000, "output_length": 1, "hash_ids": [0, "1"]}, ["'hash_ids'[1]"]),
         ({"timestamp": 0, "input_length": 1000, "output_length": 1, "hash_ids": [0, True]}, ["'hash_ids'[1]"]),
         ({"timestamp": -5, "input_length": 1000, "output_length": 1, "hash_ids": [0, 1]}, ["'timestamp'", "negative"]),
-        ({"timestamp": 0, "input_length": -1000, "output_length": 1, "hash_ids": [0, 1]}, ["'input_length'", "negative"]),
-        ({"timestamp": 0, "input_length": 1000, "output_length": -1, "hash_ids": [0, 1]}, ["'output_length'", "negative"]),
+        (
+            {"timestamp": 0, "input_length": -1000, "output_length": 1, "hash_ids": [0, 1]},
+            ["'input_length'", "negative"],
+        ),
+        (
+            {"timestamp": 0, "input_length": 1000, "output_length": -1, "hash_ids": [0, 1]},
+            ["'output_length'", "negative"],
+        ),
         ({"timestamp": 0, "input_length": 1000, "output_length": 1, "hash_ids": [0, -1]}, ["'hash_ids'[1]"]),
-        ({"timestamp": 0, "input_length": 1000, "output_length": 1, "hash_ids": [0]}, ["hash_ids has 1 ids", "2 blocks"]),
+        (
+            {"timestamp": 0, "input_length": 1000, "output_length": 1, "hash_ids": [0]},
+            ["hash_ids has 1 ids", "2 blocks"],
+        ),
         ({"timestamp": 0, "input_length": 1000, "output_length": 1, "hash_ids": [0, 1, 2]}, ["hash_ids has 3 ids"]),
         ("NaN", ["expected a JSON object"]),
         ('{"timestamp": NaN, "input_length": 1000, "output_length": 1, "hash_ids": [0, 1]}', ["'timestamp'", "finite"]),
@@ -177,7 +204,14 @@ def sharegpt_doc():
                 {"from": "gpt", "value": "6, naturally."},
             ],
         },
-        {"id": "conv-b", "conversations": [{"from": "user", "value": "héllo"}, {"from": "assistant", "value": "hi"}, {"from": "human", "value": "bye"}]},
+        {
+            "id": "conv-b",
+            "conversations": [
+                {"from": "user", "value": "héllo"},
+                {"from": "assistant", "value": "hi"},
+                {"from": "human", "value": "bye"},
+            ],
+        },
     ]
 
 
@@ -192,9 +226,16 @@ def test_sharegpt_good_history_prefix_and_arrivals(tmp_path):
     assert a1.input_ids[: len(a0.input_ids)] == a0.input_ids  # the history is an exact token prefix
     tok = ByteTokenizer()
     assert a0.output_length == len(tok.encode("4."))
-    assert a0.input_ids.tolist() == tok.encode("System: ") + tok.encode("Be brief.") + tok.encode("\n") + tok.encode("User: ") + tok.encode("What is 2+2?") + tok.encode("\n")
+    assert a0.input_ids.tolist() == tok.encode("System: ") + tok.encode("Be brief.") + tok.encode("\n") + tok.encode(
+        "User: "
+    ) + tok.encode("What is 2+2?") + tok.encode("\n")
     assert by_id["conv-b#0"].output_length == 2 and by_id["conv-b#1"].output_length == 7
-    assert [(r.request_id, r.arrival_s) for r in reqs] == [("conv-a#0", 0.0), ("conv-b#0", 1.0), ("conv-a#1", 10.0), ("conv-b#1", 11.0)]
+    assert [(r.request_id, r.arrival_s) for r in reqs] == [
+        ("conv-a#0", 0.0),
+        ("conv-b#0", 1.0),
+        ("conv-a#1", 10.0),
+        ("conv-b#1", 11.0),
+    ]
     assert by_id["conv-a#0"].line == 2 and by_id["conv-b#0"].line > 2
     assert detect_format(p) == "sharegpt" and len(load_trace(p)) == 4
 
@@ -218,7 +259,11 @@ def test_sharegpt_with_tokenizers_folder(tmp_path):
     folder.mkdir()
     tok.save(str(folder / "tokenizer.json"))
     p = tmp_path / "s.json"
-    p.write_text(json.dumps([{"id": 1, "conversations": [{"from": "human", "value": "hello world"}, {"from": "gpt", "value": "hello"}]}]))
+    p.write_text(
+        json.dumps(
+            [{"id": 1, "conversations": [{"from": "human", "value": "hello world"}, {"from": "gpt", "value": "hello"}]}]
+        )
+    )
     (r,) = read_sharegpt(p, tokenizer=folder)
     assert r.input_ids.tolist() == [3, 5, 1, 2] and r.output_length == 1 and r.session == "1"
 
@@ -226,16 +271,24 @@ def test_sharegpt_with_tokenizers_folder(tmp_path):
 @pytest.mark.parametrize(
     "text, line, words",
     [
-        ('[\n{"id": "a", "conversations": [{"from": "human", "value": "x"}]},\n{"id": "b", "conv', 3, ["not valid JSON"]),
+        (
+            '[\n{"id": "a", "conversations": [{"from": "human", "value": "x"}]},\n{"id": "b", "conv',
+            3,
+            ["not valid JSON"],
+        ),
         ('[\n{"id": "a", "conversations": [{"from": "human", "value": "x"}]}\n', 2, ["not closed"]),
         ('[\n{"id": "a", "conversations": [{"from": "human", "value": 5}]}\n]', 2, ["'value' must be a string"]),
         ('[\n{"id": "a", "conversations": [{"from": "robot", "value": "x"}]}\n]', 2, ["unknown role"]),
         ('[\n{"id": "a"}\n]', 2, ["missing field 'conversations'"]),
         ('[\n{"id": "a", "conversations": {}}\n]', 2, ["must be an array"]),
         ('[\n{"id": [1], "conversations": []}\n]', 2, ["'id'"]),
-        ('[\n7\n]', 2, ["must be a JSON object"]),
+        ("[\n7\n]", 2, ["must be a JSON object"]),
         ("[]", 1, ["empty"]),
-        ('[\n{"id": "a", "conversations": [{"from": "gpt", "value": "x"}]}\n]', 1, ["no conversation has a human turn"]),
+        (
+            '[\n{"id": "a", "conversations": [{"from": "gpt", "value": "x"}]}\n]',
+            1,
+            ["no conversation has a human turn"],
+        ),
     ],
 )
 def test_sharegpt_bad(tmp_path, text, line, words):
@@ -261,7 +314,11 @@ def test_plain_good(tmp_path):
     )
     assert detect_format(p) == "plain"
     reqs = load_trace(p)
-    assert [(r.request_id, r.session, r.arrival_s) for r in reqs] == [("custom", None, 1.0), ("L1", "s", 2.5), ("L2", "7", 2.5)]
+    assert [(r.request_id, r.session, r.arrival_s) for r in reqs] == [
+        ("custom", None, 1.0),
+        ("L1", "s", 2.5),
+        ("L2", "7", 2.5),
+    ]
     assert reqs[1].input_ids.tolist() == ByteTokenizer().encode("hi there")
     assert reqs[2].input_ids.tolist() == [5, 6, 7] and reqs[2].output_length == 0
 

@@ -174,7 +174,9 @@ def test_predicted_promotions_concurrent_with_demand(tmp_path):
     jobs = []
     for i, p in enumerate(prompts):
         kind = "predict" if i % 2 else "demand"
-        job = cache.plan_promotion(cache.match(p), kind, target=DEVICE if kind == "demand" else HOST, evict=kind != "predict")
+        job = cache.plan_promotion(
+            cache.match(p), kind, target=DEVICE if kind == "demand" else HOST, evict=kind != "predict"
+        )
         if job is not None:
             jobs.append(engine.submit(job))
     for job in jobs:
@@ -307,7 +309,9 @@ def test_engine_restarts_after_stop(tmp_path):
     engine.stop()
     engine.start()
     job = engine.submit(cache.plan_promotion(cache.match(a), "predict", target=HOST, evict=False))
-    assert (engine.wait(job, timeout=10) and engine.links.advance(job)) and not job.failed  # a predicted op still runs after a restart
+    assert (
+        engine.wait(job, timeout=10) and engine.links.advance(job)
+    ) and not job.failed  # a predicted op still runs after a restart
     cache.release(job)
     engine.stop()
     assert cache.match(a, touch=False).host_tokens == 8
@@ -335,7 +339,7 @@ def test_failing_disk_read_is_a_counted_miss(tmp_path, use_engine):
     if use_engine:
         engine = TransferEngine(cache, workers=2, chunk_pages=1).start()
         job = engine.submit(cache.plan_promotion(m, "demand"))
-        assert (engine.wait(job, timeout=10) and engine.links.advance(job))
+        assert engine.wait(job, timeout=10) and engine.links.advance(job)
         assert job.failed
         cache.release(job)
         engine.stop()

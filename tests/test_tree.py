@@ -129,7 +129,9 @@ def test_leaf_sets_follow_residency_changes():
             t.clear_resident(victim, "host")
             t.remove_leaf(victim) if not victim.children else None
         # the kept sets equal a rescan of every resident node and its children
-        assert set(t.tier_leaves("host")) == {n for n in t.resident["host"] if not any(c.host is not None for c in n.children.values())}
+        assert set(t.tier_leaves("host")) == {
+            n for n in t.resident["host"] if not any(c.host is not None for c in n.children.values())
+        }
         t.check()
 
 

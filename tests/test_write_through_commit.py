@@ -18,8 +18,15 @@ from sgl_hicache.transfer.executors import VirtualExecutor, VirtualPipes
 
 def _setup(device=8, host=16):
     clock = Clock()
-    cfg = CacheConfig(SMALL_LAYOUT, device_tokens=device * PS, host_tokens=host * PS, disk_tokens=0, page_size=PS,
-                      write_policy="write_through", eviction_demotes="none")
+    cfg = CacheConfig(
+        SMALL_LAYOUT,
+        device_tokens=device * PS,
+        host_tokens=host * PS,
+        disk_tokens=0,
+        page_size=PS,
+        write_policy="write_through",
+        eviction_demotes="none",
+    )
     cache = build_cache(cfg, clock=clock)
     ex = VirtualExecutor(cache, VirtualPipes(lambda link, tokens: tokens / 1000.0), clock, PS)
     return clock, cache, ex, RequestController(cache, ex, Predictor(), ControllerSettings(), clock)
@@ -28,7 +35,7 @@ def _setup(device=8, host=16):
 def _insert(cache, tokens):
     m = cache.match(tokens, touch=False)
     fresh = cache.allocate_device(len(tokens) // PS - len(m.device_handles))
-    cache.stores[DEVICE].write(fresh, kv_for(cache, tokens)[len(m.device_handles):])
+    cache.stores[DEVICE].write(fresh, kv_for(cache, tokens)[len(m.device_handles) :])
     r = cache.insert(tokens, m.device_handles + fresh)
     cache.free_device(r.duplicates)
     return cache.match(tokens, touch=False).path
@@ -67,8 +74,15 @@ def test_a_child_committed_while_its_parent_copy_is_in_flight_follows_in_a_later
 
 def test_commit_does_nothing_under_write_back():
     clock = Clock()
-    cfg = CacheConfig(SMALL_LAYOUT, device_tokens=8 * PS, host_tokens=16 * PS, disk_tokens=0, page_size=PS,
-                      write_policy="write_back", eviction_demotes="none")
+    cfg = CacheConfig(
+        SMALL_LAYOUT,
+        device_tokens=8 * PS,
+        host_tokens=16 * PS,
+        disk_tokens=0,
+        page_size=PS,
+        write_policy="write_back",
+        eviction_demotes="none",
+    )
     cache = build_cache(cfg, clock=clock)
     ex = VirtualExecutor(cache, VirtualPipes(lambda link, tokens: tokens / 1000.0), clock, PS)
     ctl = RequestController(cache, ex, Predictor(), ControllerSettings(), clock)

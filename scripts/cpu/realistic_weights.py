@@ -35,9 +35,11 @@ def make_model(dst: Path, seed: int = 0) -> Path:
     def w(out_f, in_f, gain=1.0):
         return (torch.randn(out_f, in_f, generator=g) * gain / in_f**0.5).to(torch.bfloat16)
 
-    t = {"model.embed_tokens.weight": torch.randn(V, h, generator=g).to(torch.bfloat16),
-         "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
-         "lm_head.weight": w(V, h)}
+    t = {
+        "model.embed_tokens.weight": torch.randn(V, h, generator=g).to(torch.bfloat16),
+        "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+        "lm_head.weight": w(V, h),
+    }
     for i in range(L):
         p = f"model.layers.{i}."
         t[p + "self_attn.q_proj.weight"] = w(nh * hd, h, 2.0)

@@ -45,8 +45,11 @@ def make_model(dst: Path, seed: int = 0) -> Path:
     def small(*shape):  # Gemma-style norms store weight - 1; near 0 keeps them near 1
         return (torch.randn(*shape, generator=g) * 0.1).to(torch.bfloat16)
 
-    t = {"model.embed_tokens.weight": torch.randn(V, h, generator=g).to(torch.bfloat16),
-         "model.norm.weight": small(h), "lm_head.weight": w(V, h)}
+    t = {
+        "model.embed_tokens.weight": torch.randn(V, h, generator=g).to(torch.bfloat16),
+        "model.norm.weight": small(h),
+        "lm_head.weight": w(V, h),
+    }
     for i in range(L):
         p = f"model.layers.{i}."
         if (i + 1) % cfg["full_attention_interval"] == 0:

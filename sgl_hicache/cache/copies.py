@@ -32,8 +32,15 @@ class Copies:
     def __init__(self, cache: TieredCache) -> None:
         self.cache = cache
 
-    def reserve(self, node: TreeNode, dst: str, kind: str, evict: bool, src: str | None = None,
-                src_handles: Sequence[Handle] | None = None) -> TransferOp | None:
+    def reserve(
+        self,
+        node: TreeNode,
+        dst: str,
+        kind: str,
+        evict: bool,
+        src: str | None = None,
+        src_handles: Sequence[Handle] | None = None,
+    ) -> TransferOp | None:
         c = self.cache
         if node.parent is None or node.in_tier(dst) or dst in node.incoming:
             return None

@@ -52,8 +52,9 @@ class Evictor:
             freed += c.lower.store.evict_unindexed(num_pages - freed)
         return freed
 
-    def make_room(self, tier: str, num_pages: int, keep: tuple[TreeNode, ...] = (),
-                  spare_device_copies: bool = False) -> None:
+    def make_room(
+        self, tier: str, num_pages: int, keep: tuple[TreeNode, ...] = (), spare_device_copies: bool = False
+    ) -> None:
         """Evict from `tier` until `num_pages` pages are free (or nothing more can go), never one of
         `keep` (pinned meanwhile)."""
         store = self.cache.stores[tier]
@@ -117,8 +118,12 @@ class Evictor:
             if entry is None:
                 break
             key, node = entry
-            if (node.parent is None or getattr(node, tier) is None or node.children_in.get(tier)
-                    or (node.children and has_child_in(node, tier))):
+            if (
+                node.parent is None
+                or getattr(node, tier) is None
+                or node.children_in.get(tier)
+                or (node.children and has_child_in(node, tier))
+            ):
                 continue  # stale: queued again when it becomes a leaf of `tier` again
             if node.lock_ref or node.pins:
                 held.append(node)

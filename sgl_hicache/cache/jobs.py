@@ -44,8 +44,9 @@ class PromotionJobs:
     def plan(self, match: PrefixMatch | Sequence[TreeNode], kind: str, target: str, evict: bool) -> PromotionJob | None:
         c = self.cache
         path = list(match.path if isinstance(match, PrefixMatch) else match)
-        todo = [n for n in path
-                if not n.in_tier(target) and n.parent is not None and (target == DEVICE or n.device is None)]
+        todo = [
+            n for n in path if not n.in_tier(target) and n.parent is not None and (target == DEVICE or n.device is None)
+        ]
         if not todo:
             return None
         anchor = path[-1]

@@ -64,9 +64,17 @@ class TieredCache:
     run outside it).
     """
 
-    def __init__(self, config: CacheConfig, device: TierStore | None = None, host: TierStore | None = None,
-                 disk: TierStore | None = None, clock: Callable[[], float] = time.monotonic, *,
-                 priority: Priority | None = None, inline_writes: bool = True) -> None:
+    def __init__(
+        self,
+        config: CacheConfig,
+        device: TierStore | None = None,
+        host: TierStore | None = None,
+        disk: TierStore | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        priority: Priority | None = None,
+        inline_writes: bool = True,
+    ) -> None:
         """`priority`: the eviction order (lowest goes first) in place of `config.eviction_policy`'s
         (the oracle's Belady order)."""
         self.config = config
@@ -79,8 +87,11 @@ class TieredCache:
         # the reuse model learns from served requests; it orders eviction under `reuse` and feeds
         # the `continuation` predictor
         self.reuse: ReuseModel | None = None
-        if (config.eviction_policy == "reuse" or config.predictor == "continuation"
-                or config.admission_min_probability > 0):
+        if (
+            config.eviction_policy == "reuse"
+            or config.predictor == "continuation"
+            or config.admission_min_probability > 0
+        ):
             self.reuse = ReuseModel(lambda: self.clock(), admit_min_probability=config.admission_min_probability)
         # a given priority (the oracle's Belady key) falls as the future comes closer: never incremental
         self._incremental_order = orders_incrementally(config.eviction_policy, custom_priority=priority is not None)
@@ -198,8 +209,9 @@ class TieredCache:
             self.stores[DEVICE].free(handles)
             self.outstanding_device_pages -= len(handles)
 
-    def insert(self, tokens: Sequence[int], device_handles: Sequence[Handle],
-               from_allocate_device: bool = True) -> InsertOutcome:
+    def insert(
+        self, tokens: Sequence[int], device_handles: Sequence[Handle], from_allocate_device: bool = True
+    ) -> InsertOutcome:
         """Insert the whole pages of `tokens`, whose KV the caller holds in `device_handles` (one per
         page, from `allocate_device` or from an earlier match). With `from_allocate_device=False`
         the new pages came from the device store's own allocator (SGLang's), not from
@@ -225,8 +237,11 @@ class TieredCache:
                         duplicates.extend(compress(mine, map(ne, mine, node.device)))
                     if prefix_tokens == page * ps:
                         prefix_tokens += node.num_pages * ps
-                elif (node.parent is not None and DEVICE not in node.incoming
-                      and (node.parent.is_root or node.parent.device is not None)):
+                elif (
+                    node.parent is not None
+                    and DEVICE not in node.incoming
+                    and (node.parent.is_root or node.parent.device is not None)
+                ):
                     # the caller recomputed pages the tree holds only in lower tiers: keep its copy
                     # (not while a copy to the device is in flight: that one lands there)
                     self.tree.set_resident(node, DEVICE, mine)
@@ -291,8 +306,15 @@ class TieredCache:
         with self._mutex:
             return self.copies.copy_now(node, tier, kind, may_evict)
 
-    def prepare(self, node: TreeNode, dst: str, kind: str, may_evict: bool, src: str | None = None,
-                src_handles: list[Handle] | None = None) -> TransferOp | None:
+    def prepare(
+        self,
+        node: TreeNode,
+        dst: str,
+        kind: str,
+        may_evict: bool,
+        src: str | None = None,
+        src_handles: list[Handle] | None = None,
+    ) -> TransferOp | None:
         """Phase one of a transfer: make room (with `may_evict`), allocate in `dst`, pin the node.
         None if it cannot be done now (no room, no source, or a transfer into `dst` is pending)."""
         with self._mutex:
@@ -305,13 +327,19 @@ class TieredCache:
         with self._mutex:
             done = self.tx.complete(op)
             self.landed_copies += done
-            if (done and self.inline_writes and op.dst == HOST and self.has_tier(DISK)
-                    and disk_write_through_due(self.config, op.node)):
+            if (
+                done
+                and self.inline_writes
+                and op.dst == HOST
+                and self.has_tier(DISK)
+                and disk_write_through_due(self.config, op.node)
+            ):
                 self.copies.copy_now(op.node, DISK, kind="backup", evict=True)
             return done
 
-    def plan_promotion(self, match: PrefixMatch | Sequence[TreeNode], kind: str = "demand", target: str = DEVICE,
-                       evict: bool = True) -> PromotionJob | None:
+    def plan_promotion(
+        self, match: PrefixMatch | Sequence[TreeNode], kind: str = "demand", target: str = DEVICE, evict: bool = True
+    ) -> PromotionJob | None:
         """Phase one for a whole path (a match, or nodes from the root down): lock it, allocate every
         destination page, and return the job; None when nothing needs to move or nothing could be
         placed. `target=HOST` brings disk-only nodes to host only. With `evict=False` the copies only
@@ -347,8 +375,14 @@ class TieredCache:
         with self._mutex:
             return self.evictor.evict(tier, num_pages)
 
-    def plan_writeback(self, src: str, dst: str, clean_target_pages: int, max_pages: int,
-                       only: Callable[[TreeNode], bool] | None = None) -> list[TransferOp]:
+    def plan_writeback(
+        self,
+        src: str,
+        dst: str,
+        clean_target_pages: int,
+        max_pages: int,
+        only: Callable[[TreeNode], bool] | None = None,
+    ) -> list[TransferOp]:
         """Phase one of background write-back `src` -> `dst` (`WritebackPlanner.plan`)."""
         with self._mutex:
             return self.writeback.plan(src, dst, clean_target_pages, max_pages, only)
@@ -376,15 +410,18 @@ class TieredCache:
         """Count one scheduled request's hits per tier (call once per request, with the match taken
         before its promotion) and credit prefetches that it used."""
         with self._mutex:
-            self.stats.record_request(prompt_tokens, match.device_tokens, match.host_tokens, match.disk_tokens,
-                                      covered_by_prefetch)
+            self.stats.record_request(
+                prompt_tokens, match.device_tokens, match.host_tokens, match.disk_tokens, covered_by_prefetch
+            )
             self.tree.touched()  # hit counts changed (lfu orders by them)
             if self.reuse is not None:
                 self.reuse.on_request(match.path)
             for node in match.path:
                 node.hit_count += 1
                 if node.prefetched:
-                    self.stats.add_prefetch(node.prefetched, "used_tokens", node.num_pages * self.page_size, node.prefetch_trigger)
+                    self.stats.add_prefetch(
+                        node.prefetched, "used_tokens", node.num_pages * self.page_size, node.prefetch_trigger
+                    )
                     node.prefetched = node.prefetch_trigger = None
                 if self.inline_writes and selective_write_through_due(self.config, node) and self.has_tier(HOST):
                     self.copies.copy_now(node, HOST, kind="backup", evict=False)
@@ -395,8 +432,9 @@ class TieredCache:
     def snapshot(self) -> dict:
         snap = self.stats.snapshot()
         snap["stored_tokens"] = {t: self.tree.pages[t] * self.page_size for t in TIERS}
-        snap["capacity_tokens"] = {t: (self.stores[t].capacity_pages * self.page_size if t in self.stores else 0)
-                                   for t in TIERS}
+        snap["capacity_tokens"] = {
+            t: (self.stores[t].capacity_pages * self.page_size if t in self.stores else 0) for t in TIERS
+        }
         lower = self.stores.get(DISK)
         lower_snap = lower.snapshot() if lower is not None else None
         if lower is not None and lower_snap is not None:
@@ -412,11 +450,14 @@ class TieredCache:
             self.tree.check()
             dev = self.stores[DEVICE]
             if dev.used_pages != self.tree.pages[DEVICE] + self.outstanding_device_pages:
-                raise InvariantError(f"device store uses {dev.used_pages} pages; tree holds {self.tree.pages[DEVICE]} "
-                                     f"and {self.outstanding_device_pages} are outstanding")
+                raise InvariantError(
+                    f"device store uses {dev.used_pages} pages; tree holds {self.tree.pages[DEVICE]} "
+                    f"and {self.outstanding_device_pages} are outstanding"
+                )
             if HOST in self.stores and self.stores[HOST].used_pages != self.tree.pages[HOST]:
-                raise InvariantError(f"host store uses {self.stores[HOST].used_pages} pages; "
-                                     f"tree holds {self.tree.pages[HOST]}")
+                raise InvariantError(
+                    f"host store uses {self.stores[HOST].used_pages} pages; tree holds {self.tree.pages[HOST]}"
+                )
             if DISK in self.stores:
                 # a shared directory's used pages are every process's: compare with what this store indexes
                 held = self.stores[DISK].stored_pages

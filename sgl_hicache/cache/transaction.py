@@ -57,8 +57,9 @@ class Transactions:
             if stale:
                 store.free(stale)
 
-    def prepare(self, node: TreeNode, dst: str, kind: str, src: str | None = None,
-                src_handles: Sequence[Handle] | None = None) -> TransferOp | None:
+    def prepare(
+        self, node: TreeNode, dst: str, kind: str, src: str | None = None, src_handles: Sequence[Handle] | None = None
+    ) -> TransferOp | None:
         c = self.cache
         if node.parent is None or node.in_tier(dst) or dst in node.incoming:
             return None
@@ -75,8 +76,9 @@ class Transactions:
         if handles is None:
             return None
         c.tree.pin(node)
-        op = TransferOp(node, src, dst, list(src_handles or []), list(handles), node.num_pages * c.config.page_bytes,
-                        kind)
+        op = TransferOp(
+            node, src, dst, list(src_handles or []), list(handles), node.num_pages * c.config.page_bytes, kind
+        )
         node.incoming[dst] = op
         if dst == DISK:
             c.lower.writes_in_flight.add(op)
@@ -158,7 +160,8 @@ class Transactions:
         reason = getattr(op.error, "reason", None) or str(cause or type(op.error).__name__)
         first = (name, reason) not in self._logged_errors
         self._logged_errors.add((name, reason))
-        (log.warning if first else log.debug)("tier transfer %s of %d pages failed: %s", op.link, op.node.num_pages,
-                                              op.error)
+        (log.warning if first else log.debug)(
+            "tier transfer %s of %d pages failed: %s", op.link, op.node.num_pages, op.error
+        )
         if op.src == DISK and op.source_lost:
             c.lower.drop_subtree(top)

@@ -28,8 +28,14 @@ class WritebackPlanner:
         # per (src, dst) link, the state in which planning last found nothing to do
         self._idle: dict[tuple[str, str], tuple] = {}
 
-    def plan(self, src: str, dst: str, clean_target_pages: int, max_pages: int,
-             only: Callable[[TreeNode], bool] | None = None) -> list[TransferOp]:
+    def plan(
+        self,
+        src: str,
+        dst: str,
+        clean_target_pages: int,
+        max_pages: int,
+        only: Callable[[TreeNode], bool] | None = None,
+    ) -> list[TransferOp]:
         """While fewer than `clean_target_pages` evictable pages of `src` are *clean* (`dst` already
         holds them, so evicting them from `src` is a free drop: the watermark), prepare copies of
         the coldest dirty ones, at most `max_pages` and no more than the watermark lacks. Only nodes
@@ -76,8 +82,9 @@ class WritebackPlanner:
             budget -= n.num_pages
         return ops
 
-    def _plan(self, src: str, dst: str, clean_target_pages: int, max_pages: int,
-              only: Callable[[TreeNode], bool] | None) -> list[TransferOp]:
+    def _plan(
+        self, src: str, dst: str, clean_target_pages: int, max_pages: int, only: Callable[[TreeNode], bool] | None
+    ) -> list[TransferOp]:
         c = self.cache
         clean = clean_pages(c.tree, src)
         store = c.stores[dst]

@@ -92,7 +92,10 @@ def batch_prefill_seconds(model: ModelPreset, hw: HardwarePreset, chunks: list[t
 def decode_flops(model: ModelPreset, batch_context_tokens: float, batch_size: int) -> float:
     """``2 * P_a * B + 4 * L * H * d * T``."""
     _check_nonneg(batch_context_tokens=batch_context_tokens, batch_size=batch_size)
-    return 2.0 * model.active_params * batch_size + 4.0 * model.num_layers * model.num_attention_heads * model.head_dim * batch_context_tokens
+    return (
+        2.0 * model.active_params * batch_size
+        + 4.0 * model.num_layers * model.num_attention_heads * model.head_dim * batch_context_tokens
+    )
 
 
 def decode_bytes(model: ModelPreset, batch_context_tokens: float, batch_size: int) -> float:

@@ -71,8 +71,14 @@ def _merged_snapshot(snaps: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def run_fleet(requests: Sequence[Request], config: EngineConfig, servers: int, how: str, store: bool,
-              progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+def run_fleet(
+    requests: Sequence[Request],
+    config: EngineConfig,
+    servers: int,
+    how: str,
+    store: bool,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
     """One fleet run (see the module docstring); a `policy_report` over every server's requests."""
     groups = route(requests, servers, how)
     backend = MemoryBackend() if store else None
@@ -85,7 +91,9 @@ def run_fleet(requests: Sequence[Request], config: EngineConfig, servers: int, h
             tier = None
             if backend is not None:
                 ns = Namespace.for_model(cfg.storage_layout, cfg.page_size)
-                tier = SharedStoreTier(cfg.storage_layout, cfg.page_size, max(1, config.disk_tokens // cfg.page_size), backend, ns)
+                tier = SharedStoreTier(
+                    cfg.storage_layout, cfg.page_size, max(1, config.disk_tokens // cfg.page_size), backend, ns
+                )
 
             def cb(n: int, _t: int | None, _hit_rate: float | None = None, *, i: int = i) -> None:
                 done[i] = n
@@ -107,13 +115,25 @@ def run_fleet(requests: Sequence[Request], config: EngineConfig, servers: int, h
             records += engine.end()
             engine.cache.check()
         duration = max((r.finish_s for r in records), default=0.0) - min((r.arrival_s for r in records), default=0.0)
-        settings = settings_of(cfg) | {"servers": servers, "route": how, "store": store,
-                                       "store_bandwidth": config.store_bandwidth if store else None,
-                                       "store_latency_s": config.store_latency_s if store else None}
-        report = policy_report(records=records, snapshot=_merged_snapshot([e.cache.snapshot() for e in engines]),
-                               duration_s=duration, settings=settings)
-        report["engine"] = {"wall_s": wall, "virtual_s": max(e.now for e in engines), "steps": sum(e.steps for e in engines),
-                            "requests_per_server": [len(g) for g in groups]}
+        settings = settings_of(cfg) | {
+            "servers": servers,
+            "route": how,
+            "store": store,
+            "store_bandwidth": config.store_bandwidth if store else None,
+            "store_latency_s": config.store_latency_s if store else None,
+        }
+        report = policy_report(
+            records=records,
+            snapshot=_merged_snapshot([e.cache.snapshot() for e in engines]),
+            duration_s=duration,
+            settings=settings,
+        )
+        report["engine"] = {
+            "wall_s": wall,
+            "virtual_s": max(e.now for e in engines),
+            "steps": sum(e.steps for e in engines),
+            "requests_per_server": [len(g) for g in groups],
+        }
         if store:
             report["store"] = _merged_snapshot([{"errors": e.cache.snapshot()["store"]} for e in engines])["errors"]
             report["store"].pop("url", None)
@@ -123,8 +143,13 @@ def run_fleet(requests: Sequence[Request], config: EngineConfig, servers: int, h
             engine.close()
 
 
-def fleet_whatif(requests: Sequence[Request], config: EngineConfig, servers: int, how: str,
-                 progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+def fleet_whatif(
+    requests: Sequence[Request],
+    config: EngineConfig,
+    servers: int,
+    how: str,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> dict[str, Any]:
     """The fleet without and with a shared store, side by side, with ratios store / local."""
     out: dict[str, Any] = {"version": REPORT_VERSION, "kind": "fleet", "policies": {}}
     for name, store in (("local", False), ("store", True)):
@@ -135,13 +160,15 @@ def fleet_whatif(requests: Sequence[Request], config: EngineConfig, servers: int
     def ratio(a: float, b: float) -> float | None:
         return a / b if b else None
 
-    out["ratios"] = {"store/local": {
-        "hit_rate": ratio(sto["hit_rate"], loc["hit_rate"]),
-        "ttft_mean": ratio(sto["ttft_s"]["mean"], loc["ttft_s"]["mean"]),
-        "ttft_p50": ratio(sto["ttft_s"]["p50"], loc["ttft_s"]["p50"]),
-        "ttft_p90": ratio(sto["ttft_s"]["p90"], loc["ttft_s"]["p90"]),
-        "throughput": ratio(sto["throughput_tok_s"], loc["throughput_tok_s"]),
-    }}
+    out["ratios"] = {
+        "store/local": {
+            "hit_rate": ratio(sto["hit_rate"], loc["hit_rate"]),
+            "ttft_mean": ratio(sto["ttft_s"]["mean"], loc["ttft_s"]["mean"]),
+            "ttft_p50": ratio(sto["ttft_s"]["p50"], loc["ttft_s"]["p50"]),
+            "ttft_p90": ratio(sto["ttft_s"]["p90"], loc["ttft_s"]["p90"]),
+            "throughput": ratio(sto["throughput_tok_s"], loc["throughput_tok_s"]),
+        }
+    }
     return out
 
 

@@ -44,7 +44,9 @@ class ModelPreset:
         if self.dtype not in _DTYPE_BYTES:
             raise ValueError(f"ModelPreset.dtype must be one of {sorted(_DTYPE_BYTES)}, got {self.dtype!r}")
         if not (0 < self.active_params <= self.total_params):
-            raise ValueError(f"ModelPreset needs 0 < active_params <= total_params, got {self.active_params} / {self.total_params}")
+            raise ValueError(
+                f"ModelPreset needs 0 < active_params <= total_params, got {self.active_params} / {self.total_params}"
+            )
         if self.num_attention_heads % self.num_kv_heads:
             raise ValueError("ModelPreset.num_attention_heads must be a multiple of num_kv_heads")
 
@@ -66,13 +68,29 @@ class ModelPreset:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
     def kv_layout(self) -> KVLayout:
-        return KVLayout(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype, architecture=self.architecture)
+        return KVLayout(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            architecture=self.architecture,
+        )
 
     def replace(self, **changes: Any) -> ModelPreset:
         return dataclasses.replace(self, **changes)
 
 
-def llama_params(*, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int, vocab: int, tied: bool = False) -> int:
+def llama_params(
+    *,
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    vocab: int,
+    tied: bool = False,
+) -> int:
     """Exact parameter count of a Llama-architecture config (RMSNorm weights included)."""
     attn = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o + k, v
     mlp = 3 * hidden * intermediate
@@ -107,7 +125,14 @@ class HardwarePreset:
             raise ValueError(f"HardwarePreset.num_gpus must be an integer >= 1, got {self.num_gpus!r}")
         if not (0 < self.mfu <= 1):
             raise ValueError(f"HardwarePreset.mfu must be in (0, 1], got {self.mfu!r}")
-        for f in ("peak_flops", "hbm_bandwidth", "host_link_bandwidth", "disk_read_bandwidth", "disk_write_bandwidth", "device_memory_bytes"):
+        for f in (
+            "peak_flops",
+            "hbm_bandwidth",
+            "host_link_bandwidth",
+            "disk_read_bandwidth",
+            "disk_write_bandwidth",
+            "device_memory_bytes",
+        ):
             v = getattr(self, f)
             if not (isinstance(v, (int, float)) and v > 0):
                 raise ValueError(f"HardwarePreset.{f} must be > 0, got {v!r}")
@@ -145,11 +170,15 @@ MODELS: dict[str, ModelPreset] = {
     # Qwen/Qwen2.5-32B config.json; 32.5 B parameters
     "qwen2.5-32b": ModelPreset("qwen2.5-32b", 64, 5120, 40, 8, 128, "bfloat16", 32.5e9, 32.5e9, architecture="qwen2"),
     # Qwen/Qwen3-Coder-480B-A35B-Instruct config.json: 62 layers, 96 query heads, 8 KV heads, head_dim 128
-    "qwen3-coder-480b-a35b": ModelPreset("qwen3-coder-480b-a35b", 62, 6144, 96, 8, 128, "bfloat16", 480e9, 35e9, architecture="qwen3_moe"),
+    "qwen3-coder-480b-a35b": ModelPreset(
+        "qwen3-coder-480b-a35b", 62, 6144, 96, 8, 128, "bfloat16", 480e9, 35e9, architecture="qwen3_moe"
+    ),
     # openai/gpt-oss-120b config.json: 36 layers (every other one a 128-token window layer), 64 query
     # heads, 8 KV heads, head_dim 64; 116.8 B parameters, 5.1 B active. The SGLang backend tiers every
     # layer of a page, window layers included (SWAPoolAdapter), so a page costs every layer's K and V
-    "gpt-oss-120b": ModelPreset("gpt-oss-120b", 36, 2880, 64, 8, 64, "bfloat16", 116.8e9, 5.1e9, architecture="gpt_oss"),
+    "gpt-oss-120b": ModelPreset(
+        "gpt-oss-120b", 36, 2880, 64, 8, 64, "bfloat16", 116.8e9, 5.1e9, architecture="gpt_oss"
+    ),
     # /work/shared/reference/sglang-cpu-probe/tiny-llama/config.json (557,696 parameters)
     "tiny-llama": ModelPreset("tiny-llama", 2, 128, 4, 2, 32, "bfloat16", float(_TINY), float(_TINY)),
     # scripts/cpu/bench-llama/config.json: the CPU benchmark model (dummy weights; 96,486,400 parameters)
@@ -176,8 +205,15 @@ HARDWARE: dict[str, HardwarePreset] = {
     # at ~1.2 s, inside the 1.1-1.5 s SGLang's own prefill measured here. "device" and "host" are the
     # same DRAM, so the host link is the memcpy rate. Disk figures are placeholders for a VM's SSD.
     "cpu-local": HardwarePreset(
-        "cpu-local", 1, peak_flops=0.85e12, mfu=0.45, hbm_bandwidth=20 * GB, host_link_bandwidth=20 * GB,
-        disk_read_bandwidth=1.5 * GB, disk_write_bandwidth=1.0 * GB, device_memory_bytes=8 * GB,
+        "cpu-local",
+        1,
+        peak_flops=0.85e12,
+        mfu=0.45,
+        hbm_bandwidth=20 * GB,
+        host_link_bandwidth=20 * GB,
+        disk_read_bandwidth=1.5 * GB,
+        disk_write_bandwidth=1.0 * GB,
+        device_memory_bytes=8 * GB,
     ),
 }
 
@@ -196,10 +232,14 @@ def get_hardware(name: str) -> HardwarePreset:
     try:
         return HARDWARE[name]
     except KeyError:
-        raise ValueError(f"unknown hardware preset {name!r}; choose one of {', '.join(sorted(HARDWARE))}, cpu-measured") from None
+        raise ValueError(
+            f"unknown hardware preset {name!r}; choose one of {', '.join(sorted(HARDWARE))}, cpu-measured"
+        ) from None
 
 
-def measure_local(*, matmul_size: int = 512, copy_mib: int = 64, repeats: int = 3, mfu: float = 0.45, name: str = "cpu-measured") -> HardwarePreset:
+def measure_local(
+    *, matmul_size: int = 512, copy_mib: int = 64, repeats: int = 3, mfu: float = 0.45, name: str = "cpu-measured"
+) -> HardwarePreset:
     """A `cpu-local`-style preset from a quick measurement of this machine (about 0.1 s).
 
     peak_flops = best of `repeats` bf16 matmuls (n x n x n, 2 n^3 FLOPs); hbm and host-link bandwidth =
@@ -228,7 +268,18 @@ def measure_local(*, matmul_size: int = 512, copy_mib: int = 64, repeats: int = 
         dst.copy_(src)
         best = min(best, time.perf_counter() - t)
     copy_bw = src.numel() / max(best, 1e-9)
-    return HARDWARE["cpu-local"].replace(name=name, peak_flops=flops, mfu=mfu, hbm_bandwidth=copy_bw, host_link_bandwidth=copy_bw)
+    return HARDWARE["cpu-local"].replace(
+        name=name, peak_flops=flops, mfu=mfu, hbm_bandwidth=copy_bw, host_link_bandwidth=copy_bw
+    )
 
 
-__all__ = ["HARDWARE", "MODELS", "HardwarePreset", "ModelPreset", "get_hardware", "get_model", "llama_params", "measure_local"]
+__all__ = [
+    "HARDWARE",
+    "MODELS",
+    "HardwarePreset",
+    "ModelPreset",
+    "get_hardware",
+    "get_model",
+    "llama_params",
+    "measure_local",
+]

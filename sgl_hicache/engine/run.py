@@ -50,11 +50,23 @@ def settings_of(config: EngineConfig) -> dict[str, Any]:
 def _report(engine: EmbeddedEngine, config: EngineConfig, wall: float, cpu: float = 0.0) -> dict[str, Any]:
     records = engine.records
     duration = (max(records.finish_s) - min(records.arrival_s)) if len(records) else 0.0
-    report = policy_report(records=records, snapshot=engine.cache.snapshot(), duration_s=duration, settings=settings_of(config))
-    report["engine"] = {"steps": engine.steps, "wall_s": wall, "virtual_s": engine.now, "demote_seconds": engine.demote_seconds,
-                        "disk_write_seconds": engine.disk_write_seconds, "bytes": config.byte_mode,
-                        "cpu_s": cpu, "hints": dict(engine.controller.hints.counts), "hints_rejected": engine.hints_rejected}
-    report["tree"] = largest_subtrees(engine.cache.tree, config.model.kv_bytes_per_token * config.page_size, now=engine.now)
+    report = policy_report(
+        records=records, snapshot=engine.cache.snapshot(), duration_s=duration, settings=settings_of(config)
+    )
+    report["engine"] = {
+        "steps": engine.steps,
+        "wall_s": wall,
+        "virtual_s": engine.now,
+        "demote_seconds": engine.demote_seconds,
+        "disk_write_seconds": engine.disk_write_seconds,
+        "bytes": config.byte_mode,
+        "cpu_s": cpu,
+        "hints": dict(engine.controller.hints.counts),
+        "hints_rejected": engine.hints_rejected,
+    }
+    report["tree"] = largest_subtrees(
+        engine.cache.tree, config.model.kv_bytes_per_token * config.page_size, now=engine.now
+    )
     return report
 
 
@@ -71,8 +83,13 @@ def checkpoint_path(report: Path, policy: str) -> Path:
     return report.with_name(f"{report.name}.{policy}.partial.json")
 
 
-def run_policy(requests: Iterable[Request], config: EngineConfig, progress: Callable[..., None] | None = None,
-               checkpoint: Path | None = None, checkpoint_every: int = 0) -> dict[str, Any]:
+def run_policy(
+    requests: Iterable[Request],
+    config: EngineConfig,
+    progress: Callable[..., None] | None = None,
+    checkpoint: Path | None = None,
+    checkpoint_every: int = 0,
+) -> dict[str, Any]:
     """One policy's report. `requests` is a sequence or a streamed source (an iterable in arrival
     order; its `len()` when it has one feeds the progress). With `checkpoint` and
     `checkpoint_every` N, a partial report (a valid replay report of the requests finished so far,
@@ -82,12 +99,20 @@ def run_policy(requests: Iterable[Request], config: EngineConfig, progress: Call
 
     def save(engine: EmbeddedEngine) -> None:
         rep = _report(engine, config, time.perf_counter() - wall0, time.process_time() - cpu0)
-        partial = {"version": REPORT_VERSION, "kind": "replay", "policies": {config.policy: rep},
-                   "partial": {"requests_done": len(engine.records), "requests_total": engine.total}}
+        partial = {
+            "version": REPORT_VERSION,
+            "kind": "replay",
+            "policies": {config.policy: rep},
+            "partial": {"requests_done": len(engine.records), "requests_total": engine.total},
+        }
         write_json(checkpoint, partial)  # type: ignore[arg-type]
 
-    engine = EmbeddedEngine(config, progress=progress, checkpoint=save if checkpoint is not None else None,
-                            checkpoint_every=checkpoint_every)
+    engine = EmbeddedEngine(
+        config,
+        progress=progress,
+        checkpoint=save if checkpoint is not None else None,
+        checkpoint_every=checkpoint_every,
+    )
     try:
         total = len(requests) if hasattr(requests, "__len__") else None  # type: ignore[arg-type]
         engine.run(requests, total=total)
@@ -114,8 +139,9 @@ def _init_worker(queue: Any) -> None:
     torch.set_num_threads(1)
 
 
-def _run_in_worker(requests: Iterable[Request], config: EngineConfig, checkpoint: Path | None,
-                   checkpoint_every: int) -> dict[str, Any]:
+def _run_in_worker(
+    requests: Iterable[Request], config: EngineConfig, checkpoint: Path | None, checkpoint_every: int
+) -> dict[str, Any]:
     """One policy in a worker process; progress goes back to the parent over the queue, throttled."""
     last = [0.0]
     queue = _QUEUE
@@ -129,9 +155,15 @@ def _run_in_worker(requests: Iterable[Request], config: EngineConfig, checkpoint
     return run_policy(requests, config, progress if queue is not None else None, checkpoint, checkpoint_every)
 
 
-def compare(requests: Iterable[Request], base: EngineConfig, policies: Sequence[str] = POLICIES,
-            progress: Callable[..., None] | None = None, workers: int | None = None,
-            checkpoint: Path | None = None, checkpoint_every: int = 0) -> dict[str, Any]:
+def compare(
+    requests: Iterable[Request],
+    base: EngineConfig,
+    policies: Sequence[str] = POLICIES,
+    progress: Callable[..., None] | None = None,
+    workers: int | None = None,
+    checkpoint: Path | None = None,
+    checkpoint_every: int = 0,
+) -> dict[str, Any]:
     """Every policy on the same requests and capacities; ratios against `recompute` and `demote`.
 
     `workers` processes run the policies side by side (default: one per policy, at most the CPUs
@@ -139,7 +171,9 @@ def compare(requests: Iterable[Request], base: EngineConfig, policies: Sequence[
     hit_rate)` is called in this process. `checkpoint` is the report path: each policy writes its
     partial reports to `checkpoint_path(checkpoint, policy)`."""
     if workers is None:
-        workers = min(len(policies), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+        workers = min(
+            len(policies), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        )
     out: dict[str, Any] = {"version": REPORT_VERSION, "kind": "compare", "policies": {}}
     configs = {name: dataclasses.replace(base, policy=name) for name in policies}
     ckpt = {name: checkpoint_path(checkpoint, name) if checkpoint is not None else None for name in policies}
@@ -183,8 +217,14 @@ def longest_first(policies: Iterable[str]) -> list[str]:
     return sorted(policies, key=lambda name: -_EXPECTED_WORK.get(name, len(_EXPECTED_WORK) + 1))
 
 
-def _compare_parallel(requests: Iterable[Request], configs: dict[str, EngineConfig], workers: int,
-                      progress: Callable[..., None] | None, ckpt: dict[str, Path | None], checkpoint_every: int) -> dict[str, Any]:
+def _compare_parallel(
+    requests: Iterable[Request],
+    configs: dict[str, EngineConfig],
+    workers: int,
+    progress: Callable[..., None] | None,
+    ckpt: dict[str, Path | None],
+    checkpoint_every: int,
+) -> dict[str, Any]:
     """The policies in `workers` processes; reports merged in the order of `configs`.
 
     Workers are forked when that is safe: on a platform that can (Linux) and while this process
@@ -212,11 +252,15 @@ def _compare_parallel(requests: Iterable[Request], configs: dict[str, EngineConf
 
     reader = threading.Thread(target=drain, name="compare-progress", daemon=True) if queue is not None else None
     try:
-        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker, initargs=(queue,)) as pool:
+        with ProcessPoolExecutor(
+            max_workers=workers, mp_context=ctx, initializer=_init_worker, initargs=(queue,)
+        ) as pool:
             # the pool runs submissions in order as workers free up: longest first keeps the last
             # worker from starting a long policy when the others are nearly done
-            futures = {name: pool.submit(_run_in_worker, requests, configs[name], ckpt[name], checkpoint_every)
-                       for name in longest_first(configs)}
+            futures = {
+                name: pool.submit(_run_in_worker, requests, configs[name], ckpt[name], checkpoint_every)
+                for name in longest_first(configs)
+            }
             if reader:  # after the first submission forked every worker: no thread of ours is copied
                 reader.start()
             return {name: futures[name].result() for name in configs}

@@ -58,7 +58,12 @@ BYTE_MODES = ("real", "metadata")
 # a metadata disk tier has no directory; CacheConfig only needs one to size the tier
 _METADATA_DISK_DIR = Path("<metadata: no files>")
 _context = attrgetter("context")
-_LINK_TIERS = {"disk->host": (DISK, HOST), "host->device": (HOST, DEVICE), "device->host": (DEVICE, HOST), "host->disk": (HOST, DISK)}
+_LINK_TIERS = {
+    "disk->host": (DISK, HOST),
+    "host->device": (HOST, DEVICE),
+    "device->host": (DEVICE, HOST),
+    "host->disk": (HOST, DISK),
+}
 
 
 @dataclass(frozen=True)
@@ -90,7 +95,9 @@ class EngineConfig:
     writeback_clean_fraction: float = DEFAULT_POLICY.writeback_clean_fraction
     writeback_batch_pages: int = DEFAULT_POLICY.writeback_batch_pages
     prefetch_window: int = 16
-    storage_layout: KVLayout = field(default_factory=lambda: KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="bfloat16"))
+    storage_layout: KVLayout = field(
+        default_factory=lambda: KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="bfloat16")
+    )
     # "real": bytes really copied through the real stores (proves the data path); "metadata": the
     # same decisions and virtual times, pages accounted but no bytes held or copied (`tiers/metadata.py`)
     byte_mode: str = "real"
@@ -110,18 +117,27 @@ class EngineConfig:
         if self.byte_mode not in BYTE_MODES:
             raise ValueError(f"unknown byte mode {self.byte_mode!r}; choose one of {', '.join(BYTE_MODES)}")
         if self.store_bandwidth < 0 or self.store_latency_s < 0:
-            raise ValueError(f"store_bandwidth and store_latency_s must be >= 0, got {self.store_bandwidth}, {self.store_latency_s}")
+            raise ValueError(
+                f"store_bandwidth and store_latency_s must be >= 0, got {self.store_bandwidth}, {self.store_latency_s}"
+            )
 
     def tiering(self) -> TieringPolicy:
         """The policy this replay runs: the knobs above, with the predictor and the queue prefetch
         that `policy` implies (`predict` runs `predictor`; `prefetch` and `predict` prefetch)."""
-        return TieringPolicy(eviction_policy=self.eviction_policy, write_policy=self.write_policy,
-                             write_through_threshold=self.write_through_threshold, disk_write_policy=self.disk_write_policy,
-                             eviction_demotes=self.eviction_demotes, predictor=self.predictor if self.policy == "predict" else "none",
-                             predictor_budget_tokens=self.predictor_budget_tokens, prefetch=self.policy in ("prefetch", "predict"),
-                             device_writeback_clean_fraction=self.device_writeback_clean_fraction,
-                             writeback_clean_fraction=self.writeback_clean_fraction, writeback_batch_pages=self.writeback_batch_pages,
-                             admission_min_probability=self.admission_min_probability)
+        return TieringPolicy(
+            eviction_policy=self.eviction_policy,
+            write_policy=self.write_policy,
+            write_through_threshold=self.write_through_threshold,
+            disk_write_policy=self.disk_write_policy,
+            eviction_demotes=self.eviction_demotes,
+            predictor=self.predictor if self.policy == "predict" else "none",
+            predictor_budget_tokens=self.predictor_budget_tokens,
+            prefetch=self.policy in ("prefetch", "predict"),
+            device_writeback_clean_fraction=self.device_writeback_clean_fraction,
+            writeback_clean_fraction=self.writeback_clean_fraction,
+            writeback_batch_pages=self.writeback_batch_pages,
+            admission_min_probability=self.admission_min_probability,
+        )
 
     def cache_config(self, disk_dir: Path | None) -> CacheConfig:
         tiered = self.policy != "recompute"
@@ -173,7 +189,9 @@ class VirtualLinks(VirtualPipes):
     and writes share one pipe, the disk). With `store_bandwidth`, the lower tier is a shared store
     reached over this server's network link: ``latency + bytes / store_bandwidth`` per transfer."""
 
-    def __init__(self, model: ModelPreset, hw: HardwarePreset, store_bandwidth: float = 0.0, store_latency_s: float = 0.0) -> None:
+    def __init__(
+        self, model: ModelPreset, hw: HardwarePreset, store_bandwidth: float = 0.0, store_latency_s: float = 0.0
+    ) -> None:
         def seconds(link: str, tokens: int) -> float:
             if store_bandwidth > 0 and DISK in _LINK_TIERS[link]:
                 return cost.transfer_seconds(tokens * model.kv_bytes_per_token, store_bandwidth, store_latency_s)
@@ -190,9 +208,14 @@ class EmbeddedEngine:
     inputs give the same records and statistics (nothing depends on wall time).
     """
 
-    def __init__(self, config: EngineConfig, progress: Callable[..., None] | None = None,
-                 checkpoint: Callable[[EmbeddedEngine], None] | None = None, checkpoint_every: int = 0,
-                 store: TierStore | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        progress: Callable[..., None] | None = None,
+        checkpoint: Callable[[EmbeddedEngine], None] | None = None,
+        checkpoint_every: int = 0,
+        store: TierStore | None = None,
+    ) -> None:
         """`store`: a shared store tier (`tiers/store.py`) in the disk tier's place."""
         if store is not None and config.store_bandwidth <= 0:
             raise ValueError("a store tier needs EngineConfig.store_bandwidth > 0 (its link's cost)")
@@ -202,30 +225,54 @@ class EmbeddedEngine:
         self._tmp = None
         self.now = 0.0
         # `oracle`: Belady eviction in every tier and perfect prefetch; it learns the future in `run`
-        self.oracle: Oracle | None = Oracle(config.page_size, lookahead=config.prefetch_window) if config.policy == "oracle" else None
+        self.oracle: Oracle | None = (
+            Oracle(config.page_size, lookahead=config.prefetch_window) if config.policy == "oracle" else None
+        )
         priority = self.oracle.priority if self.oracle is not None else None
         clock = lambda: self.now  # noqa: E731
         if config.byte_mode == "metadata":
             from ..tiers.metadata import metadata_stores
 
             cache_config = config.cache_config(_METADATA_DISK_DIR)
-            stores = metadata_stores(cache_config.layout, config.page_size, cache_config.device_pages, cache_config.host_pages,
-                                     cache_config.disk_pages)
-            self.cache = build_cache(cache_config, device=stores["device"], host=stores.get("host"), lower=stores.get("disk"),
-                                     clock=clock, priority=priority)
+            stores = metadata_stores(
+                cache_config.layout,
+                config.page_size,
+                cache_config.device_pages,
+                cache_config.host_pages,
+                cache_config.disk_pages,
+            )
+            self.cache = build_cache(
+                cache_config,
+                device=stores["device"],
+                host=stores.get("host"),
+                lower=stores.get("disk"),
+                clock=clock,
+                priority=priority,
+            )
         else:
             disk_dir = config.disk_dir
             if disk_dir is None and store is None and config.disk_tokens > 0 and config.policy != "recompute":
                 self._tmp = tempfile.TemporaryDirectory(prefix="sgl-hicache-replay-", dir=_scratch_dir())
                 disk_dir = Path(self._tmp.name)
-            self.cache = build_cache(config.cache_config(disk_dir), lower=store if config.policy != "recompute" else None,
-                                     clock=clock, priority=priority)
-        self.links = VirtualLinks(config.model, config.hardware, config.store_bandwidth if store is not None else 0.0, config.store_latency_s)
+            self.cache = build_cache(
+                config.cache_config(disk_dir),
+                lower=store if config.policy != "recompute" else None,
+                clock=clock,
+                priority=priority,
+            )
+        self.links = VirtualLinks(
+            config.model, config.hardware, config.store_bandwidth if store is not None else 0.0, config.store_latency_s
+        )
         self.executor = VirtualExecutor(self.cache, self.links, clock, config.page_size)
         # the oracle's prefetch is its predictor (the next requests' paths, before they arrive), not
         # the queue prefetch, which on long agentic prompts crowds the host tier (docs/results.md)
-        self.controller = build_controller(self.cache, self.executor, config.tiering(), clock,
-                                           predictor=self.oracle.predictor if self.oracle is not None else None)
+        self.controller = build_controller(
+            self.cache,
+            self.executor,
+            config.tiering(),
+            clock,
+            predictor=self.oracle.predictor if self.oracle is not None else None,
+        )
         self.progress = progress  # (done, total, hit_rate so far); total is None when unknown
         self.checkpoint = checkpoint  # called with the engine every `checkpoint_every` completions
         self.checkpoint_every = checkpoint_every
@@ -255,7 +302,9 @@ class EmbeddedEngine:
     @property
     def disk_write_seconds(self) -> float:
         """Virtual seconds the disk spent on host -> disk writes (background and inline)."""
-        return self.links.seconds("host->disk", self.cache.stats.bytes_moved["host->disk"] // self.config.storage_layout.bytes_per_token)
+        return self.links.seconds(
+            "host->disk", self.cache.stats.bytes_moved["host->disk"] // self.config.storage_layout.bytes_per_token
+        )
 
     # ---- copies the cache made inline (eviction demotions), not through the executor ----------
     def _inline_tokens(self, link: str) -> int:
@@ -347,14 +396,18 @@ class EmbeddedEngine:
                 cache.stats.add("load_wait_seconds", eta)
         m = cache.match(tokens, count=False)  # re-matched each step: counted once, at arrival
         if m.disk_tokens:
-            m = self.controller.read_or_recompute(m, cost.prefill_seconds(cfg.model, cfg.hardware, m.disk_tokens, m.device_tokens + m.host_tokens))
+            m = self.controller.read_or_recompute(
+                m, cost.prefill_seconds(cfg.model, cfg.hardware, m.disk_tokens, m.device_tokens + m.host_tokens)
+            )
         out_pages = math.ceil((flight.req.output_length + len(tokens) % ps) / ps)
         need_pages = len(tokens) // ps - m.device_tokens // ps
         # its own matched device pages are locked for it below: room comes from the free pages and
         # the *other* evictable ones (counting its own, a request that could not fit looked as if it
         # did, so no prefetch lock was ever given up for it and the queue stalled behind it)
         own = sum(n.num_pages for n in m.path if n.device is not None and n.lock_ref == 0 and n.pins == 0)
-        flight.short_pages = need_pages + out_pages - cache.stores[DEVICE].free_pages - (self._evictable_device_pages() - own)
+        flight.short_pages = (
+            need_pages + out_pages - cache.stores[DEVICE].free_pages - (self._evictable_device_pages() - own)
+        )
         if flight.short_pages > 0:
             return False, 0, (0.0, 0.0)
         self.controller.admitted(ticket)
@@ -363,7 +416,9 @@ class EmbeddedEngine:
             self.oracle.admitted(self._position[id(flight.req)])
         self.controller.release(ticket)
         lower = m.lower_tier_tokens
-        m, load = self.controller.load(tokens, m, cost.prefill_seconds(cfg.model, cfg.hardware, lower, m.device_tokens) if lower else 0.0)
+        m, load = self.controller.load(
+            tokens, m, cost.prefill_seconds(cfg.model, cfg.hardware, lower, m.device_tokens) if lower else 0.0
+        )
         load_s = (max(load.blocking, waited_s), load.overlapped)
         cache.lock(m.last_node)
         fresh = cache.allocate_device(len(tokens) // ps - len(m.device_handles))
@@ -391,7 +446,16 @@ class EmbeddedEngine:
         self.cache.unlock(flight.anchor)  # type: ignore[arg-type]
         hd, hh, hk = flight.hits
         prompt = len(flight.req.input_ids)
-        self.records.add(flight.arrival, (flight.first_token or 0) - flight.arrival, self.now, prompt, flight.req.output_length, hd, hh, hk)
+        self.records.add(
+            flight.arrival,
+            (flight.first_token or 0) - flight.arrival,
+            self.now,
+            prompt,
+            flight.req.output_length,
+            hd,
+            hh,
+            hk,
+        )
         self._prompt_tokens += prompt
         self._hit_tokens += hd + hh + hk
         done = len(self.records)
@@ -496,11 +560,15 @@ class EmbeddedEngine:
                 return True  # prefetched paths held the pages the head of the queue needs
             if nxt is None:
                 if waiting:
-                    raise RuntimeError(f"{len(waiting)} requests cannot be admitted: the device tier ({cfg.device_tokens} tokens) is too small for them")
+                    raise RuntimeError(
+                        f"{len(waiting)} requests cannot be admitted: the device tier ({cfg.device_tokens} tokens) is too small for them"
+                    )
                 return False
             self.now = max(self.now, nxt)
             return True
-        compute = cost.batch_prefill_seconds(cfg.model, cfg.hardware, [(n, f.context - f.prefill_left) for f, n in chunks])
+        compute = cost.batch_prefill_seconds(
+            cfg.model, cfg.hardware, [(n, f.context - f.prefill_left) for f, n in chunks]
+        )
         compute += cost.decode_step_seconds(cfg.model, cfg.hardware, sum(map(_context, running)), len(running))
         # evictions that made room for this step and copied device -> host inline (pages the
         # background write-back had not cleaned yet) delay the forward pass
@@ -578,8 +646,10 @@ class _Pending:
         req = self._head
         assert req is not None
         if req.arrival_s < self._last:
-            raise ValueError(f"request {req.request_id} arrives at {req.arrival_s} s, before the one read before it "
-                             f"({self._last} s): a streamed trace must be in arrival order")
+            raise ValueError(
+                f"request {req.request_id} arrives at {req.arrival_s} s, before the one read before it "
+                f"({self._last} s): a streamed trace must be in arrival order"
+            )
         self._last = req.arrival_s
         self._head = next(self._it, None)
         return req

@@ -80,7 +80,9 @@ class PrefillCostFit:
 
     def __init__(self, half_life_steps: float = 64.0, min_steps: int = 8) -> None:
         if half_life_steps <= 0 or min_steps < 2:
-            raise ValueError(f"PrefillCostFit needs half_life_steps > 0 and min_steps >= 2, got {half_life_steps}, {min_steps}")
+            raise ValueError(
+                f"PrefillCostFit needs half_life_steps > 0 and min_steps >= 2, got {half_life_steps}, {min_steps}"
+            )
         self._keep = 0.5 ** (1.0 / half_life_steps)
         self.min_steps = min_steps
         self.steps = 0
@@ -125,8 +127,11 @@ class PrefillCostFit:
                 full = [0.0] * 3
                 for t, c in zip(terms, coef):
                     full[t] = c
-                sse = self._yy - 2 * sum(full[i] * self._b[i] for i in range(3)) + sum(
-                    full[i] * full[j] * self._s[i][j] for i in range(3) for j in range(3))
+                sse = (
+                    self._yy
+                    - 2 * sum(full[i] * self._b[i] for i in range(3))
+                    + sum(full[i] * full[j] * self._s[i][j] for i in range(3) for j in range(3))
+                )
                 if best is None or sse < best[0] - 1e-12 * max(1.0, self._yy):
                     best = (sse, full)
         if best is None:  # no subset solvable (cannot happen with a spread of tokens)

@@ -37,8 +37,18 @@ KEY = "agent_hints"
 REUSE_HINTS = ("retain", "end", "none")
 TTL_MARGIN = 1.25  # a tool's expected duration is an estimate: keep it a quarter longer
 MAX_ID_CHARS = 256
-_FIELDS = {"workflow_id", "agent_id", "step_id", "parent_step_id", "child_step_ids", "tool_name",
-           "expected_tool_duration_ms", "cache_ttl_ms", "reuse_hint", "prefetch"}
+_FIELDS = {
+    "workflow_id",
+    "agent_id",
+    "step_id",
+    "parent_step_id",
+    "child_step_ids",
+    "tool_name",
+    "expected_tool_duration_ms",
+    "cache_ttl_ms",
+    "reuse_hint",
+    "prefetch",
+}
 
 
 @dataclass(frozen=True)
@@ -92,8 +102,11 @@ def parse_agent_hints(custom_params: Any) -> AgentHints | None:
     step = _ident(obj, "step_id", ints=True)
     _ident(obj, "parent_step_id", ints=True)
     children = obj.get("child_step_ids")
-    if children is not None and (not isinstance(children, list) or len(children) > 64 or
-                                 not all(isinstance(c, (str, int)) and not isinstance(c, bool) for c in children)):
+    if children is not None and (
+        not isinstance(children, list)
+        or len(children) > 64
+        or not all(isinstance(c, (str, int)) and not isinstance(c, bool) for c in children)
+    ):
         raise HintError("agent_hints.child_step_ids must be a list of at most 64 strings or integers")
     tool = _ident(obj, "tool_name")
     duration = _millis(obj, "expected_tool_duration_ms", positive=False)
@@ -108,4 +121,6 @@ def parse_agent_hints(custom_params: Any) -> AgentHints | None:
     elif ttl is not None or duration is not None:
         raise HintError(f"agent_hints.reuse_hint {reuse!r} contradicts cache_ttl_ms / expected_tool_duration_ms")
     session = f"{workflow}/{agent}" if workflow is not None and agent is not None else None
-    return AgentHints(retain_s=retain, end=reuse == "end", prefetch=prefetch, session=session, tool_name=tool, step_id=step)
+    return AgentHints(
+        retain_s=retain, end=reuse == "end", prefetch=prefetch, session=session, tool_name=tool, step_id=step
+    )

@@ -127,8 +127,13 @@ class PromotionGuard:
         return int(self.prefetch_share * capacity) - held
 
     @staticmethod
-    def worth_evicting(candidates: Iterable[TreeNode], pages: int, node: TreeNode, priority: Callable[[TreeNode], tuple],
-                       clean: Callable[[TreeNode], bool] | None = None) -> bool:
+    def worth_evicting(
+        candidates: Iterable[TreeNode],
+        pages: int,
+        node: TreeNode,
+        priority: Callable[[TreeNode], tuple],
+        clean: Callable[[TreeNode], bool] | None = None,
+    ) -> bool:
         if pages <= 0:
             return True
         mine = priority(node)

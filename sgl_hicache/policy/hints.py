@@ -99,9 +99,11 @@ class HintLimits:
         refused before the tree is seen)."""
         if pinned_tokens + tokens > self.max_pin_share * capacity_tokens:
             held = f"would hold {pinned_tokens + tokens} pinned tokens" if pinned_tokens else "is"
-            raise HintError(f"pin of {tokens} tokens {held} over {self.max_pin_share:.0%} of the "
-                            f"{capacity_tokens}-token host tier ({int(self.max_pin_share * capacity_tokens)} tokens)",
-                            reason="limit")
+            raise HintError(
+                f"pin of {tokens} tokens {held} over {self.max_pin_share:.0%} of the "
+                f"{capacity_tokens}-token host tier ({int(self.max_pin_share * capacity_tokens)} tokens)",
+                reason="limit",
+            )
 
     def check_pin(self, tokens: int, ttl_s: float, pinned_tokens: int, capacity_tokens: int) -> None:
         self.check_ttl(ttl_s)
@@ -124,8 +126,9 @@ def hint_tokens(hint: Hint, sessions: dict[str, Sequence[int]]) -> Sequence[int]
     return tokens
 
 
-def retention_s(ttl_s: float, capacity_pages: int, evicted_pages_per_s: float, precision: float, reloaded: float,
-                stay_factor: float) -> float:
+def retention_s(
+    ttl_s: float, capacity_pages: int, evicted_pages_per_s: float, precision: float, reloaded: float, stay_factor: float
+) -> float:
     """How long a hinted prefix is retained in a tier (Continuum's cost test, per token): holding a
     page for `t` seconds takes `t / stay` of another page's residency, where `stay = capacity_pages /
     evicted_pages_per_s` is how long the tier keeps an unhinted page, and that page is needed again

@@ -66,13 +66,23 @@ class TreeWalkPredictor(Predictor):
     name = "tree_walk"
     may_evict = True
 
-    def __init__(self, page_size: int, budget_tokens: int, min_probability: float = 0.5, min_visits: float = 0.5,
-                 max_nodes: int = 64, needs_promotion: Callable[[TreeNode], bool] = lambda n: n.device is None,
-                 max_siblings: int = 4, max_fanout: int = 64,
-                 half_life: Callable[[], float] = lambda: TRAFFIC_HALF_LIFE_S) -> None:
+    def __init__(
+        self,
+        page_size: int,
+        budget_tokens: int,
+        min_probability: float = 0.5,
+        min_visits: float = 0.5,
+        max_nodes: int = 64,
+        needs_promotion: Callable[[TreeNode], bool] = lambda n: n.device is None,
+        max_siblings: int = 4,
+        max_fanout: int = 64,
+        half_life: Callable[[], float] = lambda: TRAFFIC_HALF_LIFE_S,
+    ) -> None:
         if budget_tokens < 0 or not 0 <= min_probability <= 1 or max_siblings < 1:
-            raise ValueError(f"TreeWalkPredictor: bad budget {budget_tokens}, min_probability {min_probability} "
-                             f"or max_siblings {max_siblings}")
+            raise ValueError(
+                f"TreeWalkPredictor: bad budget {budget_tokens}, min_probability {min_probability} "
+                f"or max_siblings {max_siblings}"
+            )
         self.page_size = page_size
         self.budget_tokens = budget_tokens
         self.min_probability = min_probability

@@ -44,8 +44,14 @@ class ReuseModel:
       promotion ahead of their return).
     """
 
-    def __init__(self, clock: Callable[[], float], depth_scale: float = 8192.0, max_uses: int = 8,
-                 admit_min_probability: float = 0.0, prior_q: float = 0.3) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float],
+        depth_scale: float = 8192.0,
+        max_uses: int = 8,
+        admit_min_probability: float = 0.0,
+        prior_q: float = 0.3,
+    ) -> None:
         self.clock = clock
         self.depth_scale = depth_scale
         self.max_uses = max_uses
@@ -165,7 +171,9 @@ class ContinuationPredictor(Predictor):
     name = "continuation"
     may_evict = True
 
-    def __init__(self, model: ReuseModel, page_size: int, budget_tokens: int, min_probability: float = 0.5, scan: int = 256) -> None:
+    def __init__(
+        self, model: ReuseModel, page_size: int, budget_tokens: int, min_probability: float = 0.5, scan: int = 256
+    ) -> None:
         self.model = model
         self.page_size = page_size
         self.budget_tokens = budget_tokens
@@ -181,7 +189,9 @@ class ContinuationPredictor(Predictor):
             p = self.model.p_reuse(node)
             if p < self.min_probability:
                 continue
-            tokens = sum(n.num_pages for n in node.path_from_root() if n.host is None and n.device is None) * self.page_size
+            tokens = (
+                sum(n.num_pages for n in node.path_from_root() if n.host is None and n.device is None) * self.page_size
+            )
             if tokens > budget:
                 continue
             budget -= tokens

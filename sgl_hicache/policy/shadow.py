@@ -60,7 +60,9 @@ class ShadowBets:
         self._heap: list[tuple[float, int, _Bet]] = []
         self._seq = itertools.count()
 
-    def bet(self, trigger: str, picks: Iterable[tuple[TreeNode, int, float, float]], now: float, horizon_s: float) -> int:
+    def bet(
+        self, trigger: str, picks: Iterable[tuple[TreeNode, int, float, float]], now: float, horizon_s: float
+    ) -> int:
         """Returns the tokens written down."""
         self.expire(now)
         bet = _Bet(trigger, now + horizon_s)
@@ -100,6 +102,12 @@ class ShadowBets:
 
     def summary(self) -> dict[str, dict[str, int]]:
         """Per trigger: shadow tokens used and wasted so far, and whether it went live."""
-        return {t: {"used_tokens": self.used[t], "wasted_tokens": self.wasted[t], "bets_judged": self.judged[t],
-                    "live": t in self.live}
-                for t in sorted(set(self.used) | set(self.wasted) | self.live)}
+        return {
+            t: {
+                "used_tokens": self.used[t],
+                "wasted_tokens": self.wasted[t],
+                "bets_judged": self.judged[t],
+                "live": t in self.live,
+            }
+            for t in sorted(set(self.used) | set(self.wasted) | self.live)
+        }

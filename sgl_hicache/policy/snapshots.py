@@ -41,8 +41,10 @@ class SnapshotCosts:
         if self.state_bytes <= 0:
             raise ValueError(f"SnapshotCosts.state_bytes must be > 0, got {self.state_bytes!r}")
         if self.flops_per_token < 0 or self.attention_flops_per_context_token < 0:
-            raise ValueError("SnapshotCosts: FLOPs must be >= 0, got "
-                             f"{self.flops_per_token!r} / {self.attention_flops_per_context_token!r}")
+            raise ValueError(
+                "SnapshotCosts: FLOPs must be >= 0, got "
+                f"{self.flops_per_token!r} / {self.attention_flops_per_context_token!r}"
+            )
 
     def recompute_flops(self, start: int, end: int) -> float:
         """The prefill FLOPs of tokens `start .. end - 1` over the context before them."""
@@ -69,16 +71,19 @@ def priority(costs: SnapshotCosts, c: Candidate) -> float:
     return (1 + max(0, c.reuse)) * costs.recompute_flops(c.ancestor_depth, c.depth) / costs.state_bytes
 
 
-def keep(costs: SnapshotCosts, candidates: Sequence[Candidate], budget_bytes: int,
-         min_gap_tokens: int = 0) -> list[object]:
+def keep(
+    costs: SnapshotCosts, candidates: Sequence[Candidate], budget_bytes: int, min_gap_tokens: int = 0
+) -> list[object]:
     """The keys of the snapshots to keep within `budget_bytes`, highest priority first. A candidate
     closer than `min_gap_tokens` to its kept ancestor is never worth a snapshot. Ancestors are as the
     caller gives them: a candidate dropped here leaves its descendants' gaps longer, which the caller
     sees at its next decision (the choice is greedy, one step at a time)."""
     if budget_bytes < 0:
         raise ValueError(f"keep: budget_bytes must be >= 0, got {budget_bytes!r}")
-    ranked = sorted((c for c in candidates if c.depth - c.ancestor_depth >= max(1, min_gap_tokens)),
-                    key=lambda c: (-priority(costs, c), c.depth))
+    ranked = sorted(
+        (c for c in candidates if c.depth - c.ancestor_depth >= max(1, min_gap_tokens)),
+        key=lambda c: (-priority(costs, c), c.depth),
+    )
     room = budget_bytes // costs.state_bytes
     return [c.key for c in ranked[:room]]
 

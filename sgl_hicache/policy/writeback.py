@@ -83,8 +83,12 @@ def write_through_on_insert(config: CacheConfig) -> bool:
 
 def selective_write_through_due(config: CacheConfig, node: TreeNode) -> bool:
     """`write_through_selective`: a device page hit `write_through_threshold` times gets a host copy."""
-    return (config.write_policy == "write_through_selective" and node.host is None and node.device is not None
-            and node.hit_count >= config.write_through_threshold)
+    return (
+        config.write_policy == "write_through_selective"
+        and node.host is None
+        and node.device is not None
+        and node.hit_count >= config.write_through_threshold
+    )
 
 
 def disk_write_through_due(config: CacheConfig, node: TreeNode) -> bool:
@@ -113,8 +117,9 @@ def writeback_candidates(tree: RadixTree, src: str, dst: str) -> tuple[list[Tree
     return candidates, incoming
 
 
-def shared_candidates(tree: RadixTree, src: str, dst: str, min_hits: int,
-                      accepts: Callable[[TreeNode], bool]) -> list[TreeNode]:
+def shared_candidates(
+    tree: RadixTree, src: str, dst: str, min_hits: int, accepts: Callable[[TreeNode], bool]
+) -> list[TreeNode]:
     """The nodes of `src` a shared store `dst` should take: not in it nor on their way, hit at least
     `min_hits` times, accepted by the store, with their parent there (or the root). A shared store
     also takes pages in use: a hot prefix is the one most worth sharing."""
@@ -129,8 +134,9 @@ def shared_candidates(tree: RadixTree, src: str, dst: str, min_hits: int,
     return out
 
 
-def pick_writeback(candidates: list[TreeNode], budget: int, priority: Callable[[TreeNode], tuple],
-                   shared: bool) -> list[TreeNode]:
+def pick_writeback(
+    candidates: list[TreeNode], budget: int, priority: Callable[[TreeNode], tuple], shared: bool
+) -> list[TreeNode]:
     """The candidates to copy this round, coldest first, within `budget` pages. A local tier takes
     whole nodes until one does not fit; a shared store skips a node that does not fit (a later
     round takes it), except that a node larger than a whole batch goes alone, or it would never be

@@ -57,4 +57,3 @@ def yield_plan(tickets: Sequence[T], short_pages: int) -> list[T]:
         if freed >= short_pages:
             return chosen
     return chosen
-

@@ -89,7 +89,9 @@ def load_trace(path: str | Path, fmt: str = "auto", **opts: Any) -> Trace:
     accepted = {n for n, prm in inspect.signature(reader).parameters.items() if prm.kind is prm.KEYWORD_ONLY}
     bad = sorted(set(opts) - accepted)
     if bad:
-        raise ValueError(f"the {fmt} reader takes no option(s) {', '.join(bad)}; it takes {', '.join(sorted(accepted))}")
+        raise ValueError(
+            f"the {fmt} reader takes no option(s) {', '.join(bad)}; it takes {', '.join(sorted(accepted))}"
+        )
     return reader(path, **opts)
 
 

@@ -109,8 +109,12 @@ def post_hints(url: str, hints: Sequence[dict[str, Any]], timeout: float = 10.0)
     """`POST /hints` with `hints`: (HTTP status, JSON answer). A status >= 400 is returned, not
     raised; HintApiError when the API does not answer at all."""
     target = _base(url) + "/hints"
-    req = urllib.request.Request(target, data=json.dumps({"hints": list(hints)}).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        target,
+        data=json.dumps({"hints": list(hints)}).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             status, raw = r.status, r.read()
@@ -211,5 +215,13 @@ class HintSender:
         return self.counts
 
 
-__all__ = ["HintApiError", "HintCounts", "HintSender", "ResolvedHint", "hint_api_status", "hint_api_url", "post_hints",
-           "resolve_hints"]
+__all__ = [
+    "HintApiError",
+    "HintCounts",
+    "HintSender",
+    "ResolvedHint",
+    "hint_api_status",
+    "hint_api_url",
+    "post_hints",
+    "resolve_hints",
+]

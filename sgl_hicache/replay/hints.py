@@ -38,21 +38,36 @@ def parse_hints(path: str | Path, line: int, value: Any) -> tuple[Hint, ...]:
             raise TraceError(path, line, f"{where} must be an object, got {_short(obj)}")
         unknown = sorted(set(obj) - HINT_FIELDS)
         if unknown:
-            raise TraceError(path, line, f"{where} unknown field(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(sorted(HINT_FIELDS))}")
+            raise TraceError(
+                path,
+                line,
+                f"{where} unknown field(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(sorted(HINT_FIELDS))}",
+            )
         action = obj.get("action")
         if not isinstance(action, str):
             raise TraceError(path, line, f"{where} field 'action' must be a string, got {_short(action)}")
         ids = obj.get("input_ids")
         if ids is not None:
             if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise TraceError(path, line, f"{where} field 'input_ids' must be an array of integers, got {_short(ids)}")
+                raise TraceError(
+                    path, line, f"{where} field 'input_ids' must be an array of integers, got {_short(ids)}"
+                )
             ids = tuple(ids)
         session = obj.get("session")
         if session is not None and (isinstance(session, bool) or not isinstance(session, (str, int))):
-            raise TraceError(path, line, f"{where} field 'session' must be a string or an integer, got {_short(session)}")
+            raise TraceError(
+                path, line, f"{where} field 'session' must be a string or an integer, got {_short(session)}"
+            )
         try:
-            out.append(Hint(action, ids, None if session is None else str(session), _number(path, line, where, obj, "ttl_s"),
-                            _number(path, line, where, obj, "after_s") or 0.0))
+            out.append(
+                Hint(
+                    action,
+                    ids,
+                    None if session is None else str(session),
+                    _number(path, line, where, obj, "ttl_s"),
+                    _number(path, line, where, obj, "after_s") or 0.0,
+                )
+            )
         except HintError as exc:
             raise TraceError(path, line, f"{where} {exc}") from None
     return tuple(out)

@@ -150,7 +150,9 @@ def probe_server(url: str, *, vocab_size: int | None = None, timeout: float = 10
     states = [s for s in info.get("internal_states") or [] if isinstance(s, dict)]
     facts = next((s["sgl_hicache_model"] for s in states if isinstance(s.get("sgl_hicache_model"), dict)), None)
     cfg = _local_config(model_path) if facts is None else None
-    text_cfg = (cfg.get("text_config") if isinstance(cfg, dict) and isinstance(cfg.get("text_config"), dict) else cfg) or {}
+    text_cfg = (
+        cfg.get("text_config") if isinstance(cfg, dict) and isinstance(cfg.get("text_config"), dict) else cfg
+    ) or {}
     context = _int_or_none(info.get("context_length"))
     specials: list[int] = []
     if facts is not None:
@@ -166,16 +168,26 @@ def probe_server(url: str, *, vocab_size: int | None = None, timeout: float = 10
     if vocab_size is not None:
         server_vocab, source = vocab_size, "--vocab-size"
     if server_vocab is None:
-        raise ServerError(f"{base} does not tell its vocabulary size (no sgl_hicache plugin in the server, and its model "
-                          f"{model_path!r} is not a folder readable here); pass --vocab-size")
-    return ServerModel(url=base, vocab_size=server_vocab, vocab_source=source, context_len=context,
-                       max_input_len=_int_or_none(info.get("max_req_input_len")), page_size=_int_or_none(info.get("page_size")),
-                       max_total_tokens=_int_or_none(info.get("max_total_num_tokens")), special_token_ids=specials,
-                       model_path=model_path)
+        raise ServerError(
+            f"{base} does not tell its vocabulary size (no sgl_hicache plugin in the server, and its model "
+            f"{model_path!r} is not a folder readable here); pass --vocab-size"
+        )
+    return ServerModel(
+        url=base,
+        vocab_size=server_vocab,
+        vocab_source=source,
+        context_len=context,
+        max_input_len=_int_or_none(info.get("max_req_input_len")),
+        page_size=_int_or_none(info.get("page_size")),
+        max_total_tokens=_int_or_none(info.get("max_total_num_tokens")),
+        special_token_ids=specials,
+        model_path=model_path,
+    )
 
 
-def fit_requests(requests: Sequence[Request], server: ServerModel, max_new_tokens: int | None = None
-                 ) -> tuple[list[Request], dict[str, Any]]:
+def fit_requests(
+    requests: Sequence[Request], server: ServerModel, max_new_tokens: int | None = None
+) -> tuple[list[Request], dict[str, Any]]:
     """The requests the server can take, and what was skipped: like SGLang's bench_serving, a request
     whose prompt + output exceeds the context is dropped (not truncated), and so is a prompt SGLang
     would abort (`max_req_input_len` tokens or more: context or KV pool too small)."""
@@ -193,8 +205,13 @@ def fit_requests(requests: Sequence[Request], server: ServerModel, max_new_token
             first = first or f"{req.request_id}: {n_in} prompt tokens >= the server's limit {server.max_input_len}"
         else:
             kept.append(req)
-    skipped: dict[str, Any] = {"requests": too_long + over_pool, "over_context": too_long, "over_max_input": over_pool,
-               "context_len": server.context_len, "max_input_len": server.max_input_len}
+    skipped: dict[str, Any] = {
+        "requests": too_long + over_pool,
+        "over_context": too_long,
+        "over_max_input": over_pool,
+        "context_len": server.context_len,
+        "max_input_len": server.max_input_len,
+    }
     if first:
         skipped["first"] = first
     return kept, skipped
@@ -206,8 +223,10 @@ def check_vocab(requests: Sequence[Request], vocab_size: int) -> None:
         ids = req.input_ids
         if len(ids) and (max(ids) >= vocab_size or min(ids) < 0):
             bad = next(t for t in ids if t >= vocab_size or t < 0)
-            raise ValueError(f"request {req.request_id} has token id {bad}, outside the server's vocabulary of {vocab_size} "
-                             "(it would crash SGLang's scheduler); synthesise ids with the server's vocabulary size")
+            raise ValueError(
+                f"request {req.request_id} has token id {bad}, outside the server's vocabulary of {vocab_size} "
+                "(it would crash SGLang's scheduler); synthesise ids with the server's vocabulary size"
+            )
 
 
 @dataclass
@@ -246,7 +265,9 @@ def generate_stream(
     last: dict[str, Any] | None = None
     out_ids: list[int] = []
     try:
-        conn.request("POST", f"{base}/generate", body, {"Content-Type": "application/json", "Accept": "text/event-stream"})
+        conn.request(
+            "POST", f"{base}/generate", body, {"Content-Type": "application/json", "Accept": "text/event-stream"}
+        )
         resp = conn.getresponse()
         if resp.status != 200:
             detail = resp.read(2000).decode("utf-8", "replace")
@@ -325,15 +346,19 @@ def _diff(after: Any, before: Any) -> Any:
     return after
 
 
-def _hint_api(url: str, hint_url: str | None, stats: dict[str, Any] | None, n_hints: int) -> tuple[str, dict[str, Any]] | None:
+def _hint_api(
+    url: str, hint_url: str | None, stats: dict[str, Any] | None, n_hints: int
+) -> tuple[str, dict[str, Any]] | None:
     """(the hint API's URL, its counters now) when the trace carries hints or `hint_url` is given;
     ServerError when the trace carries hints and no hint API answers."""
     if not n_hints and hint_url is None:
         return None
     target = hint_url or hint_api_url(url, stats)
     if target is None:
-        raise ServerError(f"the trace carries {n_hints} hints, but the server at {url} serves no hint API (its stats name "
-                          "no hint port): start it with --hint-port P (SGLHICACHE_HINT_PORT), or pass --hint-url")
+        raise ServerError(
+            f"the trace carries {n_hints} hints, but the server at {url} serves no hint API (its stats name "
+            "no hint port): start it with --hint-port P (SGLHICACHE_HINT_PORT), or pass --hint-url"
+        )
     try:
         return target, hint_api_status(target)
     except (HintApiError, ValueError) as e:
@@ -344,10 +369,18 @@ def _hint_report(api: tuple[str, dict[str, Any]], counts: HintCounts, unresolved
     """The report's `hints`: what was sent and refused, and what the server applied meanwhile (its
     `GET /hints` counters after minus before; `server` is None when it no longer answers)."""
     url, before = api
-    out: dict[str, Any] = {"url": url + "/hints", "sent": counts.sent, "accepted": counts.accepted, "refused": counts.refused,
-                           "unsent": counts.unsent, "unresolved": len(unresolved), "refusals": counts.refusals,
-                           "first_error": counts.first_error or (unresolved[0] if unresolved else None),
-                           "endpoint_error": counts.endpoint_error, "server": None}
+    out: dict[str, Any] = {
+        "url": url + "/hints",
+        "sent": counts.sent,
+        "accepted": counts.accepted,
+        "refused": counts.refused,
+        "unsent": counts.unsent,
+        "unresolved": len(unresolved),
+        "refusals": counts.refusals,
+        "first_error": counts.first_error or (unresolved[0] if unresolved else None),
+        "endpoint_error": counts.endpoint_error,
+        "server": None,
+    }
     if counts.endpoint_error is None:
         try:
             after = hint_api_status(url)
@@ -358,10 +391,13 @@ def _hint_report(api: tuple[str, dict[str, Any]], counts: HintCounts, unresolved
         except HintApiError as e:
             out["endpoint_error"] = str(e)
         else:
-            out["server"] = {"applied": _diff(after.get("applied") or {}, before.get("applied") or {}),
-                             "rejected": _diff(after.get("rejected", 0), before.get("rejected", 0)),
-                             "acted_tokens": _diff(after.get("acted_tokens", 0), before.get("acted_tokens", 0)),
-                             "pins": after.get("pins"), "last_error": after.get("last_error")}
+            out["server"] = {
+                "applied": _diff(after.get("applied") or {}, before.get("applied") or {}),
+                "rejected": _diff(after.get("rejected", 0), before.get("rejected", 0)),
+                "acted_tokens": _diff(after.get("acted_tokens", 0), before.get("acted_tokens", 0)),
+                "pins": after.get("pins"),
+                "last_error": after.get("last_error"),
+            }
     return out
 
 
@@ -419,11 +455,23 @@ def replay_http(
         try:
             r = generate_stream(url, req.input_ids, n_out, timeout_s=timeout_s)
             d, h, k = hits_from_meta(r["meta_info"])
-            rec = HttpRecord(req.request_id, sent, r["ttft_s"], sent + r["latency_s"], len(req.input_ids),
-                             len(r["output_ids"]), d, h, k, r["output_ids"] if keep_outputs else [])
+            rec = HttpRecord(
+                req.request_id,
+                sent,
+                r["ttft_s"],
+                sent + r["latency_s"],
+                len(req.input_ids),
+                len(r["output_ids"]),
+                d,
+                h,
+                k,
+                r["output_ids"] if keep_outputs else [],
+            )
         except Exception as e:  # counted, never raised: one bad request must not end the replay
             now = time.perf_counter() - start
-            rec = HttpRecord(req.request_id, sent, 0.0, now, len(req.input_ids), 0, error=f"{type(e).__name__}: {e}"[:500])
+            rec = HttpRecord(
+                req.request_id, sent, 0.0, now, len(req.input_ids), 0, error=f"{type(e).__name__}: {e}"[:500]
+            )
         with lock:
             records.append(rec)
             done = len(records)
@@ -461,14 +509,26 @@ def replay_http(
     snapshot: dict[str, Any] = {}
     if before is not None and after is not None:
         delta = _diff(after, before)
-        snapshot = {"bytes_moved": delta.get("bytes_moved", {}), "prefetch": delta.get("prefetch", {}),
-                    "loads_waited": delta.get("loads_waited", 0), "loads_recomputed": delta.get("loads_recomputed", 0),
-                    "stored_tokens": after.get("stored_tokens", {}), "capacity_tokens": after.get("capacity_tokens", {}),
-                    "errors": delta.get("errors", {}), "coverage": after.get("coverage")}
+        snapshot = {
+            "bytes_moved": delta.get("bytes_moved", {}),
+            "prefetch": delta.get("prefetch", {}),
+            "loads_waited": delta.get("loads_waited", 0),
+            "loads_recomputed": delta.get("loads_recomputed", 0),
+            "stored_tokens": after.get("stored_tokens", {}),
+            "capacity_tokens": after.get("capacity_tokens", {}),
+            "errors": delta.get("errors", {}),
+            "coverage": after.get("coverage"),
+        }
         for d in snapshot["prefetch"].values():
             if isinstance(d, dict):
                 d["precision"] = (d.get("used_tokens", 0) / d["promoted_tokens"]) if d.get("promoted_tokens") else None
-    settings = {"url": url, "concurrency": concurrency, "max_new_tokens": max_new_tokens, "trace_clock": trace_clock, "time_scale": time_scale}
+    settings = {
+        "url": url,
+        "concurrency": concurrency,
+        "max_new_tokens": max_new_tokens,
+        "trace_clock": trace_clock,
+        "time_scale": time_scale,
+    }
     report = policy_report(records=ok, snapshot=snapshot, duration_s=duration, settings=settings)
     if after is None:
         report["bytes_moved"] = {}
@@ -477,7 +537,11 @@ def replay_http(
     first_error = min(failed, key=lambda r: r.arrival_s).error if failed else None
     if failed and not _healthy(url):
         first_error = f"{first_error} (and the server no longer answers /health: it died during the replay)"
-    report["errors"] = {"requests_failed": len(failed), **({"first_error": first_error} if failed else {}), **snapshot.get("errors", {})}
+    report["errors"] = {
+        "requests_failed": len(failed),
+        **({"first_error": first_error} if failed else {}),
+        **snapshot.get("errors", {}),
+    }
     report["requests_sent"] = total
     report["requests_failed"] = len(failed)
     report["requests_skipped"] = skipped["requests"]
@@ -491,5 +555,16 @@ def replay_http(
     return report
 
 
-__all__ = ["HttpRecord", "ServerError", "ServerModel", "check_vocab", "fit_requests", "generate_stream", "hits_from_meta",
-           "model_facts", "probe_server", "replay_http", "special_token_ids"]
+__all__ = [
+    "HttpRecord",
+    "ServerError",
+    "ServerModel",
+    "check_vocab",
+    "fit_requests",
+    "generate_stream",
+    "hits_from_meta",
+    "model_facts",
+    "probe_server",
+    "replay_http",
+    "special_token_ids",
+]

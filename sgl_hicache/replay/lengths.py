@@ -47,7 +47,9 @@ from .trace import (
 )
 
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
-_WALL_CLOCK = re.compile(r"(\d{4})-(\d{2})-(\d{2})[ T](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,12}))?\s*(Z|[+-]\d{2}:?\d{2})?", re.ASCII)
+_WALL_CLOCK = re.compile(
+    r"(\d{4})-(\d{2})-(\d{2})[ T](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,12}))?\s*(Z|[+-]\d{2}:?\d{2})?", re.ASCII
+)
 _COUNT = re.compile(r"\d{1,15}", re.ASCII)
 NO_PREFIX = "holds no prompt content or prefix information: every prompt is synthesised unique, so no request shares a prefix with another"
 
@@ -111,8 +113,12 @@ def read_azure(
             names = {f.lower(): i for i, f in enumerate(fields)}
             missing = [c for c in AZURE_COLUMNS if c.lower() not in names]
             if missing:
-                raise TraceError(path, line, f"not an Azure LLM inference trace header: no column {', '.join(missing)} "
-                                             f"(expected {','.join(AZURE_COLUMNS)}, got {_short(text, 60)})")
+                raise TraceError(
+                    path,
+                    line,
+                    f"not an Azure LLM inference trace header: no column {', '.join(missing)} "
+                    f"(expected {','.join(AZURE_COLUMNS)}, got {_short(text, 60)})",
+                )
             columns = {c: names[c.lower()] for c in AZURE_COLUMNS}
             width = len(fields)
             notes.add("no-prefix", path, line, f"an Azure LLM inference trace {NO_PREFIX}")
@@ -199,7 +205,9 @@ def read_sglang_bench(
                 raise TraceError(path, line, f"field 'user_data' must be an object, got {_short(user)}")
             prompt = user.get("prompt")
             if not isinstance(prompt, str) or not prompt:
-                raise TraceError(path, line, f"field 'user_data.prompt' must be a non-empty string, got {_short(prompt)}")
+                raise TraceError(
+                    path, line, f"field 'user_data.prompt' must be a non-empty string, got {_short(prompt)}"
+                )
             session = get_id(path, line, user.get("user_id"), "field 'user_data.user_id'")
             turn = get_int(path, line, user, "current_round", minimum=0)
             output_length = get_int(path, line, user, "return_tokens", minimum=0)
@@ -217,21 +225,37 @@ def read_sglang_bench(
         details = details if isinstance(details, dict) else obj
         if "input_lens" not in details or "output_lens" not in details:
             if "summary" in obj:
-                raise TraceError(path, line, "a benchmark summary line (aggregate metrics only): nothing per request to replay")
-            raise TraceError(path, line, "no per-request lengths: expected 'input_lens' and 'output_lens' "
-                                         "(bench_serving --output-details) or 'user_data' (a hicache benchmark debug log)")
+                raise TraceError(
+                    path, line, "a benchmark summary line (aggregate metrics only): nothing per request to replay"
+                )
+            raise TraceError(
+                path,
+                line,
+                "no per-request lengths: expected 'input_lens' and 'output_lens' "
+                "(bench_serving --output-details) or 'user_data' (a hicache benchmark debug log)",
+            )
         inputs, outputs = _lengths(path, line, details, "input_lens"), _lengths(path, line, details, "output_lens")
         if len(inputs) != len(outputs):
             raise TraceError(path, line, f"'input_lens' has {len(inputs)} entries but 'output_lens' {len(outputs)}")
         if not inputs:
             raise TraceError(path, line, "empty run: 'input_lens' holds no request")
         rate = obj.get("request_rate")
-        gap = 1.0 / rate if isinstance(rate, (int, float)) and not isinstance(rate, bool) and math.isfinite(rate) and rate > 0 else 0.0
-        notes.add("no-prefix", path, line, f"an SGLang bench_serving result {NO_PREFIX}; arrivals are spaced 1/request_rate")
+        gap = (
+            1.0 / rate
+            if isinstance(rate, (int, float)) and not isinstance(rate, bool) and math.isfinite(rate) and rate > 0
+            else 0.0
+        )
+        notes.add(
+            "no-prefix", path, line, f"an SGLang bench_serving result {NO_PREFIX}; arrivals are spaced 1/request_rate"
+        )
         for i, (n_in, n_out) in enumerate(zip(inputs, outputs)):
             if n_in < 1:
                 raise TraceError(path, line, f"'input_lens'[{i}] is 0: a request needs at least one prompt token")
-            out.append(Request(f"L{line}#{i}", None, run_start + i * gap, synth.tokens(f"unique:{line}:{i}", n_in), n_out, line))
+            out.append(
+                Request(
+                    f"L{line}#{i}", None, run_start + i * gap, synth.tokens(f"unique:{line}:{i}", n_in), n_out, line
+                )
+            )
             if limit is not None and len(out) + len(logged) >= limit:
                 break
         run_start = out[-1].arrival_s + gap
@@ -239,7 +263,9 @@ def read_sglang_bench(
             break
     if logged:
         first = min(r[3] for r in logged)
-        out.extend(Request(rid, session, float(ts - first), ids, n_out, line) for line, rid, session, ts, ids, n_out in logged)
+        out.extend(
+            Request(rid, session, float(ts - first), ids, n_out, line) for line, rid, session, ts, ids, n_out in logged
+        )
     return sort_by_arrival(out, notes)
 
 

@@ -165,7 +165,9 @@ class _SessionIndex:
         return best
 
 
-def check_options(block_size: int, scale: int | None, limit: int | None, vocab_size: int, token_offset: int, seed: int) -> None:
+def check_options(
+    block_size: int, scale: int | None, limit: int | None, vocab_size: int, token_offset: int, seed: int
+) -> None:
     """The options every Mooncake reader takes (ValueError naming the bad one)."""
     check_positive_int("block_size", block_size)
     if scale is not None:
@@ -175,8 +177,9 @@ def check_options(block_size: int, scale: int | None, limit: int | None, vocab_s
     check_synth_options(vocab_size, token_offset, seed)
 
 
-def parse_row(path: str | Path, line: int, text: str, notes: ReadNotes, block_size: int,
-              block_coverage: str) -> tuple[int | float, int, int, list[int], bool]:
+def parse_row(
+    path: str | Path, line: int, text: str, notes: ReadNotes, block_size: int, block_coverage: str
+) -> tuple[int | float, int, int, list[int], bool]:
     """One line: (raw timestamp, input_length, output_length, hash_ids, whether the ids fit
     `block_size`). Raises TraceError for anything malformed, and for a misfit under "fixed"."""
     obj = parse_json_object(path, line, text)
@@ -245,7 +248,9 @@ def read_mooncake(
     if varying and misfit is not None:
         line, n, length = misfit
         notes.add(
-            "varying-blocks", path, line,
+            "varying-blocks",
+            path,
+            line,
             f"hash_ids cover a varying number of tokens ({n} ids for input_length {length}, not "
             f"ceil({length}/{block_size}) = {-(-length // block_size)}): input_length is taken as truth "
             f"and each hash id keeps the token count it is first seen with",

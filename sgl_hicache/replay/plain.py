@@ -61,7 +61,9 @@ def read_plain(
         obj = parse_json_object(path, line, text)
         unknown = sorted(set(obj) - FIELDS)
         if unknown:
-            raise TraceError(path, line, f"unknown field(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(sorted(FIELDS))}")
+            raise TraceError(
+                path, line, f"unknown field(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(sorted(FIELDS))}"
+            )
         has_prompt, has_ids = "prompt" in obj, "input_ids" in obj
         if has_prompt == has_ids:
             raise TraceError(path, line, "needs exactly one of 'prompt' (text) or 'input_ids' (token ids)")
@@ -85,8 +87,17 @@ def read_plain(
         ts = get_number(path, line, obj, "timestamp", required=False, default=last_ts)
         last_ts = ts
         hints = parse_hints(path, line, obj["hints"]) if "hints" in obj else ()
-        out.append(Request(request_id=rid, session=session, arrival_s=ts, input_ids=ids, output_length=output_length, line=line,
-                           hints=hints))
+        out.append(
+            Request(
+                request_id=rid,
+                session=session,
+                arrival_s=ts,
+                input_ids=ids,
+                output_length=output_length,
+                line=line,
+                hints=hints,
+            )
+        )
         if limit is not None and len(out) >= limit:
             break
     return sort_by_arrival(out)

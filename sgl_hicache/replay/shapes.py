@@ -82,9 +82,22 @@ def _pages(n: int, page_size: int) -> int:
     return n // page_size * page_size
 
 
-def chain(sessions: int = 24, turns: int = 4, turn_tokens: int = 4096, system_tokens: int = 1024, probe_tokens: int = 256,
-          question_tokens: int = 256, output_tokens: int = 64, turn_gap_s: float = 4.0, session_gap_s: float = 6.0,
-          pause_s: float = 120.0, lead_s: float = 2.0, page_size: int = 256, seed: int = 0, hints: bool = False) -> list[Request]:
+def chain(
+    sessions: int = 24,
+    turns: int = 4,
+    turn_tokens: int = 4096,
+    system_tokens: int = 1024,
+    probe_tokens: int = 256,
+    question_tokens: int = 256,
+    output_tokens: int = 64,
+    turn_gap_s: float = 4.0,
+    session_gap_s: float = 6.0,
+    pause_s: float = 120.0,
+    lead_s: float = 2.0,
+    page_size: int = 256,
+    seed: int = 0,
+    hints: bool = False,
+) -> list[Request]:
     """The `chain` shape (module docstring), in arrival order. With `hints`, each probe carries the
     client's hint that its session comes back (``prefetch`` of the session's latest prompt)."""
     rng = random.Random(seed)
@@ -99,21 +112,47 @@ def chain(sessions: int = 24, turns: int = 4, turn_tokens: int = 4096, system_to
         history = list(system)
         for k in range(turns):
             history += ids.take(turn_tokens)
-            out.append(_request(f"{name}/turn{k}", name, start + k * turn_gap_s, list(history), output_tokens, len(out) + 1))
+            out.append(
+                _request(f"{name}/turn{k}", name, start + k * turn_gap_s, list(history), output_tokens, len(out) + 1)
+            )
         back = start + (turns - 1) * turn_gap_s + pause_s
         head = system + history[system_tokens : system_tokens + page_size]
         probe = _request(f"{name}/probe", name, back, head + ids.take(probe_tokens), 16, len(out) + 1)
         if hints:
-            probe = Request(probe.request_id, probe.session, probe.arrival_s, probe.input_ids, probe.output_length, probe.line,
-                            hints=(Hint("prefetch", session=name),))
+            probe = Request(
+                probe.request_id,
+                probe.session,
+                probe.arrival_s,
+                probe.input_ids,
+                probe.output_length,
+                probe.line,
+                hints=(Hint("prefetch", session=name),),
+            )
         out.append(probe)
-        out.append(_request(f"{name}/cont", name, back + lead_s, history + ids.take(question_tokens), output_tokens, len(out) + 1))
+        out.append(
+            _request(
+                f"{name}/cont", name, back + lead_s, history + ids.take(question_tokens), output_tokens, len(out) + 1
+            )
+        )
     return sorted(out, key=lambda r: (r.arrival_s, r.line))
 
 
-def branch(sessions: int = 16, siblings: int = 4, doc_tokens: int = 4096, branch_tokens: int = 2048, system_tokens: int = 1024,
-           question_tokens: int = 256, output_tokens: int = 64, branch_gap_s: float = 1.0, session_gap_s: float = 6.0,
-           pause_s: float = 120.0, lead_s: float = 2.0, spread_s: float = 0.4, page_size: int = 256, seed: int = 0) -> list[Request]:
+def branch(
+    sessions: int = 16,
+    siblings: int = 4,
+    doc_tokens: int = 4096,
+    branch_tokens: int = 2048,
+    system_tokens: int = 1024,
+    question_tokens: int = 256,
+    output_tokens: int = 64,
+    branch_gap_s: float = 1.0,
+    session_gap_s: float = 6.0,
+    pause_s: float = 120.0,
+    lead_s: float = 2.0,
+    spread_s: float = 0.4,
+    page_size: int = 256,
+    seed: int = 0,
+) -> list[Request]:
     """The `branch` shape (module docstring), in arrival order."""
     rng = random.Random(seed)
     doc_tokens, branch_tokens = _pages(doc_tokens, page_size), _pages(branch_tokens, page_size)
@@ -128,21 +167,40 @@ def branch(sessions: int = 16, siblings: int = 4, doc_tokens: int = 4096, branch
         out.append(_request(f"{name}/doc", name, start, list(doc), output_tokens, len(out) + 1))
         branches = [doc + ids.take(branch_tokens) for _ in range(siblings)]
         for i, b in enumerate(branches):
-            out.append(_request(f"{name}/branch{i}", name, start + (i + 1) * branch_gap_s, b, output_tokens, len(out) + 1))
+            out.append(
+                _request(f"{name}/branch{i}", name, start + (i + 1) * branch_gap_s, b, output_tokens, len(out) + 1)
+            )
         back = start + siblings * branch_gap_s + pause_s
         out.append(_request(f"{name}/probe", name, back, doc + ids.take(question_tokens), 16, len(out) + 1))
         for i, b in enumerate(branches):
             t = back + lead_s + spread_s * i / max(1, siblings - 1)
-            out.append(_request(f"{name}/revisit{i}", name, t, b + ids.take(question_tokens), output_tokens, len(out) + 1))
+            out.append(
+                _request(f"{name}/revisit{i}", name, t, b + ids.take(question_tokens), output_tokens, len(out) + 1)
+            )
     return sorted(out, key=lambda r: (r.arrival_s, r.line))
 
 
-def agent(sessions: int = 24, steps: int = 8, system_tokens: int = 2048, task_tokens: int = 1024,
-          result_tokens: tuple[int, int] = (512, 2048), output_tokens: int = 256, decode_s: float = 2.0,
-          short_s: tuple[float, float] = (0.5, 4.0), long_s: tuple[float, float] = (30.0, 120.0), long_share: float = 0.3,
-          session_gap_s: float = 3.0, other_tokens: int = 4096, other_gap_s: float = 0.5, lead_s: float = 2.0,
-          page_size: int = 256, seed: int = 0, hints: bool = False, pins: bool = False,
-          estimate_sigma: float = 0.0) -> list[Request]:
+def agent(
+    sessions: int = 24,
+    steps: int = 8,
+    system_tokens: int = 2048,
+    task_tokens: int = 1024,
+    result_tokens: tuple[int, int] = (512, 2048),
+    output_tokens: int = 256,
+    decode_s: float = 2.0,
+    short_s: tuple[float, float] = (0.5, 4.0),
+    long_s: tuple[float, float] = (30.0, 120.0),
+    long_share: float = 0.3,
+    session_gap_s: float = 3.0,
+    other_tokens: int = 4096,
+    other_gap_s: float = 0.5,
+    lead_s: float = 2.0,
+    page_size: int = 256,
+    seed: int = 0,
+    hints: bool = False,
+    pins: bool = False,
+    estimate_sigma: float = 0.0,
+) -> list[Request]:
     """The `agent` shape (module docstring), in arrival order. Session ``agent<s>``'s step k is
     ``agent<s>/start`` (k = 0) or ``agent<s>/resume<k>``; the others are ``other<i>/other``. The
     requests are the same with and without `hints` / `pins` (the hints draw from their own seed)."""
@@ -153,8 +211,13 @@ def agent(sessions: int = 24, steps: int = 8, system_tokens: int = 2048, task_to
             raise ValueError(f"agent: {name} must be a range (low, high) with 0 <= low <= high, got {(lo, hi)}")
     rng = random.Random(seed)
     noise = random.Random(seed + 7919)  # the framework's estimates: the requests stay the same
-    system_tokens, task_tokens, output_tokens = (_pages(n, page_size) for n in (system_tokens, task_tokens, output_tokens))
-    lo_pages, hi_pages = _pages(result_tokens[0], page_size) // page_size, _pages(result_tokens[1], page_size) // page_size
+    system_tokens, task_tokens, output_tokens = (
+        _pages(n, page_size) for n in (system_tokens, task_tokens, output_tokens)
+    )
+    lo_pages, hi_pages = (
+        _pages(result_tokens[0], page_size) // page_size,
+        _pages(result_tokens[1], page_size) // page_size,
+    )
     system = _ids(SYSTEM_ID, system_tokens)
     out: list[Request] = []
     end = 0.0
@@ -174,23 +237,46 @@ def agent(sessions: int = 24, steps: int = 8, system_tokens: int = 2048, task_to
             if pins:  # retain for the estimate from the tool call's start; prefetch `lead_s` before it ends
                 est = max(0.1, tool_s * noise.lognormvariate(0.0, estimate_sigma)) if estimate_sigma > 0 else tool_s
                 mine = tuple(prompt)
-                req = Request(req.request_id, req.session, req.arrival_s, req.input_ids, req.output_length, 0,
-                              hints=(Hint("pin", mine, ttl_s=round(est, 6), after_s=decode_s),
-                                     Hint("prefetch", mine, after_s=round(max(decode_s, decode_s + est - lead_s), 6))))
+                req = Request(
+                    req.request_id,
+                    req.session,
+                    req.arrival_s,
+                    req.input_ids,
+                    req.output_length,
+                    0,
+                    hints=(
+                        Hint("pin", mine, ttl_s=round(est, 6), after_s=decode_s),
+                        Hint("prefetch", mine, after_s=round(max(decode_s, decode_s + est - lead_s), 6)),
+                    ),
+                )
             elif hints:  # the framework sees its tool finishing `lead_s` ahead: the next step's prefix comes up
                 after = max(0.0, nxt - lead_s - req.arrival_s)
-                req = Request(req.request_id, req.session, req.arrival_s, req.input_ids, req.output_length, 0,
-                              hints=(Hint("prefetch", tuple(prompt), after_s=round(after, 6)),))
+                req = Request(
+                    req.request_id,
+                    req.session,
+                    req.arrival_s,
+                    req.input_ids,
+                    req.output_length,
+                    0,
+                    hints=(Hint("prefetch", tuple(prompt), after_s=round(after, 6)),),
+                )
             out.append(req)
             prompt = prompt + ids.take(output_tokens) + ids.take(rng.randint(lo_pages, hi_pages) * page_size)
             t = nxt
     other_ids = _Ids(sessions)
     t, i = 0.0, 0
     while t <= end:
-        out.append(_request(f"other{i}/other", f"other{i}", t, other_ids.take(_pages(other_tokens, page_size)), output_tokens, 0))
+        out.append(
+            _request(
+                f"other{i}/other", f"other{i}", t, other_ids.take(_pages(other_tokens, page_size)), output_tokens, 0
+            )
+        )
         t, i = round(t + other_gap_s, 6), i + 1
     out.sort(key=lambda r: (r.arrival_s, r.request_id))
-    return [Request(r.request_id, r.session, r.arrival_s, r.input_ids, r.output_length, n + 1, r.hints) for n, r in enumerate(out)]
+    return [
+        Request(r.request_id, r.session, r.arrival_s, r.input_ids, r.output_length, n + 1, r.hints)
+        for n, r in enumerate(out)
+    ]
 
 
 SHAPES: dict[str, Callable[..., list[Request]]] = {"chain": chain, "branch": branch, "agent": agent}
@@ -199,11 +285,27 @@ SHAPES: dict[str, Callable[..., list[Request]]] = {"chain": chain, "branch": bra
 def write_plain(requests: list[Request], f: IO[str]) -> int:
     """Write `requests` as plain JSONL (`replay/plain.py`, hints included). Returns the count."""
     for r in requests:
-        row: dict = {"id": r.request_id, "session": r.session, "input_ids": list(r.input_ids), "output_length": r.output_length,
-                     "timestamp": r.arrival_s}
+        row: dict = {
+            "id": r.request_id,
+            "session": r.session,
+            "input_ids": list(r.input_ids),
+            "output_length": r.output_length,
+            "timestamp": r.arrival_s,
+        }
         if r.hints:
-            row["hints"] = [{k: v for k, v in (("action", h.action), ("input_ids", list(h.input_ids) if h.input_ids else None),
-                                               ("session", h.session), ("ttl_s", h.ttl_s), ("after_s", h.after_s or None))
-                             if v is not None} for h in r.hints]
+            row["hints"] = [
+                {
+                    k: v
+                    for k, v in (
+                        ("action", h.action),
+                        ("input_ids", list(h.input_ids) if h.input_ids else None),
+                        ("session", h.session),
+                        ("ttl_s", h.ttl_s),
+                        ("after_s", h.after_s or None),
+                    )
+                    if v is not None
+                }
+                for h in r.hints
+            ]
         f.write(json.dumps(row) + "\n")
     return len(requests)

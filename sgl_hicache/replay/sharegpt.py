@@ -95,7 +95,9 @@ def _iter_conversations(path: Path, text: str):
     while True:
         pos = skip_ws(pos)
         if pos >= n:
-            raise TraceError(path, line_of(len(text.rstrip()) - 1), "not valid JSON: the array is not closed (truncated file?)")
+            raise TraceError(
+                path, line_of(len(text.rstrip()) - 1), "not valid JSON: the array is not closed (truncated file?)"
+            )
         try:
             obj, end = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as e:
@@ -105,14 +107,22 @@ def _iter_conversations(path: Path, text: str):
         yield line_of(pos), obj
         pos = skip_ws(end)
         if pos >= n:
-            raise TraceError(path, line_of(len(text.rstrip()) - 1), "not valid JSON: the array is not closed (truncated file?)")
+            raise TraceError(
+                path, line_of(len(text.rstrip()) - 1), "not valid JSON: the array is not closed (truncated file?)"
+            )
         if text[pos] == "]":
             rest = text[pos + 1 :].strip()
             if rest:
-                raise TraceError(path, line_of(pos + 1 + text[pos + 1 :].index(rest[0])), "not valid JSON: extra data after the array")
+                raise TraceError(
+                    path,
+                    line_of(pos + 1 + text[pos + 1 :].index(rest[0])),
+                    "not valid JSON: extra data after the array",
+                )
             return
         if text[pos] != ",":
-            raise TraceError(path, line_of(pos), f"not valid JSON: expected ',' or ']' between conversations, got {text[pos]!r}")
+            raise TraceError(
+                path, line_of(pos), f"not valid JSON: expected ',' or ']' between conversations, got {text[pos]!r}"
+            )
         pos += 1
 
 
@@ -156,7 +166,12 @@ def read_sharegpt(
         written = get_id(p, line, conv.get("id", f"c{index}"), f"conversation {index}: field 'id'")
         session = unique_id(seen_ids, written)
         if session != written:
-            notes.add("duplicate-id", p, line, f"duplicate conversation ids made unique with a '#<n>' suffix (first: {written!r} -> {session!r})")
+            notes.add(
+                "duplicate-id",
+                p,
+                line,
+                f"duplicate conversation ids made unique with a '#<n>' suffix (first: {written!r} -> {session!r})",
+            )
         list_key, role_key, text_key = next((k for k in MESSAGE_KEYS if k[0] in conv), MESSAGE_KEYS[0])
         turns = conv.get(list_key)
         if turns is None:
@@ -169,11 +184,21 @@ def read_sharegpt(
                 raise TraceError(p, line, f"conversation {session!r} message {t}: must be an object, got {_short(msg)}")
             role, value = msg.get(role_key), msg.get(text_key)
             if not isinstance(role, str):
-                raise TraceError(p, line, f"conversation {session!r} message {t}: field {role_key!r} must be a string, got {_short(role)}")
+                raise TraceError(
+                    p,
+                    line,
+                    f"conversation {session!r} message {t}: field {role_key!r} must be a string, got {_short(role)}",
+                )
             if not isinstance(value, str):
-                raise TraceError(p, line, f"conversation {session!r} message {t}: field {text_key!r} must be a string, got {_short(value)}")
+                raise TraceError(
+                    p,
+                    line,
+                    f"conversation {session!r} message {t}: field {text_key!r} must be a string, got {_short(value)}",
+                )
             r = role.lower()
-            kind = "ask" if r in ASK_ROLES else "answer" if r in ANSWER_ROLES else "system" if r in SYSTEM_ROLES else None
+            kind = (
+                "ask" if r in ASK_ROLES else "answer" if r in ANSWER_ROLES else "system" if r in SYSTEM_ROLES else None
+            )
             if kind is None:
                 raise TraceError(p, line, f"conversation {session!r} message {t}: unknown role {role!r}")
             messages.append((kind, value))

@@ -47,8 +47,18 @@ class MooncakeStream:
     Iterating twice reads the file twice and yields the same requests. Picklable (a path and
     options), so a worker process can stream the trace itself."""
 
-    def __init__(self, path: str | Path, *, block_size: int = 512, scale: int | None = None, limit: int | None = None,
-                 vocab_size: int = 32000, token_offset: int = 16, seed: int = 0, max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        block_size: int = 512,
+        scale: int | None = None,
+        limit: int | None = None,
+        vocab_size: int = 32000,
+        token_offset: int = 16,
+        seed: int = 0,
+        max_blocks: int = DEFAULT_MAX_BLOCKS,
+    ) -> None:
         check_options(block_size, scale, limit, vocab_size, token_offset, seed)
         check_positive_int("max_blocks", max_blocks)
         self.path = Path(path)
@@ -90,12 +100,17 @@ class MooncakeStream:
     def __iter__(self) -> Iterator[Request]:
         if not self._count:
             return
-        blocks = _FixedSynth(TokenSynth(self.vocab_size, self.token_offset, self.seed),
-                             self.scale if self.scale is not None else self.block_size, self.max_blocks)
+        blocks = _FixedSynth(
+            TokenSynth(self.vocab_size, self.token_offset, self.seed),
+            self.scale if self.scale is not None else self.block_size,
+            self.max_blocks,
+        )
         seconds = self._to_seconds()
         scratch = ReadNotes()  # the scan took the notes already
         for n, (line, text) in enumerate(read_lines(self.path), 1):
-            ts, input_length, output_length, hash_ids, _ = parse_row(self.path, line, text, scratch, self.block_size, "auto")
+            ts, input_length, output_length, hash_ids, _ = parse_row(
+                self.path, line, text, scratch, self.block_size, "auto"
+            )
             length = input_length if self.scale is None else -(-input_length * self.scale // self.block_size)
             yield Request(f"L{line}", None, seconds(ts), blocks.tokens(hash_ids, length), output_length, line)
             if n >= self._count:

@@ -113,9 +113,12 @@ def synthesise(source: str | Path, requests: int, seed: int = 0, block_size: int
         t, d, idx, turn, shift = heapq.heappop(heap)
         s = sessions[idx]
         _, input_length, output_length, ids = s.turns[turn]
-        yield {"timestamp": round(t, 3) if isinstance(t, float) and not t.is_integer() else int(t),
-               "input_length": input_length, "output_length": output_length,
-               "hash_ids": [h if h in shared else h + shift for h in ids]}
+        yield {
+            "timestamp": round(t, 3) if isinstance(t, float) and not t.is_integer() else int(t),
+            "input_length": input_length,
+            "output_length": output_length,
+            "hash_ids": [h if h in shared else h + shift for h in ids],
+        }
         emitted += 1
         if turn + 1 < len(s.turns):
             heapq.heappush(heap, (t - s.turns[turn][0] + s.turns[turn + 1][0], d, idx, turn + 1, shift))

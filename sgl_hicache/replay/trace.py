@@ -196,6 +196,7 @@ def encode_text(path: str | Path, line: int, tok: Tokenizer, text: str, what: st
     except Exception as e:  # whatever the tokenizer raises must not escape as another exception
         raise TraceError(path, line, f"tokenizer failed on {what}: {e}") from e
 
+
 MAX_TIMESTAMP = 1e12  # seconds (or ms, before conversion); beyond this a value is certainly corrupt
 
 
@@ -279,10 +280,37 @@ MAX_COUNT = 100_000_000
 
 
 @overload
-def get_int(path: str | Path, line: int, obj: dict, key: str, *, minimum: int = 0, required: Literal[True] = True, default: int | None = None) -> int: ...
+def get_int(
+    path: str | Path,
+    line: int,
+    obj: dict,
+    key: str,
+    *,
+    minimum: int = 0,
+    required: Literal[True] = True,
+    default: int | None = None,
+) -> int: ...
 @overload
-def get_int(path: str | Path, line: int, obj: dict, key: str, *, minimum: int = 0, required: bool = True, default: int | None = None) -> int | None: ...
-def get_int(path: str | Path, line: int, obj: dict, key: str, *, minimum: int = 0, required: bool = True, default: int | None = None) -> int | None:
+def get_int(
+    path: str | Path,
+    line: int,
+    obj: dict,
+    key: str,
+    *,
+    minimum: int = 0,
+    required: bool = True,
+    default: int | None = None,
+) -> int | None: ...
+def get_int(
+    path: str | Path,
+    line: int,
+    obj: dict,
+    key: str,
+    *,
+    minimum: int = 0,
+    required: bool = True,
+    default: int | None = None,
+) -> int | None:
     if key not in obj:
         if required:
             raise TraceError(path, line, f"missing field {key!r}")
@@ -302,12 +330,18 @@ def get_int(path: str | Path, line: int, obj: dict, key: str, *, minimum: int = 
 
 
 @overload
-def get_number(path: str | Path, line: int, obj: dict, key: str, *, required: Literal[True] = True, default: float | None = None) -> float: ...
+def get_number(
+    path: str | Path, line: int, obj: dict, key: str, *, required: Literal[True] = True, default: float | None = None
+) -> float: ...
 @overload
 def get_number(path: str | Path, line: int, obj: dict, key: str, *, required: bool = True, default: float) -> float: ...
 @overload
-def get_number(path: str | Path, line: int, obj: dict, key: str, *, required: bool = True, default: None = None) -> float | None: ...
-def get_number(path: str | Path, line: int, obj: dict, key: str, *, required: bool = True, default: float | None = None) -> float | None:
+def get_number(
+    path: str | Path, line: int, obj: dict, key: str, *, required: bool = True, default: None = None
+) -> float | None: ...
+def get_number(
+    path: str | Path, line: int, obj: dict, key: str, *, required: bool = True, default: float | None = None
+) -> float | None:
     if key not in obj:
         if required:
             raise TraceError(path, line, f"missing field {key!r}")
@@ -319,7 +353,9 @@ def get_number(path: str | Path, line: int, obj: dict, key: str, *, required: bo
         raise TraceError(path, line, f"field {key!r} is out of range: {_short(value)}")
     value = float(value)
     if not math.isfinite(value) or abs(value) > MAX_TIMESTAMP:
-        raise TraceError(path, line, f"field {key!r} must be a finite number below {MAX_TIMESTAMP:g}, got {_short(value)}")
+        raise TraceError(
+            path, line, f"field {key!r} must be a finite number below {MAX_TIMESTAMP:g}, got {_short(value)}"
+        )
     if value < 0:
         raise TraceError(path, line, f"field {key!r} must be >= 0, got {value} (negative)")
     return value
@@ -384,7 +420,12 @@ def get_timestamp(path: str | Path, line: int, obj: dict, key: str, notes: ReadN
         else:
             raise TraceError(path, line, f"field {key!r} must be a number or a string of digits, got {_short(value)}")
         if notes is not None:
-            notes.add("timestamp-string", path, line, f"field {key!r} is a string of digits ({_short(obj[key])}); read as a number")
+            notes.add(
+                "timestamp-string",
+                path,
+                line,
+                f"field {key!r} is a string of digits ({_short(obj[key])}); read as a number",
+            )
     elif isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TraceError(path, line, f"field {key!r} must be a number, got {_jtype(value)} ({_short(value)})")
     if isinstance(value, float) and not math.isfinite(value):
@@ -396,7 +437,9 @@ def get_timestamp(path: str | Path, line: int, obj: dict, key: str, notes: ReadN
     return value
 
 
-def timestamps_to_seconds(path: str | Path, rows: Sequence[tuple[int, int | float]], relative_unit: str, notes: ReadNotes) -> list[float]:
+def timestamps_to_seconds(
+    path: str | Path, rows: Sequence[tuple[int, int | float]], relative_unit: str, notes: ReadNotes
+) -> list[float]:
     """Arrival seconds for ``(line, raw timestamp)`` rows, the unit chosen once for the file by magnitude.
 
     If the smallest timestamp is below 1e9 the trace is relative (starts near 0) and in the format's
@@ -413,7 +456,9 @@ def timestamps_to_seconds(path: str | Path, rows: Sequence[tuple[int, int | floa
         return [raw / per_s for _, raw in rows]
     unit, per_s = next((u, f) for u, bound, f in UNITS if low < bound)
     notes.add(
-        "timestamp-unit", path, first_line,
+        "timestamp-unit",
+        path,
+        first_line,
         f"timestamps are absolute, read as {unit} since the epoch by their magnitude ({_short(low)}); "
         f"arrivals count from the earliest one",
     )

@@ -32,6 +32,7 @@ from .settings import BackendSettings
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass(eq=False)
 class Assembly:
     """The parts of one backend instance, built by `assemble` (the adapter keeps them as attributes)."""
@@ -44,9 +45,16 @@ class Assembly:
     controller: RequestController
 
 
-def cache_config(settings: BackendSettings, device_pool: SGLangDevicePool, page_size: int, *,
-                 sglang_eviction: Any = "lru", model_salt: str = "",
-                 consensus: RankConsensus | None = None, placement: DPPlacement | None = None) -> CacheConfig:
+def cache_config(
+    settings: BackendSettings,
+    device_pool: SGLangDevicePool,
+    page_size: int,
+    *,
+    sglang_eviction: Any = "lru",
+    model_salt: str = "",
+    consensus: RankConsensus | None = None,
+    placement: DPPlacement | None = None,
+) -> CacheConfig:
     """The core's configuration: host capacity from the device pool's, disk only with a host tier
     and no shared store, the disk directory under the namespace (one per DP rank whose cache group
     agrees over >= 2 ranks, `DPPlacement.disk_dir`; inside it one per TP rank, or one per TP
@@ -90,20 +98,37 @@ def cache_config(settings: BackendSettings, device_pool: SGLangDevicePool, page_
     )
 
 
-def assemble(params: Any, settings: BackendSettings, *, architecture: str = "llama", model_salt: str = "",
-             consensus: RankConsensus | None = None, placement: DPPlacement | None = None,
-             clock: Callable[[], float], fault_disk_read_file: str | None = None,
-             draft_pools: tuple[Any, ...] = ()) -> Assembly:
+def assemble(
+    params: Any,
+    settings: BackendSettings,
+    *,
+    architecture: str = "llama",
+    model_salt: str = "",
+    consensus: RankConsensus | None = None,
+    placement: DPPlacement | None = None,
+    clock: Callable[[], float],
+    fault_disk_read_file: str | None = None,
+    draft_pools: tuple[Any, ...] = (),
+) -> Assembly:
     """Build one backend's parts over SGLang's KV pool (`params`: SGLang's `CacheInitParams`; `draft_pools`:
     a speculative draft model's KV pools at the same slots, tiered with it). `fault_disk_read_file` is a
     test switch (`debug_settings`): while it names this rank, disk reads fail."""
     s = settings
     page_size = int(params.page_size)
-    device_pool = SGLangDevicePool(params.token_to_kv_pool_allocator, architecture=architecture, draft_pools=draft_pools)
+    device_pool = SGLangDevicePool(
+        params.token_to_kv_pool_allocator, architecture=architecture, draft_pools=draft_pools
+    )
     if device_pool.adapter.replicated_across_tp and consensus is not None:
         consensus.replicate()  # every rank holds the same KV (MLA): one copy, the leader writes it
-    config = cache_config(s, device_pool, page_size, sglang_eviction=getattr(params, "eviction_policy", "lru"),
-                          model_salt=model_salt, consensus=consensus, placement=placement)
+    config = cache_config(
+        s,
+        device_pool,
+        page_size,
+        sglang_eviction=getattr(params, "eviction_policy", "lru"),
+        model_salt=model_salt,
+        consensus=consensus,
+        placement=placement,
+    )
     host = lower = None
     if consensus is not None and consensus.replicated:
         host, lower = replicated_tiers(consensus, config)  # a collective
@@ -118,16 +143,29 @@ def assemble(params: Any, settings: BackendSettings, *, architecture: str = "lla
     engine = TransferEngine(cache, workers=s.transfer_workers)  # started on first use
     # host -> device loads queued layer by layer, waited for by SGLang's KV pool (the factory registers
     # it). TP >= 2: a load's nodes unlock only once every rank reported it done (sgl_hicache_on_step)
-    layer_loads = (LayerLoads(cache, agreed=consensus is not None)
-                   if s.layerwise_loads and HOST in cache.stores else None)
+    layer_loads = (
+        LayerLoads(cache, agreed=consensus is not None) if s.layerwise_loads and HOST in cache.stores else None
+    )
     executor = ThreadExecutor(cache, engine, layers=layer_loads, bytes_per_token=device_pool.layout.bytes_per_token)
-    controller = build_controller(cache, consensus.gate(executor) if consensus is not None else executor,
-                                  s.tiering(str(getattr(params, "eviction_policy", "lru"))), clock)
+    controller = build_controller(
+        cache,
+        consensus.gate(executor) if consensus is not None else executor,
+        s.tiering(str(getattr(params, "eviction_policy", "lru"))),
+        clock,
+    )
     logger.info(
         "sgl_hicache: device %d tokens (SGLang pool), host %d tokens, disk %d tokens at %s, page %d, write %s, "
         "disk write %s, eviction %s, predictor %s, prefetch %s",
-        config.device_tokens, config.host_tokens, config.disk_tokens, config.disk_dir, page_size, s.write_policy,
-        s.disk_write_policy, config.eviction_policy, s.predictor, s.prefetch,
+        config.device_tokens,
+        config.host_tokens,
+        config.disk_tokens,
+        config.disk_dir,
+        page_size,
+        s.write_policy,
+        s.disk_write_policy,
+        config.eviction_policy,
+        s.predictor,
+        s.prefetch,
     )
     return Assembly(device_pool, config, cache, engine, layer_loads, controller)
 

@@ -132,11 +132,20 @@ class TieredRadixCache(StepCalls, CacheViews, BasePrefixCache):
     makes every call on its scheduler thread (only `stats(exact=False)` is also read by the stats
     publisher's thread). The entry points of our own scheduler hooks come from `StepCalls`."""
 
-    def __init__(self, params: Any, settings: BackendSettings | None = None, *, architecture: str = "llama",
-                 model_salt: str = "", server_port: int | None = None,
-                 consensus: RankConsensus | None = None, vocab_size: int | None = None,
-                 debug: DebugSettings | None = None, draft_pools: tuple[Any, ...] = (),
-                 placement: DPPlacement | None = None) -> None:
+    def __init__(
+        self,
+        params: Any,
+        settings: BackendSettings | None = None,
+        *,
+        architecture: str = "llama",
+        model_salt: str = "",
+        server_port: int | None = None,
+        consensus: RankConsensus | None = None,
+        vocab_size: int | None = None,
+        debug: DebugSettings | None = None,
+        draft_pools: tuple[Any, ...] = (),
+        placement: DPPlacement | None = None,
+    ) -> None:
         self.settings = s = settings or load_settings()
         self.debug = debug = debug if debug is not None else DebugSettings.from_env()
         self.placement = placement or DPPlacement()  # this DP rank's tree (data_parallel.py)
@@ -149,9 +158,17 @@ class TieredRadixCache(StepCalls, CacheViews, BasePrefixCache):
         self.is_eagle = bool(getattr(params, "is_eagle", False))
         self.sliding_window_size = getattr(params, "sliding_window_size", None)
         self.kv_events = None
-        parts = assemble(params, s, architecture=architecture, model_salt=model_salt, consensus=consensus,
-                         placement=self.placement, fault_disk_read_file=debug.fault_disk_read_file,
-                         clock=consensus.clock if consensus is not None else time.monotonic, draft_pools=draft_pools)
+        parts = assemble(
+            params,
+            s,
+            architecture=architecture,
+            model_salt=model_salt,
+            consensus=consensus,
+            placement=self.placement,
+            fault_disk_read_file=debug.fault_disk_read_file,
+            clock=consensus.clock if consensus is not None else time.monotonic,
+            draft_pools=draft_pools,
+        )
         self.device_pool = parts.device_pool
         self.device = self.device_pool.device
         self.config = parts.config
@@ -187,8 +204,13 @@ class TieredRadixCache(StepCalls, CacheViews, BasePrefixCache):
             path = self.settings.stats_file
             if path:  # TP / DP: TP rank 0 of DP rank 0 writes the file, every other process its own beside it
                 path += self.placement.file_suffix()
-            self._publisher = StatsPublisher(self, path, self.settings.stats_interval_s, prometheus=self._metrics_enabled,
-                                             labels=self.placement.labels())
+            self._publisher = StatsPublisher(
+                self,
+                path,
+                self.settings.stats_interval_s,
+                prometheus=self._metrics_enabled,
+                labels=self.placement.labels(),
+            )
             self._publisher.start()
         return self
 
@@ -298,14 +320,19 @@ class TieredRadixCache(StepCalls, CacheViews, BasePrefixCache):
                 return fallback
         prefix = int(req.prefix_len)
         target = prefix + promised
-        tokens = self.tree_keys(req.full_untruncated_fill_ids[:target + int(self.is_eagle)])
+        tokens = self.tree_keys(req.full_untruncated_fill_ids[: target + int(self.is_eagle)])
         m = self.cache.match(tokens, touch=False)
         if m.tokens != target or m.last_node is not node or m.device_tokens != prefix or m.disk_tokens:
             # the tree changed since the match (a page went missing on disk), or pages are still on
             # disk only (reading them here would block the scheduler): recompute
             self.counters.load_back_declined += 1
-            why = ("disk_only" if m.disk_tokens and m.tokens == target else "device_grew" if m.device_tokens > prefix
-                   else "path_changed")
+            why = (
+                "disk_only"
+                if m.disk_tokens and m.tokens == target
+                else "device_grew"
+                if m.device_tokens > prefix
+                else "path_changed"
+            )
             self.counters.extra[why] = self.counters.extra.get(why, 0) + 1
             if ticket is not None:
                 self.controller.release(ticket)
@@ -354,8 +381,12 @@ class TieredRadixCache(StepCalls, CacheViews, BasePrefixCache):
         m = self.cache.match(tokens, touch=False)
         d = m.device_tokens
         if d < protected:  # cannot happen while the request holds its lock
-            logger.error("sgl_hicache: request %s: tree device path %d shorter than its protected prefix %d",
-                         req.rid, d, protected)
+            logger.error(
+                "sgl_hicache: request %s: tree device path %d shorter than its protected prefix %d",
+                req.rid,
+                d,
+                protected,
+            )
             return
         p0, p1 = protected // ps, d // ps
         theirs = list(m.device_handles[p0:p1])

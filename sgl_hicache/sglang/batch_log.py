@@ -47,8 +47,15 @@ def note_admitted(result, scheduler, *args, **kwargs):
     """AFTER `get_new_batch_prefill`: the requests this pass admitted."""
     batch = getattr(result, "batch_to_run", result)
     reqs = getattr(batch, "reqs", None) or ()
-    admitted = [[r.rid, int(getattr(r, "extend_len", 0) or 0), int(getattr(r, "prefix_len", 0) or 0),
-                 int(getattr(r, "host_hit_length", 0) or 0)] for r in reqs]
+    admitted = [
+        [
+            r.rid,
+            int(getattr(r, "extend_len", 0) or 0),
+            int(getattr(r, "prefix_len", 0) or 0),
+            int(getattr(r, "host_hit_length", 0) or 0),
+        ]
+        for r in reqs
+    ]
     if _queue_before or admitted:
         _write({"ev": "pass", "t": time.monotonic(), "queue": _queue_before, "admitted": admitted})
     return result
@@ -58,9 +65,16 @@ def note_batch(result, scheduler, batch=None, *args, **kwargs):
     """AFTER `process_batch_result`: one forward batch, launch to processed."""
     mode = getattr(batch, "forward_mode", None)
     if mode is not None:
-        _write({"ev": "batch", "t0": getattr(batch, "launch_ts", None), "t1": time.monotonic(),
-                "mode": getattr(mode, "name", str(mode)), "n": len(getattr(batch, "reqs", ()) or ()),
-                "tokens": int(getattr(batch, "extend_num_tokens", 0) or 0)})
+        _write(
+            {
+                "ev": "batch",
+                "t0": getattr(batch, "launch_ts", None),
+                "t1": time.monotonic(),
+                "mode": getattr(mode, "name", str(mode)),
+                "n": len(getattr(batch, "reqs", ()) or ()),
+                "tokens": int(getattr(batch, "extend_num_tokens", 0) or 0),
+            }
+        )
     return result
 
 

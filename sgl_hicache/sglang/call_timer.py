@@ -31,9 +31,21 @@ from typing import Any
 # the calls SGLang 0.5.23's scheduler makes into a radix cache (`BasePrefixCache`), except the O(1)
 # size getters it polls thousands of times a second, plus our per-step hook (`scheduler_hooks`)
 SCHEDULER_CALLS = (
-    "match_prefix", "init_load_back", "checkpoint", "insert", "evict", "inc_lock_ref", "dec_lock_ref",
-    "on_release", "release_aborted_request", "touch_prefix", "path_device_indices", "cache_finished_req",
-    "cache_unfinished_req", "before_batch_formed", "after_batch_formed",
+    "match_prefix",
+    "init_load_back",
+    "checkpoint",
+    "insert",
+    "evict",
+    "inc_lock_ref",
+    "dec_lock_ref",
+    "on_release",
+    "release_aborted_request",
+    "touch_prefix",
+    "path_device_indices",
+    "cache_finished_req",
+    "cache_unfinished_req",
+    "before_batch_formed",
+    "after_batch_formed",
 )
 
 _tls = threading.local()  # .depth: how many instrumented calls the current thread is inside
@@ -73,8 +85,14 @@ class _Series:
         def pct(q: float) -> float:
             return values[min(n - 1, int(q * n))] * 1e6 if n else 0.0
 
-        return {"count": self.count, "total_s": round(self.total, 6), "mean_us": round(self.total / self.count * 1e6, 2) if self.count else 0.0,
-                "p50_us": round(pct(0.50), 2), "p99_us": round(pct(0.99), 2), "max_us": round(self.max * 1e6, 2)}
+        return {
+            "count": self.count,
+            "total_s": round(self.total, 6),
+            "mean_us": round(self.total / self.count * 1e6, 2) if self.count else 0.0,
+            "p50_us": round(pct(0.50), 2),
+            "p99_us": round(pct(0.99), 2),
+            "max_us": round(self.max * 1e6, 2),
+        }
 
 
 class CallTimer:
@@ -199,7 +217,12 @@ class IOGuard:
         return watched
 
     def snapshot(self) -> dict[str, Any]:
-        return {**self.counts, "copy_by_link": dict(self.links), **{f"{k}_elsewhere": v for k, v in self.elsewhere.items()}, "first_offender": dict(self.where)}
+        return {
+            **self.counts,
+            "copy_by_link": dict(self.links),
+            **{f"{k}_elsewhere": v for k, v in self.elsewhere.items()},
+            "first_offender": dict(self.where),
+        }
 
 
 _ACTIVE: list[IOGuard] = []

@@ -33,47 +33,55 @@ REFUSED: dict[str, Refusal] = {
         "a speculative draft model whose KV page layout differs from the target's",
         "a page of the tree holds the target's and the draft's rows of its tokens in one layout (planes, KV "
         "heads, head dim, dtype); a draft of another layout would need a page set of its own per node",
-        f"a draft model with the target's attention shape, or {_SGLANG_HICACHE}"),
+        f"a draft model with the target's attention shape, or {_SGLANG_HICACHE}",
+    ),
     "pp": Refusal(
         "pipeline parallelism (--pp-size > 1)",
         "each PP stage holds only its layers' KV and schedules micro-batches the others see later; the page "
         "layout and the per-step agreement assume one rank holds every layer",
-        "--pp-size 1 with --tp over the same GPUs"),
+        "--pp-size 1 with --tp over the same GPUs",
+    ),
     "swa": Refusal(
         "a sliding-window KV pool other than SGLang's SWAKVPool of two MHA sub-pools with a paged window "
         "allocator (DeepSeek V4's pool, MLA / DSA sub-pools, a per-request window ring, unified hybrid memory)",
         "the backend tiers a hybrid sliding-window model's window layers with its full layers, page by page, "
         "through SWAKVPool's full -> window slot mapping; these pools address the window otherwise",
         "--disable-hybrid-swa-memory (every layer in one full MHA pool, which the backend tiers), "
-        f"or {_SGLANG_HICACHE}"),
+        f"or {_SGLANG_HICACHE}",
+    ),
     "mamba": Refusal(
         "serving hybrid Mamba / linear-attention models (HybridLinearKVPool + MambaPool: Qwen3-Next, Nemotron-H, ...)",
         "a prefix hit needs the recurrent state at the hit point, one snapshot per tree node; the attention layers' "
         "pages and the state snapshots round-trip bit for bit (HybridLinearPoolAdapter, MambaStateAdapter), but "
         "the tree does not hold a snapshot per node or charge it to the host budget yet (a Qwen3-Next snapshot "
         "costs as much as ~3,100 tokens of its KV)",
-        _SGLANG_HICACHE),
+        _SGLANG_HICACHE,
+    ),
     "dsa": Refusal(
         "DSA sparse-attention models (DSATokenToKVPool: DeepSeek V3.2, GLM-5)",
         "SGLang runs DSA attention only on GPU kernels (on a CPU its server arguments already fail: "
         "arg_groups/overrides.py:512 calls torch.cuda.get_device_capability()), so no CPU server test can prove "
         "a DSA model's outputs from every tier; the indexer key pages beside the MLA latent round-trip bit for "
         "bit (DSAIndexerAdapter), but they are not tiered with the latent pages yet",
-        _SGLANG_HICACHE),
+        _SGLANG_HICACHE,
+    ),
     "scaled_quant_kv": Refusal(
         "quantised KV with a quantisation method and scale buffers (--kv-cache-dtype nvfp4 / fp4_mx_block16 / "
         "mxfp8; fp8_e4m3 on CPU, whose pool takes SGLang's CPUFP8KVCacheMethod)",
         "their scale buffers are not carried through host and disk yet",
         "on a GPU --kv-cache-dtype fp8_e4m3 / fp8_e5m2 (tiered: bytes only, the scale is the model's); on CPU "
-        "--kv-cache-dtype auto"),
+        "--kv-cache-dtype auto",
+    ),
     "kv_layout": Refusal(
         "a KV pool layout other than NHD (SGLANG_USE_HND_KVCACHE, page-major, AITER vectorized_5d)",
         "the device adapter addresses per-token rows",
-        "the default NHD layout (unset SGLANG_USE_HND_KVCACHE)"),
+        "the default NHD layout (unset SGLANG_USE_HND_KVCACHE)",
+    ),
     "sglang_hicache": Refusal(
         "--enable-hierarchical-cache together with this backend",
         "that flag is SGLang's own HiCache, a second tree cache",
-        "drop --enable-hierarchical-cache (this backend is the tiered cache), or drop --radix-cache-backend"),
+        "drop --enable-hierarchical-cache (this backend is the tiered cache), or drop --radix-cache-backend",
+    ),
 }
 
 

@@ -25,8 +25,16 @@ from typing import Any
 import torch
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, q_offset: int, window: int,
-           sinks: torch.Tensor | None) -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    q_offset: int,
+    window: int,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
     """Attention of queries `q` `[Tq, Hq, D]` at positions `q_offset..` over keys / values `k`, `v`
     `[Tk, Hk, D]` at positions `0..Tk-1` (GQA: `Hq` a multiple of `Hk`); `window` < 0: no window.
     Returns `[Tq, Hq, Dv]` in `q`'s dtype."""
@@ -66,8 +74,9 @@ def _store(backend: Any, layer: Any, forward_batch: Any, k: Any, v: Any, save_kv
     from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
     if save_kv_cache and k is not None and v is not None:
-        backend.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc,
-                                                                 backend.swa_out_cache_loc), k, v)
+        backend.token_to_kv_pool.set_kv_buffer(
+            layer, KVWriteLoc(forward_batch.out_cache_loc, backend.swa_out_cache_loc), k, v
+        )
 
 
 def _kv(backend: Any, layer: Any, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,8 +100,9 @@ def _run(backend: Any, q: torch.Tensor, layer: Any, forward_batch: Any, sinks: A
     for i, (seq_len, q_len) in enumerate(zip(seq_lens, q_lens)):
         slots = req_to_token[forward_batch.req_pool_indices[i], :seq_len].to(torch.int64)
         k, v = _kv(backend, layer, slots)
-        out[start:start + q_len] = attend(q[start:start + q_len], k, v, scale=layer.scaling,
-                                          q_offset=seq_len - q_len, window=window, sinks=sinks)
+        out[start : start + q_len] = attend(
+            q[start : start + q_len], k, v, scale=layer.scaling, q_offset=seq_len - q_len, window=window, sinks=sinks
+        )
         start += q_len
     return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 

@@ -25,8 +25,9 @@ logger = logging.getLogger(__name__)
 _applied = False
 
 
-def spec_extend_attention(q, k, v, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens,
-                          extend_lens, scaling, enable_gqa):
+def spec_extend_attention(
+    q, k, v, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, scaling, enable_gqa
+):
     """Reference attention of a speculative extend. `q`, `k`, `v`: the batch's new tokens
     `[tokens, heads, dim]`, request by request (`extend_lens[i]` each); request `i` attends over its
     `prefix_lens[i]` cached tokens (rows `req_to_token[req_pool_indices[i], :prefix]` of the pool's
@@ -44,9 +45,14 @@ def spec_extend_attention(q, k, v, k_buffer, v_buffer, req_to_token, req_pool_in
         n, total = end - start, int(pre) + end - start
         qpos = torch.arange(int(pre), total).unsqueeze(1)
         mask = torch.arange(total).unsqueeze(0) <= qpos  # the prefix, and the new tokens up to each one
-        o = scaled_dot_product_attention(q[start:end].movedim(0, 1).unsqueeze(0), keys.movedim(0, 1).unsqueeze(0),
-                                         vals.movedim(0, 1).unsqueeze(0), attn_mask=mask, scale=scaling,
-                                         enable_gqa=enable_gqa)
+        o = scaled_dot_product_attention(
+            q[start:end].movedim(0, 1).unsqueeze(0),
+            keys.movedim(0, 1).unsqueeze(0),
+            vals.movedim(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            scale=scaling,
+            enable_gqa=enable_gqa,
+        )
         out[start:end] = o.squeeze(0).movedim(0, 1)[:n]
         start = end
     return out
@@ -78,21 +84,31 @@ def apply() -> bool:
         if mode.is_target_verify():
             spec = forward_batch.spec_info
             if getattr(spec, "tree_topk", 1) not in (1, None):
-                raise NotImplementedError("sgl_hicache cpu_compat_spec: a draft token tree (topk > 1) on "
-                                          "torch_native; run --speculative-eagle-topk 1 on CPU")
+                raise NotImplementedError(
+                    "sgl_hicache cpu_compat_spec: a draft token tree (topk > 1) on "
+                    "torch_native; run --speculative-eagle-topk 1 on CPU"
+                )
             prefix = forward_batch.seq_lens
             extend = torch.full_like(prefix, int(spec.draft_token_num))
         else:
             prefix, extend = forward_batch.extend_prefix_lens, forward_batch.extend_seq_lens
         if save_kv_cache:
-            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc),
-                                                k, v)
+            self.token_to_kv_pool.set_kv_buffer(
+                layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
+            )
         o = spec_extend_attention(
-            q.view(-1, layer.tp_q_head_num, layer.qk_head_dim), k.view(-1, layer.tp_k_head_num, layer.qk_head_dim),
+            q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
+            k.view(-1, layer.tp_k_head_num, layer.qk_head_dim),
             v.view(-1, layer.tp_v_head_num, layer.v_head_dim),
-            self.token_to_kv_pool.get_key_buffer(layer.layer_id), self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-            self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices, prefix, extend, layer.scaling,
-            layer.tp_q_head_num != layer.tp_k_head_num)
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+            self.req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices,
+            prefix,
+            extend,
+            layer.scaling,
+            layer.tp_q_head_num != layer.tp_k_head_num,
+        )
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     TorchNativeAttnBackend.forward_extend = forward_extend

@@ -69,8 +69,14 @@ class DPPlacement:
         return {"dp_rank": str(self.dp_rank)} if self.data_parallel else {}
 
     def describe(self) -> dict[str, Any]:
-        return {"rank": self.dp_rank, "size": self.dp_size, "attention_dp": self.attention_dp,
-                "group_rank": self.group_rank, "group_size": self.group_size, "tp_rank": self.tp_rank}
+        return {
+            "rank": self.dp_rank,
+            "size": self.dp_size,
+            "attention_dp": self.attention_dp,
+            "group_rank": self.group_rank,
+            "group_size": self.group_size,
+            "tp_rank": self.tp_rank,
+        }
 
 
 def _group_rank_size(group: Any) -> tuple[int, int] | None:
@@ -139,11 +145,15 @@ def group_consensus(ctx: Any, debug: DebugSettings, where: DPPlacement) -> RankC
     if group is None and not where.attention_dp:
         group = getattr(ctx.tp_group, "cpu_group", None)
     if group is None:
-        raise ValueError(f"{_REFUSAL}a cache group of {size} ranks (tp_size={ctx.tp_size}) but SGLang gave the "
-                         "cache no group to agree over")
+        raise ValueError(
+            f"{_REFUSAL}a cache group of {size} ranks (tp_size={ctx.tp_size}) but SGLang gave the "
+            "cache no group to agree over"
+        )
     if not step_hook_installed():
-        raise ValueError(f"{_REFUSAL}tp_size={size} needs the per-step hook on the scheduler, "
-                         "which the sgl_hicache plugin did not install (see the log); run with --tp 1")
+        raise ValueError(
+            f"{_REFUSAL}tp_size={size} needs the per-step hook on the scheduler, "
+            "which the sgl_hicache plugin did not install (see the log); run with --tp 1"
+        )
     return RankConsensus(group, where.group_rank, size, check=debug.consensus_check)
 
 

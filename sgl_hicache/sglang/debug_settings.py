@@ -17,8 +17,12 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-DEBUG_ENV = ("SGLHICACHE_CHECK_INVARIANTS", "SGLHICACHE_CHECK_SCHEDULER_IO", "SGLHICACHE_CONSENSUS_CHECK",
-             "SGLHICACHE_FAULT_DISK_READ_FILE")
+DEBUG_ENV = (
+    "SGLHICACHE_CHECK_INVARIANTS",
+    "SGLHICACHE_CHECK_SCHEDULER_IO",
+    "SGLHICACHE_CONSENSUS_CHECK",
+    "SGLHICACHE_FAULT_DISK_READ_FILE",
+)
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
 
@@ -42,10 +46,12 @@ class DebugSettings:
                 raise ValueError(f"env {var}={env[var]!r} is not a boolean (1/0, true/false, on/off)")
             return text in _TRUE
 
-        return cls(check_invariants=flag("SGLHICACHE_CHECK_INVARIANTS"),
-                   check_scheduler_io=flag("SGLHICACHE_CHECK_SCHEDULER_IO"),
-                   consensus_check=flag("SGLHICACHE_CONSENSUS_CHECK"),
-                   fault_disk_read_file=env.get("SGLHICACHE_FAULT_DISK_READ_FILE") or None)
+        return cls(
+            check_invariants=flag("SGLHICACHE_CHECK_INVARIANTS"),
+            check_scheduler_io=flag("SGLHICACHE_CHECK_SCHEDULER_IO"),
+            consensus_check=flag("SGLHICACHE_CONSENSUS_CHECK"),
+            fault_disk_read_file=env.get("SGLHICACHE_FAULT_DISK_READ_FILE") or None,
+        )
 
 
 __all__ = ["DEBUG_ENV", "DebugSettings"]

@@ -55,7 +55,9 @@ class SGLangDevicePool(TierStore, LayeredPages):
         self.adapter: PoolAdapter = adapter_for(self.kvcache, architecture)
         self.adapter.check_allocator(allocator)
         if draft_pools:
-            self.adapter = DraftPoolsAdapter(self.adapter, [adapter_for(p, f"{architecture}:draft") for p in draft_pools])
+            self.adapter = DraftPoolsAdapter(
+                self.adapter, [adapter_for(p, f"{architecture}:draft") for p in draft_pools]
+            )
         self.layout = self.adapter.layout
         self.page_size = int(allocator.page_size)
         self.page_shape = page_shape(self.layout, self.page_size)

@@ -48,9 +48,14 @@ class DSAIndexerAdapter:
             raise UnsupportedPool(f"DSA indexer pages of {sorted(per_page)} bytes for page_size {self.page_size}")
         layer_page_bytes = per_page.pop()
         self.page_bytes = layer_page_bytes * len(self.buffers)
-        self.layout = KVLayout(num_layers=len(self.buffers), num_kv_heads=1,
-                               head_dim=layer_page_bytes // self.page_size // 2, dtype="bfloat16",
-                               architecture=f"{architecture}:dsa_indexer", kv_planes=1)
+        self.layout = KVLayout(
+            num_layers=len(self.buffers),
+            num_kv_heads=1,
+            head_dim=layer_page_bytes // self.page_size // 2,
+            dtype="bfloat16",
+            architecture=f"{architecture}:dsa_indexer",
+            kv_planes=1,
+        )
 
     def read(self, pages: list[int]) -> torch.Tensor:
         """The indexer bytes of allocator pages `pages` (see the class contract)."""
@@ -64,8 +69,9 @@ class DSAIndexerAdapter:
         n = len(pages)
         raw = data.contiguous().view(torch.uint8).view(n, len(self.buffers), -1)
         if raw.shape[2] * len(self.buffers) != self.page_bytes:
-            raise ValueError(f"DSA indexer: pages of {raw.shape[2] * len(self.buffers)} bytes, this pool's are "
-                             f"{self.page_bytes}")
+            raise ValueError(
+                f"DSA indexer: pages of {raw.shape[2] * len(self.buffers)} bytes, this pool's are {self.page_bytes}"
+            )
         idx = torch.as_tensor(pages, dtype=torch.int64)
         for i, b in enumerate(self.buffers):
             b.index_copy_(0, idx.to(b.device), raw[:, i].to(b.device))

@@ -40,13 +40,16 @@ def tree_text(tree: RadixTree, page_size: int, max_nodes: int = 200) -> str:
     while stack and len(lines) < max_nodes:
         node, depth = stack.pop()
         tiers = "".join(c if node.in_tier(t) else "-" for t, c in zip(TIERS, "DHK"))
-        lines.append(f"{'  ' * depth}[{tiers}] {node.num_pages * page_size} tok "
-                     f"lock={node.lock_ref} hits={node.hit_count}")
+        lines.append(
+            f"{'  ' * depth}[{tiers}] {node.num_pages * page_size} tok lock={node.lock_ref} hits={node.hit_count}"
+        )
         stack.extend((c, depth + 1) for c in reversed(list(node.children.values())))
     if stack:
         lines.append(f"... ({tree.node_count - len(lines)} more nodes)")
-    lines.append(f"#tokens device={tree.pages[DEVICE] * page_size} host={tree.pages[HOST] * page_size} "
-                 f"disk={tree.pages[DISK] * page_size}")
+    lines.append(
+        f"#tokens device={tree.pages[DEVICE] * page_size} host={tree.pages[HOST] * page_size} "
+        f"disk={tree.pages[DISK] * page_size}"
+    )
     return "\n".join(lines)
 
 
@@ -103,11 +106,18 @@ def stats_snapshot(rc: TieredRadixCache, exact: bool = False) -> dict[str, Any]:
     wb = rc.controller.writeback_counters
     backend = {k: v for k, v in vars(rc.counters).items() if k != "extra"}
     backend["load_back_declined_by_reason"] = dict(rc.counters.extra)
-    backend.update(writeback_pages=wb.host_pages, device_writeback_pages=wb.device_pages,
-                   device_writeback_cancelled_pages=wb.device_cancelled_pages)
+    backend.update(
+        writeback_pages=wb.host_pages,
+        device_writeback_pages=wb.device_pages,
+        device_writeback_cancelled_pages=wb.device_cancelled_pages,
+    )
     cost = rc.prefill_cost()
-    backend["prefill_cost"] = {"steps_timed": rc.prefill_cost_fit.steps, "fixed_s": cost.fixed_s if cost else None,
-                               "per_token_s": cost.per_token_s if cost else None, "per_pair_s": cost.per_pair_s if cost else None}
+    backend["prefill_cost"] = {
+        "steps_timed": rc.prefill_cost_fit.steps,
+        "fixed_s": cost.fixed_s if cost else None,
+        "per_token_s": cost.per_token_s if cost else None,
+        "per_pair_s": cost.per_pair_s if cost else None,
+    }
     snap["backend"] = backend
     snap["speculation"] = rc.controller.speculation.counters()
     snap["agent_hints"] = {**rc.controller.hints.summary(), "requests": rc.request_hints.status()}
@@ -208,8 +218,14 @@ class StatsPublisher:
     SGLang's own `/metrics`. Started by `TieredRadixCache.start`, stopped (after one last publish) by
     `TieredRadixCache.shutdown`. A failed publish is logged, never raised."""
 
-    def __init__(self, cache: TieredRadixCache, path: str | None, interval: float, prometheus: bool,
-                 labels: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        cache: TieredRadixCache,
+        path: str | None,
+        interval: float,
+        prometheus: bool,
+        labels: dict[str, str] | None = None,
+    ) -> None:
         self.cache = cache
         self.path = Path(path).expanduser() if path else None
         self.interval = interval
@@ -273,19 +289,25 @@ class PromExport:
             "miss_tokens": _counter("sgl_hicache_miss_tokens", "Prompt tokens computed (sgl_hicache)"),
             "requests": _counter("sgl_hicache_requests", "Requests recorded by sgl_hicache"),
             "evicted_tokens": _counter("sgl_hicache_evicted_tokens", "Tokens that left a tier", "tier"),
-            "demoted_tokens": _counter("sgl_hicache_demoted_tokens", "Tokens copied down from a tier on eviction",
-                                       "tier"),
+            "demoted_tokens": _counter(
+                "sgl_hicache_demoted_tokens", "Tokens copied down from a tier on eviction", "tier"
+            ),
             "promoted_tokens": _counter("sgl_hicache_promoted_tokens", "Tokens copied up into a tier", "tier"),
             "bytes_moved": _counter("sgl_hicache_bytes_moved", "Bytes copied per link", "link"),
-            "prefetch": _counter("sgl_hicache_prefetch_tokens", "Prefetch / prediction tokens by outcome",
-                                 "kind", "outcome"),
+            "prefetch": _counter(
+                "sgl_hicache_prefetch_tokens", "Prefetch / prediction tokens by outcome", "kind", "outcome"
+            ),
             "store": _counter("sgl_hicache_store", "Shared store tier events (docs/store.md)", "event"),
         }
         self.gauges = {
             "stored_tokens": _gauge("sgl_hicache_stored_tokens", "Tokens resident per tier", "tier"),
             "capacity_tokens": _gauge("sgl_hicache_capacity_tokens", "Capacity per tier", "tier"),
-            "call_seconds": _gauge("sgl_hicache_scheduler_call_seconds",
-                                   "Wall time of a cache call on the scheduler thread", "call", "quantile"),
+            "call_seconds": _gauge(
+                "sgl_hicache_scheduler_call_seconds",
+                "Wall time of a cache call on the scheduler thread",
+                "call",
+                "quantile",
+            ),
         }
 
     def _with_fixed(self, make: Any) -> Any:

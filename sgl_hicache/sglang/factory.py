@@ -45,7 +45,6 @@ def model_salt(server_args: Any) -> str:
     return ";".join(parts)
 
 
-
 def unsupported(ctx: Any) -> list[str]:
     """What in SGLang's cache context we cannot serve, one message each naming the kind and what to
     run instead (`coverage.REFUSED`; empty: all supported)."""
@@ -78,8 +77,10 @@ def _draft_pools(ctx: Any) -> tuple[Any, ...]:
         return ()
     pools = draft_pools_of(ctx.params.token_to_kv_pool_allocator)
     if pools is None:
-        raise ValueError(f"{_REFUSAL}speculative decoding, but the draft model's KV pools were not recorded "
-                         "(the sgl_hicache plugin's hook on Scheduler.init_memory_pools did not run; see the log)")
+        raise ValueError(
+            f"{_REFUSAL}speculative decoding, but the draft model's KV pools were not recorded "
+            "(the sgl_hicache plugin's hook on Scheduler.init_memory_pools did not run; see the log)"
+        )
     return pools
 
 
@@ -100,9 +101,18 @@ def factory(ctx: Any) -> TieredRadixCache:
     if getattr(ctx.params, "is_eagle", False):  # bigram keys; the pages carry the draft model's KV too
         draft = str(getattr(sa, "speculative_draft_model_path", "") or "")
         salt += f";keys=bigram;draft={os.path.realpath(draft) if os.path.isdir(draft) else draft}"
-    cache = TieredRadixCache(ctx.params, settings, debug=debug, architecture=_architecture(ctx), model_salt=salt,
-                             server_port=getattr(sa, "port", None), consensus=consensus, placement=where,
-                             vocab_size=getattr(ctx.model_config, "vocab_size", None), draft_pools=drafts)
+    cache = TieredRadixCache(
+        ctx.params,
+        settings,
+        debug=debug,
+        architecture=_architecture(ctx),
+        model_salt=salt,
+        server_port=getattr(sa, "port", None),
+        consensus=consensus,
+        placement=where,
+        vocab_size=getattr(ctx.model_config, "vocab_size", None),
+        draft_pools=drafts,
+    )
     if cache.layer_loads is not None:
         cache.layer_loads.forward_stream = getattr(getattr(ctx.tp_worker, "model_runner", None), "forward_stream", None)
         # SGLang's supported seam for layer-wise loads (mem_cache/registry.py does the same for its

@@ -62,8 +62,9 @@ def _extra_config(raw: Any) -> dict[str, Any]:
     try:
         obj = json.loads(text)
     except ValueError as e:
-        raise SettingsError(f"--hicache-storage-backend-extra-config: not a JSON object ({e}); "
-                            "sgl_hicache reads only JSON here") from None
+        raise SettingsError(
+            f"--hicache-storage-backend-extra-config: not a JSON object ({e}); sgl_hicache reads only JSON here"
+        ) from None
     if not isinstance(obj, dict):
         raise SettingsError("--hicache-storage-backend-extra-config must be a JSON object")
     return obj
@@ -72,8 +73,10 @@ def _extra_config(raw: Any) -> dict[str, Any]:
 def _mooncake_url(extra: Mapping[str, Any], environ: Mapping[str, str]) -> str:
     master = extra.get("master_server_address") or environ.get("MOONCAKE_MASTER")
     if not master:
-        raise SettingsError("--hicache-storage-backend mooncake needs the master's address: "
-                            "master_server_address in --hicache-storage-backend-extra-config, or $MOONCAKE_MASTER")
+        raise SettingsError(
+            "--hicache-storage-backend mooncake needs the master's address: "
+            "master_server_address in --hicache-storage-backend-extra-config, or $MOONCAKE_MASTER"
+        )
     metadata = extra.get("metadata_server") or environ.get("MOONCAKE_TE_META_DATA_SERVER")
     url = f"mooncake://{master}"
     if metadata and str(metadata).startswith("http"):
@@ -113,8 +116,10 @@ def hicache_flag_settings(server_args: Any, environ: Mapping[str, str] | None = 
         except SettingsError as e:
             problems.append(str(e))
     elif backend is not None:
-        problems.append(f"--hicache-storage-backend {backend} is not served by sgl_hicache; "
-                        f"choose one of {', '.join(STORAGE_BACKENDS)} (or drop it: the disk tier is on by default)")
+        problems.append(
+            f"--hicache-storage-backend {backend} is not served by sgl_hicache; "
+            f"choose one of {', '.join(STORAGE_BACKENDS)} (or drop it: the disk tier is on by default)"
+        )
     if extra not in (None, "") and backend != "mooncake":
         problems.append("--hicache-storage-backend-extra-config is read only with --hicache-storage-backend mooncake")
     if problems:
@@ -122,15 +127,19 @@ def hicache_flag_settings(server_args: Any, environ: Mapping[str, str] | None = 
     return out
 
 
-def apply_hicache_flags(settings: BackendSettings, server_args: Any, given: Mapping[str, Any],
-                        environ: Mapping[str, str] | None = None) -> BackendSettings:
+def apply_hicache_flags(
+    settings: BackendSettings, server_args: Any, given: Mapping[str, Any], environ: Mapping[str, str] | None = None
+) -> BackendSettings:
     """`settings` with SGLang's `--hicache-*` flags mapped onto it.
 
     `given` holds the settings the user set through `SGLHICACHE_*` or the JSON config
     (`settings.given_settings`); a flag that disagrees with one of them is an error naming both."""
     mapped = hicache_flag_settings(server_args, environ)
-    clashes = [f"{key}={given[key]!r} (SGLHICACHE_{key.upper()} or the config) against {value!r} from a --hicache-* flag"
-               for key, value in mapped.items() if key in given and given[key] != value]
+    clashes = [
+        f"{key}={given[key]!r} (SGLHICACHE_{key.upper()} or the config) against {value!r} from a --hicache-* flag"
+        for key, value in mapped.items()
+        if key in given and given[key] != value
+    ]
     if clashes:
         raise SettingsError("a setting given twice with different values: " + "; ".join(clashes))
     return settings.replace(**mapped) if mapped else settings

@@ -48,8 +48,10 @@ def parse_hint_batch(body: Any) -> list[Hint]:
         if unknown:
             raise HintError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
         if "session" in h:
-            raise HintError(f"{where}: the hint API names prefixes by 'input_ids'; name a conversation by its "
-                            "handle with agent_hints.prefetch in the request's custom_params")
+            raise HintError(
+                f"{where}: the hint API names prefixes by 'input_ids'; name a conversation by its "
+                "handle with agent_hints.prefetch in the request's custom_params"
+            )
         ids = h.get("input_ids")
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise HintError(f"{where}: 'input_ids' must be a list of integer token ids")
@@ -76,9 +78,16 @@ class HintListener:
     frees the port; safe to call twice.
     """
 
-    def __init__(self, port: int, host: str = "127.0.0.1", status: Callable[[], dict] | None = None,
-                 vocab_size: int | None = None, limits: HintLimits | None = None, page_size: int = 1,
-                 host_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        port: int,
+        host: str = "127.0.0.1",
+        status: Callable[[], dict] | None = None,
+        vocab_size: int | None = None,
+        limits: HintLimits | None = None,
+        page_size: int = 1,
+        host_tokens: int | None = None,
+    ) -> None:
         self._queue: queue.SimpleQueue[Hint] = queue.SimpleQueue()
         self._limits = limits or HintLimits()
         self._status = status or dict
@@ -167,9 +176,11 @@ class HintListener:
 def refuse_hints_at_tp(hint_port: int | None, multi_rank: bool, prefix: str = "") -> None:
     """The hint API runs at TP=1 only: raises ValueError naming what to change otherwise."""
     if hint_port is not None and multi_rank:
-        raise ValueError(prefix + "the hint API (hint_port) is not supported with --tp > 1 or DP > 1: every rank would "
-                         "need the same hints at the same step, and each DP rank a listener of its own; run without "
-                         "SGLHICACHE_HINT_PORT / --hint-port")
+        raise ValueError(
+            prefix + "the hint API (hint_port) is not supported with --tp > 1 or DP > 1: every rank would "
+            "need the same hints at the same step, and each DP rank a listener of its own; run without "
+            "SGLHICACHE_HINT_PORT / --hint-port"
+        )
 
 
 __all__ = ["HintListener", "parse_hint_batch", "refuse_hints_at_tp"]

@@ -34,22 +34,53 @@ def build_parser() -> argparse.ArgumentParser:
         prog="sgl-hicache serve",
         description="Launch SGLang with the sgl_hicache tiered prefix cache. Tiering options go before `--`, SGLang's flags after it.",
     )
-    p.add_argument("--config", help="JSON file of tiering settings (keys as in docs/sglang-backend.md); the flags below override it")
+    p.add_argument(
+        "--config",
+        help="JSON file of tiering settings (keys as in docs/sglang-backend.md); the flags below override it",
+    )
     p.add_argument("--host-tokens", type=int, help="host DRAM tier capacity in tokens (default: 4x the device pool)")
     p.add_argument("--host-ratio", type=float, help="host capacity as a multiple of the device pool (default 4)")
     p.add_argument("--disk-dir", help="disk tier directory (default ~/.cache/sgl_hicache/<model namespace>)")
     p.add_argument("--disk-tokens", type=int, help="disk tier capacity in tokens (0 turns it off; default: --disk-gb)")
-    p.add_argument("--disk-gb", type=float, help="disk tier capacity in GiB when --disk-tokens is not given (default 16)")
-    p.add_argument("--store", help="shared store tier in the disk tier's place: mooncake://HOST:PORT[?metadata=URL] or redis://HOST:PORT")
-    p.add_argument("--store-min-hits", type=int, help="write back to the store only pages hit at least this often (default 0)")
-    p.add_argument("--write-policy", choices=WRITE_POLICIES, help="device -> host copies (default write_through: started at commit)")
-    p.add_argument("--disk-write-policy", choices=DISK_WRITE_POLICIES, help="host -> disk copies (default write_through)")
+    p.add_argument(
+        "--disk-gb", type=float, help="disk tier capacity in GiB when --disk-tokens is not given (default 16)"
+    )
+    p.add_argument(
+        "--store",
+        help="shared store tier in the disk tier's place: mooncake://HOST:PORT[?metadata=URL] or redis://HOST:PORT",
+    )
+    p.add_argument(
+        "--store-min-hits", type=int, help="write back to the store only pages hit at least this often (default 0)"
+    )
+    p.add_argument(
+        "--write-policy",
+        choices=WRITE_POLICIES,
+        help="device -> host copies (default write_through: started at commit)",
+    )
+    p.add_argument(
+        "--disk-write-policy", choices=DISK_WRITE_POLICIES, help="host -> disk copies (default write_through)"
+    )
     p.add_argument("--eviction-policy", choices=EVICTION_POLICIES, help="eviction order in every tier (default lru)")
-    p.add_argument("--predictor", choices=PREDICTORS, help="promote likely descendants of a match disk -> host (default tree_walk; none turns it off)")
-    p.add_argument("--no-prefetch", action="store_true", help="do not start disk -> host promotion while a request waits")
-    p.add_argument("--load-timeout-s", type=float, help="longest wait for a request's disk pages before recomputing (default 30)")
-    p.add_argument("--hint-port", type=int, help="serve the hint API (POST /hints: prefetch / pin / retain / demote a prefix) on this port (0: any free port; default off; TP=1 only)")
-    p.add_argument("--stats-file", help="the scheduler writes JSON stats here periodically (default none; live stats are on GET /server_info)")
+    p.add_argument(
+        "--predictor",
+        choices=PREDICTORS,
+        help="promote likely descendants of a match disk -> host (default tree_walk; none turns it off)",
+    )
+    p.add_argument(
+        "--no-prefetch", action="store_true", help="do not start disk -> host promotion while a request waits"
+    )
+    p.add_argument(
+        "--load-timeout-s", type=float, help="longest wait for a request's disk pages before recomputing (default 30)"
+    )
+    p.add_argument(
+        "--hint-port",
+        type=int,
+        help="serve the hint API (POST /hints: prefetch / pin / retain / demote a prefix) on this port (0: any free port; default off; TP=1 only)",
+    )
+    p.add_argument(
+        "--stats-file",
+        help="the scheduler writes JSON stats here periodically (default none; live stats are on GET /server_info)",
+    )
     p.add_argument("--page-size", type=int, help="SGLang's --page-size (KV page = cache page), if not given after --")
     p.add_argument("--python", default=sys.executable, help="interpreter with SGLang installed (default: this one)")
     p.add_argument("--dry-run", action="store_true", help="print the environment and command, do not start")
@@ -80,18 +111,32 @@ def build_command(ns: argparse.Namespace, environ: dict[str, str] | None = None)
         raise ValueError("no model: pass SGLang's flags after `--`, e.g. `sgl-hicache serve -- --model-path MODEL`")
     backend = _flag_value(sg, "--radix-cache-backend")
     if backend is not None and backend != BACKEND:
-        raise ValueError(f"--radix-cache-backend {backend} given after `--`; `sgl-hicache serve` runs the {BACKEND} backend")
+        raise ValueError(
+            f"--radix-cache-backend {backend} given after `--`; `sgl-hicache serve` runs the {BACKEND} backend"
+        )
     if _has_flag(sg, "--enable-hierarchical-cache"):
-        raise ValueError("--enable-hierarchical-cache turns on SGLang's own HiCache; it cannot run together with sgl_hicache")
+        raise ValueError(
+            "--enable-hierarchical-cache turns on SGLang's own HiCache; it cannot run together with sgl_hicache"
+        )
     env: dict[str, str] = {}
     if ns.config:
         env[CONFIG_ENV] = os.path.abspath(ns.config)
     # settings: config file (if any) + the flags given here; validated now, in this process
     overrides = {
-        "host_tokens": ns.host_tokens, "host_ratio": ns.host_ratio, "disk_dir": ns.disk_dir, "disk_tokens": ns.disk_tokens,
-        "disk_gb": ns.disk_gb, "store": ns.store, "store_min_hits": ns.store_min_hits, "write_policy": ns.write_policy, "disk_write_policy": ns.disk_write_policy,
-        "eviction_policy": ns.eviction_policy, "predictor": ns.predictor, "load_timeout_s": ns.load_timeout_s,
-        "stats_file": ns.stats_file, "hint_port": ns.hint_port,
+        "host_tokens": ns.host_tokens,
+        "host_ratio": ns.host_ratio,
+        "disk_dir": ns.disk_dir,
+        "disk_tokens": ns.disk_tokens,
+        "disk_gb": ns.disk_gb,
+        "store": ns.store,
+        "store_min_hits": ns.store_min_hits,
+        "write_policy": ns.write_policy,
+        "disk_write_policy": ns.disk_write_policy,
+        "eviction_policy": ns.eviction_policy,
+        "predictor": ns.predictor,
+        "load_timeout_s": ns.load_timeout_s,
+        "stats_file": ns.stats_file,
+        "hint_port": ns.hint_port,
     }
     base = load_settings({k: v for k, v in environ.items() if k.startswith("SGLHICACHE_")} | env)
     changes = {k: v for k, v in overrides.items() if v is not None}

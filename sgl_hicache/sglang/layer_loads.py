@@ -68,8 +68,9 @@ class LayerLoads:
         self._lock = threading.Lock()
         # CPU: one long-lived worker runs the loads in queue order (starting a thread per load would
         # make the scheduler wait for its start); CUDA loads go on the link's stream instead
-        self._runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sgl-hicache-layers",
-                                          initializer=single_threaded_torch)
+        self._runner = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="sgl-hicache-layers", initializer=single_threaded_torch
+        )
         self.loads = 0
         self.pages = 0
 
@@ -137,7 +138,9 @@ class LayerLoads:
         """Unlock the first `count` loads: every rank reported them done (`count` <= `done_prefix()`)."""
         pending = self._pending
         if count > len(pending) or not all(g.loader.done() for g in pending[:count]):
-            raise RuntimeError(f"reap_agreed({count}): only {self.done_prefix()} of {len(pending)} loads are done on this rank")
+            raise RuntimeError(
+                f"reap_agreed({count}): only {self.done_prefix()} of {len(pending)} loads are done on this rank"
+            )
         self._unlock(pending[:count])
 
     def _unlock(self, groups: list[_Group]) -> None:

@@ -28,8 +28,11 @@ def special_token_ids(config: dict[str, Any]) -> list[int]:
 
 def model_facts(vocab_size: int, context_len: int | None, hf_config: dict[str, Any]) -> dict[str, Any]:
     """The `sgl_hicache_model` entry the plugin adds to `/server_info` (built in the scheduler)."""
-    return {"vocab_size": int(vocab_size), "context_len": None if context_len is None else int(context_len),
-            "special_token_ids": special_token_ids(hf_config)}
+    return {
+        "vocab_size": int(vocab_size),
+        "context_len": None if context_len is None else int(context_len),
+        "special_token_ids": special_token_ids(hf_config),
+    }
 
 
 __all__ = ["model_facts", "special_token_ids"]

@@ -27,8 +27,9 @@ logger = logging.getLogger(__name__)
 _registered = False
 
 BACKEND_NAME = "sgl_hicache"
-INTERNAL_STATE_TARGET = ("sglang.srt.managers.scheduler_components.internal_state."
-                         "SchedulerInternalStateController.get_internal_state")
+INTERNAL_STATE_TARGET = (
+    "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state"
+)
 
 
 def _backend_factory(ctx):
@@ -56,8 +57,9 @@ def _add_internal_state(result, controller, *args, **kwargs):
             from sgl_hicache.sglang.model_facts import model_facts
 
             hf: Any = getattr(mc, "hf_config", None)
-            state["sgl_hicache_model"] = model_facts(mc.vocab_size, getattr(mc, "context_len", None),
-                                                     hf.to_dict() if hasattr(hf, "to_dict") else {})
+            state["sgl_hicache_model"] = model_facts(
+                mc.vocab_size, getattr(mc, "context_len", None), hf.to_dict() if hasattr(hf, "to_dict") else {}
+            )
     except Exception:
         logger.exception("sgl_hicache: adding the model facts to the internal state failed")
     return result

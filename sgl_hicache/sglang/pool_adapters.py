@@ -136,10 +136,17 @@ class MHAPoolAdapter(PoolAdapter):
             raise UnsupportedPool(refusal("scaled_quant_kv", f"{kind} with {method}"))
         k0, v0 = k_buf[0], v_buf[0]
         if k0.dim() != 3 or tuple(k0.shape) != tuple(v0.shape):
-            raise UnsupportedPool(f"KV pool {kind}: k_buffer[0] {tuple(k0.shape)} / v_buffer[0] {tuple(v0.shape)}; "
-                                  "expected equal [slots, kv_heads, head_dim]")
-        return KVLayout(num_layers=len(k_buf), num_kv_heads=int(k0.shape[1]), head_dim=int(k0.shape[2]),
-                        dtype=self._dtype_name(k0), architecture=architecture)
+            raise UnsupportedPool(
+                f"KV pool {kind}: k_buffer[0] {tuple(k0.shape)} / v_buffer[0] {tuple(v0.shape)}; "
+                "expected equal [slots, kv_heads, head_dim]"
+            )
+        return KVLayout(
+            num_layers=len(k_buf),
+            num_kv_heads=int(k0.shape[1]),
+            head_dim=int(k0.shape[2]),
+            dtype=self._dtype_name(k0),
+            architecture=architecture,
+        )
 
     def _buffer(self, layer: int, p: int) -> torch.Tensor:
         return (self.kvcache.k_buffer if p == 0 else self.kvcache.v_buffer)[layer]
@@ -170,10 +177,18 @@ class MLAPoolAdapter(PoolAdapter):
         b0 = bufs[0]
         width = int(kv.kv_lora_rank) + int(kv.qk_rope_head_dim)
         if b0.dim() != 3 or int(b0.shape[1]) != 1 or int(b0.shape[2]) != width:
-            raise UnsupportedPool(f"KV pool {kind}: kv_buffer[0] {tuple(b0.shape)}; expected [slots, 1, "
-                                  f"kv_lora_rank + qk_rope_head_dim = {width}]")
-        return KVLayout(num_layers=len(bufs), num_kv_heads=1, head_dim=width, dtype=self._dtype_name(b0),
-                        architecture=architecture, kv_planes=1)
+            raise UnsupportedPool(
+                f"KV pool {kind}: kv_buffer[0] {tuple(b0.shape)}; expected [slots, 1, "
+                f"kv_lora_rank + qk_rope_head_dim = {width}]"
+            )
+        return KVLayout(
+            num_layers=len(bufs),
+            num_kv_heads=1,
+            head_dim=width,
+            dtype=self._dtype_name(b0),
+            architecture=architecture,
+            kv_planes=1,
+        )
 
     def _buffer(self, layer: int, p: int) -> torch.Tensor:
         if p != 0:
@@ -228,19 +243,31 @@ class SWAPoolAdapter(PoolAdapter):
         self.window = adapter_for(kv.swa_kv_pool, f"{architecture}:window")
         a, b = self.full.layout, self.window.layout
         if (self.full.kind, self.window.kind) != ("mha", "mha") or (a.num_kv_heads, a.head_dim, a.dtype) != (
-                b.num_kv_heads, b.head_dim, b.dtype):
-            raise UnsupportedPool(f"KV pool {kind}: full sub-pool {self.full.kind} {a.num_kv_heads}x{a.head_dim} "
-                                  f"{a.dtype}, window sub-pool {self.window.kind} {b.num_kv_heads}x{b.head_dim} "
-                                  f"{b.dtype}; supported: both MHA of one head count, head dim and dtype")
+            b.num_kv_heads,
+            b.head_dim,
+            b.dtype,
+        ):
+            raise UnsupportedPool(
+                f"KV pool {kind}: full sub-pool {self.full.kind} {a.num_kv_heads}x{a.head_dim} "
+                f"{a.dtype}, window sub-pool {self.window.kind} {b.num_kv_heads}x{b.head_dim} "
+                f"{b.dtype}; supported: both MHA of one head count, head dim and dtype"
+            )
         if getattr(kv, "swa_req_ring_size", None) is not None:
             raise UnsupportedPool(refusal("swa", f"{kind} with a per-request window ring"))
         mapping = dict(kv.layers_mapping)  # model layer -> (sub-pool layer, is a window layer)
         if sorted(mapping) != list(range(len(mapping))):
-            raise UnsupportedPool(f"KV pool {kind} holds model layers {sorted(mapping)}; expected 0..{len(mapping) - 1}")
+            raise UnsupportedPool(
+                f"KV pool {kind} holds model layers {sorted(mapping)}; expected 0..{len(mapping) - 1}"
+            )
         self._where = [mapping[layer] for layer in range(len(mapping))]
         windowed = ",".join(str(i) for i, (_, w) in enumerate(self._where) if w)
-        return KVLayout(num_layers=len(mapping), num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, dtype=a.dtype,
-                        architecture=f"{architecture}:window_layers={windowed}")
+        return KVLayout(
+            num_layers=len(mapping),
+            num_kv_heads=a.num_kv_heads,
+            head_dim=a.head_dim,
+            dtype=a.dtype,
+            architecture=f"{architecture}:window_layers={windowed}",
+        )
 
     def is_window(self, layer: int) -> bool:
         """Whether model layer `layer` is a window layer (its rows live in the window sub-pool)."""
@@ -255,8 +282,9 @@ class SWAPoolAdapter(PoolAdapter):
         return self.kvcache.translate_loc_from_full_to_swa(slots)
 
     def check_allocator(self, allocator: Any) -> None:
-        if not all(hasattr(allocator, a) for a in ("full_attn_allocator", "swa_attn_allocator",
-                                                    "set_full_to_swa_mapping")):
+        if not all(
+            hasattr(allocator, a) for a in ("full_attn_allocator", "swa_attn_allocator", "set_full_to_swa_mapping")
+        ):
             raise UnsupportedPool(refusal("swa", f"{type(self.kvcache).__name__} with {type(allocator).__name__}"))
 
     @staticmethod
@@ -305,10 +333,21 @@ class DraftPoolsAdapter(PoolAdapter):
         t = target.layout
         for d in self.drafts:
             dl = d.layout
-            if (dl.kv_planes, dl.num_kv_heads, dl.head_dim, dl.dtype) != (t.kv_planes, t.num_kv_heads, t.head_dim, t.dtype):
-                raise UnsupportedPool(refusal("eagle_draft_layout", (
-                    f"draft {type(d.kvcache).__name__} {dl.kv_planes} planes x {dl.num_kv_heads} heads x {dl.head_dim} "
-                    f"{dl.dtype}, target {t.kv_planes} x {t.num_kv_heads} x {t.head_dim} {t.dtype}")))
+            if (dl.kv_planes, dl.num_kv_heads, dl.head_dim, dl.dtype) != (
+                t.kv_planes,
+                t.num_kv_heads,
+                t.head_dim,
+                t.dtype,
+            ):
+                raise UnsupportedPool(
+                    refusal(
+                        "eagle_draft_layout",
+                        (
+                            f"draft {type(d.kvcache).__name__} {dl.kv_planes} planes x {dl.num_kv_heads} heads x {dl.head_dim} "
+                            f"{dl.dtype}, target {t.kv_planes} x {t.num_kv_heads} x {t.head_dim} {t.dtype}"
+                        ),
+                    )
+                )
         self._layers: list[tuple[PoolAdapter, int]] = [(target, i) for i in range(t.num_layers)]
         self.draft_offsets: list[int] = []
         for d in self.drafts:
@@ -323,8 +362,14 @@ class DraftPoolsAdapter(PoolAdapter):
 
     def _layout(self, architecture: str) -> KVLayout:
         t = self.target.layout
-        return KVLayout(num_layers=len(self._layers), num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, dtype=t.dtype,
-                        architecture=f"{architecture}+draft{len(self._layers) - t.num_layers}", kv_planes=t.kv_planes)
+        return KVLayout(
+            num_layers=len(self._layers),
+            num_kv_heads=t.num_kv_heads,
+            head_dim=t.head_dim,
+            dtype=t.dtype,
+            architecture=f"{architecture}+draft{len(self._layers) - t.num_layers}",
+            kv_planes=t.kv_planes,
+        )
 
     def _buffer(self, layer: int, p: int) -> torch.Tensor:
         adapter, i = self._layers[layer]
@@ -366,16 +411,27 @@ def adapter_for(kvcache: Any, architecture: str = "llama") -> PoolAdapter:
             if base.__name__ in _REFUSED_POOLS:
                 raise UnsupportedPool(refusal(_REFUSED_POOLS[base.__name__], kind))
         served = ", ".join(c for a in ADAPTERS for c in a.pool_classes)
-        raise UnsupportedPool(f"KV pool {kind} is not supported (served: {served}; docs/sglang-backend.md, "
-                              "Model coverage)")
+        raise UnsupportedPool(
+            f"KV pool {kind} is not supported (served: {served}; docs/sglang-backend.md, Model coverage)"
+        )
     for cls in ADAPTERS:  # a pool of another origin (a wrapper, a test's stand-in): by its buffers
         if cls.matches(kvcache):
             return cls(kvcache, architecture)
     raise UnsupportedPool(f"KV pool {kind} has neither k_buffer/v_buffer (MHA) nor kv_buffer/kv_lora_rank (MLA)")
 
 
-__all__ = ["ADAPTERS", "DraftPoolsAdapter", "HybridLinearPoolAdapter", "MHAPoolAdapter", "MLAPoolAdapter", "MambaStateAdapter", "PoolAdapter", "SWAPoolAdapter",
-           "UnsupportedPool", "adapter_for"]
+__all__ = [
+    "ADAPTERS",
+    "DraftPoolsAdapter",
+    "HybridLinearPoolAdapter",
+    "MHAPoolAdapter",
+    "MLAPoolAdapter",
+    "MambaStateAdapter",
+    "PoolAdapter",
+    "SWAPoolAdapter",
+    "UnsupportedPool",
+    "adapter_for",
+]
 
 
 class MambaStateAdapter:
@@ -407,8 +463,14 @@ class MambaStateAdapter:
                     self.tensors.append(t)  # [layers, slots + 1, ...]
         self.state_bytes = sum(t[:, 0].numel() * t.element_size() for t in self.tensors)
         self.snapshot_bytes = self.state_bytes + self.state_bytes % 2
-        self.layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=self.snapshot_bytes // 2, dtype="bfloat16",
-                               architecture=f"{architecture}:mamba_state", kv_planes=1)
+        self.layout = KVLayout(
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=self.snapshot_bytes // 2,
+            dtype="bfloat16",
+            architecture=f"{architecture}:mamba_state",
+            kv_planes=1,
+        )
 
     def tokens_of_kv(self, kv_layout: KVLayout) -> int:
         """How many tokens of `kv_layout` one snapshot costs (rounded up)."""
@@ -423,7 +485,7 @@ class MambaStateAdapter:
         for t in self.tensors:
             rows = t.index_select(1, idx.to(t.device)).movedim(1, 0).contiguous().to("cpu")
             b = rows.view(n, -1).view(torch.uint8)
-            out[:, off:off + b.shape[1]] = b
+            out[:, off : off + b.shape[1]] = b
             off += b.shape[1]
         return out.view(torch.bfloat16).view(n, 1, 1, 1, 1, -1)
 
@@ -437,6 +499,6 @@ class MambaStateAdapter:
         off = 0
         for t in self.tensors:
             per = t[:, 0].numel() * t.element_size()
-            part = raw[:, off:off + per].contiguous().view(t.dtype).view(n, t.shape[0], *t.shape[2:])
+            part = raw[:, off : off + per].contiguous().view(t.dtype).view(n, t.shape[0], *t.shape[2:])
             t.index_copy_(1, idx.to(t.device), part.movedim(0, 1).to(t.device))
             off += per

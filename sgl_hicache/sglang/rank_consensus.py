@@ -157,8 +157,9 @@ class RankConsensus:
     - Mismatched counts or digests raise `RankDivergenceError` on every rank.
     """
 
-    def __init__(self, group: Any, rank: int, size: int, check: bool = False,
-                 max_ops: int = 256, max_waiting: int = 128) -> None:
+    def __init__(
+        self, group: Any, rank: int, size: int, check: bool = False, max_ops: int = 256, max_waiting: int = 128
+    ) -> None:
         if size < 2:
             raise ValueError(f"RankConsensus needs tp_size >= 2, got {size}")
         self.group = group
@@ -197,8 +198,9 @@ class RankConsensus:
         return Path(disk_dir) / (f"tp{self.size}-shared" if self.replicated else f"tp{self.size}-rank{self.rank}")
 
     def gate(self, executor: Executor) -> GatedExecutor:
-        return GatedExecutor(executor, shared=(HOST, DISK) if self.replicated else (),
-                             disk_read_rate=lambda: self.disk_read_tokens_per_s)
+        return GatedExecutor(
+            executor, shared=(HOST, DISK) if self.replicated else (), disk_read_rate=lambda: self.disk_read_tokens_per_s
+        )
 
     # ---- collectives ------------------------------------------------------------------------
     def _all_reduce_min(self, vec: torch.Tensor) -> torch.Tensor:
@@ -233,12 +235,20 @@ class RankConsensus:
         drop = sorted(have - common)
         if drop and store is not None:
             store.free(drop)  # the tree adopts disk pages lazily: none of these is in it yet
-            logger.warning("sgl_hicache: rank %d dropped %d disk pages the other ranks do not hold", self.rank, len(drop))
+            logger.warning(
+                "sgl_hicache: rank %d dropped %d disk pages the other ranks do not hold", self.rank, len(drop)
+            )
         self.counts.startup_pages_dropped = len(drop)
 
-    def step(self, ops: Iterable[TransferOp], waiting: Sequence[tuple[Any, bool]],
-             digest: Callable[[], int] | None = None, layer_loads: tuple[int, int] = (0, 0),
-             disk_read_tokens_per_s: float = 0.0, prefill_cost: PrefillCost | None = None) -> int:
+    def step(
+        self,
+        ops: Iterable[TransferOp],
+        waiting: Sequence[tuple[Any, bool]],
+        digest: Callable[[], int] | None = None,
+        layer_loads: tuple[int, int] = (0, 0),
+        disk_read_tokens_per_s: float = 0.0,
+        prefill_cost: PrefillCost | None = None,
+    ) -> int:
         """One scheduler step's agreement. `ops`: the background transfers in flight, in the same
         order on every rank; `waiting`: (ticket, this rank would give up on it now) for the requests
         whose prefetch is unfinished, in the same order on every rank; `layer_loads`: (layer-wise
@@ -248,16 +258,31 @@ class RankConsensus:
         `prefill_cost`: this rank's fitted prefill cost (None: not yet); every rank's `prefill_cost`
         becomes the largest fixed part with the smallest per-token and per-pair parts (the fewest
         holds), or None while any rank has none."""
-        todo = [op for op in ops if op.gated and not op.agreed and not op.applied
-                and (op.shared_dst or not op.cancelled)][: self.max_ops]
+        todo = [
+            op for op in ops if op.gated and not op.agreed and not op.applied and (op.shared_dst or not op.cancelled)
+        ][: self.max_ops]
         waiting = list(waiting)[: self.max_waiting]
         d = digest() if (self.check and digest is not None) else 0
         # built as a list and converted once: item assignment into a tensor costs ~10 µs per element
-        vals = [len(todo), -len(todo), len(waiting), -len(waiting), -time.monotonic_ns(),
-                d & _MASK31, -(d & _MASK31), d >> 31, -(d >> 31),
-                layer_loads[0], -layer_loads[0], layer_loads[1], max(0, int(disk_read_tokens_per_s)),
-                -int(prefill_cost.fixed_s * 1e6) if prefill_cost else 0, int(prefill_cost.per_token_s * 1e12) if prefill_cost else 0,
-                int(prefill_cost.per_pair_s * 1e18) if prefill_cost else 0, int(prefill_cost is not None)]
+        vals = [
+            len(todo),
+            -len(todo),
+            len(waiting),
+            -len(waiting),
+            -time.monotonic_ns(),
+            d & _MASK31,
+            -(d & _MASK31),
+            d >> 31,
+            -(d >> 31),
+            layer_loads[0],
+            -layer_loads[0],
+            layer_loads[1],
+            max(0, int(disk_read_tokens_per_s)),
+            -int(prefill_cost.fixed_s * 1e6) if prefill_cost else 0,
+            int(prefill_cost.per_token_s * 1e12) if prefill_cost else 0,
+            int(prefill_cost.per_pair_s * 1e18) if prefill_cost else 0,
+            int(prefill_cost is not None),
+        ]
         base = _HEADER
         for op in todo:
             done = op.executed.is_set()
@@ -272,17 +297,20 @@ class RankConsensus:
             raise RankDivergenceError(
                 f"sgl_hicache rank {self.rank}: the TP ranks disagree on the transfers in flight "
                 f"({out[0]}..{-out[1]}) or the requests waiting ({out[2]}..{-out[3]}); this rank has "
-                f"{len(todo)} and {len(waiting)}")
+                f"{len(todo)} and {len(waiting)}"
+            )
         if out[9] != -out[10]:
             raise RankDivergenceError(
                 f"sgl_hicache rank {self.rank}: the TP ranks disagree on the layer-wise loads queued "
-                f"({out[9]}..{-out[10]}); this rank has {layer_loads[0]}")
+                f"({out[9]}..{-out[10]}); this rank has {layer_loads[0]}"
+            )
         if self.check and digest is not None:
             self.counts.digests_checked += 1
             if out[5] != -out[6] or out[7] != -out[8]:
                 raise RankDivergenceError(
                     f"sgl_hicache rank {self.rank}: tree/residency digest differs across the TP ranks at step "
-                    f"{self.counts.steps} (consensus_check)")
+                    f"{self.counts.steps} (consensus_check)"
+                )
         self.clock.advance(-out[4] / 1e9)
         for i, op in enumerate(todo):
             if not out[base + 2 * i]:
@@ -292,8 +320,11 @@ class RankConsensus:
             if worst > mine:
                 if op.error is None:
                     self.counts.ops_failed_elsewhere += 1
-                op.error = PeerTierError(f"{op.link} of {op.node.num_pages} pages failed on another TP rank"
-                                         + (f" (here: {op.error})" if op.error is not None else ""), page_gone=worst == 2)
+                op.error = PeerTierError(
+                    f"{op.link} of {op.node.num_pages} pages failed on another TP rank"
+                    + (f" (here: {op.error})" if op.error is not None else ""),
+                    page_gone=worst == 2,
+                )
             op.agreed = True
             self.counts.ops_agreed += 1
         for j, (ticket, _) in enumerate(waiting):
@@ -302,8 +333,11 @@ class RankConsensus:
                 self.counts.give_ups += 1
         self.counts.layer_loads_agreed += out[11]
         self.disk_read_tokens_per_s = out[12]
-        self.prefill_cost = (PrefillCost(fixed_s=-out[13] / 1e6, per_token_s=out[14] / 1e12, per_pair_s=out[15] / 1e18)
-                             if out[16] else None)
+        self.prefill_cost = (
+            PrefillCost(fixed_s=-out[13] / 1e6, per_token_s=out[14] / 1e12, per_pair_s=out[15] / 1e18)
+            if out[16]
+            else None
+        )
         return out[11]
 
     def gave_up(self, ticket: Any) -> bool:
@@ -320,8 +354,9 @@ class GatedExecutor(Executor):
     ranks' agreed one (`disk_read_rate`), so a budget sized from it is equal on every rank; it
     reports no other link's rate. Everything else is the inner one's."""
 
-    def __init__(self, inner: Executor, shared: Sequence[str] = (),
-                 disk_read_rate: Callable[[], float] = lambda: 0.0) -> None:
+    def __init__(
+        self, inner: Executor, shared: Sequence[str] = (), disk_read_rate: Callable[[], float] = lambda: 0.0
+    ) -> None:
         self.inner = inner
         self.shared = tuple(shared)  # tiers every rank shares (replicated KV): their copies free only once agreed
         self.disk_read_rate = disk_read_rate
@@ -431,5 +466,15 @@ def step_hook_installed() -> bool:
     return _hook_installed
 
 
-__all__ = ["AgreedClock", "GatedExecutor", "RankConsensus", "RankDivergenceError", "StepCounts",
-           "fail_kind", "inject_read_faults", "install_step_hook", "step_hook_installed", "tree_digest"]
+__all__ = [
+    "AgreedClock",
+    "GatedExecutor",
+    "RankConsensus",
+    "RankDivergenceError",
+    "StepCounts",
+    "fail_kind",
+    "inject_read_faults",
+    "install_step_hook",
+    "step_hook_installed",
+    "tree_digest",
+]

@@ -53,9 +53,15 @@ def replicated_tiers(consensus: RankConsensus, config: CacheConfig) -> tuple[Tie
     lower: TierStore | None = None
     if not consensus.leader and config.disk_pages > 0:
         lower = MirrorDiskStore(config.layout, config.page_size, config.disk_pages)
-    logger.info("sgl_hicache: rank %d of %d is the %s of one shared copy of the KV (host %d pages mapped by every "
-                "rank, disk %s)", consensus.rank, consensus.size, "leader" if consensus.leader else "follower",
-                config.host_pages, config.disk_dir)
+    logger.info(
+        "sgl_hicache: rank %d of %d is the %s of one shared copy of the KV (host %d pages mapped by every "
+        "rank, disk %s)",
+        consensus.rank,
+        consensus.size,
+        "leader" if consensus.leader else "follower",
+        config.host_pages,
+        config.disk_dir,
+    )
     return host, lower
 
 

@@ -112,8 +112,12 @@ class RequestHints:
 
     def status(self) -> dict[str, Any]:
         """The counters the stats show (`hints.requests`)."""
-        return {"with_hints": self.requests_with_hints, "aborted_malformed": self.aborted, "handles": len(self.handles),
-                "last_error": self.last_error}
+        return {
+            "with_hints": self.requests_with_hints,
+            "aborted_malformed": self.aborted,
+            "handles": len(self.handles),
+            "last_error": self.last_error,
+        }
 
 
 def on_add_request(scheduler: Any, req: Any = None, is_retracted: bool = False, *args: Any, **kwargs: Any) -> None:

@@ -182,7 +182,9 @@ def time_prefill(result, scheduler, batch=None, *args, **kwargs):
     launched = getattr(batch, "launch_ts", None)
     if launched is not None:
         end = step_end(scheduler, batch, time.monotonic())
-        cache.prefill_cost_fit.record(int(getattr(batch, "extend_num_tokens", 0) or 0), end - launched, step_pairs(batch))
+        cache.prefill_cost_fit.record(
+            int(getattr(batch, "extend_num_tokens", 0) or 0), end - launched, step_pairs(batch)
+        )
     return result
 
 
@@ -232,5 +234,18 @@ def register_hooks() -> None:
     HookRegistry.register(ADD_REQUEST, on_add_request, HookType.BEFORE)
 
 
-__all__ = ["disown_hicache_storage", "computed_tokens", "context_tokens", "step_end", "step_pairs", "demand_shortfall_tokens", "extend_tokens", "hold_new", "keep_admitting", "record_landed_copies", "register_hooks", "set_consumer_index",
-           "time_prefill"]
+__all__ = [
+    "disown_hicache_storage",
+    "computed_tokens",
+    "context_tokens",
+    "step_end",
+    "step_pairs",
+    "demand_shortfall_tokens",
+    "extend_tokens",
+    "hold_new",
+    "keep_admitting",
+    "record_landed_copies",
+    "register_hooks",
+    "set_consumer_index",
+    "time_prefill",
+]

@@ -85,10 +85,13 @@ def cpu_server_args(max_total_tokens: int = 16384, page_size: int | None = None)
     (32.5 M tokens / ~19 GB RSS was seen for the tiny model).
     """
     args = [
-        "--device", "cpu",
-        "--attention-backend", "torch_native",
+        "--device",
+        "cpu",
+        "--attention-backend",
+        "torch_native",
         "--disable-cuda-graph",
-        "--max-total-tokens", str(max_total_tokens),
+        "--max-total-tokens",
+        str(max_total_tokens),
     ]
     if page_size is not None:
         args += ["--page-size", str(page_size)]
@@ -147,9 +150,18 @@ class SGLangServer:
         ``port=None`` chooses a free port and, if the bind still loses a race, starts again on another
         (up to 4 tries); an explicit ``port`` is tried once.
         """
-        opts: dict[str, Any] = dict(host=host, extra_args=extra_args, env=env, python=python, log_path=log_path,
-                    cpu=cpu, load_format=load_format, skip_tokenizer_init=skip_tokenizer_init,
-                    wait=wait, timeout_s=timeout_s)
+        opts: dict[str, Any] = dict(
+            host=host,
+            extra_args=extra_args,
+            env=env,
+            python=python,
+            log_path=log_path,
+            cpu=cpu,
+            load_format=load_format,
+            skip_tokenizer_init=skip_tokenizer_init,
+            wait=wait,
+            timeout_s=timeout_s,
+        )
         if port is not None:
             return cls._start_once(model_path, port=port, **opts)
         # A port we chose ourselves can be lost to a race; choose again rather than fail the caller.
@@ -162,14 +174,35 @@ class SGLangServer:
         raise AssertionError("unreachable")
 
     @classmethod
-    def _start_once(cls, model_path: str | os.PathLike, *, host: str, port: int,
-                    extra_args: Sequence[str], env: Mapping[str, str] | None, python: str | None,
-                    log_path: str | os.PathLike | None, cpu: bool | None, load_format: str | None,
-                    skip_tokenizer_init: bool, wait: bool, timeout_s: float) -> SGLangServer:
+    def _start_once(
+        cls,
+        model_path: str | os.PathLike,
+        *,
+        host: str,
+        port: int,
+        extra_args: Sequence[str],
+        env: Mapping[str, str] | None,
+        python: str | None,
+        log_path: str | os.PathLike | None,
+        cpu: bool | None,
+        load_format: str | None,
+        skip_tokenizer_init: bool,
+        wait: bool,
+        timeout_s: float,
+    ) -> SGLangServer:
         if cpu is None:
             cpu = not has_cuda()
-        argv = [python or sys.executable, "-m", "sglang.launch_server",
-                "--model-path", str(model_path), "--host", host, "--port", str(port)]
+        argv = [
+            python or sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            str(model_path),
+            "--host",
+            host,
+            "--port",
+            str(port),
+        ]
         if load_format:
             argv += ["--load-format", load_format]
         if skip_tokenizer_init:
@@ -179,7 +212,7 @@ class SGLangServer:
             cpu_args = cpu_server_args()
             if "--max-total-tokens" in extra:
                 i = cpu_args.index("--max-total-tokens")
-                del cpu_args[i:i + 2]
+                del cpu_args[i : i + 2]
             argv += cpu_args
         argv += extra
 
@@ -200,11 +233,22 @@ class SGLangServer:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = open(log_path, "wb")  # noqa: SIM115 (the server writes it; closed when it stops)
         proc = subprocess.Popen(
-            argv, env=full_env, stdout=log_file, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
+            argv,
+            env=full_env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
-        server = cls(proc=proc, host=host, port=port, log_path=log_path, argv=argv,
-                     started_at=time.monotonic(), _log_file=log_file)
+        server = cls(
+            proc=proc,
+            host=host,
+            port=port,
+            log_path=log_path,
+            argv=argv,
+            started_at=time.monotonic(),
+            _log_file=log_file,
+        )
         if wait:
             try:
                 server.wait_healthy(timeout_s)
@@ -225,20 +269,22 @@ class SGLangServer:
             if rc is not None:
                 raise ServerStartError(
                     f"SGLang server exited with code {rc} before becoming healthy "
-                    f"(log {self.log_path}):\n{_tail(self.log_path)}")
+                    f"(log {self.log_path}):\n{_tail(self.log_path)}"
+                )
             tail = _tail(self.log_path, 5)
             if _BIND_FAILURE in tail.lower() and str(self.port) in tail:
                 raise PortInUseError(
                     f"SGLang server could not bind {self.host}:{self.port} "
-                    f"(log {self.log_path}):\n{_tail(self.log_path)}")
+                    f"(log {self.log_path}):\n{_tail(self.log_path)}"
+                )
             if self._health_ok():
                 self.ready_after_s = time.monotonic() - self.started_at
                 self._shm |= group_shm_files(self.proc.pid)  # some are closed again before stop
                 return self.ready_after_s
             if time.monotonic() > deadline:
                 raise ServerStartError(
-                    f"SGLang server not healthy after {timeout_s:.0f}s "
-                    f"(log {self.log_path}):\n{_tail(self.log_path)}")
+                    f"SGLang server not healthy after {timeout_s:.0f}s (log {self.log_path}):\n{_tail(self.log_path)}"
+                )
             time.sleep(poll_s)
 
     def _health_ok(self) -> bool:
@@ -324,7 +370,9 @@ def group_shm_files(pgid: int) -> set[Path]:
         try:
             if os.getpgid(int(proc.name)) != pgid:
                 continue
-            paths = [line.split(None, 5)[-1] for line in (proc / "maps").read_text().splitlines() if "/dev/shm/" in line]
+            paths = [
+                line.split(None, 5)[-1] for line in (proc / "maps").read_text().splitlines() if "/dev/shm/" in line
+            ]
             paths += [os.readlink(fd) for fd in (proc / "fd").iterdir()]
         except (OSError, ProcessLookupError):
             continue

@@ -58,12 +58,18 @@ class BackendSettings:
     write_through_threshold: int = DEFAULT_POLICY.write_through_threshold
     disk_write_policy: str = DEFAULT_POLICY.disk_write_policy  # host -> disk: write_back (watermark) | write_through
     eviction_policy: str | None = None  # lru | lfu; None: SGLang's --radix-eviction-policy when we support it, else lru
-    predictor: str = DEFAULT_POLICY.predictor  # tree_walk (promotes likely descendants disk -> host) | continuation | none
+    predictor: str = (
+        DEFAULT_POLICY.predictor
+    )  # tree_walk (promotes likely descendants disk -> host) | continuation | none
     predictor_budget_tokens: int = DEFAULT_POLICY.predictor_budget_tokens
     prefetch: bool = DEFAULT_POLICY.prefetch  # start disk -> host promotion when a request is matched (while it waits)
     transfer_workers: int = 2
-    writeback_clean_fraction: float = DEFAULT_POLICY.writeback_clean_fraction  # keep this share of the host tier also on disk, written in the background (0: off)
-    device_writeback_clean_fraction: float = DEFAULT_POLICY.device_writeback_clean_fraction  # keep this share of the device pool also on host, copied in the background (0: off)
+    writeback_clean_fraction: float = (
+        DEFAULT_POLICY.writeback_clean_fraction
+    )  # keep this share of the host tier also on disk, written in the background (0: off)
+    device_writeback_clean_fraction: float = (
+        DEFAULT_POLICY.device_writeback_clean_fraction
+    )  # keep this share of the device pool also on host, copied in the background (0: off)
     load_timeout_s: float = 30.0  # how long a request may wait for its disk pages before it recomputes them
     tenant_salt: str = ""  # extra namespace salt (isolates caches of tenants sharing one disk directory)
     store: str | None = None  # a shared store in the disk tier's place: mooncake://HOST:PORT or redis://HOST:PORT
@@ -71,9 +77,15 @@ class BackendSettings:
     stats_file: str | None = None  # the scheduler writes JSON stats here every stats_interval_s (atomic rename)
     stats_interval_s: float = 2.0
     eviction_demotes: str = DEFAULT_POLICY.eviction_demotes  # all | host | none: which evictions copy a dirty page down synchronously (CacheConfig); none: never on the scheduler thread
-    writeback_batch_pages: int = DEFAULT_POLICY.writeback_batch_pages  # most pages one background write-back round copies per link (it copies only up to the clean watermark)
-    layerwise_loads: bool = True  # init_load_back queues host->device copies per layer; the forward of layer i waits for layer i only
-    skip_waiting_admission: bool = True  # a request whose prefetch is in flight is skipped this round, not the end of admission
+    writeback_batch_pages: int = (
+        DEFAULT_POLICY.writeback_batch_pages
+    )  # most pages one background write-back round copies per link (it copies only up to the clean watermark)
+    layerwise_loads: bool = (
+        True  # init_load_back queues host->device copies per layer; the forward of layer i waits for layer i only
+    )
+    skip_waiting_admission: bool = (
+        True  # a request whose prefetch is in flight is skipped this round, not the end of admission
+    )
     admission_hold: str = "cost"  # a request offered for the first time to a prefill batch that has one already waits a round: cost (when the measured prefill cost says the split lowers time to first token, policy/admission.py) | always | off
     time_calls: bool = True  # time every cache call the scheduler makes (p50/p99/max in the stats)
     hint_port: int | None = None  # the hint API's port (sglang/hint_server.py); None: off; 0: any free port
@@ -86,16 +98,33 @@ class BackendSettings:
 
         for name in ("host_tokens", "disk_tokens"):  # (hint_port is checked below)
             v = getattr(self, name)
-            need(v is None or (isinstance(v, int) and v >= 0), f"{name} must be a non-negative integer or null, got {v!r}")
+            need(
+                v is None or (isinstance(v, int) and v >= 0),
+                f"{name} must be a non-negative integer or null, got {v!r}",
+            )
         need(self.host_ratio >= 0, f"host_ratio must be >= 0, got {self.host_ratio!r}")
         need(self.disk_gb >= 0, f"disk_gb must be >= 0, got {self.disk_gb!r}")
-        need(isinstance(self.transfer_workers, int) and self.transfer_workers >= 1, f"transfer_workers must be an integer >= 1, got {self.transfer_workers!r}")
+        need(
+            isinstance(self.transfer_workers, int) and self.transfer_workers >= 1,
+            f"transfer_workers must be an integer >= 1, got {self.transfer_workers!r}",
+        )
         need(self.load_timeout_s >= 0, f"load_timeout_s must be >= 0, got {self.load_timeout_s!r}")
-        need(self.admission_hold in ADMISSION_HOLDS, f"admission_hold must be one of {', '.join(ADMISSION_HOLDS)}, got {self.admission_hold!r}")
-        need(self.store is None or "://" in self.store, f"store must be a URL (mooncake://HOST:PORT or redis://HOST:PORT), got {self.store!r}")
-        need(isinstance(self.store_min_hits, int) and self.store_min_hits >= 0, f"store_min_hits must be an integer >= 0, got {self.store_min_hits!r}")
-        need(self.hint_port is None or (isinstance(self.hint_port, int) and 0 <= self.hint_port <= 65535),
-             f"hint_port must be a port number (0-65535) or null, got {self.hint_port!r}")
+        need(
+            self.admission_hold in ADMISSION_HOLDS,
+            f"admission_hold must be one of {', '.join(ADMISSION_HOLDS)}, got {self.admission_hold!r}",
+        )
+        need(
+            self.store is None or "://" in self.store,
+            f"store must be a URL (mooncake://HOST:PORT or redis://HOST:PORT), got {self.store!r}",
+        )
+        need(
+            isinstance(self.store_min_hits, int) and self.store_min_hits >= 0,
+            f"store_min_hits must be an integer >= 0, got {self.store_min_hits!r}",
+        )
+        need(
+            self.hint_port is None or (isinstance(self.hint_port, int) and 0 <= self.hint_port <= 65535),
+            f"hint_port must be a port number (0-65535) or null, got {self.hint_port!r}",
+        )
         need(self.stats_interval_s > 0, f"stats_interval_s must be > 0, got {self.stats_interval_s!r}")
         need(self.host_gb is None or self.host_gb >= 0, f"host_gb must be >= 0 or null, got {self.host_gb!r}")
         try:  # the policy knobs are checked once, where both engines build them (config.TieringPolicy)
@@ -106,12 +135,22 @@ class BackendSettings:
     def tiering(self, sglang_eviction: str | None = None) -> TieringPolicy:
         """The policy the server runs: these settings, with the eviction order resolved
         (`eviction_policy`, else SGLang's `--radix-eviction-policy` when it is one we have, else lru)."""
-        eviction = self.eviction_policy or (sglang_eviction.lower() if sglang_eviction and sglang_eviction.lower() in ("lru", "lfu") else "lru")
-        return TieringPolicy(eviction_policy=eviction, write_policy=self.write_policy, write_through_threshold=self.write_through_threshold,
-                             disk_write_policy=self.disk_write_policy, eviction_demotes=self.eviction_demotes, predictor=self.predictor,
-                             predictor_budget_tokens=self.predictor_budget_tokens, prefetch=self.prefetch,
-                             device_writeback_clean_fraction=self.device_writeback_clean_fraction,
-                             writeback_clean_fraction=self.writeback_clean_fraction, writeback_batch_pages=self.writeback_batch_pages)
+        eviction = self.eviction_policy or (
+            sglang_eviction.lower() if sglang_eviction and sglang_eviction.lower() in ("lru", "lfu") else "lru"
+        )
+        return TieringPolicy(
+            eviction_policy=eviction,
+            write_policy=self.write_policy,
+            write_through_threshold=self.write_through_threshold,
+            disk_write_policy=self.disk_write_policy,
+            eviction_demotes=self.eviction_demotes,
+            predictor=self.predictor,
+            predictor_budget_tokens=self.predictor_budget_tokens,
+            prefetch=self.prefetch,
+            device_writeback_clean_fraction=self.device_writeback_clean_fraction,
+            writeback_clean_fraction=self.writeback_clean_fraction,
+            writeback_batch_pages=self.writeback_batch_pages,
+        )
 
     def host_tokens_for(self, device_tokens: int, bytes_per_token: int) -> int:
         """The host tier's capacity: `host_tokens`, else `host_gb` GiB, else `host_ratio` x the device pool."""
@@ -163,7 +202,9 @@ def _coerce(name: str, raw: Any, source: str) -> Any:
             if kind is float:
                 return float(text)
         except ValueError:
-            raise SettingsError(f"{source}: {name}={raw!r} is not a valid {('boolean' if kind is bool else 'integer' if optional_int or kind is int else 'number')}") from None
+            raise SettingsError(
+                f"{source}: {name}={raw!r} is not a valid {('boolean' if kind is bool else 'integer' if optional_int or kind is int else 'number')}"
+            ) from None
         return text
     if raw is None:
         if optional_int or optional_float or optional_str:
@@ -216,8 +257,11 @@ def unknown_env(env: Mapping[str, str] | None = None) -> list[str]:
     env = os.environ if env is None else env
     from .debug_settings import DEBUG_ENV
 
-    known = ({ENV_PREFIX + n.upper() for n in _FIELDS} | set(DEBUG_ENV)
-             | {CONFIG_ENV, "SGLHICACHE_DIR", "SGLHICACHE_CPU_HICACHE_HOST_RESERVE_BYTES"})
+    known = (
+        {ENV_PREFIX + n.upper() for n in _FIELDS}
+        | set(DEBUG_ENV)
+        | {CONFIG_ENV, "SGLHICACHE_DIR", "SGLHICACHE_CPU_HICACHE_HOST_RESERVE_BYTES"}
+    )
     return sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known)
 
 
@@ -237,4 +281,13 @@ def settings_env(settings: BackendSettings) -> dict[str, str]:
     return out
 
 
-__all__ = ["BackendSettings", "CONFIG_ENV", "ENV_PREFIX", "SettingsError", "given_settings", "load_settings", "settings_env", "unknown_env"]
+__all__ = [
+    "BackendSettings",
+    "CONFIG_ENV",
+    "ENV_PREFIX",
+    "SettingsError",
+    "given_settings",
+    "load_settings",
+    "settings_env",
+    "unknown_env",
+]

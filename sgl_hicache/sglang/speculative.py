@@ -56,8 +56,9 @@ def record_draft_pools(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -
         spec = getattr(scheduler, "draft_worker", None)
         runners = spec._draft_model_runners() if spec is not None and hasattr(spec, "_draft_model_runners") else ()
         target_pool = scheduler.tp_worker.model_runner.token_to_kv_pool
-        pools = tuple(p for p in (getattr(r, "token_to_kv_pool", None) for r in runners)
-                      if p is not None and p is not target_pool)  # none: the draft reads the target's KV (frozen-KV MTP)
+        pools = tuple(
+            p for p in (getattr(r, "token_to_kv_pool", None) for r in runners) if p is not None and p is not target_pool
+        )  # none: the draft reads the target's KV (frozen-KV MTP)
         _, allocator = scheduler.tp_worker.get_memory_pool()
         _DRAFT_POOLS[id(allocator)] = pools
     except Exception:  # never break SGLang's start; the factory refuses EAGLE without the pools

@@ -53,10 +53,16 @@ def fetch_stats(target: str, timeout: float = 10.0) -> dict[str, Any]:
             info = json.loads(raw)
         except ValueError as e:
             raise StatsError(f"{base}/server_info is not JSON: {e}") from None
-        ranks = [s["sgl_hicache"] for s in info.get("internal_states") or [] if isinstance(s, dict) and "sgl_hicache" in s]
+        ranks = [
+            s["sgl_hicache"] for s in info.get("internal_states") or [] if isinstance(s, dict) and "sgl_hicache" in s
+        ]
         if not ranks:
-            backend = next((s.get("radix_cache_backend") for s in info.get("internal_states") or [] if isinstance(s, dict)), None)
-            raise StatsError(f"{base} does not report sgl_hicache stats (radix_cache_backend={backend!r}); start it with --radix-cache-backend sgl_hicache")
+            backend = next(
+                (s.get("radix_cache_backend") for s in info.get("internal_states") or [] if isinstance(s, dict)), None
+            )
+            raise StatsError(
+                f"{base} does not report sgl_hicache stats (radix_cache_backend={backend!r}); start it with --radix-cache-backend sgl_hicache"
+            )
         out = dict(ranks[0])
         out["source"] = f"{base}/server_info"
         if len(ranks) > 1:
@@ -84,7 +90,9 @@ def render(stats: dict[str, Any], tree: bool = True) -> str:
     lines = []
     req = stats.get("requests", 0)
     prompt = stats.get("prompt_tokens", 0)
-    lines.append(f"requests {req}   prompt tokens {prompt}   hit rate {stats.get('hit_rate', 0.0):.1%}   miss tokens {stats.get('miss_tokens', 0)}")
+    lines.append(
+        f"requests {req}   prompt tokens {prompt}   hit rate {stats.get('hit_rate', 0.0):.1%}   miss tokens {stats.get('miss_tokens', 0)}"
+    )
     hdr = f"{'tier':<7}{'hit tok':>10}{'stored':>10}{'capacity':>11}{'promoted':>10}{'demoted':>10}{'evicted':>10}"
     lines.append(hdr)
     for t in TIERS:
@@ -98,23 +106,31 @@ def render(stats: dict[str, Any], tree: bool = True) -> str:
         lines.append("bytes moved: " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in moved.items()))
     for kind, d in (stats.get("prefetch") or {}).items():
         prec = d.get("precision")
-        lines.append(f"{kind}: promoted {d.get('promoted_tokens', 0)} used {d.get('used_tokens', 0)} wasted {d.get('wasted_tokens', 0)}"
-                     + (f" precision {prec:.1%}" if prec is not None else ""))
+        lines.append(
+            f"{kind}: promoted {d.get('promoted_tokens', 0)} used {d.get('used_tokens', 0)} wasted {d.get('wasted_tokens', 0)}"
+            + (f" precision {prec:.1%}" if prec is not None else "")
+        )
     b = stats.get("backend") or {}
     if b:
-        lines.append(f"load-backs {b.get('load_backs', 0)} ({b.get('load_back_tokens', 0)} tok, {b.get('load_back_seconds', 0.0):.3f} s), "
-                     f"declined {b.get('load_back_declined', 0)}, retries {b.get('load_back_retries', 0)}, timeouts {b.get('load_back_timeouts', 0)}, "
-                     f"prefetch jobs {b.get('prefetch_jobs', 0)} ({b.get('prefetch_tokens', 0)} tok)")
+        lines.append(
+            f"load-backs {b.get('load_backs', 0)} ({b.get('load_back_tokens', 0)} tok, {b.get('load_back_seconds', 0.0):.3f} s), "
+            f"declined {b.get('load_back_declined', 0)}, retries {b.get('load_back_retries', 0)}, timeouts {b.get('load_back_timeouts', 0)}, "
+            f"prefetch jobs {b.get('prefetch_jobs', 0)} ({b.get('prefetch_tokens', 0)} tok)"
+        )
     pool = stats.get("pool")
     if pool:
-        lines.append(f"device pool {pool['device_pool_tokens']} tok: free {pool['device_free_tokens']}, cache {pool['device_cache_owned_tokens']}, "
-                     f"requests {pool['request_held_tokens']}; evictable {pool['evictable_tokens']}, protected {pool['protected_tokens']}; check {pool['check']}")
+        lines.append(
+            f"device pool {pool['device_pool_tokens']} tok: free {pool['device_free_tokens']}, cache {pool['device_cache_owned_tokens']}, "
+            f"requests {pool['request_held_tokens']}; evictable {pool['evictable_tokens']}, protected {pool['protected_tokens']}; check {pool['check']}"
+        )
     hints = stats.get("hints")
     if hints:
         applied = ", ".join(f"{k} {v}" for k, v in (hints.get("applied") or {}).items())
-        lines.append(f"hint API :{hints.get('port')}: applied {applied}; acted on {hints.get('acted_tokens', 0)} tok, "
-                     f"rejected {hints.get('rejected', 0)}, pins {hints.get('pins', 0)} ({hints.get('pinned_tokens', 0)} tok)"
-                     + (f"; last error: {hints['last_error']}" if hints.get("last_error") else ""))
+        lines.append(
+            f"hint API :{hints.get('port')}: applied {applied}; acted on {hints.get('acted_tokens', 0)} tok, "
+            f"rejected {hints.get('rejected', 0)}, pins {hints.get('pins', 0)} ({hints.get('pinned_tokens', 0)} tok)"
+            + (f"; last error: {hints['last_error']}" if hints.get("last_error") else "")
+        )
     if stats.get("errors"):
         lines.append("errors: " + ", ".join(f"{k}={v}" for k, v in stats["errors"].items()))
     if tree and stats.get("tree_text"):

@@ -115,9 +115,15 @@ class StepCalls:
 
             cache = self.cache
             host = cache.stores[HOST].capacity_pages * cache.page_size if cache.has_tier(HOST) else None
-            self.hint_listener = HintListener(self.settings.hint_port, self.settings.hint_host, status=self.hint_status,
-                                              vocab_size=self._vocab_size, limits=self.controller.hints.limits,
-                                              page_size=cache.page_size, host_tokens=host)
+            self.hint_listener = HintListener(
+                self.settings.hint_port,
+                self.settings.hint_host,
+                status=self.hint_status,
+                vocab_size=self._vocab_size,
+                limits=self.controller.hints.limits,
+                page_size=cache.page_size,
+                host_tokens=host,
+            )
             logger.info("sgl_hicache: hint API on http://%s:%d/hints", self.settings.hint_host, self.hint_listener.port)
 
     def stop_hint_api(self) -> None:
@@ -139,8 +145,14 @@ class StepCalls:
     def hint_status(self) -> dict:
         """What `GET /hints` reports (read from the listener's thread: counters only)."""
         desk = self.controller.hints
-        return {"applied": dict(desk.counts), "acted_tokens": self.hint_tokens, "rejected": desk.rejected,
-                "pins": desk.pins, "pinned_tokens": desk.pinned_tokens, "last_error": self.hint_error}
+        return {
+            "applied": dict(desk.counts),
+            "acted_tokens": self.hint_tokens,
+            "rejected": desk.rejected,
+            "pins": desk.pins,
+            "pinned_tokens": desk.pinned_tokens,
+            "last_error": self.hint_error,
+        }
 
     @frees_batched
     def after_batch_formed(self, admitted: Sequence[Any] = ()) -> None:
@@ -185,9 +197,14 @@ class StepCalls:
         loads = self.layer_loads
         ex = self.controller.executor
         rate = ex.local_link_tokens_per_s("disk->host") if isinstance(ex, GatedExecutor) else 0.0
-        agreed_loads = c.step(ops, flags, digest=lambda: tree_digest(self.cache, (len(self.req_states),), host_handles=c.replicated),
-                              layer_loads=(loads.queued, loads.done_prefix()) if loads is not None else (0, 0),
-                              disk_read_tokens_per_s=rate, prefill_cost=self.prefill_cost_fit.cost())
+        agreed_loads = c.step(
+            ops,
+            flags,
+            digest=lambda: tree_digest(self.cache, (len(self.req_states),), host_handles=c.replicated),
+            layer_loads=(loads.queued, loads.done_prefix()) if loads is not None else (0, 0),
+            disk_read_tokens_per_s=rate,
+            prefill_cost=self.prefill_cost_fit.cost(),
+        )
         if loads is not None:
             loads.reap_agreed(agreed_loads)
         if self.controller.predicted:  # outcomes agreed above: every rank records the same landed promotions

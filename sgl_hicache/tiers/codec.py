@@ -75,8 +75,18 @@ class PageCodec:
         # every header of this codec is `_before_key + key + _after_key + checksum`: pack the fixed
         # fields once (a store writes one header per page)
         shape = list(self.page_shape) + [0] * (_MAX_DIMS - len(self.page_shape))
-        fixed = _HEADER_BODY.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, namespace.root, bytes(16), payload_bytes,
-                                  self.dtype_name, len(self.page_shape), *shape, 0)
+        fixed = _HEADER_BODY.pack(
+            MAGIC,
+            FORMAT_VERSION,
+            HEADER_SIZE,
+            namespace.root,
+            bytes(16),
+            payload_bytes,
+            self.dtype_name,
+            len(self.page_shape),
+            *shape,
+            0,
+        )
         self._before_key, self._after_key = fixed[:_KEY_AT], fixed[_KEY_AT + 16 : -_HEADER_SUM.size]
 
     @property
@@ -136,4 +146,13 @@ class PageCodec:
         return payload, ""
 
 
-__all__ = ["DTYPE_MISMATCH", "FORMAT_VERSION", "HEADER_SIZE", "MAGIC", "PAGE_SUFFIX", "PageCodec", "check_key", "tensor_bytes"]
+__all__ = [
+    "DTYPE_MISMATCH",
+    "FORMAT_VERSION",
+    "HEADER_SIZE",
+    "MAGIC",
+    "PAGE_SUFFIX",
+    "PageCodec",
+    "check_key",
+    "tensor_bytes",
+]

@@ -42,7 +42,9 @@ class DeviceKVPool(_SlotStore, PageViews, LayeredPages):
 
     name = DEVICE
 
-    def __init__(self, layout: KVLayout, page_size: int, capacity_pages: int, device: str | torch.device | None = None) -> None:
+    def __init__(
+        self, layout: KVLayout, page_size: int, capacity_pages: int, device: str | torch.device | None = None
+    ) -> None:
         super().__init__(layout, page_size, capacity_pages)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.kv = torch.zeros(
@@ -98,8 +100,14 @@ class HostKVBuffer(_SlotStore, PageViews):
 
     name = HOST
 
-    def __init__(self, layout: KVLayout, page_size: int, capacity_pages: int, pin_memory: bool | None = None,
-                 buffer: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        page_size: int,
+        capacity_pages: int,
+        pin_memory: bool | None = None,
+        buffer: torch.Tensor | None = None,
+    ) -> None:
         super().__init__(layout, page_size, capacity_pages)
         if buffer is None:
             pin = torch.cuda.is_available() if pin_memory is None else pin_memory
@@ -107,8 +115,10 @@ class HostKVBuffer(_SlotStore, PageViews):
             buffer = torch.zeros((capacity_pages, *self.page_shape), dtype=layout.torch_dtype, pin_memory=self.pinned)
         else:  # a caller's memory (tiers/shared_host.py: one buffer mapped by every TP rank)
             if tuple(buffer.shape) != (capacity_pages, *self.page_shape) or buffer.dtype != layout.torch_dtype:
-                raise ValueError(f"host: buffer of {tuple(buffer.shape)} / {buffer.dtype}, expected "
-                                 f"{(capacity_pages, *self.page_shape)} / {layout.torch_dtype}")
+                raise ValueError(
+                    f"host: buffer of {tuple(buffer.shape)} / {buffer.dtype}, expected "
+                    f"{(capacity_pages, *self.page_shape)} / {layout.torch_dtype}"
+                )
             self.pinned = bool(pin_memory)
         self.buffer = buffer
         # page_view's views, made on first use: a transfer asks for every page's view, and indexing

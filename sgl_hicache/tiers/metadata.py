@@ -116,7 +116,9 @@ class MetadataDiskStore(KeyedStore):
         return _NO_BYTES
 
 
-def metadata_stores(layout: KVLayout, page_size: int, device_pages: int, host_pages: int, disk_pages: int) -> dict[str, TierStore]:
+def metadata_stores(
+    layout: KVLayout, page_size: int, device_pages: int, host_pages: int, disk_pages: int
+) -> dict[str, TierStore]:
     """The three tiers as metadata stores (a tier of 0 pages is left out, as `TieredCache` does)."""
     stores: dict[str, TierStore] = {DEVICE: MetadataSlotStore(DEVICE, layout, page_size, device_pages)}
     if host_pages > 0:

@@ -79,8 +79,10 @@ def new_shared_file(nbytes: int, directory: Path | None = None) -> Path:
 
 def _no_room(nbytes: int, free: int, where: Path) -> str:
     gib = 1 << 30
-    return (f"host tier: the host buffer shared by the TP ranks needs {nbytes / gib:.2f} GiB in {where}, which has "
-            f"{free / gib:.2f} GiB free; give it more room (a container's --shm-size) or lower host_tokens / host_ratio")
+    return (
+        f"host tier: the host buffer shared by the TP ranks needs {nbytes / gib:.2f} GiB in {where}, which has "
+        f"{free / gib:.2f} GiB free; give it more room (a container's --shm-size) or lower host_tokens / host_ratio"
+    )
 
 
 def unlink_shared_file(path: str | os.PathLike[str]) -> None:
@@ -99,8 +101,11 @@ class SharedHostBuffer(HostKVBuffer):
         nbytes = capacity_pages * page_size * layout.bytes_per_token
         if os.path.getsize(path) != nbytes:
             raise ValueError(f"host: shared buffer file {path} has {os.path.getsize(path)} bytes, expected {nbytes}")
-        raw = (torch.from_file(os.fspath(path), shared=True, size=nbytes, dtype=torch.uint8) if nbytes
-               else torch.empty(0, dtype=torch.uint8))  # (an empty file cannot be mapped)
+        raw = (
+            torch.from_file(os.fspath(path), shared=True, size=nbytes, dtype=torch.uint8)
+            if nbytes
+            else torch.empty(0, dtype=torch.uint8)
+        )  # (an empty file cannot be mapped)
         buffer = raw.view(layout.torch_dtype).view(shape)
         pinned = _register_with_cuda(buffer)
         super().__init__(layout, page_size, capacity_pages, pin_memory=pinned, buffer=buffer)
@@ -140,5 +145,11 @@ class MirrorDiskStore(MetadataDiskStore):
         return max(0, self.capacity_pages - len(self._index))
 
 
-__all__ = ["LowestFirstSlots", "MirrorDiskStore", "SharedHostBuffer", "new_shared_file", "shared_memory_dir",
-           "unlink_shared_file"]
+__all__ = [
+    "LowestFirstSlots",
+    "MirrorDiskStore",
+    "SharedHostBuffer",
+    "new_shared_file",
+    "shared_memory_dir",
+    "unlink_shared_file",
+]

@@ -94,7 +94,11 @@ class SharedStoreTier(KeyedStore, ReadsInto):
         super().__init__(layout, page_size, capacity_pages)
         if not isinstance(namespace, Namespace) or len(namespace.root) != KEY_BYTES:
             raise ValueError(f"store: namespace must be a hashing.Namespace, got {namespace!r}")
-        for label, value in (("exists_timeout_s", exists_timeout_s), ("backoff_s", backoff_s), ("max_backoff_s", max_backoff_s)):
+        for label, value in (
+            ("exists_timeout_s", exists_timeout_s),
+            ("backoff_s", backoff_s),
+            ("max_backoff_s", max_backoff_s),
+        ):
             if not value > 0:
                 raise ValueError(f"store: {label} must be > 0, got {value!r}")
         if min_hits < 0:
@@ -170,7 +174,9 @@ class SharedStoreTier(KeyedStore, ReadsInto):
             if not was:
                 self.counters["errors"] += 1
         if not was:
-            log.error("store tier: %s unavailable (%s); serving from local tiers, retrying in %g s", self.url, exc, backoff)
+            log.error(
+                "store tier: %s unavailable (%s); serving from local tiers, retrying in %g s", self.url, exc, backoff
+            )
         else:
             log.debug("store tier: %s still unavailable (%s); next try in %g s", self.url, exc, backoff)
 
@@ -323,7 +329,12 @@ class SharedStoreTier(KeyedStore, ReadsInto):
         already dropped from the local view: forget it, do not free it) when the value is missing,
         unreadable or fails the codec; `out` is then undefined."""
         key = check_key(key)
-        if tuple(out.shape) != self.page_shape or out.dtype != self.dtype or out.device.type != "cpu" or not out.is_contiguous():
+        if (
+            tuple(out.shape) != self.page_shape
+            or out.dtype != self.dtype
+            or out.device.type != "cpu"
+            or not out.is_contiguous()
+        ):
             raise ValueError(f"store: read_into needs a contiguous CPU tensor of {self.page_shape} / {self.dtype}")
         if self._index.get(key) is not True:
             raise KeyError(f"store: page {key.hex()} is not stored")
@@ -342,7 +353,9 @@ class SharedStoreTier(KeyedStore, ReadsInto):
             if reason == DTYPE_MISMATCH:
                 with self._lock:
                     self.counters["dtype_mismatch"] += 1
-            self._miss(key, reason, f"bad value: {reason}", "foreign_values" if reason == "foreign" else "corrupt_values")
+            self._miss(
+                key, reason, f"bad value: {reason}", "foreign_values" if reason == "foreign" else "corrupt_values"
+            )
         tensor_bytes(out)[:] = payload
         with self._lock:
             self.counters["pages_read"] += 1
@@ -377,7 +390,9 @@ def open_store(config: CacheConfig, namespace: Namespace) -> SharedStoreTier:
     from .store_backends import open_backend  # noqa: PLC0415 - the adapters import optional clients
 
     backend = open_backend(config.store_url or "")
-    return SharedStoreTier(config.layout, config.page_size, config.store_pages, backend, namespace, min_hits=config.store_min_hits)
+    return SharedStoreTier(
+        config.layout, config.page_size, config.store_pages, backend, namespace, min_hits=config.store_min_hits
+    )
 
 
 __all__ = ["COUNTER_NAMES", "open_store", "STORE", "SharedStoreTier", "StoreBackend", "StoreUnavailable"]

@@ -45,11 +45,15 @@ class MooncakeBackend(StoreBackend):
             ) from exc
         u = urllib.parse.urlparse(url)
         if not u.hostname or not u.port:
-            raise ValueError(f"--store {url!r}: a mooncake URL needs the master's HOST:PORT (mooncake://127.0.0.1:50051)")
+            raise ValueError(
+                f"--store {url!r}: a mooncake URL needs the master's HOST:PORT (mooncake://127.0.0.1:50051)"
+            )
         q = {k: v[-1] for k, v in urllib.parse.parse_qs(u.query).items()}
         unknown = set(q) - {"metadata", "local", "protocol"}
         if unknown:
-            raise ValueError(f"--store {url!r}: unknown option(s) {', '.join(sorted(unknown))}; known: metadata, local, protocol")
+            raise ValueError(
+                f"--store {url!r}: unknown option(s) {', '.join(sorted(unknown))}; known: metadata, local, protocol"
+            )
         loopback = u.hostname in ("127.0.0.1", "localhost", "::1")
         self.url = url
         self.metadata = q.get("metadata", f"http://{u.hostname}:8080/metadata")
@@ -57,9 +61,13 @@ class MooncakeBackend(StoreBackend):
         if loopback:
             os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")  # else it advertises the external address
         self._store = MooncakeDistributedStore()
-        rc = self._store.setup(local, self.metadata, 0, local_buffer_mb << 20, q.get("protocol", "tcp"), "", f"{u.hostname}:{u.port}")
+        rc = self._store.setup(
+            local, self.metadata, 0, local_buffer_mb << 20, q.get("protocol", "tcp"), "", f"{u.hostname}:{u.port}"
+        )
         if rc != 0:
-            raise StoreUnavailable(f"mooncake: cannot connect to master {u.hostname}:{u.port} (metadata {self.metadata}): setup returned {rc}")
+            raise StoreUnavailable(
+                f"mooncake: cannot connect to master {u.hostname}:{u.port} (metadata {self.metadata}): setup returned {rc}"
+            )
         self._tls = threading.local()
         self._buffers: list[ctypes.Array] = []  # registered staging buffers, alive as long as the client
         self._lock = threading.Lock()

@@ -112,16 +112,20 @@ class LocalStore:
         while True:
             holder = self.procs["holder"]
             if holder.poll() is not None:
-                raise RuntimeError(f"mooncake_client exited with code {holder.returncode}: "
-                                   f"{self._logs['holder'].read_text(errors='replace')[-2000:]}")
+                raise RuntimeError(
+                    f"mooncake_client exited with code {holder.returncode}: "
+                    f"{self._logs['holder'].read_text(errors='replace')[-2000:]}"
+                )
             try:
                 if self.master_metrics(timeout=2.0).get("master_total_capacity_bytes", 0.0) > 0:
                     return
             except OSError:
                 pass  # the metrics endpoint is not up yet
             if time.monotonic() > deadline:
-                raise RuntimeError(f"mooncake_client mounted no memory within {timeout:g} s: "
-                                   f"{self._logs['holder'].read_text(errors='replace')[-2000:]}")
+                raise RuntimeError(
+                    f"mooncake_client mounted no memory within {timeout:g} s: "
+                    f"{self._logs['holder'].read_text(errors='replace')[-2000:]}"
+                )
             time.sleep(0.05)
 
     def stop(self) -> None:
@@ -159,22 +163,40 @@ def start_mooncake(segment_mb: int = 256, snapshot: bool = False, timeout: float
     work = Path(tempfile.mkdtemp(prefix="sglh-mooncake-"))
     rpc, http, metrics, holder = free_port(), free_port(), free_port(), free_port()
     master = [
-        str(bin_dir / "mooncake_master"), "--rpc_address=127.0.0.1", f"--rpc_port={rpc}",
-        "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-        f"--http_metadata_server_port={http}", "--metrics_host=127.0.0.1", f"--metrics_port={metrics}",
-        "--rpc_thread_num=2", "--logtostderr",
+        str(bin_dir / "mooncake_master"),
+        "--rpc_address=127.0.0.1",
+        f"--rpc_port={rpc}",
+        "--enable_http_metadata_server=true",
+        "--http_metadata_server_host=127.0.0.1",
+        f"--http_metadata_server_port={http}",
+        "--metrics_host=127.0.0.1",
+        f"--metrics_port={metrics}",
+        "--rpc_thread_num=2",
+        "--logtostderr",
     ]
     if snapshot:
         (work / "snap").mkdir()
-        master += ["--enable_snapshot=true", "--snapshot_interval_seconds=3", "--snapshot_object_store_type=local",
-                   "--enable_snapshot_restore=true"]
+        master += [
+            "--enable_snapshot=true",
+            "--snapshot_interval_seconds=3",
+            "--snapshot_object_store_type=local",
+            "--enable_snapshot_restore=true",
+        ]
     client = [
-        str(bin_dir / "mooncake_client"), "-host=127.0.0.1", f"-port={holder}", f'-global_segment_size={segment_mb} MB',
-        f"-master_server_address=127.0.0.1:{rpc}", f"-metadata_server=http://127.0.0.1:{http}/metadata",
-        "-protocol=tcp", "--logtostderr",
+        str(bin_dir / "mooncake_client"),
+        "-host=127.0.0.1",
+        f"-port={holder}",
+        f"-global_segment_size={segment_mb} MB",
+        f"-master_server_address=127.0.0.1:{rpc}",
+        f"-metadata_server=http://127.0.0.1:{http}/metadata",
+        "-protocol=tcp",
+        "--logtostderr",
     ]
-    store = LocalStore(url=f"mooncake://127.0.0.1:{rpc}?metadata=http://127.0.0.1:{http}/metadata", workdir=work,
-                       ports={"master": rpc, "http": http, "holder": holder, "metrics": metrics})
+    store = LocalStore(
+        url=f"mooncake://127.0.0.1:{rpc}?metadata=http://127.0.0.1:{http}/metadata",
+        workdir=work,
+        ports={"master": rpc, "http": http, "holder": holder, "metrics": metrics},
+    )
     store._args = {"master": master, "holder": client}
     store._logs = {"master": work / "master.log", "holder": work / "holder.log"}
     if snapshot:
@@ -199,8 +221,23 @@ def start_redis(maxmemory_mb: int = 256, timeout: float = 20.0, policy: str = "a
         raise RuntimeError("the redis store needs `redis-server` (apt-get install -y redis-server)")
     work = Path(tempfile.mkdtemp(prefix="sglh-redis-"))
     port = free_port()
-    args = [exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-            "--maxmemory", f"{maxmemory_mb}mb", "--maxmemory-policy", policy, "--dir", str(work)]
+    args = [
+        exe,
+        "--bind",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--maxmemory",
+        f"{maxmemory_mb}mb",
+        "--maxmemory-policy",
+        policy,
+        "--dir",
+        str(work),
+    ]
     store = LocalStore(url=f"redis://127.0.0.1:{port}", workdir=work, ports={"redis": port})
     store._args = {"redis": args}
     store._logs = {"redis": work / "redis.log"}
@@ -224,11 +261,15 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+
     def stop_on_term(_signum: int, _frame: object) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop_on_term)  # a plain kill also stops the store's processes
-    print(f"store running: --store '{store.url}'  (pids {', '.join(f'{k}={p.pid}' for k, p in store.procs.items())}); Ctrl-C stops it", flush=True)
+    print(
+        f"store running: --store '{store.url}'  (pids {', '.join(f'{k}={p.pid}' for k, p in store.procs.items())}); Ctrl-C stops it",
+        flush=True,
+    )
     try:
         while all(p.poll() is None for p in store.procs.values()):
             time.sleep(1)

@@ -53,8 +53,15 @@ class TransferEngine:
     - Handler failures are recorded on the op (`op.error`) and reported by the cache as a miss.
     """
 
-    def __init__(self, links: CopyLinks, workers: int = 4, chunk_pages: int = 4, max_speculative_inflight: int = 1,
-                 speculative_share: float = 0.5, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        links: CopyLinks,
+        workers: int = 4,
+        chunk_pages: int = 4,
+        max_speculative_inflight: int = 1,
+        speculative_share: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if workers < 1 or chunk_pages < 1:
             raise ValueError(f"TransferEngine needs workers >= 1 and chunk_pages >= 1, got {workers}, {chunk_pages}")
         self.links = links
@@ -167,7 +174,6 @@ class TransferEngine:
                     if state.chunks_left == 0:
                         self._cancel_state(state, locked=True)
                 elif not op.executed.is_set():  # prepared but never submitted: nothing will run it
-
                     op.error = Cancelled()
                     op.executed.set()
             self._cv.notify_all()
@@ -249,7 +255,6 @@ class TransferEngine:
                     continue
                 self._states.pop(id(op), None)
                 if op.cancelled and op.error is None:
-
                     op.error = Cancelled()
                 op.executed.set()
                 for succ in state.successors:

@@ -102,8 +102,9 @@ class ThreadExecutor(Executor):
     demand load's host -> device ops are queued there (layer by layer, off the calling thread)
     instead of copied inline by `run_now`."""
 
-    def __init__(self, links: CopyLinks, engine: TransferEngine, layers: LayerSink | None = None,
-                 bytes_per_token: int = 0) -> None:
+    def __init__(
+        self, links: CopyLinks, engine: TransferEngine, layers: LayerSink | None = None, bytes_per_token: int = 0
+    ) -> None:
         self.links = links
         self.engine = engine
         self.layers = layers
@@ -260,7 +261,7 @@ class VirtualExecutor(Executor):
     def _preempted(self, pipe: str, start: float, duration: float, backup: bool = False) -> None:
         """A copy went ahead of queued ones on `pipe` (low-priority ones; with `backup`, write-back
         too): those still running after `start` finish `duration` later."""
-        for queued in ((self._low, self._backup) if backup else (self._low,)):
+        for queued in (self._low, self._backup) if backup else (self._low,):
             for key, p in queued.items():
                 if p == pipe and self.finish.get(key, -math.inf) > start:
                     self.finish[key] += duration
@@ -326,7 +327,10 @@ class VirtualExecutor(Executor):
             finish = self.finish[id(op)]
             if id(op) in self._low:
                 pipe = self.pipes.pipe(op.link)
-                finish = min(finish, max(now, self.pipes.high_until.get(pipe, 0.0)) + self.pipes.seconds(op.link, self._tokens(op)))
+                finish = min(
+                    finish,
+                    max(now, self.pipes.high_until.get(pipe, 0.0)) + self.pipes.seconds(op.link, self._tokens(op)),
+                )
             if finish - now > max_wait_s:
                 continue
             if id(op) in self._low:
@@ -340,7 +344,11 @@ class VirtualExecutor(Executor):
     def read_eta(self, tokens: int) -> float:
         """A demand read queues behind the disk's normal-priority work (write-back included)."""
         now = self.clock()
-        return max(now, self.pipes.high_until.get(self.pipes.pipe("disk->host"), 0.0)) + self.pipes.seconds("disk->host", tokens) - now
+        return (
+            max(now, self.pipes.high_until.get(self.pipes.pipe("disk->host"), 0.0))
+            + self.pipes.seconds("disk->host", tokens)
+            - now
+        )
 
     def demand_eta(self, job: PromotionJob) -> float:
         """Seconds from now until the job's copies not done yet would land if they were queued now

@@ -69,8 +69,12 @@ class _CudaArray:
         bits = as_bits(t)
         size = bits.element_size()
         self.__cuda_array_interface__ = {
-            "shape": tuple(bits.shape), "strides": tuple(st * size for st in bits.stride()),
-            "typestr": _BIT_DTYPES[size][1], "data": (bits.data_ptr(), False), "version": 2}
+            "shape": tuple(bits.shape),
+            "strides": tuple(st * size for st in bits.stride()),
+            "typestr": _BIT_DTYPES[size][1],
+            "data": (bits.data_ptr(), False),
+            "version": 2,
+        }
 
 
 def pinned_cuda_view(t: torch.Tensor, device: torch.device) -> torch.Tensor | None:
@@ -107,11 +111,24 @@ class LayerwiseLoader:
     pinned host buffer, else `per_page`); `stage_layers` sets `staged`'s group size (default: the
     layers split in `STAGED_GROUPS`)."""
 
-    def __init__(self, device, host, device_handles: Sequence[Handle], host_handles: Sequence[Handle], *,
-                 to_device: bool = True, stream: torch.cuda.Stream | None = None, ahead: int | None = None,
-                 runner: Executor | None = None, method: str | None = None, stage_layers: int | None = None) -> None:
+    def __init__(
+        self,
+        device,
+        host,
+        device_handles: Sequence[Handle],
+        host_handles: Sequence[Handle],
+        *,
+        to_device: bool = True,
+        stream: torch.cuda.Stream | None = None,
+        ahead: int | None = None,
+        runner: Executor | None = None,
+        method: str | None = None,
+        stage_layers: int | None = None,
+    ) -> None:
         if len(device_handles) != len(host_handles):
-            raise ValueError(f"LayerwiseLoader: {len(device_handles)} device handles for {len(host_handles)} host handles")
+            raise ValueError(
+                f"LayerwiseLoader: {len(device_handles)} device handles for {len(host_handles)} host handles"
+            )
         if ahead is not None and ahead < 1:
             raise ValueError(f"LayerwiseLoader: ahead must be >= 1 or None, got {ahead}")
         if method is not None and method not in LOAD_METHODS:
@@ -128,7 +145,10 @@ class LayerwiseLoader:
         self._host = host.buffer  # (pages, layers, K/V, page tokens, heads, dim)
         dev_h, host_h = [int(h) for h in device_handles], [int(h) for h in host_handles]
         # the pages the tensors hold (SGLang's pool has more page slots than the cache may own)
-        for name, handles, pages in (("device", dev_h, int(device.layer_pages(0, 0).shape[0])), ("host", host_h, int(host.buffer.shape[0]))):
+        for name, handles, pages in (
+            ("device", dev_h, int(device.layer_pages(0, 0).shape[0])),
+            ("host", host_h, int(host.buffer.shape[0])),
+        ):
             bad = [h for h in handles if not 0 <= h < pages]
             if bad:
                 raise ValueError(f"LayerwiseLoader: {name} handle {bad[0]} not in [0, {pages})")
@@ -141,7 +161,9 @@ class LayerwiseLoader:
         if method == "gather":
             self._host_bits = pinned_cuda_view(host.buffer, self.device) if self.cuda else as_bits(host.buffer)
             if self._host_bits is None:
-                raise ValueError("LayerwiseLoader: method 'gather': the CUDA runtime gave no device view of the pinned host buffer")
+                raise ValueError(
+                    "LayerwiseLoader: method 'gather': the CUDA runtime gave no device view of the pinned host buffer"
+                )
         self.method = method
         self.group = 1 if method != "staged" else (stage_layers or -(-self.layers // STAGED_GROUPS))
         # per layer, views over the handles' spans only (one unbind call each, not one getitem per page)
@@ -189,7 +211,7 @@ class LayerwiseLoader:
         for kv in range(self.planes):
             d0, d1, pairs = self._view(self._space[layer])
             dev = self._dev_pages(layer, kv)[d0:d1].unbind(0)
-            host = self._host[self._h0:self._h1, layer, kv].unbind(0)
+            host = self._host[self._h0 : self._h1, layer, kv].unbind(0)
             for d, h in pairs:
                 if self.to_device:
                     dev[d].copy_(host[h], non_blocking=True)
@@ -278,6 +300,7 @@ class LayerwiseLoader:
         if self._thread is not None:  # a thread of its own (a runner's thread is capped at its start)
             single_threaded_torch()
         try:
+
             def arrived(layer: int) -> None:
                 with self._cv:
                     self._done = layer + 1

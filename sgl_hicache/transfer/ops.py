@@ -16,7 +16,12 @@ from ..tiers.base import DEVICE, DISK, HOST, Handle, PageCorruptError
 if TYPE_CHECKING:
     from ..tree.node import TreeNode
 
-LINKS: dict[tuple[str, str], str] = {(DEVICE, HOST): "device->host", (HOST, DEVICE): "host->device", (HOST, DISK): "host->disk", (DISK, HOST): "disk->host"}
+LINKS: dict[tuple[str, str], str] = {
+    (DEVICE, HOST): "device->host",
+    (HOST, DEVICE): "host->device",
+    (HOST, DISK): "host->disk",
+    (DISK, HOST): "disk->host",
+}
 
 
 _DONE_LOCK = threading.Lock()  # makes a `DoneFlag`'s event at most once
@@ -103,7 +108,10 @@ class TransferOp:
         another process or on another rank), not for an I/O error that may pass."""
         err = self.error
         return err is not None and (
-            self.corrupt_pages > 0 or isinstance(err, (PageCorruptError, KeyError)) or bool(getattr(err, "page_gone", False)))
+            self.corrupt_pages > 0
+            or isinstance(err, (PageCorruptError, KeyError))
+            or bool(getattr(err, "page_gone", False))
+        )
 
     @property
     def settled(self) -> bool:

@@ -36,12 +36,15 @@ def check_tree(tree: RadixTree) -> None:
             raise InvariantError(f"{node} is not linked under its parent")
         if node.num_pages == 0 or len(node.tokens) != node.num_pages * tree.page_size:
             raise InvariantError(f"{node} holds {len(node.tokens)} tokens for {node.num_pages} keys")
-        if len(node.keys) != node.num_pages or node.keys[0] != chain_keys(tree.key_of(parent), node.tokens[: tree.page_size], tree.page_size)[0]:
+        if (
+            len(node.keys) != node.num_pages
+            or node.keys[0] != chain_keys(tree.key_of(parent), node.tokens[: tree.page_size], tree.page_size)[0]
+        ):
             raise InvariantError(f"{node}'s keys are not chained from its parent")
         tiers = node.tiers()
         for books in (shared, protected_shared) if (node.lock_ref or node.pins) else (shared,):
             for i, a in enumerate(tiers):
-                for b in tiers[i + 1:]:
+                for b in tiers[i + 1 :]:
                     books[frozenset((a, b))] = books.get(frozenset((a, b)), 0) + node.num_pages
             if len(tiers) == 3:
                 books[_ALL] = books.get(_ALL, 0) + node.num_pages
@@ -53,7 +56,9 @@ def check_tree(tree: RadixTree) -> None:
             if len(node.handles(tier)) != node.num_pages:
                 raise InvariantError(f"{node} has {len(node.handles(tier))} {tier} handles for {node.num_pages} pages")
             if not parent.is_root and not parent.in_tier(tier):
-                raise InvariantError(f"{tier} residency not prefix-closed: {node} is in {tier}, its parent {parent} is not")
+                raise InvariantError(
+                    f"{tier} residency not prefix-closed: {node} is in {tier}, its parent {parent} is not"
+                )
             pages[tier] += node.num_pages
             members[tier].add(node)
             if node.lock_ref or node.pins:
@@ -74,12 +79,16 @@ def check_tree(tree: RadixTree) -> None:
     if {k: v for k, v in shared.items() if v} != {k: v for k, v in tree.shared.items() if v}:
         raise InvariantError(f"pages shared by tiers {tree.shared} but nodes hold {shared}")
     if {k: v for k, v in protected_shared.items() if v} != {k: v for k, v in tree.protected_shared.items() if v}:
-        raise InvariantError(f"protected pages shared by tiers {tree.protected_shared} but locked/pinned nodes hold {protected_shared}")
+        raise InvariantError(
+            f"protected pages shared by tiers {tree.protected_shared} but locked/pinned nodes hold {protected_shared}"
+        )
     for tier in TIERS:
         if pages[tier] != tree.pages[tier]:
             raise InvariantError(f"{tier} page count {tree.pages[tier]} but nodes hold {pages[tier]}")
         if protected[tier] != tree.protected[tier]:
-            raise InvariantError(f"{tier} protected page count {tree.protected[tier]} but locked/pinned nodes hold {protected[tier]}")
+            raise InvariantError(
+                f"{tier} protected page count {tree.protected[tier]} but locked/pinned nodes hold {protected[tier]}"
+            )
         if members[tier] != tree.resident[tier]:
             raise InvariantError(f"{tier} resident set out of sync with the nodes")
     if tree.gaps.expected(tree.resident) != tree.gaps.missing:

@@ -68,8 +68,14 @@ class TreeNode:
         "prefetch_trigger",
     )
 
-    def __init__(self, parent: TreeNode | None, tokens: array | tuple[int, ...], keys: list[PageKey] | None, num_pages: int,
-                 node_id: int | None = None) -> None:
+    def __init__(
+        self,
+        parent: TreeNode | None,
+        tokens: array | tuple[int, ...],
+        keys: list[PageKey] | None,
+        num_pages: int,
+        node_id: int | None = None,
+    ) -> None:
         self.id = next(_ids) if node_id is None else node_id
         self.parent = parent
         self.children: dict[EdgeKey, TreeNode] = {}
@@ -186,7 +192,8 @@ class TreeNode:
 
 # `TreeNode.tiers()` by residency bitmask (bit 0 device, 1 host, 2 disk)
 _TIERS_OF: tuple[tuple[str, ...], ...] = tuple(
-    tuple(t for bit, t in enumerate((DEVICE, HOST, DISK)) if mask >> bit & 1) for mask in range(8))
+    tuple(t for bit, t in enumerate((DEVICE, HOST, DISK)) if mask >> bit & 1) for mask in range(8)
+)
 
 
 def split_handles(handles: Sequence[Handle] | None, at: int) -> tuple[list[Handle] | None, list[Handle] | None]:

@@ -77,8 +77,13 @@ class RadixTree:
         """`node` may have become an eviction candidate in `tier`, or its key there may have
         dropped: queue it (a no-op unless `order_leaves` was called, or `node` is not a candidate
         there: not resident, or a child is; it is queued when its last such child leaves)."""
-        if (self.leaves is None or node is None or node.parent is None or getattr(node, tier) is None
-                or node.children_in.get(tier)):
+        if (
+            self.leaves is None
+            or node is None
+            or node.parent is None
+            or getattr(node, tier) is None
+            or node.children_in.get(tier)
+        ):
             return
         q = self.leaves[tier]
         if q.needs_compaction(len(self.resident[tier])):
@@ -207,7 +212,9 @@ class RadixTree:
     def remove_leaf(self, node: TreeNode) -> None:
         assert not node.children and node.parent is not None and not node.lock_ref and not node.pins, node
         self.version += 1
-        assert node.device is None and node.host is None and node.disk is None, f"removing {node} that is still resident"
+        assert node.device is None and node.host is None and node.disk is None, (
+            f"removing {node} that is still resident"
+        )
         first = node.edge_key
         del node.parent.children[first]
         # its traffic count goes with it: a long replay would otherwise keep a count (and a page of
@@ -216,8 +223,9 @@ class RadixTree:
         node.parent = None
         self.node_count -= 1
 
-    def set_resident(self, node: TreeNode, tier: str, handles: Sequence[Handle] | None = None,
-                     owned: bool = False) -> None:
+    def set_resident(
+        self, node: TreeNode, tier: str, handles: Sequence[Handle] | None = None, owned: bool = False
+    ) -> None:
         """Record `node`'s copy in `tier` (`handles`: one per page; the disk tier's default to the
         keys). `owned`: `handles` is a fresh list the caller gives away (kept, not copied)."""
         assert getattr(node, tier) is None, f"{node} already in {tier}"
@@ -379,7 +387,7 @@ class RadixTree:
         if len(tiers) > 1:
             ps = self.protected_shared
             for i, a in enumerate(tiers):
-                for b in tiers[i + 1:]:
+                for b in tiers[i + 1 :]:
                     key = frozenset((a, b))
                     ps[key] = ps.get(key, 0) + sign * node.num_pages
             if len(tiers) == 3:

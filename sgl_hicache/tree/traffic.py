@@ -34,11 +34,22 @@ class HalfLife:
     value and read under a later one is approximate (it moves slowly).
     """
 
-    def __init__(self, initial: float = TRAFFIC_HALF_LIFE_S, factor: float = 2.0, quantile: float = 0.9,
-                 window: int = 512, floor: float = 1.0, ceiling: float = 3600.0, min_samples: int = 8, every: int = 8) -> None:
+    def __init__(
+        self,
+        initial: float = TRAFFIC_HALF_LIFE_S,
+        factor: float = 2.0,
+        quantile: float = 0.9,
+        window: int = 512,
+        floor: float = 1.0,
+        ceiling: float = 3600.0,
+        min_samples: int = 8,
+        every: int = 8,
+    ) -> None:
         if not 0 < floor <= initial <= ceiling or factor <= 0 or not 0 < quantile <= 1 or window < 1:
-            raise ValueError(f"HalfLife: bad initial {initial}, floor {floor}, ceiling {ceiling}, factor {factor}, "
-                             f"quantile {quantile} or window {window}")
+            raise ValueError(
+                f"HalfLife: bad initial {initial}, floor {floor}, ceiling {ceiling}, factor {factor}, "
+                f"quantile {quantile} or window {window}"
+            )
         self.value = initial
         self.factor = factor
         self.quantile = quantile

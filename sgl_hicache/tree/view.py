@@ -29,7 +29,9 @@ class Decoder(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 
 
-def largest_subtrees(tree: RadixTree, page_bytes: int, top: int = 8, depth: int = 2, now: float | None = None) -> list[dict[str, Any]]:
+def largest_subtrees(
+    tree: RadixTree, page_bytes: int, top: int = 8, depth: int = 2, now: float | None = None
+) -> list[dict[str, Any]]:
     """The `top` largest subtrees under the root, each with its `top` largest children down to
     `depth` levels: depth, tokens in the subtree, tokens and bytes per tier, node count, hits, last
     access (and its age at `now`, the cache's clock), lock count and the first token ids."""
@@ -115,11 +117,21 @@ def format_tree(entries: list[dict[str, Any]], decoder: Decoder | None = None) -
             t = e.get("tokens", {})
             total = e.get("subtree_tokens")
             label = "  " * indent + str(e.get("node", "?")) + (f" locked={e['locked']}" if e.get("locked") else "")
-            rows.append([
-                label, str(e.get("depth", indent + 1)), _num(total), _num(e.get("hits")), format_age(e.get("age_s")),
-                _num(t.get("device", 0)), _num(t.get("host", 0)), _num(t.get("disk", 0)), _num(e.get("subtree_nodes")),
-                e.get("residency", "-"), _text(e, decoder),
-            ])
+            rows.append(
+                [
+                    label,
+                    str(e.get("depth", indent + 1)),
+                    _num(total),
+                    _num(e.get("hits")),
+                    format_age(e.get("age_s")),
+                    _num(t.get("device", 0)),
+                    _num(t.get("host", 0)),
+                    _num(t.get("disk", 0)),
+                    _num(e.get("subtree_nodes")),
+                    e.get("residency", "-"),
+                    _text(e, decoder),
+                ]
+            )
             add(e.get("children") or [], indent + 1)
             if e.get("more_children"):
                 rows.append(["  " * (indent + 1) + f"... {e['more_children']} more", *[""] * (len(header) - 1)])
@@ -131,8 +143,10 @@ def format_tree(entries: list[dict[str, Any]], decoder: Decoder | None = None) -
         header, rows = header[:-1], [r[:-1] for r in rows]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     left = {0, len(header) - 1} if decoder is not None else {0}
-    lines = ["  ".join(c.ljust(w) if i in left or i == 9 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
-             for r in [header, *rows]]
+    lines = [
+        "  ".join(c.ljust(w) if i in left or i == 9 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+        for r in [header, *rows]
+    ]
     return "\n".join(lines)
 
 

@@ -14,10 +14,27 @@ import os
 import sys
 
 METHODS = (
-    "match_prefix", "insert", "checkpoint", "evict", "evict_for_alloc", "inc_lock_ref",
-    "dec_lock_ref", "lock", "unlock", "reset", "path_device_indices", "prefix_device_indices",
-    "free_kv_row", "on_release", "init_load_back", "evictable_size", "protected_size",
-    "touch_prefix", "supports_prefix_sharing", "finish", "take_events",
+    "match_prefix",
+    "insert",
+    "checkpoint",
+    "evict",
+    "evict_for_alloc",
+    "inc_lock_ref",
+    "dec_lock_ref",
+    "lock",
+    "unlock",
+    "reset",
+    "path_device_indices",
+    "prefix_device_indices",
+    "free_kv_row",
+    "on_release",
+    "init_load_back",
+    "evictable_size",
+    "protected_size",
+    "touch_prefix",
+    "supports_prefix_sharing",
+    "finish",
+    "take_events",
 )
 
 
@@ -40,11 +57,15 @@ def _factory(ctx):
     from sglang.srt.mem_cache import registry
 
     base = os.environ.get("SGLHICACHE_PROBE_BASE", "unified")
-    print(f"SGLH_PROBE factory base={base} page_size={ctx.params.page_size} "
-          f"allocator={type(ctx.params.token_to_kv_pool_allocator).__name__} "
-          f"kvcache={type(ctx.params.token_to_kv_pool_allocator.get_kvcache()).__name__} "
-          f"req_to_token={tuple(ctx.params.req_to_token_pool.req_to_token.shape)} "
-          f"hicache={ctx.enable_hierarchical_cache}", file=sys.stderr, flush=True)
+    print(
+        f"SGLH_PROBE factory base={base} page_size={ctx.params.page_size} "
+        f"allocator={type(ctx.params.token_to_kv_pool_allocator).__name__} "
+        f"kvcache={type(ctx.params.token_to_kv_pool_allocator.get_kvcache()).__name__} "
+        f"req_to_token={tuple(ctx.params.req_to_token_pool.req_to_token.shape)} "
+        f"hicache={ctx.enable_hierarchical_cache}",
+        file=sys.stderr,
+        flush=True,
+    )
     if base == "radix":
         from sglang.srt.mem_cache.radix_cache import RadixCache
 

@@ -298,7 +298,9 @@ class PageFiles:
         if not was:
             log.error(
                 "disk tier: write into %s failed (%s); disk writes disabled, retrying every %g s",
-                self.directory, self._disabled_reason, self.retry_interval_s,
+                self.directory,
+                self._disabled_reason,
+                self.retry_interval_s,
             )
 
     # ------------------------------------------------------------------ deleting
@@ -319,5 +321,13 @@ class PageFiles:
 
 
 __all__ = [
-    "FANOUT_NAME", "PAGE_NAME", "PROBE_NAME", "READ_FLAGS", "RESERVED", "STORED", "TEMP_NAME", "PageFiles", "log",
+    "FANOUT_NAME",
+    "PAGE_NAME",
+    "PROBE_NAME",
+    "READ_FLAGS",
+    "RESERVED",
+    "STORED",
+    "TEMP_NAME",
+    "PageFiles",
+    "log",
 ]

@@ -150,7 +150,9 @@ class DirectoryLedger:
                 if magic != b"\0" * 8:
                     log.warning(
                         "disk tier: ledger %s was unreadable (magic %r, version %d); starting it afresh",
-                        self.path, magic, version,
+                        self.path,
+                        magic,
+                        version,
                     )
                 fresh = _HEAD.pack(LEDGER_MAGIC, LEDGER_VERSION, SLOTS, 0, 0, 0).ljust(LEDGER_SIZE, b"\0")
                 self._write(0, fresh, strict=True)
@@ -228,7 +230,9 @@ class DirectoryLedger:
             detached = self._closer.detach()
             if detached is not None:
                 owner_path, owner_fd, fd, path, mapping = detached[2]
-                DirectoryLedger._release(owner_path, owner_fd, fd, path, mapping, wait=_held_here().get(self.path, 0) == 0)
+                DirectoryLedger._release(
+                    owner_path, owner_fd, fd, path, mapping, wait=_held_here().get(self.path, 0) == 0
+                )
 
     @property
     def closed(self) -> bool:

@@ -225,12 +225,15 @@ class DirectoryScan(PageFiles):
         if reasons:
             log.warning(
                 "disk tier: removed %d bad page files from %s at start: %s",
-                sum(reasons.values()), self.directory, reasons,
+                sum(reasons.values()),
+                self.directory,
+                reasons,
             )
         if c["partial_removed"]:
             log.info(
                 "disk tier: removed %d temp files left by an interrupted write in %s",
-                c["partial_removed"], self.directory,
+                c["partial_removed"],
+                self.directory,
             )
         return c["pages_restored"]
 
@@ -266,7 +269,10 @@ class DirectoryScan(PageFiles):
         if self.overfull_pages:
             log.warning(
                 "disk tier: %s holds %d pages, capacity is %d; %d must be evicted before new pages fit",
-                self.directory, self._ledger.used, self.capacity_pages, self.overfull_pages,
+                self.directory,
+                self._ledger.used,
+                self.capacity_pages,
+                self.overfull_pages,
             )
 
 

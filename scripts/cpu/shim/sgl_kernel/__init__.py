@@ -45,8 +45,9 @@ def copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc) -> None:
         buf[tgt] = buf[src]  # advanced indexing reads every source row first
 
 
-def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
-                                 pool_len) -> None:
+def assign_req_to_token_pool_cpu(
+    req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len
+) -> None:
     """Reference of sgl-kernel's CPU ``assign_req_to_token_pool_cpu`` (the Triton kernel
     ``assign_req_to_token_pool``, ``srt/mem_cache/allocation.py:691``): request ``i`` gets
     ``req_to_token[req_pool_indices[i], start_offset[i]:end_offset[i]]`` from the next
@@ -59,24 +60,26 @@ def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, e
     for idx, start, end in zip(req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist()):
         n = int(end) - int(start)
         if n > 0:
-            req_to_token[int(idx), int(start):int(end)] = out_cache_loc[off:off + n].to(req_to_token.dtype)
+            req_to_token[int(idx), int(start) : int(end)] = out_cache_loc[off : off + n].to(req_to_token.dtype)
         off += max(n, 0)
 
 
 # ---- EAGLE speculative decoding (``--speculative-eagle-topk 1``): faithful ports of SGLang's Triton kernels
-def assign_draft_cache_locs_contiguous_cpu(req_pool_indices, req_to_token, seq_lens, out_cache_loc, pool_len,
-                                           topk, num_cols) -> None:
+def assign_draft_cache_locs_contiguous_cpu(
+    req_pool_indices, req_to_token, seq_lens, out_cache_loc, pool_len, topk, num_cols
+) -> None:
     """Reference of ``assign_draft_cache_locs_contiguous`` (``sglang/kernels/ops/speculative/cache_locs.py:43``;
     CPU call site ``cache_locs.py:99``): request ``i``'s ``topk * num_cols`` slots of ``req_to_token`` from
     ``seq_lens[i]`` on, into ``out_cache_loc`` at ``i * topk * num_cols``."""
     CALLED.append("assign_draft_cache_locs_contiguous_cpu")
     n = int(topk) * int(num_cols)
     for i, (idx, start) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
-        out_cache_loc[i * n:(i + 1) * n] = req_to_token[int(idx), int(start):int(start) + n].to(out_cache_loc.dtype)
+        out_cache_loc[i * n : (i + 1) * n] = req_to_token[int(idx), int(start) : int(start) + n].to(out_cache_loc.dtype)
 
 
-def assign_extend_cache_locs_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
-                                 pool_len) -> None:
+def assign_extend_cache_locs_cpu(
+    req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len
+) -> None:
     """Reference of ``assign_extend_cache_locs`` (``cache_locs.py:500``; CPU call sites ``cache_locs.py:740,
     763``): request ``i``'s ``req_to_token`` entries ``start_offset[i]:end_offset[i]``, back to back into
     ``out_cache_loc``."""
@@ -84,7 +87,7 @@ def assign_extend_cache_locs_cpu(req_pool_indices, req_to_token, start_offset, e
     off = 0
     for idx, start, end in zip(req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist()):
         n = max(int(end) - int(start), 0)
-        out_cache_loc[off:off + n] = req_to_token[int(idx), int(start):int(end)].to(out_cache_loc.dtype)
+        out_cache_loc[off : off + n] = req_to_token[int(idx), int(start) : int(end)].to(out_cache_loc.dtype)
         off += n
 
 
@@ -108,9 +111,20 @@ def fill_accept_out_cache_loc_cpu(accept_index, out_cache_loc, accept_out_cache_
             dst += 1
 
 
-def build_tree_kernel_efficient_cpu(parent_list, selected_index, verified_seq_len, tree_mask, positions,
-                                    retrieve_index, retrieve_next_token, retrieve_next_sibling, topk, depth,
-                                    draft_token_num, tree_mask_mode) -> None:
+def build_tree_kernel_efficient_cpu(
+    parent_list,
+    selected_index,
+    verified_seq_len,
+    tree_mask,
+    positions,
+    retrieve_index,
+    retrieve_next_token,
+    retrieve_next_sibling,
+    topk,
+    depth,
+    draft_token_num,
+    tree_mask_mode,
+) -> None:
     """Reference of the EAGLE tree build: a line-for-line port of SGLang's Triton
     ``sgl_build_tree_kernel_efficient_triton`` (``sglang/kernels/ops/speculative/spec_tree.py:48``; CPU call
     site ``spec_tree.py:412``); modes FULL_MASK (0) and QLEN_ONLY (1)."""
@@ -149,9 +163,13 @@ def build_tree_kernel_efficient_cpu(parent_list, selected_index, verified_seq_le
                     r_sib[b * n + i] = nxt
         r_idx[b * n] = b * n
         for x in range(n):
-            t = (seq_tree_idx + (seq_len + n) * x + seq_len + 1) if int(tree_mask_mode) == 0 else (n * n * b + n * x + 1)
+            t = (
+                (seq_tree_idx + (seq_len + n) * x + seq_len + 1)
+                if int(tree_mask_mode) == 0
+                else (n * n * b + n * x + 1)
+            )
             mask[t - 1] = 1
-            mask[t:t + n - 1] = 0
+            mask[t : t + n - 1] = 0
             if x > 0:
                 cur, position = x - 1, 0
                 for _ in range(int(depth)):
@@ -164,8 +182,16 @@ def build_tree_kernel_efficient_cpu(parent_list, selected_index, verified_seq_le
                 pos[b * n + x] = position + seq_len
 
 
-def verify_tree_greedy_cpu(predicts, accept_index, accept_token_num, candidates, retrive_index,
-                           retrive_next_token, retrive_next_sibling, target_predict) -> None:
+def verify_tree_greedy_cpu(
+    predicts,
+    accept_index,
+    accept_token_num,
+    candidates,
+    retrive_index,
+    retrive_next_token,
+    retrive_next_sibling,
+    target_predict,
+) -> None:
     """Reference of greedy tree verification: a port of SGLang's Triton ``verify_tree_greedy_kernel_triton``
     (``spec_tree.py:180``; CPU call site ``spec_tree.py:510``)."""
     CALLED.append("verify_tree_greedy_cpu")
@@ -198,10 +224,19 @@ def verify_tree_greedy_cpu(predicts, accept_index, accept_token_num, candidates,
         pred[last] = target[last]
 
 
-REFERENCE = {f.__name__: f for f in (
-    copy_all_layer_kv_cache_cpu, assign_req_to_token_pool_cpu, assign_draft_cache_locs_contiguous_cpu,
-    assign_extend_cache_locs_cpu, fill_bonus_tokens_cpu, fill_accept_out_cache_loc_cpu,
-    build_tree_kernel_efficient_cpu, verify_tree_greedy_cpu)}
+REFERENCE = {
+    f.__name__: f
+    for f in (
+        copy_all_layer_kv_cache_cpu,
+        assign_req_to_token_pool_cpu,
+        assign_draft_cache_locs_contiguous_cpu,
+        assign_extend_cache_locs_cpu,
+        fill_bonus_tokens_cpu,
+        fill_accept_out_cache_loc_cpu,
+        build_tree_kernel_efficient_cpu,
+        verify_tree_greedy_cpu,
+    )
+}
 
 
 def _unavailable(name: str):

@@ -35,8 +35,18 @@ def _conv_window(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return F.silu(y) if silu else y
 
 
-def causal_conv1d_fn_cpu(x, conv_weights, bias, activation, conv_states, has_initial_state, cache_indices,
-                         query_start_loc, seq_lens_cpu=None, **_ignored):
+def causal_conv1d_fn_cpu(
+    x,
+    conv_weights,
+    bias,
+    activation,
+    conv_states,
+    has_initial_state,
+    cache_indices,
+    query_start_loc,
+    seq_lens_cpu=None,
+    **_ignored,
+):
     """Prefill conv: ``x`` ``[dim, tokens]`` (sequences packed by ``query_start_loc``); each sequence
     starts from its slot's conv state when ``has_initial_state`` says so, else from zeros; the slot's
     state becomes the sequence's last ``width - 1`` inputs. Returns ``[dim, tokens]`` in x's dtype."""
@@ -54,13 +64,22 @@ def causal_conv1d_fn_cpu(x, conv_weights, bias, activation, conv_states, has_ini
         state = conv_states[slot].to(x.dtype) if init else x.new_zeros(dim, width - 1)
         xs = torch.cat([state, x[:, lo:hi]], dim=1)  # [dim, width - 1 + n]
         for t in range(hi - lo):
-            out[:, lo + t] = _conv_window(xs[:, t:t + width], w, bias, silu).to(x.dtype)
-        conv_states[slot] = xs[:, -(width - 1):].to(conv_states.dtype)
+            out[:, lo + t] = _conv_window(xs[:, t : t + width], w, bias, silu).to(x.dtype)
+        conv_states[slot] = xs[:, -(width - 1) :].to(conv_states.dtype)
     return out
 
 
-def causal_conv1d_update_cpu(x, conv_states, conv_weights, bias, activation, conv_state_indices=None,
-                             intermediate_conv_window=None, intermediate_state_indices=None, **_ignored):
+def causal_conv1d_update_cpu(
+    x,
+    conv_states,
+    conv_weights,
+    bias,
+    activation,
+    conv_state_indices=None,
+    intermediate_conv_window=None,
+    intermediate_state_indices=None,
+    **_ignored,
+):
     """Decode conv: ``x`` ``[batch, dim]`` (or ``[batch, dim, steps]``), one row per slot of
     ``conv_state_indices``; shifts each new input into the slot's state. Returns x's shape."""
     if intermediate_conv_window is not None:
@@ -78,7 +97,7 @@ def causal_conv1d_update_cpu(x, conv_states, conv_weights, bias, activation, con
             continue
         state = conv_states[slot].to(x.dtype)
         for t in range(xs.shape[-1]):
-            window = torch.cat([state, xs[b, :, t:t + 1]], dim=1)
+            window = torch.cat([state, xs[b, :, t : t + 1]], dim=1)
             out[b, :, t] = _conv_window(window, w, bias, silu).to(x.dtype)
             state = window[:, 1:]
         conv_states[slot] = state.to(conv_states.dtype)
@@ -91,8 +110,16 @@ def fused_gdn_gating_cpu(A_log, a, b, dt_bias, beta: float = 1.0, threshold: flo
     # row by row: vectorised exp / softplus round differently with the tensor's length, and a token's
     # gate must not depend on how many tokens came with it (prefill vs decode)
     decay = -A_log.float().exp()
-    g = torch.stack([decay * F.softplus(a[t].float() + dt_bias.float(), beta=beta, threshold=threshold)
-                     for t in range(a.shape[0])]) if a.shape[0] else a.new_zeros(a.shape, dtype=torch.float32)
+    g = (
+        torch.stack(
+            [
+                decay * F.softplus(a[t].float() + dt_bias.float(), beta=beta, threshold=threshold)
+                for t in range(a.shape[0])
+            ]
+        )
+        if a.shape[0]
+        else a.new_zeros(a.shape, dtype=torch.float32)
+    )
     gate = torch.stack([b[t].float().sigmoid() for t in range(b.shape[0])]) if b.shape[0] else g.clone()
     return g.unsqueeze(0), gate.unsqueeze(0)
 
@@ -125,8 +152,20 @@ def _delta_rule(q, k, v, g, beta, state, l2norm: bool, scale: float):
     return out, s
 
 
-def chunk_gated_delta_rule_cpu(q, k, v, g, beta, initial_state, cu_seqlens, head_first=False,
-                               use_qk_l2norm_in_kernel=True, initial_state_indices=None, scale=None, **_ignored):
+def chunk_gated_delta_rule_cpu(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    initial_state,
+    cu_seqlens,
+    head_first=False,
+    use_qk_l2norm_in_kernel=True,
+    initial_state_indices=None,
+    scale=None,
+    **_ignored,
+):
     """Prefill: ``q``, ``k`` ``[1, tokens, H, K]``, ``v`` ``[1, tokens, HV, V]``, ``g``, ``beta``
     ``[1, tokens, HV]``; sequences packed by ``cu_seqlens``, sequence i starting from (and writing
     back) ``initial_state[initial_state_indices[i]]``. Returns (``[1, tokens, HV, V]`` in q's dtype,
@@ -141,18 +180,41 @@ def chunk_gated_delta_rule_cpu(q, k, v, g, beta, initial_state, cu_seqlens, head
         slot = i if initial_state_indices is None else int(initial_state_indices[i])
         if slot < 0 or hi <= lo:
             continue
-        o, s = _delta_rule(q[0, lo:hi], k[0, lo:hi], v[0, lo:hi], g[0, lo:hi], beta[0, lo:hi],
-                           initial_state[slot].float(), use_qk_l2norm_in_kernel, scale)
+        o, s = _delta_rule(
+            q[0, lo:hi],
+            k[0, lo:hi],
+            v[0, lo:hi],
+            g[0, lo:hi],
+            beta[0, lo:hi],
+            initial_state[slot].float(),
+            use_qk_l2norm_in_kernel,
+            scale,
+        )
         out[0, lo:hi] = o.to(q.dtype)
         initial_state[slot] = s.to(initial_state.dtype)
     return out, initial_state, None
 
 
-def fused_sigmoid_gating_delta_rule_update_cpu(A_log, dt_bias, q, k, v, a, b, initial_state_source,
-                                               initial_state_indices, cu_seqlens=None, use_qk_l2norm_in_kernel=True,
-                                               softplus_beta: float = 1.0, softplus_threshold: float = 20.0,
-                                               scale=None, is_kda: bool = False, disable_state_update: bool = False,
-                                               intermediate_states_buffer=None, **_ignored):
+def fused_sigmoid_gating_delta_rule_update_cpu(
+    A_log,
+    dt_bias,
+    q,
+    k,
+    v,
+    a,
+    b,
+    initial_state_source,
+    initial_state_indices,
+    cu_seqlens=None,
+    use_qk_l2norm_in_kernel=True,
+    softplus_beta: float = 1.0,
+    softplus_threshold: float = 20.0,
+    scale=None,
+    is_kda: bool = False,
+    disable_state_update: bool = False,
+    intermediate_states_buffer=None,
+    **_ignored,
+):
     """Decode: the gating (``fused_gdn_gating_cpu``) and one delta-rule step per sequence, ``q``, ``k``
     ``[1, batch, H, K]``, ``v`` ``[1, batch, HV, V]``, ``a``, ``b`` ``[batch, HV]``; the state of slot
     ``initial_state_indices[i]`` is updated in place. Returns ``[1, batch, HV, V]`` in q's dtype."""
@@ -165,8 +227,16 @@ def fused_sigmoid_gating_delta_rule_update_cpu(A_log, dt_bias, q, k, v, a, b, in
         slot = int(initial_state_indices[i])
         if slot < 0:
             continue
-        o, s = _delta_rule(q[0, i:i + 1], k[0, i:i + 1], v[0, i:i + 1], g[0, i:i + 1], beta[0, i:i + 1],
-                           initial_state_source[slot].float(), use_qk_l2norm_in_kernel, scale)
+        o, s = _delta_rule(
+            q[0, i : i + 1],
+            k[0, i : i + 1],
+            v[0, i : i + 1],
+            g[0, i : i + 1],
+            beta[0, i : i + 1],
+            initial_state_source[slot].float(),
+            use_qk_l2norm_in_kernel,
+            scale,
+        )
         out[0, i] = o[0].to(q.dtype)
         initial_state_source[slot] = s.to(initial_state_source.dtype)
     return out
