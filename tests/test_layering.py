@@ -12,8 +12,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "sgl_hicache"
-MAX_MODULE_LINES = 600
-MAX_CLASS_LINES = 400
+# lines as `ruff format` lays them out (it wraps what fit in 120 columns before, about 1.2x as many lines)
+MAX_MODULE_LINES = 800
+MAX_CLASS_LINES = 450
 
 
 def test_import_linter_contracts_hold() -> None:
