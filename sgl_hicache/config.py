@@ -79,6 +79,34 @@ class KVLayout:
 EVICTION_DEMOTES = ("all", "host", "none")
 
 
+def _check_policy_knobs(c: TieringPolicy | CacheConfig) -> None:
+    """The checks of the policy knobs `TieringPolicy` and `CacheConfig` share (each names its field)."""
+    _require(
+        c.eviction_policy in EVICTION_POLICIES,
+        f"eviction_policy: unknown eviction policy {c.eviction_policy!r}; choose one of {', '.join(EVICTION_POLICIES)}",
+    )
+    _require(
+        c.write_policy in WRITE_POLICIES,
+        f"write_policy: unknown write policy {c.write_policy!r}; choose one of {', '.join(WRITE_POLICIES)}",
+    )
+    _require(
+        c.disk_write_policy in DISK_WRITE_POLICIES,
+        f"disk_write_policy: unknown disk write policy {c.disk_write_policy!r}; choose one of {', '.join(DISK_WRITE_POLICIES)}",
+    )
+    _require(
+        c.eviction_demotes in EVICTION_DEMOTES,
+        f"eviction_demotes must be one of {', '.join(EVICTION_DEMOTES)}, got {c.eviction_demotes!r}",
+    )
+    _require(
+        c.predictor in PREDICTORS,
+        f"predictor: unknown predictor {c.predictor!r}; choose one of {', '.join(PREDICTORS)}",
+    )
+    _require(
+        isinstance(c.write_through_threshold, int) and c.write_through_threshold >= 1,
+        f"write_through_threshold must be an integer >= 1, got {c.write_through_threshold!r}",
+    )
+
+
 @dataclass(frozen=True)
 class TieringPolicy:
     """The policy knobs both engines share, with the one set of defaults that ships.
@@ -116,30 +144,7 @@ class TieringPolicy:
     admission_min_probability: float = 0.0
 
     def __post_init__(self) -> None:
-        _require(
-            self.eviction_policy in EVICTION_POLICIES,
-            f"eviction_policy: unknown eviction policy {self.eviction_policy!r}; choose one of {', '.join(EVICTION_POLICIES)}",
-        )
-        _require(
-            self.write_policy in WRITE_POLICIES,
-            f"write_policy: unknown write policy {self.write_policy!r}; choose one of {', '.join(WRITE_POLICIES)}",
-        )
-        _require(
-            self.disk_write_policy in DISK_WRITE_POLICIES,
-            f"disk_write_policy: unknown disk write policy {self.disk_write_policy!r}; choose one of {', '.join(DISK_WRITE_POLICIES)}",
-        )
-        _require(
-            self.eviction_demotes in EVICTION_DEMOTES,
-            f"eviction_demotes must be one of {', '.join(EVICTION_DEMOTES)}, got {self.eviction_demotes!r}",
-        )
-        _require(
-            self.predictor in PREDICTORS,
-            f"predictor: unknown predictor {self.predictor!r}; choose one of {', '.join(PREDICTORS)}",
-        )
-        _require(
-            isinstance(self.write_through_threshold, int) and self.write_through_threshold >= 1,
-            f"write_through_threshold must be an integer >= 1, got {self.write_through_threshold!r}",
-        )
+        _check_policy_knobs(self)
         _require(
             isinstance(self.predictor_budget_tokens, int) and self.predictor_budget_tokens >= 0,
             f"predictor_budget_tokens must be an integer >= 0, got {self.predictor_budget_tokens!r}",
@@ -205,33 +210,10 @@ class CacheConfig:
             self.device_tokens >= self.page_size,
             f"device_tokens ({self.device_tokens}) must hold at least one page of {self.page_size} tokens",
         )
-        _require(
-            self.eviction_policy in EVICTION_POLICIES,
-            f"eviction_policy: unknown eviction policy {self.eviction_policy!r}; choose one of {', '.join(EVICTION_POLICIES)}",
-        )
-        _require(
-            self.write_policy in WRITE_POLICIES,
-            f"write_policy: unknown write policy {self.write_policy!r}; choose one of {', '.join(WRITE_POLICIES)}",
-        )
-        _require(
-            self.disk_write_policy in DISK_WRITE_POLICIES,
-            f"disk_write_policy: unknown disk write policy {self.disk_write_policy!r}; choose one of {', '.join(DISK_WRITE_POLICIES)}",
-        )
-        _require(
-            self.predictor in PREDICTORS,
-            f"predictor: unknown predictor {self.predictor!r}; choose one of {', '.join(PREDICTORS)}",
-        )
+        _check_policy_knobs(self)
         _require(
             0.0 <= self.admission_min_probability <= 1.0,
             f"admission_min_probability must be in [0, 1], got {self.admission_min_probability!r}",
-        )
-        _require(
-            isinstance(self.write_through_threshold, int) and self.write_through_threshold >= 1,
-            f"write_through_threshold must be an integer >= 1, got {self.write_through_threshold!r}",
-        )
-        _require(
-            self.eviction_demotes in EVICTION_DEMOTES,
-            f"eviction_demotes must be one of {', '.join(EVICTION_DEMOTES)}, got {self.eviction_demotes!r}",
         )
         if self.disk_dir is not None:
             object.__setattr__(self, "disk_dir", Path(self.disk_dir))
