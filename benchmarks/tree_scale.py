@@ -190,7 +190,7 @@ def run_ours(args: argparse.Namespace, page_size: int, tiered: bool) -> dict:
         calls.add("unlock", clock() - t)
         n += 1
         measured += calls.on
-        if measured == args.measure_requests:
+        if args.measure_requests and measured >= args.measure_requests:
             break
     return {
         "requests": n,
@@ -231,7 +231,7 @@ def run_radix(args: argparse.Namespace, page_size: int) -> dict:
         calls.add("unlock", clock() - t)
         n += 1
         measured += calls.on
-        if measured == args.measure_requests:
+        if args.measure_requests and measured >= args.measure_requests:
             break
     nodes = 0
     stack = [cache.root_node]
