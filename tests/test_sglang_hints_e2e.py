@@ -202,7 +202,7 @@ def test_a_pin_holds_its_prefix_until_it_comes_back(server):
 
 def _trace(hints: bool) -> list:
     """Two sessions; the second's first request carries hints: a prefetch of session a (its latest
-    prompt), a pin of its own head 1 s later, and a pin too long to be allowed."""
+    prompt), a pin of its own head 3 s later, and a pin too long to be allowed."""
     from sgl_hicache.policy.hints import Hint
     from sgl_hicache.replay.trace import Request
 
@@ -211,13 +211,15 @@ def _trace(hints: bool) -> list:
     hs = (
         (
             Hint("prefetch", session="a"),
-            Hint("pin", input_ids=tuple(b1[:64]), ttl_s=2.0, after_s=1.0),
+            Hint("pin", input_ids=tuple(b1[:64]), ttl_s=2.0, after_s=3.0),
             Hint("pin", input_ids=tuple(b1[:64]), ttl_s=9000.0),
         )
         if hints
         else ()
     )
-    rows = [("a/1", "a", 0.0, a1, ()), ("b/1", "b", 0.2, b1, hs), ("a/2", "a", 1.0, a2, ())]
+    # b/1 (and with it the prefetch of session a) comes once a/1 has had time to finish even on a loaded
+    # 2-core machine: a prefetch of a prefix not yet in the tree has nothing to act on
+    rows = [("a/1", "a", 0.0, a1, ()), ("b/1", "b", 3.0, b1, hs), ("a/2", "a", 4.0, a2, ())]
     return [Request(rid, s, t, array("q", ids), 4, i + 1, hints=h) for i, (rid, s, t, ids, h) in enumerate(rows)]
 
 
