@@ -26,6 +26,7 @@ import urllib.request
 
 import pytest
 from conftest import NEEDS_SGLANG
+from servers import CHECKED, BackendServers
 from test_sglang_e2e import (
     HIT,
     PAGE,
@@ -45,36 +46,9 @@ FLOOD = 14  # x 300 tokens: more than device + host, so an unhinted conversation
 TP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "SGLHICACHE_CONSENSUS_CHECK": "1"}
 
 
-def _start(work, model, name: str, tp: int = 1, **env_extra: str):
-    from sgl_hicache.sglang.server import SGLangServer
-
-    env = {
-        "SGLHICACHE_HOST_TOKENS": str(HOST_TOKENS),
-        "SGLHICACHE_DISK_DIR": str(work / f"disk-{name}"),
-        "SGLHICACHE_DISK_TOKENS": str(64 * 1024),
-        "SGLHICACHE_PREDICTOR": "none",
-        "SGLHICACHE_CHECK_INVARIANTS": "1",
-        "SGLHICACHE_CHECK_SCHEDULER_IO": "1",
-        **env_extra,
-    }
-    return SGLangServer.start(
-        model,
-        load_format=None,
-        log_path=work / f"{name}.log",
-        env=env,
-        timeout_s=300,
-        extra_args=[
-            "--max-total-tokens",
-            str(DEVICE_TOKENS),
-            "--page-size",
-            str(PAGE),
-            "--radix-cache-backend",
-            "sgl_hicache",
-            "--log-level",
-            "warning",
-            *(["--tp", str(tp)] if tp > 1 else []),
-        ],
-    )
+def _servers(work, model) -> BackendServers:
+    env = {**CHECKED, "SGLHICACHE_PREDICTOR": "none"}
+    return BackendServers(model, work, page=PAGE, host_tokens=HOST_TOKENS, device_tokens=DEVICE_TOKENS, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -91,12 +65,11 @@ def model(work):
 
 @pytest.fixture(scope="module")
 def server(work, model):
-    srv = _start(work, model, "tp1")
+    servers = _servers(work, model)
     try:
-        yield srv
+        yield servers.start("tp1", work / "disk-tp1")
     finally:
-        srv.stop()
-        assert not srv.alive()
+        servers.close()
 
 
 def _hinted(srv, ids, n: int = 8, **agent_hints) -> tuple[list[int], dict, dict]:
@@ -212,8 +185,9 @@ def test_tp2_applies_the_same_hints_on_both_ranks(work, model, server):
         _hinted(server, c, workflow_id="wf-tp", agent_id=f"a{i}", expected_tool_duration_ms=30_000)[0]
         for i, c in enumerate(convs)
     ]
-    srv = _start(work, model, "tp2", tp=2, **TP_ENV)
+    servers = _servers(work, model)
     try:
+        srv = servers.start("tp2", work / "disk-tp2", tp=2, **TP_ENV)
         for i, c in enumerate(convs):
             out, _, _ = _hinted(srv, c, workflow_id="wf-tp", agent_id=f"a{i}", expected_tool_duration_ms=30_000)
             assert out == ref[i]
@@ -228,5 +202,4 @@ def test_tp2_applies_the_same_hints_on_both_ranks(work, model, server):
         assert tp["digests_checked"] > 0, tp  # both ranks' trees compared every step: no divergence
         assert srv.alive()
     finally:
-        srv.stop()
-        assert not srv.alive()
+        servers.close()

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 from conftest import NEEDS_SGLANG
+from servers import CHECKED, BackendServers
 from test_sglang_e2e import LOGPROB_TOL, _logprob_diff, _prompt, _wait_for
 from test_sglang_e2e_mla import HIT, PAGE, VOCAB, make_mla_model
 
@@ -45,52 +45,19 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture
 def start_server(workdir):
-    from sgl_hicache.sglang.server import SGLangServer
-
-    model = make_mla_model(workdir / "model")
-    started = []
-
-    def start(name: str, disk_dir: Path) -> SGLangServer:
-        env = {
-            "SGLHICACHE_HOST_TOKENS": "4096",
-            "SGLHICACHE_DISK_DIR": str(disk_dir),
-            "SGLHICACHE_DISK_TOKENS": str(64 * 1024),
-            "SGLHICACHE_CHECK_INVARIANTS": "1",
-            "SGLHICACHE_CHECK_SCHEDULER_IO": "1",
-            "SGLHICACHE_STATS_FILE": str(workdir / f"{name}-stats.json"),
-            "SGLHICACHE_STATS_INTERVAL_S": "0.5",
-            **DP_ENV,
-        }
-        srv = SGLangServer.start(
-            model,
-            load_format=None,
-            log_path=workdir / f"{name}.log",
-            env=env,
-            timeout_s=600,
-            extra_args=[
-                "--max-total-tokens",
-                "1024",
-                "--page-size",
-                str(PAGE),
-                "--radix-cache-backend",
-                "sgl_hicache",
-                "--enable-metrics",
-                "--log-level",
-                "warning",
-                "--tp",
-                "2",
-                "--dp",
-                "2",
-                "--enable-dp-attention",
-            ],
-        )
-        started.append(srv)
-        return srv
-
-    yield start
-    for srv in started:
-        srv.stop()
-        assert not srv.alive()
+    args = ("--tp", "2", "--dp", "2", "--enable-dp-attention", "--enable-metrics")
+    servers = BackendServers(
+        make_mla_model(workdir / "model"),
+        workdir,
+        page=PAGE,
+        host_tokens=4096,
+        env={**CHECKED, **DP_ENV},
+        args=args,
+        stats=True,
+        timeout_s=600,
+    )
+    yield servers.start
+    servers.close()
 
 
 def _gen(srv, ids, dp_rank: int, start: int | None = None, n: int = 8) -> tuple[list[int], dict, dict]:

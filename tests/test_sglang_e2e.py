@@ -37,6 +37,7 @@ from pathlib import Path
 
 import pytest
 from conftest import NEEDS_SGLANG, mooncake_trace
+from servers import BackendServers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "cpu"))
 from realistic_weights import make_model  # re-exported: the other SGLang tests import it from here
@@ -71,49 +72,19 @@ def shared():
 
 
 @pytest.fixture
-def start_server(workdir, model_dir, request):
+def start_server(workdir, model_dir):
     """Starts servers; every one is stopped (its whole process group) when the test ends, pass or fail."""
-    from sgl_hicache.sglang.server import SGLangServer
-
-    started = []
-
-    def start(name: str, disk_dir: Path, tp: int = 1, **env_extra: str) -> SGLangServer:
-        env = {
-            "SGLHICACHE_HOST_TOKENS": str(HOST_TOKENS),
-            "SGLHICACHE_DISK_DIR": str(disk_dir),
-            "SGLHICACHE_DISK_TOKENS": str(64 * 1024),
-            "SGLHICACHE_STATS_FILE": str(workdir / f"{name}-stats.json"),
-            "SGLHICACHE_STATS_INTERVAL_S": "0.5",
-            "SGLHICACHE_CHECK_INVARIANTS": "1",
-            "SGLHICACHE_CHECK_SCHEDULER_IO": "1",
-            **env_extra,
-        }
-        srv = SGLangServer.start(
-            model_dir,
-            load_format=None,
-            log_path=workdir / f"{name}.log",
-            env=env,
-            timeout_s=300,
-            extra_args=[
-                "--max-total-tokens",
-                str(DEVICE_TOKENS),
-                "--page-size",
-                str(PAGE),
-                "--radix-cache-backend",
-                "sgl_hicache",
-                "--enable-metrics",
-                "--log-level",
-                "warning",
-                *(["--tp", str(tp)] if tp > 1 else []),
-            ],
-        )
-        started.append(srv)
-        return srv
-
-    yield start
-    for srv in started:
-        srv.stop()
-        assert not srv.alive()
+    servers = BackendServers(
+        model_dir,
+        workdir,
+        page=PAGE,
+        host_tokens=HOST_TOKENS,
+        device_tokens=DEVICE_TOKENS,
+        args=("--enable-metrics",),
+        stats=True,
+    )
+    yield servers.start
+    servers.close()
 
 
 def _prompt(seed: int, n: int) -> list[int]:

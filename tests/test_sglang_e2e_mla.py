@@ -31,7 +31,15 @@ from pathlib import Path
 
 import pytest
 from conftest import NEEDS_SGLANG
-from test_sglang_e2e import LOGPROB_TOL, TP_ENV, _flood, _gen_lp, _logprob_diff, _prompt, _scheduler_pid, _settled_pool
+from servers import BackendServers
+from test_sglang_e2e import TP_ENV, _flood, _gen_lp, _logprob_diff, _prompt, _scheduler_pid, _settled_pool
+from tier_walk import (
+    assert_a_changed_cached_page_moves,
+    assert_restart_serves_from_disk,
+    assert_settled_and_clean,
+    assert_tiers_equal,
+    walk_tiers,
+)
 
 pytestmark = NEEDS_SGLANG
 
@@ -92,88 +100,34 @@ def workdir(tmp_path_factory):
     shutil.rmtree(d, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def shared():
+    """TP=1's device hit of the walked prompt, the TP=2 test's reference (filled by the first test)."""
+    return {}
+
+
 @pytest.fixture
 def start_server(workdir):
-    from sgl_hicache.sglang.server import SGLangServer
-
-    model = make_mla_model(workdir / "model")
-    started = []
-
-    def start(name: str, disk_dir: Path, tp: int = 1, **env_extra: str) -> SGLangServer:
-        env = {
-            "SGLHICACHE_HOST_TOKENS": "4096",
-            "SGLHICACHE_DISK_DIR": str(disk_dir),
-            "SGLHICACHE_DISK_TOKENS": str(64 * 1024),
-            "SGLHICACHE_CHECK_INVARIANTS": "1",
-            # a 64-page pool: eviction copies device -> host (see test_sglang_e2e / docs, "Open")
-            "SGLHICACHE_EVICTION_DEMOTES": "host",
-            **env_extra,
-        }
-        srv = SGLangServer.start(
-            model,
-            load_format=None,
-            log_path=workdir / f"{name}.log",
-            env=env,
-            timeout_s=400,
-            extra_args=[
-                "--max-total-tokens",
-                "1024",
-                "--page-size",
-                str(PAGE),
-                "--radix-cache-backend",
-                "sgl_hicache",
-                "--log-level",
-                "warning",
-                *(["--tp", str(tp)] if tp > 1 else []),
-            ],
-        )
-        started.append(srv)
-        return srv
-
-    yield start
-    for srv in started:
-        srv.stop()
-        assert not srv.alive()
+    # a 64-page pool: eviction copies device -> host (see test_sglang_e2e / docs, "Open")
+    env = {"SGLHICACHE_CHECK_INVARIANTS": "1", "SGLHICACHE_EVICTION_DEMOTES": "host"}
+    servers = BackendServers(make_mla_model(workdir / "model"), workdir, page=PAGE, host_tokens=4096, env=env)
+    yield servers.start
+    servers.close()
 
 
-def test_mla_server_outputs_equal_from_scratch_and_from_every_tier_and_after_a_restart(start_server, workdir):
+def test_mla_server_outputs_equal_from_scratch_and_from_every_tier_and_after_a_restart(start_server, workdir, shared):
     disk = workdir / "disk"
     srv = start_server("first", disk)
     st = _settled_pool(srv)
     assert st["config"]["pool_kind"] == "mla" and "planes=1" in st["config"]["namespace"], st["config"]
-    P = _prompt(1, HIT + 4)  # 19 whole pages and 4 tokens (see the module docstring)
-    _, d0, _ = _gen_lp(srv, P, 0)
-    assert sum(d0.values()) == 0, d0
-    out_dev, d1, lp_dev = _gen_lp(srv, P, HIT)  # the reference: SGLang's own device-pool reuse
-    assert d1["device"] == HIT, d1
-    _flood(srv, 2, 4)  # P leaves the device, stays on host
-    out_host, d2, lp_host = _gen_lp(srv, P, HIT)
-    assert d2["host"] > 0 and d2["host"] + d2["storage"] == HIT, d2
-    _flood(srv, 3, 20)  # P leaves device and host, stays on disk
-    out_disk, d3, lp_disk = _gen_lp(srv, P, HIT)
-    assert d3["storage"] > 0 and d3["device"] + d3["host"] + d3["storage"] == HIT, d3
-    assert out_dev == out_host == out_disk, (out_dev, out_host, out_disk)
-    diffs = {n: _logprob_diff(lp_dev, lp) for n, lp in (("host", lp_host), ("disk", lp_disk))}
-    print(f"\nMLA logprob |diff| vs the device hit: {diffs}")
-    assert all(d <= LOGPROB_TOL for d in diffs.values()), diffs
-    # not vacuous: one token changed in the last cached page moves the tail's logprobs far past the tolerance
-    P3 = list(P)
-    P3[HIT - 3] = (P[HIT - 3] - 16 + 1) % (VOCAB - 16) + 16
-    lp3 = _gen_lp(srv, P3, HIT)[2]
-    late = max(abs(a[1] - b[1]) for a, b in zip(lp3["output"], lp_dev["output"]))
-    print(f"MLA output logprob |diff| with a token of the last cached page changed: {late:.4f}")
-    assert late > 1000 * LOGPROB_TOL, late
-    pool = _settled_pool(srv)["pool"]
-    assert pool["request_held_tokens"] == 0 and pool["check"] == "ok", pool
+    # 19 whole pages and 4 tokens (see the module docstring); the reference is SGLang's own device-pool reuse
+    walk = walk_tiers(srv, _prompt(1, HIT + 4), HIT)
+    shared["tp1"] = (walk.outputs["device"], walk.hits["device"], walk.logprobs["device"])
+    assert_tiers_equal(walk, "device", "MLA")
+    assert_a_changed_cached_page_moves(srv, walk, "device")
+    assert_settled_and_clean(srv, io=False)
     srv.stop()
-
-    again = start_server("restart", disk)
-    out, d, lp = _gen_lp(again, P, HIT)
-    assert d["storage"] > 0 and d["device"] == 0, d
-    assert out == out_dev, (out, out_dev)
-    diff = _logprob_diff(lp_dev, lp)
-    print(f"MLA logprob |diff| after the restart: {diff}")
-    assert diff <= LOGPROB_TOL, diff
+    assert_restart_serves_from_disk(start_server("restart", disk), walk, "device")
 
 
 def _shared_host_mapping(pid: int) -> str:
@@ -185,18 +139,20 @@ def _shared_host_mapping(pid: int) -> str:
     pytest.fail(f"process {pid} maps no sgl_hicache host buffer")
 
 
-def test_mla_tp2_one_rank_writes_both_read(start_server, workdir):
+def test_mla_tp2_one_rank_writes_both_read(start_server, workdir, shared):
     """MLA at --tp 2: one copy of the latent for both ranks. Rank 0 alone writes the host buffer (one
     shared-memory buffer both ranks map) and the page files (one directory, no rank in it); rank 1
     reads them. Greedy outputs from device, host and disk hits, and after a restart, equal TP=1's."""
     import json as _json
 
     P = _prompt(1, HIT + 4)
-    ref = start_server("mla-tp1-ref", workdir / "disk-mla-tp1")
-    _gen_lp(ref, P, 0)
-    out1, d, lp1 = _gen_lp(ref, P, HIT)  # TP=1's device hit (the reference, see the module docstring)
+    if "tp1" not in shared:  # run alone: TP=1's device hit, the reference (see the module docstring)
+        ref = start_server("mla-tp1-ref", workdir / "disk-mla-tp1")
+        _gen_lp(ref, P, 0)
+        shared["tp1"] = _gen_lp(ref, P, HIT)
+        ref.stop()
+    out1, d, lp1 = shared["tp1"]
     assert d["device"] == HIT, d
-    ref.stop()
 
     disk = workdir / "disk-mla-tp2"
     stats = workdir / "mla-tp2-stats.json"
@@ -214,22 +170,13 @@ def test_mla_tp2_one_rank_writes_both_read(start_server, workdir):
     maps = {r: _shared_host_mapping(pid) for r, pid in pids.items()}
     assert maps[0] == maps[1] and maps[0].endswith("(deleted)"), maps  # one buffer, its name already gone
     assert not list(Path("/dev/shm").glob(f"sgl_hicache-host-{pids[0]}-*"))
-    _gen_lp(srv, P, 0)
-    out_dev, d1, lp_dev = _gen_lp(srv, P, HIT)
-    assert d1["device"] == HIT, d1
-    _flood(srv, 2, 4)
-    out_host, d2, lp_host = _gen_lp(srv, P, HIT)
-    assert d2["host"] > 0 and d2["host"] + d2["storage"] == HIT, d2
-    _flood(srv, 3, 20)
-    out_disk, d3, lp_disk = _gen_lp(srv, P, HIT)
-    assert d3["storage"] > 0 and d3["device"] + d3["host"] + d3["storage"] == HIT, d3
+    walk = walk_tiers(srv, P, HIT)
     print(
-        f"\nMLA outputs TP=1 {out1}, TP=2 device/host/disk {out_dev} {out_host} {out_disk}; "
-        f"logprob |diff| TP=2 vs TP=1 device hit {_logprob_diff(lp1, lp_dev):.2e}"
+        f"\nMLA outputs TP=1 {out1}, TP=2 {walk.outputs}; "
+        f"logprob |diff| TP=2 vs TP=1 device hit {_logprob_diff(lp1, walk.logprobs['device']):.2e}"
     )
-    assert out_dev == out_host == out_disk == out1, (out1, out_dev, out_host, out_disk)
-    diffs = {n: _logprob_diff(lp_dev, lp) for n, lp in (("host", lp_host), ("disk", lp_disk))}
-    assert all(v <= LOGPROB_TOL for v in diffs.values()), diffs
+    assert walk.outputs["device"] == out1, (out1, walk.outputs)
+    assert_tiers_equal(walk, "device", "MLA TP=2")
     # the leader's disk reads fail: its failure is both ranks' (agreed), Q's disk part is recomputed on both
     Q = _prompt(7, HIT + 4)
     out_q = _gen_lp(srv, Q, 0)[0]  # from scratch
@@ -275,8 +222,4 @@ def test_mla_tp2_one_rank_writes_both_read(start_server, workdir):
     assert sorted(p.name for p in disk.iterdir() if p.is_dir()) == ["tp2-shared"], list(disk.iterdir())
     srv.stop()
 
-    again = start_server("mla-tp2-restart", disk, tp=2, **TP_ENV)
-    out, d, lp = _gen_lp(again, P, HIT)
-    assert d["storage"] > 0 and d["device"] == 0, d
-    assert out == out1, (out, out1)
-    assert _logprob_diff(lp_dev, lp) <= LOGPROB_TOL
+    assert_restart_serves_from_disk(start_server("mla-tp2-restart", disk, tp=2, **TP_ENV), walk, "device")

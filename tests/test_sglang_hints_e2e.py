@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 from conftest import NEEDS_SGLANG
+from servers import CHECKED, BackendServers
 from test_sglang_e2e import HIT, PAGE, VOCAB, _flood, _gen, _prompt, _settled_pool, _wait_for, make_model
 
 pytestmark = NEEDS_SGLANG
@@ -39,41 +40,15 @@ FLOOD = 14  # x 300 tokens: more than device + host, so the oldest prompts end o
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from sgl_hicache.sglang.server import SGLangServer
-
     work = tmp_path_factory.mktemp("hints_e2e")
-    model = make_model(work / "model")
-    env = {
-        "SGLHICACHE_HOST_TOKENS": str(HOST_TOKENS),
-        "SGLHICACHE_DISK_DIR": str(work / "disk"),
-        "SGLHICACHE_DISK_TOKENS": str(64 * 1024),
-        "SGLHICACHE_HINT_PORT": "0",
-        "SGLHICACHE_PREDICTOR": "none",
-        "SGLHICACHE_CHECK_INVARIANTS": "1",
-        "SGLHICACHE_CHECK_SCHEDULER_IO": "1",
-    }
-    srv = SGLangServer.start(
-        model,
-        load_format=None,
-        log_path=work / "server.log",
-        env=env,
-        timeout_s=300,
-        extra_args=[
-            "--max-total-tokens",
-            str(DEVICE_TOKENS),
-            "--page-size",
-            str(PAGE),
-            "--radix-cache-backend",
-            "sgl_hicache",
-            "--log-level",
-            "warning",
-        ],
+    env = {**CHECKED, "SGLHICACHE_HINT_PORT": "0", "SGLHICACHE_PREDICTOR": "none"}
+    servers = BackendServers(
+        make_model(work / "model"), work, page=PAGE, host_tokens=HOST_TOKENS, device_tokens=DEVICE_TOKENS, env=env
     )
     try:
-        yield srv
+        yield servers.start("server", work / "disk")
     finally:
-        srv.stop()
-        assert not srv.alive()
+        servers.close()
         shutil.rmtree(work, ignore_errors=True)
 
 

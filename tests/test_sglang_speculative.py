@@ -25,6 +25,7 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import NEEDS_SGLANG
+from servers import BackendServers
 
 pytestmark = NEEDS_SGLANG
 
@@ -208,7 +209,14 @@ def test_a_draft_of_another_page_layout_is_refused_naming_both():
 # ---- 2. the real server -----------------------------------------------------------------------------
 sys.path.insert(0, str(REPO / "scripts" / "cpu"))
 from realistic_weights import TINY, make_model  # noqa: E402
-from test_sglang_e2e import LOGPROB_TOL, _flood, _gen_lp, _logprob_diff, _prompt, _settled_pool  # noqa: E402
+from test_sglang_e2e import _prompt, _settled_pool  # noqa: E402
+from tier_walk import (  # noqa: E402
+    assert_a_changed_cached_page_moves,
+    assert_restart_serves_from_disk,
+    assert_settled_and_clean,
+    assert_tiers_equal,
+    walk_tiers,
+)
 
 SERVER_PAGE, HIT, VOCAB = 16, 304, 1024
 # SGLang caps a request's prefix match at its `logprob_start_len` in raw tokens; under bigram keys N raw
@@ -266,46 +274,11 @@ def models(workdir):
 
 @pytest.fixture
 def start_server(workdir, models):
-    from sgl_hicache.sglang.server import SGLangServer
-
     target, draft = models
-    started = []
-
-    def start(name: str, disk_dir: Path) -> SGLangServer:
-        env = {
-            "SGLHICACHE_HOST_TOKENS": "4096",
-            "SGLHICACHE_DISK_DIR": str(disk_dir),
-            "SGLHICACHE_DISK_TOKENS": str(64 * 1024),
-            "SGLHICACHE_CHECK_INVARIANTS": "1",
-            "SGLHICACHE_CHECK_SCHEDULER_IO": "1",
-        }
-        srv = SGLangServer.start(
-            target,
-            load_format=None,
-            log_path=workdir / f"{name}.log",
-            env=env,
-            timeout_s=400,
-            extra_args=[
-                "--max-total-tokens",
-                "1024",
-                "--page-size",
-                str(SERVER_PAGE),
-                "--radix-cache-backend",
-                "sgl_hicache",
-                "--log-level",
-                "warning",
-                "--speculative-draft-model-path",
-                str(draft),
-                *SPEC_ARGS,
-            ],
-        )
-        started.append(srv)
-        return srv
-
-    yield start
-    for srv in started:
-        srv.stop()
-        assert not srv.alive()
+    args = ("--speculative-draft-model-path", str(draft), *SPEC_ARGS)
+    servers = BackendServers(target, workdir, page=SERVER_PAGE, host_tokens=4096, args=args)
+    yield servers.start
+    servers.close()
 
 
 def _accepted(srv, ids, start: int) -> int:
@@ -325,48 +298,16 @@ def _accepted(srv, ids, start: int) -> int:
 def test_eagle_server_outputs_equal_from_scratch_and_from_every_tier_and_after_a_restart(start_server, workdir):
     disk = workdir / "disk"
     srv = start_server("first", disk)
-    st = _settled_pool(srv)
-    assert st["config"]["pool_kind"] == "draft", st["config"]
-    P = _prompt(1, HIT + 17)  # 320 bigram positions: HIT cached (whole pages), the last page's tail computed
-    out_scratch, d0, lp_scratch = _gen_lp(srv, P, 0)
-    assert sum(d0.values()) == 0, d0
-    out_dev, d1, lp_dev = _gen_lp(srv, P, START)
-    assert d1["device"] == HIT, d1
-    _flood(srv, 2, 4)  # P leaves the device, stays on host
-    out_host, d2, lp_host = _gen_lp(srv, P, START)
-    assert d2["host"] > 0 and d2["host"] + d2["storage"] == HIT, d2
-    _flood(srv, 3, 20)  # P leaves device and host, stays on disk
-    out_disk, d3, lp_disk = _gen_lp(srv, P, START)
-    assert d3["storage"] > 0 and d3["device"] + d3["host"] + d3["storage"] == HIT, d3
-    assert out_scratch == out_dev == out_host == out_disk, (out_scratch, out_dev, out_host, out_disk)
+    assert _settled_pool(srv)["config"]["pool_kind"] == "draft"
+    # 320 bigram positions: HIT cached (whole pages), the last page's tail computed
+    walk = walk_tiers(srv, _prompt(1, HIT + 17), HIT, start=START)
+    assert_tiers_equal(walk, "scratch", "EAGLE")
     # the draft model proposed from its own KV of the cached positions, which came back with the target's:
     # its proposals were accepted as often as when it computed that KV itself (and some were accepted)
-    accepted = [_accepted(srv, P, START if hit else 0) for hit in (False, True)]
+    accepted = [_accepted(srv, walk.prompt, START if hit else 0) for hit in (False, True)]
     print(f"\nEAGLE accepted drafts, scratch and host/disk-loaded: {accepted}")
     assert accepted[0] == accepted[1] > 0, accepted
-    diffs = {n: _logprob_diff(lp_scratch, lp) for n, lp in (("device", lp_dev), ("host", lp_host), ("disk", lp_disk))}
-    print(f"\nEAGLE logprob |diff| vs scratch: {diffs}")
-    assert all(d <= LOGPROB_TOL for d in diffs.values()), diffs
-    # not vacuous: one token changed in the last cached page moves the tail's logprobs
-    P3 = list(P)
-    P3[HIT - 3] = (P[HIT - 3] - 16 + 1) % (VOCAB - 16) + 16
-    lp3 = _gen_lp(srv, P3, START)[2]
-    late = max(abs(lp3["input"][q][1] - lp_scratch["input"][q][1]) for q in range(START + 1, len(P)))
-    print(f"EAGLE logprob |diff| of the tail with a token of the last cached page changed: {late:.4f}")
-    assert late > 1000 * LOGPROB_TOL, late
-    st = _settled_pool(srv)
-    pool = st["pool"]
-    assert pool["request_held_tokens"] == 0 and pool["check"] == "ok", pool
-    io = st["scheduler_io"]
-    offenders = io.pop("first_offender")
-    assert io["copy"] == 0 and io["disk_write"] == io["sleep"] == io["event_wait"] == 0, (io, offenders)
-    assert st["layer_loads"]["loads"] > 0, st["layer_loads"]
+    assert_a_changed_cached_page_moves(srv, walk, "scratch", where="input")
+    assert_settled_and_clean(srv)
     srv.stop()
-
-    again = start_server("restart", disk)
-    out, d, lp = _gen_lp(again, P, START)
-    assert d["storage"] > 0 and d["device"] == 0, d
-    assert out == out_scratch, (out, out_scratch)
-    diff = _logprob_diff(lp_scratch, lp)
-    print(f"EAGLE logprob |diff| after the restart: {diff}")
-    assert diff <= LOGPROB_TOL, diff
+    assert_restart_serves_from_disk(start_server("restart", disk), walk, "scratch")

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 from conftest import NEEDS_SGLANG
+from servers import BackendServers
 
 pytestmark = NEEDS_SGLANG
 
@@ -318,44 +319,9 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture
 def start_server(workdir):
-    from sgl_hicache.sglang.server import SGLangServer
-
-    model = make_swa_model(workdir / "model")
-    started = []
-
-    def start(name: str, disk_dir: Path, **env_extra: str) -> SGLangServer:
-        env = {
-            "SGLHICACHE_HOST_TOKENS": "2048",
-            "SGLHICACHE_DISK_DIR": str(disk_dir),
-            "SGLHICACHE_DISK_TOKENS": str(64 * 1024),
-            "SGLHICACHE_CHECK_INVARIANTS": "1",
-            "SGLHICACHE_CHECK_SCHEDULER_IO": "1",
-            **env_extra,
-        }
-        srv = SGLangServer.start(
-            model,
-            load_format=None,
-            log_path=workdir / f"{name}.log",
-            env=env,
-            timeout_s=400,
-            extra_args=[
-                "--max-total-tokens",
-                "1024",
-                "--page-size",
-                str(PAGE),
-                "--radix-cache-backend",
-                "sgl_hicache",
-                "--log-level",
-                "warning",
-            ],
-        )
-        started.append(srv)
-        return srv
-
-    yield start
-    for srv in started:
-        srv.stop()
-        assert not srv.alive()
+    servers = BackendServers(make_swa_model(workdir / "model"), workdir, page=PAGE, host_tokens=2048)
+    yield servers.start
+    servers.close()
 
 
 def test_swa_server_outputs_equal_from_scratch_and_from_every_tier_and_after_a_restart(start_server, workdir):
@@ -363,56 +329,22 @@ def test_swa_server_outputs_equal_from_scratch_and_from_every_tier_and_after_a_r
     its first 304 tokens, then from disk after a restart: the same greedy tokens and logprobs. A
     token changed inside the last window before the hit point moves them (the window layers' KV of
     the hit is what the tail reads)."""
-    from test_sglang_e2e import (
-        LOGPROB_TOL,
-        _flood,
-        _gen_lp,
-        _logprob_diff,
-        _prompt,
-        _settled_pool,
+    from test_sglang_e2e import _prompt, _settled_pool
+    from tier_walk import (
+        assert_a_changed_cached_page_moves,
+        assert_restart_serves_from_disk,
+        assert_settled_and_clean,
+        assert_tiers_equal,
+        walk_tiers,
     )
 
     disk = workdir / "disk"
     srv = start_server("first", disk)
-    st = _settled_pool(srv)
-    cfg = st["config"]
+    cfg = _settled_pool(srv)["config"]
     assert cfg["pool_kind"] == "swa" and "window_layers=0,2" in cfg["namespace"], cfg
-    P = _prompt(1, HIT + 16)
-    out_ref, d0, lp_ref = _gen_lp(srv, P, 0)  # from scratch: the reference
-    assert sum(d0.values()) == 0, d0
-    out_dev, d1, lp_dev = _gen_lp(srv, P, HIT)
-    assert d1["device"] == HIT, d1
-    _flood(srv, 2, 4)  # P leaves the device, stays on host
-    out_host, d2, lp_host = _gen_lp(srv, P, HIT)
-    assert d2["host"] > 0 and d2["host"] + d2["storage"] == HIT, d2
-    _flood(srv, 3, 10)  # P leaves device and host, stays on disk
-    out_disk, d3, lp_disk = _gen_lp(srv, P, HIT)
-    assert d3["storage"] > 0 and d3["device"] + d3["host"] + d3["storage"] == HIT, d3
-    assert out_ref == out_dev == out_host == out_disk, (out_ref, out_dev, out_host, out_disk)
-    diffs = {n: _logprob_diff(lp_ref, lp) for n, lp in (("device", lp_dev), ("host", lp_host), ("disk", lp_disk))}
-    print(f"\nSWA logprob |diff| vs scratch: {diffs}")
-    assert all(d <= LOGPROB_TOL for d in diffs.values()), diffs
-    # not vacuous: one token changed in the last cached page moves the tail's logprobs far past the tolerance
-    P3 = list(P)
-    P3[HIT - 3] = (P[HIT - 3] - 16 + 1) % (VOCAB - 16) + 16
-    lp3 = _gen_lp(srv, P3, HIT)[2]
-    late = max(abs(a[1] - b[1]) for a, b in zip(lp3["output"], lp_ref["output"]))
-    print(f"SWA output logprob |diff| with a token of the last cached page changed: {late:.4f}")
-    assert late > 1000 * LOGPROB_TOL, late
-    st = _settled_pool(srv)
-    pool = st["pool"]
-    assert pool["request_held_tokens"] == 0 and pool["check"] == "ok", pool
-    io = st["scheduler_io"]
-    offenders = io.pop("first_offender")
-    assert io["copy"] == 0 and not io["copy_by_link"], (io, offenders)
-    assert io["disk_write"] == io["sleep"] == io["event_wait"] == 0, (io, offenders)
-    assert st["layer_loads"]["loads"] > 0, st["layer_loads"]
+    walk = walk_tiers(srv, _prompt(1, HIT + 16), HIT, disk_flood=10)
+    assert_tiers_equal(walk, "scratch", "SWA")
+    assert_a_changed_cached_page_moves(srv, walk, "scratch")
+    assert_settled_and_clean(srv)
     srv.stop()
-
-    again = start_server("restart", disk)
-    out, d, lp = _gen_lp(again, P, HIT)
-    assert d["storage"] > 0 and d["device"] == 0, d
-    assert out == out_ref, (out, out_ref)
-    diff = _logprob_diff(lp_ref, lp)
-    print(f"SWA logprob |diff| after the restart: {diff}")
-    assert diff <= LOGPROB_TOL, diff
+    assert_restart_serves_from_disk(start_server("restart", disk), walk, "scratch")

@@ -79,10 +79,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def cpu_server_args(max_total_tokens: int = 16384, page_size: int | None = None) -> list[str]:
-    """SGLang flags a CPU-only machine needs (torch_native attention, no CUDA graphs, a bounded pool).
+    """SGLang flags a CPU-only machine needs (torch_native attention, no CUDA graphs, a bounded pool,
+    an idle scheduler that sleeps).
 
     Always bound ``--max-total-tokens`` on CPU: without it SGLang sizes the KV pool from host memory
-    (32.5 M tokens / ~19 GB RSS was seen for the tiny model).
+    (32.5 M tokens / ~19 GB RSS was seen for the tiny model). ``--sleep-on-idle``: an idle scheduler
+    otherwise polls its sockets in a busy loop, a whole core per server, which on a small CPU starves
+    the server's own tokenizer, other servers and their clients; with it, it waits on the sockets
+    (a request wakes it at once) and does its idle housekeeping about once a second.
     """
     args = [
         "--device",
@@ -90,6 +94,7 @@ def cpu_server_args(max_total_tokens: int = 16384, page_size: int | None = None)
         "--attention-backend",
         "torch_native",
         "--disable-cuda-graph",
+        "--sleep-on-idle",
         "--max-total-tokens",
         str(max_total_tokens),
     ]

@@ -1,0 +1,83 @@
+"""Real SGLang CPU servers with the backend, as the server tests start them (not a test module)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# The debug checks every server test runs with: the tree's invariants after each call, and the
+# scheduler thread's I/O (no copy, disk write, sleep or wait), reported in /server_info.
+CHECKED = {"SGLHICACHE_CHECK_INVARIANTS": "1", "SGLHICACHE_CHECK_SCHEDULER_IO": "1"}
+
+
+class BackendServers:
+    """Starts servers of one model with `--radix-cache-backend sgl_hicache` and shared settings, each
+    with its own disk directory and log (`<workdir>/<name>.log`); `close()` stops every one started
+    (its whole process group), pass or fail.
+
+    `env` is added to every server's environment (`CHECKED` by default), `args` to its command line;
+    `stats=True` makes each write its stats file to `<workdir>/<name>-stats.json` every 0.5 s."""
+
+    def __init__(
+        self,
+        model: Path,
+        workdir: Path,
+        *,
+        page: int,
+        host_tokens: int,
+        device_tokens: int = 1024,
+        env: dict[str, str] | None = None,
+        args: tuple[str, ...] = (),
+        stats: bool = False,
+        timeout_s: float = 400,
+    ) -> None:
+        self.model, self.workdir, self.page = model, workdir, page
+        self.host_tokens, self.device_tokens = host_tokens, device_tokens
+        self.env = dict(CHECKED if env is None else env)
+        self.args, self.stats, self.timeout_s = args, stats, timeout_s
+        self.started: list = []
+
+    def start(self, name: str, disk_dir: Path, tp: int = 1, **env_extra: str):
+        from sgl_hicache.sglang.server import SGLangServer
+
+        env = {
+            "SGLHICACHE_HOST_TOKENS": str(self.host_tokens),
+            "SGLHICACHE_DISK_DIR": str(disk_dir),
+            "SGLHICACHE_DISK_TOKENS": str(64 * 1024),
+            **self.env,
+            **(
+                {
+                    "SGLHICACHE_STATS_FILE": str(self.workdir / f"{name}-stats.json"),
+                    "SGLHICACHE_STATS_INTERVAL_S": "0.5",
+                }
+                if self.stats
+                else {}
+            ),
+            **env_extra,
+        }
+        args = [
+            "--max-total-tokens",
+            str(self.device_tokens),
+            "--page-size",
+            str(self.page),
+            "--radix-cache-backend",
+            "sgl_hicache",
+            "--log-level",
+            "warning",
+            *(["--tp", str(tp)] if tp > 1 else []),
+            *self.args,
+        ]
+        srv = SGLangServer.start(
+            self.model,
+            load_format=None,
+            log_path=self.workdir / f"{name}.log",
+            env=env,
+            timeout_s=self.timeout_s,
+            extra_args=args,
+        )
+        self.started.append(srv)
+        return srv
+
+    def close(self) -> None:
+        for srv in self.started:
+            srv.stop()
+        assert not any(srv.alive() for srv in self.started)
