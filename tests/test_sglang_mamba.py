@@ -46,7 +46,7 @@ MAMBA_SLOTS = 4
 def workdir(tmp_path_factory):
     d = tmp_path_factory.mktemp("sglang_mamba")
     yield d
-    pass  # TEMP shutil.rmtree(d, ignore_errors=True)
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture
