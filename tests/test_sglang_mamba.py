@@ -25,6 +25,7 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import NEEDS_SGLANG
@@ -108,6 +109,87 @@ def _flood(srv, seed: int, count: int, n: int = 120) -> None:
 def _restored(srv) -> dict:
     m = _states(srv)["mamba_states"]
     return {t: m[f"restored_{t}"] for t in ("device", "host", "disk")}
+
+
+class _FakeStates:
+    """A `MambaPool` stand-in: one state of `n` bytes per slot (slot 0 unused), SGLang's allocator
+    calls (`alloc`, `free`) and `copy_from`."""
+
+    def __init__(self, slots: int, n: int) -> None:
+        import torch
+
+        self.snapshot_bytes = n
+        self.buf = torch.zeros((slots + 1, n), dtype=torch.uint8)
+        self.mamba_cache = SimpleNamespace(temporal=self.buf)
+        self.free_slots = list(range(1, slots + 1))
+
+    def alloc(self, k: int):
+        import torch
+
+        if len(self.free_slots) < k:
+            return None
+        got, self.free_slots = self.free_slots[:k], self.free_slots[k:]
+        return torch.tensor(got)
+
+    def free(self, idx) -> None:
+        self.free_slots += [int(i) for i in idx.view(-1)]
+
+    def copy_from(self, src, dst) -> None:
+        self.buf[dst] = self.buf[src]
+
+    def read(self, slots):
+        return self.buf[slots].clone().view(len(slots), 1, 1, 1, 1, -1)
+
+    def write(self, slots, pages) -> None:
+        self.buf[slots] = pages.contiguous().view(len(slots), -1).view(self.buf.dtype)
+
+
+def test_snapshots_demote_under_slot_pressure_charge_their_bytes_and_survive_a_restart(tmp_path):
+    """Device slots asked back demote their states to host, host over its byte budget to disk; each
+    tier restores the state bit for bit into another slot without changing its own copy; a new
+    instance on the same directory finds the files; a file that fails its digest is refused."""
+    import torch
+
+    from sgl_hicache.policy.snapshots import SnapshotCosts
+    from sgl_hicache.sglang.mamba_snapshots import SUFFIX, SnapshotTiers
+
+    n = 64
+    fake = _FakeStates(8, n)
+
+    def tiers() -> SnapshotTiers:
+        costs = SnapshotCosts(n, 100.0, 1.0)
+        return SnapshotTiers(fake, fake, fake, costs, host_bytes=2 * n + n // 2, disk_dir=tmp_path, disk_bytes=100 * n)
+
+    t = tiers()
+    states = {}
+    for i in range(4):  # four finished requests hand over their slots: states at depths 10, 20, 30, 40
+        slot = int(fake.alloc(1)[0])
+        fake.buf[slot] = torch.randint(0, 256, (n,), dtype=torch.uint8)
+        key = bytes([i]) * 16
+        states[key] = fake.buf[slot].clone()
+        assert t.take(key, 10 * (i + 1), 10 * i, slot)
+    assert not t.take(key, 40, 30, int(fake.alloc(1)[0]))  # one per key: the caller keeps its slot
+    assert t.evict_device(4) == 4 and t.used["device"] == 0 and len(fake.free_slots) == 7
+    assert t.counters["demoted_device"] == 4 and t.counters["dropped_device"] == 0
+    assert t.bytes_in("host") == 2 * n <= t.host_bytes and t.bytes_in("disk") == 2 * n
+    assert {t.tier_of(k) for k in states} == {"host", "disk"}
+    dst = int(fake.alloc(1)[0])
+    for key, want in states.items():
+        tier = t.tier_of(key)
+        fake.buf[dst] = 0
+        assert t.restore(key, dst) == tier and torch.equal(fake.buf[dst], want), tier
+    files = sorted(tmp_path.rglob(f"*{SUFFIX}"))
+    assert len(files) == t.used["disk"] >= 2
+
+    again = tiers()  # a restart: the disk files are found, the DRAM copies are gone
+    assert again.counters["disk_found_at_start"] == len(files) and again.used["host"] == 0
+    on_disk = [k for k in states if k in again]
+    raw = bytearray(files[0].read_bytes())
+    raw[-1] ^= 0xFF
+    files[0].write_bytes(bytes(raw))
+    served = [again.restore(k, dst) for k in on_disk]
+    assert served.count(None) == 1 and again.counters["disk_corrupt"] == 1, served
+    assert served.count("disk") == len(on_disk) - 1
 
 
 def test_hybrid_outputs_equal_scratch_from_every_tier_and_after_a_restart(start_server, workdir):

@@ -85,7 +85,7 @@ from .debug_settings import DebugSettings
 from .device_pool import frees_batched
 from .export import CacheViews, StatsPublisher
 from .hint_server import refuse_hints_at_tp
-from .mamba_calls import MambaCalls, build_snapshots, hybrid_state_of, model_costs
+from .mamba_calls import MambaCalls, snapshots_for
 from .rank_consensus import RankConsensus
 from .req_states import ReqState, RequestStates
 from .request_hints import RequestHints
@@ -178,21 +178,8 @@ class TieredRadixCache(MambaCalls, StepCalls, CacheViews, BasePrefixCache):
         self.engine = parts.engine
         self.layer_loads = parts.layer_loads
         self.controller = parts.controller
-        self.snapshots = None  # hybrid Mamba: the recurrent-state snapshots (mamba_calls.py)
-        if hybrid_state_of(self.req_to_token_pool) is not None:
-            adapter = self.device_pool.adapter
-            state = getattr(adapter, "state", None)
-            if state is None:
-                raise ValueError(f"{REFUSAL_PREFIX}a hybrid Mamba pool beside a {adapter.kind} KV pool: not covered")
-            costs = model_costs(state.snapshot_bytes, model_config, int(adapter.layout.num_layers))
-            self.snapshots = build_snapshots(
-                self.req_to_token_pool,
-                state,
-                costs,
-                host_bytes=parts.snapshot_budgets[0],
-                disk_dir=self.config.disk_dir,
-                disk_bytes=parts.snapshot_budgets[1],
-            )
+        # hybrid Mamba: the recurrent-state snapshots (mamba_calls.py); None for other models
+        self.snapshots = snapshots_for(self.req_to_token_pool, self.device_pool.adapter, model_config, parts)
         self.deferred_rid: str | None = None  # the request init_load_back last answered "retry" (scheduler_hooks)
         self.held_rids: set[str] = set()  # requests held one round by `admission_hold` (scheduler_hooks.hold_new)
         self.prefill_cost_fit = PrefillCostFit()  # this rank's prefill steps (scheduler_hooks.time_prefill)
@@ -583,30 +570,3 @@ class TieredRadixCache(MambaCalls, StepCalls, CacheViews, BasePrefixCache):
 
     def release_aborted_request(self, handle: CacheRequestHandle) -> None:
         self.req_states.forget(handle.rid)
-
-    def _hybrid_match(self, params: MatchPrefixParams, m: PrefixMatch, depth: int, key: bytes) -> MatchResult:
-        """A hybrid Mamba model's match, cut to `depth` (a point with a state snapshot). All on device:
-        the device prefix, and the snapshot goes into the request's slot now (`cow_mamba`). Else the
-        whole hit is promised as a lower-tier hit (device prefix 0), so that the prefix SGLang computes
-        from is either all of it or none: `init_load_back` loads the pages and restores the state, or
-        the request recomputes from the zero state."""
-        root = self.cache.tree.root
-        if m.tokens != depth:
-            return self._empty_match()
-        if m.device_tokens == depth:
-            req = params.req
-            if params.cow_mamba and req is not None and self._mamba_restore(req, key) is None:
-                return self._empty_match()
-            return MatchResult(
-                device_prefix_len=depth,
-                last_device_node=m.last_node,
-                last_host_node=m.last_node,
-                best_match_node=m.last_node,
-            )
-        return MatchResult(
-            device_prefix_len=0,
-            last_device_node=root,
-            last_host_node=m.last_node,
-            best_match_node=m.last_node,
-            host_hit_length=depth,
-        )

@@ -20,11 +20,14 @@ slots, ReplaySSM rings, int8 checkpoint pools, the unified hybrid pool's virtual
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
 
+from ..cache import PrefixMatch
 from ..policy.snapshots import SnapshotCosts
 from ..tree.node import TreeNode
 from .coverage import PREFIX, refusal
@@ -91,6 +94,25 @@ def build_snapshots(
     )
 
 
+def snapshots_for(req_to_token_pool: Any, adapter: Any, model_config: Any, parts: Any) -> SnapshotTiers | None:
+    """The snapshot tiers of the backend whose request pool is `req_to_token_pool` (None: not a hybrid
+    model), over its KV `adapter`'s `state`, with the budgets `parts` (`assembly.Assembly`) set aside."""
+    if hybrid_state_of(req_to_token_pool) is None:
+        return None
+    state = getattr(adapter, "state", None)
+    if state is None:
+        raise ValueError(f"{PREFIX}a hybrid Mamba pool beside a {adapter.kind} KV pool: not covered")
+    costs = model_costs(state.snapshot_bytes, model_config, int(adapter.layout.num_layers))
+    return build_snapshots(
+        req_to_token_pool,
+        state,
+        costs,
+        host_bytes=parts.snapshot_budgets[0],
+        disk_dir=parts.config.disk_dir,
+        disk_bytes=parts.snapshot_budgets[1],
+    )
+
+
 class HybridLayerCounter:
     """SGLang's layer transfer counter for a `HybridLinearKVPool`: the pool waits with its model layer
     ids (`wait_until(layer_id - start_layer)`), the tiered page holds only the attention layers, in
@@ -134,6 +156,8 @@ class MambaCalls:
     `snapshots` is None for a model without recurrent state; every method is then a no-op."""
 
     snapshots: SnapshotTiers | None
+    cache: Any
+    _empty_match: Callable[[], MatchResult]  # the backend's
     req_to_token_pool: Any
     page_size: int
     disable: bool
@@ -197,6 +221,33 @@ class MambaCalls:
         if self.snapshots.take(ends[0][1], depth, ancestor, int(req.kv.mamba_pool_idx)):
             req.kv.mamba_pool_idx = None
 
+    def _hybrid_match(self, params: MatchPrefixParams, m: PrefixMatch, depth: int, key: bytes) -> MatchResult:
+        """A hybrid Mamba model's match, cut to `depth` (a point with a state snapshot). All on device:
+        the device prefix, and the snapshot goes into the request's slot now (`cow_mamba`). Else the
+        whole hit is promised as a lower-tier hit (device prefix 0), so that the prefix SGLang computes
+        from is either all of it or none: `init_load_back` loads the pages and restores the state, or
+        the request recomputes from the zero state."""
+        root = self.cache.tree.root
+        if m.tokens != depth:
+            return self._empty_match()
+        if m.device_tokens == depth:
+            req = params.req
+            if params.cow_mamba and req is not None and self._mamba_restore(req, key) is None:
+                return self._empty_match()
+            return MatchResult(
+                device_prefix_len=depth,
+                last_device_node=m.last_node,
+                last_host_node=m.last_node,
+                best_match_node=m.last_node,
+            )
+        return MatchResult(
+            device_prefix_len=0,
+            last_device_node=root,
+            last_host_node=m.last_node,
+            best_match_node=m.last_node,
+            host_hit_length=depth,
+        )
+
     def _mamba_release(self, req: Any) -> None:
         """The request is released: the slot it still holds goes back to SGLang's allocator."""
         if self.snapshots is None or getattr(req.kv, "mamba_pool_idx", None) is None:
@@ -207,4 +258,11 @@ class MambaCalls:
         req.kv.mamba_needs_clear = False
 
 
-__all__ = ["HybridLayerCounter", "MambaCalls", "build_snapshots", "hybrid_state_of", "model_costs", "unsupported_hybrid"]
+__all__ = [
+    "HybridLayerCounter",
+    "MambaCalls",
+    "build_snapshots",
+    "hybrid_state_of",
+    "model_costs",
+    "unsupported_hybrid",
+]
