@@ -37,10 +37,12 @@ buffer and disk directory; the ranks agree on every local fact once per schedule
 `--dp-size`): each DP rank is a tree of its own, agreeing only with its attention-TP group
 (`data_parallel.py`).
 
-Built by `factory.factory` (which refuses what is not supported: PP, SGLang's own HiCache, hybrid
-models) from the parts `assembly.assemble` composes; the stats it shows are put together in `export`.
+Built by `factory.factory` (which refuses what is not supported: PP, SGLang's own HiCache, DSA, hybrid
+Mamba variants other than `no_buffer`) from the parts `assembly.assemble` composes; the stats it shows are put together in `export`.
 Pool kinds without an adapter are refused by `pool_adapters`. Requests with a LoRA `extra_key` or a
-`cache_salt` are served without the cache (a miss, never stored).
+`cache_salt` are served without the cache (a miss, never stored). Hybrid Mamba / linear-attention
+models: hits only where a recurrent-state snapshot is kept, restored into the request's own slot
+(`MambaCalls`, mamba_calls.py; the snapshots' tiers: mamba_snapshots.py).
 
 Speculative decoding (EAGLE, EAGLE3, MTP; `is_eagle`): the tree is keyed by token bigrams, as SGLang's
 RadixCache keys it (`tree_keys`, `speculative.bigram_keys`): position i of a request is cached under
@@ -451,12 +453,11 @@ class TieredRadixCache(MambaCalls, StepCalls, CacheViews, BasePrefixCache):
     def evict(self, params: EvictParams) -> EvictResult:
         wanted = max(int(params.num_tokens), int(getattr(params, "swa_num_tokens", 0) or 0))  # (window rows: as many)
         states = int(getattr(params, "mamba_num", 0) or 0)
+        freed_states = 0
         if self.snapshots is not None and states > 0 and not self.disable:
             freed_states = self.snapshots.evict_device(states)  # demoted to host / disk where the budgets allow
-            if wanted <= 0:
-                return EvictResult(mamba_num_evicted=freed_states)
         if self.disable or wanted <= 0:
-            return EvictResult()
+            return EvictResult(mamba_num_evicted=freed_states)
         t0 = time.perf_counter()
         pages = -(-wanted // self.page_size)
         if self.layer_loads is not None:
@@ -478,7 +479,7 @@ class TieredRadixCache(MambaCalls, StepCalls, CacheViews, BasePrefixCache):
         self.counters.evicted_tokens += freed
         self.update_eviction_metrics(freed, t0)
         self._maybe_check()
-        return EvictResult(num_tokens_evicted=freed)
+        return EvictResult(num_tokens_evicted=freed, mamba_num_evicted=freed_states)
 
     def _device_tokens_changing_lock(self, node, lock_ref: int) -> int:
         """Device tokens on `node`'s path whose lock count is `lock_ref`: those a lock (0) or an
