@@ -11,8 +11,8 @@ state snapshots", `arg_groups/mamba_hook.py:120`).
 What it proves: a second turn that SGLang's own Mamba radix cache serves from the first turn's state
 snapshot (prompt + reply, `cached_tokens` > 0) gives the outputs and logprobs of the same prompt from
 scratch (after /flush_cache) bit for bit; a token changed early in the prompt moves them, so the
-equality is not vacuous. This is the reference a tiered backend serving the model has to meet; the
-backend itself still refuses hybrid Mamba models (`coverage.REFUSED["mamba"]`).
+equality is not vacuous. This is the reference the tiered backend meets from every tier
+(tests/test_sglang_mamba.py).
 """
 
 from __future__ import annotations

@@ -43,6 +43,13 @@ class Assembly:
     engine: TransferEngine
     layer_loads: LayerLoads | None
     controller: RequestController
+    snapshot_budgets: tuple[int, int] = (0, 0)  # hybrid Mamba: the state snapshots' (host, disk) bytes
+
+
+def snapshot_tokens(settings: BackendSettings, device_pool: SGLangDevicePool, tokens: int) -> int:
+    """Of a host or disk budget of `tokens` KV tokens, those a hybrid Mamba model's state snapshots
+    take (`mamba_state_share`; 0 for other models): the snapshots are charged at their bytes."""
+    return int(tokens * settings.mamba_state_share) if device_pool.adapter.kind == "mamba" else 0
 
 
 def cache_config(
@@ -66,8 +73,10 @@ def cache_config(
     host_tokens = s.host_tokens_for(device_tokens, layout.bytes_per_token)
     salt = ";".join(x for x in (model_salt, s.tenant_salt, consensus.salt if consensus is not None else "") if x)
     namespace = Namespace.for_model(layout, page_size, salt)
+    host_tokens -= snapshot_tokens(s, device_pool, host_tokens)
     has_host = host_tokens >= page_size
     disk_tokens = s.disk_tokens_for(layout.bytes_per_token) if has_host and not s.store else 0
+    disk_tokens -= snapshot_tokens(s, device_pool, disk_tokens)
     disk_dir = None
     if disk_tokens >= page_size:
         disk_dir = Path(s.disk_dir).expanduser() if s.disk_dir else default_disk_dir() / namespace.root.hex()[:16]
@@ -167,7 +176,13 @@ def assemble(
         s.predictor,
         s.prefetch,
     )
-    return Assembly(device_pool, config, cache, engine, layer_loads, controller)
+    bpt = device_pool.layout.bytes_per_token
+    host_total = s.host_tokens_for(config.device_tokens, bpt)
+    budgets = (
+        snapshot_tokens(s, device_pool, host_total) * bpt,
+        snapshot_tokens(s, device_pool, s.disk_tokens_for(bpt)) * bpt if config.disk_dir is not None else 0,
+    )
+    return Assembly(device_pool, config, cache, engine, layer_loads, controller, budgets)
 
 
 __all__ = ["Assembly", "assemble", "cache_config"]

@@ -37,10 +37,12 @@ buffer and disk directory; the ranks agree on every local fact once per schedule
 `--dp-size`): each DP rank is a tree of its own, agreeing only with its attention-TP group
 (`data_parallel.py`).
 
-Built by `factory.factory` (which refuses what is not supported: PP, SGLang's own HiCache, hybrid
-models) from the parts `assembly.assemble` composes; the stats it shows are put together in `export`.
+Built by `factory.factory` (which refuses what is not supported: PP, SGLang's own HiCache, DSA, hybrid
+Mamba variants other than `no_buffer`) from the parts `assembly.assemble` composes; the stats it shows are put together in `export`.
 Pool kinds without an adapter are refused by `pool_adapters`. Requests with a LoRA `extra_key` or a
-`cache_salt` are served without the cache (a miss, never stored).
+`cache_salt` are served without the cache (a miss, never stored). Hybrid Mamba / linear-attention
+models: hits only where a recurrent-state snapshot is kept, restored into the request's own slot
+(`MambaCalls`, mamba_calls.py; the snapshots' tiers: mamba_snapshots.py).
 
 Speculative decoding (EAGLE, EAGLE3, MTP; `is_eagle`): the tree is keyed by token bigrams, as SGLang's
 RadixCache keys it (`tree_keys`, `speculative.bigram_keys`): position i of a request is cached under
@@ -85,6 +87,7 @@ from .debug_settings import DebugSettings
 from .device_pool import frees_batched
 from .export import CacheViews, StatsPublisher
 from .hint_server import refuse_hints_at_tp
+from .mamba_calls import MambaCalls, snapshots_for
 from .rank_consensus import RankConsensus
 from .req_states import ReqState, RequestStates
 from .request_hints import RequestHints
@@ -122,7 +125,7 @@ class BackendCounters:
     extra: dict = field(default_factory=dict)
 
 
-class TieredRadixCache(StepCalls, CacheViews, BasePrefixCache):
+class TieredRadixCache(MambaCalls, StepCalls, CacheViews, BasePrefixCache):
     """SGLang `BasePrefixCache` over one `TieredCache` (see the module docstring).
 
     Contract with SGLang's scheduler (docs/sglang-integration.md): `match_prefix` returns the device
@@ -145,6 +148,7 @@ class TieredRadixCache(StepCalls, CacheViews, BasePrefixCache):
         debug: DebugSettings | None = None,
         draft_pools: tuple[Any, ...] = (),
         placement: DPPlacement | None = None,
+        model_config: Any = None,
     ) -> None:
         self.settings = s = settings or load_settings()
         self.debug = debug = debug if debug is not None else DebugSettings.from_env()
@@ -176,6 +180,8 @@ class TieredRadixCache(StepCalls, CacheViews, BasePrefixCache):
         self.engine = parts.engine
         self.layer_loads = parts.layer_loads
         self.controller = parts.controller
+        # hybrid Mamba: the recurrent-state snapshots (mamba_calls.py); None for other models
+        self.snapshots = snapshots_for(self.req_to_token_pool, self.device_pool.adapter, model_config, parts)
         self.deferred_rid: str | None = None  # the request init_load_back last answered "retry" (scheduler_hooks)
         self.held_rids: set[str] = set()  # requests held one round by `admission_hold` (scheduler_hooks.hold_new)
         self.prefill_cost_fit = PrefillCostFit()  # this rank's prefill steps (scheduler_hooks.time_prefill)
@@ -241,6 +247,8 @@ class TieredRadixCache(StepCalls, CacheViews, BasePrefixCache):
             self.layer_loads.finish_all()  # no copy may land in a slot after the flush frees it
         self.cache.reset()
         self.device_pool.reset_accounting()
+        if self.snapshots is not None:
+            self.snapshots.reset()
 
     def _empty_match(self) -> MatchResult:
         root = self.cache.tree.root
@@ -263,6 +271,12 @@ class TieredRadixCache(StepCalls, CacheViews, BasePrefixCache):
         aligned = self.cache.tree.page_aligned(tokens)
         if aligned == 0:
             return self._empty_match()
+        key_at = None
+        if self.snapshots is not None:  # a hit only up to a point whose recurrent state is known
+            probe = self.cache.match(tokens[:aligned], touch=False, count=False)
+            aligned, key_at = self._snapshot_depth(probe.path, aligned)
+            if aligned == 0:
+                return self._empty_match()
         st = self.req_states.track(params.req)
         self.counters.matches += 1
         if self.layer_loads is not None:
@@ -285,6 +299,8 @@ class TieredRadixCache(StepCalls, CacheViews, BasePrefixCache):
         if st is not None:
             st.last_match = m
         self._maybe_check()
+        if key_at is not None:
+            return self._hybrid_match(params, m, aligned, key_at)
         return MatchResult(
             device_prefix_len=m.device_tokens,
             last_device_node=m.last_device_node,
@@ -322,7 +338,9 @@ class TieredRadixCache(StepCalls, CacheViews, BasePrefixCache):
         target = prefix + promised
         tokens = self.tree_keys(req.full_untruncated_fill_ids[: target + int(self.is_eagle)])
         m = self.cache.match(tokens, touch=False)
-        if m.tokens != target or m.last_node is not node or m.device_tokens != prefix or m.disk_tokens:
+        # hybrid Mamba: the device part of a lower-tier hit is reported as 0 (`_hybrid_match`)
+        device_off = m.device_tokens < prefix if self.snapshots is not None else m.device_tokens != prefix
+        if m.tokens != target or m.last_node is not node or device_off or m.disk_tokens:
             # the tree changed since the match (a page went missing on disk), or pages are still on
             # disk only (reading them here would block the scheduler): recompute
             self.counters.load_back_declined += 1
@@ -345,6 +363,11 @@ class TieredRadixCache(StepCalls, CacheViews, BasePrefixCache):
             self.counters.load_back_declined += 1
             self.cache.stats.add("loads_recomputed")
             return fallback
+        if self.snapshots is not None:
+            key = m2.last_node.last_key
+            if key not in self.snapshots or self._mamba_restore(req, key) is None:
+                self.counters.load_back_declined += 1
+                return fallback
         self.counters.load_backs += 1
         self.counters.load_back_tokens += promised
         # the part that was on disk at the first match is reported as SGLang's "storage" tier
@@ -407,6 +430,8 @@ class TieredRadixCache(StepCalls, CacheViews, BasePrefixCache):
         # write-through at commit: the host copies of these pages start now, on the transfer threads,
         # not at the next step's pump, which runs after the next admission has evicted them dirty
         self.controller.commit(m.path)
+        if self.snapshots is not None and d == aligned == len(token_ids):  # the slot's state is at up_to
+            self._mamba_commit(req, m.path, aligned)
         self._maybe_check()
 
     def insert(self, params: InsertParams) -> InsertResult:
@@ -427,8 +452,12 @@ class TieredRadixCache(StepCalls, CacheViews, BasePrefixCache):
     @frees_batched
     def evict(self, params: EvictParams) -> EvictResult:
         wanted = max(int(params.num_tokens), int(getattr(params, "swa_num_tokens", 0) or 0))  # (window rows: as many)
+        states = int(getattr(params, "mamba_num", 0) or 0)
+        freed_states = 0
+        if self.snapshots is not None and states > 0 and not self.disable:
+            freed_states = self.snapshots.evict_device(states)  # demoted to host / disk where the budgets allow
         if self.disable or wanted <= 0:
-            return EvictResult()
+            return EvictResult(mamba_num_evicted=freed_states)
         t0 = time.perf_counter()
         pages = -(-wanted // self.page_size)
         if self.layer_loads is not None:
@@ -450,7 +479,7 @@ class TieredRadixCache(StepCalls, CacheViews, BasePrefixCache):
         self.counters.evicted_tokens += freed
         self.update_eviction_metrics(freed, t0)
         self._maybe_check()
-        return EvictResult(num_tokens_evicted=freed)
+        return EvictResult(num_tokens_evicted=freed, mamba_num_evicted=freed_states)
 
     def _device_tokens_changing_lock(self, node, lock_ref: int) -> int:
         """Device tokens on `node`'s path whose lock count is `lock_ref`: those a lock (0) or an
@@ -517,6 +546,7 @@ class TieredRadixCache(StepCalls, CacheViews, BasePrefixCache):
         return not self.disable
 
     def on_release(self, req, *, checkpointed: bool) -> None:
+        self._mamba_release(req)  # the slot a hybrid request still holds (the tree took it or not)
         self.request_hints.on_finish(req)
         st = self.req_states.forget(req.rid)
         if getattr(req, "_sgl_hicache_recorded", False) or not getattr(req, "_cache_breakdown_computed", False):

@@ -50,12 +50,12 @@ REFUSED: dict[str, Refusal] = {
         f"or {_SGLANG_HICACHE}",
     ),
     "mamba": Refusal(
-        "serving hybrid Mamba / linear-attention models (HybridLinearKVPool + MambaPool: Qwen3-Next, Nemotron-H, ...)",
-        "a prefix hit needs the recurrent state at the hit point, one snapshot per tree node; the attention layers' "
-        "pages and the state snapshots round-trip bit for bit (HybridLinearPoolAdapter, MambaStateAdapter), but "
-        "the tree does not hold a snapshot per node or charge it to the host budget yet (a Qwen3-Next snapshot "
-        "costs as much as ~3,100 tokens of its KV)",
-        _SGLANG_HICACHE,
+        "a hybrid Mamba / linear-attention model whose recurrent state is not one MambaPool slot per request "
+        "(--mamba-radix-cache-strategy extra_buffer, ReplaySSM, int8 mamba checkpoints, the unified hybrid pool)",
+        "the backend keeps one state snapshot per tree point, taken from a finished request's own slot "
+        "(SGLang's no_buffer strategy) and tiered device -> host -> disk; these variants keep the state in "
+        "ping-pong slots, rings or another pool",
+        f"--mamba-radix-cache-strategy no_buffer (served), or {_SGLANG_HICACHE}",
     ),
     "dsa": Refusal(
         "DSA sparse-attention models (DSATokenToKVPool: DeepSeek V3.2, GLM-5)",

@@ -145,6 +145,8 @@ def stats_snapshot(rc: TieredRadixCache, exact: bool = False) -> dict[str, Any]:
         backend["tp"] = {"size": rc.consensus.size, "rank": rc.consensus.rank, **vars(rc.consensus.counts)}
     if rc.hint_listener is not None:  # the hint API: where it listens (the replayer finds it here) and its counters
         snap["hints"] = {"port": rc.hint_listener.port, "host": rc.settings.hint_host, **rc.hint_status()}
+    if rc.snapshots is not None:  # hybrid Mamba: the state snapshots per tier and where hits restored them from
+        snap["mamba_states"] = rc.snapshots.stats()
     snap["bandwidth_bytes_per_s"] = cache.meter.snapshot()
     if rc.call_timer is not None:
         snap["scheduler_calls"] = rc.call_timer.snapshot()

@@ -2,7 +2,7 @@
 
 `factory(ctx)` refuses the configurations we do not support with one clear error naming them all,
 each with what to run instead (`coverage.REFUSED`): PP > 1, `--enable-hierarchical-cache` (SGLang's
-own HiCache), hybrid Mamba / DSA models. (Pool kinds without an adapter, sliding-window pools other than
+own HiCache), DSA models, hybrid Mamba variants whose state is not one `MambaPool` slot per request. (Pool kinds without an adapter, sliding-window pools other than
 `SWAKVPool` among them, are refused by `pool_adapters`, MLA at TP > 1 by `assembly`.) Speculative
 decoding (EAGLE / EAGLE3 / MTP) gets bigram keys and the draft model's KV pools tiered with the target's
 (`speculative.py`; `_draft_pools`). Then it reads the settings (SGLang's `--hicache-*` flags mapped onto
@@ -25,6 +25,7 @@ from .coverage import refusal
 from .data_parallel import group_consensus, placement
 from .debug_settings import DebugSettings
 from .hicache_flags import apply_hicache_flags
+from .mamba_calls import HybridLayerCounter, hybrid_state_of, unsupported_hybrid
 from .settings import given_settings, load_settings, unknown_env
 from .speculative import DraftLayerCounter, draft_pools_of
 
@@ -52,7 +53,10 @@ def unsupported(ctx: Any) -> list[str]:
     if ctx.enable_hierarchical_cache:
         problems.append(refusal("sglang_hicache"))
     if ctx.is_hybrid_ssm:
-        problems.append(refusal("mamba"))
+        pool = getattr(getattr(ctx, "params", None), "req_to_token_pool", None)
+        why = unsupported_hybrid(pool) if hybrid_state_of(pool) is not None else "no MambaPool beside the request pool"
+        if why is not None:
+            problems.append(refusal("mamba", why))
     if getattr(ctx, "is_dsa", False):
         problems.append(refusal("dsa"))
     sa = ctx.server_args
@@ -112,13 +116,18 @@ def factory(ctx: Any) -> TieredRadixCache:
         placement=where,
         vocab_size=getattr(ctx.model_config, "vocab_size", None),
         draft_pools=drafts,
+        model_config=getattr(ctx, "model_config", None),
     )
     if cache.layer_loads is not None:
         cache.layer_loads.forward_stream = getattr(getattr(ctx.tp_worker, "model_runner", None), "forward_stream", None)
         # SGLang's supported seam for layer-wise loads (mem_cache/registry.py does the same for its
         # unified-cache linker): the KV pool calls wait_until(layer) before reading a layer, and the
         # TP worker sets the consumer from batch.hicache_consumer_index (scheduler_hooks sets it)
-        ctx.params.token_to_kv_pool_allocator.get_kvcache().register_layer_transfer_counter(cache.layer_loads)
+        kvcache = ctx.params.token_to_kv_pool_allocator.get_kvcache()
+        if hasattr(kvcache, "full_attention_layer_id_mapping"):  # hybrid Mamba: waits by model layer id
+            kvcache.register_layer_transfer_counter(HybridLayerCounter(cache.layer_loads, kvcache))
+        else:
+            kvcache.register_layer_transfer_counter(cache.layer_loads)
         ctx.tp_worker.register_hicache_layer_transfer_counter(cache.layer_loads)
         adapter = cache.device_pool.adapter
         for pool, offset in zip(drafts, getattr(adapter, "draft_offsets", ())):

@@ -21,8 +21,8 @@ Supported:
   full -> window slot mapping (`SWAPoolAdapter`).
 - `HybridLinearKVPool` (hybrid Mamba / linear attention): the attention layers' pages, and beside
   them a `MambaPool`: not pages of tokens but one recurrent state per slot; `MambaStateAdapter` reads and writes a slot's state as one snapshot (every layer's conv and
-  temporal state), which the host and disk tiers store as a one-token page of its own layout;
-  served: refused (coverage "mamba").
+  temporal state), which the snapshot tiers store (`mamba_snapshots.py`); served with
+  `--mamba-radix-cache-strategy no_buffer` (`mamba_calls.py`), the other strategies refused (coverage "mamba").
 - Speculative decoding (EAGLE, EAGLE3, NextN MTP): `DraftPoolsAdapter` puts the draft model's pools
   (their rows at the target's token slots) beside the target's, as further layers of one page.
 """
@@ -304,7 +304,8 @@ class HybridLinearPoolAdapter(_SubPoolAdapter):
     """SGLang's `HybridLinearKVPool` (hybrid Mamba / linear-attention models: Qwen3-Next, Nemotron-H):
     the attention layers' pool (`full_kv_pool`, MHA or MLA; this adapter's pages) beside a `MambaPool`
     of recurrent states, one per request slot, which `state` (`MambaStateAdapter`) reads and writes
-    as snapshots. Serving such a model is refused (`coverage.REFUSED["mamba"]`)."""
+    as snapshots (tiered by `mamba_snapshots.SnapshotTiers`; hybrid variants whose state is not one slot per
+    request are refused, `coverage.REFUSED["mamba"]`)."""
 
     kind = "mamba"
     pool_classes = ("HybridLinearKVPool",)
@@ -389,7 +390,7 @@ _REFUSED_POOLS = {
     "MLATokenToKVPoolFP4": "scaled_quant_kv",
     "PageMajorMHATokenToKVPool": "kv_layout",
     "DSATokenToKVPool": "dsa",
-    # (SWAKVPool and HybridLinearKVPool themselves have adapters; serving the latter is refused by the factory)
+    # (SWAKVPool and HybridLinearKVPool themselves have adapters; subclasses of other layouts are refused)
     "BaseSWAKVPool": "swa",
     "HybridLinearKVPool": "mamba",
 }

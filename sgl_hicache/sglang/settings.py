@@ -90,6 +90,9 @@ class BackendSettings:
     time_calls: bool = True  # time every cache call the scheduler makes (p50/p99/max in the stats)
     hint_port: int | None = None  # the hint API's port (sglang/hint_server.py); None: off; 0: any free port
     hint_host: str = "127.0.0.1"  # the hint API's bind address
+    mamba_state_share: float = (
+        0.25  # hybrid Mamba models: the share of the host and disk budgets that holds state snapshots
+    )
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -127,6 +130,9 @@ class BackendSettings:
         )
         need(self.stats_interval_s > 0, f"stats_interval_s must be > 0, got {self.stats_interval_s!r}")
         need(self.host_gb is None or self.host_gb >= 0, f"host_gb must be >= 0 or null, got {self.host_gb!r}")
+        need(
+            0.0 <= self.mamba_state_share < 1.0, f"mamba_state_share must be in [0, 1), got {self.mamba_state_share!r}"
+        )
         try:  # the policy knobs are checked once, where both engines build them (config.TieringPolicy)
             self.tiering()
         except ConfigError as e:
