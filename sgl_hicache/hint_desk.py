@@ -4,13 +4,15 @@ API, the hints a request carries, and the embedded engine's replay of trace hint
 
 - ``prefetch``: the prefix's disk-only part comes up to host as a speculative job of the
   controller (paced: `max_predicted_jobs`, sized by `prediction_budget`; guarded: trigger ``hint``;
-  charged like a prediction, behind demand and ahead of write-back); the prefix is wanted soon, so it
-  is retained for `HintLimits.prefetch_retain_s`;
+  charged like a prediction, behind demand and ahead of write-back), and from host on to the device
+  where the device has free pages nobody needs (`Speculation.carry`); the prefix is wanted soon, so
+  it is retained for `HintLimits.prefetch_retain_s`;
 - ``pin``: the same, then the prefix is retained for `ttl_s`;
 - ``retain``: the prefix's recency is refreshed, as a request using it would; with `ttl_s`, it is
   retained for that long;
 - ``demote``: the prefix is the first to go when room is needed (its recency set to the oldest),
-  and its retention ends.
+  and its retention ends; a part of it that other prefixes share (a common system prompt) keeps
+  its recency (`own_tail`).
 
 Retention is advice, never a lock: a retained prefix's recency is refreshed as time passes
 (`refresh`), so eviction takes it after the unhinted pages, and a request that needs the room still
@@ -56,6 +58,17 @@ class Retention:
     tokens: int = field(compare=False)
     start: float = field(compare=False)
     hits: int = field(compare=False)
+
+
+def own_tail(path: list[TreeNode]) -> list[TreeNode]:
+    """The part of `path` (root first) that no other prefix in the tree shares: the nodes below
+    the deepest one with more than one child (a shared system prompt, a task other sessions
+    branched from). Ending a conversation ends only that part."""
+    start = 0
+    for i, n in enumerate(path[:-1]):
+        if len(n.children) > 1:
+            start = i + 1
+    return path[start:]
 
 
 class HintDesk:
@@ -131,15 +144,17 @@ class HintDesk:
             cache.match(tokens[:aligned], touch=True, count=False)
         elif hint.action == "demote":
             self._end_under(m.path[-1])
-            self._demote(m.path)
+            self._demote(own_tail(m.path))
         elif m.disk_tokens:
-            self._prefetch(m.path[-1], now)
+            self._prefetch(m.path[-1], now)  # and on to the device once it lands (`Speculation.advance`)
         if ttl is not None:
             try:
                 self._retain(m.last_node, m.tokens, ttl, now)
             except HintError:
                 if hint.action != "prefetch":
                     raise
+        if hint.action in ("prefetch", "pin") and m.host_tokens and not m.disk_tokens:
+            self.speculation.carry(m.path[-1])  # on host already: on to the device, where it has room
         self.counts[hint.action] += 1
         return m.tokens
 
