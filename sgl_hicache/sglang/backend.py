@@ -177,6 +177,10 @@ class TieredRadixCache(StepCalls, CacheViews, BasePrefixCache):
         self.layer_loads = parts.layer_loads
         self.controller = parts.controller
         self.deferred_rid: str | None = None  # the request init_load_back last answered "retry" (scheduler_hooks)
+        # device tokens the running requests may still decode (scheduler_hooks.running_reserve_tokens,
+        # each step): a speculative promotion to the device leaves them free (`Speculation.carry`)
+        self.running_reserve_tokens = 0
+        self.controller.speculation.device_reserve = lambda: -(-self.running_reserve_tokens // self.page_size)
         self.held_rids: set[str] = set()  # requests held one round by `admission_hold` (scheduler_hooks.hold_new)
         self.prefill_cost_fit = PrefillCostFit()  # this rank's prefill steps (scheduler_hooks.time_prefill)
         self.counters = BackendCounters()
