@@ -114,3 +114,51 @@ def test_an_ended_conversation_spares_the_prefix_others_share(tmp_path):
     assert shared.last_access > 0 and path[-1].last_access == 0.0
     assert HOST in cache.stores
     cache.check()
+
+
+def test_the_room_the_running_requests_may_still_decode_stays_free(tmp_path):
+    clock = Clock(10.0)
+    cache, ex, ctl = _controller(tmp_path, clock)
+    tokens = seq(0, 3)
+    node = _disk_only(cache, tokens)
+    ctl.speculation.device_reserve = lambda: 5  # 8 free pages: 5 reserved, 1 headroom, 2 left for 3
+    ctl.hints.apply(Hint("prefetch", tuple(tokens)), tokens)
+    _land(ctl, ex)
+    m = cache.match(tokens, touch=False)
+    assert node.host is not None and m.device_tokens < 3 * PS  # the head only, or nothing
+    assert cache.stores[DEVICE].free_pages >= 5 + 1
+    cache.check()
+
+
+def test_the_server_reserves_what_its_running_requests_may_still_decode():
+    from types import SimpleNamespace as NS
+
+    from sgl_hicache.sglang.scheduler_hooks import running_reserve_tokens
+
+    def req(max_new: int, out: int, ignore_eos: bool = False) -> NS:
+        return NS(sampling_params=NS(max_new_tokens=max_new, ignore_eos=ignore_eos), output_ids=[0] * out)
+
+    running = [req(100, 20), req(10_000, 0), req(50, 10, ignore_eos=True)]
+    scheduler = NS(running_batch=NS(reqs=running), new_token_ratio=0.5)
+    # 80 x 0.5 + min(10,000, 4,096) x 0.5 + 40 x 1 (ignore_eos: no early end expected)
+    assert running_reserve_tokens(scheduler, clip_max_new_tokens=4096) == 2128
+    assert running_reserve_tokens(NS(running_batch=None), clip_max_new_tokens=4096) == 0
+
+
+def test_a_prefetched_prefix_is_held_as_long_as_prefetches_come_early(tmp_path):
+    clock = Clock(10.0)
+    cache, _ex, ctl = _controller(tmp_path, clock)
+    desk = ctl.hints
+    assert desk.prefetch_hold_s() == desk.limits.prefetch_retain_s  # nothing measured yet
+    for i in range(10):  # each prefetched 30 s before a request uses it
+        tokens = seq(1000 * (i + 1), 1)
+        serve(cache, tokens)
+        clock.t += 1.0
+        desk.apply(Hint("prefetch", tuple(tokens)), tokens)
+        clock.t += 30.0
+        serve(cache, tokens)
+        ctl.pump_writeback(start_new=False)
+        clock.t += 1.0
+    assert 30.0 <= desk.prefetch_hold_s() <= 31.0
+    assert desk.summary()["prefetch_hold_s"] == desk.prefetch_hold_s()
+    cache.check()
