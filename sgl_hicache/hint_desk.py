@@ -6,7 +6,8 @@ API, the hints a request carries, and the embedded engine's replay of trace hint
   controller (paced: `max_predicted_jobs`, sized by `prediction_budget`; guarded: trigger ``hint``;
   charged like a prediction, behind demand and ahead of write-back), and from host on to the device
   where the device has free pages nobody needs (`Speculation.carry`); the prefix is wanted soon, so
-  it is retained for `HintLimits.prefetch_retain_s`;
+  it is retained for `prefetch_hold_s` (`HintLimits.prefetch_retain_s`, or longer where the clients'
+  prefetches are measured to come that much before their use);
 - ``pin``: the same, then the prefix is retained for `ttl_s`;
 - ``retain``: the prefix's recency is refreshed, as a request using it would; with `ttl_s`, it is
   retained for that long;
