@@ -83,6 +83,8 @@ def run(requests: list, policy: str, device: int, host: int) -> dict[str, Any]:
             "bytes_moved_total": sum(snap["bytes_moved"].values()),
             "hints": engine.controller.hints.summary(),
             "hints_rejected_by_engine": engine.hints_rejected,
+            "carried_to_device_tokens": engine.controller.speculation.carried_tokens,
+            "device_hit_tokens": snap["hit_tokens"].get("device") if isinstance(snap["hit_tokens"], dict) else None,
             "cpu_s": time.process_time() - started,
         }
     finally:

@@ -80,6 +80,9 @@ class ControllerSettings:
     # how far ahead of its use a prediction is made: with the disk -> host link's rate it sizes the
     # predictor's budget (what can land in time); 0 keeps the predictor's own budget
     predictor_lead_s: float = 2.0
+    # speculative promotions (predictions, hint prefetches) that land on host are carried on to the
+    # device into free pages, leaving this share of the device tier free (1.0: never carried)
+    device_headroom: float = 0.1
 
 
 class RequestController:

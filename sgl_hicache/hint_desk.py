@@ -4,13 +4,16 @@ API, the hints a request carries, and the embedded engine's replay of trace hint
 
 - ``prefetch``: the prefix's disk-only part comes up to host as a speculative job of the
   controller (paced: `max_predicted_jobs`, sized by `prediction_budget`; guarded: trigger ``hint``;
-  charged like a prediction, behind demand and ahead of write-back); the prefix is wanted soon, so it
-  is retained for `HintLimits.prefetch_retain_s`;
+  charged like a prediction, behind demand and ahead of write-back), and from host on to the device
+  where the device has free pages nobody needs (`Speculation.carry`); the prefix is wanted soon, so
+  it is retained for `prefetch_hold_s` (`HintLimits.prefetch_retain_s`, or longer where the clients'
+  prefetches are measured to come that much before their use);
 - ``pin``: the same, then the prefix is retained for `ttl_s`;
 - ``retain``: the prefix's recency is refreshed, as a request using it would; with `ttl_s`, it is
   retained for that long;
 - ``demote``: the prefix is the first to go when room is needed (its recency set to the oldest),
-  and its retention ends.
+  and its retention ends; a part of it that other prefixes share (a common system prompt) keeps
+  its recency (`own_tail`).
 
 Retention is advice, never a lock: a retained prefix's recency is refreshed as time passes
 (`refresh`), so eviction takes it after the unhinted pages, and a request that needs the room still
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -43,6 +47,10 @@ from .tree.node import TreeNode
 
 HINT_TRIGGER = "hint"
 REFRESH_S = 0.25  # how often retained prefixes are refreshed (their recency lags by at most this)
+WATCHED = 1024  # prefetched prefixes watched for their return at once (the oldest dropped first)
+RETURNS_KEPT = 256  # the latest prefetch -> return delays the hold reads
+MIN_RETURNS = 8  # returns seen before the hold follows them
+RETURN_QUANTILE = 0.9  # a prefetched prefix is held until this share of prefetched prefixes came back
 
 
 @dataclass(order=True)
@@ -56,6 +64,17 @@ class Retention:
     tokens: int = field(compare=False)
     start: float = field(compare=False)
     hits: int = field(compare=False)
+
+
+def own_tail(path: list[TreeNode]) -> list[TreeNode]:
+    """The part of `path` (root first) that no other prefix in the tree shares: the nodes below
+    the deepest one with more than one child (a shared system prompt, a task other sessions
+    branched from). Ending a conversation ends only that part."""
+    start = 0
+    for i, n in enumerate(path[:-1]):
+        if len(n.children) > 1:
+            start = i + 1
+    return path[start:]
 
 
 class HintDesk:
@@ -89,6 +108,7 @@ class HintDesk:
         self._seq = itertools.count()
         self._gate: RateGate | None = None
         self._refreshed_at = -float("inf")
+        self._watched_at = -float("inf")
         self.pinned_tokens = 0
         self.counts = dict.fromkeys(("prefetch", "pin", "retain", "demote"), 0)
         self.rejected = 0
@@ -96,6 +116,10 @@ class HintDesk:
         self.retained_used = 0
         self.retained_wasted = 0
         self.refreshed_tokens = {DEVICE: 0, HOST: 0}  # tokens kept by the last refresh, per tier
+        # prefetched prefixes (time, last node, its hits then) watched until a request uses them, and
+        # the measured delays from prefetch to that use: how early the clients' prefetches come
+        self._watched: deque[tuple[float, TreeNode, int]] = deque(maxlen=WATCHED)
+        self.returns: deque[float] = deque(maxlen=RETURNS_KEPT)
 
     def apply(self, hint: Hint, tokens: Sequence[int]) -> int:
         try:
@@ -121,25 +145,29 @@ class HintDesk:
         self.expire()
         ttl = hint.ttl_s if hint.action in ("pin", "retain") else None
         if hint.action == "prefetch" and self.limits.prefetch_retain_s > 0:
-            ttl = self.limits.prefetch_retain_s  # it is wanted soon: kept until then, like a short retention
+            ttl = self.prefetch_hold_s()  # it is wanted soon: kept until then, like a short retention
         if ttl is not None:
             self.limits.check_ttl(ttl)
         m = cache.match(tokens[:aligned], touch=False, count=False)
         if not m.path:
             return 0
+        if hint.action == "prefetch":
+            self._watched.append((now, m.last_node, m.last_node.hit_count))
         if hint.action == "retain":
             cache.match(tokens[:aligned], touch=True, count=False)
         elif hint.action == "demote":
             self._end_under(m.path[-1])
-            self._demote(m.path)
+            self._demote(own_tail(m.path))
         elif m.disk_tokens:
-            self._prefetch(m.path[-1], now)
+            self._prefetch(m.path[-1], now)  # and on to the device once it lands (`Speculation.advance`)
         if ttl is not None:
             try:
                 self._retain(m.last_node, m.tokens, ttl, now)
             except HintError:
                 if hint.action != "prefetch":
                     raise
+        if hint.action in ("prefetch", "pin") and m.host_tokens and not m.disk_tokens:
+            self.speculation.carry(m.path[-1])  # on host already: on to the device, where it has room
         self.counts[hint.action] += 1
         return m.tokens
 
@@ -295,7 +323,32 @@ class HintDesk:
                 ended += len(gone)
             self._refreshed_at = now
             self.refresh(now)
+        if self._watched and now - self._watched_at >= REFRESH_S:
+            self._watched_at = now
+            self._watch_returns(now)
         return ended
+
+    def _watch_returns(self, now: float) -> None:
+        """Record the delay from prefetch to use of the watched prefixes a request used since; stop
+        watching those, and those gone from the tree or watched for longer than `max_ttl_s`."""
+        keep: deque[tuple[float, TreeNode, int]] = deque(maxlen=WATCHED)
+        for start, node, hits in self._watched:
+            if node.hit_count > hits:
+                self.returns.append(now - start)
+            elif node.parent is not None and now - start <= self.limits.max_ttl_s:
+                keep.append((start, node, hits))
+        self._watched = keep
+
+    def prefetch_hold_s(self) -> float:
+        """How long a prefetched prefix is retained: `prefetch_retain_s`, or longer where the clients'
+        prefetches are measured to come earlier than that: the `RETURN_QUANTILE` of the delays from
+        prefetch to use (once `MIN_RETURNS` were seen), at most `max_ttl_s`. Still only advice within
+        the tiers' shares and the cost test, like any retention."""
+        base = self.limits.prefetch_retain_s
+        if len(self.returns) < MIN_RETURNS:
+            return base
+        xs = sorted(self.returns)
+        return min(self.limits.max_ttl_s, max(base, xs[min(len(xs) - 1, int(RETURN_QUANTILE * len(xs)))]))
 
     def shutdown(self) -> None:
         """End every retention now."""
@@ -319,4 +372,5 @@ class HintDesk:
             "retained_wasted": self.retained_wasted,
             "precision": self.precision(),
             "kept_tokens": {str(getattr(t, "value", t)): n for t, n in self.refreshed_tokens.items()},
+            "prefetch_hold_s": self.prefetch_hold_s(),
         }

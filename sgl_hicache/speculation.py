@@ -1,7 +1,8 @@
 """Speculative promotions: a predictor's picks and the clients' hint prefetches brought disk ->
-host ahead of their use. One implementation for both engines; the controller owns one
-`Speculation` and hands it what it reads (`RequestController.speculation`); the client hints
-(`hint_desk.py`) submit their prefetches through it, under the same guard.
+host ahead of their use, and carried on host -> device where the device has free pages nobody needs
+(`carry`). One implementation for both engines; the controller owns one `Speculation` and hands it
+what it reads (`RequestController.speculation`); the client hints (`hint_desk.py`) submit their
+prefetches through it, under the same guard.
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ from typing import Protocol
 from .cache import PrefixMatch, TieredCache
 from .policy.guard import PromotionGuard, QueueDelay
 from .policy.predictor import Predictor
+from .policy.promotion import device_room_pages
 from .policy.shadow import ShadowBets
 from .policy.writeback import (
     EvictionRate,
     fresh_copy_stay_s,
     host_pages_before_fresh_copy,
 )
-from .tiers.base import HOST
+from .tiers.base import DEVICE, HOST
 from .transfer.executors import Executor
 from .transfer.ops import PromotionJob
 from .tree.node import TreeNode
@@ -29,6 +31,7 @@ class SpeculationSettings(Protocol):
 
     max_predicted_jobs: int
     predictor_lead_s: float
+    device_headroom: float
 
 
 class Speculation:
@@ -41,7 +44,12 @@ class Speculation:
 
     Contract:
     - `predict(m)` plans and submits (never waits); `advance()` applies what landed and releases
-      finished jobs; `shutdown()` cancels and releases every job.
+      finished jobs, and carries the paths that landed on host on to the device (`carry`);
+      `shutdown()` cancels and releases every job.
+    - `carry(node)` copies `node`'s path host -> device (off the caller's thread, like every
+      speculative copy) only into free device pages beyond `device_room_pages` (what the running
+      requests need, `device_reserve()`, and `device_headroom` of the tier): it never evicts, and the
+      pages it fills are clean and evictable once they land.
     - `submit(job, trigger)` is the one way a speculative job starts (predictions and hints alike):
       it tags the pages it brings with `trigger` (the guard judges each trigger by them) and
       charges them to `planned[trigger]`.
@@ -71,6 +79,10 @@ class Speculation:
         self.planned: dict[str, int] = {}  # tokens of speculative copies planned, per guard trigger
         self.guard = PromotionGuard()
         self.shadow = ShadowBets()  # a trigger's picks judged without copies, until it is proven
+        # device pages the running requests still need (the engine's measurement; the embedded
+        # engine allocates a request's output pages at admission, so none there)
+        self.device_reserve: Callable[[], int] = lambda: 0
+        self.carried_tokens = 0  # tokens carried host -> device (`carry`)
 
     # ---- the predictor's picks ------------------------------------------------------------------
     def predict(self, m: PrefixMatch) -> None:
@@ -157,15 +169,55 @@ class Speculation:
         return tokens
 
     def advance(self) -> None:
-        """Apply what has landed of the jobs in flight; release the finished ones."""
+        """Apply what has landed of the jobs in flight; release the finished ones, and carry the
+        paths that landed on host on to the device where it has room (`carry`)."""
         self.executor.poll()
         keep = []
+        landed = []
         for job in self.predicted:
             if self.cache.advance(job):
                 self.cache.release(job)
+                if job.target == HOST and not job.failed:
+                    landed.append(job.anchor)
             else:
                 keep.append(job)
         self.predicted = keep
+        for node in landed:
+            if node.parent is not None:
+                self.carry(node)
+
+    def carry(self, node: TreeNode) -> int:
+        """Copy the cached head of `node`'s path (down to its first disk-only node) host -> device,
+        as a speculative job, into free device pages only: as many of its nodes, root first, as
+        `device_room_pages` allows. It never evicts (displacing clean device pages that rank below
+        the path was measured to cost more than it brings: `docs/agent-hints.md`). Returns the
+        tokens planned (0: nothing to carry, or no room)."""
+        cache = self.cache
+        if not cache.has_tier(DEVICE) or not cache.has_tier(HOST) or self.settings.device_headroom >= 1:
+            return 0
+        store = cache.stores[DEVICE]
+        left = device_room_pages(
+            store.free_pages, store.capacity_pages, self.device_reserve(), self.settings.device_headroom
+        )
+        path: list[TreeNode] = []
+        for n in node.path_from_root():
+            if n.device is None:
+                if n.host is None or DEVICE in n.incoming:
+                    break  # disk-only (or on its way already): the rest stays where it is
+                left -= n.num_pages
+                if left < 0:
+                    break
+            path.append(n)
+        if not any(n.device is None for n in path):
+            return 0
+        job = cache.plan_promotion(path, kind="promote", target=DEVICE, evict=False)
+        if job is None:
+            return 0
+        tokens = sum(len(op.dst_handles) for op in job.ops()) * cache.page_size
+        self.carried_tokens += tokens
+        self.executor.submit_job(job, speculative=True)
+        self.predicted.append(job)
+        return tokens
 
     def shutdown(self) -> None:
         """Cancel and release every job in flight."""
@@ -185,6 +237,7 @@ class Speculation:
             "short_stay": self.guard.short_stay,
             "shadow": self.shadow.summary(),
             "queue_delay_s": self.queue_delay.seconds,
+            "carried_tokens": self.carried_tokens,
         }
 
     # ---- decisions --------------------------------------------------------------------------------

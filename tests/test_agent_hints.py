@@ -108,6 +108,10 @@ def test_a_request_retains_its_conversation_ends_it_and_prefetches_it_by_handle(
     ex.finish_all([op for job in ctl.predicted for op in job.ops()])
     ctl.advance_predictions()
     assert cache.match(prompt + answer, touch=False).host_tokens == 2 * PS
+    while ctl.predicted:  # and on to the device, which has room (`Speculation.carry`)
+        ex.finish_all([op for job in ctl.predicted for op in job.ops()])
+        ctl.advance_predictions()
+    assert cache.match(prompt + answer, touch=False).device_tokens == 2 * PS
     # "this one ends here": demoted when it ends
     req = _req("r3", prompt, answer, reuse_hint="end")
     rh.on_arrival(req)

@@ -93,6 +93,7 @@ def _disk_only(cache, tokens):
 
 def _controller(cache, clock, seconds=lambda link, tokens: tokens / 1000.0, **settings):
     ex = VirtualExecutor(cache, VirtualPipes(seconds), clock, PS)
+    settings.setdefault("device_headroom", 1.0)  # the disk -> host step alone (the device: test_hbm_promotion.py)
     ctl = RequestController(cache, ex, Predictor(), ControllerSettings(**settings), clock)
     ctl.speculation.guard = PromotionGuard(shadow_bets=0)  # these tests are about real copies: no shadow phase
     return ex, ctl

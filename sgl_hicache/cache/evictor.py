@@ -195,7 +195,7 @@ class Evictor:
         else:
             c.stores[tier].free(handles)
         c.stats.add("evicted_tokens", tokens, tier)
-        if node.prefetched and (tier == DEVICE or (tier == HOST and node.device is None)):
+        if node.prefetched and ((tier == DEVICE and node.host is None) or (tier == HOST and node.device is None)):
             c.stats.add_prefetch(node.prefetched, "wasted_tokens", tokens, node.prefetch_trigger)
             node.prefetched = node.prefetch_trigger = None
         if node.device is None and node.host is None and node.disk is None:

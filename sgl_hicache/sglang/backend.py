@@ -183,6 +183,10 @@ class TieredRadixCache(MambaCalls, StepCalls, CacheViews, BasePrefixCache):
         # hybrid Mamba: the recurrent-state snapshots (mamba_calls.py); None for other models
         self.snapshots = snapshots_for(self.req_to_token_pool, self.device_pool.adapter, model_config, parts)
         self.deferred_rid: str | None = None  # the request init_load_back last answered "retry" (scheduler_hooks)
+        # device tokens the running requests may still decode (scheduler_hooks.running_reserve_tokens,
+        # each step): a speculative promotion to the device leaves them free (`Speculation.carry`)
+        self.running_reserve_tokens = 0
+        self.controller.speculation.device_reserve = lambda: -(-self.running_reserve_tokens // self.page_size)
         self.held_rids: set[str] = set()  # requests held one round by `admission_hold` (scheduler_hooks.hold_new)
         self.prefill_cost_fit = PrefillCostFit()  # this rank's prefill steps (scheduler_hooks.time_prefill)
         self.counters = BackendCounters()

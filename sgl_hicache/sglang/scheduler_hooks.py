@@ -25,7 +25,9 @@ Both do nothing unless the scheduler's tree cache is ours.
 3. Before the prefill batch is formed (BEFORE `Scheduler.get_new_batch_prefill`):
    `TieredRadixCache.before_batch_formed` records the write-through copies that landed since the
    last step (started at commit, `RequestController.commit`), so this admission counts their pages
-   as evictable (clean) rather than protected by the copy; it starts nothing.
+   as evictable (clean) rather than protected by the copy; it starts nothing but the carry of landed
+   speculative promotions on to the device, into free pages beyond what the running requests may
+   still decode (`running_reserve_tokens`).
 4. After a prefill batch's result is processed (AFTER `Scheduler.process_batch_result`): its seconds
    from launch (`batch.launch_ts`, set by SGLang's `run_batch`) to its end (`step_end`: on a CPU,
    where the overlap scheduler's next launch runs the next forward, the next batch's launch; else
@@ -188,10 +190,31 @@ def time_prefill(result, scheduler, batch=None, *args, **kwargs):
     return result
 
 
+def running_reserve_tokens(scheduler, clip_max_new_tokens: int | None = None) -> int:
+    """Device tokens the running requests may still decode, as SGLang's `PrefillAdder` reserves
+    them (`_get_running_request_total_token_offset`): per request its remaining `max_new_tokens`,
+    clipped to `CLIP_MAX_NEW_TOKENS`, times the scheduler's `new_token_ratio` (1 with `ignore_eos`)."""
+    if clip_max_new_tokens is None:
+        from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
+
+        clip_max_new_tokens = CLIP_MAX_NEW_TOKENS
+    batch = getattr(scheduler, "running_batch", None)
+    ratio = float(getattr(scheduler, "new_token_ratio", 1.0))
+    total = 0.0
+    for req in getattr(batch, "reqs", None) or ():
+        sp = req.sampling_params
+        left = min(max(0, sp.max_new_tokens - len(req.output_ids)), clip_max_new_tokens)
+        total += left * (1.0 if getattr(sp, "ignore_eos", False) else ratio)
+    return int(total)
+
+
 def record_landed_copies(scheduler, *args, **kwargs):
-    """BEFORE `Scheduler.get_new_batch_prefill` (module docstring, 3)."""
+    """BEFORE `Scheduler.get_new_batch_prefill` (module docstring, 3). Also measures what the
+    running requests may still decode (`running_reserve_tokens`), the room a speculative promotion
+    to the device leaves them."""
     cache = _our_cache(getattr(scheduler, "tree_cache", None))
     if cache is not None:
+        cache.running_reserve_tokens = running_reserve_tokens(scheduler)
         cache.before_batch_formed()
     return None
 

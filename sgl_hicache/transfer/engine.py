@@ -24,7 +24,14 @@ from .torch_threads import single_threaded_torch
 # lower runs first: what a waiting request needs, then predictions, then backups and demotions
 DEMAND, PREFETCH, PREDICT, BACKUP = 0, 0, 1, 2
 DISK_BACKUP = 3  # host -> disk copies queue behind device -> host ones: those keep device evictions clean
-PRIORITY = {"demand": DEMAND, "prefetch": PREFETCH, "predict": PREDICT, "backup": BACKUP, "demote": BACKUP}
+PRIORITY = {
+    "demand": DEMAND,
+    "prefetch": PREFETCH,
+    "predict": PREDICT,
+    "promote": PREDICT,
+    "backup": BACKUP,
+    "demote": BACKUP,
+}
 
 
 @dataclass(eq=False)

@@ -75,7 +75,7 @@ class TransferOp:
     src_handles: list[Handle]
     dst_handles: list[Handle]
     nbytes: int
-    kind: str  # "demand" | "prefetch" | "predict" | "demote" | "backup"
+    kind: str  # "demand" | "prefetch" | "predict" | "promote" | "demote" | "backup"
     error: BaseException | None = None
     seconds: float = 0.0
     executed: DoneFlag = field(default_factory=DoneFlag)
