@@ -2,7 +2,7 @@
 
     .venv-sglang/bin/python benchmarks/server_compare.py --json server_compare.json
     .venv-sglang/bin/python benchmarks/server_compare.py --requests 150 --repeats 2 --json out.json
-    .venv-sglang/bin/python benchmarks/server_compare.py --quick --json quick.json   # ~3 min here
+    .venv-sglang/bin/python benchmarks/server_compare.py --quick --json quick.json   # ~2 min here
 
 Every run starts a fresh `python -m sglang.launch_server` (its own process group, stopped in every
 path) with the same model (`scripts/cpu/bench-llama`, dummy weights: hidden 1024, 8 layers, prefill
@@ -502,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
         help=f"subset of {','.join(CONFIGS)} (default {','.join(DEFAULT_CONFIGS)}; hicache_host: HiCache without a storage backend)",
     )
     p.add_argument(
-        "--quick", action="store_true", help="tiny: 20 requests, 1 repeat, the first pool only (proves it runs)"
+        "--quick", action="store_true", help="tiny: 8 requests, 1 repeat, the first pool only (proves it runs)"
     )
     p.add_argument("--json", help="write all samples and the summary here")
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
@@ -552,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-timeout", type=float, default=600.0)
     a = p.parse_args(argv)
     if a.quick:
-        a.requests, a.repeats = 20, 1
+        a.requests, a.repeats = 8, 1
     a.sgl_hicache_extra = {}
     for item in a.sgl_hicache_set:
         key, sep, raw = item.partition("=")
