@@ -14,7 +14,7 @@ import math
 from collections import deque
 
 from .edge_counts import EdgeCounts
-from .node import EdgeKey, TreeNode
+from .node import NO_COUNTS, EdgeKey, TreeNode
 
 # Turns of one conversation arrive seconds to a few minutes apart; a minute's half-life lets a
 # pattern that stopped fade within a few turns' time without forgetting one between two turns. The
@@ -85,6 +85,10 @@ def count_edge(parent: TreeNode, first_page: EdgeKey, now: float, half_life: flo
     also ends the stops counted at `parent`: a request went on below it since)."""
     parent.traffic_stops = 0.0
     traffic = parent.child_traffic
+    if traffic is NO_COUNTS:  # the first match that goes on from `parent`: counts of its own
+        traffic = parent.child_traffic = EdgeCounts()
+        parent.traffic_seq = {}
+        parent.traffic_hot = {}
     elapsed = now - parent.traffic_stamp
     if traffic and elapsed > half_life / 64:
         # counts are kept as of `traffic_stamp`; rebasing them is O(children), so it is done at
