@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from ..policy.eviction import lru
 from ..policy.writeback import below, eviction_demotes, host_eviction_rank, is_clean
-from ..tiers.base import DEVICE, DISK, HOST
+from ..tiers.base import DEVICE, DISK, HOST, Handle
 from ..tree.leaves import LeafKey
 from ..tree.node import TreeNode
 
@@ -118,41 +118,51 @@ class Evictor:
         freed = 0
         held: list[TreeNode] = []  # in use now: queued again once this eviction is done
         top, drop_top = queue.top, queue.drop_top
-        while freed < num_pages:
-            entry = top()
-            if entry is None:
-                break
-            key, _, node = entry
-            if (
-                node.parent is None
-                or getattr(node, tier) is None
-                or node.children_in.get(tier)
-                or (node.children and has_child_in(node, tier))
-            ):
+        # the plain case's handles, freed in one call (before any other free of the store, so the
+        # store sees the same frees in the same order)
+        runs: list[list[Handle]] = []
+        try:
+            while freed < num_pages:
+                entry = top()
+                if entry is None:
+                    break
+                key, _, node = entry
+                if (
+                    node.parent is None
+                    or getattr(node, tier) is None
+                    or node.children_in.get(tier)
+                    or (node.children and has_child_in(node, tier))
+                ):
+                    drop_top()
+                    continue  # stale: queued again when it becomes a leaf of `tier` again
+                if node.lock_ref or node.pins:
+                    drop_top()
+                    held.append(node)
+                    continue
+                if spare and node.device is not None:
+                    drop_top()
+                    held.append(node)
+                    if self._ranked(tier):
+                        break  # the queue ranks device copies last: only such pages are left
+                    continue
+                current = leaf_key(node)
+                if current > key:  # used since it was queued: its turn comes later
+                    queue.replace_top(current, node)
+                    continue
                 drop_top()
-                continue  # stale: queued again when it becomes a leaf of `tier` again
-            if node.lock_ref or node.pins:
-                drop_top()
-                held.append(node)
-                continue
-            if spare and node.device is not None:
-                drop_top()
-                held.append(node)
-                if self._ranked(tier):
-                    break  # the queue ranks device copies last: only such pages are left
-                continue
-            current = leaf_key(node)
-            if current > key:  # used since it was queued: its turn comes later
-                queue.replace_top(current, node)
-                continue
-            drop_top()
-            if node.tiers() == only_here and not node.prefetched and not node.children:
-                # the plain case: its only copy, nothing below to keep it: drop it in one step
-                store.free(tree.drop_leaf(node, tier))  # type: ignore[union-attr]  # (set whenever only_here is)
-                dropped += node.num_pages
-                freed += node.num_pages
-            else:
-                freed += self.evict_node(node, tier)  # (its parent is queued as it becomes a leaf)
+                if node.tiers() == only_here and not node.prefetched and not node.children:
+                    # the plain case: its only copy, nothing below to keep it: drop it in one step
+                    runs.append(tree.drop_leaf(node, tier))
+                    dropped += node.num_pages
+                    freed += node.num_pages
+                else:
+                    if runs:
+                        store.free_runs(runs)  # type: ignore[union-attr]  # (set whenever only_here is)
+                        runs = []
+                    freed += self.evict_node(node, tier)  # (its parent is queued as it becomes a leaf)
+        finally:
+            if runs:
+                store.free_runs(runs)  # type: ignore[union-attr]
         for node in held:
             queue.push(node)
         if dropped:

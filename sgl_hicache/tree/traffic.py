@@ -120,7 +120,8 @@ def start_edges(node: TreeNode, first_page: EdgeKey, count: float) -> None:
 def drop_edge(parent: TreeNode, first_page: EdgeKey) -> None:
     """Forget the count of a removed child (a long replay would otherwise keep one for every
     conversation it ever saw, and a reader would scan them all)."""
-    parent.child_traffic.pop(first_page, None)
+    if parent.child_traffic.pop(first_page, None) is None:
+        return  # never counted (`traffic_seq` and `traffic_hot` hold only counted keys)
     parent.traffic_seq.pop(first_page, None)
     parent.traffic_hot.pop(first_page, None)
 
