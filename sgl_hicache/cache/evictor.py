@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from ..policy.eviction import lru
 from ..policy.writeback import below, eviction_demotes, host_eviction_rank, is_clean
-from ..tiers.base import DEVICE, DISK, HOST
+from ..tiers.base import DEVICE, DISK, HOST, Handle
 from ..tree.leaves import LeafKey
 from ..tree.node import TreeNode
 
@@ -22,7 +22,9 @@ if TYPE_CHECKING:
     from .residency import TieredCache
 
 
-_LRU_KEY: LeafKey = attrgetter("last_access", "id")
+# `lru`'s order as a leaf key: the node's recency alone, one float read in C (the queue breaks ties
+# by node id, as `lru`'s `(last_access, id)` does); it runs on every push and every validated entry
+_RECENCY: LeafKey = attrgetter("last_access")
 
 
 class Evictor:
@@ -85,11 +87,13 @@ class Evictor:
     def leaf_key_for(self, tier: str) -> LeafKey:
         """`leaf_key(node, tier)` as a function of the node alone, with the config's choice made once
         (the leaf queues call it on every push). It reads `cache.priority` at each call, except for
-        the default `lru` where demotion decides alone: then the key reads the node's recency directly."""
+        the default `lru` where the priority decides alone: then the key is the node's recency (the
+        same order). The priority decides alone under demotion, and on the device tier of a cache
+        with no host tier (no device page can be clean: the first part of `leaf_key` is constant)."""
         cache = self.cache
-        if eviction_demotes(cache.config, tier):
+        if eviction_demotes(cache.config, tier) or (tier == DEVICE and HOST not in cache.stores):
             if cache.priority is lru:
-                return _LRU_KEY  # the same tuple as `lru`, built in C (it runs on every push and pop)
+                return _RECENCY
             return lambda node: cache.priority(node)
         if tier == HOST:
             return lambda node: (host_eviction_rank(node), cache.priority(node))
@@ -113,36 +117,52 @@ class Evictor:
         dropped = 0
         freed = 0
         held: list[TreeNode] = []  # in use now: queued again once this eviction is done
-        while freed < num_pages:
-            entry = queue.pop()
-            if entry is None:
-                break
-            key, node = entry
-            if (
-                node.parent is None
-                or getattr(node, tier) is None
-                or node.children_in.get(tier)
-                or (node.children and has_child_in(node, tier))
-            ):
-                continue  # stale: queued again when it becomes a leaf of `tier` again
-            if node.lock_ref or node.pins:
-                held.append(node)
-                continue
-            if spare and node.device is not None:
-                held.append(node)
-                if self._ranked(tier):
-                    break  # the queue ranks device copies last: only such pages are left
-                continue
-            if leaf_key(node) > key:  # used since it was queued: its turn comes later
-                queue.push(node)
-                continue
-            if node.tiers() == only_here and not node.prefetched and not node.children:
-                # the plain case: its only copy, nothing below to keep it: drop it in one step
-                store.free(tree.drop_leaf(node, tier))  # type: ignore[union-attr]  # (set whenever only_here is)
-                dropped += node.num_pages
-                freed += node.num_pages
-            else:
-                freed += self.evict_node(node, tier)  # (its parent is queued as it becomes a leaf)
+        top, drop_top = queue.top, queue.drop_top
+        # the plain case's handles, freed in one call (before any other free of the store, so the
+        # store sees the same frees in the same order)
+        runs: list[list[Handle]] = []
+        try:
+            while freed < num_pages:
+                entry = top()
+                if entry is None:
+                    break
+                key, _, node = entry
+                if (
+                    node.parent is None
+                    or getattr(node, tier) is None
+                    or node.children_in.get(tier)
+                    or (node.children and has_child_in(node, tier))
+                ):
+                    drop_top()
+                    continue  # stale: queued again when it becomes a leaf of `tier` again
+                if node.lock_ref or node.pins:
+                    drop_top()
+                    held.append(node)
+                    continue
+                if spare and node.device is not None:
+                    drop_top()
+                    held.append(node)
+                    if self._ranked(tier):
+                        break  # the queue ranks device copies last: only such pages are left
+                    continue
+                current = leaf_key(node)
+                if current > key:  # used since it was queued: its turn comes later
+                    queue.replace_top(current, node)
+                    continue
+                drop_top()
+                if node.tiers() == only_here and not node.prefetched and not node.children:
+                    # the plain case: its only copy, nothing below to keep it: drop it in one step
+                    runs.append(tree.drop_leaf(node, tier))
+                    dropped += node.num_pages
+                    freed += node.num_pages
+                else:
+                    if runs:
+                        store.free_runs(runs)  # type: ignore[union-attr]  # (set whenever only_here is)
+                        runs = []
+                    freed += self.evict_node(node, tier)  # (its parent is queued as it becomes a leaf)
+        finally:
+            if runs:
+                store.free_runs(runs)  # type: ignore[union-attr]
         for node in held:
             queue.push(node)
         if dropped:

@@ -79,7 +79,7 @@ class Transactions:
         op = TransferOp(
             node, src, dst, list(src_handles or []), list(handles), node.num_pages * c.config.page_bytes, kind
         )
-        node.incoming[dst] = op
+        node.own_dict("incoming")[dst] = op
         if dst == DISK:
             c.lower.writes_in_flight.add(op)
         return op

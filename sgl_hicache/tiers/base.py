@@ -142,6 +142,12 @@ class TierStore(ABC):
     @abstractmethod
     def free(self, handles: Sequence[Handle]) -> None: ...
 
+    def free_runs(self, runs: Sequence[Sequence[Handle]]) -> None:
+        """`free` each run of handles, in order, in one call (eviction frees node by node; a store
+        may take them at once)."""
+        for handles in runs:
+            self.free(handles)
+
     @abstractmethod
     def read(self, handles: Sequence[Handle]) -> torch.Tensor: ...
 
@@ -260,12 +266,17 @@ class SlotAllocator:
 
     def free(self, slots: Sequence[int]) -> None:
         """Free all of `slots` or, when one is not allocated (or appears twice), none of them."""
+        self.free_runs((slots,))
+
+    def free_runs(self, runs: Sequence[Sequence[int]]) -> None:
+        """`free` of all the slots of `runs` at once (the free list takes them run by run, in order)."""
         used = self._used
         before = len(used)
-        used.difference_update(slots)  # one pass; checked by the count, undone on error
-        if before - len(used) != len(slots):
-            self._undo_free(slots)
-        self._give(slots)
+        used.difference_update(*runs)  # one pass; checked by the count, undone on error
+        if before - len(used) != sum(map(len, runs)):
+            self._undo_free([s for run in runs for s in run])
+        for run in runs:
+            self._give(run)
 
     def _undo_free(self, slots: Sequence[int]) -> None:
         """`free` removed fewer slots than it was given: put back those that were allocated (every

@@ -26,8 +26,11 @@ class _SlotStore(TierStore):
         return self._slots.allocate(len(keys))
 
     def free(self, handles: Sequence[Handle]) -> None:
+        self.free_runs((handles,))
+
+    def free_runs(self, runs: Sequence[Sequence[Handle]]) -> None:
         try:  # all or nothing: a KeyError leaves the accounting untouched
-            self._slots.free(handles)
+            self._slots.free_runs(runs)
         except KeyError as exc:
             raise KeyError(f"{self.name}: {exc.args[0]}") from None
 

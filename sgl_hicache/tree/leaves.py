@@ -2,35 +2,41 @@
 
 A lazy min-heap of `(key, node id, node)` entries. The tree pushes a node whenever it may have
 become a candidate or its key may have dropped (it enters a tier, a child leaves one); it never
-deletes. `pop` validates an entry against the node's state then, so stale entries cost one pop.
+deletes. The evictor validates the lowest entry (`top`) against the node's state then, so a stale
+entry costs one pop (`drop_top`), or one sift where only its key grew (`replace_top`).
 
-Contract (what makes `pop` return the true minimum): every candidate node (resident in the tier,
+Contract (what makes `top` the true minimum): every candidate node (resident in the tier,
 no child there) has at least one entry whose key is <= its current key. That holds when keys only
 grow between pushes, as LRU and LFU keys do (`last_access` and `hit_count` only increase), and when
-every event that can lower a key (a node becomes clean: it entered the tier below) pushes it. A
-popped entry whose node's key grew since is pushed again with the current key.
+every event that can lower a key (a node becomes clean: it entered the tier below) pushes it. An
+entry whose node's key grew since is queued again with the current key (`replace_top`).
+
+A key is anything sortable: a tuple, or a float (the node's recency, for `lru`); ties are broken
+by node id.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from .node import TreeNode
 
-LeafKey = Callable[[TreeNode], tuple]
+LeafKey = Callable[[TreeNode], Any]
+Entry = tuple[Any, int, TreeNode]  # (key when queued, node id, node)
 
 
 class LeafQueue:
     """Candidates for eviction from one tier, lowest key first (see the module docstring).
 
-    `push` is O(log n); `pop` is amortized O(log n) per stale entry it skips. The heap is rebuilt
+    `push`, `drop_top` and `replace_top` are O(log n); `top` is O(1). The heap is rebuilt
     from `rebuild_from` when stale entries outnumber live nodes 4 to 1 (amortized O(1) per push).
     """
 
     def __init__(self, key: LeafKey) -> None:
         self.key = key
-        self._heap: list[tuple[tuple, int, TreeNode]] = []
+        self._heap: list[Entry] = []
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -38,12 +44,19 @@ class LeafQueue:
     def push(self, node: TreeNode) -> None:
         heapq.heappush(self._heap, (self.key(node), node.id, node))
 
-    def pop(self) -> tuple[tuple, TreeNode] | None:
-        """The entry with the lowest key (its key when pushed, and the node), or None when empty."""
-        if not self._heap:
-            return None
-        key, _, node = heapq.heappop(self._heap)
-        return key, node
+    def top(self) -> Entry | None:
+        """The entry with the lowest key, `(key when queued, node id, node)`, left in place; None
+        when empty."""
+        return self._heap[0] if self._heap else None
+
+    def drop_top(self) -> None:
+        """Remove the `top` entry (there is one)."""
+        heapq.heappop(self._heap)
+
+    def replace_top(self, key: Any, node: TreeNode) -> None:
+        """Replace the `top` entry by `node`'s with `key` (its node's key grew since it was queued):
+        one sift, where a pop and a push took two."""
+        heapq.heapreplace(self._heap, (key, node.id, node))
 
     def needs_compaction(self, live: int) -> bool:
         return len(self._heap) > 4 * live + 1024

@@ -16,6 +16,37 @@ if TYPE_CHECKING:
 
 _ids = itertools.count()
 
+
+class _Unwritten(dict):
+    """The empty mapping every node starts with in place of each of its per-node dicts, shared by
+    all nodes: a leaf never writes most of them, and a dict per node and field made every insert
+    pay for allocations (and garbage-collector passes) it did not use. Reading it is reading an
+    empty dict; a writer replaces it with a dict of the node's own first (`own_dict`)."""
+
+    __slots__ = ()
+
+    def _refuse(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("the shared empty mapping of a node is never written: `own_dict` first")
+
+    __setitem__ = __delitem__ = setdefault = update = clear = popitem = __ior__ = _refuse  # type: ignore[assignment]
+
+
+UNWRITTEN: dict = _Unwritten()
+
+
+class _NoCounts(EdgeCounts):
+    """`TreeNode.child_traffic` of a node no match has gone on from yet, shared by all such nodes
+    (read as empty; `tree.traffic.count_edge` gives the node counts of its own at the first one)."""
+
+    __slots__ = ()
+
+    def __setitem__(self, key: bytes, value: float) -> None:
+        raise TypeError("the shared empty counts are never written")
+
+
+NO_COUNTS: EdgeCounts = _NoCounts()
+
+
 # A child's key in its parent's `children` and traffic counts: its first page as int64 bytes. Bytes,
 # not a tuple of ints: a bytes object hashes once (the hash is cached) and compares by memcmp, where
 # a tuple of a page's ints is rebuilt, rehashed and compared int by int at every lookup.
@@ -93,12 +124,14 @@ class TreeNode:
         self.pins = 0
         self.hit_count = 0
         self.last_access = 0.0
-        self.child_traffic = EdgeCounts()
+        # the dicts below start as the shared empty ones (`UNWRITTEN`, `NO_COUNTS`): a writer makes
+        # the node's own first
+        self.child_traffic = NO_COUNTS
         self.traffic_stamp = 0.0
         # per `child_traffic` key: when it was inserted (its place in the dict's order), and the short
         # list of keys counted more than about once (`tree.traffic.hot_edges`)
-        self.traffic_seq: dict[EdgeKey, int] = {}
-        self.traffic_hot: dict[EdgeKey, int] = {}
+        self.traffic_seq: dict[EdgeKey, int] = UNWRITTEN
+        self.traffic_hot: dict[EdgeKey, int] = UNWRITTEN
         # requests whose path ended here since one last went on below (decayed, as of `stops_at`):
         # the traffic that says "do not go on" (`tree.traffic.count_stop`)
         self.traffic_stops = 0.0
@@ -108,10 +141,18 @@ class TreeNode:
         # the trigger of the prediction that brought it (`speculation.trigger_of`), for the guard
         self.prefetch_trigger: str | None = None
         # transfers prepared into a tier and not yet completed, by destination tier
-        self.incoming: dict[str, TransferOp] = {}
+        self.incoming: dict[str, TransferOp] = UNWRITTEN
         # children resident in each tier, kept by the tree on every residency change: "is a leaf of
         # this tier" in O(1), even for a node with thousands of children
-        self.children_in: dict[str, int] = {}
+        self.children_in: dict[str, int] = UNWRITTEN
+
+    def own_dict(self, field: str) -> dict:
+        """The node's own dict in `field` (`incoming` or `children_in`), made on the first write."""
+        d = getattr(self, field)
+        if d is UNWRITTEN:
+            d = {}
+            setattr(self, field, d)
+        return d
 
     @property
     def keys(self) -> list[PageKey]:

@@ -15,7 +15,7 @@ from ..tiers.base import DISK, TIERS, Handle
 from .gaps import TierGaps
 from .invariants import InvariantError, check_tree
 from .leaves import LeafKey, LeafQueue
-from .node import TreeNode, edge_key_of, split_handles
+from .node import UNWRITTEN, TreeNode, edge_key_of, split_handles
 from .traffic import HalfLife, drop_edge, start_edges
 
 _ALL = frozenset(TIERS)
@@ -165,7 +165,7 @@ class RadixTree:
             setattr(node, tier, node_handles)
         for attr in ("lock_ref", "pins", "hit_count", "last_access", "prefetched"):
             setattr(upper, attr, getattr(node, attr))
-        upper.incoming = dict(node.incoming)
+        upper.incoming = dict(node.incoming) if node.incoming else UNWRITTEN
         upper._edge = node._edge  # the same first page: the very key the parent's dicts hold
         lower_edge = edge_key_of(node.tokens[cut : cut + self.page_size])
         # every request counted into `node` went through its whole edge (a partial match splits it
@@ -189,7 +189,7 @@ class RadixTree:
         for tier in TIERS:
             if node in self.resident[tier]:
                 self.resident[tier].add(upper)
-                upper.children_in[tier] = 1  # `node`, now its only child (the parent's count is unchanged)
+                upper.own_dict("children_in")[tier] = 1  # `node`, now its only child (the parent's count is unchanged)
         self.gaps.split(upper, node)
         self.node_count += 1
         return upper
@@ -278,8 +278,9 @@ class RadixTree:
         self.resident[tier].discard(node)
         self.gaps.left(node, tier)
         self.leaf_sets[tier].discard(node)
-        n = parent.children_in.get(tier, 0) - 1
-        parent.children_in[tier] = n
+        counts = parent.own_dict("children_in")
+        n = counts.get(tier, 0) - 1
+        counts[tier] = n
         self.pages[tier] -= node.num_pages
         first = node.edge_key
         del parent.children[first]
@@ -317,8 +318,11 @@ class RadixTree:
             leaves.discard(node)
         if parent is None:
             return
-        n = parent.children_in.get(tier, 0) + sign
-        parent.children_in[tier] = n
+        counts = parent.children_in
+        if counts is UNWRITTEN:
+            counts = parent.children_in = {}
+        n = counts.get(tier, 0) + sign
+        counts[tier] = n
         if parent.parent is None or getattr(parent, tier) is None:
             return
         if n == 0:

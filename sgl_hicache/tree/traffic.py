@@ -14,7 +14,7 @@ import math
 from collections import deque
 
 from .edge_counts import EdgeCounts
-from .node import EdgeKey, TreeNode
+from .node import NO_COUNTS, EdgeKey, TreeNode
 
 # Turns of one conversation arrive seconds to a few minutes apart; a minute's half-life lets a
 # pattern that stopped fade within a few turns' time without forgetting one between two turns. The
@@ -85,6 +85,10 @@ def count_edge(parent: TreeNode, first_page: EdgeKey, now: float, half_life: flo
     also ends the stops counted at `parent`: a request went on below it since)."""
     parent.traffic_stops = 0.0
     traffic = parent.child_traffic
+    if traffic is NO_COUNTS:  # the first match that goes on from `parent`: counts of its own
+        traffic = parent.child_traffic = EdgeCounts()
+        parent.traffic_seq = {}
+        parent.traffic_hot = {}
     elapsed = now - parent.traffic_stamp
     if traffic and elapsed > half_life / 64:
         # counts are kept as of `traffic_stamp`; rebasing them is O(children), so it is done at
@@ -116,7 +120,8 @@ def start_edges(node: TreeNode, first_page: EdgeKey, count: float) -> None:
 def drop_edge(parent: TreeNode, first_page: EdgeKey) -> None:
     """Forget the count of a removed child (a long replay would otherwise keep one for every
     conversation it ever saw, and a reader would scan them all)."""
-    parent.child_traffic.pop(first_page, None)
+    if parent.child_traffic.pop(first_page, None) is None:
+        return  # never counted (`traffic_seq` and `traffic_hot` hold only counted keys)
     parent.traffic_seq.pop(first_page, None)
     parent.traffic_hot.pop(first_page, None)
 
