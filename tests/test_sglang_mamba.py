@@ -29,6 +29,7 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import NEEDS_SGLANG
+from servers import BackendServers
 from test_sglang_e2e import LOGPROB_TOL, _gen_lp, _logprob_diff, _prompt
 from test_sglang_qwen3_next_cpu import MAMBA_ARGS
 
@@ -52,48 +53,25 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture
 def start_server(workdir):
-    from sgl_hicache.sglang.server import SGLangServer, has_cuda
+    from sgl_hicache.sglang.server import has_cuda
 
     if has_cuda():
         pytest.skip("proves the CPU test layer's kernels; on a GPU SGLang runs its own")
-    model = make_model(workdir / "model")
-    started = []
-
-    def start(name: str, disk_dir: Path) -> SGLangServer:
-        env = {
-            "SGLHICACHE_HOST_TOKENS": "1536",
-            "SGLHICACHE_DISK_DIR": str(disk_dir),
-            "SGLHICACHE_DISK_TOKENS": str(64 * 1024),
-            "SGLHICACHE_CHECK_INVARIANTS": "1",
-            "SGLHICACHE_MAMBA_STATE_SHARE": "0.34",  # host: 1,014 tokens of KV and 7 snapshots of the tiny model
-        }
-        srv = SGLangServer.start(
-            model,
-            load_format=None,
-            log_path=workdir / f"{name}.log",
-            env=env,
-            timeout_s=600,
-            extra_args=[
-                "--max-total-tokens",
-                str(DEVICE_TOKENS),
-                "--max-mamba-cache-size",
-                str(MAMBA_SLOTS),
-                "--max-running-requests",
-                "2",
-                "--radix-cache-backend",
-                "sgl_hicache",
-                "--log-level",
-                "warning",
-                *MAMBA_ARGS,
-            ],
-        )
-        started.append(srv)
-        return srv
-
-    yield start
-    for srv in started:
-        srv.stop()
-        assert not srv.alive()
+    # host: 1,014 tokens of KV and 7 snapshots of the tiny model
+    env = {"SGLHICACHE_CHECK_INVARIANTS": "1", "SGLHICACHE_MAMBA_STATE_SHARE": "0.34"}
+    args = ("--max-mamba-cache-size", str(MAMBA_SLOTS), "--max-running-requests", "2", *MAMBA_ARGS)
+    servers = BackendServers(
+        make_model(workdir / "model"),
+        workdir,
+        page=1,
+        host_tokens=1536,
+        device_tokens=DEVICE_TOKENS,
+        env=env,
+        args=args,
+        timeout_s=600,
+    )
+    yield servers.start
+    servers.close()
 
 
 def _states(srv) -> dict:

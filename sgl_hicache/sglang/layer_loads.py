@@ -192,4 +192,32 @@ class LayerLoads:
         return {"loads": self.loads, "pages": self.pages, "in_flight": len(self._pending)}
 
 
-__all__ = ["LayerLoads"]
+class MappedLayerCounter:
+    """SGLang's layer transfer counter for a KV pool whose layers are not the tiered page's layers
+    one for one (a draft model's pool, a hybrid model's attention layers): `page_layer(layer)` maps
+    the pool's layer id onto the page's layer, None for a layer that reads no tiered page (it waits
+    for nothing); everything else is the one `LayerLoads` counter's."""
+
+    def __init__(self, loads: LayerLoads) -> None:
+        self.loads = loads
+
+    def page_layer(self, layer: int) -> int | None:
+        raise NotImplementedError
+
+    @property
+    def consumer_index(self) -> int:
+        return self.loads.consumer_index
+
+    def set_consumer(self, index: int) -> None:
+        self.loads.set_consumer(index)
+
+    def wait_until(self, layer: int) -> None:
+        index = self.page_layer(layer)
+        if index is not None:
+            self.loads.wait_until(index)
+
+    def reset(self) -> None:
+        pass
+
+
+__all__ = ["LayerLoads", "MappedLayerCounter"]

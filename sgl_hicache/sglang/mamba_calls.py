@@ -31,6 +31,7 @@ from ..cache import PrefixMatch
 from ..policy.snapshots import SnapshotCosts
 from ..tree.node import TreeNode
 from .coverage import PREFIX, refusal
+from .layer_loads import MappedLayerCounter
 from .mamba_snapshots import SnapshotTiers
 
 
@@ -113,31 +114,19 @@ def snapshots_for(req_to_token_pool: Any, adapter: Any, model_config: Any, parts
     )
 
 
-class HybridLayerCounter:
+class HybridLayerCounter(MappedLayerCounter):
     """SGLang's layer transfer counter for a `HybridLinearKVPool`: the pool waits with its model layer
     ids (`wait_until(layer_id - start_layer)`), the tiered page holds only the attention layers, in
     the order of the pool's `full_attention_layer_id_mapping`. A linear-attention layer reads no
     page: it waits for nothing (its state was restored before the batch ran)."""
 
     def __init__(self, loads: Any, kvcache: Any) -> None:
-        self.loads = loads
+        super().__init__(loads)
         self.start_layer = int(getattr(kvcache, "start_layer", 0) or 0)
         self.mapping = dict(kvcache.full_attention_layer_id_mapping)
 
-    @property
-    def consumer_index(self) -> int:
-        return self.loads.consumer_index
-
-    def set_consumer(self, index: int) -> None:
-        self.loads.set_consumer(index)
-
-    def wait_until(self, layer: int) -> None:
-        index = self.mapping.get(layer + self.start_layer)
-        if index is not None:
-            self.loads.wait_until(index)
-
-    def reset(self) -> None:
-        pass
+    def page_layer(self, layer: int) -> int | None:
+        return self.mapping.get(layer + self.start_layer)
 
 
 def _page_ends(path: list[TreeNode], page_size: int) -> list[tuple[int, bytes]]:

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from .layer_loads import MappedLayerCounter
+
 logger = logging.getLogger(__name__)
 
 SCHEDULER_INIT_MEMORY_POOLS = "sglang.srt.managers.scheduler.Scheduler.init_memory_pools"
@@ -78,28 +80,18 @@ def register_hooks() -> None:
     HookRegistry.register(SCHEDULER_INIT_MEMORY_POOLS, record_draft_pools, HookType.AFTER)
 
 
-class DraftLayerCounter:
+class DraftLayerCounter(MappedLayerCounter):
     """SGLang's layer transfer counter for one draft KV pool: its layer `i` is layer `offset + i` of
     the tiered page, so `wait_until(i)` waits for that layer of the queued loads (`LayerLoads`; the
     consumer index is the target's: the draft's forward reads the batch the target's forward read)."""
 
     def __init__(self, loads: Any, offset: int, num_layers: int) -> None:
-        self.loads = loads
+        super().__init__(loads)
         self.offset = offset
         self.num_layers = num_layers
 
-    @property
-    def consumer_index(self) -> int:
-        return self.loads.consumer_index
-
-    def set_consumer(self, index: int) -> None:
-        self.loads.set_consumer(index)
-
-    def wait_until(self, layer: int) -> None:
-        self.loads.wait_until(self.offset + layer)
-
-    def reset(self) -> None:
-        pass
+    def page_layer(self, layer: int) -> int | None:
+        return self.offset + layer
 
 
 __all__ = ["DraftLayerCounter", "bigram_keys", "draft_pools_of", "record_draft_pools", "register_hooks"]
