@@ -145,7 +145,20 @@ def test_prefetch_hint_brings_a_demoted_prefix_to_host_before_it_is_asked_for(se
     assert hits["storage"] > 0, hits
 
 
+def _no_retention_left(server) -> None:
+    """Wait until no retention is held (an earlier test's prefetch is retained for its hold, 10 s here,
+    and ends on time when its request used only part of the prefix); the scheduler is kept stepping."""
+    probe = _prompt(34, 16)
+
+    def none_left():
+        _gen(server, probe, 1)
+        return _stats(server)["hints"]["pins"] == 0
+
+    _wait_for(none_left, "earlier tests' retentions to end")
+
+
 def test_a_pin_holds_its_prefix_until_it_comes_back(server):
+    _no_retention_left(server)
     pinned = _prompt(30, 320)
     ref, _ = _gen(server, pinned)
     ttl = 300.0  # longer than any flood here: the retention ends when its prefix comes back
@@ -202,6 +215,7 @@ def _trace(hints: bool) -> list:
 def test_the_http_replayer_sends_a_traces_hints_and_outputs_equal_without(server, tmp_path):
     from sgl_hicache.replay.http import replay_http
 
+    _no_retention_left(server)
     with_hints = replay_http(_trace(True), server.url, concurrency=2, trace_clock=True, keep_outputs=True)
     h = with_hints["hints"]
     assert (h["sent"], h["accepted"], h["refused"], h["unresolved"], h["unsent"]) == (3, 2, 1, 0, 0), h

@@ -95,6 +95,8 @@ class StepCalls:
             self.controller.advance_predictions()
         if self.controller.writeback:
             self.controller.pump_writeback(start_new=False)
+        else:
+            self.controller.hints.expire()  # retentions end on time or use while the server idles too
 
     def transfers_in_flight(self) -> bool:
         """A layer-wise load, a background copy or a prefetch job is still moving pages."""
