@@ -56,7 +56,8 @@ RETURN_QUANTILE = 0.9  # a prefetched prefix is held until this share of prefetc
 @dataclass(order=True)
 class Retention:
     """One retained prefix: until `until` (clock seconds), its last node `node`, `tokens` long,
-    registered at `start` when the node had `hits` matches (a later match means it came back)."""
+    registered at `start` when the node had `hits` matches and `parent` above it (a later match of
+    the node, or of a part of it split off since, means it came back: `came_back`)."""
 
     until: float
     seq: int
@@ -64,6 +65,20 @@ class Retention:
     tokens: int = field(compare=False)
     start: float = field(compare=False)
     hits: int = field(compare=False)
+    parent: TreeNode | None = field(compare=False, default=None)
+
+
+def came_back(node: TreeNode, hits: int, parent: TreeNode | None) -> bool:
+    """Whether a request matched `node` since it had `hits` matches, counting the parts split off
+    its head since then (they lie between it and its `parent` of that time, and start from its
+    count): the next turn of a conversation often diverges inside its last page (a re-rendered
+    answer), which splits the node and matches only its upper part."""
+    n: TreeNode | None = node
+    while n is not None and n is not parent:
+        if n.hit_count > hits:
+            return True
+        n = n.parent
+    return False
 
 
 def own_tail(path: list[TreeNode]) -> list[TreeNode]:
@@ -118,7 +133,7 @@ class HintDesk:
         self.refreshed_tokens = {DEVICE: 0, HOST: 0}  # tokens kept by the last refresh, per tier
         # prefetched prefixes (time, last node, its hits then) watched until a request uses them, and
         # the measured delays from prefetch to that use: how early the clients' prefetches come
-        self._watched: deque[tuple[float, TreeNode, int]] = deque(maxlen=WATCHED)
+        self._watched: deque[tuple[float, TreeNode, int, TreeNode | None]] = deque(maxlen=WATCHED)
         self.returns: deque[float] = deque(maxlen=RETURNS_KEPT)
 
     def apply(self, hint: Hint, tokens: Sequence[int]) -> int:
@@ -152,7 +167,7 @@ class HintDesk:
         if not m.path:
             return 0
         if hint.action == "prefetch":
-            self._watched.append((now, m.last_node, m.last_node.hit_count))
+            self._watched.append((now, m.last_node, m.last_node.hit_count, m.last_node.parent))
         if hint.action == "retain":
             cache.match(tokens[:aligned], touch=True, count=False)
         elif hint.action == "demote":
@@ -180,7 +195,9 @@ class HintDesk:
             raise HintError(f"{self.limits.max_retained} prefixes are retained already: refused", reason="flood")
         if cache.has_tier(HOST):
             self.limits.check_share(tokens, 0, cache.stores[HOST].capacity_pages * cache.page_size)
-        heapq.heappush(self._retained, Retention(now + ttl_s, next(self._seq), node, tokens, now, node.hit_count))
+        heapq.heappush(
+            self._retained, Retention(now + ttl_s, next(self._seq), node, tokens, now, node.hit_count, node.parent)
+        )
         self.pinned_tokens += tokens
         for n in node.path_from_root():  # the hint counts as a use now; the shares apply from the next refresh
             n.last_access = max(n.last_access, now)
@@ -243,7 +260,7 @@ class HintDesk:
 
     def _end(self, r: Retention) -> None:
         self.pinned_tokens -= r.tokens
-        if r.node.hit_count > r.hits:
+        if came_back(r.node, r.hits, r.parent):
             self.retained_used += 1
         else:
             self.retained_wasted += 1
@@ -313,7 +330,7 @@ class HintDesk:
         if self._retained and now - self._refreshed_at >= REFRESH_S:
             # a prefix that left the tree, or whose conversation came back (a request used it since),
             # needs no more retention: its share goes to the others
-            gone = [r for r in self._retained if r.node.parent is None or r.node.hit_count > r.hits]
+            gone = [r for r in self._retained if r.node.parent is None or came_back(r.node, r.hits, r.parent)]
             if gone:
                 for r in gone:
                     self._end(r)
@@ -331,12 +348,12 @@ class HintDesk:
     def _watch_returns(self, now: float) -> None:
         """Record the delay from prefetch to use of the watched prefixes a request used since; stop
         watching those, and those gone from the tree or watched for longer than `max_ttl_s`."""
-        keep: deque[tuple[float, TreeNode, int]] = deque(maxlen=WATCHED)
-        for start, node, hits in self._watched:
-            if node.hit_count > hits:
+        keep: deque[tuple[float, TreeNode, int, TreeNode | None]] = deque(maxlen=WATCHED)
+        for start, node, hits, parent in self._watched:
+            if came_back(node, hits, parent):
                 self.returns.append(now - start)
             elif node.parent is not None and now - start <= self.limits.max_ttl_s:
-                keep.append((start, node, hits))
+                keep.append((start, node, hits, parent))
         self._watched = keep
 
     def prefetch_hold_s(self) -> float:

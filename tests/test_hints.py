@@ -129,6 +129,30 @@ def test_a_pin_retains_without_locking_and_ends_at_its_time(tmp_path):
     cache.check()
 
 
+def test_a_conversation_that_comes_back_short_of_its_last_page_ends_its_retention(tmp_path):
+    # the next turn re-renders the answer's end: it matches all but the retained prefix's last page,
+    # which splits the retained node; that is a return (it ends the retention, counted as used)
+    clock = Clock(10.0)
+    cache, _ex, ctl = _controller(tmp_path, clock)
+    ctl.hints.limits = HintLimits(max_pin_share=1.0)
+    serve(cache, seq(0, 3))
+    ctl.hints.apply(Hint("pin", tuple(seq(0, 3)), ttl_s=60.0), seq(0, 3))
+    clock.t = 11.0
+    ctl.pump_writeback(start_new=False)
+    assert ctl.hints.pins == 1  # nothing came back yet
+    serve(cache, seq(0, 2) + seq(900, 1))
+    clock.t = 12.0
+    ctl.pump_writeback(start_new=False)
+    assert ctl.hints.pins == 0 and ctl.hints.retained_used == 1 and ctl.hints.retained_wasted == 0
+    serve(cache, seq(0, 3))
+    ctl.hints.apply(Hint("pin", tuple(seq(0, 3)), ttl_s=60.0), seq(0, 3))
+    serve(cache, seq(5000, 1))  # another prompt: not a return
+    clock.t = 13.0
+    ctl.pump_writeback(start_new=False)
+    assert ctl.hints.pins == 1 and ctl.hints.retained_used == 1
+    cache.check()
+
+
 def test_a_retained_prefix_yields_to_a_request_that_needs_the_room(tmp_path):
     clock = Clock(10.0)
     cache, _ex, ctl = _controller(tmp_path, clock)
