@@ -44,6 +44,25 @@ def test_a_hint_prefetch_lands_on_the_device_when_it_has_room(tmp_path):
     cache.check()
 
 
+def test_a_carry_in_flight_counts_its_device_pages_as_incoming(tmp_path):
+    # the copy's destination pages are in no node until it lands: the pool's accounting (SGLang's idle
+    # check: free + evictable + protected == the pool) must still find them
+    clock = Clock(10.0)
+    cache, ex, ctl = _controller(tmp_path, clock)
+    tokens = seq(0, 3)
+    _disk_only(cache, tokens)
+    ctl.hints.apply(Hint("prefetch", tuple(tokens)), tokens)
+    ex.finish_all([op for job in ctl.predicted for op in job.ops()])
+    ctl.advance_predictions()  # on host: the carry to the device starts
+    dev = cache.stores[DEVICE]
+    assert ctl.speculation.carried_tokens == 3 * PS and cache.tx.incoming_pages[DEVICE] == 3
+    assert dev.free_pages + cache.tree.pages[DEVICE] + cache.tx.incoming_pages[DEVICE] == dev.capacity_pages
+    _land(ctl, ex)
+    assert cache.tx.incoming_pages[DEVICE] == 0 and cache.tree.pages[DEVICE] == 3
+    assert all(n == 0 for n in cache.tx.incoming_pages.values())
+    cache.check()
+
+
 def test_a_prefetch_on_host_already_goes_straight_to_the_device(tmp_path):
     clock = Clock(10.0)
     cache, ex, ctl = _controller(tmp_path, clock)

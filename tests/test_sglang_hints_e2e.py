@@ -11,6 +11,9 @@ output):
   used, and its greedy output equals the one computed from scratch;
 - `pin` keeps a prefix off disk through a flood (retained, never locked), and once the prefix comes
   back its retention ends: nothing is retained and no device page is protected;
+- after a flush (device and host empty, disk files kept), a `prefetch` brings the prefix up from disk
+  and carries it on to the device's free pages: the request then hits device for the whole prefix,
+  with the output computed from scratch before;
 - the HTTP replayer (`replay_http`, and `sgl-hicache replay --url`) sends a trace's hints at their
   time, counts a refused one with its reason, and the outputs equal those of the same trace without
   hints; a dead hint API fails the command before anything is sent.
@@ -270,3 +273,37 @@ def test_the_http_replayer_sends_a_traces_hints_and_outputs_equal_without(server
     assert dead.returncode == 2 and "does not answer" in dead.stderr and "hints cannot be sent" in dead.stderr, (
         dead.stderr
     )
+
+
+def _flush(srv) -> None:
+    """SGLang's /flush_cache (a text reply): the device and host copies go, the disk files stay."""
+    import urllib.request
+
+    with urllib.request.urlopen(urllib.request.Request(f"{srv.url}/flush_cache", b"", method="POST"), timeout=60) as r:
+        assert r.status == 200
+
+
+def test_a_prefetched_prefix_goes_on_to_free_device_pages_and_is_served_from_there(server):
+    # after a flush the device is empty: a prefetch from disk lands on host and is carried on to the
+    # device (free pages nobody needs), so the request that follows finds it whole as a device hit
+    _no_retention_left(server)
+    prompt = _prompt(50, 320)
+    ref, _ = _gen(server, prompt)
+    _flood(server, 51, FLOOD)
+    _settled_pool(server)  # write-through to disk landed
+    _flush(server)
+    before = _stats(server)["speculation"]
+    assert _post(server, {"action": "prefetch", "input_ids": prompt}) == (202, {"queued": 1})
+
+    def carried():
+        st = _stats(server)["speculation"]
+        return st if st["carried_tokens"] > before["carried_tokens"] else None
+
+    st = _wait_for(carried, "the prefetched prefix to be carried to the device")
+    assert st["carried_tokens"] - before["carried_tokens"] == HIT + PAGE, st  # the whole cached prefix
+    _settled_pool(server)  # the carry's copy landed
+    out, hits = _gen(server, prompt)
+    assert out == ref
+    assert hits == {"device": HIT, "host": 0, "storage": 0}, hits
+    pool = _settled_pool(server)["pool"]
+    assert pool["check"] == "ok", pool

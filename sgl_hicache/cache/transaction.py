@@ -32,11 +32,13 @@ class Transactions:
     Contract: `prepare` never evicts and never copies: it returns None when `dst` has no room, no
     tier holds a source, or a transfer into `dst` is pending; `complete` applies an op exactly once
     and returns whether its copy is now recorded; a failed copy is a miss counted in
-    `stats.errors`, never wrong KV.
+    `stats.errors`, never wrong KV. `incoming_pages[tier]`: destination pages of the copies into
+    `tier` in flight (allocated, in no node yet: a pool's accounting counts them as held).
     """
 
     def __init__(self, cache: TieredCache) -> None:
         self.cache = cache
+        self.incoming_pages: dict[str, int] = dict.fromkeys(SOURCES, 0)
         # (error name, reason) pairs already logged at WARNING: the rest go to DEBUG (one line per reason)
         self._logged_errors: set[tuple[str, str]] = set()
 
@@ -80,6 +82,7 @@ class Transactions:
             node, src, dst, list(src_handles or []), list(handles), node.num_pages * c.config.page_bytes, kind
         )
         node.own_dict("incoming")[dst] = op
+        self.incoming_pages[dst] += len(handles)
         if dst == DISK:
             c.lower.writes_in_flight.add(op)
         return op
@@ -111,6 +114,7 @@ class Transactions:
         if op.locks_path:
             c.tree.unlock(op.node)
         c.lower.writes_in_flight.discard(op)
+        self.incoming_pages[op.dst] -= len(op.dst_handles)
         op.applied = True
         if op.cancelled and (op.error is None or op.gated):
             op.error = Cancelled()  # gated: a local I/O error must not change this rank's tree alone
