@@ -112,7 +112,13 @@ def hostile(requests: list) -> list:
 
 
 def cell(
-    device: int, host: int, long_s: tuple[float, float], sessions: int, seed: int, with_hostile: bool = False
+    device: int,
+    host: int,
+    long_s: tuple[float, float],
+    sessions: int,
+    seed: int,
+    with_hostile: bool = False,
+    estimate_sigma: float = 0.5,
 ) -> dict[str, Any]:
     """One grid cell: no hints, hints and the oracle on the same requests, and the bars (with
     `with_hostile`, also the hostile client's hints, `hostile`, against no hints)."""
@@ -125,7 +131,7 @@ def cell(
         "session_gap_s": 5.0,
         "seed": seed,
     }
-    plain, hinted = agent(**shape), agent(**shape, pins=True, estimate_sigma=0.5)
+    plain, hinted = agent(**shape), agent(**shape, pins=True, estimate_sigma=estimate_sigma)
     out: dict[str, Any] = {
         "device_tokens": device,
         "host_tokens": host,
@@ -173,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sessions", type=int, default=24)
     ap.add_argument("--seeds", default="0", help="comma-separated trace seeds (repeats)")
     ap.add_argument("--hostile", action="store_true", help="also a client that asks to keep every prompt for 600 s")
+    ap.add_argument(
+        "--estimate-sigma", type=float, default=0.5, help="spread of the framework's tool-duration error (0: exact)"
+    )
     ap.add_argument("--cells", help="comma-separated subset of the grid, as DEVICE/HOST/PAUSE (e.g. 40000/80000/long)")
     args = ap.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -184,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         cells, sessions, seeds = [(30_000, 300_000, "short", PAUSES["short"])], 4, [0]
     results: dict[str, Any] = {
-        "workload": "agent shape, pins for a noisy tool estimate (sigma 0.5) + prefetch 2 s before it",
+        "workload": f"agent shape, pins at each tool call's start for a noisy tool estimate (sigma {args.estimate_sigma})"
+        " + prefetch 2 s before it",
         "engine": "embedded, llama3-8b / h200, trace clock, predict (hints or not) and oracle",
         "sessions": sessions,
         "seeds": seeds,
@@ -192,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     for device, host, name, pause in cells:
         for seed in seeds:
-            c = cell(device, host, pause, sessions, seed, args.hostile)
+            c = cell(device, host, pause, sessions, seed, args.hostile, args.estimate_sigma)
             c["pause"], c["seed"] = name, seed
             results["cells"].append(c)
     results["all_pass"] = all(c["summary"]["passes"] for c in results["cells"])

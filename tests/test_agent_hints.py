@@ -11,7 +11,7 @@ from conftest import serve
 from test_hints import _controller
 from test_oracle_reuse import PS, Clock, seq
 
-from sgl_hicache.policy.agent_hints import AgentHints, parse_agent_hints
+from sgl_hicache.policy.agent_hints import TTL_MARGIN, AgentHints, parse_agent_hints
 from sgl_hicache.policy.hints import HintError
 from sgl_hicache.sglang.request_hints import RequestHints
 from sgl_hicache.tiers.base import DEVICE, HOST
@@ -154,10 +154,14 @@ def test_the_agent_shape_with_pins_keeps_its_requests_and_estimates_with_noise()
     errors = []
     for r in hinted:
         pin, prefetch = r.hints
-        assert pin.action == "pin" and pin.input_ids == tuple(r.input_ids) and pin.after_s == 2.0
-        assert prefetch.action == "prefetch" and prefetch.after_s == max(2.0, round(2.0 + pin.ttl_s - 2.0, 6))
+        # both run when the step's request finishes (the tool starts then), as the server applies them
+        assert pin.action == "pin" and pin.input_ids == tuple(r.input_ids) and pin.at_finish and pin.after_s == 0
+        estimate = pin.ttl_s / TTL_MARGIN  # the server's margin on an expected tool duration
+        assert prefetch.action == "prefetch" and prefetch.at_finish
+        if pin.ttl_s > 1.0:  # (the server keeps at least 1 s)
+            assert prefetch.after_s == pytest.approx(max(0.0, estimate - 2.0), abs=1e-5)  # 2 s before it ends
         s, k = r.request_id.rsplit("/", 1)
         step = 0 if k == "start" else int(k[len("resume") :])
         true_tool = by_id[f"{s}/resume{step + 1}"].arrival_s - r.arrival_s - 2.0
-        errors.append(pin.ttl_s / true_tool)
+        errors.append(estimate / true_tool)
     assert any(abs(e - 1) > 0.05 for e in errors)  # the framework's estimates are noisy

@@ -38,13 +38,18 @@ def test_trace_hints_are_parsed(tmp_path):
                 "hints": [
                     {"action": "prefetch", "session": "s1"},
                     {"action": "pin", "input_ids": [1, 2, 3, 4], "ttl_s": 30, "after_s": 0.5},
+                    {"action": "pin", "session": "s1", "ttl_s": 45, "at_finish": True},
                 ],
             },
         ],
     )
     reqs = list(load_trace(p, fmt="plain"))
     assert reqs[0].hints == ()
-    assert reqs[1].hints == (Hint("prefetch", session="s1"), Hint("pin", (1, 2, 3, 4), ttl_s=30.0, after_s=0.5))
+    assert reqs[1].hints == (
+        Hint("prefetch", session="s1"),
+        Hint("pin", (1, 2, 3, 4), ttl_s=30.0, after_s=0.5),
+        Hint("pin", session="s1", ttl_s=45.0, at_finish=True),
+    )
 
 
 @pytest.mark.parametrize(
@@ -56,6 +61,7 @@ def test_trace_hints_are_parsed(tmp_path):
         ({"action": "prefetch", "input_ids": "12"}, "hints[0]: field 'input_ids' must be an array of integers"),
         ({"action": "pin", "session": "s", "ttl_s": -1}, "hints[0]: field 'ttl_s' must be a finite number >= 0"),
         ({"action": "prefetch", "session": "s", "when": 1}, "hints[0]: unknown field(s) 'when'"),
+        ({"action": "prefetch", "session": "s", "at_finish": 1}, "hints[0]: field 'at_finish' must be true or false"),
     ],
 )
 def test_a_malformed_hint_names_the_line_and_the_field(tmp_path, hint, message):
@@ -279,3 +285,43 @@ def test_the_engine_replays_hints_through_the_controller():
         eng.close()
     assert out[False][1] == 0 and out[True][1] == 12 and out[True][2] == 0
     assert out[True][3] > 0 and out[True][0] < out[False][0]  # the client's word got the history up in time
+
+
+def test_the_engine_runs_an_at_finish_hint_when_its_request_ends():
+    # a request's own retention (``agent_hints``) starts when its answer is complete, on the server and
+    # in a replay alike; an arrival-relative hint runs at arrival + after_s
+    from array import array
+
+    from sgl_hicache.engine.presets import get_hardware, get_model
+    from sgl_hicache.engine.simulator import EmbeddedEngine, EngineConfig
+    from sgl_hicache.replay.trace import Request
+
+    prompt = tuple(range(1, 4097))
+    hints = (Hint("pin", prompt, ttl_s=30.0, at_finish=True), Hint("retain", prompt, ttl_s=30.0, after_s=0.001))
+    later = array("q", range(5000, 5256))  # the replay goes on after a/1 ends
+    reqs = [Request("a/1", "a", 0.0, array("q", prompt), 200, 1, hints=hints), Request("b/1", "b", 60.0, later, 4, 2)]
+    cfg = EngineConfig(
+        policy="prefetch",
+        model=get_model("llama3-8b"),
+        hardware=get_hardware("h200"),
+        device_tokens=16_384,
+        host_tokens=32_768,
+        disk_tokens=100_000,
+        concurrency=None,
+        byte_mode="metadata",
+    )
+    eng = EmbeddedEngine(cfg)
+    applied: list[tuple[str, float]] = []
+    apply = eng.controller.hints.apply
+
+    def spy(hint, tokens):
+        applied.append((hint.action, eng.now))
+        return apply(hint, tokens)
+
+    eng.controller.hints.apply = spy
+    eng.run(reqs)
+    finish = eng.records.finish_s[0]
+    eng.close()
+    assert [a for a, _ in applied] == ["retain", "pin"], applied
+    assert applied[0][1] <= eng.records.arrival_s[0] + eng.records.ttft_s[0]  # by its first step
+    assert applied[1][1] >= finish > eng.records.ttft_s[0]  # once its 200 tokens were decoded

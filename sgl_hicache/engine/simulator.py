@@ -174,6 +174,7 @@ class _Flight:
     prefetch_tried: bool = False
     hits: tuple[int, int, int] = (0, 0, 0)
     short_pages: int = 0  # device pages it lacked at its last failed admission (beyond free + evictable)
+    finish_hints: list = field(default_factory=list)  # (hint, prefix) pairs that run when it finishes
 
 
 def _scratch_dir() -> str | None:
@@ -325,21 +326,25 @@ class EmbeddedEngine:
     def _arrive(self, req: Request, arrival: float, waiting: deque) -> None:
         if self.oracle is not None:
             self.oracle.arrived(self._position[id(req)])
+        at_finish: list[tuple[Hint, Sequence[int]]] = []
         for hint in req.hints:  # resolved now (a session names its latest prompt before this one)
-            self._queue_hint(hint, arrival)
+            try:
+                tokens = hint_tokens(hint, self._sessions)
+            except HintError:
+                self.hints_rejected += 1
+                continue
+            if hint.at_finish:
+                at_finish.append((hint, tokens))
+            else:
+                self._queue_hint(hint, tokens, arrival)
         if req.session is not None:
             self._sessions[req.session] = req.input_ids
         ticket, _ = self.controller.arrive(req.input_ids)
         self._apply_hints()  # after the request's own match and prediction: a hint adds what they left
-        waiting.append(_Flight(req, arrival, ticket))
+        waiting.append(_Flight(req, arrival, ticket, finish_hints=at_finish))
 
-    def _queue_hint(self, hint: Hint, arrival: float) -> None:
-        try:
-            tokens = hint_tokens(hint, self._sessions)
-        except HintError:
-            self.hints_rejected += 1
-            return
-        heapq.heappush(self._hints, (arrival + hint.after_s, next(self._hint_seq), hint, tokens))
+    def _queue_hint(self, hint: Hint, tokens: Sequence[int], start: float) -> None:
+        heapq.heappush(self._hints, (start + hint.after_s, next(self._hint_seq), hint, tokens))
 
     def _apply_hints(self) -> None:
         """Run the queued hints that are due, through the controller (`HintDesk`)."""
@@ -444,6 +449,8 @@ class EmbeddedEngine:
     def _finish(self, flight: _Flight) -> None:
         self.cache.free_device(flight.output_pages)
         self.cache.unlock(flight.anchor)  # type: ignore[arg-type]
+        for hint, tokens in flight.finish_hints:  # run from the next loop turn, as the server's at its release
+            self._queue_hint(hint, tokens, self.now)
         hd, hh, hk = flight.hits
         prompt = len(flight.req.input_ids)
         self.records.add(

@@ -38,13 +38,16 @@ class HintError(ValueError):
 class Hint:
     """One hint. Exactly one of `input_ids` (the prefix) or `session` names the prefix; `ttl_s` is
     how long to retain it (required for ``pin``, optional for ``retain``, refused elsewhere);
-    `after_s`: seconds after its request's arrival at which a replayed hint runs (0: at arrival)."""
+    `after_s`: seconds after its request's arrival at which a replayed hint runs (0: at arrival), or
+    with `at_finish`, after its request finishes (a tool call starts when the model's answer is
+    complete: a request's own ``agent_hints`` retention runs then, on the server as in a replay)."""
 
     action: str
     input_ids: tuple[int, ...] | None = None
     session: str | None = None
     ttl_s: float | None = None
     after_s: float = 0.0
+    at_finish: bool = False
 
     def __post_init__(self) -> None:
         if self.action not in HINT_ACTIONS:

@@ -3,7 +3,10 @@
 
     {"input_ids": [...], "output_length": 16, "timestamp": 3.0,
      "hints": [{"action": "prefetch", "session": "s1"},
-               {"action": "pin", "input_ids": [1, 2, 3, 4], "ttl_s": 30, "after_s": 0.5}]}
+               {"action": "pin", "input_ids": [1, 2, 3, 4], "ttl_s": 30, "after_s": 0.5},
+               {"action": "pin", "session": "s1", "ttl_s": 45, "at_finish": true}]}
+
+`after_s` counts from the request's arrival, or with ``"at_finish": true`` from its end.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 from ..policy.hints import Hint, HintError
 from .trace import TraceError, _short
 
-HINT_FIELDS = {"action", "input_ids", "session", "ttl_s", "after_s"}
+HINT_FIELDS = {"action", "input_ids", "session", "ttl_s", "after_s", "at_finish"}
 
 
 def _number(path: str | Path, line: int, where: str, obj: dict, key: str) -> float | None:
@@ -58,6 +61,9 @@ def parse_hints(path: str | Path, line: int, value: Any) -> tuple[Hint, ...]:
             raise TraceError(
                 path, line, f"{where} field 'session' must be a string or an integer, got {_short(session)}"
             )
+        at_finish = obj.get("at_finish", False)
+        if not isinstance(at_finish, bool):
+            raise TraceError(path, line, f"{where} field 'at_finish' must be true or false, got {_short(at_finish)}")
         try:
             out.append(
                 Hint(
@@ -66,6 +72,7 @@ def parse_hints(path: str | Path, line: int, value: Any) -> tuple[Hint, ...]:
                     None if session is None else str(session),
                     _number(path, line, where, obj, "ttl_s"),
                     _number(path, line, where, obj, "after_s") or 0.0,
+                    at_finish,
                 )
             )
         except HintError as exc:

@@ -28,10 +28,11 @@ a benchmark can score the requests a prediction is for (`role_of`):
   ``other``. With `hints`, each step followed by a tool call carries what an agent framework that
   sees its tool finishing would send: ``prefetch`` of the step's prompt (the next step's cached
   prefix, by token ids), running `lead_s` before the tool returns (``after_s``). With `pins`, a
-  framework that only estimates its tools' durations: when the tool call starts (`decode_s` after
-  the step) it asks the cache to keep the step's prompt for its estimate (``pin``, `ttl_s`), and it
-  sends the ``prefetch`` `lead_s` before the estimate runs out; the estimate is the true duration
-  times a lognormal error of spread `estimate_sigma` (0: exact).
+  framework that only estimates its tools' durations: when the tool call starts (the step's request
+  finished: ``at_finish``) it asks the cache to keep the step's prompt for its estimate, with the
+  margin the server gives an ``expected_tool_duration_ms`` (``pin``, `ttl_s`), and it sends the
+  ``prefetch`` `lead_s` before the estimate runs out; the estimate is the true duration times a
+  lognormal error of spread `estimate_sigma` (0: exact).
 
 Sizes are in tokens and rounded down to whole pages of `page_size`.
 """
@@ -44,6 +45,7 @@ from array import array
 from collections.abc import Callable
 from typing import IO
 
+from ..policy.agent_hints import TTL_MARGIN
 from ..policy.hints import Hint
 from .trace import Request
 
@@ -234,7 +236,8 @@ def agent(
                 break
             tool_s = rng.uniform(*long_s) if rng.random() < long_share else rng.uniform(*short_s)
             nxt = round(t + decode_s + tool_s, 6)
-            if pins:  # retain for the estimate from the tool call's start; prefetch `lead_s` before it ends
+            if pins:  # when the answer is complete the tool starts: retain the conversation for the estimate
+                # (with the margin the server gives `expected_tool_duration_ms`), prefetch `lead_s` before it ends
                 est = max(0.1, tool_s * noise.lognormvariate(0.0, estimate_sigma)) if estimate_sigma > 0 else tool_s
                 mine = tuple(prompt)
                 req = Request(
@@ -245,8 +248,8 @@ def agent(
                     req.output_length,
                     0,
                     hints=(
-                        Hint("pin", mine, ttl_s=round(est, 6), after_s=decode_s),
-                        Hint("prefetch", mine, after_s=round(max(decode_s, decode_s + est - lead_s), 6)),
+                        Hint("pin", mine, ttl_s=round(max(1.0, est * TTL_MARGIN), 6), at_finish=True),
+                        Hint("prefetch", mine, after_s=round(max(0.0, est - lead_s), 6), at_finish=True),
                     ),
                 )
             elif hints:  # the framework sees its tool finishing `lead_s` ahead: the next step's prefix comes up
@@ -302,6 +305,7 @@ def write_plain(requests: list[Request], f: IO[str]) -> int:
                         ("session", h.session),
                         ("ttl_s", h.ttl_s),
                         ("after_s", h.after_s or None),
+                        ("at_finish", h.at_finish or None),
                     )
                     if v is not None
                 }
