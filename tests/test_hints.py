@@ -253,26 +253,32 @@ def test_retain_and_demote_move_the_prefix_in_the_eviction_order(tmp_path):
     cache.check()
 
 
-def test_the_engine_replays_hints_through_the_controller():
+def _engine():
+    """An embedded engine (llama3-8b on the H200 cost model) with room on every tier."""
     from sgl_hicache.engine.presets import get_hardware, get_model
     from sgl_hicache.engine.simulator import EmbeddedEngine, EngineConfig
+
+    cfg = EngineConfig(
+        policy="prefetch",
+        model=get_model("llama3-8b"),
+        hardware=get_hardware("h200"),
+        device_tokens=16_384,
+        host_tokens=32_768,
+        disk_tokens=1_000_000,
+        concurrency=None,
+        byte_mode="metadata",
+    )
+    return EmbeddedEngine(cfg)
+
+
+def test_the_engine_replays_hints_through_the_controller():
     from sgl_hicache.replay.shapes import chain, role_of
 
     out = {}
     for hints in (False, True):
         reqs = chain(sessions=12, turn_tokens=2048, hints=hints)
         role = {r.arrival_s: role_of(r) for r in reqs}
-        cfg = EngineConfig(
-            policy="prefetch",
-            model=get_model("llama3-8b"),
-            hardware=get_hardware("h200"),
-            device_tokens=16_384,
-            host_tokens=32_768,
-            disk_tokens=1_000_000,
-            concurrency=None,
-            byte_mode="metadata",
-        )
-        eng = EmbeddedEngine(cfg)
+        eng = _engine()
         eng.run(reqs)
         eng.cache.check()
         ttft = [t for a, t in zip(eng.records.arrival_s, eng.records.ttft_s) if role[a] == "cont"]
@@ -292,25 +298,13 @@ def test_the_engine_runs_an_at_finish_hint_when_its_request_ends():
     # in a replay alike; an arrival-relative hint runs at arrival + after_s
     from array import array
 
-    from sgl_hicache.engine.presets import get_hardware, get_model
-    from sgl_hicache.engine.simulator import EmbeddedEngine, EngineConfig
     from sgl_hicache.replay.trace import Request
 
     prompt = tuple(range(1, 4097))
     hints = (Hint("pin", prompt, ttl_s=30.0, at_finish=True), Hint("retain", prompt, ttl_s=30.0, after_s=0.001))
     later = array("q", range(5000, 5256))  # the replay goes on after a/1 ends
     reqs = [Request("a/1", "a", 0.0, array("q", prompt), 200, 1, hints=hints), Request("b/1", "b", 60.0, later, 4, 2)]
-    cfg = EngineConfig(
-        policy="prefetch",
-        model=get_model("llama3-8b"),
-        hardware=get_hardware("h200"),
-        device_tokens=16_384,
-        host_tokens=32_768,
-        disk_tokens=100_000,
-        concurrency=None,
-        byte_mode="metadata",
-    )
-    eng = EmbeddedEngine(cfg)
+    eng = _engine()
     applied: list[tuple[str, float]] = []
     apply = eng.controller.hints.apply
 
