@@ -359,6 +359,18 @@ class TieredRadixCache(MambaCalls, StepCalls, CacheViews, BasePrefixCache):
             if ticket is not None:
                 self.controller.release(ticket)
             return fallback
+        if self.snapshots is not None:  # the hit's state: in a slot or DRAM, or its file still being read
+            ready = self._mamba_gate(m.last_node.last_key, st.created if st else None, self.settings.load_timeout_s)
+            if ready is None:
+                self.counters.load_back_retries += 1
+                self.deferred_rid = req.rid
+                return None
+            if not ready:
+                self.counters.load_back_declined += 1
+                self.counters.extra["state_missing"] = self.counters.extra.get("state_missing", 0) + 1
+                if ticket is not None:
+                    self.controller.release(ticket)
+                return fallback
         m2, _ = self.controller.load(tokens, m)
         if ticket is not None:
             self.controller.release(ticket)
