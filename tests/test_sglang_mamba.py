@@ -29,7 +29,7 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import NEEDS_SGLANG
-from servers import BackendServers
+from servers import CHECKED, BackendServers
 from test_sglang_e2e import LOGPROB_TOL, _gen_lp, _logprob_diff, _prompt
 from test_sglang_qwen3_next_cpu import MAMBA_ARGS
 
@@ -58,7 +58,7 @@ def start_server(workdir):
     if has_cuda():
         pytest.skip("proves the CPU test layer's kernels; on a GPU SGLang runs its own")
     # host: 1,014 tokens of KV and 7 snapshots of the tiny model
-    env = {"SGLHICACHE_CHECK_INVARIANTS": "1", "SGLHICACHE_MAMBA_STATE_SHARE": "0.34"}
+    env = {**CHECKED, "SGLHICACHE_MAMBA_STATE_SHARE": "0.34"}  # the tree checks and the scheduler-I/O guard
     args = ("--max-mamba-cache-size", str(MAMBA_SLOTS), "--max-running-requests", "2", *MAMBA_ARGS)
     servers = BackendServers(
         make_model(workdir / "model"),
@@ -82,6 +82,17 @@ def _states(srv) -> dict:
 def _flood(srv, seed: int, count: int, n: int = 120) -> None:
     for i in range(count):
         srv.generate(_prompt(seed * 1000 + i, n), max_new_tokens=1, ignore_eos=True)
+
+
+def _no_scheduler_io(srv, *links: str) -> None:
+    """No copy, file write, sleep or wait ran inside a cache call SGLang made (the snapshots' movers
+    are in the guarded handler table); the state copies of `links` ran, on the engine's threads."""
+    io = _states(srv)["scheduler_io"]
+    offenders = io.pop("first_offender")
+    assert io["copy"] == 0 and not io["copy_by_link"], (io, offenders)
+    assert io["disk_write"] == io["sleep"] == io["event_wait"] == 0, (io, offenders)
+    elsewhere = io["copy_elsewhere_by_link"]
+    assert all(elsewhere.get(link, 0) > 0 for link in links), io
 
 
 def _restored(srv) -> dict:
@@ -340,6 +351,7 @@ def test_hybrid_outputs_equal_scratch_from_every_tier_and_after_a_restart(start_
     assert all(d <= LOGPROB_TOL for d in diffs.values()), diffs
     pool = _states(srv)["pool"]
     assert pool["request_held_tokens"] == 0 and pool["check"] == "ok", pool
+    _no_scheduler_io(srv, "state:device->state:host", "state:host->state:disk", "state:disk->state:host")
     srv.stop()
 
     files = {decode_header(f.read_bytes())[0]: f for f in disk.rglob(f"*{SUFFIX}")}
@@ -376,3 +388,4 @@ def test_hybrid_outputs_equal_scratch_from_every_tier_and_after_a_restart(start_
     assert m["disk_corrupt"] == 1 and m["restored_disk"] == 2, m
     assert sum(d_s.values()) == 0, d_s
     assert out_s == ref["S"][0] and _logprob_diff(ref["S"][1], lp_s) <= LOGPROB_TOL
+    _no_scheduler_io(again, "state:disk->state:host")
