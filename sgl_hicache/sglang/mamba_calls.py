@@ -163,6 +163,12 @@ class MambaCalls:
     req_to_token_pool: Any
     page_size: int
     disable: bool
+    # the backend's, for `_mamba_admit`
+    consensus: Any
+    settings: Any
+    counters: Any
+    controller: Any
+    deferred_rid: str | None
 
     def supports_mamba(self) -> bool:
         return self.snapshots is not None and not self.disable
@@ -202,18 +208,26 @@ class MambaCalls:
             req.kv.mamba_pool_idx = got[0]
         return int(req.kv.mamba_pool_idx)
 
-    def _mamba_gate(self, key: bytes, created: float | None, timeout_s: float) -> bool | None:
+    def _mamba_admit(self, req: Any, key: bytes, st: Any) -> bool | None:
         """At admission (`init_load_back`), before the pages load: True when the snapshot `key` can be
-        restored now; None while its file is read (retry next round, as for the pages' prefetch, while
-        `timeout_s` since `created` is not spent); False: recompute (no snapshot, its file failed, or
-        waiting would outlast the timeout; TP >= 2, whose ranks do not agree on a read's landing)."""
+        restored now; None while its file is read (the request retries next round, as for its pages'
+        prefetch, until `load_timeout_s` since it arrived is spent); False: recompute (no snapshot, its
+        file failed, or waiting would outlast the timeout; TP >= 2, whose ranks do not agree on when
+        a read lands). The request's prefetch ticket (`st.ticket`) is released when it recomputes."""
         assert self.snapshots is not None
         state = self.snapshots.fetch(key)
         if state == READY:
             return True
-        if state is None or created is None or getattr(self, "consensus", None) is not None:
-            return False
-        return None if time.monotonic() - created < timeout_s else False
+        waiting = state is not None and st is not None and self.consensus is None
+        if waiting and time.monotonic() - st.created < self.settings.load_timeout_s:
+            self.counters.load_back_retries += 1
+            self.deferred_rid = req.rid  # scheduler_hooks.keep_admitting: skip it, admit the rest
+            return None
+        self.counters.load_back_declined += 1
+        self.counters.extra["state_missing"] = self.counters.extra.get("state_missing", 0) + 1
+        if st is not None and st.ticket is not None:
+            self.controller.release(st.ticket)
+        return False
 
     def _mamba_restore(self, req: Any, key: bytes) -> str | None:
         """Copy the snapshot `key` into the request's slot; the tier that served it, or None."""
