@@ -12,11 +12,15 @@ What it proves, with one server per phase:
   from disk, and from disk after a restart on the same directory, as P from scratch; each phase's
   SGLang cached-token details and the backend's snapshot counters show the tier that served it, so
   the equalities are not vacuous;
-- the snapshots left the device under mamba slot pressure by demotion (not dropped), and every tier
+- the snapshots left the device under mamba slot pressure once their host copy landed (none dropped), and every tier
   charged them at their byte size within its budget;
 - a snapshot file rewritten with another valid state (digest included) moves P's outputs: the
   restored state is what the forward reads; a snapshot file with a flipped byte fails its check and
-  P is recomputed, equal to scratch.
+  P is recomputed, equal to scratch;
+- with the scheduler-I/O guard on, no state copy, file write, sleep or wait ran inside a cache call
+  SGLang made: the snapshots' device -> host, host -> disk and disk -> host copies ran on the
+  transfer engine's threads (the guard counted them there).
+Unit tests (no server): the snapshot tiers' copies in flight, landed, and failed.
 """
 
 from __future__ import annotations
