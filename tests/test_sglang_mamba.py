@@ -12,11 +12,15 @@ What it proves, with one server per phase:
   from disk, and from disk after a restart on the same directory, as P from scratch; each phase's
   SGLang cached-token details and the backend's snapshot counters show the tier that served it, so
   the equalities are not vacuous;
-- the snapshots left the device under mamba slot pressure by demotion (not dropped), and every tier
+- the snapshots left the device under mamba slot pressure once their host copy landed (none dropped), and every tier
   charged them at their byte size within its budget;
 - a snapshot file rewritten with another valid state (digest included) moves P's outputs: the
   restored state is what the forward reads; a snapshot file with a flipped byte fails its check and
-  P is recomputed, equal to scratch.
+  P is recomputed, equal to scratch;
+- with the scheduler-I/O guard on, no state copy, file write, sleep or wait ran inside a cache call
+  SGLang made: the snapshots' device -> host, host -> disk and disk -> host copies ran on the
+  transfer engine's threads (the guard counted them there).
+Unit tests (no server): the snapshot tiers' copies in flight, landed, and failed.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import NEEDS_SGLANG
-from servers import BackendServers
+from servers import CHECKED, BackendServers
 from test_sglang_e2e import LOGPROB_TOL, _gen_lp, _logprob_diff, _prompt
 from test_sglang_qwen3_next_cpu import MAMBA_ARGS
 
@@ -58,7 +62,7 @@ def start_server(workdir):
     if has_cuda():
         pytest.skip("proves the CPU test layer's kernels; on a GPU SGLang runs its own")
     # host: 1,014 tokens of KV and 7 snapshots of the tiny model
-    env = {"SGLHICACHE_CHECK_INVARIANTS": "1", "SGLHICACHE_MAMBA_STATE_SHARE": "0.34"}
+    env = {**CHECKED, "SGLHICACHE_MAMBA_STATE_SHARE": "0.34"}  # the tree checks and the scheduler-I/O guard
     args = ("--max-mamba-cache-size", str(MAMBA_SLOTS), "--max-running-requests", "2", *MAMBA_ARGS)
     servers = BackendServers(
         make_model(workdir / "model"),
@@ -82,6 +86,17 @@ def _states(srv) -> dict:
 def _flood(srv, seed: int, count: int, n: int = 120) -> None:
     for i in range(count):
         srv.generate(_prompt(seed * 1000 + i, n), max_new_tokens=1, ignore_eos=True)
+
+
+def _no_scheduler_io(srv, *links: str) -> None:
+    """No copy, file write, sleep or wait ran inside a cache call SGLang made (the snapshots' movers
+    are in the guarded handler table); the state copies of `links` ran, on the engine's threads."""
+    io = _states(srv)["scheduler_io"]
+    offenders = io.pop("first_offender")
+    assert io["copy"] == 0 and not io["copy_by_link"], (io, offenders)
+    assert io["disk_write"] == io["sleep"] == io["event_wait"] == 0, (io, offenders)
+    elsewhere = io["copy_elsewhere_by_link"]
+    assert all(elsewhere.get(link, 0) > 0 for link in links), io
 
 
 def _restored(srv) -> dict:
@@ -122,23 +137,68 @@ class _FakeStates:
         self.buf[slots] = pages.contiguous().view(len(slots), -1).view(self.buf.dtype)
 
 
-def test_snapshots_demote_under_slot_pressure_charge_their_bytes_and_survive_a_restart(tmp_path):
-    """Device slots asked back demote their states to host, host over its byte budget to disk; each
-    tier restores the state bit for bit into another slot without changing its own copy; a new
-    instance on the same directory finds the files; a file that fails its digest is refused."""
+class _Engine:
+    """A transfer engine run by hand: `submit` queues ops; `run` executes them through the handler
+    table (as the engine's workers do), or fails them with an I/O error (`fail`)."""
+
+    def __init__(self) -> None:
+        self.handlers: dict = {}
+        self.queued: list = []
+
+    def submit(self, ops, kind: str) -> None:
+        self.queued += list(ops)
+
+    def run(self, fail: bool = False) -> int:
+        from sgl_hicache.transfer.handlers import execute
+
+        ops, self.queued = self.queued, []
+        for op in ops:
+            if fail:
+                op.error = OSError("injected")
+                op.executed.set()
+            else:
+                execute(op, self.handlers)
+        return len(ops)
+
+
+def _tiers(fake: _FakeStates, engine: _Engine, path, host: int, n: int):
+    from sgl_hicache.policy.snapshots import SnapshotCosts
+    from sgl_hicache.sglang.mamba_snapshots import SnapshotTiers
+
+    costs = SnapshotCosts(n, 100.0, 1.0)
+    return SnapshotTiers(
+        fake,
+        fake,
+        fake,
+        costs,
+        host_bytes=host,
+        disk_dir=path,
+        disk_bytes=100 * n,
+        handlers=engine.handlers,
+        submit=engine.submit,
+    )
+
+
+def _settle(t, engine: _Engine) -> None:
+    for _ in range(10):  # copies land at step boundaries (`pump`), which start the next ones
+        engine.run()
+        t.pump()
+    assert not engine.queued and not t.pending
+
+
+def test_snapshots_move_down_in_the_background_charge_their_bytes_and_survive_a_restart(tmp_path):
+    """Taken snapshots are copied to host by the engine (not by the caller), host over its byte budget
+    to disk; eviction then frees their slots without a copy; each tier restores the state bit for bit
+    into another slot without changing its own copy (a disk one once its read landed); a new instance
+    on the same directory finds the files; a file that fails its digest is refused."""
     import torch
 
-    from sgl_hicache.policy.snapshots import SnapshotCosts
-    from sgl_hicache.sglang.mamba_snapshots import SUFFIX, SnapshotTiers
+    from sgl_hicache.sglang.mamba_snapshots import PENDING, READY, SUFFIX
 
     n = 64
     fake = _FakeStates(8, n)
-
-    def tiers() -> SnapshotTiers:
-        costs = SnapshotCosts(n, 100.0, 1.0)
-        return SnapshotTiers(fake, fake, fake, costs, host_bytes=2 * n + n // 2, disk_dir=tmp_path, disk_bytes=100 * n)
-
-    t = tiers()
+    engine = _Engine()
+    t = _tiers(fake, engine, tmp_path, 2 * n + n // 2, n)
     states = {}
     for i in range(4):  # four finished requests hand over their slots: states at depths 10, 20, 30, 40
         slot = int(fake.alloc(1)[0])
@@ -147,27 +207,100 @@ def test_snapshots_demote_under_slot_pressure_charge_their_bytes_and_survive_a_r
         states[key] = fake.buf[slot].clone()
         assert t.take(key, 10 * (i + 1), 10 * i, slot)
     assert not t.take(key, 40, 30, int(fake.alloc(1)[0]))  # one per key: the caller keeps its slot
-    assert t.evict_device(4) == 4 and t.used["device"] == 0 and len(fake.free_slots) == 7
-    assert t.counters["demoted_device"] == 4 and t.counters["dropped_device"] == 0
-    assert t.bytes_in("host") == 2 * n <= t.host_bytes and t.bytes_in("disk") == 2 * n
+    # write-through: two host copies fit the host share and are in flight; their slots are not evictable
+    assert t.slots_moving() == 2 and len(engine.queued) == 2 and t.used["host"] == 0
+    assert t.evict_device(4) == 2 and t.counters["dropped_device"] == 2  # the two with no copy coming
+    for key in [k for k in states if k not in t]:
+        del states[key]
+    _settle(t, engine)
+    assert t.used["host"] == 2 and t.counters["host_copies"] == 2 and t.slots_moving() == 0
+    assert t.evict_device(4) == 2 and t.used["device"] == 0 and len(fake.free_slots) == 7
+    assert t.counters["demoted_device"] == 2
+
+    for i in range(4, 8):  # four more: the host share overflows to disk, written in the background
+        slot = int(fake.alloc(1)[0])
+        fake.buf[slot] = torch.randint(0, 256, (n,), dtype=torch.uint8)
+        key = bytes([i]) * 16
+        states[key] = fake.buf[slot].clone()
+        assert t.take(key, 10 * (i + 1), 10 * i, slot)
+        _settle(t, engine)
+    assert t.evict_device(8) == 4 and t.counters["dropped_device"] == 2 and t.counters["demoted_device"] == 6
+    assert t.bytes_in("host") == 2 * n <= t.host_bytes and t.bytes_in("disk") == 4 * n
+    assert t.counters["demoted_host"] >= 4 and t.counters["disk_writes"] == 4
     assert {t.tier_of(k) for k in states} == {"host", "disk"}
     dst = int(fake.alloc(1)[0])
     for key, want in states.items():
         tier = t.tier_of(key)
         fake.buf[dst] = 0
+        if tier == "disk":  # read on the engine first
+            assert t.restore(key, dst) is None and t.fetch(key) == PENDING and engine.run() >= 1
+        assert t.fetch(key) == READY
         assert t.restore(key, dst) == tier and torch.equal(fake.buf[dst], want), tier
+        t.pump()
     files = sorted(tmp_path.rglob(f"*{SUFFIX}"))
     assert len(files) == t.used["disk"] >= 2
 
-    again = tiers()  # a restart: the disk files are found, the DRAM copies are gone
+    again = _tiers(fake, _Engine(), tmp_path, 2 * n + n // 2, n)  # a restart: the files are found
     assert again.counters["disk_found_at_start"] == len(files) and again.used["host"] == 0
     on_disk = [k for k in states if k in again]
     raw = bytearray(files[0].read_bytes())
     raw[-1] ^= 0xFF
     files[0].write_bytes(bytes(raw))
-    served = [again.restore(k, dst) for k in on_disk]
+    assert {again.fetch(k) for k in on_disk} == {PENDING}
+    engine2 = again.submit.__self__  # type: ignore[attr-defined]
+    engine2.run()
+    served = [again.fetch(k) and again.restore(k, dst) for k in on_disk]
     assert served.count(None) == 1 and again.counters["disk_corrupt"] == 1, served
     assert served.count("disk") == len(on_disk) - 1
+    assert not any(tmp_path.rglob("*.tmp*"))
+
+
+def test_a_copy_in_flight_serves_hits_and_a_failed_copy_loses_nothing(tmp_path):
+    """A demotion in flight: its slot is neither evictable nor freed, and a hit meanwhile is served
+    from it; the copy failing leaves the state on the device. A host -> disk write in flight: a hit
+    is served from the host copy it writes; the write failing leaves the host copy (no file). A disk
+    read failing drops the snapshot (the hit recomputes), never serves wrong bytes."""
+    import torch
+
+    from sgl_hicache.sglang.mamba_snapshots import PENDING, SUFFIX
+
+    n = 32
+    fake = _FakeStates(6, n)
+    engine = _Engine()
+    t = _tiers(fake, engine, tmp_path, n, n)  # room for one host copy
+    a, b = b"a" * 16, b"b" * 16
+    slot = int(fake.alloc(1)[0])
+    fake.buf[slot] = torch.arange(n, dtype=torch.uint8)
+    want_a = fake.buf[slot].clone()
+    assert t.take(a, 20, 0, slot)
+    dst = int(fake.alloc(1)[0])
+    assert t.slots_moving() == 1 and t.evict_device(1) == 0 and t.used["device"] == 1
+    assert t.restore(a, dst) == "device" and torch.equal(fake.buf[dst], want_a)
+    engine.run(fail=True)
+    t.poll()
+    assert t.counters["demote_failed"] == 1 and t.tier_of(a) == "device" and t.slots_moving() == 0
+    t.pump()  # tried again at the next step
+    _settle(t, engine)
+    assert t.tier_of(a) == "device" and t.used["host"] == 1
+
+    slot_b = int(fake.alloc(1)[0])
+    fake.buf[slot_b] = 7
+    assert t.take(b, 30, 0, slot_b)  # no host room: a's host copy is written to disk to make some
+    assert t.evict_device(1) == 1 and t.counters["demoted_device"] == 1  # a's slot: clean
+    assert t.tier_of(a) == "host" and len(engine.queued) == 1
+    fake.buf[dst] = 0
+    assert t.restore(a, dst) == "host" and torch.equal(fake.buf[dst], want_a)  # from the copy being written
+    engine.run(fail=True)
+    t.pump()
+    assert t.counters["disk_write_failed"] == 1 and t.tier_of(a) == "host" and not any(tmp_path.rglob(f"*{SUFFIX}"))
+    _settle(t, engine)
+    assert t.tier_of(a) == "disk" and t.entries[b].host is not None and t.counters["disk_writes"] == 1
+
+    t.evict_device(1)
+    assert t.fetch(a) == PENDING
+    engine.run(fail=True)  # the file cannot be read: the snapshot is dropped, the hit recomputes
+    assert t.fetch(a) is None and a not in t and t.counters["disk_read_failed"] == 1
+    assert t.restore(a, dst) is None and not any(tmp_path.rglob(f"*{SUFFIX}"))
 
 
 def test_hybrid_outputs_equal_scratch_from_every_tier_and_after_a_restart(start_server, workdir):
@@ -222,6 +355,7 @@ def test_hybrid_outputs_equal_scratch_from_every_tier_and_after_a_restart(start_
     assert all(d <= LOGPROB_TOL for d in diffs.values()), diffs
     pool = _states(srv)["pool"]
     assert pool["request_held_tokens"] == 0 and pool["check"] == "ok", pool
+    _no_scheduler_io(srv, "state:device->state:host", "state:host->state:disk", "state:disk->state:host")
     srv.stop()
 
     files = {decode_header(f.read_bytes())[0]: f for f in disk.rglob(f"*{SUFFIX}")}
@@ -258,3 +392,4 @@ def test_hybrid_outputs_equal_scratch_from_every_tier_and_after_a_restart(start_
     assert m["disk_corrupt"] == 1 and m["restored_disk"] == 2, m
     assert sum(d_s.values()) == 0, d_s
     assert out_s == ref["S"][0] and _logprob_diff(ref["S"][1], lp_s) <= LOGPROB_TOL
+    _no_scheduler_io(again, "state:disk->state:host")

@@ -359,6 +359,8 @@ class TieredRadixCache(MambaCalls, StepCalls, CacheViews, BasePrefixCache):
             if ticket is not None:
                 self.controller.release(ticket)
             return fallback
+        if self.snapshots is not None and not (go := self._mamba_admit(req, m.last_node.last_key, st)):
+            return None if go is None else fallback  # the hit's state file is still being read, or is gone
         m2, _ = self.controller.load(tokens, m)
         if ticket is not None:
             self.controller.release(ticket)
@@ -367,11 +369,9 @@ class TieredRadixCache(MambaCalls, StepCalls, CacheViews, BasePrefixCache):
             self.counters.load_back_declined += 1
             self.cache.stats.add("loads_recomputed")
             return fallback
-        if self.snapshots is not None:
-            key = m2.last_node.last_key
-            if key not in self.snapshots or self._mamba_restore(req, key) is None:
-                self.counters.load_back_declined += 1
-                return fallback
+        if self.snapshots is not None and self._mamba_restore(req, m2.last_node.last_key) is None:
+            self.counters.load_back_declined += 1
+            return fallback
         self.counters.load_backs += 1
         self.counters.load_back_tokens += promised
         # the part that was on disk at the first match is reported as SGLang's "storage" tier
@@ -457,9 +457,8 @@ class TieredRadixCache(MambaCalls, StepCalls, CacheViews, BasePrefixCache):
     def evict(self, params: EvictParams) -> EvictResult:
         wanted = max(int(params.num_tokens), int(getattr(params, "swa_num_tokens", 0) or 0))  # (window rows: as many)
         states = int(getattr(params, "mamba_num", 0) or 0)
-        freed_states = 0
-        if self.snapshots is not None and states > 0 and not self.disable:
-            freed_states = self.snapshots.evict_device(states)  # demoted to host / disk where the budgets allow
+        snaps = self.snapshots if states > 0 and not self.disable else None
+        freed_states = snaps.evict_device(states) if snaps is not None else 0  # clean slots first; never copies
         if self.disable or wanted <= 0:
             return EvictResult(mamba_num_evicted=freed_states)
         t0 = time.perf_counter()

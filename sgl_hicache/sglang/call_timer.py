@@ -12,8 +12,9 @@ Recording is two clock pairs and two appends, about a microsecond, so it stays o
 never run on the scheduler thread while it is inside one of those calls: a copy of bytes between tiers
 (any of `TieredCache.handlers`, inline or chunked), a disk page write, a `time.sleep`, and a wait on a
 `threading.Event` that was not set yet (except a new thread's start-up handshake). `snapshot()` gives
-those counts (copies also per link, `copy_by_link`), plus `copy_elsewhere` / `disk_write_elsewhere`: the same seen on other threads (the
-transfer engine's), which show the guard is watching. Layer-wise loads run outside the handlers, on
+those counts (copies also per link, `copy_by_link`; the state snapshots' movers of a hybrid model
+are in that table too, `mamba_moves`), plus `copy_elsewhere` / `disk_write_elsewhere`: the same seen on other threads (the
+transfer engine's; copies also per link, `copy_elsewhere_by_link`), which show the guard is watching. Layer-wise loads run outside the handlers, on
 their own worker: they are not copies made by the scheduler thread. The patches are process-wide (`time.sleep`, `threading.Event.wait`)
 but cost one thread-local read outside instrumented calls.
 """
@@ -156,6 +157,7 @@ class IOGuard:
         self.counts = dict.fromkeys(self.KINDS, 0)
         self.elsewhere: dict[str, int] = {}  # copies and disk writes on other threads: the guard is watching
         self.links: dict[str, int] = {}  # scheduler-thread copies per link ("device->host": eviction demotion)
+        self.links_elsewhere: dict[str, int] = {}  # the same on other threads
         self.where: dict[str, str] = {}  # kind -> the first offending call's stack summary
         self._installed = False
 
@@ -212,6 +214,8 @@ class IOGuard:
                     self.links[link] = self.links.get(link, 0) + 1
             else:
                 self.elsewhere[kind] = self.elsewhere.get(kind, 0) + 1
+                if link is not None:
+                    self.links_elsewhere[link] = self.links_elsewhere.get(link, 0) + 1
             return fn(*args, **kwargs)
 
         return watched
@@ -220,6 +224,7 @@ class IOGuard:
         return {
             **self.counts,
             "copy_by_link": dict(self.links),
+            "copy_elsewhere_by_link": dict(self.links_elsewhere),
             **{f"{k}_elsewhere": v for k, v in self.elsewhere.items()},
             "first_offender": dict(self.where),
         }

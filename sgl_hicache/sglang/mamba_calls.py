@@ -5,6 +5,9 @@ only from the recurrent state at the hit point. The attention layers' KV pages a
 model's; beside them `SnapshotTiers` (mamba_snapshots.py) keeps state snapshots keyed by the chained
 page key at their depth. This mixin:
 - `_snapshot_depth`: cuts a match to the deepest point whose snapshot some tier holds (0: a miss);
+- `_mamba_gate`: at admission, whether that snapshot can be restored now, or its disk read (started
+  at the match, on the transfer engine) is still landing: the request then waits a round, as for
+  its pages' prefetch;
 - `_mamba_restore`: copies that snapshot into the request's own mamba slot (allocating one, evicting
   snapshots under slot pressure), SGLang's copy-on-write (`cow_mamba`);
 - `_mamba_commit`: at a finished request's commit, takes its slot (the state after its committed
@@ -12,7 +15,8 @@ page key at their depth. This mixin:
 - `_mamba_release`: frees the slot a request still holds when it is released;
 - `mamba_evictable_size` / `all_mamba_values_flatten` / `evict(mamba_num=...)`: the tree's device
   slots, as SGLang's pool accounting and its slot-shortage eviction (`allocation.ensure_mamba_capacity`)
-  read them; eviction demotes states to host / disk before freeing their slots.
+  read them (a slot a background copy still reads is protected, not evictable); eviction frees the
+  slots whose state already landed in host / disk first, and never copies.
 
 `build_snapshots` refuses the hybrid variants whose state lives elsewhere (extra_buffer ping-pong
 slots, ReplaySSM rings, int8 checkpoint pools, the unified hybrid pool's virtual slots).
@@ -20,7 +24,8 @@ slots, ReplaySSM rings, int8 checkpoint pools, the unified hybrid pool's virtual
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +34,11 @@ from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResul
 
 from ..cache import PrefixMatch
 from ..policy.snapshots import SnapshotCosts
+from ..transfer.ops import TransferOp
 from ..tree.node import TreeNode
 from .coverage import PREFIX, refusal
 from .layer_loads import MappedLayerCounter
-from .mamba_snapshots import SnapshotTiers
+from .mamba_snapshots import READY, SnapshotTiers
 
 
 def hybrid_state_of(req_to_token_pool: Any) -> Any | None:
@@ -79,8 +85,11 @@ def build_snapshots(
     host_bytes: int,
     disk_dir: Path | None,
     disk_bytes: int,
+    handlers: dict,
+    submit: Callable[[Sequence[TransferOp], str], None],
 ) -> SnapshotTiers:
-    """The snapshot tiers of a hybrid model, or ValueError naming the hybrid variant not served."""
+    """The snapshot tiers of a hybrid model, or ValueError naming the hybrid variant not served. Its
+    copies run through `handlers` (the cache's) on the executor `submit` queues them on."""
     why = unsupported_hybrid(req_to_token_pool)
     if why is not None:
         raise ValueError(PREFIX + refusal("mamba", why))
@@ -92,6 +101,8 @@ def build_snapshots(
         host_bytes=host_bytes,
         disk_dir=disk_dir,
         disk_bytes=disk_bytes,
+        handlers=handlers,
+        submit=submit,
     )
 
 
@@ -111,6 +122,8 @@ def snapshots_for(req_to_token_pool: Any, adapter: Any, model_config: Any, parts
         host_bytes=parts.snapshot_budgets[0],
         disk_dir=parts.config.disk_dir,
         disk_bytes=parts.snapshot_budgets[1],
+        handlers=parts.cache.handlers,
+        submit=parts.controller.executor.submit_ops,
     )
 
 
@@ -150,15 +163,24 @@ class MambaCalls:
     req_to_token_pool: Any
     page_size: int
     disable: bool
+    # the backend's, for `_mamba_admit`
+    consensus: Any
+    settings: Any
+    counters: Any
+    controller: Any
+    deferred_rid: str | None
 
     def supports_mamba(self) -> bool:
         return self.snapshots is not None and not self.disable
 
     def mamba_evictable_size(self) -> int:
-        return self.snapshots.used["device"] if self.snapshots is not None else 0
+        s = self.snapshots
+        return s.used["device"] - s.slots_moving() if s is not None else 0
 
     def mamba_protected_size(self) -> int:
-        return 0  # a restore copies at once: no tree slot is held for a request
+        # the tree's slots a background copy still reads (a restore copies at once: no slot is held
+        # for a request)
+        return self.snapshots.slots_moving() if self.snapshots is not None else 0
 
     def all_mamba_values_flatten(self) -> torch.Tensor:
         slots = self.snapshots.device_slots() if self.snapshots is not None else []
@@ -186,6 +208,27 @@ class MambaCalls:
             req.kv.mamba_pool_idx = got[0]
         return int(req.kv.mamba_pool_idx)
 
+    def _mamba_admit(self, req: Any, key: bytes, st: Any) -> bool | None:
+        """At admission (`init_load_back`), before the pages load: True when the snapshot `key` can be
+        restored now; None while its file is read (the request retries next round, as for its pages'
+        prefetch, until `load_timeout_s` since it arrived is spent); False: recompute (no snapshot, its
+        file failed, or waiting would outlast the timeout; TP >= 2, whose ranks do not agree on when
+        a read lands). The request's prefetch ticket (`st.ticket`) is released when it recomputes."""
+        assert self.snapshots is not None
+        state = self.snapshots.fetch(key)
+        if state == READY:
+            return True
+        waiting = state is not None and st is not None and self.consensus is None
+        if waiting and time.monotonic() - st.created < self.settings.load_timeout_s:
+            self.counters.load_back_retries += 1
+            self.deferred_rid = req.rid  # scheduler_hooks.keep_admitting: skip it, admit the rest
+            return None
+        self.counters.load_back_declined += 1
+        self.counters.extra["state_missing"] = self.counters.extra.get("state_missing", 0) + 1
+        if st is not None and st.ticket is not None:
+            self.controller.release(st.ticket)
+        return False
+
     def _mamba_restore(self, req: Any, key: bytes) -> str | None:
         """Copy the snapshot `key` into the request's slot; the tier that served it, or None."""
         assert self.snapshots is not None
@@ -211,15 +254,18 @@ class MambaCalls:
             req.kv.mamba_pool_idx = None
 
     def _hybrid_match(self, params: MatchPrefixParams, m: PrefixMatch, depth: int, key: bytes) -> MatchResult:
-        """A hybrid Mamba model's match, cut to `depth` (a point with a state snapshot). All on device:
-        the device prefix, and the snapshot goes into the request's slot now (`cow_mamba`). Else the
+        """A hybrid Mamba model's match, cut to `depth` (a point with a state snapshot). All on device
+        and the snapshot in a slot or in DRAM: the device prefix, and the snapshot goes into the
+        request's slot now (`cow_mamba`). Else (a snapshot only on disk starts its read here) the
         whole hit is promised as a lower-tier hit (device prefix 0), so that the prefix SGLang computes
         from is either all of it or none: `init_load_back` loads the pages and restores the state, or
         the request recomputes from the zero state."""
         root = self.cache.tree.root
         if m.tokens != depth:
             return self._empty_match()
-        if m.device_tokens == depth:
+        assert self.snapshots is not None
+        ready = self.snapshots.fetch(key) == READY  # a snapshot only on disk: its read starts now
+        if m.device_tokens == depth and ready:
             req = params.req
             if params.cow_mamba and req is not None and self._mamba_restore(req, key) is None:
                 return self._empty_match()

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from .debug_settings import DebugSettings
     from .hint_server import HintListener
     from .layer_loads import LayerLoads
+    from .mamba_snapshots import SnapshotTiers
     from .rank_consensus import RankConsensus
     from .req_states import RequestStates
     from .settings import BackendSettings
@@ -48,6 +49,7 @@ class StepCalls:
     req_states: RequestStates
     counters: BackendCounters
     hint_listener: HintListener | None
+    snapshots: SnapshotTiers | None
     _vocab_size: int | None
     prefill_cost_fit: PrefillCostFit
     hint_tokens: int = 0  # tokens the applied hints acted on
@@ -87,7 +89,11 @@ class StepCalls:
         pages are host hits, or clean and evictable, for this admission, not only once the next
         request arrives); start none. Nothing at TP >= 2 (there the ranks agree on the outcomes
         first, `sgl_hicache_on_step`)."""
-        if self.disable or self.consensus is not None:
+        if self.disable:
+            return
+        if self.snapshots is not None:
+            self.snapshots.poll()  # landed state copies: clean slots and DRAM copies for this admission
+        if self.consensus is not None:
             return
         if self.hint_listener is not None:
             self.apply_hints(self.hint_listener.drain())
@@ -174,6 +180,8 @@ class StepCalls:
             self.layer_loads.reap()
         # TP >= 2: new copies start in sgl_hicache_after_step, on every rank at the same point
         self.controller.pump_writeback(start_new=self.consensus is None)
+        if self.snapshots is not None:
+            self.snapshots.pump()  # host copies of the state snapshots that found no room at commit
 
     def sgl_hicache_on_step(self) -> None:
         """Once per scheduler step on every rank (rank_consensus.install_step_hook): with TP >= 2,

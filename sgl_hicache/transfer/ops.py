@@ -128,7 +128,8 @@ class TransferOp:
 
     @property
     def link(self) -> str:
-        return LINKS[(self.src, self.dst)]
+        """The link's name (`LINKS`), or "src->dst" for a mover registered beside the KV links."""
+        return LINKS.get((self.src, self.dst)) or f"{self.src}->{self.dst}"
 
 
 class Cancelled(Exception):
