@@ -536,8 +536,7 @@ class TieredRadixCache(MambaCalls, StepCalls, CacheViews, BasePrefixCache):
         return self.cache.tree.evictable_pages(DEVICE) * self.page_size
 
     def protected_size(self) -> int:
-        """Locked or pinned device tokens of the tree, and the destination pages of copies into the
-        device in flight (a carried prefetch lands while the server idles: no request holds them)."""
+        """Locked or pinned device tokens, and copies into the device in flight (no request holds them)."""
         return (self.cache.tree.protected[DEVICE] + self.cache.tx.incoming_pages[DEVICE]) * self.page_size
 
     # hybrid sliding window: each tree token holds its window row too (SWAPoolAdapter): same figures
