@@ -1,0 +1,456 @@
+"""Per-call scheduler-thread CPU of three trees with a host tier under device-memory pressure:
+sgl_hicache's `TieredCache` (device + host), SGLang's `RadixCache`, and SGLang's own HiCache tree.
+
+    .venv-sglang/bin/python benchmarks/tree_hicache_peer.py \
+        --json benchmarks/results/tree_ops_overhead/hicache_peer.json   # a few minutes here
+    .venv-sglang/bin/python benchmarks/tree_hicache_peer.py --quick      # smoke, ~30 s (SGLang's import)
+
+Workload: the prompts of `benchmarks/overhead.py` (the first `--requests` lines of the Mooncake
+conversation trace, `--scale` tokens per 512-token block), each cut to whole pages, served one after
+the other. The device pool holds `--device-fraction` of the stream's distinct pages (at least the
+longest prompt), so requests evict; evicted pages go to a host pool `--host-factor` times the device
+pool, and later requests that match them load them back (host hits). Calls are timed only from the
+request at which the stream's distinct pages first exceed the device pool (the same request for
+every side), so the figures are the regime under pressure.
+
+Sides, each one in the configuration its server runs:
+- `sgl_hicache`: `TieredCache` + `RequestController` + `ThreadExecutor` built as the SGLang
+  backend's `assembly` builds them (`assemble.build_cache` / `build_controller`, default policy:
+  write-through to host at commit, copies on the transfer threads, eviction drops clean pages and
+  never copies). Per request: `match` (+ `record_request`), `load_back` (`promote`: the host part
+  copied to device on this thread), `lock`, `evict` (`pump_writeback(start_new=False)` and
+  `evict(DEVICE, missing pages)`, as the backend's `evict`), `alloc` (`allocate_device`), `insert`
+  (`insert`, `free_device` of the duplicates, `match(touch=False)` and `commit`: what the backend's
+  `checkpoint` does), `unlock`, `step` (`pump_writeback()`: the backend's `after_batch_formed`).
+- `sglang_radix`: `RadixCache.create_simulated` with a mock allocator (no host tier: an evicted page
+  is dropped, and the mock frees nothing: a lower bound of its cost). `match_prefix`,
+  `inc_lock_ref`, `evict` (the tokens missing from the pool), `insert`, `dec_lock_ref`.
+- `sglang_hicache`: what `--enable-hierarchical-cache` builds in SGLang 0.5.23
+  (`mem_cache/registry.py:create_unified_radix_cache`): a `UnifiedRadixCache` (its default tree core:
+  Rust where the extension loads, reported in the JSON) with `init_hicache` (a `MHATokenToKVPoolHost`
+  under a `HybridCacheController`, write policy `write_through`, io backend `direct`, layout
+  `layer_first`, no storage backend), over a real `MHATokenToKVPool` (1 layer, 1 head, head_dim 8) and
+  its real paged allocator. `cpu_compat.apply()` is applied first, as SGLang's CPU server process does.
+  Per request: `match_prefix`, `load_back` (`init_load_back` + `ready_to_load_host_cache`, when the
+  match has a host hit), `inc_lock_ref`, `evict` (`evict(missing tokens)`), `alloc`
+  (`allocator.alloc`), `insert` (`insert(prev_prefix_len=...)`: its write-through backup is issued
+  here), `dec_lock_ref`, `step` (`check_hicache_events`: the scheduler's per-step poll).
+
+Time is `time.thread_time()` of the calling thread: the scheduler thread's CPU only. Our write-through
+copies run on the transfer engine's threads and are not counted; SGLang's HiCache issues its D->H and
+H->D copies on CUDA streams from the scheduler thread, which on CPU torch (no CUDA streams) run the
+copy inline: its figures include the copy of this tiny layout's bytes (a few index ops). Sides are
+interleaved over `--repeats` rounds (order alternating); per call p50 / p99 / max, and per request
+total, are medians over rounds with [min, max] ranges.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from array import array
+from pathlib import Path
+from types import SimpleNamespace
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from overhead import add_trace_args  # noqa: E402  (the workload of overhead.py, shared)
+from tree_ops import MockAllocator  # noqa: E402
+
+from sgl_hicache.assemble import build_cache, build_controller  # noqa: E402
+from sgl_hicache.config import DEFAULT_POLICY, CacheConfig, KVLayout  # noqa: E402
+from sgl_hicache.replay import load_trace  # noqa: E402
+from sgl_hicache.tiers.base import DEVICE  # noqa: E402
+from sgl_hicache.transfer.engine import TransferEngine  # noqa: E402
+from sgl_hicache.transfer.executors import ThreadExecutor  # noqa: E402
+
+HEAD_DIM = 8
+TINY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=HEAD_DIM)  # the tree's CPU does not depend on KV bytes
+SIDES = ("sgl_hicache", "sglang_radix", "sglang_hicache")
+CALLS = ("match", "load_back", "lock", "evict", "alloc", "insert", "unlock", "step")
+
+try:  # SGLang's CPU server applies these before it builds HiCache (plugin.register -> cpu_compat.apply)
+    from sgl_hicache.sglang import cpu_compat
+
+    cpu_compat.apply()
+    import torch
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.base_prefix_cache import (
+        EvictParams,
+        InitLoadBackParams,
+        InsertParams,
+        MatchPrefixParams,
+    )
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+    from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    SGLANG, SGLANG_ERROR = True, None
+except Exception as exc:  # noqa: BLE001 - any import failure means: measure ours only
+    SGLANG, SGLANG_ERROR = False, f"{type(exc).__name__}: {exc}"
+
+
+class Recorder:
+    """Per-call CPU samples (µs) and per-request totals, kept from request `start` on."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self.i = 0
+        self.samples: dict[str, array] = {c: array("d") for c in CALLS}
+        self.totals = array("d")
+        self.req = 0.0
+
+    def add(self, name: str, seconds: float) -> None:
+        if self.i >= self.start:
+            self.samples[name].append(seconds * 1e6)
+            self.req += seconds * 1e6
+
+    def end_request(self) -> None:
+        if self.i >= self.start:
+            self.totals.append(self.req)
+        self.req = 0.0
+        self.i += 1
+
+    def summary(self) -> dict:
+        def stats(xs: array) -> dict:
+            s = sorted(xs)
+            if not s:
+                return {"n": 0}
+            return {
+                "n": len(s),
+                "p50": s[len(s) // 2],
+                "p99": s[min(len(s) - 1, int(0.99 * len(s)))],
+                "max": s[-1],
+                "mean": sum(s) / len(s),
+            }
+
+        return {"calls": {c: stats(self.samples[c]) for c in CALLS}, "per_request": stats(self.totals)}
+
+
+def pool_sizes(prompts: list[array], page_size: int, fraction: float) -> tuple[int, int]:
+    """(device pool pages, index of the first request after which the stream's distinct pages
+    exceed it): the pool holds `fraction` of the distinct pages, and at least the longest prompt."""
+    seen: set[int] = set()
+    growth = []
+    for p in prompts:
+        h = 0
+        for i in range(0, len(p), page_size):
+            h = hash((h, tuple(p[i : i + page_size])))
+            seen.add(h)
+        growth.append(len(seen))
+    pages = max(int(fraction * len(seen)), max(len(p) for p in prompts) // page_size + 2)
+    start = next((i for i, g in enumerate(growth) if g > pages), len(prompts))
+    return pages, start
+
+
+def run_ours(prompts: list[array], page_size: int, pages: int, host_factor: int, start: int) -> dict:
+    cfg = CacheConfig(
+        TINY, device_tokens=pages * page_size, host_tokens=host_factor * pages * page_size, page_size=page_size
+    )
+    cache = build_cache(cfg)
+    engine = TransferEngine(cache)
+    controller = build_controller(cache, ThreadExecutor(cache, engine), DEFAULT_POLICY, time.monotonic)
+    store = cache.stores[DEVICE]
+    rec = Recorder(start)
+    clock = time.thread_time
+    host_hits = 0
+    gc.collect()
+    try:
+        for tokens in prompts:
+            t = clock()
+            m = cache.match(tokens)
+            cache.record_request(len(tokens), m)
+            rec.add("match", clock() - t)
+            if m.lower_tier_tokens:
+                host_hits += m.lower_tier_tokens
+                t = clock()
+                m = cache.promote(m)
+                rec.add("load_back", clock() - t)
+            t = clock()
+            cache.lock(m.last_node)
+            rec.add("lock", clock() - t)
+            need = len(tokens) // page_size - len(m.device_handles)
+            if store.free_pages < need:
+                t = clock()
+                controller.pump_writeback(start_new=False)
+                cache.evict(DEVICE, need - store.free_pages)
+                rec.add("evict", clock() - t)
+            t = clock()
+            fresh = cache.allocate_device(need)
+            rec.add("alloc", clock() - t)
+            if fresh is not None:
+                t = clock()
+                r = cache.insert(tokens, m.device_handles + fresh)
+                if r.duplicates:
+                    cache.free_device(r.duplicates)
+                controller.commit(cache.match(tokens, touch=False).path)
+                rec.add("insert", clock() - t)
+            t = clock()
+            cache.unlock(m.last_node)
+            rec.add("unlock", clock() - t)
+            t = clock()
+            controller.pump_writeback()
+            rec.add("step", clock() - t)
+            rec.end_request()
+        deadline = time.monotonic() + 30
+        while controller.inflight() and time.monotonic() < deadline:  # land the last copies (untimed)
+            time.sleep(0.01)
+            controller.pump_writeback(start_new=False)
+        cache.check()  # the tree's books equal every store's
+    finally:
+        engine.stop()
+    out = rec.summary()
+    out["facts"] = {
+        "host_hit_tokens": host_hits,
+        "evicted_tokens_device": int(cache.snapshot()["evicted_tokens"]["device"]),
+        "tree_nodes": cache.tree.node_count,
+    }
+    return out
+
+
+def run_radix(prompts: list[array], page_size: int, pages: int, host_factor: int, start: int) -> dict:
+    cache = RadixCache.create_simulated(mock_allocator=MockAllocator(), page_size=page_size)
+    keys = [RadixKey(p) for p in prompts]
+    rows = [torch.arange(len(p), dtype=torch.int64) for p in prompts]  # the request's KV row (a mock)
+    pool = pages * page_size
+    rec = Recorder(start)
+    clock = time.thread_time
+    evicted = 0
+    gc.collect()
+    for key, row in zip(keys, rows):
+        t = clock()
+        m = cache.match_prefix(MatchPrefixParams(key=key))
+        rec.add("match", clock() - t)
+        t = clock()
+        lk = cache.inc_lock_ref(m.last_device_node)
+        rec.add("lock", clock() - t)
+        need = len(key) - m.device_prefix_len
+        held = cache.evictable_size() + cache.protected_size()
+        if held + need > pool:
+            t = clock()
+            evicted += cache.evict(EvictParams(num_tokens=held + need - pool)).num_tokens_evicted
+            rec.add("evict", clock() - t)
+        t = clock()
+        cache.insert(InsertParams(key=key, value=row))
+        rec.add("insert", clock() - t)
+        t = clock()
+        cache.dec_lock_ref(m.last_device_node, lk.to_dec_params())
+        rec.add("unlock", clock() - t)
+        rec.end_request()
+    out = rec.summary()
+    out["facts"] = {"host_hit_tokens": 0, "evicted_tokens_device": evicted}
+    return out
+
+
+def build_hicache(page_size: int, pages: int, host_factor: int):
+    """SGLang's HiCache tree as `--enable-hierarchical-cache --hicache-io-backend direct
+    --hicache-mem-layout layer_first --hicache-write-policy write_through` builds it (the scheduler's
+    `create_unified_radix_cache` then `init_hicache`), over a tiny real KV pool on CPU."""
+    size = pages * page_size
+    sa = ServerArgs(
+        model_path="dummy",
+        page_size=page_size,
+        enable_hierarchical_cache=True,
+        hicache_ratio=float(host_factor),
+        hicache_io_backend="direct",
+        hicache_mem_layout="layer_first",
+        hicache_write_policy="write_through",
+    )
+    set_global_server_args_for_scheduler(sa)
+    kv = MHATokenToKVPool(
+        size=size,
+        page_size=page_size,
+        dtype=torch.bfloat16,
+        head_num=1,
+        head_dim=HEAD_DIM,
+        layer_num=1,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    if page_size > 1:
+        alloc = PagedTokenToKVPoolAllocator(size, page_size, torch.bfloat16, "cpu", kv, need_sort=False)
+    else:
+        alloc = TokenToKVPoolAllocator(size, torch.bfloat16, "cpu", kv, need_sort=False)
+    r2t = ReqToTokenPool(size=4, max_context_len=8, device="cpu", enable_memory_saver=False)  # unused here
+    params = CacheInitParams(
+        req_to_token_pool=r2t,
+        token_to_kv_pool_allocator=alloc,
+        page_size=page_size,
+        disable=False,
+        tree_components=(ComponentType.FULL,),
+    )
+    cache = UnifiedRadixCache(params)
+    cache.init_hicache(sa, params)
+    return cache, alloc
+
+
+def run_hicache(prompts: list[array], page_size: int, pages: int, host_factor: int, start: int) -> dict:
+    cache, alloc = build_hicache(page_size, pages, host_factor)
+    keys = [RadixKey(p) for p in prompts]
+    rec = Recorder(start)
+    clock = time.thread_time
+    host_hits = loaded = evicted = 0
+    gc.collect()
+    try:
+        for n, key in enumerate(keys):
+            t = clock()
+            m = cache.match_prefix(MatchPrefixParams(key=key))
+            rec.add("match", clock() - t)
+            node, prefix = m.last_device_node, m.device_prefix_len
+            if m.host_hit_length > 0:
+                host_hits += m.host_hit_length
+                req = SimpleNamespace(
+                    rid=str(n), last_node=node, swa_host_hit_length=0, mamba_host_hit_length=0
+                )
+                t = clock()
+                got, node = cache.init_load_back(
+                    InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=m.host_hit_length, req=req)
+                )
+                cache.ready_to_load_host_cache()
+                rec.add("load_back", clock() - t)
+                loaded += got
+                prefix += got
+            t = clock()
+            lk = cache.inc_lock_ref(node)
+            rec.add("lock", clock() - t)
+            need = len(key) - prefix
+            avail = alloc.available_size()
+            if avail < need:
+                t = clock()
+                evicted += cache.evict(EvictParams(num_tokens=need - avail)).num_tokens_evicted
+                rec.add("evict", clock() - t)
+            prefix_idx = cache.path_device_indices(node)  # the request's row (the scheduler holds it)
+            t = clock()
+            fresh = alloc.alloc(need)
+            rec.add("alloc", clock() - t)
+            if fresh is not None:
+                value = torch.cat([prefix_idx, fresh])
+                t = clock()
+                cache.insert(InsertParams(key=key, value=value, prev_prefix_len=prefix))
+                rec.add("insert", clock() - t)
+            t = clock()
+            cache.dec_lock_ref(node, lk.to_dec_params())
+            rec.add("unlock", clock() - t)
+            t = clock()
+            cache.check_hicache_events()
+            rec.add("step", clock() - t)
+            rec.end_request()
+        # every slot is free, in the tree, or nowhere else: the loop's frees and the tree's agree
+        assert cache.protected_size() == 0
+        assert alloc.available_size() + cache.evictable_size() == pages * page_size, (
+            alloc.available_size(),
+            cache.evictable_size(),
+        )
+    finally:
+        import atexit
+
+        atexit.unregister(cache.shutdown)
+        cache.release_host_resources()
+    out = rec.summary()
+    out["facts"] = {
+        "host_hit_tokens": host_hits,
+        "loaded_back_tokens": loaded,
+        "evicted_tokens_device": evicted,
+        "tree_core": type(cache.tree_core).__name__,
+        "host_pool_tokens": int(cache.cache_controller.mem_pool_host.size),
+    }
+    return out
+
+
+RUNNERS = {"sgl_hicache": run_ours, "sglang_radix": run_radix, "sglang_hicache": run_hicache}
+
+
+def median_range(xs: list[float]) -> dict:
+    return {"median": round(statistics.median(xs), 2), "range": [round(min(xs), 2), round(max(xs), 2)]}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_trace_args(ap, repeats=5)
+    ap.add_argument(
+        "--device-fraction", type=float, default=0.25, help="device pool / the stream's distinct pages (0.25)"
+    )
+    ap.add_argument("--host-factor", type=int, default=4, help="host pool / device pool (default 4)")
+    ap.add_argument("--no-sglang", action="store_true", help="measure ours only")
+    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.requests, args.repeats = 120, 2
+    with_sglang = SGLANG and not args.no_sglang
+    ps = args.page_size
+    prompts = []
+    for r in load_trace(args.trace, limit=args.requests, scale=args.scale):
+        ids = list(r.input_ids)
+        ids = ids[: len(ids) // ps * ps]
+        if ids:
+            prompts.append(array("q", ids))
+    pages, start = pool_sizes(prompts, ps, args.device_fraction)
+    gc.collect()
+    gc.freeze()  # SGLang's import leaves a large heap: keep it out of every collection below
+    sides = list(SIDES) if with_sglang else ["sgl_hicache"]
+    rounds: dict[str, list[dict]] = {s: [] for s in sides}
+    t_start = time.perf_counter()
+    for rnd in range(args.repeats):
+        for side in sides if rnd % 2 == 0 else list(reversed(sides)):
+            rounds[side].append(RUNNERS[side](prompts, ps, pages, args.host_factor, start))
+
+    results: dict[str, dict] = {}
+    for side in sides:
+        rs = rounds[side]
+        calls = {}
+        for c in CALLS:
+            if not rs[0]["calls"][c].get("n"):
+                continue
+            calls[c] = {"n": rs[0]["calls"][c]["n"]}
+            for q in ("p50", "p99", "max", "mean"):
+                calls[c][q] = median_range([r["calls"][c][q] for r in rs])
+        per_req = {q: median_range([r["per_request"][q] for r in rs]) for q in ("p50", "p99", "max", "mean")}
+        results[side] = {"calls_us": calls, "per_request_us": per_req, "facts": rs[0]["facts"]}
+    out = {
+        "benchmark": "tree_hicache_peer",
+        "config": {
+            "trace": str(args.trace),
+            "requests": len(prompts),
+            "measured_requests": len(prompts) - start,
+            "prompt_tokens": sum(map(len, prompts)),
+            "scale": args.scale,
+            "page_size": ps,
+            "device_pool_tokens": pages * ps,
+            "host_factor": args.host_factor,
+            "device_fraction": args.device_fraction,
+            "repeats": args.repeats,
+            "quick": args.quick,
+        },
+        "sglang": {"available": SGLANG, "used": with_sglang, "error": SGLANG_ERROR},
+        "machine": {"python": platform.python_version(), "platform": platform.platform()},
+        "clock": "time.thread_time of the calling (scheduler) thread; transfer threads not counted",
+        "results": results,
+        "wall_s": round(time.perf_counter() - t_start, 2),
+    }
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    brief = {
+        side: {
+            "per_request_mean_us": r["per_request_us"]["mean"]["median"],
+            "p50/p99": {c: [v["p50"]["median"], v["p99"]["median"]] for c, v in r["calls_us"].items()},
+            "facts": r["facts"],
+        }
+        for side, r in results.items()
+    }
+    print(json.dumps({"config": out["config"], "results": brief, "wall_s": out["wall_s"]}, indent=2))
+    return out
+
+
+if __name__ == "__main__":
+    main()
