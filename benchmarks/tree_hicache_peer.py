@@ -73,7 +73,7 @@ from sgl_hicache.transfer.executors import ThreadExecutor  # noqa: E402
 
 HEAD_DIM = 8
 TINY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=HEAD_DIM)  # the tree's CPU does not depend on KV bytes
-SIDES = ("sgl_hicache", "sglang_radix", "sglang_hicache")
+SIDES = ("sgl_hicache", "sglang_radix", "sglang_hicache", "sglang_hicache_nocopy")
 CALLS = ("match", "load_back", "lock", "evict", "alloc", "insert", "unlock", "step")
 
 try:  # SGLang's CPU server applies these before it builds HiCache (plugin.register -> cpu_compat.apply)
@@ -309,8 +309,12 @@ def run_hicache(prompts: list[array], page_size: int, pages: int, host_factor: i
             node, prefix = m.last_device_node, m.device_prefix_len
             if m.host_hit_length > 0:
                 host_hits += m.host_hit_length
-                req = SimpleNamespace(
-                    rid=str(n), last_node=node, swa_host_hit_length=0, mamba_host_hit_length=0
+                req = SimpleNamespace(  # what init_load_back reads of a scheduler's Req (FULL-only tree)
+                    rid=str(n),
+                    last_node=node,
+                    swa_host_hit_length=0,
+                    mamba_host_hit_length=0,
+                    kv=SimpleNamespace(mamba_pool_idx=None, req_pool_idx=None, cache_protected_len=prefix),
                 )
                 t = clock()
                 got, node = cache.init_load_back(
@@ -367,7 +371,27 @@ def run_hicache(prompts: list[array], page_size: int, pages: int, host_factor: i
     return out
 
 
-RUNNERS = {"sgl_hicache": run_ours, "sglang_radix": run_radix, "sglang_hicache": run_hicache}
+def run_hicache_nocopy(prompts: list[array], page_size: int, pages: int, host_factor: int, start: int) -> dict:
+    """`run_hicache` with the KV byte copy made a no-op: on CPU torch HiCache's copies run inline on
+    the scheduler thread (`cpu_compat.transfer_kv_direct`, standing in for the CUDA kernel that
+    `mem_cache/pool_host/mha.py` calls on a side stream), so this is its scheduler-thread cost
+    without the bytes, the nearest this machine gets to a GPU's (where the copy is a kernel launch)."""
+    from sglang.srt.mem_cache.pool_host import mha
+
+    copy = mha.transfer_kv_direct
+    mha.transfer_kv_direct = lambda *args, **kwargs: None  # benchmark only; restored below
+    try:
+        return run_hicache(prompts, page_size, pages, host_factor, start)
+    finally:
+        mha.transfer_kv_direct = copy
+
+
+RUNNERS = {
+    "sgl_hicache": run_ours,
+    "sglang_radix": run_radix,
+    "sglang_hicache": run_hicache,
+    "sglang_hicache_nocopy": run_hicache_nocopy,
+}
 
 
 def median_range(xs: list[float]) -> dict:
