@@ -409,7 +409,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
     if args.quick:
-        args.requests, args.repeats = 120, 2
+        args.requests, args.repeats = 400, 2
     with_sglang = SGLANG and not args.no_sglang
     ps = args.page_size
     prompts = []
