@@ -113,9 +113,9 @@ def run_sglang(prompts: list[list[int]], page_size: int) -> dict[str, float]:
     return {"cpu_s": cpu, "wall_s": wall, "alloc_s": 0.0, "hit_tokens": hits, "last_prefix": r.prefix_len}
 
 
-def add_trace_args(ap: argparse.ArgumentParser, repeats: int) -> None:
+def add_trace_args(ap: argparse.ArgumentParser, repeats: int, quick_requests: int = 50) -> None:
     """The options of a benchmark that replays the first prompts of the trace (shared with
-    `disk_shared_match.py`)."""
+    `disk_shared_match.py` and `tree_hicache_peer.py`); `quick_requests`: what ``--quick`` runs."""
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     ap.add_argument("--requests", type=int, default=2000, help="first N lines of the trace (default 2000)")
     ap.add_argument("--scale", type=int, default=32, help="tokens per 512-token trace block (default 32)")
@@ -123,7 +123,7 @@ def add_trace_args(ap: argparse.ArgumentParser, repeats: int) -> None:
     ap.add_argument(
         "--repeats", type=int, default=repeats, help=f"interleaved rounds; figures are medians (default {repeats})"
     )
-    ap.add_argument("--quick", action="store_true", help="smallest size: 50 requests, 2 rounds")
+    ap.add_argument("--quick", action="store_true", help=f"smallest size: {quick_requests} requests, 2 rounds")
 
 
 def main(argv: list[str] | None = None) -> dict:
