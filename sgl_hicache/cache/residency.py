@@ -12,8 +12,6 @@ import threading
 import time
 from array import array
 from collections.abc import Callable, Iterable, Sequence
-from itertools import compress
-from operator import ne
 
 from ..config import CacheConfig
 from ..hashing import Namespace, int64_tokens
@@ -26,7 +24,7 @@ from ..tiers.build import build_stores
 from ..transfer.bandwidth import BandwidthMeter
 from ..transfer.handlers import default_handlers, execute
 from ..transfer.ops import PromotionJob, TransferOp
-from ..tree.node import TreeNode
+from ..tree.node import TreeNode, differing, slot_array
 from ..tree.radix import InvariantError, RadixTree
 from ..tree.traffic import count_edge, count_request, count_stop
 from .copies import Copies
@@ -166,7 +164,7 @@ class TieredCache:
         """`path`'s tokens attributed to the highest tier holding each node."""
         ps = self.page_size
         dev = host = disk = 0
-        handles: list[Handle] = []
+        handles = array("q")
         last_device = self.tree.root
         for node in path:
             tokens = node.num_pages * ps
@@ -224,17 +222,17 @@ class TieredCache:
             if not (isinstance(tokens, array) and tokens.typecode == "q"):
                 tokens = int64_tokens(tokens)  # once: the walk and the new node's edge use it as is
             path, matched = self.tree.walk(tokens)
-            duplicates: list[Handle] = []
+            duplicates = array("q")
             prefix_tokens = 0
             page = 0
             adopted = 0
-            if type(device_handles) is not list:
-                device_handles = list(device_handles)  # slices of a list are lists already
+            if not (type(device_handles) is array and device_handles.typecode == "q"):
+                device_handles = slot_array(device_handles)  # slices of an int64 array are arrays already
             for node in path:
                 mine = device_handles[page : page + node.num_pages]
                 if node.device is not None:
-                    if mine != node.device:  # the usual SGLang case reuses the tree's pages: equal lists
-                        duplicates.extend(compress(mine, map(ne, mine, node.device)))
+                    if mine != node.device:  # the usual SGLang case reuses the tree's pages: equal (memcmp)
+                        duplicates.extend(differing(mine, node.device))
                     if prefix_tokens == page * ps:
                         prefix_tokens += node.num_pages * ps
                 elif (
@@ -244,7 +242,7 @@ class TieredCache:
                 ):
                     # the caller recomputed pages the tree holds only in lower tiers: keep its copy
                     # (not while a copy to the device is in flight: that one lands there)
-                    self.tree.set_resident(node, DEVICE, mine)
+                    self.tree.set_resident(node, DEVICE, mine, owned=True)
                     adopted += len(mine)
                 else:
                     duplicates.extend(mine)

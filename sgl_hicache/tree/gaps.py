@@ -47,6 +47,11 @@ class TierGaps:
             if getattr(node, src) is not None:
                 gap.add(node)
 
+    def dropped(self, node: TreeNode, tier: str) -> None:
+        """`left` for a node that held `tier` alone (eviction's plain case): it is in no gap now."""
+        for _, gap in self._as_src[tier]:
+            gap.discard(node)
+
     def split(self, upper: TreeNode, node: TreeNode) -> None:
         for gap in self.missing.values():
             if node in gap:
