@@ -191,15 +191,17 @@ class TieredCache:
             self.prune(node)
 
     # ---- device pages for computed KV --------------------------------------------------------
-    def allocate_device(self, num_pages: int) -> list[Handle] | None:
+    def allocate_device(self, num_pages: int) -> array | None:
+        """`num_pages` free device pages (an int64 `array`), evicting as needed; None if they cannot be had."""
         with self._mutex:
             store = self.stores[DEVICE]
             if store.free_pages < num_pages:
                 self.evictor.evict(DEVICE, num_pages - store.free_pages)
             handles = store.allocate([b""] * num_pages)
-            if handles is not None:
-                self.outstanding_device_pages += num_pages
-            return handles
+            if handles is None:
+                return None
+            self.outstanding_device_pages += num_pages
+            return handles if type(handles) is array else slot_array(handles)
 
     def free_device(self, handles: Sequence[Handle]) -> None:
         """Return device pages from `allocate_device` that were not inserted (or were duplicates)."""

@@ -72,8 +72,9 @@ class TierStore(ABC):
     """A bounded store of KV pages in one medium.
 
     Contract (checked for every store by `tests/test_tier_contract.py`):
-    - `allocate(keys)` reserves one page per key and returns one handle per key, or None (and
-      reserves nothing) when fewer than `len(keys)` pages are free. All or nothing.
+    - `allocate(keys)` reserves one page per key and returns one handle per key (a slot store: an
+      int64 `array` of slots; a keyed store: a list of the keys), or None (and reserves nothing)
+      when fewer than `len(keys)` pages are free. All or nothing.
     - `free(handles)` returns pages to the store; freeing an unknown handle raises KeyError.
     - `write(handles, data)` stores `data[i]` (shape `page_shape`) under `handles[i]`;
       `read(handles)` returns a tensor of shape `(len(handles), *page_shape)` with exactly the bytes
@@ -139,7 +140,7 @@ class TierStore(ABC):
         return self.capacity_pages - self.free_pages
 
     @abstractmethod
-    def allocate(self, keys: Sequence[PageKey]) -> list[Handle] | None: ...
+    def allocate(self, keys: Sequence[PageKey]) -> Sequence[Handle] | None: ...
 
     @abstractmethod
     def free(self, handles: Sequence[Handle]) -> None: ...

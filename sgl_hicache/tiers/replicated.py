@@ -16,11 +16,11 @@ Which copies a follower skips is the byte mover's business (`transfer/handlers.f
 from __future__ import annotations
 
 import heapq
-from array import array
 import os
 import secrets
 import tempfile
-from collections.abc import Iterable, Sequence
+from array import array
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np

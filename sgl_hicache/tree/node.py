@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import itertools
-from itertools import compress
-from operator import ne
 from array import array
 from collections.abc import Iterable, Sequence
+from itertools import compress
+from operator import ne
 from typing import TYPE_CHECKING, Any
 
 import numpy as np

@@ -359,7 +359,7 @@ class RadixTree:
         """The handles of `path` in `tier`, in order: an int64 `array` of slots, or a list of keys (disk)."""
         out: array | list[Handle] = [] if tier == DISK else array("q")
         for node in path:
-            out.extend(node.handles(tier))  # type: ignore[arg-type]
+            out.extend(node.handles(tier))
         return out
 
     def lock(self, node: TreeNode) -> None:
