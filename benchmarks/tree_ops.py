@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import statistics
 import sys
@@ -143,6 +144,15 @@ def run_sglang(prompts: list[list[int]], page_size: int) -> dict[str, float]:
     return out
 
 
+def _spread(ratios: list[float]) -> dict[str, float]:
+    """Median, lowest and highest of per-round ratios."""
+    return {
+        "median": round(statistics.median(ratios), 3),
+        "min": round(min(ratios), 3),
+        "max": round(max(ratios), 3),
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
@@ -172,6 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     tree_tokens: dict[int, dict[str, int]] = {ps: {} for ps in page_sizes}
     t_start = time.perf_counter()
+    load_start = os.getloadavg()
     for rnd in range(args.repeats):
         for ps in page_sizes:
             order = sides if rnd % 2 == 0 else list(reversed(sides))
@@ -206,6 +217,12 @@ def main(argv: list[str] | None = None) -> dict:
                 )
                 for op in OPS
             }
+        if with_sglang:
+            # the ratio of each round's pair (the two sides ran back to back): its spread is the noise
+            entry["ratio_rounds"] = {
+                op: _spread([b / a for a, b in zip(samples[ps]["sgl_hicache"][op], samples[ps]["sglang"][op]) if a])
+                for op in OPS
+            }
         entry["samples_s"] = {side: {op: [round(x, 6) for x in samples[ps][side][op]] for op in OPS} for side in sides}
         results[str(ps)] = entry
 
@@ -225,6 +242,9 @@ def main(argv: list[str] | None = None) -> dict:
             "python": platform.python_version(),
             "platform": platform.platform(),
             "processor": platform.processor(),
+            # 1-minute load average at the start and the end (other processes share the CPUs;
+            # the ratios are of interleaved rounds of CPU time, so they hold under load)
+            "loadavg_1m": [round(load_start[0], 2), round(os.getloadavg()[0], 2)],
         },
         "ours_path": "TieredCache (host and disk tiers off): insert / match(touch=True) / evict('device')",
         "sglang_path": "RadixCache.create_simulated(mock_allocator): insert / match_prefix / evict",
@@ -237,7 +257,12 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         args.json.write_text(text + "\n")
     summary = {
-        ps: {"prompts_per_s": r["prompts_per_s"], "ratio": r.get("ratio_ours_over_sglang")} for ps, r in results.items()
+        ps: {
+            "prompts_per_s": r["prompts_per_s"],
+            "ratio": r.get("ratio_ours_over_sglang"),
+            "ratio_rounds": r.get("ratio_rounds"),
+        }
+        for ps, r in results.items()
     }
     print(json.dumps({"sglang": out["sglang"], "results": summary, "wall_s": out["wall_s"]}, indent=2))
     return out

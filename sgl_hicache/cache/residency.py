@@ -82,6 +82,7 @@ class TieredCache:
         self.namespace = Namespace.for_model(config.layout, config.page_size, config.tenant_salt)
         self.tree = RadixTree(config.page_size, self.namespace)
         self.stores: dict[str, TierStore] = build_stores(config, self.namespace, device, host, disk)
+        self.tree.gaps.track_only(self.stores)  # write-back links between the tiers it has only
         # the reuse model learns from served requests; it orders eviction under `reuse` and feeds
         # the `continuation` predictor
         self.reuse: ReuseModel | None = None

@@ -264,7 +264,6 @@ class SlotAllocator:
         self._stack = array("q", range(capacity))
         self._stack_np = np.frombuffer(self._stack, dtype=np.int64) if capacity else np.zeros(0, dtype=np.int64)
         self._next = 0
-        self._scratch = array("q")  # `_batch`'s buffer
         # per slot: 1 allocated, 0 free
         self._state = np.zeros(capacity, dtype=np.int8)
 
@@ -313,24 +312,14 @@ class SlotAllocator:
 
     def _batch(self, runs: Sequence[Sequence[int]]) -> np.ndarray:
         """The slots of `runs`, in order, as one int64 numpy array: a view of the run itself when it
-        is one int64 `array`, else copied into a scratch buffer kept between calls (a fresh buffer
-        per call paid its page faults on every large eviction)."""
+        is one int64 `array`, else their bytes joined in one C call."""
         if len(runs) == 1 and type(runs[0]) is array and runs[0].typecode == "q":
             return _as_index(runs[0])
         try:
             arrays = [r if type(r) is array and r.typecode == "q" else array("q", r) for r in runs]
         except (TypeError, OverflowError):
             raise KeyError(f"free got a slot that is not an int: {_first_non_int(runs)!r}") from None
-        total = sum(map(len, arrays))
-        if total > len(self._scratch):
-            self._scratch = array("q", bytes(8 * max(total, 2 * len(self._scratch))))
-        scratch = self._scratch
-        pos = 0
-        for r in arrays:
-            end = pos + len(r)
-            scratch[pos:end] = r  # (the same length: a copy in place)
-            pos = end
-        return np.frombuffer(scratch, dtype=np.int64, count=total) if total else np.zeros(0, dtype=np.int64)
+        return np.frombuffer(b"".join(arrays), dtype=np.int64)
 
     def _undo_free(self, idx: np.ndarray) -> None:
         """A large free found a slot not allocated or given twice, after marking the batch free:
