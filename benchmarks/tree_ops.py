@@ -19,7 +19,9 @@ scheduler holds in `RadixKey.token_ids`, and what sgl_hicache's SGLang backend p
   (touch=True: the full product path, which also counts the predictor's traffic and refreshes
   recency); SGLang: `RadixCache.match_prefix`.
 - `evict`: the filled tree emptied in 10 equal `evict` calls. Ours: `TieredCache.evict("device", n)`
-  (with no lower tier an evicted page is dropped, as in SGLang); SGLang: `RadixCache.evict`.
+  (with no lower tier an evicted page is dropped, as in SGLang), which frees the pages into its real
+  slot allocator (double-free check included; `ours_evict_free_share` is that part of the time);
+  SGLang: `RadixCache.evict`, which frees into a mock allocator that does nothing.
 Time is this thread's CPU time (`time.thread_time`), so other processes on a shared machine do not
 count. Figures are medians over rounds of prompts/s (and tokens/s); the ratio is ours / SGLang (> 1: ours
 faster). Run it with the interpreter that has SGLang (`.venv-sglang`); without SGLang the JSON says
@@ -104,12 +106,25 @@ def run_ours(prompts: list[list[int]], page_size: int) -> dict[str, float]:
     out["match"] = _timed(match)
     held = cache.tree.pages["device"]
     chunk = max(1, -(-held // 10))
+    # the share of eviction spent freeing the pages in our store (its double-free check included):
+    # SGLang's side frees into a mock allocator that does nothing
+    store = cache.stores["device"]
+    free_runs = store.free_runs
+    in_free = [0.0]
+
+    def timed_free_runs(runs) -> None:
+        t0 = time.thread_time()
+        free_runs(runs)
+        in_free[0] += time.thread_time() - t0
+
+    store.free_runs = timed_free_runs  # type: ignore[method-assign]
 
     def evict() -> None:
         for _ in range(10):
             cache.evict("device", chunk)
 
     out["evict"] = _timed(evict)
+    out["evict_free"] = in_free[0]
     assert cache.tree.pages["device"] == 0, "ours: eviction left pages behind"
     out["tree_tokens"] = held * page_size
     return out
@@ -181,6 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
         ps: {s: {op: [] for op in OPS} for s in sides} for ps in page_sizes
     }
     tree_tokens: dict[int, dict[str, int]] = {ps: {} for ps in page_sizes}
+    free_samples: dict[int, list[float]] = {ps: [] for ps in page_sizes}
     t_start = time.perf_counter()
     load_start = os.getloadavg()
     for rnd in range(args.repeats):
@@ -190,6 +206,8 @@ def main(argv: list[str] | None = None) -> dict:
                 res = runners[side](prompts, ps)
                 for op in OPS:
                     samples[ps][side][op].append(res[op])
+                if "evict_free" in res:
+                    free_samples[ps].append(res["evict_free"])
                 tree_tokens[ps][side] = int(res["tree_tokens"])
 
     results: dict[str, dict] = {}
@@ -223,6 +241,10 @@ def main(argv: list[str] | None = None) -> dict:
                 op: _spread([b / a for a, b in zip(samples[ps]["sgl_hicache"][op], samples[ps]["sglang"][op]) if a])
                 for op in OPS
             }
+        # of our eviction's CPU time, the median share spent in the store's checked free
+        entry["ours_evict_free_share"] = round(
+            statistics.median(f / e for f, e in zip(free_samples[ps], samples[ps]["sgl_hicache"]["evict"]) if e), 3
+        )
         entry["samples_s"] = {side: {op: [round(x, 6) for x in samples[ps][side][op]] for op in OPS} for side in sides}
         results[str(ps)] = entry
 
