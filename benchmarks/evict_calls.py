@@ -55,7 +55,8 @@ def build(prompts: list[list[int]], incremental: bool, policy: str = "lru") -> T
         clock[0] += 1.0
         m = cache.match(p)
         need = len(p) // PAGE - len(m.device_handles)
-        fresh = cache.allocate_device(need) or []
+        fresh = cache.allocate_device(need)
+        assert fresh is not None, "the pool must hold the whole stream"
         cache.insert(p[: len(p) // PAGE * PAGE], m.device_handles + fresh)
     return cache
 

@@ -120,7 +120,7 @@ def check_size(args: argparse.Namespace, device: torch.device, pages_n: int, clo
     assert isinstance(dev, DeviceKVPool) and isinstance(host, HostKVBuffer)
     nbytes = n * dev.page_bytes
     dev_slots, host_slots = dev.allocate([b""] * n), host.allocate([b""] * n)
-    assert dev_slots == list(range(n)) and host_slots == list(range(n))
+    assert list(dev_slots) == list(range(n)) and list(host_slots) == list(range(n))
 
     ref_dev = _random_kv((n, *dev.page_shape), device, seed=n)  # (pages, layers, K/V, tokens, heads, dim)
     ref = ref_dev.cpu()

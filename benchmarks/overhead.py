@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import statistics
 import sys
@@ -142,6 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
     runners = {"sgl_hicache": run_ours, "sglang": run_sglang}
     samples: dict[str, list[dict]] = {s: [] for s in sides}
     t_start = time.perf_counter()
+    load_start = os.getloadavg()
     for rnd in range(args.repeats):
         for side in sides if rnd % 2 == 0 else list(reversed(sides)):
             samples[side].append(runners[side](prompts, args.page_size))
@@ -168,7 +170,12 @@ def main(argv: list[str] | None = None) -> dict:
             "quick": args.quick,
         },
         "sglang": {"available": SGLANG, "used": with_sglang, "error": SGLANG_ERROR},
-        "machine": {"python": platform.python_version(), "platform": platform.platform()},
+        "machine": {
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            # 1-minute load average at the start and the end (rounds are interleaved CPU time)
+            "loadavg_1m": [round(load_start[0], 2), round(os.getloadavg()[0], 2)],
+        },
         "us_per_request": per_req,
         "device_hit_tokens": {side: int(samples[side][0]["hit_tokens"]) for side in sides},
         "samples_cpu_s": {side: [round(s["cpu_s"], 5) for s in samples[side]] for side in sides},

@@ -19,7 +19,9 @@ scheduler holds in `RadixKey.token_ids`, and what sgl_hicache's SGLang backend p
   (touch=True: the full product path, which also counts the predictor's traffic and refreshes
   recency); SGLang: `RadixCache.match_prefix`.
 - `evict`: the filled tree emptied in 10 equal `evict` calls. Ours: `TieredCache.evict("device", n)`
-  (with no lower tier an evicted page is dropped, as in SGLang); SGLang: `RadixCache.evict`.
+  (with no lower tier an evicted page is dropped, as in SGLang), which frees the pages into its real
+  slot allocator (double-free check included; `ours_evict_free_share` is that part of the time);
+  SGLang: `RadixCache.evict`, which frees into a mock allocator that does nothing.
 Time is this thread's CPU time (`time.thread_time`), so other processes on a shared machine do not
 count. Figures are medians over rounds of prompts/s (and tokens/s); the ratio is ours / SGLang (> 1: ours
 faster). Run it with the interpreter that has SGLang (`.venv-sglang`); without SGLang the JSON says
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import statistics
 import sys
@@ -87,27 +90,41 @@ def run_ours(prompts: list[list[int]], page_size: int) -> dict[str, float]:
     total_pages = sum(len(p) // page_size for p in prompts)
     cache = TieredCache(CacheConfig(TINY, device_tokens=max(total_pages, 1) * page_size, page_size=page_size))
     handles = [cache.allocate_device(len(p) // page_size) for p in prompts]
-    dups: list = []
+    dups: list = []  # each insert's duplicates, freed after the clock stops
 
     def insert() -> None:
         for p, h in zip(prompts, handles):
-            dups.extend(cache.insert(p, h).duplicates)
+            dups.append(cache.insert(p, h).duplicates)
 
     def match() -> None:
         for p in prompts:
             cache.match(p)
 
     out = {"insert": _timed(insert)}
-    cache.free_device(dups)
+    for d in dups:
+        cache.free_device(d)
     out["match"] = _timed(match)
     held = cache.tree.pages["device"]
     chunk = max(1, -(-held // 10))
+    # the share of eviction spent freeing the pages in our store (its double-free check included):
+    # SGLang's side frees into a mock allocator that does nothing
+    store = cache.stores["device"]
+    free_runs = store.free_runs
+    in_free = [0.0]
+
+    def timed_free_runs(runs) -> None:
+        t0 = time.thread_time()
+        free_runs(runs)
+        in_free[0] += time.thread_time() - t0
+
+    store.free_runs = timed_free_runs  # type: ignore[method-assign]
 
     def evict() -> None:
         for _ in range(10):
             cache.evict("device", chunk)
 
     out["evict"] = _timed(evict)
+    out["evict_free"] = in_free[0]
     assert cache.tree.pages["device"] == 0, "ours: eviction left pages behind"
     out["tree_tokens"] = held * page_size
     return out
@@ -142,6 +159,15 @@ def run_sglang(prompts: list[list[int]], page_size: int) -> dict[str, float]:
     return out
 
 
+def _spread(ratios: list[float]) -> dict[str, float]:
+    """Median, lowest and highest of per-round ratios."""
+    return {
+        "median": round(statistics.median(ratios), 3),
+        "min": round(min(ratios), 3),
+        "max": round(max(ratios), 3),
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
@@ -170,7 +196,9 @@ def main(argv: list[str] | None = None) -> dict:
         ps: {s: {op: [] for op in OPS} for s in sides} for ps in page_sizes
     }
     tree_tokens: dict[int, dict[str, int]] = {ps: {} for ps in page_sizes}
+    free_samples: dict[int, list[float]] = {ps: [] for ps in page_sizes}
     t_start = time.perf_counter()
+    load_start = os.getloadavg()
     for rnd in range(args.repeats):
         for ps in page_sizes:
             order = sides if rnd % 2 == 0 else list(reversed(sides))
@@ -178,6 +206,8 @@ def main(argv: list[str] | None = None) -> dict:
                 res = runners[side](prompts, ps)
                 for op in OPS:
                     samples[ps][side][op].append(res[op])
+                if "evict_free" in res:
+                    free_samples[ps].append(res["evict_free"])
                 tree_tokens[ps][side] = int(res["tree_tokens"])
 
     results: dict[str, dict] = {}
@@ -205,6 +235,16 @@ def main(argv: list[str] | None = None) -> dict:
                 )
                 for op in OPS
             }
+        if with_sglang:
+            # the ratio of each round's pair (the two sides ran back to back): its spread is the noise
+            entry["ratio_rounds"] = {
+                op: _spread([b / a for a, b in zip(samples[ps]["sgl_hicache"][op], samples[ps]["sglang"][op]) if a])
+                for op in OPS
+            }
+        # of our eviction's CPU time, the median share spent in the store's checked free
+        entry["ours_evict_free_share"] = round(
+            statistics.median(f / e for f, e in zip(free_samples[ps], samples[ps]["sgl_hicache"]["evict"]) if e), 3
+        )
         entry["samples_s"] = {side: {op: [round(x, 6) for x in samples[ps][side][op]] for op in OPS} for side in sides}
         results[str(ps)] = entry
 
@@ -224,6 +264,9 @@ def main(argv: list[str] | None = None) -> dict:
             "python": platform.python_version(),
             "platform": platform.platform(),
             "processor": platform.processor(),
+            # 1-minute load average at the start and the end (other processes share the CPUs;
+            # the ratios are of interleaved rounds of CPU time, so they hold under load)
+            "loadavg_1m": [round(load_start[0], 2), round(os.getloadavg()[0], 2)],
         },
         "ours_path": "TieredCache (host and disk tiers off): insert / match(touch=True) / evict('device')",
         "sglang_path": "RadixCache.create_simulated(mock_allocator): insert / match_prefix / evict",
@@ -236,7 +279,12 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         args.json.write_text(text + "\n")
     summary = {
-        ps: {"prompts_per_s": r["prompts_per_s"], "ratio": r.get("ratio_ours_over_sglang")} for ps, r in results.items()
+        ps: {
+            "prompts_per_s": r["prompts_per_s"],
+            "ratio": r.get("ratio_ours_over_sglang"),
+            "ratio_rounds": r.get("ratio_rounds"),
+        }
+        for ps, r in results.items()
     }
     print(json.dumps({"sglang": out["sglang"], "results": summary, "wall_s": out["wall_s"]}, indent=2))
     return out

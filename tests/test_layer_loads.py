@@ -159,7 +159,7 @@ def test_insert_beside_a_node_whose_copy_is_in_flight_splits_it_and_adopts_the_c
     assert m.device_tokens == 8
     fresh = cache.allocate_device(2)
     r = cache.insert(b, m.device_handles + fresh)
-    assert r.adopted_pages == 2 and r.duplicates == []
+    assert r.adopted_pages == 2 and len(r.duplicates) == 0
     upper = node.parent
     assert upper.num_pages == node.num_pages == 2 and upper.incoming[HOST] is op and upper.pins == 1
     execute(op, cache.handlers)

@@ -131,7 +131,7 @@ def _writes_once(c, rank: int, tmp: str, out: dict) -> None:
         c.step([op], [])
     out["stopped_after"] = op.stopped
     cache.complete(op)
-    out["next_slots"] = host.allocate([b"k"])
+    out["next_slots"] = list(host.allocate([b"k"]))
     close = getattr(cache.stores[DISK], "close", None)
     if close is not None:
         close()

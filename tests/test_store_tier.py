@@ -363,7 +363,7 @@ def test_insert_beside_a_node_being_written_to_the_lower_tier_splits_it(tmp_path
     m = cache.match(b, touch=False)
     fresh = cache.allocate_device(2)
     r = cache.insert(b, m.device_handles + fresh)
-    assert r.duplicates == [] and r.adopted_pages == 2
+    assert len(r.duplicates) == 0 and r.adopted_pages == 2
     upper = node.parent
     assert upper.num_pages == node.num_pages == 2 and DISK in upper.incoming
     from sgl_hicache.transfer.handlers import execute

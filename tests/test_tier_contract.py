@@ -14,7 +14,7 @@ import torch
 
 from sgl_hicache.config import KVLayout
 from sgl_hicache.hashing import Namespace, page_key
-from sgl_hicache.tiers.base import TIERS, TierStore, page_shape
+from sgl_hicache.tiers.base import TIERS, SlotAllocator, TierStore, page_shape
 from sgl_hicache.tiers.disk import DiskPageStore
 from sgl_hicache.tiers.memory import DeviceKVPool, HostKVBuffer
 from sgl_hicache.tiers.replicated import SharedHostBuffer
@@ -125,7 +125,7 @@ def test_allocate_all_or_nothing(h: Harness) -> None:
     assert b is not None and len(b) == 1 and b[0] not in a
     assert s.free_pages == 0
     assert s.allocate(h.keys(1)) is None
-    assert s.allocate([]) == []
+    assert list(s.allocate([])) == []  # (a slot store answers an int64 array)
     _check_accounting(s)
 
 
@@ -212,7 +212,7 @@ def test_capacity_zero(h: Harness) -> None:
     s = h.store(0)
     assert s.capacity_pages == 0 and s.free_pages == 0 and s.used_pages == 0
     assert s.allocate(h.keys(1)) is None
-    assert s.allocate([]) == []
+    assert list(s.allocate([])) == []  # (a slot store answers an int64 array)
     s.write([], torch.zeros((0, *s.page_shape), dtype=torch.bfloat16))
     out = s.read([])
     assert tuple(out.shape) == (0, *s.page_shape)
@@ -223,3 +223,32 @@ def test_capacity_zero(h: Harness) -> None:
 def test_negative_capacity_rejected(h: Harness) -> None:
     with pytest.raises(ValueError):
         h.store(-1)
+
+
+@pytest.mark.parametrize("capacity", [8, 4096])  # every batch "large" (checked by a count), and small ones
+def test_slot_allocator_refuses_bad_frees_whole_and_keeps_its_books(capacity: int) -> None:
+    a = SlotAllocator(capacity)
+    slots = a.allocate(capacity)
+    assert sorted(slots) == list(range(capacity))
+    a.free(slots[:2])
+    bad_batches = [
+        [slots[2], slots[3], slots[2]],  # the same slot twice
+        [slots[3], slots[0]],  # one already free
+        [slots[4], capacity],  # out of range
+        [slots[4], -1],  # negative
+        [slots[4], "x"],  # not an int
+    ]
+    for bad in bad_batches:
+        with pytest.raises(KeyError):
+            a.free(bad)
+        with pytest.raises(KeyError):
+            a.free_runs([slots[5:7], bad])
+        assert a.free_count == 2  # nothing of a refused batch was freed
+        assert a.is_allocated(slots[3]) and a.is_allocated(slots[5]) and not a.is_allocated(slots[0])
+    a.free_runs([slots[2:4], list(slots[4:])])  # every other slot, a list run among them
+    assert a.free_count == capacity
+    with pytest.raises(KeyError):
+        a.free(slots[2:3])  # freed twice
+    again = a.allocate(capacity)
+    assert list(again[:3]) == [slots[-1], slots[-2], slots[-3]]  # the last freed go first
+    assert sorted(again) == list(range(capacity))

@@ -103,7 +103,7 @@ def test_a_node_whose_copy_is_in_flight_splits_and_both_parts_get_the_copy():
     fresh = cache.allocate_device(2)
     cache.stores[DEVICE].write(fresh, kv_for(cache, b)[2:])
     r = cache.insert(b, m.device_handles + fresh)
-    assert r.duplicates == [] and r.prefix_tokens == 2 * PS
+    assert len(r.duplicates) == 0 and r.prefix_tokens == 2 * PS
     upper, lower = cache.match(a, touch=False).path
     assert upper.num_pages == lower.num_pages == 2 and upper.pins == lower.pins == 1
     assert upper.incoming[HOST] is lower.incoming[HOST]

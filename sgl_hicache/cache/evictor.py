@@ -9,6 +9,8 @@ a copy it starts never evicts (room was made before it was prepared).
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
+from heapq import heappop, heapreplace
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
@@ -117,42 +119,47 @@ class Evictor:
         dropped = 0
         freed = 0
         held: list[TreeNode] = []  # in use now: queued again once this eviction is done
-        top, drop_top = queue.top, queue.drop_top
+        heap = queue.heap  # popped here directly: a method call per entry cost more than the pop
         # the plain case's handles, freed in one call (before any other free of the store, so the
         # store sees the same frees in the same order)
-        runs: list[list[Handle]] = []
+        runs: list[Sequence[Handle]] = []
+        drop_leaf = tree.drop_leaf
         try:
             while freed < num_pages:
-                entry = top()
-                if entry is None:
+                if not heap:
                     break
-                key, _, node = entry
+                key, _, node = heap[0]
                 if (
                     node.parent is None
                     or getattr(node, tier) is None
                     or node.children_in.get(tier)
                     or (node.children and has_child_in(node, tier))
                 ):
-                    drop_top()
+                    heappop(heap)
                     continue  # stale: queued again when it becomes a leaf of `tier` again
                 if node.lock_ref or node.pins:
-                    drop_top()
+                    heappop(heap)
                     held.append(node)
                     continue
                 if spare and node.device is not None:
-                    drop_top()
+                    heappop(heap)
                     held.append(node)
                     if self._ranked(tier):
                         break  # the queue ranks device copies last: only such pages are left
                     continue
                 current = leaf_key(node)
                 if current > key:  # used since it was queued: its turn comes later
-                    queue.replace_top(current, node)
+                    heapreplace(heap, (current, node.id, node))  # (`queue.replace_top`)
                     continue
-                drop_top()
-                if node.tiers() == only_here and not node.prefetched and not node.children:
+                heappop(heap)
+                if (
+                    only_here is not None
+                    and (node.device is None) + (node.host is None) + (node.disk is None) == 2  # in `tier` alone
+                    and not node.prefetched
+                    and not node.children
+                ):
                     # the plain case: its only copy, nothing below to keep it: drop it in one step
-                    runs.append(tree.drop_leaf(node, tier))
+                    runs.append(drop_leaf(node, tier))
                     dropped += node.num_pages
                     freed += node.num_pages
                 else:

@@ -12,8 +12,6 @@ import threading
 import time
 from array import array
 from collections.abc import Callable, Iterable, Sequence
-from itertools import compress
-from operator import ne
 
 from ..config import CacheConfig
 from ..hashing import Namespace, int64_tokens
@@ -26,7 +24,7 @@ from ..tiers.build import build_stores
 from ..transfer.bandwidth import BandwidthMeter
 from ..transfer.handlers import default_handlers, execute
 from ..transfer.ops import PromotionJob, TransferOp
-from ..tree.node import TreeNode
+from ..tree.node import TreeNode, differing, slot_array
 from ..tree.radix import InvariantError, RadixTree
 from ..tree.traffic import count_edge, count_request, count_stop
 from .copies import Copies
@@ -84,6 +82,7 @@ class TieredCache:
         self.namespace = Namespace.for_model(config.layout, config.page_size, config.tenant_salt)
         self.tree = RadixTree(config.page_size, self.namespace)
         self.stores: dict[str, TierStore] = build_stores(config, self.namespace, device, host, disk)
+        self.tree.gaps.track_only(self.stores)  # write-back links between the tiers it has only
         # the reuse model learns from served requests; it orders eviction under `reuse` and feeds
         # the `continuation` predictor
         self.reuse: ReuseModel | None = None
@@ -166,7 +165,7 @@ class TieredCache:
         """`path`'s tokens attributed to the highest tier holding each node."""
         ps = self.page_size
         dev = host = disk = 0
-        handles: list[Handle] = []
+        handles = array("q")
         last_device = self.tree.root
         for node in path:
             tokens = node.num_pages * ps
@@ -193,15 +192,17 @@ class TieredCache:
             self.prune(node)
 
     # ---- device pages for computed KV --------------------------------------------------------
-    def allocate_device(self, num_pages: int) -> list[Handle] | None:
+    def allocate_device(self, num_pages: int) -> array | None:
+        """`num_pages` free device pages (an int64 `array`), evicting as needed; None if they cannot be had."""
         with self._mutex:
             store = self.stores[DEVICE]
             if store.free_pages < num_pages:
                 self.evictor.evict(DEVICE, num_pages - store.free_pages)
             handles = store.allocate([b""] * num_pages)
-            if handles is not None:
-                self.outstanding_device_pages += num_pages
-            return handles
+            if handles is None:
+                return None
+            self.outstanding_device_pages += num_pages
+            return handles if type(handles) is array else slot_array(handles)
 
     def free_device(self, handles: Sequence[Handle]) -> None:
         """Return device pages from `allocate_device` that were not inserted (or were duplicates)."""
@@ -224,17 +225,17 @@ class TieredCache:
             if not (isinstance(tokens, array) and tokens.typecode == "q"):
                 tokens = int64_tokens(tokens)  # once: the walk and the new node's edge use it as is
             path, matched = self.tree.walk(tokens)
-            duplicates: list[Handle] = []
+            duplicates = array("q")
             prefix_tokens = 0
             page = 0
             adopted = 0
-            if type(device_handles) is not list:
-                device_handles = list(device_handles)  # slices of a list are lists already
+            if not (type(device_handles) is array and device_handles.typecode == "q"):
+                device_handles = slot_array(device_handles)  # slices of an int64 array are arrays already
             for node in path:
                 mine = device_handles[page : page + node.num_pages]
                 if node.device is not None:
-                    if mine != node.device:  # the usual SGLang case reuses the tree's pages: equal lists
-                        duplicates.extend(compress(mine, map(ne, mine, node.device)))
+                    if mine != node.device:  # the usual SGLang case reuses the tree's pages: equal (memcmp)
+                        duplicates.extend(differing(mine, node.device))
                     if prefix_tokens == page * ps:
                         prefix_tokens += node.num_pages * ps
                 elif (
@@ -244,7 +245,7 @@ class TieredCache:
                 ):
                     # the caller recomputed pages the tree holds only in lower tiers: keep its copy
                     # (not while a copy to the device is in flight: that one lands there)
-                    self.tree.set_resident(node, DEVICE, mine)
+                    self.tree.set_resident(node, DEVICE, mine, owned=True)
                     adopted += len(mine)
                 else:
                     duplicates.extend(mine)

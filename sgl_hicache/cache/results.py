@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
-from ..tiers.base import Handle
 from ..tree.node import TreeNode
 
 
@@ -15,14 +15,14 @@ class PrefixMatch:
     `path` is the matched chain of nodes from the root; the first `device_tokens` tokens are on the
     device, the next `host_tokens` only on host, the next `disk_tokens` only in the lower tier
     (residency is prefix-closed per tier, so the attribution is always in that order).
-    `device_handles` are the device pages of the device part, in order.
+    `device_handles` are the device pages of the device part, in order (an int64 `array`).
     """
 
     path: list[TreeNode]
     device_tokens: int
     host_tokens: int
     disk_tokens: int
-    device_handles: list[Handle]
+    device_handles: array
     last_node: TreeNode
     last_device_node: TreeNode
 
@@ -56,10 +56,11 @@ class PrefixMatch:
 @dataclass
 class InsertOutcome:
     """`prefix_tokens` were already in the tree's device tier; `duplicates` are the caller's device
-    pages that the tree did not take (it already held those pages) and the caller must free."""
+    pages that the tree did not take (it already held those pages) and the caller must free (an
+    int64 `array`)."""
 
     prefix_tokens: int
-    duplicates: list[Handle]
+    duplicates: array
     last_node: TreeNode
     adopted_pages: int = 0  # caller's pages the tree took ownership of
     new_nodes: tuple[TreeNode, ...] = ()  # nodes the insert created (write-through starts from them)

@@ -169,7 +169,7 @@ class _Flight:
     remaining: int = 0
     context: int = 0
     anchor: TreeNode | None = None
-    output_pages: list = field(default_factory=list)
+    output_pages: Sequence[int] = ()
     prefill_left: int = 0
     prefetch_tried: bool = False
     hits: tuple[int, int, int] = (0, 0, 0)

@@ -28,6 +28,7 @@ from array import array
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from ..config import KVLayout
@@ -67,7 +68,7 @@ class SGLangDevicePool(TierStore, LayeredPages):
         self._dtype = self.layout.torch_dtype
         self._owned = 0
         self._offsets = torch.arange(self.page_size, dtype=torch.int64, device=self.device)
-        self._deferred: list[Handle] | None = None  # pages freed inside `deferred_frees`, not yet given back
+        self._deferred: array | None = None  # pages freed inside `deferred_frees`, not yet given back
         # hybrid sliding window: the window layers' rows are reached through SGLang's slot mapping
         self._space = [1 if self.adapter.is_window(layer) else 0 for layer in range(self.layout.num_layers)]
 
@@ -81,7 +82,7 @@ class SGLangDevicePool(TierStore, LayeredPages):
         if self._deferred is not None:
             yield
             return
-        self._deferred = []
+        self._deferred = array("q")
         try:
             yield
         finally:
@@ -91,7 +92,7 @@ class SGLangDevicePool(TierStore, LayeredPages):
     def _flush_frees(self) -> None:
         pages = self._deferred
         if pages:
-            self._deferred = []
+            self._deferred = array("q")
             self.allocator.free(self.token_slots(pages))
 
     # ---- accounting --------------------------------------------------------------------
@@ -131,17 +132,19 @@ class SGLangDevicePool(TierStore, LayeredPages):
             return pages  # (a tensor over the array keeps the array alive)
         return (pages * self.page_size).unsqueeze(1).add(self._offsets).view(-1)
 
-    def pages_of(self, slots: torch.Tensor) -> list[int]:
-        """Page handles of a page-aligned run of token slots (one per page)."""
-        if self.page_size == 1:
-            return slots.tolist()
-        return (slots[:: self.page_size] // self.page_size).tolist()
+    def pages_of(self, slots: torch.Tensor) -> array:
+        """Page handles of a page-aligned run of token slots (one per page), as an int64 `array`
+        (the form the tree keeps: no Python int per page)."""
+        pages = slots if self.page_size == 1 else slots[:: self.page_size] // self.page_size
+        out = array("q")
+        out.frombytes(pages.to(device="cpu", dtype=torch.int64).numpy().tobytes())
+        return out
 
     # ---- TierStore -------------------------------------------------------------------
-    def allocate(self, keys: Sequence[PageKey]) -> list[Handle] | None:
+    def allocate(self, keys: Sequence[PageKey]) -> array | None:
         n = len(keys)
         if n == 0:
-            return []
+            return array("q")
         self._flush_frees()  # pages freed earlier in this call are free for this allocation
         slots = self.adapter.alloc(self.allocator, n * self.page_size)
         if slots is None:
@@ -152,10 +155,10 @@ class SGLangDevicePool(TierStore, LayeredPages):
     def free(self, handles: Sequence[Handle]) -> None:
         if not handles:
             return
-        if len(set(handles)) != len(handles):
+        if _has_repeats(handles):
             raise KeyError("device: free got the same page twice")
         if self._deferred is not None:
-            self._deferred.extend(handles)
+            self._deferred.extend(handles if type(handles) is array else array("q", handles))
         else:
             self.allocator.free(self.token_slots(handles))
         self._owned -= len(handles)
@@ -232,3 +235,11 @@ def frees_batched(method: _Method) -> _Method:
             return method(self, *args, **kwargs)
 
     return call  # type: ignore[return-value]
+
+
+def _has_repeats(handles: Sequence[Handle]) -> bool:
+    """Whether a page appears twice in `handles` (a set for a few, a sort in C for many)."""
+    if len(handles) <= 32:
+        return len(set(handles)) != len(handles)
+    pages = np.sort(np.frombuffer(handles, dtype=np.int64) if type(handles) is array else np.asarray(handles))
+    return bool((pages[1:] == pages[:-1]).any())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 import torch
@@ -22,7 +23,7 @@ class _SlotStore(TierStore):
     def free_pages(self) -> int:
         return self._slots.free_count
 
-    def allocate(self, keys: Sequence[PageKey]) -> list[Handle] | None:
+    def allocate(self, keys: Sequence[PageKey]) -> array | None:
         return self._slots.allocate(len(keys))
 
     def free(self, handles: Sequence[Handle]) -> None:

@@ -19,9 +19,11 @@ import heapq
 import os
 import secrets
 import tempfile
-from collections.abc import Iterable, Sequence
+from array import array
+from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..config import KVLayout
@@ -39,11 +41,18 @@ class LowestFirstSlots(SlotAllocator):
         super().__init__(capacity)
         self._free = list(range(capacity))  # a heap
 
-    def _take(self, n: int) -> list[int]:
-        return [heapq.heappop(self._free) for _ in range(n)]
+    @property
+    def free_count(self) -> int:
+        return len(self._free)
 
-    def _give(self, slots: Sequence[int]) -> None:
-        for s in slots:
+    def _free_slots(self) -> list[int]:
+        return self._free
+
+    def _take(self, n: int) -> array:
+        return array("q", [heapq.heappop(self._free) for _ in range(n)])
+
+    def _give(self, slots: np.ndarray) -> None:
+        for s in slots.tolist():
             heapq.heappush(self._free, s)
 
 

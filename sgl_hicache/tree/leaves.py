@@ -38,6 +38,12 @@ class LeafQueue:
         self.key = key
         self._heap: list[Entry] = []
 
+    @property
+    def heap(self) -> list[Entry]:
+        """The entries as a `heapq` heap, for a caller that pops many (the evictor): always the same
+        list object (a rebuild refills it in place), so a caller may hold it across pushes."""
+        return self._heap
+
     def __len__(self) -> int:
         return len(self._heap)
 
@@ -63,5 +69,5 @@ class LeafQueue:
 
     def rebuild(self, nodes: Iterable[TreeNode]) -> None:
         """Replace every entry by one per node of `nodes` (the tier's current leaves)."""
-        self._heap = [(self.key(n), n.id, n) for n in nodes]
+        self._heap[:] = [(self.key(n), n.id, n) for n in nodes]  # in place: see `heap`
         heapq.heapify(self._heap)

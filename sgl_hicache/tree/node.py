@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import itertools
 from array import array
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sequence
+from itertools import compress
+from operator import ne
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from ..hashing import PageKey, chain_keys, tokens_bytes
 from ..tiers.base import DEVICE, DISK, HOST, Handle
@@ -62,7 +66,9 @@ class TreeNode:
     """One edge of the radix tree: `tokens` (a whole number of pages, an int64 array: 8 bytes a token,
     where a tuple of ints took ~40), their chained `keys`, and the
     tiers that hold a copy: `device`, `host` and `disk` are per-page handles in that tier (None when
-    absent; the disk tier's handles are the page keys). Residency is symmetric: every tier is read and
+    absent): the slot tiers' (device, host) as one int64 `array` per node, so splitting, comparing
+    and freeing a node's pages are C copies, not a Python object per page; the disk tier's handles
+    are the page keys, a list. Residency is symmetric: every tier is read and
     written the same way (`in_tier`, `handles`).
 
     Counters the policies read: `lock_ref` (requests using the node; a locked node is never evicted
@@ -117,9 +123,9 @@ class TreeNode:
         # would cost more than the tree walk itself when pages never reach the disk tier
         self._keys = keys
         self.num_pages = num_pages
-        self.device: list[Handle] | None = None
-        self.host: list[Handle] | None = None
-        self.disk: list[Handle] | None = None
+        self.device: array | None = None
+        self.host: array | None = None
+        self.disk: list[PageKey] | None = None
         self.lock_ref = 0
         self.pins = 0
         self.hit_count = 0
@@ -202,8 +208,9 @@ class TreeNode:
     def in_tier(self, tier: str) -> bool:
         return getattr(self, tier) is not None
 
-    def handles(self, tier: str) -> list[Handle]:
-        """This node's per-page handles in `tier` (which must hold a copy)."""
+    def handles(self, tier: str) -> Sequence[Handle]:
+        """This node's per-page handles in `tier` (which must hold a copy): an int64 `array` of
+        slots (device, host) or a list of page keys (disk)."""
         handles = getattr(self, tier)
         assert handles is not None, f"{self} holds no copy in {tier}"
         return handles
@@ -237,9 +244,34 @@ _TIERS_OF: tuple[tuple[str, ...], ...] = tuple(
 )
 
 
-def split_handles(handles: Sequence[Handle] | None, at: int) -> tuple[list[Handle] | None, list[Handle] | None]:
+def split_handles(handles: Sequence[Handle] | None, at: int) -> tuple[Any, Any]:
+    """The first `at` handles and the rest, each a new sequence of the same kind (a node's handles
+    are an int64 `array` or a list: slices of either are copies already)."""
     if handles is None:
         return None, None
-    if isinstance(handles, list):  # slices of a list are new lists already
-        return handles[:at], handles[at:]
-    return list(handles[:at]), list(handles[at:])
+    return handles[:at], handles[at:]
+
+
+def slot_array(handles: Iterable[Handle]) -> array:
+    """Slot handles (ints) as a new int64 `array`, the form the tree keeps for the slot tiers."""
+    if type(handles) is array and handles.typecode == "q":
+        return array("q", handles)  # (a copy at C speed)
+    try:
+        return array("q", handles)
+    except (TypeError, OverflowError) as exc:
+        raise TypeError(f"slot handles must be ints: {exc}") from None
+
+
+def differing(mine: array, theirs: array) -> Iterable[int]:
+    """The handles of `mine` that differ from `theirs` at the same place (two int64 arrays of one
+    length), in order: one vectorised comparison for a long node, a C-level iteration for a short
+    one (where numpy's fixed cost is the larger)."""
+    if len(mine) <= _SHORT:
+        return compress(mine, map(ne, mine, theirs))
+    a = np.frombuffer(mine, dtype=np.int64)
+    out = array("q")
+    out.frombytes(a[a != np.frombuffer(theirs, dtype=np.int64)].tobytes())
+    return out
+
+
+_SHORT = 24  # (measured: below about this many pages the iteration is the cheaper)

@@ -15,7 +15,7 @@ from ..tiers.base import DISK, TIERS, Handle
 from .gaps import TierGaps
 from .invariants import InvariantError, check_tree
 from .leaves import LeafKey, LeafQueue
-from .node import UNWRITTEN, TreeNode, edge_key_of, split_handles
+from .node import UNWRITTEN, TreeNode, edge_key_of, slot_array, split_handles
 from .traffic import HalfLife, drop_edge, start_edges
 
 _ALL = frozenset(TIERS)
@@ -227,12 +227,18 @@ class RadixTree:
         self, node: TreeNode, tier: str, handles: Sequence[Handle] | None = None, owned: bool = False
     ) -> None:
         """Record `node`'s copy in `tier` (`handles`: one per page; the disk tier's default to the
-        keys). `owned`: `handles` is a fresh list the caller gives away (kept, not copied)."""
+        keys). `owned`: `handles` is a fresh sequence the caller gives away (kept, not copied, when
+        it already has the form the tree keeps: an int64 `array` of slots, or a list of keys)."""
         assert getattr(node, tier) is None, f"{node} already in {tier}"
-        if handles is None and tier == DISK:
-            handles = node.keys  # the lower tier is content-addressed: its handles are the keys
-        assert handles is not None and len(handles) == node.num_pages
-        setattr(node, tier, handles if owned and type(handles) is list else list(handles))
+        if tier == DISK:
+            if handles is None:
+                handles = node.keys  # the lower tier is content-addressed: its handles are the keys
+            kept: Sequence[Handle] = handles if owned and type(handles) is list else list(handles)
+        else:
+            assert handles is not None
+            kept = handles if owned and type(handles) is array and handles.typecode == "q" else slot_array(handles)
+        assert len(kept) == node.num_pages, (node, tier, len(kept))
+        setattr(node, tier, kept)
         self.version += 1
         self._share(node, tier, +1)
         self.resident[tier].add(node)
@@ -246,12 +252,12 @@ class RadixTree:
             for t in node.tiers():
                 self.push_leaf(node, t)
 
-    def clear_resident(self, node: TreeNode, tier: str) -> list[Handle]:
+    def clear_resident(self, node: TreeNode, tier: str) -> Sequence[Handle]:
         """Forget `node`'s copy in `tier`; returns the handles the store must free."""
         assert node.in_tier(tier), f"{node} not in {tier}"
         self.version += 1
         self._share(node, tier, -1)
-        handles: list[Handle] = getattr(node, tier)
+        handles: Sequence[Handle] = getattr(node, tier)
         setattr(node, tier, None)
         self.resident[tier].discard(node)
         self.gaps.left(node, tier)
@@ -265,30 +271,35 @@ class RadixTree:
                 self.push_leaf(node, t)
         return handles
 
-    def drop_leaf(self, node: TreeNode, tier: str) -> list[Handle]:
+    def drop_leaf(self, node: TreeNode, tier: str) -> Sequence[Handle]:
         """`clear_resident(node, tier)` then `remove_leaf(node)` in one step, for an unused leaf
         whose only copy is in `tier` (eviction's plain case: it shares nothing, protects nothing,
         has no other tier to requeue). Returns the handles the store must free."""
         parent = node.parent
         assert parent is not None and not node.children and not node.lock_ref and not node.pins, node
-        handles: list[Handle] = getattr(node, tier)
+        handles: Sequence[Handle] = getattr(node, tier)
         setattr(node, tier, None)
         assert node.device is None and node.host is None and node.disk is None, f"{node} is in another tier"
         self.version += 1
         self.resident[tier].discard(node)
-        self.gaps.left(node, tier)
-        self.leaf_sets[tier].discard(node)
-        counts = parent.own_dict("children_in")
+        self.gaps.dropped(node, tier)
+        leaf_set = self.leaf_sets[tier]
+        leaf_set.discard(node)
+        counts = parent.children_in
+        if counts is UNWRITTEN:
+            counts = parent.children_in = {}
         n = counts.get(tier, 0) - 1
         counts[tier] = n
         self.pages[tier] -= node.num_pages
-        first = node.edge_key
+        first = node._edge
+        if first is None:
+            first = node.edge_key
         del parent.children[first]
         drop_edge(parent, first)
         node.parent = None
         self.node_count -= 1
         if n == 0 and parent.parent is not None and getattr(parent, tier) is not None:
-            self.leaf_sets[tier].add(parent)  # the parent is a leaf of `tier` now
+            leaf_set.add(parent)  # the parent is a leaf of `tier` now
             self.push_leaf(parent, tier)
         return handles
 
@@ -344,8 +355,9 @@ class RadixTree:
         (In no particular order; kept incrementally, so this is O(leaves), not O(resident nodes).)"""
         return iter(list(self.leaf_sets[tier]))
 
-    def handles_of(self, path: Sequence[TreeNode], tier: str) -> list[Handle]:
-        out: list[Handle] = []
+    def handles_of(self, path: Sequence[TreeNode], tier: str) -> Sequence[Handle]:
+        """The handles of `path` in `tier`, in order: an int64 `array` of slots, or a list of keys (disk)."""
+        out: array | list[Handle] = [] if tier == DISK else array("q")
         for node in path:
             out.extend(node.handles(tier))
         return out
