@@ -58,7 +58,7 @@ from chain_server import fold_into_vocab  # noqa: E402
 from server_compare import DEFAULT_MODEL, _git_rev, run_one  # noqa: E402
 
 from sgl_hicache.replay.http import generate_stream, replay_http  # noqa: E402
-from sgl_hicache.replay.shapes import agent, role_of  # noqa: E402
+from sgl_hicache.replay.shapes import agent  # noqa: E402
 from sgl_hicache.sglang.server import SGLangServer  # noqa: E402
 
 CONFIGS = ("hicache", "sgl_hicache", "sgl_hicache_hints")
@@ -212,6 +212,7 @@ def figures(rep: dict[str, Any], reqs: list, post: set[str]) -> dict[str, Any]:
         out["prefetch"] = rep.get("prefetch")
         out["speculation"] = stats.get("speculation")
         out["bytes_moved"] = rep.get("bytes_moved")
+        out["backend"] = stats.get("backend")  # admission holds, loads waited, evictions: where time went
     if "in_request_hints" in rep:
         out["in_request_hints"] = {k: v for k, v in rep["in_request_hints"].items() if k != "server"}
     return out
