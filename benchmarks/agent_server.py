@@ -60,6 +60,7 @@ from server_compare import DEFAULT_MODEL, _git_rev, run_one  # noqa: E402
 from sgl_hicache.replay.http import generate_stream, replay_http  # noqa: E402
 from sgl_hicache.replay.shapes import agent  # noqa: E402
 from sgl_hicache.sglang.server import SGLangServer  # noqa: E402
+from sgl_hicache.sglang.settings import BackendSettings  # noqa: E402
 
 CONFIGS = ("hicache", "sgl_hicache", "sgl_hicache_hints")
 SERVER_OF = {"hicache": "hicache", "sgl_hicache": "sgl_hicache", "sgl_hicache_hints": "sgl_hicache"}
@@ -359,6 +360,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--concurrency", type=int, default=32, help="requests in flight at most (default 32)")
     p.add_argument("--time-scale", type=float, default=1.0, help="send at trace time x S (default 1)")
+    p.add_argument(
+        "--sgl-hicache-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a sgl_hicache backend setting for both sgl_hicache configs (a BackendSettings field, JSON value), repeatable",
+    )
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        default=None,
+        help="py-spy each run's scheduler process (collapsed stacks DIR/<run>.txt; benchmarks/profile_summary.py)",
+    )
     p.add_argument("--workdir", default=None)
     p.add_argument("--keep-logs", default=None, help="copy every server log into this directory")
     p.add_argument("--start-timeout", type=float, default=300.0)
@@ -378,7 +392,19 @@ def main(argv: list[str] | None = None) -> int:
     if a.repeats < 1 or a.time_scale <= 0 or a.device_tokens < 128 or a.host_ratio <= 1 or a.output_tokens < 1:
         p.error("--repeats >= 1, --time-scale > 0, --device-tokens >= 128, --host-ratio > 1, --output-tokens >= 1")
     # the fields server_compare.run_one reads
-    a.page_size, a.sgl_hicache_extra, a.profile = shape["page_size"], {}, None
+    a.page_size, a.sgl_hicache_extra = shape["page_size"], {}
+    for item in a.sgl_hicache_set:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            p.error(f"--sgl-hicache-set wants KEY=VALUE, got {item!r}")
+        try:
+            a.sgl_hicache_extra[key.strip()] = json.loads(raw)
+        except ValueError:
+            a.sgl_hicache_extra[key.strip()] = raw
+    try:
+        BackendSettings().replace(**a.sgl_hicache_extra)
+    except (TypeError, ValueError) as e:
+        p.error(f"--sgl-hicache-set: {e}")
     for k in [k for k in os.environ if k.startswith("SGLHICACHE_") or k == "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"]:
         del os.environ[k]  # no caller's setting leaks into a run
 
@@ -463,6 +489,7 @@ def main(argv: list[str] | None = None) -> int:
             "concurrency": a.concurrency,
             "output_tokens": a.output_tokens,
             "time_scale": a.time_scale,
+            "sgl_hicache_extra": a.sgl_hicache_extra,
             "git": _git_rev(),
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
         },
