@@ -22,7 +22,11 @@ flags, pool sizes and file / disk stores of `server_compare.py`):
   (`replay_http(hints_in_request=True)`, `replay/in_request.py`): each turn followed by a tool call
   carries ``custom_params.agent_hints`` {workflow_id, agent_id, step_id, expected_tool_duration_ms:
   the estimate}, a one-token prefetch call naming ``"<workflow_id>/<agent_id>"`` goes `lead_s`
-  before the estimate runs out, and the session's last turn says ``reuse_hint: "end"``.
+  before the estimate runs out, and the session's last turn says ``reuse_hint: "end"``;
+- `hicache_pt16` (only with `--configs`): `hicache` with its storage prefetch threshold lowered from
+  256 tokens (SGLang's default: a miss shorter than that is never loaded from storage) to one page,
+  `--hicache-storage-backend-extra-config '{"prefetch_threshold": 16}'`: this trace's sessions are a
+  few hundred tokens, so at the default HiCache recomputes what its file store holds.
 
 Open loop at the trace's times x `--time-scale` (`replay_http`, `trace_clock`; at most
 `--concurrency` in flight). Per run: TTFT of the turns that follow a long tool (``post-pause``:
@@ -62,15 +66,26 @@ from sgl_hicache.replay.shapes import agent  # noqa: E402
 from sgl_hicache.sglang.server import SGLangServer  # noqa: E402
 from sgl_hicache.sglang.settings import BackendSettings  # noqa: E402
 
-CONFIGS = ("hicache", "sgl_hicache", "sgl_hicache_hints")
-SERVER_OF = {"hicache": "hicache", "sgl_hicache": "sgl_hicache", "sgl_hicache_hints": "sgl_hicache"}
+CONFIGS = ("hicache", "sgl_hicache", "sgl_hicache_hints", "hicache_pt16")
+DEFAULT_CONFIGS = CONFIGS[:3]
+SERVER_OF = {
+    "hicache": "hicache",
+    "sgl_hicache": "sgl_hicache",
+    "sgl_hicache_hints": "sgl_hicache",
+    "hicache_pt16": "hicache",
+}
+# HiCache loads from its storage only a miss of at least `prefetch_threshold` tokens (256 by default,
+# hybrid_cache_controller.parse_storage_backend_extra_config); this trace's sessions are a few hundred
+# tokens, so `hicache_pt16` lowers it to one page, as the trace's sizes are scaled down.
+EXTRA_ARGS = {"hicache_pt16": ["--hicache-storage-backend-extra-config", '{"prefetch_threshold": 16}']}
 LABELS = {
     "hicache": "SGLang HiCache (host + file)",
+    "hicache_pt16": "SGLang HiCache, storage prefetch threshold 16",
     "sgl_hicache": "sgl_hicache, no hints",
     "sgl_hicache_hints": "sgl_hicache, hints in the request",
 }
 TIERS = ("device", "host", "disk")
-PEER = "hicache"
+PEERS = ("hicache", "hicache_pt16")  # ratios: each sgl_hicache config against each HiCache config run
 
 # The agent shape on this CPU (bench-llama, 2 cores): one run ~2 min of trace. See the module docstring.
 SHAPE: dict[str, Any] = {
@@ -290,17 +305,16 @@ def summarize(samples: list[dict[str, Any]], configs: list[str]) -> dict[str, An
                 "requests": [a.get("requests") for a in ah],
             }
     ratios: dict[str, Any] = {}
-    for c in configs:
-        if c == PEER or PEER not in per:
-            continue
-        key = f"{c} / {PEER}"
+    pairs = [(c, peer) for peer in PEERS if peer in per for c in configs if c not in PEERS]
+    for c, peer in pairs:
+        key = f"{c} / {peer}"
         ratios[key] = {}
         for m in METRICS:
-            mine, theirs = per[c][m]["median"], per[PEER][m]["median"]
+            mine, theirs = per[c][m]["median"], per[peer][m]["median"]
             paired = []
             for r in sorted({s["repeat"] for s in samples}):
                 x = [s[m] for s in samples if s["repeat"] == r and s["config"] == c and "error" not in s]
-                y = [s[m] for s in samples if s["repeat"] == r and s["config"] == PEER and "error" not in s]
+                y = [s[m] for s in samples if s["repeat"] == r and s["config"] == peer and "error" not in s]
                 if x and y and x[0] is not None and y[0]:
                     paired.append(x[0] / y[0])
             ratios[key][m] = {
@@ -341,7 +355,11 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default 3)")
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
+    p.add_argument(
+        "--configs",
+        default=",".join(DEFAULT_CONFIGS),
+        help=f"subset of {','.join(CONFIGS)} (default {','.join(DEFAULT_CONFIGS)})",
+    )
     p.add_argument("--quick", action="store_true", help="tiny: 3 agents of 3 steps, 1 repeat (proves it runs)")
     p.add_argument("--json", help="write all samples and the summary here")
     p.add_argument("--seed", type=int, default=1, help="the trace's seed (the same trace in every run; default 1)")
@@ -451,6 +469,7 @@ def main(argv: list[str] | None = None) -> int:
                 workdir,
                 tag,
                 replay=replayer(reqs, post, a, hints=c == "sgl_hicache_hints", vocab=vocab),
+                extra_args=EXTRA_ARGS.get(c, ()),
             )
             s.update(config=c, repeat=r, order_pos=pos)
             samples.append(s)

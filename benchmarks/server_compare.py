@@ -65,7 +65,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -278,10 +278,12 @@ def run_one(
     workdir: Path,
     tag: str,
     replay: Callable[[SGLangServer], dict[str, Any]] | None = None,
+    extra_args: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """One run on a fresh server of `config` (`server_args`, `server_env`; its own temp dir, stopped
-    and cleaned in every path): `replay(server)` gives the run's figures (default: `replay_http` of
-    `reqs` as `a` says, summarised by `_summary`). Never raises for a failed run: `error` says why."""
+    """One run on a fresh server of `config` (`server_args` + `extra_args`, `server_env`; its own temp
+    dir, stopped and cleaned in every path): `replay(server)` gives the run's figures (default:
+    `replay_http` of `reqs` as `a` says, summarised by `_summary`). Never raises for a failed run:
+    `error` says why."""
     run_dir = Path(tempfile.mkdtemp(prefix=f"{tag}-", dir=workdir))
     store = run_dir / "store"
     log = run_dir / "server.log"
@@ -291,7 +293,7 @@ def run_one(
     try:
         srv = SGLangServer.start(
             a.model,
-            extra_args=server_args(config, pool, a.page_size, a.host_ratio),
+            extra_args=[*server_args(config, pool, a.page_size, a.host_ratio), *extra_args],
             env=server_env(config, pool, a.host_ratio, store, a.disk_tokens, a.page_size, a.sgl_hicache_extra),
             log_path=log,
             load_format="dummy",
