@@ -65,6 +65,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -269,7 +270,20 @@ def prefill_batches(log_text: str) -> dict[str, Any]:
     }
 
 
-def run_one(config: str, pool: int, reqs: list, a: argparse.Namespace, workdir: Path, tag: str) -> dict[str, Any]:
+def run_one(
+    config: str,
+    pool: int,
+    reqs: list,
+    a: argparse.Namespace,
+    workdir: Path,
+    tag: str,
+    replay: Callable[[SGLangServer], dict[str, Any]] | None = None,
+    extra_args: Sequence[str] = (),
+) -> dict[str, Any]:
+    """One run on a fresh server of `config` (`server_args` + `extra_args`, `server_env`; its own temp
+    dir, stopped and cleaned in every path): `replay(server)` gives the run's figures (default:
+    `replay_http` of `reqs` as `a` says, summarised by `_summary`). Never raises for a failed run:
+    `error` says why."""
     run_dir = Path(tempfile.mkdtemp(prefix=f"{tag}-", dir=workdir))
     store = run_dir / "store"
     log = run_dir / "server.log"
@@ -279,7 +293,7 @@ def run_one(config: str, pool: int, reqs: list, a: argparse.Namespace, workdir: 
     try:
         srv = SGLangServer.start(
             a.model,
-            extra_args=server_args(config, pool, a.page_size, a.host_ratio),
+            extra_args=[*server_args(config, pool, a.page_size, a.host_ratio), *extra_args],
             env=server_env(config, pool, a.host_ratio, store, a.disk_tokens, a.page_size, a.sgl_hicache_extra),
             log_path=log,
             load_format="dummy",
@@ -288,18 +302,21 @@ def run_one(config: str, pool: int, reqs: list, a: argparse.Namespace, workdir: 
         sample["server_ready_s"] = srv.ready_after_s
         spy = start_profiler(srv.proc.pid, Path(a.profile) / f"{tag}.txt") if a.profile else None
         try:
-            rep = replay_http(
-                reqs,
-                srv.url,
-                concurrency=a.concurrency,
-                max_new_tokens=a.output_tokens,
-                timeout_s=a.request_timeout,
-                trace_clock=a.time_scale is not None,
-                time_scale=a.time_scale or 1.0,
-            )
+            if replay is not None:
+                sample.update(replay(srv))
+            else:
+                rep = replay_http(
+                    reqs,
+                    srv.url,
+                    concurrency=a.concurrency,
+                    max_new_tokens=a.output_tokens,
+                    timeout_s=a.request_timeout,
+                    trace_clock=a.time_scale is not None,
+                    time_scale=a.time_scale or 1.0,
+                )
+                sample.update(_summary(rep))
         finally:
             stop_profiler(spy)
-        sample.update(_summary(rep))
         sample["server_info"] = _server_info(srv.url)
         if not srv.alive():
             sample["error"] = "server died during the replay"

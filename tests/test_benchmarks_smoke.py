@@ -593,3 +593,68 @@ def test_agent_hints_smoke(tmp_path: Path) -> None:
     assert {"no_hints", "hints", "oracle", "summary"} <= set(cell)
     assert cell["hints"]["hints"]["applied"]["pin"] > 0 and cell["no_hints"]["hints"]["applied"]["pin"] == 0
     assert cell["summary"]["mean_ratio"] <= 1.05 and cell["summary"]["p99_ratio"] <= 1.05  # the hints never harm
+
+
+def test_agent_server_figures_without_a_server() -> None:
+    """`benchmarks/agent_server.py`'s figures from a replay report (its server runs take minutes: no
+    smoke run here): the turns after a long tool, job completion times, per-tier hits, and the
+    summary's ratios against HiCache."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import agent_server as bench
+
+    from sgl_hicache.replay.shapes import agent
+
+    shape = {**bench.QUICK, "sessions": 3, "steps": 4, "long_share": 0.5}
+    reqs = agent(**shape, seed=3)
+    post = bench.post_pause_ids(reqs, shape)
+    by_session: dict = {}
+    for r in reqs:
+        by_session.setdefault(r.session, []).append(r)
+    want = {
+        b.request_id
+        for s, rs in by_session.items()
+        if s.startswith("agent")
+        for a, b in zip(rs, rs[1:])
+        if b.arrival_s - a.arrival_s - shape["decode_s"] >= shape["long_s"][0]
+    }
+    assert post == want and 0 < len(post) < sum(1 for r in reqs if r.session.startswith("agent"))
+    records = [
+        {
+            "request_id": r.request_id,
+            "arrival_s": r.arrival_s,
+            "ttft_s": 0.5,
+            "hit_device": 16,
+            "hit_host": 0,
+            "hit_disk": 32 if r.request_id in post else 0,
+            "prompt_tokens": len(r.input_ids),
+            "error": None,
+        }
+        for r in reqs
+    ]
+    rep = {"records": records, "requests_failed": 0, "errors": {}, "duration_s": 1.0}
+    fig = bench.figures(rep, reqs, post)
+    assert fig["post_pause_turns"] == len(post) and fig["post_pause_hit_tokens"]["disk"] == 32 * len(post)
+    jct = [
+        max(r.arrival_s for r in rs) + 0.5 - min(r.arrival_s for r in rs)
+        for s, rs in by_session.items()
+        if s.startswith("agent")
+    ]
+    assert fig["jobs_complete"] == 3 and abs(fig["jct_mean_s"] - sum(jct) / 3) < 1e-9
+    samples = []
+    for rep_i in range(2):
+        for c, k in (("hicache", 1.0), ("sgl_hicache_hints", 0.5)):
+            samples.append({**fig, "config": c, "repeat": rep_i, "post_pause_ttft_mean_s": k * (1 + rep_i)})
+    summary = bench.summarize(samples, ["hicache", "sgl_hicache_hints"])
+    r = summary["ratios"]["sgl_hicache_hints / hicache"]["post_pause_ttft_mean_s"]
+    assert r["of_medians"] == 0.5 and r["paired"] == [0.5, 0.5]
+    assert "post-pause" in bench.render(summary)
+
+
+def test_agent_server_refuses_bad_options() -> None:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import agent_server as bench
+
+    for args in (["--configs", "nope"], ["--device-tokens", "64"], ["--host-ratio", "1"]):
+        with pytest.raises(SystemExit) as e:
+            bench.main(args)
+        assert e.value.code == 2, args

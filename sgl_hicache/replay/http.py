@@ -39,6 +39,11 @@ resolved here to that session's latest prompt before the request (the server tra
 API is `hint_url`, or the one the server's stats name (`hints.port`, served with `--hint-port`). A trace
 with hints and no hint API answering is a ServerError before anything is sent; a refused hint (4xx) is
 counted with its reason in the report's `hints`; an API that stops answering is `hints.endpoint_error`.
+With `hints_in_request` (trace clock only), the hints travel in the requests instead, as an agent
+framework sends them (`replay/in_request.py`: ``custom_params.agent_hints`` on each turn of a hinted
+session, and standalone one-token prefetch calls at their trace times); the prefetch calls are not
+measured requests: the report counts them under `in_request_hints`, with the server's
+`agent_hints` counters after the replay (since the server started).
 
 Prompts longer than the server takes: like SGLang's `bench_serving` (which prunes a dataset row when
 ``prompt_len + output_len > context_len``), such requests are skipped, not truncated; also skipped is a
@@ -62,6 +67,7 @@ from typing import Any
 from ..records import RequestRecord
 from ..sglang.model_facts import model_facts, special_token_ids  # re-exported (__all__)
 from .hint_client import HintApiError, HintCounts, HintSender, hint_api_status, hint_api_url, resolve_hints
+from .in_request import plan_in_request_hints
 from .trace import Request
 
 
@@ -414,6 +420,7 @@ def replay_http(
     keep_outputs: bool = False,
     server: ServerModel | None = None,
     hint_url: str | None = None,
+    hints_in_request: bool = False,
 ) -> dict[str, Any]:
     """Replay `requests` against the server at `url`; returns the report (see the module docstring).
 
@@ -423,11 +430,14 @@ def replay_http(
     is sent; requests too long for it are skipped and counted (`requests_skipped`, `skipped`).
     Requests' `hints` go to the hint API at `hint_url` (default: the one the server's stats name) at
     their request's send time + `after_s` (`replay/hint_client.py`); the report's `hints` counts
-    them. ServerError before anything is sent when the trace has hints and no hint API answers."""
+    them. ServerError before anything is sent when the trace has hints and no hint API answers.
+    `hints_in_request` (needs `trace_clock`) sends the hints in the requests instead (module docstring)."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     if time_scale <= 0:
         raise ValueError(f"time_scale must be > 0, got {time_scale}")
+    if hints_in_request and not trace_clock:
+        raise ValueError("hints_in_request needs trace_clock: the prefetch calls go at their trace times")
     _split_url(url)
     from ..report import policy_report
 
@@ -436,11 +446,17 @@ def replay_http(
     check_vocab(requests, server.vocab_size)
     fitting, skipped = fit_requests(requests, server, max_new_tokens)
     before = _server_stats(url)
-    hinted, unresolved = resolve_hints(fitting)
+    plan = plan_in_request_hints(fitting, time_scale=time_scale) if hints_in_request else None
+    hinted, unresolved = resolve_hints(fitting) if plan is None else ({}, [])
     hints = _hint_api(url, hint_url, before, sum(map(len, hinted.values())) + len(unresolved))
+    controls = plan.prefetch_ids if plan is not None else frozenset()
+    if plan is not None:
+        check_vocab(plan.prefetches, server.vocab_size)
+        fitting = [*fitting, *plan.prefetches]
     reqs = sorted(fitting, key=lambda r: r.arrival_s) if trace_clock else list(fitting)
-    total = len(reqs)
+    total = len(reqs) - len(controls)
     records: list[HttpRecord] = []
+    control_records: list[HttpRecord] = []
     lock = threading.Lock()
     sender = HintSender(hints[0]) if hints is not None else None
     hint_scale = time_scale if trace_clock else 1.0
@@ -453,7 +469,8 @@ def replay_http(
             for hint in hinted.get(id(req), ()):
                 sender.schedule(start + sent + hint.hint.after_s * hint_scale, hint)
         try:
-            r = generate_stream(url, req.input_ids, n_out, timeout_s=timeout_s)
+            extra = plan.sampling(req.request_id) if plan is not None else None
+            r = generate_stream(url, req.input_ids, n_out, timeout_s=timeout_s, extra_sampling=extra)
             d, h, k = hits_from_meta(r["meta_info"])
             rec = HttpRecord(
                 req.request_id,
@@ -473,6 +490,9 @@ def replay_http(
                 req.request_id, sent, 0.0, now, len(req.input_ids), 0, error=f"{type(e).__name__}: {e}"[:500]
             )
         with lock:
+            if req.request_id in controls:
+                control_records.append(rec)
+                return
             records.append(rec)
             done = len(records)
         if progress is not None:
@@ -550,6 +570,15 @@ def replay_http(
     report["server_stats"] = after
     if hint_report is not None:
         report["hints"] = hint_report
+    if plan is not None:
+        bad = [r for r in control_records if r.error is not None]
+        report["in_request_hints"] = {
+            "requests_with_hints": sum(1 for r in fitting if r.request_id in plan.agent_hints) - len(controls),
+            "prefetches_sent": len(control_records),
+            "prefetches_failed": len(bad),
+            "first_error": bad[0].error if bad else None,
+            "server": after.get("agent_hints") if isinstance(after, dict) else None,
+        }
     if keep_outputs:
         report["records"] = [vars(r) for r in sorted(records, key=lambda r: r.arrival_s)]
     return report
