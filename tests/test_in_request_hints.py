@@ -53,8 +53,8 @@ def test_each_turn_of_a_hinted_session_names_it_and_announces_its_tool_call():
         parsed = parse_agent_hints({"agent_hints": obj})  # what the server accepts
         assert parsed is not None and parsed.session == f"{r.session}/main"
         pins = [h for h in r.hints if h.action == "pin"]
-        if pins:  # a tool call follows: the estimate (trace seconds x the time scale), in ms
-            assert obj["expected_tool_duration_ms"] == pytest.approx(pins[0].ttl_s * 0.5 * 1000, abs=1e-3)
+        if pins:  # a tool call follows: retained from the turn's end (trace seconds x the time scale), in ms
+            assert pins[0].at_finish and obj["cache_ttl_ms"] == pytest.approx(pins[0].ttl_s * 0.5 * 1000, abs=1e-3)
             assert "reuse_hint" not in obj
         else:  # the session's last turn starts no tool: the conversation ends there
             assert r.request_id.endswith(f"resume{SHAPE['steps'] - 1}") and obj["reuse_hint"] == "end"
@@ -62,15 +62,23 @@ def test_each_turn_of_a_hinted_session_names_it_and_announces_its_tool_call():
     assert [plan.agent_hints[r.request_id]["step_id"] for r in turns if r.session == "agent0"] == [0, 1, 2, 3]
 
 
-def test_each_prefetch_hint_becomes_a_one_token_call_at_its_trace_time():
+def test_each_prefetch_hint_becomes_a_one_token_call_at_its_time():
     reqs = agent(**SHAPE, pins=True, estimate_sigma=0.5)
     plan = plan_in_request_hints(reqs, time_scale=0.5)
-    want = sorted(
-        (r.session, round(r.arrival_s + h.after_s, 6)) for r in reqs for h in r.hints if h.action == "prefetch"
-    )
-    got = sorted((p.session, p.arrival_s) for p in plan.prefetches)
-    assert got == want and len(got) == len({p.request_id for p in plan.prefetches})
-    for p in plan.prefetches:  # trace times: the replayer scales them like every arrival
+    # the agent shape's prefetches go a while after their turn's reply ends (the tool's estimate - lead)
+    want = sorted((r.request_id, h.after_s) for r in reqs for h in r.hints if h.action == "prefetch")
+    got = sorted((rid, delay) for rid, pairs in plan.after_finish.items() for delay, _ in pairs)
+    calls = [c for pairs in plan.after_finish.values() for _, c in pairs]
+    assert got == want and plan.prefetches == [] and len({c.request_id for c in calls}) == len(calls)
+    for p in calls:
+        assert tuple(p.input_ids) == PREFETCH_PROMPT and p.output_length == 1 and role_of(p).startswith("prefetch")
+        assert plan.sampling(p.request_id) == {"custom_params": {"agent_hints": {"prefetch": f"{p.session}/main"}}}
+    # an arrival-relative prefetch goes at its trace time (the replayer scales it like every arrival)
+    a1 = _req("a/1", "a", 1.0, [1, 2, 3, 4], hints=(Hint("prefetch", session="a", after_s=2.0),))
+    b1 = _req("b/1", "b", 0.0, [5, 6, 7, 8], hints=(Hint("prefetch", session="b", after_s=5.0),))
+    plan = plan_in_request_hints([a1, b1])
+    assert [(p.session, p.arrival_s) for p in plan.prefetches] == [("a", 3.0), ("b", 5.0)]
+    for p in plan.prefetches:
         assert tuple(p.input_ids) == PREFETCH_PROMPT and p.output_length == 1 and role_of(p).startswith("prefetch")
         assert plan.sampling(p.request_id) == {"custom_params": {"agent_hints": {"prefetch": f"{p.session}/main"}}}
     assert [p.arrival_s for p in plan.prefetches] == sorted(p.arrival_s for p in plan.prefetches)
@@ -203,11 +211,12 @@ def test_the_replayer_sends_the_hints_in_the_requests_and_measures_only_the_turn
     assert rep["requests"] == len(reqs) and rep["requests_failed"] == 0
     assert {r["request_id"] for r in rep["records"]} == {r.request_id for r in reqs}  # prefetch calls not measured
     ih = rep["in_request_hints"]
-    assert ih["prefetches_sent"] == len(plan.prefetches) > 0 and ih["prefetches_failed"] == 0
+    calls = len(plan.prefetches) + sum(map(len, plan.after_finish.values()))
+    assert ih["prefetches_sent"] == calls > 0 and ih["prefetches_failed"] == 0
     assert ih["requests_with_hints"] == sum(1 for r in reqs if r.session.startswith("agent"))
     sent = [b["sampling_params"].get("custom_params", {}).get("agent_hints") for b in fake.bodies]
     prefetches = [h for h in sent if h and "prefetch" in h]
-    assert len(prefetches) == len(plan.prefetches)
+    assert len(prefetches) == calls
     assert all(b["sampling_params"]["max_new_tokens"] == 1 for b in fake.bodies if "prefetch" in str(b))
     turns = [h for h in sent if h and "workflow_id" in h]
     assert sorted(json.dumps(h, sort_keys=True) for h in turns) == sorted(

@@ -34,14 +34,15 @@ image / audio placeholder ids there would make a multimodal model read the promp
 
 Hints: a request's `hints` (plain JSONL, `replay/hints.py`) go to the server's hint API (`POST /hints`,
 `sglang/hint_server.py`) at the request's send time + the hint's `after_s` (x `time_scale` with
-`trace_clock`), as the embedded engine applies them at arrival + `after_s`; a hint naming a session is
+`trace_clock`), or with ``at_finish`` `after_s` after its reply ended, as the embedded engine applies
+them (arrival or finish + `after_s`); a hint naming a session is
 resolved here to that session's latest prompt before the request (the server tracks no sessions). The
 API is `hint_url`, or the one the server's stats name (`hints.port`, served with `--hint-port`). A trace
 with hints and no hint API answering is a ServerError before anything is sent; a refused hint (4xx) is
 counted with its reason in the report's `hints`; an API that stops answering is `hints.endpoint_error`.
 With `hints_in_request` (trace clock only), the hints travel in the requests instead, as an agent
 framework sends them (`replay/in_request.py`: ``custom_params.agent_hints`` on each turn of a hinted
-session, and standalone one-token prefetch calls at their trace times); the prefetch calls are not
+session, and standalone one-token prefetch calls at their times); the prefetch calls are not
 measured requests: the report counts them under `in_request_hints`, with the server's
 `agent_hints` counters after the replay (since the server started).
 
@@ -460,6 +461,7 @@ def replay_http(
     lock = threading.Lock()
     sender = HintSender(hints[0]) if hints is not None else None
     hint_scale = time_scale if trace_clock else 1.0
+    followers: list[threading.Timer] = []  # prefetch calls sent a while after their turn's reply ends
     start = time.perf_counter()
 
     def one(req: Request) -> None:
@@ -467,7 +469,8 @@ def replay_http(
         sent = time.perf_counter() - start
         if sender is not None:
             for hint in hinted.get(id(req), ()):
-                sender.schedule(start + sent + hint.hint.after_s * hint_scale, hint)
+                if not hint.hint.at_finish:
+                    sender.schedule(start + sent + hint.hint.after_s * hint_scale, hint)
         try:
             extra = plan.sampling(req.request_id) if plan is not None else None
             r = generate_stream(url, req.input_ids, n_out, timeout_s=timeout_s, extra_sampling=extra)
@@ -489,7 +492,16 @@ def replay_http(
             rec = HttpRecord(
                 req.request_id, sent, 0.0, now, len(req.input_ids), 0, error=f"{type(e).__name__}: {e}"[:500]
             )
+        if sender is not None:  # the hints that run from the request's end (a tool call starts then)
+            for hint in hinted.get(id(req), ()):
+                if hint.hint.at_finish:
+                    sender.schedule(time.perf_counter() + hint.hint.after_s * hint_scale, hint)
         with lock:
+            for delay_s, call in plan.after_finish.get(req.request_id, ()) if plan is not None else ():
+                timer = threading.Timer(delay_s * time_scale, one, args=(call,))
+                timer.daemon = True
+                timer.start()
+                followers.append(timer)
             if req.request_id in controls:
                 control_records.append(rec)
                 return
@@ -521,6 +533,8 @@ def replay_http(
         else:
             list(pool.map(one, reqs))
     duration = time.perf_counter() - start
+    for timer in followers:  # every turn has ended: no timer is added any more
+        timer.join()
     # the hints due after the last request ended are sent too, at their time (the trace says so)
     hint_report = _hint_report(hints, sender.close(), unresolved) if sender is not None and hints is not None else None
     after = _server_stats(url)
@@ -573,7 +587,9 @@ def replay_http(
     if plan is not None:
         bad = [r for r in control_records if r.error is not None]
         report["in_request_hints"] = {
-            "requests_with_hints": sum(1 for r in fitting if r.request_id in plan.agent_hints) - len(controls),
+            "requests_with_hints": sum(
+                1 for r in fitting if r.request_id in plan.agent_hints and r.request_id not in controls
+            ),
             "prefetches_sent": len(control_records),
             "prefetches_failed": len(bad),
             "first_error": bad[0].error if bad else None,

@@ -10,14 +10,15 @@ framework would put on the wire:
   index in its session). The server records the turn's conversation under the session key
   ``"<workflow_id>/<agent_id>"`` when it ends;
 - ``pin`` (or ``retain`` with a ``ttl_s``) of the turn's own prompt (or a prefix of it, or its session):
-  a tool call starts after this turn, ``expected_tool_duration_ms`` = ``ttl_s`` x `time_scale` in ms
-  (the server retains the conversation from the turn's end, a quarter longer than the estimate).
-  The hint's ``after_s`` is when the tool call starts in the trace (the answer written); on the wire
-  the retention starts when the request ends, which is the same moment;
-- ``prefetch`` of the turn's prompt (or a prefix, or its session): a standalone request at the
-  turn's arrival + ``after_s`` (trace time; the replayer scales it like every arrival), with a short
+  a tool call starts after this turn. With ``at_finish`` the hint is the retention itself, from the
+  turn's end: ``cache_ttl_ms`` = ``ttl_s`` x `time_scale` in ms. Without, ``ttl_s`` is the tool's
+  estimate: ``expected_tool_duration_ms`` = ``ttl_s`` x `time_scale` in ms (the server retains the
+  conversation from the turn's end, a quarter longer than the estimate);
+- ``prefetch`` of the turn's prompt (or a prefix, or its session): a standalone request with a short
   prompt (`prefetch_prompt`, shorter than a page: nothing of it is cached), ``max_new_tokens`` 1 and
-  ``agent_hints.prefetch`` = the session key;
+  ``agent_hints.prefetch`` = the session key, sent at the turn's arrival + ``after_s`` (trace time;
+  the replayer scales it like every arrival: `prefetches`), or with ``at_finish`` ``after_s`` after
+  the turn's reply ends (`after_finish`: the replayer sends it then);
 - ``demote`` of the turn's own prompt, and with `end_last_turn` the last turn of a hinted session
   that starts no tool call: ``reuse_hint: "end"``.
 
@@ -45,13 +46,15 @@ class InRequestHints:
     """The translation of a trace's hints (module docstring).
 
     - `agent_hints`: request id -> the ``agent_hints`` object that request carries;
-    - `prefetches`: the standalone prefetch requests, ids ``"<session>/prefetch<k>"``, arrival in
-      trace time, each with its own ``agent_hints`` in `agent_hints`;
+    - `prefetches`: the standalone prefetch requests sent at a trace time, ids
+      ``"<session>/prefetch<k>"``, each with its own ``agent_hints`` in `agent_hints`;
+    - `after_finish`: turn id -> (trace seconds after that turn's reply ends, prefetch request) pairs;
     - `sampling(request_id)`: the extra ``sampling_params`` of that request (None when it carries none).
     """
 
     agent_hints: dict[str, dict[str, Any]] = field(default_factory=dict)
     prefetches: list[Request] = field(default_factory=list)
+    after_finish: dict[str, list[tuple[float, Request]]] = field(default_factory=dict)
 
     def sampling(self, request_id: str) -> dict[str, Any] | None:
         obj = self.agent_hints.get(request_id)
@@ -59,7 +62,8 @@ class InRequestHints:
 
     @property
     def prefetch_ids(self) -> frozenset[str]:
-        return frozenset(r.request_id for r in self.prefetches)
+        later = (r.request_id for pairs in self.after_finish.values() for _, r in pairs)
+        return frozenset((*(r.request_id for r in self.prefetches), *later))
 
 
 def _own(req: Request, hint: Hint, i: int) -> None:
@@ -118,28 +122,32 @@ def plan_in_request_hints(
                             f"request {req.request_id}: hints[{i}] (retain) has no ttl_s: a request announces a tool's "
                             "duration, it cannot only refresh recency (use the hint API)"
                         )
-                    if "expected_tool_duration_ms" in obj:
+                    if "expected_tool_duration_ms" in obj or "cache_ttl_ms" in obj:
                         raise ValueError(f"request {req.request_id}: hints[{i}]: a second retention on one turn")
-                    obj["expected_tool_duration_ms"] = round(hint.ttl_s * time_scale * 1000.0, 3)
+                    field_name = "cache_ttl_ms" if hint.at_finish else "expected_tool_duration_ms"
+                    obj[field_name] = round(hint.ttl_s * time_scale * 1000.0, 3)
                 elif hint.action == "demote":
                     obj["reuse_hint"] = "end"
                 else:  # prefetch: its own call when the trace says
-                    n = len(out.prefetches)
+                    n = len(out.prefetches) + sum(map(len, out.after_finish.values()))
                     pid = f"{session}/{PREFETCH_ROLE}{n}"
-                    out.prefetches.append(
-                        Request(
-                            pid,
-                            session,
-                            round(req.arrival_s + hint.after_s, 6),
-                            array("q", (int(t) for t in prefetch_prompt)),
-                            1,
-                            req.line,
-                        )
+                    call = Request(
+                        pid,
+                        session,
+                        round(req.arrival_s + hint.after_s, 6),
+                        array("q", (int(t) for t in prefetch_prompt)),
+                        1,
+                        req.line,
                     )
+                    if hint.at_finish:
+                        out.after_finish.setdefault(req.request_id, []).append((hint.after_s, call))
+                    else:
+                        out.prefetches.append(call)
                     out.agent_hints[pid] = {"prefetch": key}
-            if "reuse_hint" in obj and "expected_tool_duration_ms" in obj:
+            retains = "expected_tool_duration_ms" in obj or "cache_ttl_ms" in obj
+            if "reuse_hint" in obj and retains:
                 raise ValueError(f"request {req.request_id}: a turn that both ends its session and retains it")
-            if end_last_turn and step == len(turns) - 1 and "expected_tool_duration_ms" not in obj:
+            if end_last_turn and step == len(turns) - 1 and not retains:
                 obj["reuse_hint"] = "end"
             out.agent_hints[req.request_id] = obj
     out.prefetches.sort(key=lambda r: r.arrival_s)
