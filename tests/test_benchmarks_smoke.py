@@ -332,7 +332,8 @@ def test_tree_hicache_peer_smoke(tmp_path: Path) -> None:
         for c in r["calls_us"].values():
             assert 0 <= c["p50"]["median"] <= c["p99"]["median"] <= c["max"]["median"]
     for side in ("sgl_hicache", "sglang_hicache"):  # evicted prefixes came back from host
-        assert res[side]["facts"]["host_hit_tokens"] > 0 and res[side]["calls_us"]["load_back"]["n"] > 0
+        facts = res[side]["facts"]
+        assert facts["host_hit_tokens"] > 0 and res[side]["calls_us"]["load_back"]["n"] > 0, (side, facts)
     assert res["sglang_hicache"]["facts"]["loaded_back_tokens"] == res["sglang_hicache"]["facts"]["host_hit_tokens"]
 
 
