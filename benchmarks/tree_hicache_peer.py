@@ -208,7 +208,7 @@ def run_ours(prompts: list[array], page_size: int, pages: int, host_factor: int,
             controller.pump_writeback()
             rec.add("step", clock() - t)
             rec.end_request()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120
         while controller.inflight() and time.monotonic() < deadline:  # land the last copies (untimed)
             time.sleep(0.01)
             controller.pump_writeback(start_new=False)

@@ -81,3 +81,25 @@ class BackendServers:
         for srv in self.started:
             srv.stop()
         assert not any(srv.alive() for srv in self.started)
+
+
+def flush_cache(srv, attempts: int = 50) -> None:
+    """SGLang's /flush_cache (a text reply): the device and host copies go (sgl_hicache keeps its disk
+    files). SGLang refuses it with 400 until the scheduler has seen itself idle once after the last
+    request (`Scheduler.is_fully_idle`: `last_batch` empty), which an idle scheduler sleeping on its
+    sockets reaches only a moment after the reply: retry a few times."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    for i in range(attempts):
+        try:
+            with urllib.request.urlopen(
+                urllib.request.Request(f"{srv.url}/flush_cache", b"", method="POST"), timeout=60
+            ) as r:
+                assert r.status == 200, r.status
+                return
+        except urllib.error.HTTPError as e:
+            if e.code != 400 or i == attempts - 1:
+                raise
+            time.sleep(0.2)

@@ -91,7 +91,8 @@ def _sglang_importable() -> bool:
 
 def _run(script: str, out: Path, *extra: str) -> dict:
     cmd = [sys.executable, str(REPO / "benchmarks" / script), "--quick", "--json", str(out), *extra]
-    subprocess.run(cmd, check=True, cwd=REPO, capture_output=True, timeout=300)
+    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, f"{script} exited {run.returncode}:\n{run.stderr[-3000:]}"
     return json.loads(out.read_text())
 
 

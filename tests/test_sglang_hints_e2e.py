@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 from conftest import NEEDS_SGLANG
-from servers import CHECKED, BackendServers
+from servers import CHECKED, BackendServers, flush_cache
 from test_sglang_e2e import HIT, PAGE, VOCAB, _flood, _gen, _prompt, _settled_pool, _wait_for, make_model
 
 pytestmark = NEEDS_SGLANG
@@ -275,14 +275,6 @@ def test_the_http_replayer_sends_a_traces_hints_and_outputs_equal_without(server
     )
 
 
-def _flush(srv) -> None:
-    """SGLang's /flush_cache (a text reply): the device and host copies go, the disk files stay."""
-    import urllib.request
-
-    with urllib.request.urlopen(urllib.request.Request(f"{srv.url}/flush_cache", b"", method="POST"), timeout=60) as r:
-        assert r.status == 200
-
-
 def test_a_prefetched_prefix_goes_on_to_free_device_pages_and_is_served_from_there(server):
     # after a flush the device is empty: a prefetch from disk lands on host and is carried on to the
     # device (free pages nobody needs), so the request that follows finds it whole as a device hit
@@ -291,7 +283,7 @@ def test_a_prefetched_prefix_goes_on_to_free_device_pages_and_is_served_from_the
     ref, _ = _gen(server, prompt)
     _flood(server, 51, FLOOD)
     _settled_pool(server)  # write-through to disk landed
-    _flush(server)
+    flush_cache(server)
     before = _stats(server)["speculation"]
     assert _post(server, {"action": "prefetch", "input_ids": prompt}) == (202, {"queued": 1})
 

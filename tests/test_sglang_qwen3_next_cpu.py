@@ -58,11 +58,10 @@ def server(tmp_path_factory):
 
 
 def _flush(srv) -> None:
-    """SGLang's /flush_cache (its reply is text, not JSON): the next request computes from scratch."""
-    import urllib.request
+    """SGLang's /flush_cache: the next request computes from scratch."""
+    from servers import flush_cache
 
-    with urllib.request.urlopen(urllib.request.Request(f"{srv.url}/flush_cache", b"", method="POST"), timeout=60) as r:
-        assert r.status == 200, r.status
+    flush_cache(srv)
 
 
 def _gen(srv, ids, n=6):
