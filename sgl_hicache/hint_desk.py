@@ -229,8 +229,10 @@ class HintDesk:
     def refresh(self, now: float) -> None:
         """Keep the retained prefixes among the most recently used pages: the retentions ending
         soonest first, each tier up to its share, each for as long as its tier's cost test allows.
-        A prefix past its device share or time is left to age there (eviction demotes it to host,
-        where it is kept); past its host share or time it ages like any other page."""
+        A prefix past its device share or time is left to age there, marked to be kept on host
+        (`TreeNode.keep_until`: the eviction that moves it off the device makes it just used, so it
+        lands on host ahead of the unhinted pages, not behind them, within one step's evictions);
+        past its host share or time it ages like any other page."""
         cache, ps = self.cache, self.cache.page_size
         caps = {
             t: share * cache.stores[t].capacity_pages * ps
@@ -246,17 +248,29 @@ class HintDesk:
             for n in r.node.path_from_root():
                 if n.id in seen:
                     continue
-                tier = DEVICE if n.device is not None else HOST if n.host is not None else None
-                if tier not in caps or age > lasts[tier] or used[tier] + n.num_pages * ps > caps[tier]:
+                size = n.num_pages * ps
+                if n.device is not None and self._fits(DEVICE, caps, lasts, used, age, size):
+                    tier = DEVICE
+                elif (n.device is not None or n.host is not None) and self._fits(HOST, caps, lasts, used, age, size):
+                    tier = HOST
+                else:
                     break  # prefix closure: nothing below a page left to age is kept either
                 seen.add(n.id)
-                used[tier] += n.num_pages * ps
+                used[tier] += size
+                if n.device is not None and tier == HOST:  # ages out of the device, kept once on host
+                    n.keep_until = max(n.keep_until, min(r.until, r.start + lasts[HOST]))
+                    continue
                 if n.last_access < now:
                     n.last_access = now
                     touched = True
         if touched:
             cache.tree.touched()
         self.refreshed_tokens = {t: used.get(t, 0) for t in (DEVICE, HOST)}
+
+    @staticmethod
+    def _fits(tier: Tier, caps: dict, lasts: dict, used: dict, age: float, size: int) -> bool:
+        """Whether `size` more retained tokens of a retention `age` seconds old stay in `tier`."""
+        return tier in caps and age <= lasts[tier] and used[tier] + size <= caps[tier]
 
     def _end(self, r: Retention) -> None:
         self.pinned_tokens -= r.tokens
@@ -311,6 +325,7 @@ class HintDesk:
         tree = self.cache.tree
         for n in path:
             n.last_access = 0.0
+            n.keep_until = 0.0
         tree.touched()
         if getattr(tree, "leaves", None):
             for n in path:

@@ -189,6 +189,35 @@ def test_retention_keeps_within_its_share_of_each_tier(tmp_path):
     assert ctl.hints.refreshed_tokens[DEVICE] == 2 * PS
 
 
+def test_a_retention_over_the_device_share_lands_on_host_as_just_used(tmp_path):
+    # a conversation larger than the device share ages out of the device; the eviction that takes it
+    # off makes it just used, so the host keeps it ahead of older unhinted pages in the same evictions
+    clock = Clock(10.0)
+    cache, ex, ctl = _controller(tmp_path, clock)
+    ctl.hints.limits = HintLimits(device_share=0.1, max_pin_share=0.5)  # device: 0 pages; host: 4 pages
+    conv, other = seq(0, 3), seq(100, 2)
+    serve(cache, conv)
+    clock.t = 11.0
+    serve(cache, other)  # newer than the conversation
+    ctl.pump_writeback()
+    ex.finish_all(list(ctl.writeback))
+    ctl.pump_writeback(start_new=False)  # both have host copies now
+    node = cache.match(conv, touch=False).last_node
+    ctl.hints.apply(Hint("retain", tuple(conv), ttl_s=60.0), conv)
+    node.last_access = 10.0  # as if retained long ago: only the host share keeps it now
+    clock.t = 20.0
+    ctl.pump_writeback(start_new=False)  # the refresh: past the device share, kept for host
+    assert node.last_access == 10.0 and node.keep_until > 20.0 and ctl.hints.refreshed_tokens[HOST] == 3 * PS
+    cache.evict(DEVICE, cache.stores[DEVICE].capacity_pages)
+    assert node.device is None and node.host is not None and node.last_access == 20.0
+    other_node = cache.match(other, touch=False).last_node
+    cache.evict(HOST, 2)  # the host's oldest goes first: the unhinted prompt, not the retained one
+    assert other_node.host is None and node.host is not None
+    ctl.hints.apply(Hint("demote", tuple(conv)), conv)  # and a conversation that ends is kept no longer
+    assert node.keep_until == 0.0
+    cache.check()
+
+
 def test_demote_ends_the_retention_of_its_conversation(tmp_path):
     clock = Clock(10.0)
     cache, _ex, ctl = _controller(tmp_path, clock)

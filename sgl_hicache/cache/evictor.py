@@ -202,6 +202,11 @@ class Evictor:
         """Take `node` out of `tier` (demoting it first where the policy keeps it); returns its pages."""
         c = self.cache
         tokens = node.num_pages * c.page_size
+        if tier == DEVICE and node.keep_until:
+            now = c.clock()
+            if node.keep_until > now and node.last_access < now:  # retained for host: it lands there as just used
+                node.last_access = now
+                c.tree.touched()
         dst = below(tier)
         dirty = dst is not None and dst in c.stores and not is_clean(node, tier)
         if dirty and dst == DISK and not c.stores[DISK].demote_on_evict:

@@ -93,6 +93,7 @@ class TreeNode:
         "pins",
         "hit_count",
         "last_access",
+        "keep_until",
         "child_traffic",
         "traffic_stamp",
         "prefetched",
@@ -130,6 +131,8 @@ class TreeNode:
         self.pins = 0
         self.hit_count = 0
         self.last_access = 0.0
+        # a retention keeps it on host until then (clock seconds): it lands there as just used
+        self.keep_until = 0.0
         # the dicts below start as the shared empty ones (`UNWRITTEN`, `NO_COUNTS`): a writer makes
         # the node's own first
         self.child_traffic = NO_COUNTS

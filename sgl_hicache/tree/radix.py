@@ -163,7 +163,7 @@ class RadixTree:
             upper_handles, node_handles = split_handles(getattr(node, tier), pages)
             setattr(upper, tier, upper_handles)
             setattr(node, tier, node_handles)
-        for attr in ("lock_ref", "pins", "hit_count", "last_access", "prefetched"):
+        for attr in ("lock_ref", "pins", "hit_count", "last_access", "keep_until", "prefetched"):
             setattr(upper, attr, getattr(node, attr))
         upper.incoming = dict(node.incoming) if node.incoming else UNWRITTEN
         upper._edge = node._edge  # the same first page: the very key the parent's dicts hold
