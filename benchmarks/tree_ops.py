@@ -21,7 +21,13 @@ scheduler holds in `RadixKey.token_ids`, and what sgl_hicache's SGLang backend p
 - `evict`: the filled tree emptied in 10 equal `evict` calls. Ours: `TieredCache.evict("device", n)`
   (with no lower tier an evicted page is dropped, as in SGLang), which frees the pages into its real
   slot allocator (double-free check included; `ours_evict_free_share` is that part of the time);
-  SGLang: `RadixCache.evict`, which frees into a mock allocator that does nothing.
+  SGLang: `RadixCache.evict`, which frees into a mock allocator that does nothing (the tree's work
+  alone). `evict_alloc` is SGLang's eviction as its scheduler runs it: the same tree built with
+  values allocated from the allocator SGLang's server builds for a plain model
+  (`kv_cache_configurator.py`: `TokenToKVPoolAllocator` at page 1, `PagedTokenToKVPoolAllocator`
+  above, `need_sort=False` outside PD disaggregation), each insert's duplicate prefix freed as
+  `cache_finished_req` frees it (outside the clock), then emptied the same way; its `free` joins each
+  evicted node onto the whole free list (`torch.cat`), so its cost grows with the pool.
 Time is this thread's CPU time (`time.thread_time`), so other processes on a shared machine do not
 count. Figures are medians over rounds of prompts/s (and tokens/s); the ratio is ours / SGLang (> 1: ours
 faster). Run it with the interpreter that has SGLang (`.venv-sglang`); without SGLang the JSON says
@@ -51,9 +57,12 @@ from sgl_hicache.replay import load_trace  # noqa: E402
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 TINY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1)  # the tree does not care about KV bytes
 OPS = ("insert", "match", "evict")
+SGLANG_ONLY_OPS = ("evict_alloc",)  # SGLang's eviction into its server's real allocator
 
 try:  # the only import of sglang, and only to measure against it
     import torch
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
@@ -156,7 +165,45 @@ def run_sglang(prompts: list[list[int]], page_size: int) -> dict[str, float]:
     out["evict"] = _timed(evict)
     assert cache.evictable_size() == 0, "sglang: eviction left tokens behind"
     out["tree_tokens"] = held
+    out["evict_alloc"] = _sglang_evict_with_allocator(prompts, page_size)
     return out
+
+
+def server_allocator(size: int, page_size: int):
+    """The KV allocator SGLang 0.5.23's server builds for a plain model outside PD disaggregation
+    (`kv_cache_configurator.py`, the last `else` branch: no sort on free)."""
+    if page_size == 1:
+        return TokenToKVPoolAllocator(size, dtype=torch.float16, device="cpu", kvcache=None, need_sort=False)
+    return PagedTokenToKVPoolAllocator(
+        size, page_size=page_size, dtype=torch.float16, device="cpu", kvcache=None, need_sort=False
+    )
+
+
+def _sglang_evict_with_allocator(prompts: list[list[int]], page_size: int) -> float:
+    """CPU seconds of SGLang's `RadixCache.evict` emptying the filled tree into its server's allocator
+    (module docstring, `evict_alloc`)."""
+    aligned = [p[: len(p) // page_size * page_size] for p in prompts]
+    aligned = [p for p in aligned if p]
+    total = sum(len(p) for p in aligned)
+    allocator = server_allocator(total + page_size, page_size)
+    cache = RadixCache.create_simulated(mock_allocator=allocator, page_size=page_size)
+    for p in aligned:
+        value = allocator.alloc(len(p))
+        assert value is not None, "sglang allocator: pool too small"
+        prefix_len = cache.insert(InsertParams(key=RadixKey(array("q", p)), value=value)).prefix_len
+        if prefix_len:
+            allocator.free(value[:prefix_len])  # the duplicate part, as cache_finished_req frees it
+    held = cache.evictable_size()
+    chunk = max(page_size, -(-held // 10))
+
+    def evict() -> None:
+        for _ in range(10):
+            cache.evict(EvictParams(num_tokens=chunk))
+
+    seconds = _timed(evict)
+    assert cache.evictable_size() == 0, "sglang (allocator): eviction left tokens behind"
+    assert allocator.available_size() >= total, "sglang (allocator): pages not returned"
+    return seconds
 
 
 def _spread(ratios: list[float]) -> dict[str, float]:
@@ -193,7 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
     sides = ["sgl_hicache"] + (["sglang"] if with_sglang else [])
     runners = {"sgl_hicache": run_ours, "sglang": run_sglang}
     samples: dict[int, dict[str, dict[str, list[float]]]] = {
-        ps: {s: {op: [] for op in OPS} for s in sides} for ps in page_sizes
+        ps: {s: {op: [] for op in OPS + (SGLANG_ONLY_OPS if s == "sglang" else ())} for s in sides} for ps in page_sizes
     }
     tree_tokens: dict[int, dict[str, int]] = {ps: {} for ps in page_sizes}
     free_samples: dict[int, list[float]] = {ps: [] for ps in page_sizes}
@@ -204,7 +251,7 @@ def main(argv: list[str] | None = None) -> dict:
             order = sides if rnd % 2 == 0 else list(reversed(sides))
             for side in order:
                 res = runners[side](prompts, ps)
-                for op in OPS:
+                for op in samples[ps][side]:
                     samples[ps][side][op].append(res[op])
                 if "evict_free" in res:
                     free_samples[ps].append(res["evict_free"])
@@ -219,13 +266,13 @@ def main(argv: list[str] | None = None) -> dict:
             "tree_tokens": tree_tokens[ps],
         }
         for side in sides:
-            med = {op: statistics.median(samples[ps][side][op]) for op in OPS}
+            med = {op: statistics.median(xs) for op, xs in samples[ps][side].items()}
             entry["seconds_median"][side] = {op: round(v, 6) for op, v in med.items()}
             entry["prompts_per_s"][side] = {
-                op: round(len(prompts) / v, 1) if v else None for op, v in med.items() if op != "evict"
+                op: round(len(prompts) / v, 1) if v else None for op, v in med.items() if not op.startswith("evict")
             }
             entry["tokens_per_s"][side] = {
-                op: round((tree_tokens[ps][side] if op == "evict" else n_tokens) / v, 1) if v else None
+                op: round((tree_tokens[ps][side] if op.startswith("evict") else n_tokens) / v, 1) if v else None
                 for op, v in med.items()
             }
         if with_sglang:
@@ -235,17 +282,27 @@ def main(argv: list[str] | None = None) -> dict:
                 )
                 for op in OPS
             }
+            entry["ratio_ours_over_sglang"]["evict_alloc"] = round(
+                statistics.median(samples[ps]["sglang"]["evict_alloc"])
+                / statistics.median(samples[ps]["sgl_hicache"]["evict"]),
+                3,
+            )
         if with_sglang:
             # the ratio of each round's pair (the two sides ran back to back): its spread is the noise
             entry["ratio_rounds"] = {
                 op: _spread([b / a for a, b in zip(samples[ps]["sgl_hicache"][op], samples[ps]["sglang"][op]) if a])
                 for op in OPS
             }
+            entry["ratio_rounds"]["evict_alloc"] = _spread(
+                [b / a for a, b in zip(samples[ps]["sgl_hicache"]["evict"], samples[ps]["sglang"]["evict_alloc"]) if a]
+            )
         # of our eviction's CPU time, the median share spent in the store's checked free
         entry["ours_evict_free_share"] = round(
             statistics.median(f / e for f, e in zip(free_samples[ps], samples[ps]["sgl_hicache"]["evict"]) if e), 3
         )
-        entry["samples_s"] = {side: {op: [round(x, 6) for x in samples[ps][side][op]] for op in OPS} for side in sides}
+        entry["samples_s"] = {
+            side: {op: [round(x, 6) for x in xs] for op, xs in samples[ps][side].items()} for side in sides
+        }
         results[str(ps)] = entry
 
     out = {
@@ -269,7 +326,8 @@ def main(argv: list[str] | None = None) -> dict:
             "loadavg_1m": [round(load_start[0], 2), round(os.getloadavg()[0], 2)],
         },
         "ours_path": "TieredCache (host and disk tiers off): insert / match(touch=True) / evict('device')",
-        "sglang_path": "RadixCache.create_simulated(mock_allocator): insert / match_prefix / evict",
+        "sglang_path": "RadixCache.create_simulated(mock_allocator): insert / match_prefix / evict; "
+        "evict_alloc: RadixCache.evict into the allocator SGLang's server builds (server_allocator)",
         "note": "ratio_ours_over_sglang = SGLang seconds / ours seconds (> 1: ours faster), medians of interleaved rounds"
         + ("" if with_sglang else "; SGLang not importable in this interpreter: ours only"),
         "results": results,

@@ -400,34 +400,6 @@ def test_traffic_counts_decay_exactly_whatever_the_match_rate():
     assert got == pytest.approx(want, rel=1e-9)
 
 
-def test_short_list_gives_the_full_scans_shares_exactly():
-    """`hot_edges` (the children matched more than about once) must give the very floats a scan of
-    every child gives, at any time and under any mix of matches, splits-free counting and removals."""
-    import random
-
-    from sgl_hicache.tree.node import TreeNode
-    from sgl_hicache.tree.traffic import count_edge, drop_edge, hot_edges
-
-    rng = random.Random(1)
-    parent = TreeNode(None, (), [b"r"], 0)
-    keys = [(i,) for i in range(60)]
-    for k in keys:
-        parent.children[k] = TreeNode(parent, k, [b"k"], 1)
-    now = 0.0
-    for _ in range(3000):
-        now += rng.expovariate(2.0)
-        k = rng.choice(keys[:8]) if rng.random() < 0.5 else rng.choice(keys)
-        if rng.random() < 0.02:
-            drop_edge(parent, k)
-        else:
-            count_edge(parent, k, now)
-        later = now + rng.choice((0.0, 1.0, 30.0, 400.0))
-        decay = 0.5 ** (max(0.0, later - parent.traffic_stamp) / TRAFFIC_HALF_LIFE_S)
-        hot = {q: v * decay for q, v in hot_edges(parent, 2.0) if q in parent.children and v * decay >= 2.0}
-        full = {q: v * decay for q, v in parent.child_traffic.items() if q in parent.children and v * decay >= 2.0}
-        assert hot == full and list(hot) == list(full)  # same floats, same order
-
-
 def test_edge_counts_match_a_dict_float_for_float():
     """`EdgeCounts` (the traffic counts' store) reads exactly like the dict it replaces: same keys
     in the same order, the very same floats after any mix of sets, pops and rebases (vectorised

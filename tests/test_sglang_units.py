@@ -550,3 +550,49 @@ def test_a_formed_batch_admits_its_requests_once(tmp_path):
         assert cache.controller.queue_delay.samples == 1
     finally:
         cache.shutdown()
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_a_queued_request_starts_its_disk_read_at_arrival(tmp_path, prefetch):
+    """The hook after `Scheduler._prefetch_kvcache` makes a new request's first match when SGLang
+    queues it: its disk-only pages start coming up to host then, before any batch is formed. With
+    prefetch off nothing is matched (nothing would bring them up)."""
+    from types import SimpleNamespace as NS
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from sgl_hicache.sglang.backend import TieredRadixCache
+    from sgl_hicache.sglang.scheduler_hooks import match_on_arrival
+    from sgl_hicache.sglang.settings import BackendSettings
+
+    alloc = _pools(16, size=64)
+    params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=16)
+    settings = BackendSettings(
+        host_tokens=64, disk_dir=str(tmp_path / "disk"), disk_tokens=1024, prefetch=prefetch, eviction_demotes="all"
+    )
+    cache = TieredRadixCache(params, settings)
+    try:
+        tokens = array("q", range(100, 148))
+        cache.insert(InsertParams(key=RadixKey(tokens), value=alloc.alloc(48)))
+        cache.evict(EvictParams(num_tokens=48))
+        other = array("q", range(500, 564))  # fills the host tier: the first sequence goes to disk only
+        cache.insert(InsertParams(key=RadixKey(other), value=alloc.alloc(64)))
+        cache.evict(EvictParams(num_tokens=64))
+        probe = cache.cache.match(tokens, touch=False)
+        assert probe.disk_tokens == 48 and probe.host_tokens == 0 and probe.device_tokens == 0
+        req = Req("arrival", "", tokens + array("q", [7]), SamplingParams(max_new_tokens=1))
+        scheduler = NS(tree_cache=cache)
+        assert match_on_arrival("kept", scheduler, req) == "kept"
+        state = cache.req_states.get("arrival")
+        if prefetch:
+            assert state is not None and state.ticket is not None and state.ticket.job is not None
+            assert req.host_hit_length == 48  # SGLang's own fields, set by the match
+        else:
+            assert state is None and cache.counters.matches == 0
+        assert match_on_arrival("kept", NS(tree_cache=object()), req) == "kept"  # another tree cache: untouched
+    finally:
+        cache.shutdown()

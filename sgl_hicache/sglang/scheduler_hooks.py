@@ -1,4 +1,4 @@
-"""Six hooks on SGLang 0.5.23's scheduler, registered through its `HookRegistry` by `plugin.register`.
+"""Seven hooks on SGLang 0.5.23's scheduler, registered through its `HookRegistry` by `plugin.register`.
 Both do nothing unless the scheduler's tree cache is ours.
 
 1. Admission that never stalls the queue (AROUND `PrefillAdder.add_one_req`). When our
@@ -40,6 +40,11 @@ Both do nothing unless the scheduler's tree cache is ours.
    tier (`hicache_flags.py`), so the scheduler's storage path is switched off again.
 7. Before a new request is queued (BEFORE `Scheduler._add_request_to_queue`): the hints it carries
    in `custom_params` (`request_hints.on_add_request`).
+8. When a request is queued (AFTER `Scheduler._prefetch_kvcache`, called by `_add_request_to_queue`
+   for a request it accepted): its first match (`match_on_arrival`), where SGLang matches a request
+   for its own HiCache storage prefetch. The match starts the disk -> host read of its disk-only
+   pages then, not when it is first offered to a batch: a request that arrives while a forward runs
+   finds its pages on host when that forward ends, rather than waiting through one more.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ GET_NEW_BATCH_PREFILL = "sglang.srt.managers.scheduler.Scheduler.get_new_batch_p
 PROCESS_BATCH_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
 SCHEDULER_INIT = "sglang.srt.managers.scheduler.Scheduler.__init__"
 ADD_REQUEST = "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue"
+PREFETCH_KVCACHE = "sglang.srt.managers.scheduler.Scheduler._prefetch_kvcache"
 
 
 def _our_cache(cache: Any) -> Any:
@@ -241,6 +247,19 @@ def disown_hicache_storage(result, scheduler, *args, **kwargs):
     return result
 
 
+def match_on_arrival(result, scheduler, req=None, *args, **kwargs):
+    """AFTER `Scheduler._prefetch_kvcache` (module docstring, 8): `req`'s first match, as SGLang makes
+    it there for its own storage prefetch (`req.init_next_round_input(tree_cache, cow_mamba=False)`).
+    Nothing without our cache, with prefetch off, or for a request already finished (aborted)."""
+    cache = _our_cache(getattr(scheduler, "tree_cache", None))
+    if cache is None or req is None or cache.disable or not cache.settings.prefetch:
+        return result
+    if getattr(req, "finished", lambda: False)():
+        return result
+    req.init_next_round_input(cache, cow_mamba=False)
+    return result
+
+
 def register_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -249,6 +268,7 @@ def register_hooks() -> None:
     HookRegistry.register(GET_NEW_BATCH_PREFILL, set_consumer_index, HookType.AFTER)
     HookRegistry.register(PROCESS_BATCH_RESULT, time_prefill, HookType.AFTER)
     HookRegistry.register(SCHEDULER_INIT, disown_hicache_storage, HookType.AFTER)
+    HookRegistry.register(PREFETCH_KVCACHE, match_on_arrival, HookType.AFTER)
     from .speculative import register_hooks as register_speculative_hooks  # the draft model's KV pools
 
     register_speculative_hooks()
@@ -267,6 +287,7 @@ __all__ = [
     "extend_tokens",
     "hold_new",
     "keep_admitting",
+    "match_on_arrival",
     "record_landed_copies",
     "register_hooks",
     "set_consumer_index",

@@ -99,8 +99,6 @@ class TreeNode:
         "prefetched",
         "incoming",
         "children_in",
-        "traffic_seq",
-        "traffic_hot",
         "traffic_stops",
         "stops_at",
         "prefetch_trigger",
@@ -137,10 +135,6 @@ class TreeNode:
         # the node's own first
         self.child_traffic = NO_COUNTS
         self.traffic_stamp = 0.0
-        # per `child_traffic` key: when it was inserted (its place in the dict's order), and the short
-        # list of keys counted more than about once (`tree.traffic.hot_edges`)
-        self.traffic_seq: dict[EdgeKey, int] = UNWRITTEN
-        self.traffic_hot: dict[EdgeKey, int] = UNWRITTEN
         # requests whose path ended here since one last went on below (decayed, as of `stops_at`):
         # the traffic that says "do not go on" (`tree.traffic.count_stop`)
         self.traffic_stops = 0.0

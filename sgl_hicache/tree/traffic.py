@@ -9,7 +9,6 @@ between a session's visits (`HalfLife`), not fixed.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import deque
 
@@ -71,13 +70,9 @@ class HalfLife:
             self.value = min(self.ceiling, max(self.floor, self.factor * q))
 
 
-# A count at or above this, as stored right after a match, puts the child on its parent's short list
-# (`TreeNode.traffic_hot`). A stored count only grows at a match of that child and only shrinks
-# otherwise (rebasing, and the reader's decay factor is at most 1), so the short list holds every
-# child whose decayed count can reach any `min_visits >= HOT_COUNT`: a reader with such a threshold
-# looks at the few children matched more than about once, not the thousands matched once.
+# A session's edge is matched about once per visit; an edge whose decayed count reaches this is a
+# shared one (a system prompt's), whose gaps are not a session's (`count_request`)
 HOT_COUNT = 1.5
-_seq = itertools.count()  # insertion order into any `child_traffic` (`traffic_seq`)
 
 
 def count_edge(parent: TreeNode, first_page: EdgeKey, now: float, half_life: float = TRAFFIC_HALF_LIFE_S) -> None:
@@ -87,8 +82,6 @@ def count_edge(parent: TreeNode, first_page: EdgeKey, now: float, half_life: flo
     traffic = parent.child_traffic
     if traffic is NO_COUNTS:  # the first match that goes on from `parent`: counts of its own
         traffic = parent.child_traffic = EdgeCounts()
-        parent.traffic_seq = {}
-        parent.traffic_hot = {}
     elapsed = now - parent.traffic_stamp
     if traffic and elapsed > half_life / 64:
         # counts are kept as of `traffic_stamp`; rebasing them is O(children), so it is done at
@@ -97,44 +90,22 @@ def count_edge(parent: TreeNode, first_page: EdgeKey, now: float, half_life: flo
         traffic.scale(decay)
         parent.traffic_stamp = now
         elapsed = 0.0
-        # what decayed below the mark leaves the short list (it returns at its next match)
-        parent.traffic_hot = {k: q for k, q in parent.traffic_hot.items() if traffic[k] >= HOT_COUNT}
     elif not traffic:
         parent.traffic_stamp = now
         elapsed = 0.0
-    if first_page not in traffic:
-        parent.traffic_seq[first_page] = next(_seq)
     # one match now, in units of the stamp: it decays to exactly 1.0 by `now`
-    count = traffic[first_page] = traffic.get(first_page, 0.0) + 2.0 ** (max(0.0, elapsed) / half_life)
-    if count >= HOT_COUNT:
-        parent.traffic_hot[first_page] = parent.traffic_seq[first_page]
+    traffic[first_page] = traffic.get(first_page, 0.0) + 2.0 ** (max(0.0, elapsed) / half_life)
 
 
 def start_edges(node: TreeNode, first_page: EdgeKey, count: float) -> None:
     """Start `node`'s counts with one child's (the upper half of a split)."""
     node.child_traffic = EdgeCounts({first_page: count})
-    node.traffic_seq = {first_page: next(_seq)}
-    node.traffic_hot = {first_page: node.traffic_seq[first_page]} if count >= HOT_COUNT else {}
 
 
 def drop_edge(parent: TreeNode, first_page: EdgeKey) -> None:
     """Forget the count of a removed child (a long replay would otherwise keep one for every
     conversation it ever saw, and a reader would scan them all)."""
-    if parent.child_traffic.pop(first_page, None) is None:
-        return  # never counted (`traffic_seq` and `traffic_hot` hold only counted keys)
-    parent.traffic_seq.pop(first_page, None)
-    parent.traffic_hot.pop(first_page, None)
-
-
-def hot_edges(node: TreeNode, min_visits: float) -> list[tuple[EdgeKey, float]] | None:
-    """The `child_traffic` items whose decayed count may reach `min_visits`, in the dict's own order
-    (so sums over them are the same floats as over the whole dict); None when `min_visits` is below
-    HOT_COUNT (the caller reads all of `child_traffic`)."""
-    if min_visits < HOT_COUNT:
-        return None
-    hot = node.traffic_hot
-    keys = sorted(hot, key=hot.__getitem__) if len(hot) > 1 else list(hot)
-    return [(k, node.child_traffic[k]) for k in keys]
+    parent.child_traffic.pop(first_page, None)
 
 
 def decay_since_stamp(node: TreeNode, now: float, half_life: float = TRAFFIC_HALF_LIFE_S) -> float:
