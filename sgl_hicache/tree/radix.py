@@ -19,6 +19,13 @@ from .node import UNWRITTEN, TreeNode, edge_key_of, slot_array, split_handles
 from .traffic import HalfLife, drop_edge, start_edges
 
 _ALL = frozenset(TIERS)
+# the shared-set keys a node held in `tiers` counts in (every pair, and all three), made once per
+# tier combination: lock and unlock run them on every node of a request's path
+_SHARED_KEYS: dict[tuple[str, ...], tuple[frozenset, ...]] = {
+    held: tuple(frozenset(p) for p in itertools.combinations(held, 2)) + ((_ALL,) if len(held) == 3 else ())
+    for r in range(2, len(TIERS) + 1)
+    for held in itertools.combinations(TIERS, r)
+}
 
 
 class RadixTree:
@@ -398,16 +405,13 @@ class RadixTree:
     def _protect(self, node: TreeNode, sign: int) -> None:
         tiers = node.tiers()
         protected = self.protected
+        n = sign * node.num_pages
         for tier in tiers:
-            protected[tier] += sign * node.num_pages
+            protected[tier] += n
         if len(tiers) > 1:
             ps = self.protected_shared
-            for i, a in enumerate(tiers):
-                for b in tiers[i + 1 :]:
-                    key = frozenset((a, b))
-                    ps[key] = ps.get(key, 0) + sign * node.num_pages
-            if len(tiers) == 3:
-                ps[_ALL] = ps.get(_ALL, 0) + sign * node.num_pages
+            for key in _SHARED_KEYS[tiers]:
+                ps[key] = ps.get(key, 0) + n
 
     def evictable_pages(self, tier: str) -> int:
         """Pages of `tier` held by nodes no request locks and no transfer pins, in O(1)."""
