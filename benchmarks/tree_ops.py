@@ -58,6 +58,8 @@ DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace
 TINY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1)  # the tree does not care about KV bytes
 OPS = ("insert", "match", "evict")
 SGLANG_ONLY_OPS = ("evict_alloc",)  # SGLang's eviction into its server's real allocator
+# each SGLang figure and the one of ours it is compared with
+OURS_OP = {op: op for op in OPS} | {"evict_alloc": "evict"}
 
 try:  # the only import of sglang, and only to measure against it
     import torch
@@ -278,24 +280,17 @@ def main(argv: list[str] | None = None) -> dict:
         if with_sglang:
             entry["ratio_ours_over_sglang"] = {
                 op: round(
-                    statistics.median(samples[ps]["sglang"][op]) / statistics.median(samples[ps]["sgl_hicache"][op]), 3
+                    statistics.median(samples[ps]["sglang"][op]) / statistics.median(samples[ps]["sgl_hicache"][ours]),
+                    3,
                 )
-                for op in OPS
+                for op, ours in OURS_OP.items()
             }
-            entry["ratio_ours_over_sglang"]["evict_alloc"] = round(
-                statistics.median(samples[ps]["sglang"]["evict_alloc"])
-                / statistics.median(samples[ps]["sgl_hicache"]["evict"]),
-                3,
-            )
         if with_sglang:
             # the ratio of each round's pair (the two sides ran back to back): its spread is the noise
             entry["ratio_rounds"] = {
-                op: _spread([b / a for a, b in zip(samples[ps]["sgl_hicache"][op], samples[ps]["sglang"][op]) if a])
-                for op in OPS
+                op: _spread([b / a for a, b in zip(samples[ps]["sgl_hicache"][ours], samples[ps]["sglang"][op]) if a])
+                for op, ours in OURS_OP.items()
             }
-            entry["ratio_rounds"]["evict_alloc"] = _spread(
-                [b / a for a, b in zip(samples[ps]["sgl_hicache"]["evict"], samples[ps]["sglang"]["evict_alloc"]) if a]
-            )
         # of our eviction's CPU time, the median share spent in the store's checked free
         entry["ours_evict_free_share"] = round(
             statistics.median(f / e for f, e in zip(free_samples[ps], samples[ps]["sgl_hicache"]["evict"]) if e), 3

@@ -316,14 +316,12 @@ class RadixTree:
         held = node.tiers()
         if len(held) < 2:  # in `tier` alone: it shares nothing
             return
-        others = [t for t in held if t != tier]
+        keys = [k for k in _SHARED_KEYS[held] if tier in k]  # the sets `tier` is part of
+        n = sign * node.num_pages
         books = (self.shared, self.protected_shared) if (node.lock_ref or node.pins) else (self.shared,)
         for shared in books:
-            for other in others:
-                key = frozenset((tier, other))
-                shared[key] = shared.get(key, 0) + sign * node.num_pages
-            if len(others) == 2:
-                shared[_ALL] = shared.get(_ALL, 0) + sign * node.num_pages
+            for key in keys:
+                shared[key] = shared.get(key, 0) + n
 
     def _count_child(self, node: TreeNode, tier: str, sign: int) -> None:
         """`node` enters (+1) or leaves (-1) `tier`: keep its parent's `children_in` and the leaf sets."""
