@@ -18,16 +18,21 @@ scheduler holds in `RadixKey.token_ids`, and what sgl_hicache's SGLang backend p
 - `match`: on the filled tree, every prompt matched once in trace order. Ours: `TieredCache.match`
   (touch=True: the full product path, which also counts the predictor's traffic and refreshes
   recency); SGLang: `RadixCache.match_prefix`.
-- `evict`: the filled tree emptied in 10 equal `evict` calls. Ours: `TieredCache.evict("device", n)`
-  (with no lower tier an evicted page is dropped, as in SGLang), which frees the pages into its real
-  slot allocator (double-free check included; `ours_evict_free_share` is that part of the time);
-  SGLang: `RadixCache.evict`, which frees into a mock allocator that does nothing (the tree's work
-  alone). `evict_alloc` is SGLang's eviction as its scheduler runs it: the same tree built with
-  values allocated from the allocator SGLang's server builds for a plain model
-  (`kv_cache_configurator.py`: `TokenToKVPoolAllocator` at page 1, `PagedTokenToKVPoolAllocator`
-  above, `need_sort=False` outside PD disaggregation), each insert's duplicate prefix freed as
-  `cache_finished_req` frees it (outside the clock), then emptied the same way; its `free` joins each
-  evicted node onto the whole free list (`torch.cat`), so its cost grows with the pool.
+- `evict`: the filled tree (matched once, as above) emptied in 10 equal `evict` calls, the tree's
+  work alone on both sides. Ours: `TieredCache.evict("device", n)` (with no lower tier an evicted
+  page is dropped, as in SGLang) with the device store's free a no-op; SGLang: `RadixCache.evict`
+  into a mock allocator that does nothing.
+- `evict_alloc`: eviction as a server runs it, each side freeing into the allocator SGLang's server
+  builds for a plain model (`kv_cache_configurator.py`: `TokenToKVPoolAllocator` at page 1,
+  `PagedTokenToKVPoolAllocator` above, `need_sort=False` outside PD disaggregation), over a tiny
+  real KV pool. SGLang: its tree built with values from that allocator, each insert's duplicate
+  prefix freed as `cache_finished_req` frees it (outside the clock), then emptied the same way; its
+  `free` joins each evicted node onto the whole free list (`torch.cat`). Ours: the SGLang backend's
+  device tier (`SGLangDevicePool`) over the same allocator, each `evict` call inside
+  `deferred_frees` as the backend's scheduler calls run (one allocator free per call).
+- `evict_checked` (ours only, no SGLang counterpart): the embedded engine's eviction, into its own
+  slot store, whose free checks every slot for a double free (`ours_evict_free_share` is that
+  check's part of the time).
 Time is this thread's CPU time (`time.thread_time`), so other processes on a shared machine do not
 count. Figures are medians over rounds of prompts/s (and tokens/s); the ratio is ours / SGLang (> 1: ours
 faster). Run it with the interpreter that has SGLang (`.venv-sglang`); without SGLang the JSON says
@@ -56,17 +61,19 @@ from sgl_hicache.replay import load_trace  # noqa: E402
 
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 TINY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1)  # the tree does not care about KV bytes
-OPS = ("insert", "match", "evict")
-SGLANG_ONLY_OPS = ("evict_alloc",)  # SGLang's eviction into its server's real allocator
-# each SGLang figure and the one of ours it is compared with
-OURS_OP = {op: op for op in OPS} | {"evict_alloc": "evict"}
+OPS = ("insert", "match", "evict")  # measured on both sides, without SGLang's allocator
+ALLOC_OPS = ("evict_alloc",)  # both sides, through SGLang's server allocator
+OURS_ONLY_OPS = ("evict_checked",)  # the embedded engine's checked store: no SGLang counterpart
 
 try:  # the only import of sglang, and only to measure against it
     import torch
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+
+    from sgl_hicache.sglang.device_pool import SGLangDevicePool
 
     SGLANG = True
     SGLANG_ERROR = None
@@ -95,7 +102,40 @@ def _timed(fn) -> float:
     return time.thread_time() - t0
 
 
-def run_ours(prompts: list[list[int]], page_size: int) -> dict[str, float]:
+def _ours_filled(prompts: list[array], page_size: int, device=None) -> TieredCache:
+    """Our tree with every prompt inserted and matched once (as `insert` and `match` leave it),
+    untimed; `device`: the device store (default: the embedded engine's)."""
+    total_pages = sum(len(p) // page_size for p in prompts)
+    cache = TieredCache(
+        CacheConfig(TINY, device_tokens=max(total_pages, 1) * page_size, page_size=page_size), device=device
+    )
+    for p in prompts:
+        r = cache.insert(p, cache.allocate_device(len(p) // page_size))
+        cache.free_device(r.duplicates)
+    for p in prompts:
+        cache.match(p)
+    return cache
+
+
+def _ours_evict(cache: TieredCache, each_call=None) -> float:
+    """CPU seconds of emptying the device tier in 10 equal `evict` calls, each inside `each_call()`
+    (a context manager) when given."""
+    chunk = max(1, -(-cache.tree.pages["device"] // 10))
+
+    def evict() -> None:
+        for _ in range(10):
+            if each_call is None:
+                cache.evict("device", chunk)
+            else:
+                with each_call():
+                    cache.evict("device", chunk)
+
+    seconds = _timed(evict)
+    assert cache.tree.pages["device"] == 0, "ours: eviction left pages behind"
+    return seconds
+
+
+def run_ours(prompts: list[list[int]], page_size: int, with_sglang: bool) -> dict[str, float]:
     # int64 arrays, as SGLang's scheduler hands them over (`RadixKey.token_ids`), built before the clock
     prompts = [array("q", p) for p in prompts]  # type: ignore[misc]
     total_pages = sum(len(p) // page_size for p in prompts)
@@ -115,10 +155,8 @@ def run_ours(prompts: list[list[int]], page_size: int) -> dict[str, float]:
     for d in dups:
         cache.free_device(d)
     out["match"] = _timed(match)
-    held = cache.tree.pages["device"]
-    chunk = max(1, -(-held // 10))
-    # the share of eviction spent freeing the pages in our store (its double-free check included):
-    # SGLang's side frees into a mock allocator that does nothing
+    out["tree_tokens"] = cache.tree.pages["device"] * page_size
+    # the embedded engine's eviction, and the share of it spent in its store's checked free
     store = cache.stores["device"]
     free_runs = store.free_runs
     in_free = [0.0]
@@ -129,15 +167,17 @@ def run_ours(prompts: list[list[int]], page_size: int) -> dict[str, float]:
         in_free[0] += time.thread_time() - t0
 
     store.free_runs = timed_free_runs  # type: ignore[method-assign]
-
-    def evict() -> None:
-        for _ in range(10):
-            cache.evict("device", chunk)
-
-    out["evict"] = _timed(evict)
+    out["evict_checked"] = _ours_evict(cache)
     out["evict_free"] = in_free[0]
-    assert cache.tree.pages["device"] == 0, "ours: eviction left pages behind"
-    out["tree_tokens"] = held * page_size
+    # the tree's work alone, as SGLang's side with its mock allocator
+    filled = _ours_filled(prompts, page_size)
+    filled.stores["device"].free_runs = lambda runs: None  # type: ignore[method-assign]
+    out["evict"] = _ours_evict(filled)
+    if with_sglang:
+        pool = SGLangDevicePool(server_allocator(total_pages * page_size + page_size, page_size, with_pool=True))
+        on_server = _ours_filled(prompts, page_size, device=pool)
+        out["evict_alloc"] = _ours_evict(on_server, pool.deferred_frees)
+        assert pool.allocator.available_size() >= total_pages * page_size, "ours (allocator): pages not returned"
     return out
 
 
@@ -171,13 +211,26 @@ def run_sglang(prompts: list[list[int]], page_size: int) -> dict[str, float]:
     return out
 
 
-def server_allocator(size: int, page_size: int):
+def server_allocator(size: int, page_size: int, with_pool: bool = False):
     """The KV allocator SGLang 0.5.23's server builds for a plain model outside PD disaggregation
-    (`kv_cache_configurator.py`, the last `else` branch: no sort on free)."""
+    (`kv_cache_configurator.py`, the last `else` branch: no sort on free); `with_pool`: over a real
+    KV pool of one layer, one head of dimension 1 (what `SGLangDevicePool` reads its layout from)."""
+    kv = None
+    if with_pool:
+        kv = MHATokenToKVPool(
+            size=size,
+            page_size=page_size,
+            dtype=torch.float16,
+            head_num=1,
+            head_dim=1,
+            layer_num=1,
+            device="cpu",
+            enable_memory_saver=False,
+        )
     if page_size == 1:
-        return TokenToKVPoolAllocator(size, dtype=torch.float16, device="cpu", kvcache=None, need_sort=False)
+        return TokenToKVPoolAllocator(size, dtype=torch.float16, device="cpu", kvcache=kv, need_sort=False)
     return PagedTokenToKVPoolAllocator(
-        size, page_size=page_size, dtype=torch.float16, device="cpu", kvcache=None, need_sort=False
+        size, page_size=page_size, dtype=torch.float16, device="cpu", kvcache=kv, need_sort=False
     )
 
 
@@ -240,9 +293,11 @@ def main(argv: list[str] | None = None) -> dict:
     gc.freeze()  # SGLang's import leaves a large heap: keep it out of every collection below
 
     sides = ["sgl_hicache"] + (["sglang"] if with_sglang else [])
-    runners = {"sgl_hicache": run_ours, "sglang": run_sglang}
+    runners = {"sgl_hicache": lambda p, ps: run_ours(p, ps, with_sglang), "sglang": run_sglang}
+    both = OPS + (ALLOC_OPS if with_sglang else ())
     samples: dict[int, dict[str, dict[str, list[float]]]] = {
-        ps: {s: {op: [] for op in OPS + (SGLANG_ONLY_OPS if s == "sglang" else ())} for s in sides} for ps in page_sizes
+        ps: {s: {op: [] for op in both + (OURS_ONLY_OPS if s == "sgl_hicache" else ())} for s in sides}
+        for ps in page_sizes
     }
     tree_tokens: dict[int, dict[str, int]] = {ps: {} for ps in page_sizes}
     free_samples: dict[int, list[float]] = {ps: [] for ps in page_sizes}
@@ -280,20 +335,23 @@ def main(argv: list[str] | None = None) -> dict:
         if with_sglang:
             entry["ratio_ours_over_sglang"] = {
                 op: round(
-                    statistics.median(samples[ps]["sglang"][op]) / statistics.median(samples[ps]["sgl_hicache"][ours]),
+                    statistics.median(samples[ps]["sglang"][op]) / statistics.median(samples[ps]["sgl_hicache"][op]),
                     3,
                 )
-                for op, ours in OURS_OP.items()
+                for op in both
             }
         if with_sglang:
             # the ratio of each round's pair (the two sides ran back to back): its spread is the noise
             entry["ratio_rounds"] = {
-                op: _spread([b / a for a, b in zip(samples[ps]["sgl_hicache"][ours], samples[ps]["sglang"][op]) if a])
-                for op, ours in OURS_OP.items()
+                op: _spread([b / a for a, b in zip(samples[ps]["sgl_hicache"][op], samples[ps]["sglang"][op]) if a])
+                for op in both
             }
-        # of our eviction's CPU time, the median share spent in the store's checked free
+        # of the embedded engine's eviction's CPU time, the median share spent in its store's checked free
         entry["ours_evict_free_share"] = round(
-            statistics.median(f / e for f, e in zip(free_samples[ps], samples[ps]["sgl_hicache"]["evict"]) if e), 3
+            statistics.median(
+                f / e for f, e in zip(free_samples[ps], samples[ps]["sgl_hicache"]["evict_checked"]) if e
+            ),
+            3,
         )
         entry["samples_s"] = {
             side: {op: [round(x, 6) for x in xs] for op, xs in samples[ps][side].items()} for side in sides
@@ -320,7 +378,9 @@ def main(argv: list[str] | None = None) -> dict:
             # the ratios are of interleaved rounds of CPU time, so they hold under load)
             "loadavg_1m": [round(load_start[0], 2), round(os.getloadavg()[0], 2)],
         },
-        "ours_path": "TieredCache (host and disk tiers off): insert / match(touch=True) / evict('device')",
+        "ours_path": "TieredCache (host and disk tiers off): insert / match(touch=True) / evict('device') with "
+        "the store's free a no-op; evict_alloc: the same over SGLangDevicePool into SGLang's server allocator, "
+        "one deferred_frees block per evict call; evict_checked: into the embedded engine's checked slot store",
         "sglang_path": "RadixCache.create_simulated(mock_allocator): insert / match_prefix / evict; "
         "evict_alloc: RadixCache.evict into the allocator SGLang's server builds (server_allocator)",
         "note": "ratio_ours_over_sglang = SGLang seconds / ours seconds (> 1: ours faster), medians of interleaved rounds"

@@ -104,13 +104,17 @@ def test_tree_ops_smoke(tmp_path: Path) -> None:
     assert result["sglang"]["used"] == _sglang_importable()
     for ps in ("1", "16", "64"):
         r = result["results"][ps]
-        for op in ("insert", "match", "evict"):
+        for op in ("insert", "match", "evict", "evict_checked"):
             assert r["seconds_median"]["sgl_hicache"][op] > 0
             assert r["tokens_per_s"]["sgl_hicache"][op] > 0
+        assert 0 < r["ours_evict_free_share"] < 1
         if result["sglang"]["used"]:
             assert set(r["ratio_ours_over_sglang"]) == {"insert", "match", "evict", "evict_alloc"}
-            # SGLang's eviction into the allocator its server builds is measured beside the mock's
-            assert r["seconds_median"]["sglang"]["evict_alloc"] > 0
+            # both sides' eviction into the allocator SGLang's server builds, beside the tree alone
+            assert (
+                r["seconds_median"]["sglang"]["evict_alloc"] > 0
+                and r["seconds_median"]["sgl_hicache"]["evict_alloc"] > 0
+            )
             assert r["tree_tokens"]["sgl_hicache"] == r["tree_tokens"]["sglang"]  # same stream, same tree
         else:
             assert "ratio_ours_over_sglang" not in r and "ours only" in result["note"]

@@ -89,6 +89,31 @@ def test_deferred_frees_reach_the_allocator_once_and_count_as_free_meanwhile(pag
     assert dev.free_pages == n - 3 and len(calls) == 3  # outside the block: at once
 
 
+def test_a_page_freed_twice_is_refused_inside_and_outside_deferred_frees():
+    """A double free never reaches SGLang's allocator (its free list would hand the page out twice):
+    outside the block at the call; inside it, over the whole batch when it is given back, so two
+    frees of one page by different evictions of one scheduler call are caught too."""
+    from sgl_hicache.sglang.device_pool import SGLangDevicePool
+
+    alloc = _pools(1)
+    dev = SGLangDevicePool(alloc)
+    held = dev.allocate([b"k"] * 4)
+    assert held is not None
+    before = int(alloc.available_size())
+    with pytest.raises(KeyError, match="same page twice"):
+        dev.free([held[0], held[0]])
+    assert int(alloc.available_size()) == before
+
+    def two_evictions_in_one_call() -> None:
+        with dev.deferred_frees():
+            dev.free(held[:2])
+            dev.free(held[1:3])  # held[1] again, in another call
+
+    with pytest.raises(KeyError, match="same page twice"):
+        two_evictions_in_one_call()
+    assert int(alloc.available_size()) == before and dev.used_pages == 4  # the batch was refused whole
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_backend_demotes_and_loads_back_exact_kv(tmp_path, page_size):
     """insert -> evict (device -> host -> disk) -> match reports host+disk -> init_load_back queues the

@@ -93,6 +93,11 @@ class SGLangDevicePool(TierStore, LayeredPages):
         pages = self._deferred
         if pages:
             self._deferred = array("q")
+            # one check over the whole batch (a page freed twice by two evictions of one call is
+            # caught too): one sort, where a check per free cost one per evicted node
+            if _has_repeats(pages):
+                self._owned += len(pages)  # none given back: the books still count them held
+                raise KeyError("device: free got the same page twice")
             self.allocator.free(self.token_slots(pages))
 
     # ---- accounting --------------------------------------------------------------------
@@ -155,11 +160,11 @@ class SGLangDevicePool(TierStore, LayeredPages):
     def free(self, handles: Sequence[Handle]) -> None:
         if not handles:
             return
-        if _has_repeats(handles):
-            raise KeyError("device: free got the same page twice")
         if self._deferred is not None:
-            self._deferred.extend(handles if type(handles) is array else array("q", handles))
+            self._deferred.extend(handles if type(handles) is array else array("q", handles))  # checked at the flush
         else:
+            if _has_repeats(handles):
+                raise KeyError("device: free got the same page twice")
             self.allocator.free(self.token_slots(handles))
         self._owned -= len(handles)
 
