@@ -11,22 +11,22 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from heapq import heappop, heapreplace
-from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from ..policy.eviction import lru
 from ..policy.writeback import below, eviction_demotes, host_eviction_rank, is_clean
 from ..tiers.base import DEVICE, DISK, HOST, Handle
-from ..tree.leaves import LeafKey
+from ..tree.leaves import Entry, LeafEntry
 from ..tree.node import TreeNode
 
 if TYPE_CHECKING:
     from .residency import TieredCache
 
 
-# `lru`'s order as a leaf key: the node's recency alone, one float read in C (the queue breaks ties
-# by node id, as `lru`'s `(last_access, id)` does); it runs on every push and every validated entry
-_RECENCY: LeafKey = attrgetter("last_access")
+# `lru`'s order as a leaf entry: the node's recency, then its id, exactly `lru`'s `(last_access, id)`
+# (it runs on every push and every validated entry)
+def _recency(node: TreeNode) -> Entry:
+    return (node.last_access, node.id, node)
 
 
 class Evictor:
@@ -86,20 +86,26 @@ class Evictor:
             return (host_eviction_rank(node), self.cache.priority(node))
         return (not is_clean(node, tier), self.cache.priority(node))
 
-    def leaf_key_for(self, tier: str) -> LeafKey:
-        """`leaf_key(node, tier)` as a function of the node alone, with the config's choice made once
-        (the leaf queues call it on every push). It reads `cache.priority` at each call, except for
-        the default `lru` where the priority decides alone: then the key is the node's recency (the
-        same order). The priority decides alone under demotion, and on the device tier of a cache
-        with no host tier (no device page can be clean: the first part of `leaf_key` is constant)."""
+    def leaf_entry_for(self, tier: str) -> LeafEntry:
+        """The leaf queue's entry of a node in `tier` (`tree/leaves.py`): `leaf_key(node, tier)`'s parts
+        side by side, then the node's id and the node, with the config's choice made once (the queue
+        calls it on every push). It reads `cache.priority` at each call, except for the default `lru`,
+        whose `(last_access, id)` is read off the node. The priority decides alone under demotion, and
+        on the device tier of a cache with no host tier (no device page can be clean: the first part
+        of `leaf_key` is constant)."""
         cache = self.cache
+        plain_lru = cache.priority is lru
         if eviction_demotes(cache.config, tier) or (tier == DEVICE and HOST not in cache.stores):
-            if cache.priority is lru:
-                return _RECENCY
-            return lambda node: cache.priority(node)
+            if plain_lru:
+                return _recency
+            return lambda node: (cache.priority(node), node.id, node)
         if tier == HOST:
-            return lambda node: (host_eviction_rank(node), cache.priority(node))
-        return lambda node: (not is_clean(node, tier), cache.priority(node))
+            if plain_lru:
+                return lambda node: (host_eviction_rank(node), node.last_access, node.id, node)
+            return lambda node: (host_eviction_rank(node), cache.priority(node), node.id, node)
+        if plain_lru:
+            return lambda node: (not is_clean(node, tier), node.last_access, node.id, node)
+        return lambda node: (not is_clean(node, tier), cache.priority(node), node.id, node)
 
     def _evict_ordered(self, tier: str, num_pages: int, spare: bool = False) -> int:
         """`evict` over the tree's incrementally kept leaf queue (`tree/leaves.py`): O(log n) per
@@ -107,7 +113,7 @@ class Evictor:
         c = self.cache
         tree = c.tree
         queue = tree.leaf_queue(tier)
-        leaf_key = queue.key
+        entry_of = queue.entry
         # a node held in `tier` alone is dropped by `tree.drop_leaf` when no tier below could take
         # it (none configured, or the shared store, which eviction never writes)
         dst = below(tier)
@@ -128,7 +134,8 @@ class Evictor:
             while freed < num_pages:
                 if not heap:
                     break
-                key, _, node = heap[0]
+                top: Entry = heap[0]
+                node = top[-1]
                 if (
                     node.parent is None
                     or getattr(node, tier) is None
@@ -147,9 +154,9 @@ class Evictor:
                     if self._ranked(tier):
                         break  # the queue ranks device copies last: only such pages are left
                     continue
-                current = leaf_key(node)
-                if current > key:  # used since it was queued: its turn comes later
-                    heapreplace(heap, (current, node.id, node))  # (`queue.replace_top`)
+                current = entry_of(node)
+                if current > top:  # used since it was queued: its turn comes later
+                    heapreplace(heap, current)  # (`queue.replace_top`)
                     continue
                 heappop(heap)
                 if (

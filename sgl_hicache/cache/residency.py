@@ -126,7 +126,7 @@ class TieredCache:
         only grow with use (`lru`, `lfu`: see `tree/leaves.py`); other orders (`reuse`, the oracle's)
         move with the clock, so their evictions order the leaves afresh each call."""
         if self._incremental_order:
-            self.tree.order_leaves(self.evictor.leaf_key_for)
+            self.tree.order_leaves(self.evictor.leaf_entry_for)
 
     @property
     def orphans(self) -> list[TransferOp]:

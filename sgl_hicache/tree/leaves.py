@@ -1,6 +1,8 @@
 """Evictable leaves of one tier, kept in eviction order as the tree changes (no rebuild per evict).
 
-A lazy min-heap of `(key, node id, node)` entries. The tree pushes a node whenever it may have
+A lazy min-heap of entries `(*key, node id, node)`: the key's parts, then the tie-break and the node,
+in one flat tuple (a heap of 100k+ entries compares a flat tuple about 30 % faster than one that
+nests the key). The tree pushes a node whenever it may have
 become a candidate or its key may have dropped (it enters a tier, a child leaves one); it never
 deletes. The evictor validates the lowest entry (`top`) against the node's state then, so a stale
 entry costs one pop (`drop_top`), or one sift where only its key grew (`replace_top`).
@@ -11,8 +13,8 @@ grow between pushes, as LRU and LFU keys do (`last_access` and `hit_count` only 
 every event that can lower a key (a node becomes clean: it entered the tier below) pushes it. An
 entry whose node's key grew since is queued again with the current key (`replace_top`).
 
-A key is anything sortable: a tuple, or a float (the node's recency, for `lru`); ties are broken
-by node id.
+The queue is given the entry function `entry(node)`, which builds the node's entry from its current
+key; ties are broken by node id.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from typing import Any
 
 from .node import TreeNode
 
-LeafKey = Callable[[TreeNode], Any]
-Entry = tuple[Any, int, TreeNode]  # (key when queued, node id, node)
+# (key's parts when queued..., node id, node): ordered by the key, then the id (never the node)
+Entry = tuple[Any, ...]
+LeafEntry = Callable[[TreeNode], Entry]
 
 
 class LeafQueue:
@@ -34,8 +37,8 @@ class LeafQueue:
     from `rebuild_from` when stale entries outnumber live nodes 4 to 1 (amortized O(1) per push).
     """
 
-    def __init__(self, key: LeafKey) -> None:
-        self.key = key
+    def __init__(self, entry: LeafEntry) -> None:
+        self.entry = entry
         self._heap: list[Entry] = []
 
     @property
@@ -48,26 +51,26 @@ class LeafQueue:
         return len(self._heap)
 
     def push(self, node: TreeNode) -> None:
-        heapq.heappush(self._heap, (self.key(node), node.id, node))
+        heapq.heappush(self._heap, self.entry(node))
 
     def top(self) -> Entry | None:
-        """The entry with the lowest key, `(key when queued, node id, node)`, left in place; None
-        when empty."""
+        """The entry with the lowest key (its node is `entry[-1]`), left in place; None when empty."""
         return self._heap[0] if self._heap else None
 
     def drop_top(self) -> None:
         """Remove the `top` entry (there is one)."""
         heapq.heappop(self._heap)
 
-    def replace_top(self, key: Any, node: TreeNode) -> None:
-        """Replace the `top` entry by `node`'s with `key` (its node's key grew since it was queued):
-        one sift, where a pop and a push took two."""
-        heapq.heapreplace(self._heap, (key, node.id, node))
+    def replace_top(self, entry: Entry) -> None:
+        """Replace the `top` entry by `entry`, its node's current one (its key grew since it was
+        queued): one sift, where a pop and a push took two."""
+        heapq.heapreplace(self._heap, entry)
 
     def needs_compaction(self, live: int) -> bool:
         return len(self._heap) > 4 * live + 1024
 
     def rebuild(self, nodes: Iterable[TreeNode]) -> None:
         """Replace every entry by one per node of `nodes` (the tier's current leaves)."""
-        self._heap[:] = [(self.key(n), n.id, n) for n in nodes]  # in place: see `heap`
+        entry = self.entry
+        self._heap[:] = [entry(n) for n in nodes]  # in place: see `heap`
         heapq.heapify(self._heap)

@@ -14,7 +14,7 @@ from ..hashing import Namespace, PageKey, int64_tokens
 from ..tiers.base import DISK, TIERS, Handle
 from .gaps import TierGaps
 from .invariants import InvariantError, check_tree
-from .leaves import LeafKey, LeafQueue
+from .leaves import LeafEntry, LeafQueue
 from .node import UNWRITTEN, TreeNode, edge_key_of, slot_array, split_handles
 from .traffic import HalfLife, drop_edge, start_edges
 
@@ -71,12 +71,12 @@ class RadixTree:
         # changes what eviction orders by): equal versions mean the same tree for a planner
         self.version = 0
 
-    def order_leaves(self, key_for: Callable[[str], LeafKey]) -> None:
-        """Keep each tier's eviction candidates ordered by `key_for(tier)(node)` from now on (see
-        `tree/leaves.py` for what the key must satisfy), starting from the current leaves."""
+    def order_leaves(self, entry_for: Callable[[str], LeafEntry]) -> None:
+        """Keep each tier's eviction candidates ordered by the entries `entry_for(tier)(node)` from
+        now on (see `tree/leaves.py` for what the key must satisfy), starting from the current leaves."""
         self.leaves = {}
         for tier in TIERS:
-            q = LeafQueue(key_for(tier))
+            q = LeafQueue(entry_for(tier))
             q.rebuild(self.tier_leaves(tier))
             self.leaves[tier] = q
 
