@@ -17,9 +17,12 @@ Sides, each one in the configuration its server runs:
 - `sgl_hicache`: `TieredCache` + `RequestController` + `ThreadExecutor` built as the SGLang
   backend's `assembly` builds them (`assemble.build_cache` / `build_controller`, default policy:
   write-through to host at commit, copies on the transfer threads, eviction drops clean pages and
-  never copies). Per request: `match` (+ `record_request`), `load_back` (`promote`: the host part
-  copied to device on this thread), `lock`, `evict` (`pump_writeback(start_new=False)` and
-  `evict(DEVICE, missing pages)`, as the backend's `evict`), `alloc` (`allocate_device`), `insert`
+  never copies), with the backend's device tier (`SGLangDevicePool`) over the same KV pool and
+  allocator as the HiCache side (`sglang_pool`; the embedded engine's pool where SGLang is missing),
+  its frees batched per call as the backend's scheduler calls batch them (`deferred_frees`). Per
+  request: `match` (+ `record_request`), `load_back` (`promote`: the host part copied to device on
+  this thread, as HiCache's side copies on CPU), `lock`, `evict` (`pump_writeback(start_new=False)`
+  and `evict(DEVICE, missing pages)`, as the backend's `evict`), `alloc` (`allocate_device`), `insert`
   (`insert`, `free_device` of the duplicates, `match(touch=False)` and `commit`: what the backend's
   `checkpoint` does), `unlock`, `step` (`pump_writeback()`: the backend's `after_batch_formed`).
 - `sglang_radix`: `RadixCache.create_simulated` with a mock allocator (no host tier: an evicted page
@@ -47,6 +50,7 @@ total, are medians over rounds with [min, max] ranges.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import platform
@@ -94,6 +98,8 @@ try:  # SGLang's CPU server applies these before it builds HiCache (plugin.regis
     from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    from sgl_hicache.sglang.device_pool import SGLangDevicePool
 
     SGLANG, SGLANG_ERROR = True, None
 except Exception as exc:  # noqa: BLE001 - any import failure means: measure ours only
@@ -155,10 +161,17 @@ def pool_sizes(prompts: list[array], page_size: int, fraction: float) -> tuple[i
 
 
 def run_ours(prompts: list[array], page_size: int, pages: int, host_factor: int, start: int) -> dict:
+    if SGLANG:  # the backend's device tier over the KV pool and allocator HiCache's side gets
+        device = SGLangDevicePool(sglang_pool(page_size, pages))
+        batched_frees = device.deferred_frees  # as the backend's scheduler calls free (`frees_batched`)
+        layout = device.layout
+        pages = device.pool_pages  # (as the backend's `cache_config` reads it)
+    else:  # the embedded engine's pool
+        device, batched_frees, layout = None, contextlib.nullcontext, TINY
     cfg = CacheConfig(
-        TINY, device_tokens=pages * page_size, host_tokens=host_factor * pages * page_size, page_size=page_size
+        layout, device_tokens=pages * page_size, host_tokens=host_factor * pages * page_size, page_size=page_size
     )
-    cache = build_cache(cfg)
+    cache = build_cache(cfg, device=device)
     engine = TransferEngine(cache)
     controller = build_controller(cache, ThreadExecutor(cache, engine), DEFAULT_POLICY, time.monotonic)
     store = cache.stores[DEVICE]
@@ -175,7 +188,8 @@ def run_ours(prompts: list[array], page_size: int, pages: int, host_factor: int,
             if m.lower_tier_tokens:
                 host_hits += m.lower_tier_tokens
                 t = clock()
-                m = cache.promote(m)
+                with batched_frees():
+                    m = cache.promote(m)
                 rec.add("load_back", clock() - t)
             t = clock()
             cache.lock(m.last_node)
@@ -188,8 +202,9 @@ def run_ours(prompts: list[array], page_size: int, pages: int, host_factor: int,
                 for op in list(controller.writeback):
                     op.executed.wait(timeout=5)
                 t = clock()
-                controller.pump_writeback(start_new=False)
-                cache.evict(DEVICE, need - store.free_pages)
+                with batched_frees():
+                    controller.pump_writeback(start_new=False)
+                    cache.evict(DEVICE, need - store.free_pages)
                 rec.add("evict", clock() - t)
             t = clock()
             fresh = cache.allocate_device(need)
@@ -258,21 +273,11 @@ def run_radix(prompts: list[array], page_size: int, pages: int, host_factor: int
     return out
 
 
-def build_hicache(page_size: int, pages: int, host_factor: int):
-    """SGLang's HiCache tree as `--enable-hierarchical-cache --hicache-io-backend direct
-    --hicache-mem-layout layer_first --hicache-write-policy write_through` builds it (the scheduler's
-    `create_unified_radix_cache` then `init_hicache`), over a tiny real KV pool on CPU."""
+def sglang_pool(page_size: int, pages: int):
+    """The KV pool (1 layer, 1 head of `HEAD_DIM`, bf16, CPU) and the allocator SGLang's server builds
+    over it for a plain model (`need_sort=False` outside PD disaggregation): the device tier of both
+    the HiCache side and ours."""
     size = pages * page_size
-    sa = ServerArgs(
-        model_path="dummy",
-        page_size=page_size,
-        enable_hierarchical_cache=True,
-        hicache_ratio=float(host_factor),
-        hicache_io_backend="direct",
-        hicache_mem_layout="layer_first",
-        hicache_write_policy="write_through",
-    )
-    set_global_server_args_for_scheduler(sa)
     kv = MHATokenToKVPool(
         size=size,
         page_size=page_size,
@@ -284,9 +289,25 @@ def build_hicache(page_size: int, pages: int, host_factor: int):
         enable_memory_saver=False,
     )
     if page_size > 1:
-        alloc = PagedTokenToKVPoolAllocator(size, page_size, torch.bfloat16, "cpu", kv, need_sort=False)
-    else:
-        alloc = TokenToKVPoolAllocator(size, torch.bfloat16, "cpu", kv, need_sort=False)
+        return PagedTokenToKVPoolAllocator(size, page_size, torch.bfloat16, "cpu", kv, need_sort=False)
+    return TokenToKVPoolAllocator(size, torch.bfloat16, "cpu", kv, need_sort=False)
+
+
+def build_hicache(page_size: int, pages: int, host_factor: int):
+    """SGLang's HiCache tree as `--enable-hierarchical-cache --hicache-io-backend direct
+    --hicache-mem-layout layer_first --hicache-write-policy write_through` builds it (the scheduler's
+    `create_unified_radix_cache` then `init_hicache`), over a tiny real KV pool on CPU."""
+    sa = ServerArgs(
+        model_path="dummy",
+        page_size=page_size,
+        enable_hierarchical_cache=True,
+        hicache_ratio=float(host_factor),
+        hicache_io_backend="direct",
+        hicache_mem_layout="layer_first",
+        hicache_write_policy="write_through",
+    )
+    set_global_server_args_for_scheduler(sa)
+    alloc = sglang_pool(page_size, pages)
     r2t = ReqToTokenPool(size=4, max_context_len=8, device="cpu", enable_memory_saver=False)  # unused here
     params = CacheInitParams(
         req_to_token_pool=r2t,

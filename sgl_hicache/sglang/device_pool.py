@@ -42,6 +42,12 @@ def layout_of(kvcache, architecture: str = "llama") -> KVLayout:
     return adapter_for(kvcache, architecture).layout
 
 
+# SGLang's plain allocators take page ids as they are (`free_page_ids`: allocator/token.py:77,
+# allocator/paged.py:359): no expansion to token slots that `free` turns back into pages with
+# `torch.unique` (a sort, and a device sync on a GPU). Other allocators get token slots (`free`).
+_FREES_PAGE_IDS = frozenset({"TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator"})
+
+
 class SGLangDevicePool(TierStore, LayeredPages):
     """`TierStore` over SGLang's `token_to_kv_pool_allocator` and its KV pool (see module docstring)."""
 
@@ -69,6 +75,7 @@ class SGLangDevicePool(TierStore, LayeredPages):
         self._owned = 0
         self._offsets = torch.arange(self.page_size, dtype=torch.int64, device=self.device)
         self._deferred: array | None = None  # pages freed inside `deferred_frees`, not yet given back
+        self._frees_page_ids = type(allocator).__name__ in _FREES_PAGE_IDS
         # hybrid sliding window: the window layers' rows are reached through SGLang's slot mapping
         self._space = [1 if self.adapter.is_window(layer) else 0 for layer in range(self.layout.num_layers)]
 
@@ -98,7 +105,7 @@ class SGLangDevicePool(TierStore, LayeredPages):
             if _has_repeats(pages):
                 self._owned += len(pages)  # none given back: the books still count them held
                 raise KeyError("device: free got the same page twice")
-            self.allocator.free(self.token_slots(pages))
+            self._give_back(pages)
 
     # ---- accounting --------------------------------------------------------------------
     @property
@@ -124,17 +131,28 @@ class SGLangDevicePool(TierStore, LayeredPages):
     def reset_accounting(self) -> None:
         self._owned = 0
 
+    def _give_back(self, pages: Sequence[Handle]) -> None:
+        """Return checked, distinct `pages` to SGLang's allocator."""
+        if self._frees_page_ids:
+            self.allocator.free_page_ids(self._page_ids(pages))
+        else:
+            self.allocator.free(self.token_slots(pages))
+
     # ---- pages <-> token slots ---------------------------------------------------------
+    def _page_ids(self, handles: Sequence[Handle]) -> torch.Tensor:
+        """The pages as an int64 tensor where the pool lives."""
+        # through an int64 array: 2-3x faster than a tensor from a list of ints (a long path's
+        # hundreds of pages, on the scheduler thread). A copy: the tensor keeps it alive, and no
+        # caller's array is pinned against resizing by a tensor over its buffer
+        pages = torch.frombuffer(array("q", handles), dtype=torch.int64)
+        return pages if pages.device == self.device else pages.to(self.device)
+
     def token_slots(self, handles: Sequence[Handle]) -> torch.Tensor:
         if not handles:
             return torch.empty(0, dtype=torch.int64, device=self.device)
-        # through an int64 array: 2-3x faster than a tensor from a list of ints (a long path's
-        # hundreds of pages, on the scheduler thread)
-        pages = torch.frombuffer(array("q", handles), dtype=torch.int64)
-        if pages.device != self.device:
-            pages = pages.to(self.device)
+        pages = self._page_ids(handles)
         if self.page_size == 1:
-            return pages  # (a tensor over the array keeps the array alive)
+            return pages
         return (pages * self.page_size).unsqueeze(1).add(self._offsets).view(-1)
 
     def pages_of(self, slots: torch.Tensor) -> array:
@@ -165,7 +183,7 @@ class SGLangDevicePool(TierStore, LayeredPages):
         else:
             if _has_repeats(handles):
                 raise KeyError("device: free got the same page twice")
-            self.allocator.free(self.token_slots(handles))
+            self._give_back(handles)
         self._owned -= len(handles)
 
     def layer_space(self, layer: int) -> int:
