@@ -14,7 +14,10 @@ and a session whose history passes `--history-tokens` starts afresh. The device 
 and evicts on most requests for most of the run. Only requests after the first eviction count.
 
 Per request, what SGLang's scheduler calls, each timed alone (`time.thread_time`: this thread's
-CPU, so other processes on a shared machine do not count):
+CPU, so other processes on a shared machine do not count), less the garbage collector's passes that
+ran inside it. Those are the process's (whichever call allocates when the count of new objects
+crosses a threshold runs one) and are given apart, per generation (`gc`: passes, p50 / max µs, µs
+per measured request):
 - ours (`TieredCache`): `match`, `lock`, `evict` (only when the pool lacks room for the request's
   new pages: the pages missing), `insert` (with `allocate_device` for the new pages, timed as
   `alloc` apart, and `free_device` of the duplicates), `unlock`; with tiers also `promote` when
@@ -104,11 +107,48 @@ def requests(args: argparse.Namespace, page_size: int) -> Iterator[array]:
 
 
 class Calls:
-    """Per-call CPU samples (µs) by call name, kept only once `on` is set."""
+    """Per-call CPU samples (µs) by call name, kept only once `on` is set, timed by `clock`: this
+    thread's CPU time less the garbage collector's passes. A pass runs inside whichever call
+    allocates when the process's count of new objects crosses a threshold, so its time is the
+    process's, not that call's: the passes are kept apart (`gc_summary`, per generation; each side's
+    tree sets how many objects they run over). It hooks `gc.callbacks` until `close`."""
 
     def __init__(self) -> None:
         self.samples: dict[str, array] = {}
         self.on = False
+        self.gc_passes: dict[int, array] = {0: array("d"), 1: array("d"), 2: array("d")}
+        self._in_gc = 0.0
+        self._gc_start = 0.0
+        gc.callbacks.append(self._gc_pass)
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._gc_pass)
+
+    def _gc_pass(self, phase: str, info: dict) -> None:
+        now = time.thread_time()
+        if phase == "start":
+            self._gc_start = now
+            return
+        self._in_gc += now - self._gc_start
+        if self.on:
+            self.gc_passes[info["generation"]].append((now - self._gc_start) * 1e6)
+
+    def clock(self) -> float:
+        """Seconds of this thread's CPU, less those spent in garbage-collector passes."""
+        return time.thread_time() - self._in_gc
+
+    def gc_summary(self, requests: int) -> dict[str, dict[str, float]]:
+        """Per generation: the passes while `on`, their p50 / max (µs), and their total per request (µs)."""
+        out = {}
+        for gen, xs in self.gc_passes.items():
+            s = sorted(xs)
+            out[f"gen{gen}"] = {
+                "n": len(s),
+                "p50": s[len(s) // 2] if s else 0.0,
+                "max": s[-1] if s else 0.0,
+                "us_per_request": sum(s) / requests if requests else 0.0,
+            }
+        return out
 
     def add(self, name: str, seconds: float) -> None:
         if self.on:
@@ -152,7 +192,7 @@ def run_ours(args: argparse.Namespace, page_size: int, tiered: bool) -> dict:
         cfg = CacheConfig(TINY, device_tokens=pool_pages * page_size, page_size=page_size)
         cache = TieredCache(cfg)
     calls = Calls()
-    clock = time.thread_time
+    clock = calls.clock
     store = cache.stores[DEVICE]
     n = measured = 0
     gc.collect()
@@ -192,11 +232,13 @@ def run_ours(args: argparse.Namespace, page_size: int, tiered: bool) -> dict:
         measured += calls.on
         if args.measure_requests and measured >= args.measure_requests:
             break
+    calls.close()
     return {
         "requests": n,
         "tree_nodes": cache.tree.node_count,
         "tree_tokens": cache.tree.pages[DEVICE] * page_size,
         "calls": calls.summary(),
+        "gc": calls.gc_summary(measured),
     }
 
 
@@ -204,7 +246,7 @@ def run_radix(args: argparse.Namespace, page_size: int) -> dict:
     cache = RadixCache.create_simulated(mock_allocator=MockAllocator(), page_size=page_size)
     pool = args.pool_tokens // page_size * page_size
     calls = Calls()
-    clock = time.thread_time
+    clock = calls.clock
     n = measured = 0
     gc.collect()
     for tokens in requests(args, page_size):
@@ -233,6 +275,7 @@ def run_radix(args: argparse.Namespace, page_size: int) -> dict:
         measured += calls.on
         if args.measure_requests and measured >= args.measure_requests:
             break
+    calls.close()
     nodes = 0
     stack = [cache.root_node]
     while stack:
@@ -244,6 +287,7 @@ def run_radix(args: argparse.Namespace, page_size: int) -> dict:
         "tree_nodes": nodes - 1,
         "tree_tokens": cache.evictable_size() + cache.protected_size(),
         "calls": calls.summary(),
+        "gc": calls.gc_summary(measured),
     }
 
 
@@ -301,6 +345,11 @@ def main(argv: list[str] | None = None) -> dict:
                     }
                     for c in names
                 },
+                # garbage-collector passes apart from the calls (`Calls`): medians over rounds
+                "gc": {
+                    g: {f: round(statistics.median(r["gc"][g][f] for r in rs), 2) for f in rs[0]["gc"][g]}
+                    for g in rs[0]["gc"]
+                },
                 "calls_us_range": {
                     c: {
                         f: [
@@ -326,7 +375,8 @@ def main(argv: list[str] | None = None) -> dict:
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "sglang": {"available": SGLANG, "error": SGLANG_ERROR},
         "machine": {"python": platform.python_version(), "platform": platform.platform()},
-        "note": "per-call CPU µs (thread_time), medians over rounds of each round's p50/p99/max; calls after the first eviction",
+        "note": "per-call CPU µs (thread_time less garbage-collector passes, which `gc` gives apart), medians over "
+        "rounds of each round's p50/p99/max; calls after the first eviction",
         "results": results,
         "wall_s": round(time.perf_counter() - t0, 1),
     }

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 # `lru`'s order as a leaf entry: the node's recency, then its id, exactly `lru`'s `(last_access, id)`
 # (it runs on every push and every validated entry)
 def _recency(node: TreeNode) -> Entry:
-    return (node.last_access, node.id, node)
+    return (node.last_access, node.id)
 
 
 class Evictor:
@@ -88,7 +88,7 @@ class Evictor:
 
     def leaf_entry_for(self, tier: str) -> LeafEntry:
         """The leaf queue's entry of a node in `tier` (`tree/leaves.py`): `leaf_key(node, tier)`'s parts
-        side by side, then the node's id and the node, with the config's choice made once (the queue
+        side by side, then the node's id, with the config's choice made once (the queue
         calls it on every push). It reads `cache.priority` at each call, except for the default `lru`,
         whose `(last_access, id)` is read off the node. The priority decides alone under demotion, and
         on the device tier of a cache with no host tier (no device page can be clean: the first part
@@ -98,14 +98,14 @@ class Evictor:
         if eviction_demotes(cache.config, tier) or (tier == DEVICE and HOST not in cache.stores):
             if plain_lru:
                 return _recency
-            return lambda node: (cache.priority(node), node.id, node)
+            return lambda node: (cache.priority(node), node.id)
         if tier == HOST:
             if plain_lru:
-                return lambda node: (host_eviction_rank(node), node.last_access, node.id, node)
-            return lambda node: (host_eviction_rank(node), cache.priority(node), node.id, node)
+                return lambda node: (host_eviction_rank(node), node.last_access, node.id)
+            return lambda node: (host_eviction_rank(node), cache.priority(node), node.id)
         if plain_lru:
-            return lambda node: (not is_clean(node, tier), node.last_access, node.id, node)
-        return lambda node: (not is_clean(node, tier), cache.priority(node), node.id, node)
+            return lambda node: (not is_clean(node, tier), node.last_access, node.id)
+        return lambda node: (not is_clean(node, tier), cache.priority(node), node.id)
 
     def _evict_ordered(self, tier: str, num_pages: int, spare: bool = False) -> int:
         """`evict` over the tree's incrementally kept leaf queue (`tree/leaves.py`): O(log n) per
@@ -130,14 +130,15 @@ class Evictor:
         # store sees the same frees in the same order)
         runs: list[Sequence[Handle]] = []
         drop_leaf = tree.drop_leaf
+        by_id = tree.by_id
         try:
             while freed < num_pages:
                 if not heap:
                     break
                 top: Entry = heap[0]
-                node = top[-1]
+                node = by_id.get(top[-1])
                 if (
-                    node.parent is None
+                    node is None  # gone from the tree
                     or getattr(node, tier) is None
                     or node.children_in.get(tier)
                     or (node.children and has_child_in(node, tier))

@@ -31,6 +31,8 @@ def check_tree(tree: RadixTree) -> None:
     count = 0
     for node in tree.nodes():
         count += 1
+        if tree.by_id.get(node.id) is not node:
+            raise InvariantError(f"{node} is not in the tree's by_id")
         parent = node.parent
         if parent is None or parent.children.get(node.edge_key) is not node:
             raise InvariantError(f"{node} is not linked under its parent")

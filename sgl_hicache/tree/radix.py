@@ -66,7 +66,10 @@ class RadixTree:
         self.protected_shared: dict[frozenset[str], int] = {}
         # per tier, the eviction candidates in eviction order (`order_leaves`); None: not kept
         self.leaves: dict[str, LeafQueue] | None = None
-        self.node_count = 0
+        # every node below the root by id: the leaf queues' entries name a node by its id alone, so
+        # they hold no reference the garbage collector must trace (hundreds of thousands of entries
+        # at production sizes); an id missing here is a node gone from the tree
+        self.by_id: dict[int, TreeNode] = {}
         # bumped on every change of structure, residency, lock or pin (and by the cache when it
         # changes what eviction orders by): equal versions mean the same tree for a planner
         self.version = 0
@@ -100,6 +103,11 @@ class RadixTree:
 
     def touched(self) -> None:  # recency or hit counts changed: plans memoised on `version` are stale
         self.version += 1
+
+    @property
+    def node_count(self) -> int:
+        """Nodes below the root."""
+        return len(self.by_id)
 
     def leaf_queue(self, tier: str) -> LeafQueue:  # `tier`'s eviction candidates (after `order_leaves`)
         return self.leaves[tier]  # type: ignore[index]
@@ -198,7 +206,7 @@ class RadixTree:
                 self.resident[tier].add(upper)
                 upper.own_dict("children_in")[tier] = 1  # `node`, now its only child (the parent's count is unchanged)
         self.gaps.split(upper, node)
-        self.node_count += 1
+        self.by_id[upper.id] = upper
         return upper
 
     def add_child(self, parent: TreeNode, tokens: Sequence[int], owned: bool = False) -> TreeNode:
@@ -213,7 +221,7 @@ class RadixTree:
         node = TreeNode(parent, tokens, None, len(tokens) // self.page_size, next(self._ids))
         node._edge = first
         parent.children[first] = node
-        self.node_count += 1
+        self.by_id[node.id] = node
         return node
 
     def remove_leaf(self, node: TreeNode) -> None:
@@ -228,7 +236,7 @@ class RadixTree:
         # token ids) for every conversation it ever saw, and the predictor would scan them all
         drop_edge(node.parent, first)
         node.parent = None
-        self.node_count -= 1
+        del self.by_id[node.id]
 
     def set_resident(
         self, node: TreeNode, tier: str, handles: Sequence[Handle] | None = None, owned: bool = False
@@ -304,7 +312,7 @@ class RadixTree:
         del parent.children[first]
         drop_edge(parent, first)
         node.parent = None
-        self.node_count -= 1
+        del self.by_id[node.id]
         if n == 0 and parent.parent is not None and getattr(parent, tier) is not None:
             leaf_set.add(parent)  # the parent is a leaf of `tier` now
             self.push_leaf(parent, tier)
