@@ -66,7 +66,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from overhead import add_trace_args  # noqa: E402  (the workload of overhead.py, shared)
-from tree_ops import MockAllocator  # noqa: E402
+from tree_ops import MockAllocator, server_allocator  # noqa: E402
 
 from sgl_hicache.assemble import build_cache, build_controller  # noqa: E402
 from sgl_hicache.config import DEFAULT_POLICY, CacheConfig, KVLayout  # noqa: E402
@@ -85,7 +85,6 @@ try:  # SGLang's CPU server applies these before it builds HiCache (plugin.regis
 
     cpu_compat.apply()
     import torch
-    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
     from sglang.srt.mem_cache.base_prefix_cache import (
         EvictParams,
         InitLoadBackParams,
@@ -93,7 +92,7 @@ try:  # SGLang's CPU server applies these before it builds HiCache (plugin.regis
         MatchPrefixParams,
     )
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
     from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
     from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
@@ -275,22 +274,9 @@ def run_radix(prompts: list[array], page_size: int, pages: int, host_factor: int
 
 def sglang_pool(page_size: int, pages: int):
     """The KV pool (1 layer, 1 head of `HEAD_DIM`, bf16, CPU) and the allocator SGLang's server builds
-    over it for a plain model (`need_sort=False` outside PD disaggregation): the device tier of both
-    the HiCache side and ours."""
-    size = pages * page_size
-    kv = MHATokenToKVPool(
-        size=size,
-        page_size=page_size,
-        dtype=torch.bfloat16,
-        head_num=1,
-        head_dim=HEAD_DIM,
-        layer_num=1,
-        device="cpu",
-        enable_memory_saver=False,
-    )
-    if page_size > 1:
-        return PagedTokenToKVPoolAllocator(size, page_size, torch.bfloat16, "cpu", kv, need_sort=False)
-    return TokenToKVPoolAllocator(size, torch.bfloat16, "cpu", kv, need_sort=False)
+    over it for a plain model (`tree_ops.server_allocator`): the device tier of both the HiCache
+    side and ours."""
+    return server_allocator(pages * page_size, page_size, head_dim=HEAD_DIM, dtype=torch.bfloat16)
 
 
 def build_hicache(page_size: int, pages: int, host_factor: int):

@@ -174,7 +174,7 @@ def run_ours(prompts: list[list[int]], page_size: int, with_sglang: bool) -> dic
     filled.stores["device"].free_runs = lambda runs: None  # type: ignore[method-assign]
     out["evict"] = _ours_evict(filled)
     if with_sglang:
-        pool = SGLangDevicePool(server_allocator(total_pages * page_size + page_size, page_size, with_pool=True))
+        pool = SGLangDevicePool(server_allocator(total_pages * page_size + page_size, page_size, head_dim=1))
         on_server = _ours_filled(prompts, page_size, device=pool)
         out["evict_alloc"] = _ours_evict(on_server, pool.deferred_frees)
         assert pool.allocator.available_size() >= total_pages * page_size, "ours (allocator): pages not returned"
@@ -211,26 +211,28 @@ def run_sglang(prompts: list[list[int]], page_size: int) -> dict[str, float]:
     return out
 
 
-def server_allocator(size: int, page_size: int, with_pool: bool = False):
+def server_allocator(size: int, page_size: int, head_dim: int | None = None, dtype=None):
     """The KV allocator SGLang 0.5.23's server builds for a plain model outside PD disaggregation
-    (`kv_cache_configurator.py`, the last `else` branch: no sort on free); `with_pool`: over a real
-    KV pool of one layer, one head of dimension 1 (what `SGLangDevicePool` reads its layout from)."""
+    (`kv_cache_configurator.py`, the last `else` branch: no sort on free); with `head_dim`, over a
+    real KV pool of one layer and one head of that dimension on CPU (what `SGLangDevicePool` reads
+    its layout from), in `dtype` (default float16)."""
+    dtype = dtype or torch.float16
     kv = None
-    if with_pool:
+    if head_dim is not None:
         kv = MHATokenToKVPool(
             size=size,
             page_size=page_size,
-            dtype=torch.float16,
+            dtype=dtype,
             head_num=1,
-            head_dim=1,
+            head_dim=head_dim,
             layer_num=1,
             device="cpu",
             enable_memory_saver=False,
         )
     if page_size == 1:
-        return TokenToKVPoolAllocator(size, dtype=torch.float16, device="cpu", kvcache=kv, need_sort=False)
+        return TokenToKVPoolAllocator(size, dtype=dtype, device="cpu", kvcache=kv, need_sort=False)
     return PagedTokenToKVPoolAllocator(
-        size, page_size=page_size, dtype=torch.float16, device="cpu", kvcache=kv, need_sort=False
+        size, page_size=page_size, dtype=dtype, device="cpu", kvcache=kv, need_sort=False
     )
 
 
