@@ -5,9 +5,12 @@ of numbers. Flat: a heap of 100k+ entries compares it about 30 % faster than a t
 key. Numbers only: the garbage collector stops tracing such a tuple after its first pass, where an
 entry holding the node stays traced at every full collection (a third of a production-size tree's
 objects); the node is found by id in the tree's `by_id`, and an id not there is a node gone from
-the tree. The tree pushes a node whenever it may have become a candidate or its key may have dropped (it enters a tier, a child leaves one); it never
-deletes. The evictor validates the lowest entry (`top`) against the node's state then, so a stale
-entry costs one pop (`drop_top`), or one sift where only its key grew (`replace_top`).
+the tree.
+
+The tree pushes a node whenever it may have become a candidate or its key may have dropped (it
+enters a tier, a child leaves one); it never deletes. The evictor validates the lowest entry (`top`)
+against the node's state then, so a stale entry costs one pop (`drop_top`), or one sift where only
+its key grew (`replace_top`).
 
 Contract (what makes `top` the true minimum): every candidate node (resident in the tier,
 no child there) has at least one entry whose key is <= its current key. That holds when keys only
@@ -35,8 +38,9 @@ LeafEntry = Callable[[TreeNode], Entry]
 class LeafQueue:
     """Candidates for eviction from one tier, lowest key first (see the module docstring).
 
-    `push`, `drop_top` and `replace_top` are O(log n); `top` is O(1). The heap is rebuilt
-    from `rebuild_from` when stale entries outnumber live nodes 4 to 1 (amortized O(1) per push).
+    `push`, `drop_top` and `replace_top` are O(log n); `top` is O(1). The tree rebuilds the heap
+    (`rebuild`) when its entries outnumber the tier's resident nodes 4 to 1 (`needs_compaction`;
+    amortized O(1) per push).
     """
 
     def __init__(self, entry: LeafEntry) -> None:
