@@ -42,6 +42,7 @@ so and only our side is measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -102,13 +103,19 @@ def _timed(fn) -> float:
     return time.thread_time() - t0
 
 
-def _ours_filled(prompts: list[array], page_size: int, device=None) -> TieredCache:
-    """Our tree with every prompt inserted and matched once (as `insert` and `match` leave it),
-    untimed; `device`: the device store (default: the embedded engine's)."""
+def _ours_cache(prompts: list[array], page_size: int, device=None) -> TieredCache:
+    """An empty cache whose device tier holds every page of `prompts`; `device`: the device store
+    (default: the embedded engine's)."""
     total_pages = sum(len(p) // page_size for p in prompts)
-    cache = TieredCache(
+    return TieredCache(
         CacheConfig(TINY, device_tokens=max(total_pages, 1) * page_size, page_size=page_size), device=device
     )
+
+
+def _ours_filled(prompts: list[array], page_size: int, device=None) -> TieredCache:
+    """`_ours_cache` with every prompt inserted and matched once (as `insert` and `match` leave
+    it), untimed."""
+    cache = _ours_cache(prompts, page_size, device)
     for p in prompts:
         r = cache.insert(p, cache.allocate_device(len(p) // page_size))
         cache.free_device(r.duplicates)
@@ -117,18 +124,15 @@ def _ours_filled(prompts: list[array], page_size: int, device=None) -> TieredCac
     return cache
 
 
-def _ours_evict(cache: TieredCache, each_call=None) -> float:
+def _ours_evict(cache: TieredCache, each_call=contextlib.nullcontext) -> float:
     """CPU seconds of emptying the device tier in 10 equal `evict` calls, each inside `each_call()`
-    (a context manager) when given."""
+    (a context manager)."""
     chunk = max(1, -(-cache.tree.pages["device"] // 10))
 
     def evict() -> None:
         for _ in range(10):
-            if each_call is None:
+            with each_call():
                 cache.evict("device", chunk)
-            else:
-                with each_call():
-                    cache.evict("device", chunk)
 
     seconds = _timed(evict)
     assert cache.tree.pages["device"] == 0, "ours: eviction left pages behind"
@@ -139,7 +143,7 @@ def run_ours(prompts: list[list[int]], page_size: int, with_sglang: bool) -> dic
     # int64 arrays, as SGLang's scheduler hands them over (`RadixKey.token_ids`), built before the clock
     prompts = [array("q", p) for p in prompts]  # type: ignore[misc]
     total_pages = sum(len(p) // page_size for p in prompts)
-    cache = TieredCache(CacheConfig(TINY, device_tokens=max(total_pages, 1) * page_size, page_size=page_size))
+    cache = _ours_cache(prompts, page_size)
     handles = [cache.allocate_device(len(p) // page_size) for p in prompts]
     dups: list = []  # each insert's duplicates, freed after the clock stops
 
