@@ -18,9 +18,10 @@ API, the hints a request carries, and the embedded engine's replay of trace hint
 Retention is advice, never a lock: a retained prefix's recency is refreshed as time passes
 (`refresh`), so eviction takes it after the unhinted pages, and a request that needs the room still
 takes it. Each tier holds at most its share of retained tokens (`HintLimits`; the retentions that
-end soonest first), and each retention lasts in a tier only as long as the cost test allows
-(`retention_s`): where the device is contended (it evicts fast) a prefix ages out of it and stays on
-host; where hinted prefixes do not come back, retention shrinks.
+end soonest first, each ranked as more recent than those ending later, and the overdue ones, held
+longer than most retentions took to come back, last), and each retention lasts in a tier only as
+long as the cost test allows (`retention_s`): where the device is contended (it evicts fast) a
+prefix ages out of it and stays on host; where hinted prefixes do not come back, retention shrinks.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ REFRESH_S = 0.25  # how often retained prefixes are refreshed (their recency lag
 WATCHED = 1024  # prefetched prefixes watched for their return at once (the oldest dropped first)
 RETURNS_KEPT = 256  # the latest prefetch -> return delays the hold reads
 MIN_RETURNS = 8  # returns seen before the hold follows them
+RANK_STEP_S = 1e-6  # recency step between retentions' refreshes (1,024 of them span 1 ms)
 RETURN_QUANTILE = 0.9  # a prefetched prefix is held until this share of prefetched prefixes came back
 
 
@@ -135,6 +137,13 @@ class HintDesk:
         # the measured delays from prefetch to that use: how early the clients' prefetches come
         self._watched: deque[tuple[float, TreeNode, int, TreeNode | None]] = deque(maxlen=WATCHED)
         self.returns: deque[float] = deque(maxlen=RETURNS_KEPT)
+        # how long after their start retentions came back: an active one held longer than most of
+        # those took (`_late`) is `overdue`: it counts as wasted while it lasts, and it is kept after
+        # the others. A client that retains what never comes back is measured in seconds, not when
+        # its retentions end
+        self.retention_returns: deque[float] = deque(maxlen=RETURNS_KEPT)
+        self.overdue = 0
+        self._late = float("inf")
 
     def apply(self, hint: Hint, tokens: Sequence[int]) -> int:
         try:
@@ -204,10 +213,23 @@ class HintDesk:
         cache.tree.touched()
 
     def precision(self) -> float:
-        """The share of ended retentions whose prefix came back in time (1.0 until 4 have ended:
-        a prior that trusts a new client, quickly corrected)."""
-        done = self.retained_used + self.retained_wasted
+        """The share of retentions whose prefix came back in time, over those ended and those
+        `overdue` (1.0 until 4 count: a prior that trusts a new client, quickly corrected)."""
+        done = self.retained_used + self.retained_wasted + self.overdue
         return (self.retained_used + 3) / (done + 3) if done < 4 else self.retained_used / done
+
+    def _overdue(self, r: Retention, now: float) -> bool:
+        return now - r.start > self._late
+
+    def _count_overdue(self, now: float) -> None:
+        """`overdue`: the active retentions held for longer than `RETURN_QUANTILE` of the retentions
+        that came back took (once `MIN_RETURNS` came back)."""
+        if len(self.retention_returns) < MIN_RETURNS:
+            self.overdue, self._late = 0, float("inf")
+            return
+        xs = sorted(self.retention_returns)
+        self._late = xs[min(len(xs) - 1, int(RETURN_QUANTILE * len(xs)))]
+        self.overdue = sum(1 for r in self._retained if self._overdue(r, now))
 
     def _lasts(self, tier: Tier) -> float:
         """How long after its start a retention holds in `tier` (`retention_s`, with the tier's
@@ -243,8 +265,12 @@ class HintDesk:
         used = dict.fromkeys(caps, 0)
         seen: set[int] = set()
         touched = False
-        for r in sorted(self._retained):
+        order = sorted(self._retained, key=lambda r: (self._overdue(r, now), r.until, r.seq))
+        for rank, r in enumerate(order):
             age = now - r.start
+            # the soonest to end ranks as the most recent: when retained pages must go, they go in
+            # the order their prefixes are expected back (latest first), not in an arbitrary one
+            stamp = now - rank * RANK_STEP_S
             for n in r.node.path_from_root():
                 if n.id in seen:
                     continue
@@ -260,8 +286,8 @@ class HintDesk:
                 if n.device is not None and tier == HOST:  # ages out of the device, kept once on host
                     n.keep_until = max(n.keep_until, min(r.until, r.start + lasts[HOST]))
                     continue
-                if n.last_access < now:
-                    n.last_access = now
+                if n.last_access < stamp:
+                    n.last_access = stamp
                     touched = True
         if touched:
             cache.tree.touched()
@@ -276,6 +302,7 @@ class HintDesk:
         self.pinned_tokens -= r.tokens
         if came_back(r.node, r.hits, r.parent):
             self.retained_used += 1
+            self.retention_returns.append(self.clock() - r.start)
         else:
             self.retained_wasted += 1
 
@@ -354,6 +381,7 @@ class HintDesk:
                 heapq.heapify(self._retained)
                 ended += len(gone)
             self._refreshed_at = now
+            self._count_overdue(now)
             self.refresh(now)
         if self._watched and now - self._watched_at >= REFRESH_S:
             self._watched_at = now
@@ -402,6 +430,7 @@ class HintDesk:
             "retained_tokens": self.pinned_tokens,
             "retained_used": self.retained_used,
             "retained_wasted": self.retained_wasted,
+            "overdue": self.overdue,
             "precision": self.precision(),
             "kept_tokens": {str(getattr(t, "value", t)): n for t, n in self.refreshed_tokens.items()},
             "prefetch_hold_s": self.prefetch_hold_s(),

@@ -92,8 +92,8 @@ def test_a_malformed_batch_is_refused_whole_with_the_reason(listener, body, word
             "hint 0: 'input_ids': a hint's prefix must hold at least one whole page (4 tokens), got 3",
         ),
         (
-            {"action": "pin", "input_ids": list(range(12)), "ttl_s": 5},
-            "hint 0: pin of 12 tokens is over 25% of the 32-token host tier (8 tokens)",
+            {"action": "pin", "input_ids": list(range(20)), "ttl_s": 5},
+            "hint 0: pin of 20 tokens is over 50% of the 32-token host tier (16 tokens)",
         ),
     ],
 )

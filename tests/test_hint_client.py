@@ -93,8 +93,8 @@ def test_a_refused_hint_is_counted_with_its_reason_and_the_rest_still_go(listene
     now = time.perf_counter()
     sender.schedule(now, ResolvedHint("r1", Hint("prefetch", input_ids=(1, 2)), (1, 2)))  # shorter than a page
     sender.schedule(
-        now, ResolvedHint("r2", Hint("pin", input_ids=tuple(range(32)), ttl_s=5.0), tuple(range(32)))
-    )  # > 25 % of 64
+        now, ResolvedHint("r2", Hint("pin", input_ids=tuple(range(48)), ttl_s=5.0), tuple(range(48)))
+    )  # > 50 % of 64
     sender.schedule(now, ResolvedHint("r3", Hint("prefetch", input_ids=(1, 2, 3, 4)), (1, 2, 3, 4)))
     sender.schedule(now + 0.5, ResolvedHint("r4", Hint("retain", input_ids=(5, 6, 7, 8)), (5, 6, 7, 8)))  # due later
     assert [h.input_ids for h in _drained(listener, 1)] == [(1, 2, 3, 4)]
@@ -102,7 +102,7 @@ def test_a_refused_hint_is_counted_with_its_reason_and_the_rest_still_go(listene
     assert time.perf_counter() - now >= 0.5 and [h.input_ids for h in listener.drain()] == [(5, 6, 7, 8)]
     assert (counts.sent, counts.accepted, counts.refused, counts.unsent) == (4, 2, 2, 0)
     assert counts.first_error.startswith("request r1: prefetch of 2 tokens: HTTP 400: hint 0: 'input_ids': ")
-    assert "pin of 32 tokens is over 25% of the 64-token host tier" in counts.refusals[1]
+    assert "pin of 48 tokens is over 50% of the 64-token host tier" in counts.refusals[1]
     assert counts.endpoint_error is None
 
 

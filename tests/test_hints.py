@@ -189,6 +189,58 @@ def test_retention_keeps_within_its_share_of_each_tier(tmp_path):
     assert ctl.hints.refreshed_tokens[DEVICE] == 2 * PS
 
 
+def test_retained_prefixes_leave_in_the_order_they_are_expected_back(tmp_path):
+    # all retained pages are refreshed at once; when room is needed among them, the retention that
+    # ends last goes first (not whichever the tie between equal recencies picks)
+    clock = Clock(10.0)
+    cache, _ex, ctl = _controller(tmp_path, clock)
+    ctl.hints.limits = HintLimits(device_share=1.0, max_pin_share=1.0)
+    sooner, later = seq(0, 2), seq(100, 2)
+    serve(cache, sooner)  # the older node: a tie on recency would take it first
+    serve(cache, later)
+    ctl.hints.apply(Hint("retain", tuple(sooner), ttl_s=30.0), sooner)
+    ctl.hints.apply(Hint("retain", tuple(later), ttl_s=60.0), later)
+    clock.t = 20.0
+    ctl.pump_writeback(start_new=False)
+    n_sooner, n_later = cache.match(sooner, touch=False).last_node, cache.match(later, touch=False).last_node
+    assert n_sooner.last_access == 20.0 > n_later.last_access > 19.0
+    assert cache.evict(DEVICE, 2) == 2
+    assert n_later.device is None and n_sooner.device is not None
+    cache.check()
+
+
+def test_a_retention_held_past_when_the_others_came_back_is_overdue(tmp_path):
+    # the client's retentions come back about 1 s after they start; one held for 10 s is overdue:
+    # it counts against the precision, and a fresh retention is kept ahead of it although it asked
+    # to be kept longer (a client retaining what never comes back loses its share in seconds)
+    from sgl_hicache.hint_desk import MIN_RETURNS
+
+    clock = Clock(10.0)
+    cache, _ex, ctl = _controller(tmp_path, clock)
+    ctl.hints.limits = HintLimits(device_share=1.0, max_pin_share=1.0)
+    for i in range(MIN_RETURNS):
+        p = seq(1000 + 10 * i, 1)
+        serve(cache, p)
+        ctl.hints.apply(Hint("retain", tuple(p), ttl_s=30.0), p)
+        clock.t += 1.0
+        serve(cache, p)  # it came back
+        ctl.pump_writeback(start_new=False)
+        clock.t += 0.5
+    assert ctl.hints.retained_used == MIN_RETURNS and ctl.hints.overdue == 0
+    stale, fresh = seq(0, 2), seq(100, 2)
+    serve(cache, stale)
+    serve(cache, fresh)
+    ctl.hints.apply(Hint("retain", tuple(stale), ttl_s=30.0), stale)  # ends first: kept first, while on time
+    clock.t += 10.0
+    ctl.hints.apply(Hint("retain", tuple(fresh), ttl_s=60.0), fresh)
+    clock.t += 0.5
+    ctl.pump_writeback(start_new=False)
+    n_stale, n_fresh = cache.match(stale, touch=False).last_node, cache.match(fresh, touch=False).last_node
+    assert ctl.hints.overdue == 1 and ctl.hints.precision() == MIN_RETURNS / (MIN_RETURNS + 1)
+    assert n_fresh.last_access == clock.t > n_stale.last_access
+    cache.check()
+
+
 def test_a_retention_over_the_device_share_lands_on_host_as_just_used(tmp_path):
     # a conversation larger than the device share ages out of the device; the eviction that takes it
     # off makes it just used, so the host keeps it ahead of older unhinted pages in the same evictions

@@ -41,7 +41,7 @@ from test_sglang_e2e import (
 pytestmark = NEEDS_SGLANG
 
 DEVICE_TOKENS = 1024
-HOST_TOKENS = 2048  # retention keeps at most 25 % here (512 tokens) and 10 % of the device (102)
+HOST_TOKENS = 2048  # retention keeps at most 50 % here (1024 tokens) and 10 % of the device (102)
 FLOOD = 14  # x 300 tokens: more than device + host, so an unhinted conversation ends on disk only
 TP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "SGLHICACHE_CONSENSUS_CHECK": "1"}
 
@@ -175,7 +175,7 @@ def test_a_hint_flood_is_bounded_and_others_still_complete(server):
     st = _hints(server)
     assert st["refused"].get("limit", 0) - before["refused"].get("limit", 0) == n // 4, st  # over-long: refused
     assert st["applied"]["retain"] - before["applied"]["retain"] == n - n // 4
-    assert st["kept_tokens"]["device"] <= DEVICE_TOKENS // 10 and st["kept_tokens"]["host"] <= HOST_TOKENS // 4, st
+    assert st["kept_tokens"]["device"] <= DEVICE_TOKENS // 10 and st["kept_tokens"]["host"] <= HOST_TOKENS // 2, st
     pool = _settled_pool(server)["pool"]
     assert pool["protected_tokens"] == 0, pool  # advice, never a lock
     out, hits = _gen(server, warm)  # an unhinted request after the flood is still served from its cache

@@ -84,7 +84,7 @@ class HintLimits:
     """
 
     max_ttl_s: float = 600.0
-    max_pin_share: float = 0.25
+    max_pin_share: float = 0.5
     device_share: float = 0.1
     max_retained: int = 1024
     max_hints_per_s: float = 200.0
