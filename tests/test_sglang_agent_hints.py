@@ -123,8 +123,9 @@ def test_a_tool_calls_conversation_is_retained_through_a_flood(server):
     out, hits, _ = _hinted(server, conv, workflow_id="wf1", agent_id="coder", step_id=2, reuse_hint="end")
     assert out == ref
     # retained, never locked: served whole from the tiers. Where it lands is not asserted: on this CPU server
-    # it is kept on host through the flood in most runs, and in some the flood still sends it to disk
-    # (docs/agent-hints.md, "Limits": not yet explained)
+    # it is kept on host through the flood in most runs, and in some the flood still sends it to disk: host
+    # eviction drops pages with a disk copy before the flood's pages whose disk writes are still in flight
+    # (docs/agent-hints.md, "Limits")
     assert hits["device"] + hits["host"] + hits["storage"] == HIT, hits
     out, hits = _gen(server, control)
     assert out == ref_control and hits["storage"] > 0, hits  # the same flood sent the unhinted one to disk
