@@ -126,8 +126,8 @@ class Evictor:
         freed = 0
         held: list[TreeNode] = []  # in use now: queued again once this eviction is done
         heap = queue.heap  # popped here directly: a method call per entry cost more than the pop
-        # the plain case's handles, freed in one call (before any other free of the store, so the
-        # store sees the same frees in the same order)
+        # the handles of every node evicted here, freed in one call at the end, in eviction order
+        # (the store sees the same frees in the same order as one call per node would give it)
         runs: list[Sequence[Handle]] = []
         drop_leaf = tree.drop_leaf
         by_id = tree.by_id
@@ -170,11 +170,8 @@ class Evictor:
                     runs.append(drop_leaf(node, tier))
                     dropped += node.num_pages
                     freed += node.num_pages
-                else:
-                    if runs:
-                        store.free_runs(runs)  # type: ignore[union-attr]  # (set whenever only_here is)
-                        runs = []
-                    freed += self.evict_node(node, tier)  # (its parent is queued as it becomes a leaf)
+                else:  # (its parent is queued as it becomes a leaf; its handles join `runs`, in order)
+                    freed += self.evict_node(node, tier, runs if store is not None else None)
         finally:
             if runs:
                 store.free_runs(runs)  # type: ignore[union-attr]
@@ -206,8 +203,10 @@ class Evictor:
                     heapq.heappush(heap, (key(parent), parent.id, parent))
         return freed
 
-    def evict_node(self, node: TreeNode, tier: str) -> int:
-        """Take `node` out of `tier` (demoting it first where the policy keeps it); returns its pages."""
+    def evict_node(self, node: TreeNode, tier: str, runs: list[Sequence[Handle]] | None = None) -> int:
+        """Take `node` out of `tier` (demoting it first where the policy keeps it); returns its pages.
+        With `runs`, its handles in `tier` are appended there for the caller to free (one store call
+        per eviction, not per node; nothing here allocates in `tier`), else freed now."""
         c = self.cache
         tokens = node.num_pages * c.page_size
         if tier == DEVICE and node.keep_until:
@@ -232,6 +231,8 @@ class Evictor:
         handles = c.tree.clear_resident(node, tier)
         if tier == DISK:
             c.lower.free_disk(handles)
+        elif runs is not None:
+            runs.append(handles)
         else:
             c.stores[tier].free(handles)
         c.stats.add("evicted_tokens", tokens, tier)
