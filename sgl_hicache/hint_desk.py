@@ -49,10 +49,10 @@ from .tree.node import TreeNode
 HINT_TRIGGER = "hint"
 REFRESH_S = 0.25  # how often retained prefixes are refreshed (their recency lags by at most this)
 WATCHED = 1024  # prefetched prefixes watched for their return at once (the oldest dropped first)
-RETURNS_KEPT = 256  # the latest prefetch -> return delays the hold reads
-MIN_RETURNS = 8  # returns seen before the hold follows them
+RETURNS_KEPT = 256  # the latest return delays kept (prefetch -> use, retention start -> return)
+MIN_RETURNS = 8  # returns seen before the prefetch hold and the overdue age follow them
 RANK_STEP_S = 1e-6  # recency step between retentions' refreshes (1,024 of them span 1 ms)
-RETURN_QUANTILE = 0.9  # a prefetched prefix is held until this share of prefetched prefixes came back
+RETURN_QUANTILE = 0.9  # held until this share of the measured returns came (prefetch hold, overdue age)
 
 
 @dataclass(order=True)
@@ -68,6 +68,14 @@ class Retention:
     start: float = field(compare=False)
     hits: int = field(compare=False)
     parent: TreeNode | None = field(compare=False, default=None)
+
+
+def late_return(delays: deque[float]) -> float | None:
+    """The `RETURN_QUANTILE` of the measured return `delays` (None until `MIN_RETURNS` were seen)."""
+    if len(delays) < MIN_RETURNS:
+        return None
+    xs = sorted(delays)
+    return xs[min(len(xs) - 1, int(RETURN_QUANTILE * len(xs)))]
 
 
 def came_back(node: TreeNode, hits: int, parent: TreeNode | None) -> bool:
@@ -224,11 +232,8 @@ class HintDesk:
     def _count_overdue(self, now: float) -> None:
         """`overdue`: the active retentions held for longer than `RETURN_QUANTILE` of the retentions
         that came back took (once `MIN_RETURNS` came back)."""
-        if len(self.retention_returns) < MIN_RETURNS:
-            self.overdue, self._late = 0, float("inf")
-            return
-        xs = sorted(self.retention_returns)
-        self._late = xs[min(len(xs) - 1, int(RETURN_QUANTILE * len(xs)))]
+        late = late_return(self.retention_returns)
+        self._late = float("inf") if late is None else late
         self.overdue = sum(1 for r in self._retained if self._overdue(r, now))
 
     def _lasts(self, tier: Tier) -> float:
@@ -405,10 +410,8 @@ class HintDesk:
         prefetch to use (once `MIN_RETURNS` were seen), at most `max_ttl_s`. Still only advice within
         the tiers' shares and the cost test, like any retention."""
         base = self.limits.prefetch_retain_s
-        if len(self.returns) < MIN_RETURNS:
-            return base
-        xs = sorted(self.returns)
-        return min(self.limits.max_ttl_s, max(base, xs[min(len(xs) - 1, int(RETURN_QUANTILE * len(xs)))]))
+        late = late_return(self.returns)
+        return base if late is None else min(self.limits.max_ttl_s, max(base, late))
 
     def shutdown(self) -> None:
         """End every retention now."""

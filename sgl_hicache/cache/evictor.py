@@ -171,7 +171,7 @@ class Evictor:
                     dropped += node.num_pages
                     freed += node.num_pages
                 else:  # (its parent is queued as it becomes a leaf; its handles join `runs`, in order)
-                    freed += self.evict_node(node, tier, runs if store is not None else None)
+                    freed += self.evict_node(node, tier, runs)  # (a disk eviction frees its own: `free_disk`)
         finally:
             if runs:
                 store.free_runs(runs)  # type: ignore[union-attr]
