@@ -16,7 +16,7 @@ every side), so the figures are the regime under pressure.
 Sides, each one in the configuration its server runs:
 - `sgl_hicache`: `TieredCache` + `RequestController` + `ThreadExecutor` built as the SGLang
   backend's `assembly` builds them (`assemble.build_cache` / `build_controller`, default policy:
-  write-through to host at commit, copies on the transfer threads, eviction drops clean pages and
+  write-through to host at commit, copies on the backend's transfer threads (`BackendSettings.transfer_workers`), eviction drops clean pages and
   never copies), with the backend's device tier (`SGLangDevicePool`) over the same KV pool and
   allocator as the HiCache side (`sglang_pool`; the embedded engine's pool where SGLang is missing),
   its frees batched per call as the backend's scheduler calls batch them (`deferred_frees`). Per
@@ -71,6 +71,7 @@ from tree_ops import MockAllocator, server_allocator  # noqa: E402
 from sgl_hicache.assemble import build_cache, build_controller  # noqa: E402
 from sgl_hicache.config import DEFAULT_POLICY, CacheConfig, KVLayout  # noqa: E402
 from sgl_hicache.replay import load_trace  # noqa: E402
+from sgl_hicache.sglang.settings import BackendSettings  # noqa: E402  (imports no sglang)
 from sgl_hicache.tiers.base import DEVICE  # noqa: E402
 from sgl_hicache.transfer.engine import TransferEngine  # noqa: E402
 from sgl_hicache.transfer.executors import ThreadExecutor  # noqa: E402
@@ -78,6 +79,7 @@ from sgl_hicache.transfer.executors import ThreadExecutor  # noqa: E402
 HEAD_DIM = 8
 TINY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=HEAD_DIM)  # the tree's CPU does not depend on KV bytes
 SIDES = ("sgl_hicache", "sglang_radix", "sglang_hicache", "sglang_hicache_nocopy")
+BACKEND_WORKERS = BackendSettings().transfer_workers  # the transfer threads the backend starts
 CALLS = ("match", "load_back", "lock", "evict", "alloc", "insert", "unlock", "step")
 
 try:  # SGLang's CPU server applies these before it builds HiCache (plugin.register -> cpu_compat.apply)
@@ -171,7 +173,7 @@ def run_ours(prompts: list[array], page_size: int, pages: int, host_factor: int,
         layout, device_tokens=pages * page_size, host_tokens=host_factor * pages * page_size, page_size=page_size
     )
     cache = build_cache(cfg, device=device)
-    engine = TransferEngine(cache)
+    engine = TransferEngine(cache, workers=BACKEND_WORKERS)
     controller = build_controller(cache, ThreadExecutor(cache, engine), DEFAULT_POLICY, time.monotonic)
     store = cache.stores[DEVICE]
     rec = Recorder(start)

@@ -17,7 +17,7 @@ from sgl_hicache.hashing import Namespace, page_key
 from sgl_hicache.tiers.base import PageCorruptError
 from sgl_hicache.tiers.codec import DTYPE_MISMATCH, PageCodec
 from sgl_hicache.tiers.disk import DiskPageStore
-from sgl_hicache.tiers.memory import HostKVBuffer
+from sgl_hicache.tiers.memory import INDEX_COPY_BELOW_BYTES, HostKVBuffer
 
 PAGE = 4
 E4M3 = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float8_e4m3fn")
@@ -116,3 +116,26 @@ def test_the_shared_store_codec_names_the_dtype():
     assert e5m2.decode(value, key)[0] is not None
     payload, reason = e4m3.decode(value, key)
     assert payload is None and reason == DTYPE_MISMATCH
+
+
+BIG_BF16 = KVLayout(num_layers=4, num_kv_heads=8, head_dim=128, dtype="bfloat16")  # 64 KiB pages
+BIG_E4M3 = KVLayout(num_layers=4, num_kv_heads=8, head_dim=128, dtype="float8_e4m3fn")
+
+
+@pytest.mark.parametrize(
+    "layout", [E4M3, MLA, BIG_BF16, BIG_E4M3], ids=["small_fp8", "small_mla", "large_bf16", "large_fp8"]
+)
+def test_host_write_puts_every_page_where_its_handle_says(layout):
+    """Small pages are written in one call, large ones page by page: both land each page at its own
+    slot, bit for bit, and leave the other slots untouched."""
+    host = HostKVBuffer(layout, PAGE, 8, pin_memory=False)
+    assert (host.page_bytes < INDEX_COPY_BELOW_BYTES) == (layout in (E4M3, MLA))
+    before = _raw(host.buffer.clone())
+    data = _random_pages(layout, 3, seed=7)
+    slots = [6, 1, 4]
+    host.write(slots, data)
+    for i, s in enumerate(slots):
+        assert torch.equal(_raw(host.buffer[s]), _raw(data[i]))
+    untouched = [s for s in range(8) if s not in slots]
+    assert torch.equal(_raw(host.buffer[untouched]), before[untouched])
+    assert torch.equal(_raw(host.read(slots)), _raw(data))

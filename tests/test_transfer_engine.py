@@ -517,12 +517,34 @@ def test_one_big_disk_read_is_spread_over_workers(tmp_path):
     assert_quiescent(cache)
 
 
+@pytest.mark.parametrize("memory_chunk_bytes, host_to_device_calls", [(64 << 20, 1), (0, 12)])
+def test_a_copy_between_memories_is_cut_only_by_its_byte_size(tmp_path, memory_chunk_bytes, host_to_device_calls):
+    """Disk reads are cut into `chunk_pages` for parallel reads; a host -> device copy is one torch
+    call, so it is cut only every `memory_chunk_bytes` (0: every `chunk_pages`, as a disk read)."""
+    cache = make_cache(tmp_path, device=16, host=16, disk=64)
+    big = seq(0, 12)
+    to_disk(cache, big, [seq(1000 * (i + 1), 4) for i in range(8)])
+    gate = Gate(cache)
+    engine = TransferEngine(cache, workers=4, chunk_pages=1, memory_chunk_bytes=memory_chunk_bytes).start()
+    job = engine.submit(cache.plan_promotion(cache.match(big), "demand"))
+    assert finish(engine, job) and not job.failed
+    cache.release(job)
+    engine.stop()
+    links = [link for *_, link in gate.calls]
+    assert links.count("disk->host") == 12
+    assert links.count("host->device") == host_to_device_calls
+    assert_device_kv(cache, big)
+    assert_quiescent(cache)
+
+
 def test_engine_rejects_bad_arguments():
     cache = make_cache(None)
     with pytest.raises(ValueError, match="workers"):
         TransferEngine(cache, workers=0)
     with pytest.raises(ValueError, match="chunk_pages"):
         TransferEngine(cache, chunk_pages=0)
+    with pytest.raises(ValueError, match="memory_chunk_bytes"):
+        TransferEngine(cache, memory_chunk_bytes=-1)
 
 
 def test_speculative_pacer_keeps_predictions_to_their_share_of_the_link():

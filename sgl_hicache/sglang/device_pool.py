@@ -73,7 +73,7 @@ class SGLangDevicePool(TierStore, LayeredPages):
         self.planes = self.layout.kv_planes
         self._dtype = self.layout.torch_dtype
         self._owned = 0
-        self._offsets = torch.arange(self.page_size, dtype=torch.int64, device=self.device)
+        self._offsets_np = np.arange(self.page_size, dtype=np.int64)
         self._deferred: array | None = None  # pages freed inside `deferred_frees`, not yet given back
         self._frees_page_ids = type(allocator).__name__ in _FREES_PAGE_IDS
         # hybrid sliding window: the window layers' rows are reached through SGLang's slot mapping
@@ -141,26 +141,27 @@ class SGLangDevicePool(TierStore, LayeredPages):
     # ---- pages <-> token slots ---------------------------------------------------------
     def _page_ids(self, handles: Sequence[Handle]) -> torch.Tensor:
         """The pages as an int64 tensor where the pool lives."""
-        # through an int64 array: 2-3x faster than a tensor from a list of ints (a long path's
-        # hundreds of pages, on the scheduler thread). A copy: the tensor keeps it alive, and no
-        # caller's array is pinned against resizing by a tensor over its buffer
-        pages = torch.frombuffer(array("q", handles), dtype=torch.int64)
-        return pages if pages.device == self.device else pages.to(self.device)
+        return self._on_device(_int64_copy(handles))
+
+    def _on_device(self, values: np.ndarray) -> torch.Tensor:
+        out = torch.from_numpy(values)
+        return out if out.device == self.device else out.to(self.device)
 
     def token_slots(self, handles: Sequence[Handle]) -> torch.Tensor:
-        if not handles:
-            return torch.empty(0, dtype=torch.int64, device=self.device)
-        pages = self._page_ids(handles)
+        # index arithmetic in numpy: each torch call releases the GIL and waits to take it back from
+        # the transfer threads, where a numpy call on a few hundred ints just runs
+        pages = _int64_copy(handles)
         if self.page_size == 1:
-            return pages
-        return (pages * self.page_size).unsqueeze(1).add(self._offsets).view(-1)
+            return self._on_device(pages)
+        return self._on_device((pages[:, None] * self.page_size + self._offsets_np).reshape(-1))
 
     def pages_of(self, slots: torch.Tensor) -> array:
         """Page handles of a page-aligned run of token slots (one per page), as an int64 `array`
         (the form the tree keeps: no Python int per page)."""
-        pages = slots if self.page_size == 1 else slots[:: self.page_size] // self.page_size
+        values = slots.to(device="cpu", dtype=torch.int64).numpy()
+        pages = values if self.page_size == 1 else values[:: self.page_size] // self.page_size
         out = array("q")
-        out.frombytes(pages.to(device="cpu", dtype=torch.int64).numpy().tobytes())
+        out.frombytes(pages.tobytes())
         return out
 
     # ---- TierStore -------------------------------------------------------------------
@@ -258,6 +259,14 @@ def frees_batched(method: _Method) -> _Method:
             return method(self, *args, **kwargs)
 
     return call  # type: ignore[return-value]
+
+
+def _int64_copy(handles: Sequence[Handle]) -> np.ndarray:
+    """`handles` as a fresh int64 numpy array (a copy: a tensor made from it pins no caller's array
+    against resizing)."""
+    if type(handles) is array and handles.typecode == "q":
+        return np.frombuffer(handles, dtype=np.int64).copy()
+    return np.array(handles, dtype=np.int64)
 
 
 def _has_repeats(handles: Sequence[Handle]) -> bool:

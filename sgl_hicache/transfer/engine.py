@@ -3,7 +3,8 @@
 Mechanism only: the cache plans jobs (allocations, pins, locks) and applies their results; the engine
 moves bytes. Large ops are cut into page chunks so that the pages of one promotion are read from
 disk by several workers at once (parallel reads are what turn a cold restore from a latency problem
-into a bandwidth one).
+into a bandwidth one); a copy between device and host memory is one torch call, cut only every
+`MEMORY_CHUNK_BYTES`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from ..tiers.base import TierIOError
+from ..tiers.base import DEVICE, HOST, TierIOError
 from .bandwidth import SpeculativePacer
 from .handlers import CopyLinks
 from .ops import Cancelled, PromotionJob, TransferOp
@@ -24,6 +25,8 @@ from .torch_threads import single_threaded_torch
 # lower runs first: what a waiting request needs, then predictions, then backups and demotions
 DEMAND, PREFETCH, PREDICT, BACKUP = 0, 0, 1, 2
 DISK_BACKUP = 3  # host -> disk copies queue behind device -> host ones: those keep device evictions clean
+MEMORY_TIERS = frozenset((DEVICE, HOST))
+MEMORY_CHUNK_BYTES = 64 << 20  # a chunk of a device <-> host copy: a few ms of a PCIe link
 PRIORITY = {
     "demand": DEMAND,
     "prefetch": PREFETCH,
@@ -68,12 +71,17 @@ class TransferEngine:
         max_speculative_inflight: int = 1,
         speculative_share: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
+        memory_chunk_bytes: int = MEMORY_CHUNK_BYTES,
     ) -> None:
-        if workers < 1 or chunk_pages < 1:
-            raise ValueError(f"TransferEngine needs workers >= 1 and chunk_pages >= 1, got {workers}, {chunk_pages}")
+        if workers < 1 or chunk_pages < 1 or memory_chunk_bytes < 0:
+            raise ValueError(
+                "TransferEngine needs workers >= 1, chunk_pages >= 1 and memory_chunk_bytes >= 0, "
+                f"got {workers}, {chunk_pages}, {memory_chunk_bytes}"
+            )
         self.links = links
         self.workers = workers
         self.chunk_pages = chunk_pages
+        self.memory_chunk_bytes = memory_chunk_bytes
         self.max_speculative_inflight = max_speculative_inflight
         self.pacer = SpeculativePacer(links.meter, share=speculative_share, clock=clock)
         self._queue: list[tuple[int, int, _OpState, int, int]] = []
@@ -185,9 +193,20 @@ class TransferEngine:
                     op.executed.set()
             self._cv.notify_all()
 
+    def _chunk_pages_of(self, op: TransferOp) -> int:
+        """Pages per chunk of `op`: `chunk_pages` on a link with a disk (or store) end, where parallel
+        per-page reads pay; a copy between memories is one torch call per chunk, so it is cut only
+        every `memory_chunk_bytes` (smaller chunks add only the workers' Python work, which holds the
+        GIL the scheduler thread waits for)."""
+        n = len(op.dst_handles)
+        if op.src not in MEMORY_TIERS or op.dst not in MEMORY_TIERS or not n:
+            return self.chunk_pages
+        return max(self.chunk_pages, self.memory_chunk_bytes * n // max(1, op.nbytes))
+
     def _enqueue(self, state: _OpState) -> None:
         n = len(state.op.dst_handles)
-        chunks = [(i, min(n, i + self.chunk_pages)) for i in range(0, n, self.chunk_pages)] or [(0, 0)]
+        step = self._chunk_pages_of(state.op)
+        chunks = [(i, min(n, i + step)) for i in range(0, n, step)] or [(0, 0)]
         state.chunks_left = len(chunks)
         for start, stop in chunks:
             heapq.heappush(self._queue, (state.priority, next(self._seq), state, start, stop))
