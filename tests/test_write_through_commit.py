@@ -121,3 +121,25 @@ def test_a_node_whose_copy_is_in_flight_splits_and_both_parts_get_the_copy():
     got = cache.stores[HOST].read(list(upper.host) + list(lower.host))
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     cache.check()
+
+
+def test_a_node_larger_than_a_write_batch_is_copied_whole_and_nothing_behind_it_waits():
+    """At page size 1 a long prompt's node holds thousands of pages, more than a write batch: it is
+    copied alone (at commit, and by the round when commit could not), never left to be dropped dirty,
+    and the nodes behind it are copied in the rounds after."""
+    clock, cache, ex, _ = _setup(device=16, host=32)
+    ctl = RequestController(cache, ex, Predictor(), ControllerSettings(writeback_batch_pages=3), clock)
+    big = _insert(cache, seq(0, 6))  # one node of 6 pages, twice the batch
+    assert len(big) == 1 and big[0].num_pages == 6
+    assert ctl.commit(big) == 6
+    second = _insert(cache, seq(900, 5))  # committed while the first copy is in flight; left to a round
+    clock.t += 1.0
+    ctl.pump_writeback()
+    clock.t += 1.0
+    ctl.pump_writeback()
+    clock.t += 1.0
+    ctl.pump_writeback(start_new=False)
+    assert big[0].host is not None and second[-1].host is not None
+    assert cache.evict(DEVICE, 16) == 11 and cache.stats.dropped_dirty_tokens[DEVICE] == 0
+    assert cache.match(seq(0, 6), touch=False).host_tokens == 6 * PS
+    cache.check()

@@ -61,7 +61,8 @@ class WritebackPlanner:
     def plan_path(self, src: str, dst: str, nodes: list[TreeNode], max_pages: int) -> list[TransferOp]:
         """Write-through at commit: prepare copies to a local tier `dst` of the nodes of `nodes` (a
         path, root first) that are in `src` and neither in `dst` nor on their way there, unpinned,
-        with their parent in `dst` (or the root), at most `max_pages`. Stops at the first node whose
+        with their parent in `dst` (or the root), at most `max_pages`, except that a first node larger
+        than `max_pages` goes alone (else it would never be copied). Stops at the first node whose
         parent is not in `dst` (prefix closure: its copy follows in a later round). O(path): it runs
         on every commit, where a scan of the whole tier would not do."""
         c = self.cache
@@ -73,7 +74,9 @@ class WritebackPlanner:
             parent = n.parent
             if parent is None or getattr(n, src) is None or getattr(n, dst) is not None:
                 continue
-            if dst in n.incoming or n.pins or not (parent.is_root or parent.in_tier(dst)) or n.num_pages > budget:
+            if dst in n.incoming or n.pins or not (parent.is_root or parent.in_tier(dst)):
+                break
+            if n.num_pages > budget and ops:
                 break
             op = self._backup(n, dst)
             if op is None:

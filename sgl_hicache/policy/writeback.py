@@ -139,8 +139,9 @@ def pick_writeback(
 ) -> list[TreeNode]:
     """The candidates to copy this round, coldest first, within `budget` pages. A local tier takes
     whole nodes until one does not fit; a shared store skips a node that does not fit (a later
-    round takes it), except that a node larger than a whole batch goes alone, or it would never be
-    shared."""
+    round takes it). Either way a node larger than the whole budget goes alone when it comes first,
+    or it would never be copied (at page size 1 a long prompt's node is thousands of pages), and
+    every node behind it would wait on it."""
     if budget <= 0 or not candidates:
         return []
     if not shared and budget + 1 < len(candidates):
@@ -150,11 +151,10 @@ def pick_writeback(
         ordered = sorted(candidates, key=priority)
     picked: list[TreeNode] = []
     for n in ordered:
-        if n.num_pages > budget:
+        if n.num_pages > budget and picked:
             if not shared:
                 break
-            if picked:
-                continue
+            continue
         picked.append(n)
         budget -= n.num_pages
     return picked
