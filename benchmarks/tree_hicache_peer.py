@@ -67,6 +67,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from overhead import add_trace_args  # noqa: E402  (the workload of overhead.py, shared)
 from tree_ops import MockAllocator, server_allocator  # noqa: E402
+from tree_scale import add_workload_args, requests_with_growth  # noqa: E402
 
 from sgl_hicache.assemble import build_cache, build_controller  # noqa: E402
 from sgl_hicache.config import DEFAULT_POLICY, CacheConfig, KVLayout  # noqa: E402
@@ -79,6 +80,8 @@ from sgl_hicache.transfer.executors import ThreadExecutor  # noqa: E402
 HEAD_DIM = 8
 TINY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=HEAD_DIM)  # the tree's CPU does not depend on KV bytes
 SIDES = ("sgl_hicache", "sglang_radix", "sglang_hicache", "sglang_hicache_nocopy")
+# the background copies in flight ours may fall behind by before the loop waits for the oldest
+MAX_BACKLOG_OPS = 64
 BACKEND_WORKERS = BackendSettings().transfer_workers  # the transfer threads the backend starts
 CALLS = ("match", "load_back", "lock", "evict", "alloc", "insert", "unlock", "step")
 
@@ -161,6 +164,22 @@ def pool_sizes(prompts: list[array], page_size: int, fraction: float) -> tuple[i
     return pages, start
 
 
+def scale_stream(args: argparse.Namespace, page_size: int) -> tuple[list[array], int, int]:
+    """(prompts, device pool pages, index of the first request timed) of `tree_scale.py`'s stream:
+    the requests until `--measure-requests` past the one where the stream's new tokens outgrow the pool."""
+    if args.quick:
+        args.pool_tokens, args.target_nodes, args.measure_requests = 20_000, 2_000, 200
+    prompts: list[array] = []
+    start = None
+    for prompt, inserted in requests_with_growth(args, page_size):
+        if start is None and inserted > args.pool_tokens:
+            start = len(prompts)
+        prompts.append(prompt)
+        if start is not None and len(prompts) >= start + args.measure_requests:
+            break
+    return prompts, args.pool_tokens // page_size, len(prompts) if start is None else start
+
+
 def run_ours(prompts: list[array], page_size: int, pages: int, host_factor: int, start: int) -> dict:
     if SGLANG:  # the backend's device tier over the KV pool and allocator HiCache's side gets
         device = SGLangDevicePool(sglang_pool(page_size, pages))
@@ -182,6 +201,12 @@ def run_ours(prompts: list[array], page_size: int, pages: int, host_factor: int,
     gc.collect()
     try:
         for tokens in prompts:
+            if len(controller.writeback) > MAX_BACKLOG_OPS:
+                # a server's forward pass gives the background copies its time; this loop gives them
+                # none, and a backlog of thousands of nodes would make every write-back round scan it
+                # (untimed: a wait is not scheduler CPU)
+                for op in controller.writeback[: len(controller.writeback) - MAX_BACKLOG_OPS]:
+                    op.executed.wait(timeout=5)
             t = clock()
             m = cache.match(tokens)
             cache.record_request(len(tokens), m)
@@ -420,6 +445,16 @@ def main(argv: list[str] | None = None) -> dict:
         "--device-fraction", type=float, default=0.25, help="device pool / the stream's distinct pages (0.25)"
     )
     ap.add_argument("--host-factor", type=int, default=4, help="host pool / device pool (default 4)")
+    ap.add_argument(
+        "--workload",
+        choices=("trace", "tree_scale"),
+        default="trace",
+        help="trace: the first --requests trace prompts, pool a --device-fraction of them; tree_scale: "
+        "tree_scale.py's synthetic sessions (120k nodes in a 1M-token pool by default), pool --pool-tokens, "
+        "--measure-requests timed once the stream outgrows the pool",
+    )
+    add_workload_args(ap)
+    ap.add_argument("--measure-requests", type=int, default=1500, help="tree_scale: requests timed (default 1500)")
     ap.add_argument("--no-sglang", action="store_true", help="measure ours only")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
@@ -427,13 +462,16 @@ def main(argv: list[str] | None = None) -> dict:
         args.requests, args.repeats = QUICK_REQUESTS, 2
     with_sglang = SGLANG and not args.no_sglang
     ps = args.page_size
-    prompts = []
-    for r in load_trace(args.trace, limit=args.requests, scale=args.scale):
-        ids = list(r.input_ids)
-        ids = ids[: len(ids) // ps * ps]
-        if ids:
-            prompts.append(array("q", ids))
-    pages, start = pool_sizes(prompts, ps, args.device_fraction)
+    if args.workload == "tree_scale":
+        prompts, pages, start = scale_stream(args, ps)
+    else:
+        prompts = []
+        for r in load_trace(args.trace, limit=args.requests, scale=args.scale):
+            ids = list(r.input_ids)
+            ids = ids[: len(ids) // ps * ps]
+            if ids:
+                prompts.append(array("q", ids))
+        pages, start = pool_sizes(prompts, ps, args.device_fraction)
     gc.collect()
     gc.freeze()  # SGLang's import leaves a large heap: keep it out of every collection below
     sides = list(SIDES) if with_sglang else ["sgl_hicache"]
@@ -458,6 +496,12 @@ def main(argv: list[str] | None = None) -> dict:
     out = {
         "benchmark": "tree_hicache_peer",
         "config": {
+            "workload": args.workload,
+            **(
+                {"pool_tokens": args.pool_tokens, "target_nodes": args.target_nodes, "seed": args.seed}
+                if args.workload == "tree_scale"
+                else {}
+            ),
             "trace": str(args.trace),
             "requests": len(prompts),
             "measured_requests": len(prompts) - start,

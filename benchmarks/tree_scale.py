@@ -83,6 +83,13 @@ class MockAllocator:
 def requests(args: argparse.Namespace, page_size: int) -> Iterator[array]:
     """The request stream (int64 token arrays, as SGLang's `RadixKey.token_ids`); the same for
     every side at one page size."""
+    for prompt, _ in requests_with_growth(args, page_size):
+        yield prompt
+
+
+def requests_with_growth(args: argparse.Namespace, page_size: int) -> Iterator[tuple[array, int]]:
+    """`requests`, each with the new tokens the stream has added so far (its own and every earlier
+    request's turns): a tree of the pool's size evicts from about when this passes `--pool-tokens`."""
     rng = random.Random(args.seed)
     node = max(page_size, (args.pool_tokens // args.target_nodes) // page_size * page_size)
     history = args.history_tokens or 32 * node
@@ -103,7 +110,20 @@ def requests(args: argparse.Namespace, page_size: int) -> Iterator[array]:
         sessions[i] = (sys_id, hist)
         prompt = systems[sys_id] + hist
         inserted += len(turn)
-        yield prompt[: len(prompt) - len(prompt) % page_size]
+        yield prompt[: len(prompt) - len(prompt) % page_size], inserted
+
+
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The synthetic stream's options (shared with `tree_hicache_peer.py --workload tree_scale`)."""
+    ap.add_argument("--pool-tokens", type=int, default=1_000_000, help="device pool, tokens (default 1M)")
+    ap.add_argument("--target-nodes", type=int, default=120_000, help="sets the node size: pool / this (default 120k)")
+    ap.add_argument("--pressure", type=float, default=2.0, help="tokens inserted, in pools (default 2)")
+    ap.add_argument("--sessions", type=int, default=0, help="default: 1.5 pools of history (working set > pool)")
+    ap.add_argument("--system-prompts", type=int, default=16)
+    ap.add_argument("--system-tokens", type=int, default=512)
+    ap.add_argument("--history-tokens", type=int, default=0, help="a session starts afresh past this; default 32 nodes")
+    ap.add_argument("--branch", type=float, default=0.2, help="share of turns that regenerate from an earlier point")
+    ap.add_argument("--seed", type=int, default=0)
 
 
 class Calls:
@@ -293,26 +313,18 @@ def run_radix(args: argparse.Namespace, page_size: int) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pool-tokens", type=int, default=1_000_000, help="device pool, tokens (default 1M)")
-    ap.add_argument("--target-nodes", type=int, default=120_000, help="sets the node size: pool / this (default 120k)")
-    ap.add_argument("--pressure", type=float, default=2.0, help="tokens inserted, in pools (default 2)")
+    add_workload_args(ap)
     ap.add_argument(
         "--measure-requests",
         type=int,
         default=0,
         help="stop after this many requests past the first eviction (0: run the whole stream)",
     )
-    ap.add_argument("--sessions", type=int, default=0, help="default: 1.5 pools of history (working set > pool)")
-    ap.add_argument("--system-prompts", type=int, default=16)
-    ap.add_argument("--system-tokens", type=int, default=512)
-    ap.add_argument("--history-tokens", type=int, default=0, help="a session starts afresh past this; default 32 nodes")
-    ap.add_argument("--branch", type=float, default=0.2, help="share of turns that regenerate from an earlier point")
     ap.add_argument("--host-factor", type=int, default=2)
     ap.add_argument("--disk-factor", type=int, default=4)
     ap.add_argument("--page-sizes", default="1,16,64")
     ap.add_argument("--sides", default="radix,ours,ours_tiered")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="a 20k-token pool, 1 round (the CI smoke size)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)

@@ -344,6 +344,17 @@ def test_tree_hicache_peer_smoke(tmp_path: Path) -> None:
     assert res["sglang_hicache"]["facts"]["loaded_back_tokens"] == res["sglang_hicache"]["facts"]["host_hit_tokens"]
 
 
+def test_tree_hicache_peer_on_tree_scale_sessions_times_the_requests_past_the_pool(tmp_path: Path) -> None:
+    # ours alone (the core suite has no SGLang): the synthetic sessions of tree_scale.py, a 20k-token pool
+    result = _run("tree_hicache_peer.py", tmp_path / "peer.json", "--workload", "tree_scale", "--no-sglang")
+    config = result["config"]
+    assert config["workload"] == "tree_scale" and config["device_pool_tokens"] == config["pool_tokens"] == 20_000
+    assert config["measured_requests"] == 200 and config["prompt_tokens"] > config["pool_tokens"]
+    ours = result["results"]["sgl_hicache"]
+    assert ours["facts"]["evicted_tokens_device"] > 0 and ours["facts"]["tree_nodes"] > 100
+    assert ours["calls_us"]["match"]["n"] == 200
+
+
 def test_production_compare_smoke(tmp_path: Path) -> None:
     result = _run("production_compare.py", tmp_path / "prod.json")
     assert result["benchmark"] == "production_compare" and result["requests"] == 60
