@@ -139,3 +139,12 @@ def test_host_write_puts_every_page_where_its_handle_says(layout):
     untouched = [s for s in range(8) if s not in slots]
     assert torch.equal(_raw(host.buffer[untouched]), before[untouched])
     assert torch.equal(_raw(host.read(slots)), _raw(data))
+
+
+def test_host_write_converts_data_of_another_dtype():
+    """Small pages of another dtype take the copy that converts, never a reinterpretation of bits."""
+    host = HostKVBuffer(MLA, PAGE, 4, pin_memory=False)
+    data = torch.randn((2, *host.page_shape), dtype=torch.float32)
+    host.write([3, 0], data)
+    assert torch.equal(host.buffer[3], data[0].to(MLA.torch_dtype))
+    assert torch.equal(host.buffer[0], data[1].to(MLA.torch_dtype))

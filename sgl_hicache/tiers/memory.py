@@ -154,14 +154,15 @@ class HostKVBuffer(_SlotStore, PageViews):
     def write(self, handles: Sequence[Handle], data: torch.Tensor) -> None:
         self._check_data(handles, data)
         buffer = self.buffer
-        if not handles:
+        if len(handles) == 0:
             return
-        if self.page_bytes < INDEX_COPY_BELOW_BYTES and data.device == buffer.device:
+        if self.page_bytes < INDEX_COPY_BELOW_BYTES and data.device == buffer.device and data.dtype == buffer.dtype:
             # small pages: one call (a call per page cost 10-25x more, and each releases the GIL), on
             # integers of the element's width (CPU torch has no index_copy_ for fp8)
             bits = _SAME_WIDTH_INT[buffer.element_size()]
             idx = torch.frombuffer(array("q", handles), dtype=torch.int64)
             buffer.view(bits).index_copy_(0, idx, data.view(bits))
             return
-        for i, h in enumerate(handles):  # large pages: a copy per page is 1.2-3x faster than index_copy_
+        # large pages (a copy per page is 1.2-3x faster than index_copy_), or data to convert
+        for i, h in enumerate(handles):
             buffer[h].copy_(data[i])
