@@ -150,9 +150,9 @@ class SGLangDevicePool(TierStore, LayeredPages):
     def token_slots(self, handles: Sequence[Handle]) -> torch.Tensor:
         # index arithmetic in numpy: each torch call releases the GIL and waits to take it back from
         # the transfer threads, where a numpy call on a few hundred ints just runs
-        pages = _int64_copy(handles)
         if self.page_size == 1:
-            return self._on_device(pages)
+            return self._page_ids(handles)
+        pages = _int64_copy(handles)
         return self._on_device((pages[:, None] * self.page_size + self._offsets_np).reshape(-1))
 
     def pages_of(self, slots: torch.Tensor) -> array:

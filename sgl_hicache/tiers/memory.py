@@ -102,6 +102,11 @@ INDEX_COPY_BELOW_BYTES = 16 << 10
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def _slot_index(handles: Sequence[Handle]) -> torch.Tensor:
+    """Slots as an int64 index tensor, through an int64 array (a copy the tensor keeps alive)."""
+    return torch.frombuffer(array("q", handles), dtype=torch.int64)
+
+
 class HostKVBuffer(_SlotStore, PageViews):
     """The host tier: one DRAM buffer laid out page-first, `(pages, layers, K/V, tokens, heads, dim)`,
     so that a page is one contiguous run of bytes for disk I/O. Pinned when CUDA is present, so
@@ -141,8 +146,7 @@ class HostKVBuffer(_SlotStore, PageViews):
         # indexing, `buffer[idx]`, took ~50x longer: benchmarks/replay_scale.py, real-bytes mode)
         if not handles:
             return self.buffer[:0].clone()
-        idx = torch.frombuffer(array("q", handles), dtype=torch.int64)
-        return self.buffer.index_select(0, idx)
+        return self.buffer.index_select(0, _slot_index(handles))
 
     def page_view(self, handle: Handle) -> torch.Tensor:
         """The page's bytes in place (no copy): what the disk tier writes from and reads into."""
@@ -160,8 +164,7 @@ class HostKVBuffer(_SlotStore, PageViews):
             # small pages: one call (a call per page cost 10-25x more, and each releases the GIL), on
             # integers of the element's width (CPU torch has no index_copy_ for fp8)
             bits = _SAME_WIDTH_INT[buffer.element_size()]
-            idx = torch.frombuffer(array("q", handles), dtype=torch.int64)
-            buffer.view(bits).index_copy_(0, idx, data.view(bits))
+            buffer.view(bits).index_copy_(0, _slot_index(handles), data.view(bits))
             return
         # large pages (a copy per page is 1.2-3x faster than index_copy_), or data to convert
         for i, h in enumerate(handles):
