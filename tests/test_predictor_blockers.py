@@ -32,6 +32,21 @@ def test_half_life_follows_the_long_gaps_not_the_mean():
     assert hl.samples == 32
 
 
+def test_half_life_reads_the_quantile_of_the_last_window_of_gaps_only():
+    import random
+
+    rng = random.Random(7)
+    hl = HalfLife(initial=60.0, factor=1.0, quantile=0.75, window=16, min_samples=1, every=1, ceiling=1e9)
+    seen = []
+    for i in range(400):
+        # repeats and a drift upward: old small gaps must leave the window exactly as they entered
+        gap = float(rng.choice([1, 2, 2, 3, 5, 8]) * (1 + i // 100))
+        hl.observe(gap)
+        seen.append(gap)
+        window = sorted(seen[-16:])
+        assert hl.value == window[min(15, int(0.75 * len(window)))], i
+
+
 def test_cache_learns_the_half_life_from_returns_to_a_node_with_children():
     cache = make_cache(None, device=64)
     clock = Clock(0.0)

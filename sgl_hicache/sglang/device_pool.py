@@ -158,10 +158,12 @@ class SGLangDevicePool(TierStore, LayeredPages):
     def pages_of(self, slots: torch.Tensor) -> array:
         """Page handles of a page-aligned run of token slots (one per page), as an int64 `array`
         (the form the tree keeps: no Python int per page)."""
-        values = slots.to(device="cpu", dtype=torch.int64).numpy()
+        if not (slots.dtype is torch.int64 and slots.is_cpu):  # (each torch call waits for the GIL)
+            slots = slots.to(device="cpu", dtype=torch.int64)
+        values = slots.numpy()
         pages = values if self.page_size == 1 else values[:: self.page_size] // self.page_size
         out = array("q")
-        out.frombytes(pages.tobytes())
+        out.frombytes(np.ascontiguousarray(pages).data.cast("B"))  # one copy, into the array
         return out
 
     # ---- TierStore -------------------------------------------------------------------

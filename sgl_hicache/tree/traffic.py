@@ -9,6 +9,7 @@ between a session's visits (`HalfLife`), not fixed.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 
@@ -57,15 +58,22 @@ class HalfLife:
         self.min_samples = min_samples
         self.every = every
         self.samples = 0
-        self._gaps: deque[float] = deque(maxlen=window)
+        self.window = window
+        self._gaps: deque[float] = deque()  # the last `window` gaps, oldest first
+        # the same gaps kept sorted (an insert and a removal per gap, memmoves in C): observe runs
+        # on the scheduler thread inside `match`, where sorting the window cost tens of µs
+        self._ordered: list[float] = []
 
     def observe(self, gap: float) -> None:
         if not (gap > 0 and math.isfinite(gap)):
             return
-        self._gaps.append(gap)
+        gaps, ordered = self._gaps, self._ordered
+        if len(gaps) == self.window:
+            del ordered[bisect.bisect_left(ordered, gaps.popleft())]
+        gaps.append(gap)
+        bisect.insort(ordered, gap)
         self.samples += 1
         if self.samples >= self.min_samples and self.samples % self.every == 0:
-            ordered = sorted(self._gaps)
             q = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
             self.value = min(self.ceiling, max(self.floor, self.factor * q))
 
@@ -83,18 +91,19 @@ def count_edge(parent: TreeNode, first_page: EdgeKey, now: float, half_life: flo
     if traffic is NO_COUNTS:  # the first match that goes on from `parent`: counts of its own
         traffic = parent.child_traffic = EdgeCounts()
     elapsed = now - parent.traffic_stamp
-    if traffic and elapsed > half_life / 64:
+    if not traffic:
+        parent.traffic_stamp = now
+        traffic.add(first_page, 1.0)
+        return
+    if elapsed > half_life / 64:
         # counts are kept as of `traffic_stamp`; rebasing them is O(children), so it is done at
         # most once per 1/64 half-life (a node with thousands of children is matched constantly)
-        decay = 0.5 ** (elapsed / half_life)
-        traffic.scale(decay)
+        traffic.scale(0.5 ** (elapsed / half_life))
         parent.traffic_stamp = now
-        elapsed = 0.0
-    elif not traffic:
-        parent.traffic_stamp = now
-        elapsed = 0.0
-    # one match now, in units of the stamp: it decays to exactly 1.0 by `now`
-    traffic[first_page] = traffic.get(first_page, 0.0) + 2.0 ** (max(0.0, elapsed) / half_life)
+        traffic.add(first_page, 1.0)
+    else:
+        # one match now, in units of the stamp: it decays to exactly 1.0 by `now`
+        traffic.add(first_page, 2.0 ** (elapsed / half_life) if elapsed > 0.0 else 1.0)
 
 
 def start_edges(node: TreeNode, first_page: EdgeKey, count: float) -> None:
