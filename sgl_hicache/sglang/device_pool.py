@@ -78,6 +78,7 @@ class SGLangDevicePool(TierStore, LayeredPages):
         self._frees_page_ids = type(allocator).__name__ in _FREES_PAGE_IDS
         # hybrid sliding window: the window layers' rows are reached through SGLang's slot mapping
         self._space = [1 if self.adapter.is_window(layer) else 0 for layer in range(self.layout.num_layers)]
+        self._page_views: dict[int, torch.Tensor] = {}  # `layer_pages`, per layer * planes + plane
 
     # ---- batched frees -----------------------------------------------------------------
     @contextlib.contextmanager
@@ -198,50 +199,50 @@ class SGLangDevicePool(TierStore, LayeredPages):
         # both sub-pools page in step: a full page's first slot maps into its window page
         return self.adapter.window_slots(pages * self.page_size) // self.page_size
 
-    def _rows(self, layer: int, idx: torch.Tensor, window: list[torch.Tensor]) -> torch.Tensor:
-        """The rows of `layer`'s buffer that hold token slots `idx` (`window` caches the window rows)."""
-        if not self._space[layer]:
-            return idx
-        if not window:
-            window.append(self.adapter.window_slots(idx))
-        return window[0]
-
     def layer_pages(self, layer: int, kv: int) -> torch.Tensor:
         """Plane `kv` (K=0 / V=1, or MLA's latent=0) of one layer, page by page: `(pages, page tokens,
         heads, dim)`, no copy, indexed in `layer_space(layer)`. (SGLang's buffers carry `page_size`
-        padding rows; whole pages only.)"""
-        buf = self.adapter.plane(layer, kv)
-        rows = buf.shape[0] - buf.shape[0] % self.page_size
-        return buf[:rows].view(-1, self.page_size, self.layout.num_kv_heads, self.layout.head_dim)
+        padding rows; whole pages only.) Made once per plane: SGLang allocates its KV buffers once at
+        start, and making the view on every copy cost more than copying a few small pages."""
+        key = layer * self.planes + kv
+        view = self._page_views.get(key)
+        if view is None:
+            buf = self.adapter.plane(layer, kv)
+            rows = buf.shape[0] - buf.shape[0] % self.page_size
+            view = buf[:rows].view(-1, self.page_size, self.layout.num_kv_heads, self.layout.head_dim)
+            self._page_views[key] = view
+        return view
 
+    def _space_indices(self, handles: Sequence[Handle]) -> list[torch.Tensor]:
+        """Per layer, the page index of `handles` in that layer's space (one tensor per space)."""
+        pages = self._page_ids(handles)
+        by_space = {space: self.space_pages(space, pages) for space in set(self._space)}
+        return [by_space[space] for space in self._space]
+
+    # Pages move page by page: one gather or scatter per layer and plane over the page axis, with the
+    # canonical `(pages, layers, planes, ...)` tensor's strided slice as its source or target. No
+    # index of token slots, and no permuted copy of the whole tensor (a gather into a `(layers, planes,
+    # tokens)` buffer and its permute cost 2-4x as much at 16- and 64-token pages: a host hit's load
+    # copies on the scheduler's thread on CPU; benchmarks/tree_hicache_peer.py).
     def read(self, handles: Sequence[Handle]) -> torch.Tensor:
         n = len(handles)
-        idx = self.token_slots(handles)
-        L, P, ps = self.layout.num_layers, self.planes, self.page_size
-        H, D = self.layout.num_kv_heads, self.layout.head_dim
-        out = torch.empty((L, P, n * ps, H, D), dtype=self._dtype, device=self.device)
-        window: list[torch.Tensor] = []
-        for layer in range(L):
-            rows = self._rows(layer, idx, window)
-            for p in range(P):
-                torch.index_select(self.adapter.plane(layer, p), 0, rows, out=out[layer, p])
-        # (L, P, n, ps, H, D) -> (n, L, P, ps, H, D)
-        return out.view(L, P, n, ps, H, D).permute(2, 0, 1, 3, 4, 5).contiguous()
+        out = torch.empty((n, *self.page_shape), dtype=self._dtype, device=self.device)
+        if n:
+            for layer, idx in enumerate(self._space_indices(handles)):
+                for p in range(self.planes):
+                    torch.index_select(self.layer_pages(layer, p), 0, idx, out=out[:, layer, p])
+        return out
 
     def write(self, handles: Sequence[Handle], data: torch.Tensor) -> None:
         self._check_data(handles, data)
-        n = len(handles)
-        idx = self.token_slots(handles)
-        L, P, ps = self.layout.num_layers, self.planes, self.page_size
-        H, D = self.layout.num_kv_heads, self.layout.head_dim
-        src = data.to(self.device, non_blocking=True).permute(1, 2, 0, 3, 4, 5).reshape(L, P, n * ps, H, D)
-        if src.dtype != self._dtype:
-            raise ValueError(f"device: write of dtype {src.dtype}, pool holds {self._dtype}")
-        window: list[torch.Tensor] = []
-        for layer in range(L):
-            rows = self._rows(layer, idx, window)
-            for p in range(P):
-                self.adapter.plane(layer, p).index_copy_(0, rows, src[layer, p])
+        if data.dtype != self._dtype:
+            raise ValueError(f"device: write of dtype {data.dtype}, pool holds {self._dtype}")
+        if not len(handles):
+            return
+        src = data.to(self.device, non_blocking=True)
+        for layer, idx in enumerate(self._space_indices(handles)):
+            for p in range(self.planes):
+                self.layer_pages(layer, p).index_copy_(0, idx, src[:, layer, p])
 
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
