@@ -14,7 +14,7 @@ import torch
 
 from sgl_hicache.config import KVLayout
 from sgl_hicache.hashing import Namespace, page_key
-from sgl_hicache.tiers.base import TIERS, SlotAllocator, TierStore, page_shape
+from sgl_hicache.tiers.base import TIERS, RepeatCheck, SlotAllocator, TierStore, page_shape
 from sgl_hicache.tiers.disk import DiskPageStore
 from sgl_hicache.tiers.memory import DeviceKVPool, HostKVBuffer
 from sgl_hicache.tiers.replicated import SharedHostBuffer
@@ -225,7 +225,8 @@ def test_negative_capacity_rejected(h: Harness) -> None:
         h.store(-1)
 
 
-@pytest.mark.parametrize("capacity", [8, 4096])  # every batch "large" (checked by a count), and small ones
+# every batch "large" (checked by a count); small ones (a set); at 20,000 also a 40-slot one (`RepeatCheck`)
+@pytest.mark.parametrize("capacity", [8, 4096, 20000])
 def test_slot_allocator_refuses_bad_frees_whole_and_keeps_its_books(capacity: int) -> None:
     a = SlotAllocator(capacity)
     slots = a.allocate(capacity)
@@ -233,6 +234,7 @@ def test_slot_allocator_refuses_bad_frees_whole_and_keeps_its_books(capacity: in
     a.free(slots[:2])
     bad_batches = [
         [slots[2], slots[3], slots[2]],  # the same slot twice
+        *([list(slots[10:50]) + [slots[30]]] if capacity > 50 else []),  # twice, in a batch of 41
         [slots[3], slots[0]],  # one already free
         [slots[4], capacity],  # out of range
         [slots[4], -1],  # negative
@@ -252,3 +254,30 @@ def test_slot_allocator_refuses_bad_frees_whole_and_keeps_its_books(capacity: in
     again = a.allocate(capacity)
     assert list(again[:3]) == [slots[-1], slots[-2], slots[-3]]  # the last freed go first
     assert sorted(again) == list(range(capacity))
+
+
+def test_repeat_check_agrees_with_a_sort_across_batches_that_reuse_its_scratch() -> None:
+    """The O(n) repeat check: a batch repeats a page exactly when a sort finds two equal neighbours,
+    on batches above a set's size, as an int64 array or a numpy one, call after call on one scratch
+    (a page in two batches is no repeat); pages outside its pool fall back to the sort."""
+    import random
+    from array import array
+
+    import numpy as np
+
+    rng = random.Random(5)
+    check = RepeatCheck(5000)
+    repeats = 0
+    for _ in range(300):
+        n = rng.randint(RepeatCheck.SMALL + 1, 3000)
+        batch = rng.sample(range(5000), n)
+        if rng.random() < 0.5:
+            batch[rng.randrange(n)] = batch[rng.randrange(n)]
+        ordered = sorted(batch)
+        expected = any(x == y for x, y in zip(ordered, ordered[1:]))
+        repeats += expected
+        assert check(array("q", batch)) is expected
+        assert check(np.array(batch, dtype=np.int64)) is expected
+    assert 100 < repeats < 200  # both answers were asked for
+    assert check(array("q", [5000, 5001, *range(40)])) is False
+    assert check(array("q", [-1, -1, *range(40)])) is True

@@ -33,7 +33,7 @@ import torch
 
 from ..config import KVLayout
 from ..hashing import PageKey
-from ..tiers.base import DEVICE, Handle, LayeredPages, TierStore, page_shape
+from ..tiers.base import DEVICE, Handle, LayeredPages, RepeatCheck, TierStore, page_shape
 from .pool_adapters import DraftPoolsAdapter, PoolAdapter, UnsupportedPool, adapter_for  # noqa: F401 (UnsupportedPool: re-exported)
 
 
@@ -79,6 +79,7 @@ class SGLangDevicePool(TierStore, LayeredPages):
         # hybrid sliding window: the window layers' rows are reached through SGLang's slot mapping
         self._space = [1 if self.adapter.is_window(layer) else 0 for layer in range(self.layout.num_layers)]
         self._page_views: dict[int, torch.Tensor] = {}  # `layer_pages`, per layer * planes + plane
+        self._has_repeats = RepeatCheck(self.pool_pages + 1)  # SGLang's page ids run 1..pool_pages
 
     # ---- batched frees -----------------------------------------------------------------
     @contextlib.contextmanager
@@ -103,7 +104,7 @@ class SGLangDevicePool(TierStore, LayeredPages):
             self._deferred = array("q")
             # one check over the whole batch (a page freed twice by two evictions of one call is
             # caught too): one sort, where a check per free cost one per evicted node
-            if _has_repeats(pages):
+            if self._has_repeats(pages):
                 self._owned += len(pages)  # none given back: the books still count them held
                 raise KeyError("device: free got the same page twice")
             self._give_back(pages)
@@ -185,7 +186,7 @@ class SGLangDevicePool(TierStore, LayeredPages):
         if self._deferred is not None:
             self._deferred.extend(handles if type(handles) is array else array("q", handles))  # checked at the flush
         else:
-            if _has_repeats(handles):
+            if self._has_repeats(handles):
                 raise KeyError("device: free got the same page twice")
             self._give_back(handles)
         self._owned -= len(handles)
@@ -270,11 +271,3 @@ def _int64_copy(handles: Sequence[Handle]) -> np.ndarray:
     if type(handles) is array and handles.typecode == "q":
         return np.frombuffer(handles, dtype=np.int64).copy()
     return np.array(handles, dtype=np.int64)
-
-
-def _has_repeats(handles: Sequence[Handle]) -> bool:
-    """Whether a page appears twice in `handles` (a set for a few, a sort in C for many)."""
-    if len(handles) <= 32:
-        return len(set(handles)) != len(handles)
-    pages = np.sort(np.frombuffer(handles, dtype=np.int64) if type(handles) is array else np.asarray(handles))
-    return bool((pages[1:] == pages[:-1]).any())
