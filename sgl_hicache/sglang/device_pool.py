@@ -103,7 +103,7 @@ class SGLangDevicePool(TierStore, LayeredPages):
         if pages:
             self._deferred = array("q")
             # one check over the whole batch (a page freed twice by two evictions of one call is
-            # caught too): one sort, where a check per free cost one per evicted node
+            # caught too): one O(n) check, where a check per free cost one per evicted node
             if self._has_repeats(pages):
                 self._owned += len(pages)  # none given back: the books still count them held
                 raise KeyError("device: free got the same page twice")
