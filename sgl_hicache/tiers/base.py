@@ -306,7 +306,7 @@ class SlotAllocator:
         else:
             if not state[idx].all():
                 raise KeyError(f"slot {int(idx[state[idx] == 0].min())} is not allocated")
-            if n > 1 and (len(set(idx.tolist())) != n if n <= RepeatCheck.SMALL else self._repeats(idx)):
+            if n > 1 and self._repeats(idx):
                 raise KeyError("free got the same slot twice")
             state[idx] = 0
         self._give(idx)
@@ -376,8 +376,8 @@ class RepeatCheck:
 
     def __call__(self, handles: Sequence[Handle] | np.ndarray) -> bool:
         n = len(handles)
-        if n <= self.SMALL:
-            return len(set(handles)) != n
+        if n <= self.SMALL:  # (a numpy batch as Python ints: hashing numpy scalars costs more)
+            return len(set(handles.tolist() if isinstance(handles, np.ndarray) else handles)) != n
         pages = (
             np.frombuffer(handles, dtype=np.int64)
             if type(handles) is array and handles.typecode == "q"
