@@ -621,3 +621,53 @@ def test_a_queued_request_starts_its_disk_read_at_arrival(tmp_path, prefetch):
         assert match_on_arrival("kept", NS(tree_cache=object()), req) == "kept"  # another tree cache: untouched
     finally:
         cache.shutdown()
+
+
+def test_disk_pages_are_promised_only_while_a_prefetch_brings_them_up(tmp_path):
+    """A match promises disk-only pages to SGLang only while a prefetch is bringing them to host (the
+    job keeps the path locked until the load). When the guard refuses the prefetch, the promise stops
+    at the host part, and `init_load_back` loads that part instead of declining the whole hit."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    from sgl_hicache.sglang.backend import TieredRadixCache
+    from sgl_hicache.sglang.debug_settings import DebugSettings
+    from sgl_hicache.sglang.settings import BackendSettings
+
+    alloc = _pools(16, size=64)
+    params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=16)
+    settings = BackendSettings(
+        host_tokens=64, disk_dir=str(tmp_path / "disk"), disk_tokens=1024, prefetch=True, eviction_demotes="all"
+    )
+    cache = TieredRadixCache(params, settings, debug=DebugSettings(check_invariants=True))
+    try:
+        tokens = array("q", range(100, 148))  # 48 tokens in two nodes: a 16-token head, a 32-token tail
+        cache.insert(InsertParams(key=RadixKey(tokens[:16]), value=alloc.alloc(16)))
+        cache.insert(InsertParams(key=RadixKey(tokens), value=alloc.alloc(48)))
+        cache.evict(EvictParams(num_tokens=64))  # both to host (48 of its 64 tokens)
+        other = array("q", range(500, 532))  # needs 32 host tokens: the tail leaf goes down to disk
+        cache.insert(InsertParams(key=RadixKey(other), value=alloc.alloc(32)))
+        cache.evict(EvictParams(num_tokens=32))
+        probe = cache.cache.match(tokens, touch=False)
+        assert (probe.device_tokens, probe.host_tokens, probe.disk_tokens) == (0, 16, 32)
+        cache.controller.speculation.guard.prefetch_fits = lambda *a, **k: False  # the policy's answer
+        req = SimpleNamespace(
+            rid="r1",
+            prefix_len=0,
+            full_untruncated_fill_ids=tokens + array("q", [7]),
+            last_node=None,
+            storage_hit_length=0,
+            storage_hit_start=None,
+        )
+        m = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens), req=req))
+        assert cache.controller.prefetch_skipped == 1 and cache.counters.prefetch_jobs == 0
+        assert m.device_prefix_len == 0 and m.host_hit_length == 16  # nothing brings the disk part up
+        req.last_node = m.last_device_node
+        loaded = cache.init_load_back(
+            InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=16, req=req)
+        )
+        assert loaded is not None and loaded[0] == 16 and len(cache.path_device_indices(loaded[1])) == 16
+        assert cache.counters.load_back_declined == 0, cache.counters.extra
+    finally:
+        cache.shutdown()
