@@ -25,6 +25,10 @@ Sides, each one in the configuration its server runs:
   and `evict(DEVICE, missing pages)`, as the backend's `evict`), `alloc` (`allocate_device`), `insert`
   (`insert`, `free_device` of the duplicates, `match(touch=False)` and `commit`: what the backend's
   `checkpoint` does), `unlock`, `step` (`pump_writeback()`: the backend's `after_batch_formed`).
+- `sgl_hicache_settled`: the same, but before each request every background copy lands (an untimed
+  wait). On a GPU server those copies are DMA and leave the CPU to the scheduler; on a CPU-only
+  machine they are memcpy on the other cores, and on 2 cores they slow the scheduler thread's own
+  small torch and numpy calls (allocation most) while they run. This side is that CPU's share taken out.
 - `sglang_radix`: `RadixCache.create_simulated` with a mock allocator (no host tier: an evicted page
   is dropped, and the mock frees nothing: a lower bound of its cost). `match_prefix`,
   `inc_lock_ref`, `evict` (the tokens missing from the pool), `insert`, `dec_lock_ref`.
@@ -51,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import platform
@@ -79,7 +84,7 @@ from sgl_hicache.transfer.executors import ThreadExecutor  # noqa: E402
 
 HEAD_DIM = 8
 TINY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=HEAD_DIM)  # the tree's CPU does not depend on KV bytes
-SIDES = ("sgl_hicache", "sglang_radix", "sglang_hicache", "sglang_hicache_nocopy")
+SIDES = ("sgl_hicache", "sgl_hicache_settled", "sglang_radix", "sglang_hicache", "sglang_hicache_nocopy")
 # the background copies in flight ours may fall behind by before the loop waits for the oldest
 MAX_BACKLOG_OPS = 64
 BACKEND_WORKERS = BackendSettings().transfer_workers  # the transfer threads the backend starts
@@ -180,7 +185,11 @@ def scale_stream(args: argparse.Namespace, page_size: int) -> tuple[list[array],
     return prompts, args.pool_tokens // page_size, len(prompts) if start is None else start
 
 
-def run_ours(prompts: list[array], page_size: int, pages: int, host_factor: int, start: int) -> dict:
+def run_ours(
+    prompts: list[array], page_size: int, pages: int, host_factor: int, start: int, settle: bool = False
+) -> dict:
+    """Ours; with `settle`, every background copy lands (an untimed wait) before each request: on a GPU
+    server they are DMA, beside the CPU, where on this machine they are CPU copies on the other core."""
     if SGLANG:  # the backend's device tier over the KV pool and allocator HiCache's side gets
         device = SGLangDevicePool(sglang_pool(page_size, pages))
         batched_frees = device.deferred_frees  # as the backend's scheduler calls free (`frees_batched`)
@@ -201,7 +210,10 @@ def run_ours(prompts: list[array], page_size: int, pages: int, host_factor: int,
     gc.collect()
     try:
         for tokens in prompts:
-            if len(controller.writeback) > MAX_BACKLOG_OPS:
+            if settle:
+                for op in list(controller.writeback):
+                    op.executed.wait(timeout=5)
+            elif len(controller.writeback) > MAX_BACKLOG_OPS:
                 # a server's forward pass gives the background copies its time; this loop gives them
                 # none, and a backlog of thousands of nodes would make every write-back round scan it
                 # (untimed: a wait is not scheduler CPU)
@@ -428,6 +440,7 @@ def run_hicache_nocopy(prompts: list[array], page_size: int, pages: int, host_fa
 
 RUNNERS = {
     "sgl_hicache": run_ours,
+    "sgl_hicache_settled": functools.partial(run_ours, settle=True),
     "sglang_radix": run_radix,
     "sglang_hicache": run_hicache,
     "sglang_hicache_nocopy": run_hicache_nocopy,
