@@ -16,6 +16,7 @@ from array import array
 from types import SimpleNamespace
 
 import pytest
+from queued_request import queued_request
 
 _missing = importlib.util.find_spec("sglang") is None
 pytestmark = [
@@ -105,14 +106,7 @@ def _load_back(cache, tokens, n: int, layers: int = LAYERS):
     from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    req = SimpleNamespace(
-        rid=f"r{time.monotonic_ns()}",
-        prefix_len=0,
-        full_untruncated_fill_ids=tokens + array("q", [7]),
-        last_node=None,
-        storage_hit_length=0,
-        storage_hit_start=None,
-    )
+    req = queued_request(f"r{time.monotonic_ns()}", tokens)
     m = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens), req=req))
     assert m.device_prefix_len == 0 and m.host_hit_length == n
     req.last_node = m.last_device_node

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import SYNCHRONOUS
+from queued_request import queued_request
 
 _missing = importlib.util.find_spec("sglang") is None
 pytestmark = [
@@ -154,14 +155,7 @@ def test_backend_demotes_and_loads_back_exact_kv(tmp_path, page_size):
         cache.insert(InsertParams(key=RadixKey(other), value=s2))
         cache.evict(EvictParams(num_tokens=32))
         assert alloc.available_size() == 64 and cache.total_size() == 0
-        req = SimpleNamespace(
-            rid="r1",
-            prefix_len=0,
-            full_untruncated_fill_ids=tokens + array("q", [7]),
-            last_node=None,
-            storage_hit_length=0,
-            storage_hit_start=None,
-        )
+        req = queued_request("r1", tokens)
         m = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens), req=req))
         assert m.device_prefix_len == 0 and m.host_hit_length == 48
         req.last_node = m.last_device_node
@@ -652,14 +646,7 @@ def test_disk_pages_are_promised_only_while_a_prefetch_brings_them_up(tmp_path):
         probe = cache.cache.match(tokens, touch=False)
         assert (probe.device_tokens, probe.host_tokens, probe.disk_tokens) == (0, 16, 32)
         cache.controller.speculation.guard.prefetch_fits = lambda *a, **k: False  # the policy's answer
-        req = SimpleNamespace(
-            rid="r1",
-            prefix_len=0,
-            full_untruncated_fill_ids=tokens + array("q", [7]),
-            last_node=None,
-            storage_hit_length=0,
-            storage_hit_start=None,
-        )
+        req = queued_request("r1", tokens)
         m = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens), req=req))
         assert cache.controller.prefetch_skipped == 1 and cache.counters.prefetch_jobs == 0
         assert m.device_prefix_len == 0 and m.host_hit_length == 16  # nothing brings the disk part up
