@@ -299,11 +299,7 @@ class TieredRadixCache(MambaCalls, StepCalls, CacheViews, BasePrefixCache):
             self.controller.poll(st.ticket)
             m = self.cache.match(tokens[:aligned], touch=False)
         if m.disk_tokens and (st is None or st.ticket is None or st.ticket.job is None):
-            # only a prefetch brings disk pages up off the scheduler thread (its job keeps the path
-            # locked until the load). Without one (prefetch off, or the guard refused it at arrival, or
-            # it was ended) a promise of them would be declined by `init_load_back`, recomputing the
-            # host part too: promise the device and host part. A later match does not start one: it
-            # would lock device pages under a batch being formed
+            # no prefetch brings the disk part up (docs/sglang-backend.md, "Match"): promise the rest
             m = m.head(m.device_tokens + m.host_tokens)
         if st is not None:
             st.last_match = m
