@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,19 @@ def shared_file(relpath: str) -> Path:
 def mooncake_trace() -> Path:
     """The shipped Mooncake conversation trace (shared/traces/)."""
     return shared_file("traces/mooncake_conversation_trace.jsonl")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_shm_left_behind():
+    """A stopped SGLang server leaves /dev/shm names behind, however a test started it (the README's
+    commands, the example script, `SGLangServer`): at the session's end, remove those of SGLang's kinds
+    made during it that no live process holds."""
+    from sgl_hicache.sglang.server import orphan_shm_files
+
+    since = time.time()
+    yield
+    for f in orphan_shm_files(since):
+        f.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from sgl_hicache.sglang.server import PortInUseError, ServerStartError, SGLangServer, free_port
+from sgl_hicache.sglang.server import PortInUseError, ServerStartError, SGLangServer, free_port, orphan_shm_files
 
 STAND_IN = """#!{python}
 import http.server, sys, time
@@ -91,3 +91,28 @@ def test_explicit_port_bind_failure_raises_with_the_port_named(tmp_path):
         )
     assert isinstance(info.value, ServerStartError)
     assert "address already in use" in str(info.value)
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
+def test_orphan_shm_files_are_sglangs_kinds_made_since_and_held_by_no_live_process():
+    import os
+    import time
+
+    since = time.time() - 1.0
+    tag = f"{os.getpid()}_{time.monotonic_ns()}"
+    orphan = Path(f"/dev/shm/sem.mp-test{tag}")
+    held = Path(f"/dev/shm/sglang_loads_test{tag}.shm")
+    other_kind = Path(f"/dev/shm/someone_else_{tag}")
+    made = [orphan, held, other_kind]
+    try:
+        for f in made:
+            f.write_bytes(b"x")
+        with open(held, "rb"):  # this live process holds it
+            found = orphan_shm_files(since)
+            assert orphan in found
+            assert held not in found and other_kind not in found
+        assert held in orphan_shm_files(since)  # no longer held
+        assert not {orphan, held} & orphan_shm_files(time.time() + 60)  # made before `since`
+    finally:
+        for f in made:
+            f.unlink(missing_ok=True)

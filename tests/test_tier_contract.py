@@ -281,3 +281,4 @@ def test_repeat_check_agrees_with_a_sort_across_batches_that_reuse_its_scratch()
     assert 100 < repeats < 200  # both answers were asked for
     assert check(array("q", [5000, 5001, *range(40)])) is False
     assert check(array("q", [-1, -1, *range(40)])) is True
+    assert check(array("q", [-(2**63), -1, *range(40)])) is False  # negative ids, none repeated

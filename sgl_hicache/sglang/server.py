@@ -35,6 +35,7 @@ __all__ = [
     "cpu_server_args",
     "free_port",
     "group_shm_files",
+    "orphan_shm_files",
     "has_cuda",
 ]
 
@@ -125,6 +126,7 @@ class SGLangServer:
     argv: list[str]
     started_at: float
     ready_after_s: float | None = None
+    started_wall: float = field(default_factory=time.time)  # /dev/shm files newer than this may be its
     _log_file: Any = field(default=None, repr=False)
     _shm: set = field(default_factory=set, repr=False)  # /dev/shm files the group held (removed at stop)
 
@@ -237,6 +239,7 @@ class SGLangServer:
         log_path = Path(log_path)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = open(log_path, "wb")  # noqa: SIM115 (the server writes it; closed when it stops)
+        started_wall = time.time()
         proc = subprocess.Popen(
             argv,
             env=full_env,
@@ -252,6 +255,7 @@ class SGLangServer:
             log_path=log_path,
             argv=argv,
             started_at=time.monotonic(),
+            started_wall=started_wall,
             _log_file=log_file,
         )
         if wait:
@@ -306,7 +310,8 @@ class SGLangServer:
         """Stop the server: SIGINT to its leader (the HTTP process, which shuts the scheduler and
         detokenizer down with it); SIGTERM to the whole group if it has not exited after ``grace_s``,
         SIGKILL after as long again. Returns the leader's exit code. Removes the /dev/shm files the
-        group held that outlive it (SGLang leaves some).
+        group held that outlive it (SGLang leaves some), and SGLang's kinds made since it started that
+        no live process holds (`orphan_shm_files`).
 
         Why SIGINT to the leader: SIGTERM makes SGLang's HTTP process notice the exit within its
         5-second watchdog poll, and SIGTERM to the whole group makes it treat the children's deaths
@@ -340,7 +345,7 @@ class SGLangServer:
             if self._log_file is not None and not self._log_file.closed:
                 self._log_file.close()
             if not _group_alive(pgid):
-                for f in self._shm:
+                for f in self._shm | orphan_shm_files(self.started_wall - 1.0):
                     f.unlink(missing_ok=True)
         return self.proc.returncode
 
@@ -374,25 +379,57 @@ class SGLangServer:
         return self.post("/generate", {"input_ids": list(input_ids), "sampling_params": params})
 
 
-def group_shm_files(pgid: int) -> set[Path]:
-    """The /dev/shm files (SGLang's ``sglang_loads_*`` / ``sgl_shm_mq_*``, multiprocessing semaphores)
-    that the processes of group `pgid` have open or mapped now. SGLang 0.5.23 leaves some of them
-    behind when it is stopped; a caller collects them before stopping and removes them after."""
+# the /dev/shm names SGLang 0.5.23's processes create: its load snapshots, its message queues, and
+# multiprocessing's named semaphores (left behind when their resource tracker is stopped with them)
+_SHM_PREFIXES = ("sglang_loads_", "sgl_shm_mq_", "sem.mp-")
+
+
+def _held_shm_files(pgid: int | None = None) -> set[Path]:
+    """The /dev/shm files that live processes (of group `pgid`, or any) have open or mapped now."""
     found: set[Path] = set()
     for proc in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
         if not proc.name.isdigit():
             continue
         try:
-            if os.getpgid(int(proc.name)) != pgid:
+            if pgid is not None and os.getpgid(int(proc.name)) != pgid:
                 continue
             paths = [
                 line.split(None, 5)[-1] for line in (proc / "maps").read_text().splitlines() if "/dev/shm/" in line
             ]
-            paths += [os.readlink(fd) for fd in (proc / "fd").iterdir()]
+            fds = list((proc / "fd").iterdir())
         except (OSError, ProcessLookupError):
             continue
+        for fd in fds:
+            try:
+                paths.append(os.readlink(fd))
+            except OSError:  # closed meanwhile (the listing's own descriptor, in this process)
+                continue
         found |= {Path(x) for x in paths if x.startswith("/dev/shm/") and not x.endswith("(deleted)")}
     return found
+
+
+def group_shm_files(pgid: int) -> set[Path]:
+    """The /dev/shm files (SGLang's ``sglang_loads_*`` / ``sgl_shm_mq_*``, multiprocessing semaphores)
+    that the processes of group `pgid` have open or mapped now. SGLang 0.5.23 leaves some of them
+    behind when it is stopped; a caller collects them before stopping and removes them after."""
+    return _held_shm_files(pgid)
+
+
+def orphan_shm_files(since: float) -> set[Path]:
+    """SGLang's kinds of /dev/shm files (`_SHM_PREFIXES`) made at or after `since` (wall clock) that no
+    live process holds: what a stopped server left whose names it never held when `group_shm_files`
+    looked (a semaphore made during shutdown, or closed between looks)."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        return set()
+    fresh = set()
+    for f in shm.iterdir():
+        try:
+            if f.name.startswith(_SHM_PREFIXES) and f.stat().st_ctime >= since:
+                fresh.add(f)
+        except OSError:  # removed meanwhile
+            continue
+    return fresh - _held_shm_files() if fresh else set()
 
 
 def _signal_group(pgid: int, sig: int) -> None:
