@@ -22,13 +22,20 @@ Sides, each one in the configuration its server runs:
   its frees batched per call as the backend's scheduler calls batch them (`deferred_frees`). Per
   request: `match` (+ `record_request`), `load_back` (`promote`: the host part copied to device on
   this thread, as HiCache's side copies on CPU), `lock`, `evict` (`pump_writeback(start_new=False)`
-  and `evict(DEVICE, missing pages)`, as the backend's `evict`), `alloc` (`allocate_device`), `insert`
-  (`insert`, `free_device` of the duplicates, `match(touch=False)` and `commit`: what the backend's
-  `checkpoint` does), `unlock`, `step` (`pump_writeback()`: the backend's `after_batch_formed`).
+  and `evict(DEVICE, missing pages)`, as the backend's `evict`), `alloc` (SGLang's `allocator.alloc`,
+  which the server's scheduler calls itself: the same call as the HiCache side's), `insert` (the
+  request's slot row to pages, `insert`, the duplicates freed to SGLang's allocator, `match(touch=False)`
+  and `commit`: what the backend's `checkpoint` does), `unlock`, `step` (`pump_writeback()`: the
+  backend's `after_batch_formed`). Without SGLang, over the embedded pool: `alloc` is `allocate_device`.
 - `sgl_hicache_settled`: the same, but before each request every background copy lands (an untimed
   wait). On a GPU server those copies are DMA and leave the CPU to the scheduler; on a CPU-only
   machine they are memcpy on the other cores, and on 2 cores they slow the scheduler thread's own
   small torch and numpy calls (allocation most) while they run. This side is that CPU's share taken out.
+- `sgl_hicache_nocopy`: the same as `sgl_hicache`, but the device <-> host byte movers do nothing (the
+  tree's books, allocations and background-copy bookkeeping run as ever): the scheduler-thread cost
+  without the bytes, the counterpart of `sglang_hicache_nocopy`. A host hit's load copies on the
+  calling thread here; on a GPU the copy is a DMA (or, with the backend's layer-wise loads, runs on
+  their worker), so this is the nearer figure for a GPU server's scheduler thread.
 - `sglang_radix`: `RadixCache.create_simulated` with a mock allocator (no host tier: an evicted page
   is dropped, and the mock frees nothing: a lower bound of its cost). `match_prefix`,
   `inc_lock_ref`, `evict` (the tokens missing from the pool), `insert`, `dec_lock_ref`.
@@ -78,13 +85,20 @@ from sgl_hicache.assemble import build_cache, build_controller  # noqa: E402
 from sgl_hicache.config import DEFAULT_POLICY, CacheConfig, KVLayout  # noqa: E402
 from sgl_hicache.replay import load_trace  # noqa: E402
 from sgl_hicache.sglang.settings import BackendSettings  # noqa: E402  (imports no sglang)
-from sgl_hicache.tiers.base import DEVICE  # noqa: E402
+from sgl_hicache.tiers.base import DEVICE, HOST  # noqa: E402
 from sgl_hicache.transfer.engine import TransferEngine  # noqa: E402
 from sgl_hicache.transfer.executors import ThreadExecutor  # noqa: E402
 
 HEAD_DIM = 8
 TINY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=HEAD_DIM)  # the tree's CPU does not depend on KV bytes
-SIDES = ("sgl_hicache", "sgl_hicache_settled", "sglang_radix", "sglang_hicache", "sglang_hicache_nocopy")
+SIDES = (
+    "sgl_hicache",
+    "sgl_hicache_settled",
+    "sgl_hicache_nocopy",
+    "sglang_radix",
+    "sglang_hicache",
+    "sglang_hicache_nocopy",
+)
 # the background copies in flight ours may fall behind by before the loop waits for the oldest
 MAX_BACKLOG_OPS = 64
 BACKEND_WORKERS = BackendSettings().transfer_workers  # the transfer threads the backend starts
@@ -186,21 +200,32 @@ def scale_stream(args: argparse.Namespace, page_size: int) -> tuple[list[array],
 
 
 def run_ours(
-    prompts: list[array], page_size: int, pages: int, host_factor: int, start: int, settle: bool = False
+    prompts: list[array],
+    page_size: int,
+    pages: int,
+    host_factor: int,
+    start: int,
+    settle: bool = False,
+    copy_bytes: bool = True,
 ) -> dict:
     """Ours; with `settle`, every background copy lands (an untimed wait) before each request: on a GPU
-    server they are DMA, beside the CPU, where on this machine they are CPU copies on the other core."""
+    server they are DMA, beside the CPU, where on this machine they are CPU copies on the other core.
+    Without `copy_bytes`, the device <-> host byte movers do nothing (the tree's books move as ever)."""
     if SGLANG:  # the backend's device tier over the KV pool and allocator HiCache's side gets
-        device = SGLangDevicePool(sglang_pool(page_size, pages))
+        allocator = sglang_pool(page_size, pages)
+        device = SGLangDevicePool(allocator)
         batched_frees = device.deferred_frees  # as the backend's scheduler calls free (`frees_batched`)
         layout = device.layout
         pages = device.pool_pages  # (as the backend's `cache_config` reads it)
     else:  # the embedded engine's pool
-        device, batched_frees, layout = None, contextlib.nullcontext, TINY
+        allocator, device, batched_frees, layout = None, None, contextlib.nullcontext, TINY
     cfg = CacheConfig(
         layout, device_tokens=pages * page_size, host_tokens=host_factor * pages * page_size, page_size=page_size
     )
     cache = build_cache(cfg, device=device)
+    if not copy_bytes:
+        for link in ((DEVICE, HOST), (HOST, DEVICE)):
+            cache.handlers[link] = _no_copy
     engine = TransferEngine(cache, workers=BACKEND_WORKERS)
     controller = build_controller(cache, ThreadExecutor(cache, engine), DEFAULT_POLICY, time.monotonic)
     store = cache.stores[DEVICE]
@@ -244,16 +269,30 @@ def run_ours(
                     controller.pump_writeback(start_new=False)
                     cache.evict(DEVICE, need - store.free_pages)
                 rec.add("evict", clock() - t)
-            t = clock()
-            fresh = cache.allocate_device(need)
-            rec.add("alloc", clock() - t)
-            if fresh is not None:
+            if device is None:
                 t = clock()
-                r = cache.insert(tokens, m.device_handles + fresh)
-                if r.duplicates:
-                    cache.free_device(r.duplicates)
-                controller.commit(cache.match(tokens, touch=False).path)
-                rec.add("insert", clock() - t)
+                fresh = cache.allocate_device(need)
+                rec.add("alloc", clock() - t)
+                if fresh is not None:
+                    t = clock()
+                    r = cache.insert(tokens, m.device_handles + fresh)
+                    if r.duplicates:
+                        cache.free_device(r.duplicates)
+                    controller.commit(cache.match(tokens, touch=False).path)
+                    rec.add("insert", clock() - t)
+            else:  # as on the server: the scheduler allocates from SGLang's allocator, `checkpoint` inserts
+                t = clock()
+                fresh_slots = allocator.alloc(need * page_size)
+                rec.add("alloc", clock() - t)
+                if fresh_slots is not None:
+                    row = torch.cat([device.token_slots(m.device_handles), fresh_slots])  # the request's row
+                    t = clock()
+                    r = cache.insert(tokens, device.pages_of(row), from_allocate_device=False)
+                    device.adopt(r.adopted_pages)
+                    if r.duplicates:
+                        allocator.free(device.token_slots(r.duplicates))
+                    controller.commit(cache.match(tokens, touch=False).path)
+                    rec.add("insert", clock() - t)
             t = clock()
             cache.unlock(m.last_node)
             rec.add("unlock", clock() - t)
@@ -275,6 +314,10 @@ def run_ours(
         "tree_nodes": cache.tree.node_count,
     }
     return out
+
+
+def _no_copy(op: object, start: int, stop: int) -> None:
+    """A device <-> host byte mover that moves nothing (`sgl_hicache_nocopy`)."""
 
 
 def run_radix(prompts: list[array], page_size: int, pages: int, host_factor: int, start: int) -> dict:
@@ -441,6 +484,7 @@ def run_hicache_nocopy(prompts: list[array], page_size: int, pages: int, host_fa
 RUNNERS = {
     "sgl_hicache": run_ours,
     "sgl_hicache_settled": functools.partial(run_ours, settle=True),
+    "sgl_hicache_nocopy": functools.partial(run_ours, copy_bytes=False),
     "sglang_radix": run_radix,
     "sglang_hicache": run_hicache,
     "sglang_hicache_nocopy": run_hicache_nocopy,
