@@ -281,11 +281,12 @@ def run_ours(
                     controller.commit(cache.match(tokens, touch=False).path)
                     rec.add("insert", clock() - t)
             else:  # as on the server: the scheduler allocates from SGLang's allocator, `checkpoint` inserts
+                prefix_slots = device.token_slots(m.device_handles)  # (untimed, as HiCache's path_device_indices)
                 t = clock()
                 fresh_slots = allocator.alloc(need * page_size)
                 rec.add("alloc", clock() - t)
                 if fresh_slots is not None:
-                    row = torch.cat([device.token_slots(m.device_handles), fresh_slots])  # the request's row
+                    row = torch.cat([prefix_slots, fresh_slots])  # the request's row
                     t = clock()
                     r = cache.insert(tokens, device.pages_of(row), from_allocate_device=False)
                     device.adopt(r.adopted_pages)
