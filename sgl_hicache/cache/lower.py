@@ -36,25 +36,16 @@ class LowerTier:
     def store(self) -> KeyedStore:
         return cast(KeyedStore, self.cache.stores[DISK])  # the lower slot holds a content-addressed store
 
-    @property
-    def may_hold_unknown_pages(self) -> bool:
-        """Whether the store may hold pages no node refers to: others write to it (a shared store,
-        or a directory another process wrote into), or it stores more pages than the tree's disk
-        nodes hold (left by an earlier process, or a write stored before its node records it).
-        Otherwise every stored page is a node's, so no lookup can find one the tree lacks."""
-        disk = self.store
-        return disk.shared or disk.peers_wrote or disk.stored_pages > self.cache.tree.pages[DISK]
-
     def adopt(self, path: list[TreeNode], tokens: Sequence[int], matched: int) -> list[TreeNode]:
         """Pages of `tokens` past the tree's match that the disk store holds but the tree does not
         know (written by an earlier process, or by another process sharing the directory while it
         runs): adopt them as a disk-only node."""
-        if not self.may_hold_unknown_pages:
-            return []
         tree = self.cache.tree
         disk = self.store
         shared = disk.shared  # a shared store: other servers add pages any time
         peers = disk.peers_wrote  # a shared directory another process has written to
+        if not (shared or peers) and disk.stored_pages <= tree.pages[DISK]:
+            return []  # no orphan pages on disk and nobody else writes: nothing to find
         parent = path[-1] if path else tree.root
         if not (parent.is_root or parent.disk is not None):
             return []  # a disk node must hang under a disk node (prefix closure)

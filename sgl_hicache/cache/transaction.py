@@ -53,7 +53,7 @@ class Transactions:
     def free_stale(self, node: TreeNode, dst: str) -> None:
         """Pages an earlier process left in the disk tier under `node`'s keys are rewritten: free them
         (before room is counted, so that an eviction does not free what they give back)."""
-        if dst == DISK and self.cache.lower.may_hold_unknown_pages:  # (else a page per key to look up)
+        if dst == DISK:
             store = self.cache.lower.store
             stale = [k for k in node.keys if store.contains(k)]
             if stale:
