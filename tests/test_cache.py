@@ -134,24 +134,24 @@ def test_a_node_written_back_to_disk_frees_what_an_earlier_process_left_under_it
     fresh = make_cache(tmp_path, device=8, host=8, disk=64)
     disk = fresh.stores[DISK]
 
-    def write_back(tokens):
-        fresh.insert(tokens, fresh.allocate_device(4))
-        [node] = fresh.match(tokens, touch=False).path
-        assert fresh.copy_now(node, HOST, "backup", may_evict=False)
-        ops = fresh.plan_writeback(HOST, DISK, 10**6, 10**6)
+    def write_back(cache, tokens):
+        cache.insert(tokens, cache.allocate_device(4))
+        [node] = cache.match(tokens, touch=False).path
+        assert cache.copy_now(node, HOST, "backup", may_evict=False)
+        ops = cache.plan_writeback(HOST, DISK, 10**6, 10**6)
         assert [op.node for op in ops] == [node]
         for op in ops:
-            execute(op, fresh.handlers)
-            assert fresh.complete(op)
+            execute(op, cache.handlers)
+            assert cache.complete(op)
         assert node.tiers() == (DEVICE, HOST, DISK)
 
-    write_back(p)
+    write_back(fresh, p)
     assert disk.stored_pages == 4  # rewritten in place of the earlier process's files
     fresh.check()
-    write_back(q)
+    write_back(fresh, q)
     assert disk.stored_pages == 8
     fresh.check()
-    del fresh
+    del fresh, disk
     again = make_cache(tmp_path, device=8, host=8, disk=64)
     for tokens in (p, q):
         assert again.match(tokens).disk_tokens == 16
