@@ -4,7 +4,7 @@
 # the ratio cancels the machine's load at that moment. Raw JSON per process under OUT.
 #   benchmarks/ab_runs.sh A_DIR B_DIR OUT_DIR ROUNDS TRACE
 set -euo pipefail
-A=$1; B=$2; OUT=$3; ROUNDS=${4:-3}; TRACE=${5:-/work/shared/traces/mooncake_conversation_trace.jsonl}
+A=$1; B=$2; OUT=$3; ROUNDS=${4:-3}; TRACE=${5:-/work/traces/mooncake_conversation_trace.jsonl}
 PY=${PY:-/work/main/.venv-sglang/bin/python}
 mkdir -p "$OUT"
 for r in $(seq 1 "$ROUNDS"); do

@@ -34,9 +34,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sgl_hicache.engine.presets import get_hardware, get_model
-from sgl_hicache.engine.simulator import EmbeddedEngine, EngineConfig
 from sgl_hicache.replay.shapes import agent
+from sgl_hicache.sim.presets import get_hardware, get_model
+from sgl_hicache.sim.simulator import EmbeddedEngine, EngineConfig
 
 TIERS = ((30_000, 300_000), (40_000, 80_000), (80_000, 160_000))  # (device, host) tokens
 PAUSES = {"short": (5.0, 20.0), "long": (30.0, 120.0)}  # the long tools' duration range, s
@@ -94,7 +94,7 @@ def run(requests: list, policy: str, device: int, host: int) -> dict[str, Any]:
 def hostile(requests: list) -> list:
     """The same requests, each asking the cache to keep its prompt for the longest time allowed
     (600 s), every one-shot prompt included: a client that hints everything, for as long as it may."""
-    from sgl_hicache.policy.hints import Hint
+    from sgl_hicache.policy.hint_rules import Hint
     from sgl_hicache.replay.trace import Request
 
     return [

@@ -61,10 +61,10 @@ sys.path.insert(0, str(BENCH.parent))
 from chain_server import fold_into_vocab  # noqa: E402
 from server_compare import DEFAULT_MODEL, _git_rev, run_one  # noqa: E402
 
+from sgl_hicache.client.backend_settings import BackendSettings  # noqa: E402
+from sgl_hicache.client.server import SGLangServer  # noqa: E402
 from sgl_hicache.replay.http import generate_stream, replay_http  # noqa: E402
 from sgl_hicache.replay.shapes import agent  # noqa: E402
-from sgl_hicache.sglang.server import SGLangServer  # noqa: E402
-from sgl_hicache.sglang.settings import BackendSettings  # noqa: E402
 
 CONFIGS = ("hicache", "sgl_hicache", "sgl_hicache_hints", "hicache_pt16")
 DEFAULT_CONFIGS = CONFIGS[:3]

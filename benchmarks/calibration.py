@@ -1,6 +1,6 @@
 """Calibrate the engine's cost model against published figures; writes JSON (stdout, or --out FILE).
 
-Uses only `sgl_hicache.engine.cost` and `sgl_hicache.engine.presets`, with the presets exactly as
+Uses only `sgl_hicache.sim.cost` and `sgl_hicache.sim.presets`, with the presets exactly as
 shipped: the same peak rate, MFU and link bandwidths for every figure. What differs per figure is only
 what the published experiment itself fixed (model, GPU count, the read bandwidth it reports) and the
 workload assumptions written in ASSUMPTIONS (the publications do not give context lengths).
@@ -25,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sgl_hicache.engine.cost import prefill_seconds, transfer_seconds
-from sgl_hicache.engine.presets import HARDWARE, MODELS, HardwarePreset, ModelPreset
+from sgl_hicache.sim.cost import prefill_seconds, transfer_seconds
+from sgl_hicache.sim.presets import HARDWARE, MODELS, HardwarePreset, ModelPreset
 
 ASSUMPTIONS = {
     "a": {

@@ -103,8 +103,8 @@ def workload(a: argparse.Namespace, hints: bool, vocab: int) -> list[Request]:
 
 def run_one(config: str, a: argparse.Namespace, model: Path, work: Path, tag: str) -> dict[str, Any]:
     """One fresh server in `config`, the chain replayed against it; its figures and outputs."""
+    from sgl_hicache.client.server import ServerStartError, SGLangServer
     from sgl_hicache.replay.http import probe_server, replay_http
-    from sgl_hicache.sglang.server import ServerStartError, SGLangServer
 
     disk = Path(tempfile.mkdtemp(prefix=f"chain-{tag}-", dir=work))
     args = ["--max-total-tokens", str(a.device_tokens), "--page-size", str(a.page_size), "--log-level", "warning"]

@@ -56,10 +56,10 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from server_compare import DEFAULT_TRACE, load_slice, pool_tokens, working_set_tokens  # noqa: E402
 
-from sgl_hicache.engine.presets import MODELS, get_hardware, get_model  # noqa: E402
-from sgl_hicache.engine.simulator import EmbeddedEngine, EngineConfig  # noqa: E402
+from sgl_hicache.client.backend_settings import BackendSettings, settings_env  # noqa: E402
 from sgl_hicache.replay.http import fit_requests, probe_server, replay_http  # noqa: E402
-from sgl_hicache.sglang.settings import BackendSettings, settings_env  # noqa: E402
+from sgl_hicache.sim.presets import MODELS, get_hardware, get_model  # noqa: E402
+from sgl_hicache.sim.simulator import EmbeddedEngine, EngineConfig  # noqa: E402
 
 TIERS = ("device", "host", "disk")
 
@@ -67,7 +67,7 @@ TIERS = ("device", "host", "disk")
 def run_server(reqs: list, a: argparse.Namespace, pool: int, host: int, disk: int, workdir: Path) -> dict[str, Any]:
     """Replay `reqs` on a fresh sgl_hicache server; per-request and total hits, the pool it built, the
     requests it took (`kept`) and what it skipped."""
-    from sgl_hicache.sglang.server import SGLangServer
+    from sgl_hicache.client.server import SGLangServer
 
     store = workdir / "store"
     settings = BackendSettings(

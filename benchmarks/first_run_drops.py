@@ -38,7 +38,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from sgl_hicache.sglang.server import ServerStartError, SGLangServer, free_port  # noqa: E402
+from sgl_hicache.client.server import ServerStartError, SGLangServer, free_port  # noqa: E402
 
 SHIPPED = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 MODEL = REPO / "scripts" / "cpu" / "tiny-llama"

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/fleet_whatif.py --json fleet.json            # ~3 min here
     .venv/bin/python benchmarks/fleet_whatif.py --quick --json fleet.json    # seconds
 
-N simulated servers (`sgl_hicache/engine/fleet.py`) replay the first `--requests` requests of the
+N simulated servers (`sgl_hicache/sim/fleet.py`) replay the first `--requests` requests of the
 shipped Mooncake conversation trace together, on one virtual timeline, without a store (each server
 its own disk tier) and with a shared store in the disk tier's place, for each routing (round-robin,
 by session) and each store link bandwidth (per server; latency `--latency-us` per transfer). Same
@@ -24,10 +24,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from sgl_hicache.engine.fleet import ROUTES, fleet_whatif  # noqa: E402
-from sgl_hicache.engine.presets import get_hardware, get_model  # noqa: E402
-from sgl_hicache.engine.simulator import EngineConfig  # noqa: E402
 from sgl_hicache.replay import load_trace  # noqa: E402
+from sgl_hicache.sim.fleet import ROUTES, fleet_whatif  # noqa: E402
+from sgl_hicache.sim.presets import get_hardware, get_model  # noqa: E402
+from sgl_hicache.sim.simulator import EngineConfig  # noqa: E402
 
 TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 

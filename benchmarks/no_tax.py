@@ -35,9 +35,9 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from server_compare import working_set_tokens  # noqa: E402  (distinct whole pages x page; imports no sglang)
 
-from sgl_hicache.engine.presets import get_hardware, get_model  # noqa: E402
-from sgl_hicache.engine.simulator import EmbeddedEngine, EngineConfig  # noqa: E402
 from sgl_hicache.replay import load_trace  # noqa: E402
+from sgl_hicache.sim.presets import get_hardware, get_model  # noqa: E402
+from sgl_hicache.sim.simulator import EmbeddedEngine, EngineConfig  # noqa: E402
 
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 POLICIES = ("recompute", "demote", "prefetch", "predict")

@@ -50,11 +50,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from regime_map import load_slice, working_set
 from retention import split_capacities
 
-from sgl_hicache.engine.presets import get_hardware, get_model
-from sgl_hicache.engine.simulator import EmbeddedEngine, EngineConfig
 from sgl_hicache.replay import load_trace
 from sgl_hicache.replay.shapes import agent, branch, chain, role_of
 from sgl_hicache.replay.trace import Request
+from sgl_hicache.sim.presets import get_hardware, get_model
+from sgl_hicache.sim.simulator import EmbeddedEngine, EngineConfig
 
 POLICIES = ("prefetch", "predict", "oracle")
 CHAT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"

@@ -21,10 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sgl_hicache.engine.presets import get_hardware, get_model
-from sgl_hicache.engine.run import compare
-from sgl_hicache.engine.simulator import EngineConfig
 from sgl_hicache.replay import load_trace
+from sgl_hicache.sim.presets import get_hardware, get_model
+from sgl_hicache.sim.run import compare
+from sgl_hicache.sim.simulator import EngineConfig
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 CASES = [("llama3-8b", "h200"), ("qwen2.5-32b", "h200"), ("qwen3-coder-480b-a35b", "8xh200")]

@@ -34,10 +34,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sgl_hicache.engine.presets import get_hardware, get_model
-from sgl_hicache.engine.run import run_policy
-from sgl_hicache.engine.simulator import EngineConfig
 from sgl_hicache.replay import load_trace
+from sgl_hicache.sim.presets import get_hardware, get_model
+from sgl_hicache.sim.run import run_policy
+from sgl_hicache.sim.simulator import EngineConfig
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 MODELS = {"8b": ("llama3-8b", "h200"), "32b": ("qwen2.5-32b", "h200"), "480b": ("qwen3-coder-480b-a35b", "8xh200")}

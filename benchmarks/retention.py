@@ -42,9 +42,9 @@ sys.path.insert(0, str(BENCH))
 from regime_map import MODELS, TRACE, working_set  # noqa: E402
 from regime_map import load_slice as load_family  # noqa: E402  (requests start.., clock rebased)
 
-from sgl_hicache.engine.presets import get_hardware, get_model  # noqa: E402
-from sgl_hicache.engine.run import run_policy  # noqa: E402
-from sgl_hicache.engine.simulator import EngineConfig  # noqa: E402
+from sgl_hicache.sim.presets import get_hardware, get_model  # noqa: E402
+from sgl_hicache.sim.run import run_policy  # noqa: E402
+from sgl_hicache.sim.simulator import EngineConfig  # noqa: E402
 
 # name -> (EngineConfig.policy, eviction policy, prefetch window)
 POLICIES = {

@@ -19,7 +19,7 @@ over HTTP, twice per repeat, interleaved:
 
 The device pool is `--pool` x the slice's working set (so host and disk hits happen), host =
 `--host-ratio` x the pool, disk on (2x the working set). Every cache call SGLang makes is timed in the
-scheduler process (`sgl_hicache.sglang.call_timer`, setting `time_calls`); the report gives, per
+scheduler process (`sgl_hicache.sglang.debug.call_timer`, setting `time_calls`); the report gives, per
 configuration and call, count / p50 / p99 / max in microseconds (the repeat with the median p99 of the
 worst call), the I/O the guard saw inside scheduler calls (`check_scheduler_io`), hit tokens per tier
 and TTFT. The goal: p99 <= 1 ms and max <= 10 ms for every call.
@@ -46,9 +46,9 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from server_compare import DEFAULT_TRACE, load_slice, pool_tokens, server_args, server_env, working_set_tokens  # noqa: E402
 
+from sgl_hicache.client.server import ServerStartError, SGLangServer  # noqa: E402
+from sgl_hicache.client.stats_client import fetch_stats  # noqa: E402
 from sgl_hicache.replay.http import replay_http  # noqa: E402
-from sgl_hicache.sglang.server import ServerStartError, SGLangServer  # noqa: E402
-from sgl_hicache.sglang.stats_client import fetch_stats  # noqa: E402
 
 TINY = REPO / "scripts" / "cpu" / "tiny-llama"
 CONFIGS = {

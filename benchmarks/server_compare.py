@@ -19,7 +19,7 @@ conversation trace with every 512-token block scaled to 32 tokens. Three configu
   storage backend (`--hicache-storage-backend file`, directory in
   `SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR`, a fresh temp dir per run); everything else at SGLang's
   defaults (write policy `write_through`, prefetch policy `timeout`). On CPU this needs the
-  workaround in `sgl_hicache/sglang/cpu_compat.py`, which our plugin applies in every SGLang process;
+  workaround in `scripts/cpu/layer/sglang_cpu_layer/patches.py`, which our plugin applies in every SGLang process;
 - `hicache_host` (only with `--configs`): the same HiCache without a storage backend, a control: with
   a storage backend SGLang skips a request while its storage prefetch is in flight
   (`check_prefetch_progress`), which changes how prefill batches are composed;
@@ -72,10 +72,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from sgl_hicache.client.backend_settings import BackendSettings, settings_env  # noqa: E402
+from sgl_hicache.client.server import ServerStartError, SGLangServer  # noqa: E402
 from sgl_hicache.replay import load_trace  # noqa: E402
 from sgl_hicache.replay.http import replay_http  # noqa: E402
-from sgl_hicache.sglang.server import ServerStartError, SGLangServer  # noqa: E402
-from sgl_hicache.sglang.settings import BackendSettings, settings_env  # noqa: E402
 
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 if not DEFAULT_TRACE.exists():

@@ -54,9 +54,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from sgl_hicache.client.server import SGLangServer  # noqa: E402
 from sgl_hicache.replay.http import replay_http  # noqa: E402
 from sgl_hicache.replay.trace import Request  # noqa: E402
-from sgl_hicache.sglang.server import SGLangServer  # noqa: E402
 from sgl_hicache.tiers.store_local import LocalStore, start_mooncake  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -117,7 +117,7 @@ def server_env(
     env = {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "PYTHONPATH": str(REPO)}
     if system == "hicache":
         # HiCache wants 10 GiB free beyond its pool (a GPU-node margin) or refuses to start; this
-        # shared 24 GiB machine rarely has it. Its pool is the same either way (cpu_compat.py).
+        # shared 24 GiB machine rarely has it. Its pool is the same either way (the CPU test layer, sglang_cpu_layer.patches).
         env["SGLHICACHE_CPU_HICACHE_HOST_RESERVE_BYTES"] = str(1 << 30)
     else:
         env.update(

@@ -1,4 +1,4 @@
-"""The per-step cost of the TP ranks' agreement (`sgl_hicache/sglang/rank_consensus.py`).
+"""The per-step cost of the TP ranks' agreement (`sgl_hicache/sglang/parallel/rank_consensus.py`).
 
     .venv/bin/python benchmarks/tp_consensus.py --json tp_consensus.json          # ~30 s here
     .venv/bin/python benchmarks/tp_consensus.py --quick --json tp_consensus.json  # seconds
@@ -37,7 +37,7 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
 
     from sgl_hicache.cache import TieredCache
     from sgl_hicache.config import CacheConfig, KVLayout
-    from sgl_hicache.sglang.rank_consensus import RankConsensus, tree_digest
+    from sgl_hicache.sglang.parallel.rank_consensus import RankConsensus, tree_digest
     from sgl_hicache.transfer.ops import TransferOp
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)

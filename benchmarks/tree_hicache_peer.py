@@ -44,7 +44,7 @@ Sides, each one in the configuration its server runs:
   Rust where the extension loads, reported in the JSON) with `init_hicache` (a `MHATokenToKVPoolHost`
   under a `HybridCacheController`, write policy `write_through`, io backend `direct`, layout
   `layer_first`, no storage backend), over a real `MHATokenToKVPool` (1 layer, 1 head, head_dim 8) and
-  its real paged allocator. `cpu_compat.apply()` is applied first, as SGLang's CPU server process does.
+  its real paged allocator. `sglang_cpu_layer.patches.apply()` (the CPU test layer) is applied first, as in the CPU test server.
   Per request: `match_prefix`, `load_back` (`init_load_back` + `ready_to_load_host_cache`, when the
   match has a host hit), `inc_lock_ref`, `evict` (`evict(missing tokens)`), `alloc`
   (`allocator.alloc`), `insert` (`insert(prev_prefix_len=...)`: its write-through backup is issued
@@ -81,10 +81,10 @@ from overhead import add_trace_args  # noqa: E402  (the workload of overhead.py,
 from tree_ops import MockAllocator, server_allocator  # noqa: E402
 from tree_scale import add_workload_args, requests_with_growth  # noqa: E402
 
-from sgl_hicache.assemble import build_cache, build_controller  # noqa: E402
+from sgl_hicache.client.backend_settings import BackendSettings  # noqa: E402  (imports no sglang)
 from sgl_hicache.config import DEFAULT_POLICY, CacheConfig, KVLayout  # noqa: E402
+from sgl_hicache.control.composition import build_cache, build_controller  # noqa: E402
 from sgl_hicache.replay import load_trace  # noqa: E402
-from sgl_hicache.sglang.settings import BackendSettings  # noqa: E402  (imports no sglang)
 from sgl_hicache.tiers.base import DEVICE, HOST  # noqa: E402
 from sgl_hicache.transfer.engine import TransferEngine  # noqa: E402
 from sgl_hicache.transfer.executors import ThreadExecutor  # noqa: E402
@@ -104,10 +104,10 @@ MAX_BACKLOG_OPS = 64
 BACKEND_WORKERS = BackendSettings().transfer_workers  # the transfer threads the backend starts
 CALLS = ("match", "load_back", "lock", "evict", "alloc", "insert", "unlock", "step")
 
-try:  # SGLang's CPU server applies these before it builds HiCache (plugin.register -> cpu_compat.apply)
-    from sgl_hicache.sglang import cpu_compat
+try:  # SGLang's CPU server applies these before it builds HiCache (the CPU test layer's plugin -> patches.apply)
+    from sglang_cpu_layer import patches as cpu_layer
 
-    cpu_compat.apply()
+    cpu_layer.apply()
     import torch
     from sglang.srt.mem_cache.base_prefix_cache import (
         EvictParams,
@@ -469,7 +469,7 @@ def run_hicache(prompts: list[array], page_size: int, pages: int, host_factor: i
 
 def run_hicache_nocopy(prompts: list[array], page_size: int, pages: int, host_factor: int, start: int) -> dict:
     """`run_hicache` with the KV byte copy made a no-op: on CPU torch HiCache's copies run inline on
-    the scheduler thread (`cpu_compat.transfer_kv_direct`, standing in for the CUDA kernel that
+    the scheduler thread (`sglang_cpu_layer.patches.transfer_kv_direct`, standing in for the CUDA kernel that
     `mem_cache/pool_host/mha.py` calls on a side stream), so this is its scheduler-thread cost
     without the bytes, the nearest this machine gets to a GPU's (where the copy is a kernel launch)."""
     from sglang.srt.mem_cache.pool_host import mha

@@ -3,7 +3,7 @@
 # for two model/hardware presets; tables with ratios against recompute and demote, and a plot each.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-TRACE=${TRACE:-$ROOT/../shared/traces/mooncake_conversation_trace.jsonl}
+TRACE=${TRACE:-$ROOT/traces/mooncake_conversation_trace.jsonl}
 OUT=${OUT:-$ROOT/out}
 "$ROOT/scripts/replay.sh" "$TRACE" --limit 2000 --compare --report "$OUT/compare-llama3-8b.json"
 "${CORE_VENV:-$ROOT/.venv}/bin/sgl-hicache" stats "$OUT/compare-llama3-8b.json" --plot "$OUT/compare-llama3-8b.png" > /dev/null

@@ -4,7 +4,7 @@
 #
 #   examples/serve_and_replay.sh [TRACE] [MODEL_DIR] [PORT]
 #
-# TRACE: a trace file (default: the shipped trace, ../shared/traces/mooncake_conversation_trace.jsonl
+# TRACE: a trace file (default: the shipped trace, traces/mooncake_conversation_trace.jsonl
 # next to the repository; a relative path is taken from where you run the script). MODEL_DIR: default
 # the repo's tiny Llama config with SGLang's dummy weights (no download). PORT: default 30123.
 # A 1,024-token device pool (far smaller than the workload), host 4,096 tokens, disk under a temp dir.
@@ -13,7 +13,7 @@
 set -euo pipefail
 HERE=$(pwd)
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-TRACE=${1:-${TRACE:-$ROOT/../shared/traces/mooncake_conversation_trace.jsonl}}
+TRACE=${1:-${TRACE:-$ROOT/traces/mooncake_conversation_trace.jsonl}}
 case "$TRACE" in /*) ;; *) TRACE="$HERE/$TRACE" ;; esac
 MODEL=${2:-scripts/cpu/tiny-llama}
 [[ "$MODEL" != /* && -d "$HERE/$MODEL" && "$MODEL" != scripts/cpu/tiny-llama ]] && MODEL="$HERE/$MODEL"  # a folder, from where you are
@@ -33,7 +33,7 @@ setsid "${CLI[@]}" serve --host-tokens 4096 --disk-dir "$WORK/disk" --page-size 
 SERVER=$!
 stop() {  # the whole process group, then the /dev/shm files it held (SGLang leaves some behind)
     local shm
-    shm=$("$PY" -c "from sgl_hicache.sglang.server import group_shm_files as g; print(*g($SERVER))" 2>/dev/null || true)
+    shm=$("$PY" -c "from sgl_hicache.client.server import group_shm_files as g; print(*g($SERVER))" 2>/dev/null || true)
     kill -TERM -- -$SERVER 2>/dev/null || true; sleep 10; kill -KILL -- -$SERVER 2>/dev/null || true
     [ -z "$shm" ] || rm -f $shm
 }

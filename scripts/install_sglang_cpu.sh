@@ -19,8 +19,11 @@
 #   2. SGLANG_USE_CPU_ENGINE=1 imports `sgl_kernel`; its CPU build is not on PyPI, so an import-only
 #      stand-in (scripts/cpu/shim/sgl_kernel), with torch references of the linear-attention ops a
 #      tiny Qwen3-Next calls (its `mamba` module), is put on sys.path by a .pth file.
-#   3. SGLang's own HiCache needs cudaHostRegister and a CUDA copy kernel: sgl_hicache's plugin applies
-#      sgl_hicache/sglang/cpu_compat.py at SGLang start-up when no CUDA is available.
+#   3. The CPU test layer (scripts/cpu/layer, package sglang_cpu_layer, its own SGLang plugin): the
+#      patches and torch reference kernels SGLang's CPU path lacks (cudaHostRegister and a CUDA copy
+#      kernel for SGLang's own HiCache, attention sinks, DP attention's idle rank, PD prefill, EAGLE
+#      on torch_native). Installed here only; it patches a process only when SGLANG_CPU_TEST_LAYER=1
+#      is set there (the test suite sets it) and CUDA is absent. sgl_hicache itself patches nothing.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -39,7 +42,7 @@ quiet_pip() { grep -v -E "WARNING: Location .* is ignored|^(Requirement already 
 
 stamp_inputs() {
     { cat "$ROOT/scripts/install_sglang_cpu.sh" "$ROOT/pyproject.toml";
-      find "$CPU" -type f \( -name '*.txt' -o -name '*.py' \) -not -path '*/__pycache__/*' | sort | xargs cat; } \
+      find "$CPU" -type f \( -name '*.txt' -o -name '*.py' -o -name '*.toml' \) -not -path '*/__pycache__/*' | sort | xargs cat; } \
         | sha256sum | cut -d' ' -f1
 }
 STAMP="$VENV/.sgl_hicache_sglang_cpu.stamp"
@@ -50,7 +53,7 @@ if [[ -z "${FORCE:-}" && -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" && -x "$VEN
 import importlib.metadata as md, sys
 ok = md.version("sglang") == "$SGLANG_VERSION" and md.version("torch").startswith("$TORCH_VERSION")
 eps = [e.value for e in md.entry_points(group="sglang.srt.plugins")]
-sys.exit(0 if ok and "sgl_hicache.sglang.plugin:register" in eps else 1)
+sys.exit(0 if ok and "sgl_hicache.sglang.plugin:register" in eps and "sglang_cpu_layer.plugin:register" in eps else 1)
 PY
     then
         lap "up to date: $VENV (sglang $SGLANG_VERSION, torch $TORCH_VERSION, sgl_hicache plugin registered)"
@@ -95,8 +98,10 @@ echo "$CPU/shim" > "$SITE/sgl_hicache_sgl_kernel_shim.pth"
 lap "CPU workarounds (torchvision guard, sgl_kernel shim)"
 
 # sgl_hicache itself (editable): registers the sglang.srt.plugins entry point; [dev] brings pytest.
+# Then the CPU test layer (editable), its own plugin, off unless SGLANG_CPU_TEST_LAYER=1.
 "${PIP[@]}" -q -c "$CPU/constraints.txt" -e "$ROOT[dev]" 2>&1 | quiet_pip
-lap "sgl_hicache (editable)"
+"${PIP[@]}" -q --no-deps -e "$CPU/layer" 2>&1 | quiet_pip
+lap "sgl_hicache + the CPU test layer (editable)"
 
 # Check: SGLang's cache modules import on the CPU engine, the shim is the one found, the plugin loads.
 SGLANG_USE_CPU_ENGINE=1 "$VENV/bin/python" - <<'PY' 2>&1 | grep -v -i warn
@@ -106,6 +111,7 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: 
 from sglang.srt.mem_cache.registry import register_radix_cache_backend  # noqa: F401
 eps = {e.name: e.value for e in md.entry_points(group="sglang.srt.plugins")}
 assert eps.get("sgl_hicache") == "sgl_hicache.sglang.plugin:register", eps
+assert eps.get("sglang_cpu_test_layer") == "sglang_cpu_layer.plugin:register", eps
 print(f"ok: sglang {sglang.__version__}, torch {torch.__version__}, sgl_kernel from {sgl_kernel.__file__}")
 PY
 echo "$WANT" > "$STAMP"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job on a fresh machine: create .venv if needed, install sgl_hicache, run `sgl-hicache replay`.
-#   scripts/replay.sh TRACE [replay flags]      e.g. scripts/replay.sh ../shared/traces/mooncake_conversation_trace.jsonl --limit 2000 --compare
+#   scripts/replay.sh TRACE [replay flags]      e.g. scripts/replay.sh traces/mooncake_conversation_trace.jsonl --limit 2000 --compare
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${CORE_VENV:-$ROOT/.venv}

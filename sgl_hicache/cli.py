@@ -22,7 +22,7 @@ from .config import DEFAULT_POLICY, EVICTION_POLICIES, PREDICTORS, WRITE_POLICIE
 from .progress import Progress
 from .replay.trace import TraceError
 
-DEFAULT_TRACE_HINT = "../shared/traces/mooncake_conversation_trace.jsonl"
+DEFAULT_TRACE_HINT = "traces/mooncake_conversation_trace.jsonl"
 
 
 class UserError(Exception):
@@ -74,9 +74,9 @@ def _non_negative_float(text: str) -> float:
 
 # ---- replay ----------------------------------------------------------------------------------
 def _add_replay(sub: argparse._SubParsersAction) -> None:
-    from .engine.presets import HARDWARE, MODELS
-    from .engine.simulator import POLICIES
     from .replay import FORMATS
+    from .sim.presets import HARDWARE, MODELS
+    from .sim.simulator import POLICIES
 
     p = sub.add_parser(
         "replay",
@@ -368,9 +368,9 @@ def _replay_embedded(args: argparse.Namespace, progress: Progress) -> dict[str, 
     requests = _load_requests(args, vocab_size=args.vocab_size, stream=True)
     if not requests:
         raise UserError(f"trace {args.trace!r} holds no requests")
-    from .engine.presets import get_hardware, get_model
-    from .engine.run import compare, run_policy
-    from .engine.simulator import POLICIES, EngineConfig
+    from .sim.presets import get_hardware, get_model
+    from .sim.run import compare, run_policy
+    from .sim.simulator import POLICIES, EngineConfig
 
     if args.disk_dir is not None and args.disk_dir.exists() and not args.disk_dir.is_dir():
         raise UserError(f"--disk-dir {str(args.disk_dir)!r} exists and is not a directory")
@@ -413,7 +413,7 @@ def _replay_embedded(args: argparse.Namespace, progress: Progress) -> dict[str, 
             raise UserError(
                 "--fleet needs a tiered policy (demote, prefetch, predict) and a host tier (--host-tokens >= --page-size)"
             )
-        from .engine.fleet import fleet_whatif
+        from .sim.fleet import fleet_whatif
 
         base = dataclasses.replace(
             base, store_bandwidth=args.store_bandwidth * 1e9, store_latency_s=args.store_latency_us * 1e-6
@@ -432,7 +432,7 @@ def _replay_embedded(args: argparse.Namespace, progress: Progress) -> dict[str, 
             checkpoint_every=args.checkpoint_every or 0,
         )
     else:
-        from .engine.run import checkpoint_path
+        from .sim.run import checkpoint_path
 
         ckpt = checkpoint_path(args.report, args.policy) if args.checkpoint_every else None
         rep = run_policy(requests, base, progress.callback(args.policy), ckpt, args.checkpoint_every or 0)
@@ -574,7 +574,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
     decoder = _decoder(args.tokenizer)
     if args.source.startswith(("http://", "https://")):
-        from .sglang.stats_client import StatsError, fetch_stats
+        from .client.stats_client import StatsError, fetch_stats
 
         if args.plot:
             raise UserError(
@@ -752,7 +752,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "serve":
         try:
-            from .sglang.launch import main as serve_main
+            from .client.launch import main as serve_main
         except ImportError as exc:
             print(
                 f"sgl-hicache serve: SGLang is not installed ({exc}); run scripts/install_sglang_cpu.sh",

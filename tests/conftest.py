@@ -32,27 +32,19 @@ NEEDS_SGLANG = [pytest.mark.sglang, pytest.mark.skipif(SGLANG_MISSING is not Non
 SMALL_LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16")
 
 REPO = Path(__file__).resolve().parent.parent
-# The repository is always cloned with the read-only `shared/` folder beside it (`../shared`).
-SHARED_DIR = REPO.parent / "shared"
+TRACE = REPO / "traces" / "mooncake_conversation_trace.jsonl"
 
-
-def shared_file(relpath: str) -> Path:
-    """A file of the `shared/` folder beside the repository (e.g. "traces/mooncake_conversation_trace.jsonl").
-    A missing file FAILS the test that needs it (never a skip): a test that silently does not run
-    hides a broken checkout."""
-    path = SHARED_DIR / relpath
-    if not path.is_file():
-        pytest.fail(
-            f"required shared file {path} is missing: the repository expects `shared/` beside it "
-            f"({SHARED_DIR}), holding {relpath}",
-            pytrace=False,
-        )
-    return path
+# SGLang servers the tests start on a CPU run with the CPU test layer (scripts/cpu/layer), which
+# patches a process only when asked for; the product itself patches nothing.
+os.environ.setdefault("SGLANG_CPU_TEST_LAYER", "1")
 
 
 def mooncake_trace() -> Path:
-    """The shipped Mooncake conversation trace (shared/traces/)."""
-    return shared_file("traces/mooncake_conversation_trace.jsonl")
+    """The Mooncake conversation trace the repository ships (traces/). A missing file FAILS the test
+    that needs it (never a skip): a test that silently does not run hides a broken checkout."""
+    if not TRACE.is_file():
+        pytest.fail(f"the shipped trace {TRACE} is missing from the checkout", pytrace=False)
+    return TRACE
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -60,7 +52,7 @@ def _no_shm_left_behind():
     """A stopped SGLang server leaves /dev/shm names behind, however a test started it (the README's
     commands, the example script, `SGLangServer`): at the session's end, remove those of SGLang's kinds
     made during it that no live process holds."""
-    from sgl_hicache.sglang.server import orphan_shm_files
+    from sgl_hicache.client.server import orphan_shm_files
 
     since = time.time()
     yield

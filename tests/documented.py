@@ -5,7 +5,7 @@ Sources: every ```bash block of README.md, docs/*.md and benchmarks/README.md. A
 logical commands (backslash continuations joined, `for ... done` loops kept whole). Each command is
 then either run for real by a test, or run in parse-only mode (tests/parse_only/sitecustomize.py):
 every Python program it starts checks its flags with its own parser and stops. Paths inside the repo
-and `../shared` that a command names must exist.
+that a command names must exist.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ DOC_FILES = [
     "benchmarks/README.md",
 ]
 # Path-like words a command names that must exist (relative to the repo root).
-_PATH_PREFIXES = ("scripts/", "benchmarks/", "examples/", "tests/", "docs/", "../shared/")
+_PATH_PREFIXES = ("scripts/", "benchmarks/", "examples/", "tests/", "docs/", "traces/", "../shared/")
 # Commands that need SGLang (the .venv-sglang environment); the rest run in the core environment.
 _SGLANG_MARKERS = (
     ".venv-sglang",

@@ -37,7 +37,7 @@ class BackendServers:
         self.started: list = []
 
     def start(self, name: str, disk_dir: Path, tp: int = 1, **env_extra: str):
-        from sgl_hicache.sglang.server import SGLangServer
+        from sgl_hicache.client.server import SGLangServer
 
         env = {
             "SGLHICACHE_HOST_TOKENS": str(self.host_tokens),

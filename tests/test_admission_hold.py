@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from sgl_hicache.client.backend_settings import BackendSettings, SettingsError
 from sgl_hicache.policy.admission import PrefillCost, PrefillCostFit, attention_pairs, hold_pays
 from sgl_hicache.sglang.scheduler_hooks import hold_new, step_end, step_pairs, time_prefill
-from sgl_hicache.sglang.settings import BackendSettings, SettingsError
 
 LONG_PREFILLS = PrefillCost(fixed_s=0.05, per_token_s=1e-4)  # 1,000 new tokens cost 0.1 s beyond the step's 0.05 s
 

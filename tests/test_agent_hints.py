@@ -12,8 +12,8 @@ from test_hints import _controller
 from test_oracle_reuse import PS, Clock, seq
 
 from sgl_hicache.policy.agent_hints import TTL_MARGIN, AgentHints, parse_agent_hints
-from sgl_hicache.policy.hints import HintError
-from sgl_hicache.sglang.request_hints import RequestHints
+from sgl_hicache.policy.hint_rules import HintError
+from sgl_hicache.sglang.hints.request_hints import RequestHints
 from sgl_hicache.tiers.base import DEVICE, HOST
 
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_hicache.engine.presets import get_hardware, get_model
-from sgl_hicache.engine.simulator import EmbeddedEngine, EngineConfig
 from sgl_hicache.replay import load_trace
 from sgl_hicache.replay.shapes import SHAPES, agent, role_of, write_plain
+from sgl_hicache.sim.presets import get_hardware, get_model
+from sgl_hicache.sim.simulator import EmbeddedEngine, EngineConfig
 
 
 def _sessions(reqs):

@@ -1,4 +1,4 @@
-"""The per-step scheduler log (`sgl_hicache.sglang.batch_log`, a diagnostic of batch composition): off
+"""The per-step scheduler log (`sgl_hicache.sglang.debug.batch_log`, a diagnostic of batch composition): off
 unless `SGLH_BATCH_LOG_DIR` is set; then one JSON line per scheduling pass with a queue or an
 admission, and one per forward batch."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from sgl_hicache.sglang import batch_log
+from sgl_hicache.sglang.debug import batch_log
 
 
 def test_off_unless_the_directory_is_named(monkeypatch):

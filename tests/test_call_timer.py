@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
-from sgl_hicache.sglang.call_timer import CallTimer
+from sgl_hicache.sglang.debug.call_timer import CallTimer
 
 
 class _Cache:
@@ -64,7 +64,7 @@ def test_the_io_guard_counts_disk_writes_made_through_write_from(tmp_path) -> No
     would go uncounted (the e2e test's `disk_write_elsewhere` read 0)."""
     from conftest import make_cache, serve
 
-    from sgl_hicache.sglang.call_timer import IOGuard
+    from sgl_hicache.sglang.debug.call_timer import IOGuard
 
     cache = make_cache(
         tmp_path, device=4, host=8, disk=32, write_policy="write_through", disk_write_policy="write_through"

@@ -7,11 +7,10 @@ import subprocess
 import sys
 
 import pytest
-from conftest import SHARED_DIR, mooncake_trace
+from conftest import TRACE, mooncake_trace
 
 from sgl_hicache.cli import main
 
-TRACE = SHARED_DIR / "traces" / "mooncake_conversation_trace.jsonl"  # tests that read it call mooncake_trace() first
 SMALL = [
     "--limit",
     "40",

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import REPO, shared_file
+from conftest import REPO
 
 from sgl_hicache.config import KVLayout
-from sgl_hicache.engine.cost import (
+from sgl_hicache.sim.cost import (
     attention_flops,
     batch_prefill_seconds,
     decode_step_seconds,
@@ -18,7 +18,7 @@ from sgl_hicache.engine.cost import (
     transfer_seconds,
     weight_read_bytes,
 )
-from sgl_hicache.engine.presets import (
+from sgl_hicache.sim.presets import (
     HARDWARE,
     MODELS,
     HardwarePreset,
@@ -137,11 +137,8 @@ def test_presets_match_their_sources():
     big = MODELS["qwen3-coder-480b-a35b"]
     assert (big.num_layers, big.num_kv_heads, big.head_dim, big.active_params) == (62, 8, 128, 35e9) and big.is_moe
     assert MODELS["bench-llama"].total_params == 96_486_400
-    # the tiny model the SGLang tests serve (the repo's copy) and the probe's original in shared/ must agree with the preset
-    for tiny_cfg in (
-        REPO / "scripts" / "cpu" / "tiny-llama" / "config.json",
-        shared_file("reference/sglang-cpu-probe/tiny-llama/config.json"),
-    ):
+    # the tiny model the SGLang tests serve must agree with the preset
+    for tiny_cfg in (REPO / "scripts" / "cpu" / "tiny-llama" / "config.json",):
         c = json.loads(tiny_cfg.read_text())
         t = MODELS["tiny-llama"]
         assert (t.num_layers, t.hidden_size, t.num_attention_heads, t.num_kv_heads, t.head_dim) == (

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import make_cache, run_ranks
 
-from sgl_hicache.sglang.data_parallel import DPPlacement, placement
+from sgl_hicache.sglang.parallel.data_parallel import DPPlacement, placement
 
 
 def _ctx(tp_size: int, tp_rank: int, group=None, **server_args):
@@ -67,9 +67,9 @@ def test_every_scheduler_process_has_its_own_stats_file_suffix():
 def _rank_main(rank: int, store_path: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from sgl_hicache.sglang import rank_consensus
-    from sgl_hicache.sglang.data_parallel import group_consensus
-    from sgl_hicache.sglang.debug_settings import DebugSettings
+    from sgl_hicache.client.debug_settings import DebugSettings
+    from sgl_hicache.sglang.parallel import rank_consensus
+    from sgl_hicache.sglang.parallel.data_parallel import group_consensus
     from sgl_hicache.tiers.base import TierIOError
     from sgl_hicache.transfer.ops import TransferOp
 
@@ -120,8 +120,8 @@ def test_each_attention_tp_group_agrees_alone_and_a_fault_stays_in_its_group(tmp
 
 
 def test_one_rank_per_group_builds_no_agreement():
-    from sgl_hicache.sglang.data_parallel import group_consensus
-    from sgl_hicache.sglang.debug_settings import DebugSettings
+    from sgl_hicache.client.debug_settings import DebugSettings
+    from sgl_hicache.sglang.parallel.data_parallel import group_consensus
 
     ctx = _ctx(2, 1, enable_dp_attention=True, attn_dp_size=2)  # --tp 2 --dp 2 --enable-dp-attention
     assert group_consensus(ctx, DebugSettings(), placement(ctx)) is None

@@ -6,12 +6,12 @@ from __future__ import annotations
 import dataclasses
 
 from sgl_hicache.cli import build_parser
+from sgl_hicache.client.backend_settings import load_settings
+from sgl_hicache.client.launch import build_command
+from sgl_hicache.client.launch import build_parser as serve_parser
 from sgl_hicache.config import DEFAULT_POLICY, TieringPolicy
-from sgl_hicache.engine.presets import get_hardware, get_model
-from sgl_hicache.engine.simulator import EngineConfig
-from sgl_hicache.sglang.launch import build_command
-from sgl_hicache.sglang.launch import build_parser as serve_parser
-from sgl_hicache.sglang.settings import load_settings
+from sgl_hicache.sim.presets import get_hardware, get_model
+from sgl_hicache.sim.simulator import EngineConfig
 
 
 def _replay_policy(argv: list[str]) -> TieringPolicy:

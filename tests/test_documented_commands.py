@@ -45,7 +45,7 @@ def _env() -> dict[str, str]:
 def test_the_docs_give_the_commands_this_suite_checks() -> None:
     texts = [c.text for c in documented_commands()]
     # the README's two first-line commands are among them, and each syntax-only entry still names one
-    assert any(t.startswith("scripts/replay.sh ../shared/traces/") and "--compare" in t for t in texts)
+    assert any(t.startswith("scripts/replay.sh traces/") and "--compare" in t for t in texts)
     assert any(t.startswith("scripts/test.sh") for t in texts)
     for prefix in SYNTAX_ONLY:
         assert any(t.startswith(prefix) for t in texts), f"stale SYNTAX_ONLY entry {prefix!r}"
@@ -67,7 +67,7 @@ def _documented_hits(doc: str) -> dict[str, dict[str, int]]:
 
 
 def test_main_job_reproduces_the_documented_figures(tmp_path: Path) -> None:
-    mooncake_trace()  # fails clearly when ../shared is missing
+    mooncake_trace()  # fails clearly when the shipped trace is missing
     cmd = next(
         c
         for c in documented_commands()

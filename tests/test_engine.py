@@ -9,11 +9,11 @@ from array import array
 import pytest
 from conftest import mooncake_trace
 
-from sgl_hicache.engine.presets import get_hardware, get_model
-from sgl_hicache.engine.run import compare, run_policy
-from sgl_hicache.engine.simulator import EmbeddedEngine, EngineConfig
 from sgl_hicache.replay import load_trace
 from sgl_hicache.replay.trace import Request
+from sgl_hicache.sim.presets import get_hardware, get_model
+from sgl_hicache.sim.run import compare, run_policy
+from sgl_hicache.sim.simulator import EmbeddedEngine, EngineConfig
 
 
 def req(i: int, tokens: list[int], out: int = 4, t: float = 0.0) -> Request:
@@ -124,7 +124,7 @@ def test_prefetch_moves_disk_reads_off_the_critical_path():
 
 def test_prefill_cost_is_charged_from_the_cost_model():
     """One request on an empty engine: TTFT is exactly one prefill of the whole prompt."""
-    from sgl_hicache.engine import cost
+    from sgl_hicache.sim import cost
 
     cfg = config("recompute", device=64, host=0, disk=0)
     engine = EmbeddedEngine(cfg)
@@ -141,7 +141,7 @@ def test_device_too_small_is_a_clear_error():
 
 def test_disk_reads_queue_behind_disk_writes():
     """The disk is one pipe: a read scheduled after a write starts when the write is done."""
-    from sgl_hicache.engine.simulator import VirtualLinks
+    from sgl_hicache.sim.simulator import VirtualLinks
 
     links = VirtualLinks(get_model("llama3-8b"), get_hardware("h200"))
     w = links.seconds("host->disk", 4096)
@@ -159,7 +159,7 @@ def test_host_to_disk_writes_are_charged_to_the_disk():
     rep = run_policy(reqs, cfg)
     written_tokens = rep["bytes_moved"]["host->disk"] // cfg.storage_layout.bytes_per_token
     assert written_tokens > 0
-    from sgl_hicache.engine.simulator import VirtualLinks
+    from sgl_hicache.sim.simulator import VirtualLinks
 
     expected = VirtualLinks(cfg.model, cfg.hardware).seconds("host->disk", written_tokens)
     assert rep["engine"]["disk_write_seconds"] == pytest.approx(expected)
@@ -170,7 +170,7 @@ def test_a_requests_own_device_pages_are_not_room_for_it():
     its own pages are locked for it, so they are not evictable room. Counted as room, a request
     that could not fit looked as if it did (short_pages <= 0), no queued prefetch gave up its lock
     for it, and the engine idled behind it until the arrivals ran out."""
-    from sgl_hicache.engine.simulator import _Flight
+    from sgl_hicache.sim.simulator import _Flight
 
     eng = EmbeddedEngine(config("prefetch", device=32, host=64, disk=256))  # 8 device pages of 4 tokens
     cache = eng.cache

@@ -9,8 +9,8 @@ from conftest import serve
 from test_hints import _controller, _disk_only
 from test_oracle_reuse import PS, Clock, seq
 
-from sgl_hicache.hint_desk import own_tail
-from sgl_hicache.policy.hints import Hint
+from sgl_hicache.control.hint_desk import own_tail
+from sgl_hicache.policy.hint_rules import Hint
 from sgl_hicache.policy.promotion import device_room_pages
 from sgl_hicache.tiers.base import DEVICE, HOST
 

@@ -11,8 +11,8 @@ import urllib.request
 
 import pytest
 
-from sgl_hicache.policy.hints import HintError
-from sgl_hicache.sglang.hint_server import HintListener, parse_hint_batch
+from sgl_hicache.policy.hint_rules import HintError
+from sgl_hicache.sglang.hints.hint_server import HintListener, parse_hint_batch
 
 
 def _post(port: int, body) -> tuple[int, dict]:

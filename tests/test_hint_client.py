@@ -11,7 +11,8 @@ from array import array
 
 import pytest
 
-from sgl_hicache.policy.hints import Hint
+from sgl_hicache.client.server import free_port
+from sgl_hicache.policy.hint_rules import Hint
 from sgl_hicache.replay.hint_client import (
     HintApiError,
     HintSender,
@@ -22,8 +23,7 @@ from sgl_hicache.replay.hint_client import (
 )
 from sgl_hicache.replay.http import ServerError, ServerModel, replay_http
 from sgl_hicache.replay.trace import Request
-from sgl_hicache.sglang.hint_server import HintListener
-from sgl_hicache.sglang.server import free_port
+from sgl_hicache.sglang.hints.hint_server import HintListener
 
 
 def _req(rid: str, session: str, t: float, ids: list[int], hints: tuple = ()) -> Request:

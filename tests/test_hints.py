@@ -10,8 +10,8 @@ import pytest
 from conftest import make_cache, serve
 from test_oracle_reuse import PS, Clock, seq
 
-from sgl_hicache.controller import ControllerSettings, RequestController
-from sgl_hicache.policy.hints import Hint, HintError, HintLimits, hint_tokens
+from sgl_hicache.control.lifecycle import ControllerSettings, RequestController
+from sgl_hicache.policy.hint_rules import Hint, HintError, HintLimits, hint_tokens
 from sgl_hicache.policy.predictor import Predictor
 from sgl_hicache.replay import load_trace
 from sgl_hicache.replay.trace import TraceError
@@ -213,7 +213,7 @@ def test_a_retention_held_past_when_the_others_came_back_is_overdue(tmp_path):
     # the client's retentions come back about 1 s after they start; one held for 10 s is overdue:
     # it counts against the precision, and a fresh retention is kept ahead of it although it asked
     # to be kept longer (a client retaining what never comes back loses its share in seconds)
-    from sgl_hicache.hint_desk import MIN_RETURNS
+    from sgl_hicache.control.hint_desk import MIN_RETURNS
 
     clock = Clock(10.0)
     cache, _ex, ctl = _controller(tmp_path, clock)
@@ -336,8 +336,8 @@ def test_retain_and_demote_move_the_prefix_in_the_eviction_order(tmp_path):
 
 def _engine():
     """An embedded engine (llama3-8b on the H200 cost model) with room on every tier."""
-    from sgl_hicache.engine.presets import get_hardware, get_model
-    from sgl_hicache.engine.simulator import EmbeddedEngine, EngineConfig
+    from sgl_hicache.sim.presets import get_hardware, get_model
+    from sgl_hicache.sim.simulator import EmbeddedEngine, EngineConfig
 
     cfg = EngineConfig(
         policy="prefetch",

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from sgl_hicache.policy.agent_hints import parse_agent_hints
-from sgl_hicache.policy.hints import Hint
+from sgl_hicache.policy.hint_rules import Hint
 from sgl_hicache.replay.http import ServerModel, replay_http
 from sgl_hicache.replay.in_request import PREFETCH_PROMPT, plan_in_request_hints
 from sgl_hicache.replay.shapes import agent, role_of

@@ -18,8 +18,8 @@ import pytest
 import torch
 from conftest import kv_for, make_cache, serve
 
-from sgl_hicache.controller import ControllerSettings, RequestController
-from sgl_hicache.policy.predictors import make_predictor
+from sgl_hicache.control.lifecycle import ControllerSettings, RequestController
+from sgl_hicache.policy.predictor_factory import make_predictor
 from sgl_hicache.sglang.layer_loads import LayerLoads
 from sgl_hicache.tiers.base import DEVICE, HOST
 from sgl_hicache.transfer.engine import TransferEngine

@@ -107,3 +107,22 @@ def _sizes() -> list[tuple[str, str, int]]:
 def test_no_module_or_class_is_oversized(kind: str, limit: int) -> None:
     over = [(name, n) for k, name, n in _sizes() if k == kind and n > limit]
     assert over == [], f"{kind}s over {limit} lines: {over}"
+
+
+def test_no_two_modules_share_a_file_name() -> None:
+    seen: dict[str, list[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path.name != "__init__.py":
+            seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
+
+
+def test_the_sglang_adapter_is_split_by_job() -> None:
+    top = [p.name for p in (PACKAGE / "sglang").glob("*.py")]
+    assert len(top) <= 15, f"sgl_hicache/sglang/ has {len(top)} modules at its top level: {sorted(top)}"
+
+
+def test_the_package_carries_no_test_only_patch_of_sglang() -> None:
+    """The CPU test layer (scripts/cpu/layer) is its own package; nothing in the product names it."""
+    offenders = [str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py") if "sglang_cpu_layer" in p.read_text()]
+    assert offenders == []

@@ -9,16 +9,16 @@ from array import array
 import pytest
 from conftest import make_cache, serve
 
-from sgl_hicache.controller import ControllerSettings, RequestController
-from sgl_hicache.engine.presets import get_hardware, get_model
-from sgl_hicache.engine.run import run_policy
-from sgl_hicache.engine.simulator import EngineConfig
+from sgl_hicache.control.lifecycle import ControllerSettings, RequestController
 from sgl_hicache.policy.guard import PromotionGuard
 from sgl_hicache.policy.oracle import Oracle
 from sgl_hicache.policy.predictor import Prediction, Predictor
-from sgl_hicache.policy.predictors import make_predictor
+from sgl_hicache.policy.predictor_factory import make_predictor
 from sgl_hicache.policy.reuse import ContinuationPredictor, ReuseModel
 from sgl_hicache.replay.trace import Request
+from sgl_hicache.sim.presets import get_hardware, get_model
+from sgl_hicache.sim.run import run_policy
+from sgl_hicache.sim.simulator import EngineConfig
 from sgl_hicache.tiers.base import DEVICE, DISK, HOST
 from sgl_hicache.transfer.executors import VirtualExecutor, VirtualPipes
 

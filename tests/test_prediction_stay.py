@@ -11,7 +11,7 @@ from test_predictor_blockers import _controller, _disk_only, _Fixed
 
 from sgl_hicache.policy.guard import PromotionGuard
 from sgl_hicache.policy.predictor import Prediction
-from sgl_hicache.policy.writeback import fresh_copy_stay_s, host_pages_before_fresh_copy
+from sgl_hicache.policy.writeback_choice import fresh_copy_stay_s, host_pages_before_fresh_copy
 from sgl_hicache.tiers.base import DEVICE, DISK, HOST
 
 

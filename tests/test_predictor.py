@@ -8,7 +8,7 @@ from conftest import make_cache, serve
 
 from sgl_hicache.cache import TieredCache
 from sgl_hicache.policy.predictor import Predictor, TreeWalkPredictor
-from sgl_hicache.policy.predictors import make_predictor
+from sgl_hicache.policy.predictor_factory import make_predictor
 from sgl_hicache.tiers.base import DEVICE, DISK, HOST
 from sgl_hicache.transfer.handlers import execute
 from sgl_hicache.tree.node import edge_key_of

@@ -9,7 +9,7 @@ import pytest
 from conftest import make_cache, serve
 from test_oracle_reuse import PS, Clock, seq
 
-from sgl_hicache.controller import ControllerSettings, RequestController
+from sgl_hicache.control.lifecycle import ControllerSettings, RequestController
 from sgl_hicache.policy.guard import PromotionGuard, QueueDelay
 from sgl_hicache.policy.predictor import Prediction, Predictor, TreeWalkPredictor
 from sgl_hicache.replay.shapes import branch, chain, role_of
@@ -268,8 +268,8 @@ def test_shapes_are_deterministic_and_tagged():
 def test_predict_gets_the_continuation_up_before_it_arrives(shape):
     """On a shape where the request that needs a spilled path is announced `lead_s` ahead, `predict`
     serves it sooner than `prefetch` (virtual time: exact), with the promoted pages used."""
-    from sgl_hicache.engine.presets import get_hardware, get_model
-    from sgl_hicache.engine.simulator import EmbeddedEngine, EngineConfig
+    from sgl_hicache.sim.presets import get_hardware, get_model
+    from sgl_hicache.sim.simulator import EmbeddedEngine, EngineConfig
 
     reqs = (
         chain(sessions=12, turn_tokens=2048)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from conftest import make_cache, serve
 from test_oracle_reuse import PS, Clock, seq
 
-from sgl_hicache.controller import ControllerSettings, RequestController
+from sgl_hicache.control.lifecycle import ControllerSettings, RequestController
 from sgl_hicache.policy.guard import PromotionGuard
 from sgl_hicache.policy.predictor import Predictor
 from sgl_hicache.tiers.base import DEVICE, HOST

@@ -37,7 +37,7 @@ def _rank_main(rank: int, size: int, store_path: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     from sgl_hicache.policy.admission import PrefillCost
-    from sgl_hicache.sglang.rank_consensus import RankConsensus, RankDivergenceError, tree_digest
+    from sgl_hicache.sglang.parallel.rank_consensus import RankConsensus, RankDivergenceError, tree_digest
     from sgl_hicache.tiers.base import PageCorruptError, PeerTierError, TierIOError
 
     out: dict = {}

@@ -14,13 +14,13 @@ import pytest
 from conftest import mooncake_trace
 
 from sgl_hicache.cli import format_report, main
-from sgl_hicache.engine.presets import get_hardware, get_model
-from sgl_hicache.engine.run import checkpoint_path, compare, longest_first, run_policy
-from sgl_hicache.engine.simulator import EmbeddedEngine, EngineConfig
 from sgl_hicache.replay import load_trace
 from sgl_hicache.replay.mooncake import read_mooncake
 from sgl_hicache.replay.stream import MooncakeStream, open_mooncake
 from sgl_hicache.replay.synth import _sessions, synthesise, write_trace
+from sgl_hicache.sim.presets import get_hardware, get_model
+from sgl_hicache.sim.run import checkpoint_path, compare, longest_first, run_policy
+from sgl_hicache.sim.simulator import EmbeddedEngine, EngineConfig
 from sgl_hicache.tree.node import edge_key_of
 
 N = 150  # the shipped trace's first N requests: enough for host and disk hits at these capacities

@@ -19,9 +19,9 @@ LAYERS, WIDTH, PAGE = 2, 24, 4
 
 
 def _group_cache(consensus, tmp: str):
-    from sgl_hicache.assemble import build_cache
     from sgl_hicache.config import CacheConfig, KVLayout
-    from sgl_hicache.sglang.replicated import follow, replicated_tiers
+    from sgl_hicache.control.composition import build_cache
+    from sgl_hicache.sglang.parallel.replicated_group import follow, replicated_tiers
     from sgl_hicache.tiers.memory import DeviceKVPool
 
     layout = KVLayout(num_layers=LAYERS, num_kv_heads=1, head_dim=WIDTH, kv_planes=1, architecture="mla-test")
@@ -44,7 +44,7 @@ def _group_cache(consensus, tmp: str):
 
 def _agree(cache, consensus, op) -> None:
     """What the server does with a background copy: execute it here, agree at the next step, complete."""
-    from sgl_hicache.sglang.rank_consensus import tree_digest
+    from sgl_hicache.sglang.parallel.rank_consensus import tree_digest
     from sgl_hicache.transfer.handlers import execute
 
     op.gated = True
@@ -59,7 +59,7 @@ def _rank_main(scenario: str, rank: int, store_path: str, tmp: str) -> None:
     crashed) goes to `<tmp>/<scenario><rank>.json`."""
     import torch.distributed as dist
 
-    from sgl_hicache.sglang.rank_consensus import RankConsensus
+    from sgl_hicache.sglang.parallel.rank_consensus import RankConsensus
 
     out: dict = {}
     try:
@@ -84,7 +84,7 @@ def _writes_once(c, rank: int, tmp: str, out: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from sgl_hicache.sglang.rank_consensus import RankConsensus, tree_digest
+    from sgl_hicache.sglang.parallel.rank_consensus import RankConsensus, tree_digest
     from sgl_hicache.tiers.base import DEVICE, DISK, HOST
 
     cache = _group_cache(c, tmp)
@@ -160,7 +160,7 @@ def test_a_replicated_group_writes_once_and_reads_everywhere(tmp_path):
 
 def _too_big(c, rank: int, tmp: str, out: dict) -> None:
     from sgl_hicache.config import CacheConfig, KVLayout
-    from sgl_hicache.sglang.replicated import replicated_tiers
+    from sgl_hicache.sglang.parallel.replicated_group import replicated_tiers
     from sgl_hicache.tiers.replicated import shared_memory_dir
 
     layout = KVLayout(num_layers=LAYERS, num_kv_heads=1, head_dim=WIDTH, kv_planes=1)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from sgl_hicache.sglang.server import PortInUseError, ServerStartError, SGLangServer, free_port, orphan_shm_files
+from sgl_hicache.client.server import PortInUseError, ServerStartError, SGLangServer, free_port, orphan_shm_files
 
 STAND_IN = """#!{python}
 import http.server, sys, time

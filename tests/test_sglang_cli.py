@@ -79,7 +79,7 @@ def _healthy(url: str) -> bool:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """`sgl-hicache serve` in its own process group; stopped (the whole group) when the module ends."""
-    from sgl_hicache.sglang.server import free_port, group_shm_files
+    from sgl_hicache.client.server import free_port, group_shm_files
 
     work = tmp_path_factory.mktemp("sglang_cli")
     port = free_port()
@@ -137,7 +137,7 @@ def _run(argv: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
 
 
 def test_replay_the_shipped_trace_against_the_server(server):
-    mooncake_trace()  # fails clearly when ../shared is missing
+    mooncake_trace()  # fails clearly when the shipped trace is missing
     report = server["work"] / "report.json"
     proc = _run([*server["commands"]["replay"], "--report", str(report)])
     log_tail = server["log"].read_text()[-3000:]

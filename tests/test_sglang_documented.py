@@ -42,7 +42,7 @@ def test_syntax_only_entries_are_documented() -> None:
 
 
 def test_serve_and_replay_example(tmp_path: Path) -> None:
-    from sgl_hicache.sglang.server import free_port
+    from sgl_hicache.client.server import free_port
 
     trace = os.path.relpath(mooncake_trace(), REPO)
     env = dict(os.environ)

@@ -16,7 +16,7 @@ neither scheduler thread copied, wrote, slept or waited inside a cache call (the
 restart on the same directory the prompt is a disk hit on either DP rank with the same outputs.
 
 SGLang's CPU path needs two patches for DP attention (the idle DP rank's padded batch), applied by
-`sglang/cpu_compat.py` on CPU only.
+`scripts/cpu/layer/sglang_cpu_layer/patches.py` on CPU only.
 """
 
 from __future__ import annotations

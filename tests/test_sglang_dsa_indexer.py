@@ -43,7 +43,7 @@ def _dsa_pool(layers=2):
 def test_indexer_pages_round_trip_through_host_and_disk_bit_for_bit(tmp_path):
     import torch
 
-    from sgl_hicache.sglang.dsa_indexer import DSAIndexerAdapter
+    from sgl_hicache.sglang.kinds.dsa_indexer import DSAIndexerAdapter
 
     pool = _dsa_pool()
     adapter = DSAIndexerAdapter(pool)
@@ -67,7 +67,7 @@ def test_indexer_pages_round_trip_through_host_and_disk_bit_for_bit(tmp_path):
 
 def test_the_backend_refuses_a_dsa_pool():
     from sgl_hicache.sglang.coverage import REFUSED
-    from sgl_hicache.sglang.pool_adapters import UnsupportedPool, adapter_for
+    from sgl_hicache.sglang.kinds.pool_adapters import UnsupportedPool, adapter_for
 
     with pytest.raises(UnsupportedPool, match="DSA") as err:
         adapter_for(_dsa_pool(), "deepseek_v32")

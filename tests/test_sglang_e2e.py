@@ -210,8 +210,8 @@ def _trace_slice():
 
 
 def test_e2e_replay_hits_and_kv_correctness(start_server, workdir, shared):
+    from sgl_hicache.client.stats_client import StatsError, fetch_metrics, fetch_stats, render
     from sgl_hicache.replay.http import replay_http
-    from sgl_hicache.sglang.stats_client import StatsError, fetch_metrics, fetch_stats, render
 
     t0 = time.monotonic()
     disk = workdir / "disk"

@@ -18,8 +18,8 @@ POOL, PAGE = 1024, 16
 
 
 def test_hicache_flags_map_onto_the_settings(tmp_path):
-    from sgl_hicache.sglang.server import SGLangServer
-    from sgl_hicache.sglang.stats_client import fetch_stats
+    from sgl_hicache.client.server import SGLangServer
+    from sgl_hicache.client.stats_client import fetch_stats
 
     store = tmp_path / "hicache-files"
     with SGLangServer.start(
@@ -51,7 +51,7 @@ def test_hicache_flags_map_onto_the_settings(tmp_path):
 
 
 def test_a_hicache_flag_without_meaning_is_refused(tmp_path):
-    from sgl_hicache.sglang.server import ServerStartError, SGLangServer
+    from sgl_hicache.client.server import ServerStartError, SGLangServer
 
     log = tmp_path / "server.log"
     with pytest.raises(ServerStartError):

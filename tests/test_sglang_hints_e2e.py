@@ -56,7 +56,7 @@ def server(tmp_path_factory):
 
 
 def _stats(srv) -> dict:
-    from sgl_hicache.sglang.stats_client import fetch_stats
+    from sgl_hicache.client.stats_client import fetch_stats
 
     return fetch_stats(srv.url)
 
@@ -195,7 +195,7 @@ def test_a_pin_holds_its_prefix_until_it_comes_back(server):
 def _trace(hints: bool) -> list:
     """Two sessions; the second's first request carries hints: a prefetch of session a (its latest
     prompt), a pin of its own head 3 s later, and a pin too long to be allowed."""
-    from sgl_hicache.policy.hints import Hint
+    from sgl_hicache.policy.hint_rules import Hint
     from sgl_hicache.replay.trace import Request
 
     a1, b1 = _prompt(40, 320), _prompt(41, 320)
@@ -265,7 +265,7 @@ def test_the_http_replayer_sends_a_traces_hints_and_outputs_equal_without(server
         run.stdout
     )
     assert json.loads((tmp_path / "r.json").read_text())["policies"]["server"]["hints"]["refused"] == 1
-    from sgl_hicache.sglang.server import free_port
+    from sgl_hicache.client.server import free_port
 
     dead = subprocess.run(
         cli + ["--hint-url", f"http://127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=300

@@ -87,9 +87,9 @@ def _mamba_alloc():
 def _cache(alloc, disk_dir):
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
+    from sgl_hicache.client.backend_settings import BackendSettings
+    from sgl_hicache.client.debug_settings import DebugSettings
     from sgl_hicache.sglang.backend import TieredRadixCache
-    from sgl_hicache.sglang.debug_settings import DebugSettings
-    from sgl_hicache.sglang.settings import BackendSettings
 
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=1)
     settings = BackendSettings(

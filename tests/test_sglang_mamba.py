@@ -57,7 +57,7 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture
 def start_server(workdir):
-    from sgl_hicache.sglang.server import has_cuda
+    from sgl_hicache.client.server import has_cuda
 
     if has_cuda():
         pytest.skip("proves the CPU test layer's kernels; on a GPU SGLang runs its own")
@@ -163,7 +163,7 @@ class _Engine:
 
 def _tiers(fake: _FakeStates, engine: _Engine, path, host: int, n: int):
     from sgl_hicache.policy.snapshots import SnapshotCosts
-    from sgl_hicache.sglang.mamba_snapshots import SnapshotTiers
+    from sgl_hicache.sglang.kinds.mamba.mamba_snapshots import SnapshotTiers
 
     costs = SnapshotCosts(n, 100.0, 1.0)
     return SnapshotTiers(
@@ -193,7 +193,7 @@ def test_snapshots_move_down_in_the_background_charge_their_bytes_and_survive_a_
     on the same directory finds the files; a file that fails its digest is refused."""
     import torch
 
-    from sgl_hicache.sglang.mamba_snapshots import PENDING, READY, SUFFIX
+    from sgl_hicache.sglang.kinds.mamba.mamba_snapshots import PENDING, READY, SUFFIX
 
     n = 64
     fake = _FakeStates(8, n)
@@ -262,7 +262,7 @@ def test_a_copy_in_flight_serves_hits_and_a_failed_copy_loses_nothing(tmp_path):
     read failing drops the snapshot (the hit recomputes), never serves wrong bytes."""
     import torch
 
-    from sgl_hicache.sglang.mamba_snapshots import PENDING, SUFFIX
+    from sgl_hicache.sglang.kinds.mamba.mamba_snapshots import PENDING, SUFFIX
 
     n = 32
     fake = _FakeStates(6, n)
@@ -304,7 +304,7 @@ def test_a_copy_in_flight_serves_hits_and_a_failed_copy_loses_nothing(tmp_path):
 
 
 def test_hybrid_outputs_equal_scratch_from_every_tier_and_after_a_restart(start_server, workdir):
-    from sgl_hicache.sglang.mamba_snapshots import SUFFIX, decode_header, encode_file
+    from sgl_hicache.sglang.kinds.mamba.mamba_snapshots import SUFFIX, decode_header, encode_file
 
     disk = workdir / "disk"
     srv = start_server("first", disk)

@@ -15,7 +15,7 @@ in the last cached page moves them; the prefill server's scheduler thread made n
 or wait inside a cache call.
 
 SGLang's prefill server needs two CPU patches at its KV sends (pinned memory and CUDA events),
-applied by `sglang/cpu_compat.py` on CPU only.
+applied by `scripts/cpu/layer/sglang_cpu_layer/patches.py` on CPU only.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def workdir(tmp_path_factory):
 @pytest.fixture
 def servers(workdir):
     """start(role, name, ...) starts a prefill (our backend) or decode (SGLang's cache) server."""
-    from sgl_hicache.sglang.server import SGLangServer, free_port
+    from sgl_hicache.client.server import SGLangServer, free_port
 
     model = make_model(workdir / "model")
     started = []

@@ -89,9 +89,9 @@ def _bytes_at(alloc, slots):
 def _cache(alloc, disk_dir):
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
+    from sgl_hicache.client.backend_settings import BackendSettings
+    from sgl_hicache.client.debug_settings import DebugSettings
     from sgl_hicache.sglang.backend import TieredRadixCache
-    from sgl_hicache.sglang.debug_settings import DebugSettings
-    from sgl_hicache.sglang.settings import BackendSettings
 
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=PAGE)
     settings = BackendSettings(
@@ -174,9 +174,9 @@ def test_real_pool_round_trips_device_host_disk_device_bit_for_bit(tmp_path, kin
 def test_pages_of_another_kv_dtype_are_never_found(tmp_path):
     """fp8_e4m3 and fp8_e5m2 pages have the same size: the namespace (and so every key) differs by the
     dtype, so a server of the other dtype on the same directory finds none of them."""
+    from sgl_hicache.client.backend_settings import BackendSettings
     from sgl_hicache.sglang.assembly import cache_config
     from sgl_hicache.sglang.device_pool import SGLangDevicePool
-    from sgl_hicache.sglang.settings import BackendSettings
 
     s = BackendSettings(host_tokens=64, disk_dir=str(tmp_path), disk_tokens=1024)
     a = cache_config(s, SGLangDevicePool(_pool("mha-fp8_e4m3")), PAGE)
@@ -227,7 +227,7 @@ def test_a_pool_with_a_kv_quant_method_is_refused_naming_it():
     from sglang.srt.layers.quantization.fp4_kv_cache_quant_method import CPUFP8KVCacheMethod
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    from sgl_hicache.sglang.pool_adapters import UnsupportedPool, adapter_for
+    from sgl_hicache.sglang.kinds.pool_adapters import UnsupportedPool, adapter_for
 
     pool = MHATokenToKVPool(
         size=POOL_TOKENS,
@@ -250,11 +250,11 @@ def test_mla_at_tp2_is_one_copy_for_the_group_with_rank_free_keys(tmp_path):
     (the namespace equals TP=1's), the ranks share one directory, and the host budget is the group's
     (not multiplied by the TP size). An MHA shard keeps its rank's directory and the tp salt. The two
     ranks serving: tests/test_sglang_e2e_mla.py::test_mla_tp2_one_rank_writes_both_read."""
+    from sgl_hicache.client.backend_settings import BackendSettings
     from sgl_hicache.hashing import Namespace
     from sgl_hicache.sglang.assembly import cache_config
     from sgl_hicache.sglang.device_pool import SGLangDevicePool
-    from sgl_hicache.sglang.rank_consensus import RankConsensus
-    from sgl_hicache.sglang.settings import BackendSettings
+    from sgl_hicache.sglang.parallel.rank_consensus import RankConsensus
 
     s = BackendSettings(host_tokens=64, disk_dir=str(tmp_path / "disk"), disk_tokens=1024)
     mla = SGLangDevicePool(_pool("mla-bf16"))

@@ -3,7 +3,7 @@ the tiny Qwen3-Next (`scripts/cpu/tiny-qwen3-next`: one gated-delta-net layer, o
 layer, a 4-expert MoE; random weights of realistic scale, scripts/cpu/realistic_weights_qwen3_next.py).
 
 It runs here only with the CPU test layer: torch references of the `sgl_kernel` linear-attention ops
-(scripts/cpu/shim/sgl_kernel/mamba.py) and `cpu_compat.hybrid_linear_attention_without_amx` (SGLang's
+(scripts/cpu/shim/sgl_kernel/mamba.py) and `sglang_cpu_layer.patches.hybrid_linear_attention_without_amx` (SGLang's
 CPU path assumes AMX), and with `--mamba-radix-cache-strategy no_buffer --page-size 1
 --disable-overlap-schedule` (SGLang on CPU: "extra_buffer requires platform support for Mamba cache
 state snapshots", `arg_groups/mamba_hook.py:120`).
@@ -37,7 +37,7 @@ MAMBA_ARGS = ["--mamba-radix-cache-strategy", "no_buffer", "--page-size", "1", "
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from sgl_hicache.sglang.server import SGLangServer, has_cuda
+    from sgl_hicache.client.server import SGLangServer, has_cuda
 
     if has_cuda():
         pytest.skip("proves the CPU test layer's kernels; on a GPU SGLang runs its own")

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from sgl_hicache.sglang.launch import build_command, build_parser, main
-from sgl_hicache.sglang.settings import BackendSettings, SettingsError, load_settings, settings_env, unknown_env
+from sgl_hicache.client.backend_settings import BackendSettings, SettingsError, load_settings, settings_env, unknown_env
+from sgl_hicache.client.launch import build_command, build_parser, main
 
 
 def test_defaults_and_env_overrides(tmp_path):
@@ -43,7 +43,7 @@ def test_bad_config_key(tmp_path):
 
 
 def test_launch_command_passes_flags_and_adds_backend(monkeypatch):
-    monkeypatch.setattr("sgl_hicache.sglang.launch.has_cuda", lambda: False)
+    monkeypatch.setattr("sgl_hicache.client.launch.has_cuda", lambda: False)
     ns = build_parser().parse_args(
         [
             "--host-tokens",
@@ -153,7 +153,7 @@ def test_a_setting_given_both_ways_must_agree():
 
 
 def test_debug_switches_are_not_settings(tmp_path):
-    from sgl_hicache.sglang.debug_settings import DebugSettings
+    from sgl_hicache.client.debug_settings import DebugSettings
 
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"check_invariants": True}))

@@ -8,7 +8,7 @@
 2. The real SGLang 0.5.23 CPU server with `--speculative-algorithm EAGLE` (a one-layer EAGLE draft of
    the tiny Llama, random weights of realistic scale; `--speculative-num-steps 1 --speculative-eagle-topk 1
    --speculative-num-draft-tokens 2`, what SGLang's CPU path runs on `torch_native` with the CPU test
-   layer's patches, `sglang/cpu_compat_spec.py`): greedy outputs and logprobs of a prompt served from
+   layer's patches, `scripts/cpu/layer/sglang_cpu_layer/speculative_patches.py`): greedy outputs and logprobs of a prompt served from
    device, host and disk hits and after a restart equal those computed from scratch; a token changed in
    the last cached page moves the logprobs; the scheduler thread made no copy, wait, sleep or file write.
 """
@@ -79,9 +79,9 @@ def _buffers(alloc, draft) -> list:
 def _cache(alloc, draft, disk_dir):
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
+    from sgl_hicache.client.backend_settings import BackendSettings
+    from sgl_hicache.client.debug_settings import DebugSettings
     from sgl_hicache.sglang.backend import TieredRadixCache
-    from sgl_hicache.sglang.debug_settings import DebugSettings
-    from sgl_hicache.sglang.settings import BackendSettings
 
     params = CacheInitParams(
         disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=PAGE, is_eagle=True
@@ -123,7 +123,7 @@ def test_eagle_keys_by_bigrams_and_round_trips_the_draft_kv_with_the_target_kv(t
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    from sgl_hicache.sglang.speculative import DraftLayerCounter
+    from sgl_hicache.sglang.kinds.speculative_decoding import DraftLayerCounter
     from sgl_hicache.tiers.base import DISK
 
     alloc, draft = _pools(kind)
@@ -186,7 +186,7 @@ def test_a_draft_of_another_page_layout_is_refused_naming_both():
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     from sgl_hicache.sglang.device_pool import SGLangDevicePool
-    from sgl_hicache.sglang.pool_adapters import UnsupportedPool
+    from sgl_hicache.sglang.kinds.pool_adapters import UnsupportedPool
 
     alloc, _ = _pools()
     wide = MHATokenToKVPool(

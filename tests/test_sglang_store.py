@@ -32,7 +32,7 @@ CONVERSATIONS = 3
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory, mooncake_service):
-    from sgl_hicache.sglang.server import SGLangServer
+    from sgl_hicache.client.server import SGLangServer
 
     work = tmp_path_factory.mktemp("sglang_store")
     model = make_model(work / "model")
@@ -89,7 +89,7 @@ def _store_stats(srv) -> dict:
 
 
 def test_turn_n_on_a_turn_n_plus_1_on_b(servers):
-    from sgl_hicache.sglang.stats_client import fetch_metrics
+    from sgl_hicache.client.stats_client import fetch_metrics
 
     a, b = servers
     storage_total = 0

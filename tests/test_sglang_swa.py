@@ -2,7 +2,7 @@
 config (`scripts/cpu/tiny-granite-swa`: 3 layers, window, full, window; a 64-token window; attention
 sinks in every layer), random weights of realistic scale. SGLang builds an `SWAKVPool` (the full
 layer's KV in one sub-pool, the window layers' in another, reached through SGLang's full -> window
-slot mapping); the CPU test layer's reference attention (`sglang/cpu_attention.py`) gives
+slot mapping); the CPU test layer's reference attention (`scripts/cpu/layer/sglang_cpu_layer/reference_attention.py`) gives
 `torch_native` the sinks and the window-layer reads it lacks (its greedy output on these weights
 equals transformers' own GraniteSWA forward in bf16, checked by hand).
 
@@ -100,9 +100,9 @@ def _swa_alloc(page: int = PAGE, full_tokens: int = 256, window_tokens: int = 19
 def _cache(alloc, disk_dir, host_tokens: int = 64):
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
+    from sgl_hicache.client.backend_settings import BackendSettings
+    from sgl_hicache.client.debug_settings import DebugSettings
     from sgl_hicache.sglang.backend import TieredRadixCache
-    from sgl_hicache.sglang.debug_settings import DebugSettings
-    from sgl_hicache.sglang.settings import BackendSettings
 
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=PAGE)
     settings = BackendSettings(
@@ -143,7 +143,7 @@ def test_swa_layered_device_host_moves_follow_each_layers_index_space(monkeypatc
     import torch
 
     from sgl_hicache.sglang.device_pool import SGLangDevicePool
-    from sgl_hicache.sglang.pool_adapters import SWAPoolAdapter
+    from sgl_hicache.sglang.kinds.pool_adapters import SWAPoolAdapter
     from sgl_hicache.tiers.base import DEVICE, HOST
     from sgl_hicache.tiers.memory import HostKVBuffer
     from sgl_hicache.transfer import handlers
@@ -181,8 +181,8 @@ def test_the_engines_gpt_oss_preset_costs_what_sglangs_pool_of_its_shape_tiers()
     from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
-    from sgl_hicache.engine.presets import get_model
     from sgl_hicache.sglang.device_pool import SGLangDevicePool
+    from sgl_hicache.sim.presets import get_model
 
     m = get_model("gpt-oss-120b")
     pool = SWAKVPool(
@@ -216,7 +216,7 @@ def test_swa_window_and_full_layers_round_trip_through_the_backend_at_page_16(tm
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from test_sglang_pool_kinds import _load_back
 
-    from sgl_hicache.sglang.pool_adapters import SWAPoolAdapter
+    from sgl_hicache.sglang.kinds.pool_adapters import SWAPoolAdapter
     from sgl_hicache.tiers.base import DISK
 
     def layer_rows(alloc, slots):
@@ -281,13 +281,13 @@ def test_swa_window_and_full_layers_round_trip_through_the_backend_at_page_16(tm
 
 
 def test_reference_attention_matches_sdpa_and_sinks_only_add_to_the_denominator():
-    """The CPU test layer's attention (`cpu_attention.attend`): without sinks, torch's SDPA with the
+    """The CPU test layer's attention (`reference_attention.attend`): without sinks, torch's SDPA with the
     same causal / window mask (GQA, a query offset as in an extend); a sink adds `exp(sink)` to each
     row's softmax denominator and nothing to its numerator."""
     import torch
     import torch.nn.functional as F
 
-    from sgl_hicache.sglang.cpu_attention import attend
+    from sglang_cpu_layer.reference_attention import attend
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(t, h, 8, generator=g) for t, h in ((5, 4), (12, 2), (12, 2)))

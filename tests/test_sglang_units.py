@@ -124,9 +124,9 @@ def test_backend_demotes_and_loads_back_exact_kv(tmp_path, page_size):
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
+    from sgl_hicache.client.backend_settings import BackendSettings
+    from sgl_hicache.client.debug_settings import DebugSettings
     from sgl_hicache.sglang.backend import TieredRadixCache
-    from sgl_hicache.sglang.debug_settings import DebugSettings
-    from sgl_hicache.sglang.settings import BackendSettings
 
     alloc = _pools(page_size, size=64)
     params = CacheInitParams(
@@ -346,9 +346,9 @@ def test_layer_loads_through_sglangs_own_kv_pool_read_path():
 def test_admission_hook_skips_only_a_request_told_to_retry():
     from sglang.srt.managers.schedule_policy import AddReqResult
 
+    from sgl_hicache.client.backend_settings import BackendSettings
     from sgl_hicache.sglang.backend import BackendCounters, TieredRadixCache
     from sgl_hicache.sglang.scheduler_hooks import keep_admitting
-    from sgl_hicache.sglang.settings import BackendSettings
 
     cache = object.__new__(TieredRadixCache)
     cache.settings, cache.counters, cache.deferred_rid, cache.held_rids = (
@@ -379,9 +379,9 @@ def test_admission_hook_skips_only_a_request_told_to_retry():
 def test_admission_hook_yields_prefetch_locks_to_a_request_short_of_room_and_retries_it():
     from sglang.srt.managers.schedule_policy import AddReqResult
 
+    from sgl_hicache.client.backend_settings import BackendSettings
     from sgl_hicache.sglang.backend import BackendCounters, TieredRadixCache
     from sgl_hicache.sglang.scheduler_hooks import keep_admitting
-    from sgl_hicache.sglang.settings import BackendSettings
 
     cache = object.__new__(TieredRadixCache)
     cache.settings, cache.counters, cache.deferred_rid, cache.held_rids = (
@@ -455,8 +455,8 @@ def test_hint_api_demotes_and_pins_through_the_scheduler_step(tmp_path):
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
+    from sgl_hicache.client.backend_settings import BackendSettings
     from sgl_hicache.sglang.backend import TieredRadixCache
-    from sgl_hicache.sglang.settings import BackendSettings
 
     alloc = _pools(16, size=128)
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=16)
@@ -509,7 +509,7 @@ def test_hint_api_demotes_and_pins_through_the_scheduler_step(tmp_path):
             status = json.loads(r.read())
         assert status["applied"]["pin"] == 1 and status["pins"] == 1 and status["pinned_tokens"] == 32
         # past the retention book's size a pin is refused when applied: counted once, reason kept
-        from sgl_hicache.policy.hints import HintLimits
+        from sgl_hicache.policy.hint_rules import HintLimits
 
         cache.controller.hints.limits = HintLimits(max_retained=2)
         assert post([{"action": "pin", "input_ids": list(old), "ttl_s": 60}] * 2)[0] == 202
@@ -527,8 +527,8 @@ def test_hint_api_demotes_and_pins_through_the_scheduler_step(tmp_path):
 def test_hint_api_is_refused_at_tp_above_one():
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
+    from sgl_hicache.client.backend_settings import BackendSettings
     from sgl_hicache.sglang.backend import TieredRadixCache
-    from sgl_hicache.sglang.settings import BackendSettings
 
     params = CacheInitParams(
         disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=_pools(16, size=64), page_size=16
@@ -544,10 +544,10 @@ def test_a_formed_batch_admits_its_requests_once(tmp_path):
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
+    from sgl_hicache.client.backend_settings import BackendSettings
+    from sgl_hicache.client.debug_settings import DebugSettings
     from sgl_hicache.sglang.backend import TieredRadixCache
-    from sgl_hicache.sglang.debug_settings import DebugSettings
     from sgl_hicache.sglang.scheduler_hooks import set_consumer_index
-    from sgl_hicache.sglang.settings import BackendSettings
 
     alloc = _pools(16, size=64)
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=16)
@@ -584,9 +584,9 @@ def test_a_queued_request_starts_its_disk_read_at_arrival(tmp_path, prefetch):
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang.srt.sampling.sampling_params import SamplingParams
 
+    from sgl_hicache.client.backend_settings import BackendSettings
     from sgl_hicache.sglang.backend import TieredRadixCache
     from sgl_hicache.sglang.scheduler_hooks import match_on_arrival
-    from sgl_hicache.sglang.settings import BackendSettings
 
     alloc = _pools(16, size=64)
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=16)
@@ -625,9 +625,9 @@ def test_disk_pages_are_promised_only_while_a_prefetch_brings_them_up(tmp_path):
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
+    from sgl_hicache.client.backend_settings import BackendSettings
+    from sgl_hicache.client.debug_settings import DebugSettings
     from sgl_hicache.sglang.backend import TieredRadixCache
-    from sgl_hicache.sglang.debug_settings import DebugSettings
-    from sgl_hicache.sglang.settings import BackendSettings
 
     alloc = _pools(16, size=64)
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=16)

@@ -17,13 +17,13 @@ from conftest import SMALL_LAYOUT, SYNCHRONOUS, assert_device_kv, kv_for
 
 from sgl_hicache.cache import TieredCache
 from sgl_hicache.config import CacheConfig, KVLayout
-from sgl_hicache.controller import Admission, ControllerSettings, RequestController
+from sgl_hicache.control.lifecycle import Admission, ControllerSettings, RequestController
 from sgl_hicache.hashing import Namespace
-from sgl_hicache.policy.predictors import make_predictor
+from sgl_hicache.policy.predictor_factory import make_predictor
 from sgl_hicache.tiers.base import DISK
 from sgl_hicache.tiers.codec import PageCodec
 from sgl_hicache.tiers.disk import tensor_bytes
-from sgl_hicache.tiers.store import SharedStoreTier
+from sgl_hicache.tiers.shared_store import SharedStoreTier
 from sgl_hicache.tiers.store_local import start_mooncake, start_redis
 from sgl_hicache.transfer.engine import TransferEngine
 from sgl_hicache.transfer.executors import ThreadExecutor

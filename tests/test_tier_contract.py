@@ -18,7 +18,7 @@ from sgl_hicache.tiers.base import TIERS, RepeatCheck, SlotAllocator, TierStore,
 from sgl_hicache.tiers.disk import DiskPageStore
 from sgl_hicache.tiers.memory import DeviceKVPool, HostKVBuffer
 from sgl_hicache.tiers.replicated import SharedHostBuffer
-from sgl_hicache.tiers.store import STORE, SharedStoreTier
+from sgl_hicache.tiers.shared_store import STORE, SharedStoreTier
 from sgl_hicache.tiers.store_backends import open_backend
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16")

@@ -8,9 +8,9 @@ import torch
 from conftest import SMALL_LAYOUT, kv_for
 from test_oracle_reuse import PS, Clock, seq
 
-from sgl_hicache.assemble import build_cache
 from sgl_hicache.config import CacheConfig
-from sgl_hicache.controller import ControllerSettings, RequestController
+from sgl_hicache.control.composition import build_cache
+from sgl_hicache.control.lifecycle import ControllerSettings, RequestController
 from sgl_hicache.policy.predictor import Predictor
 from sgl_hicache.tiers.base import DEVICE, HOST
 from sgl_hicache.transfer.executors import VirtualExecutor, VirtualPipes

@@ -118,7 +118,7 @@ def _first_error(log: str) -> str:
 
 
 def probe(name: str, workdir: Path) -> dict:
-    from sgl_hicache.sglang.server import ServerStartError, SGLangServer
+    from sgl_hicache.client.server import ServerStartError, SGLangServer
 
     cfg, args = KINDS[name]
     model = workdir / name

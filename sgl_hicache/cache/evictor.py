@@ -14,7 +14,7 @@ from heapq import heappop, heapreplace
 from typing import TYPE_CHECKING
 
 from ..policy.eviction import lru
-from ..policy.writeback import below, eviction_demotes, host_eviction_rank, is_clean
+from ..policy.writeback_choice import below, eviction_demotes, host_eviction_rank, is_clean
 from ..tiers.base import DEVICE, DISK, HOST, Handle
 from ..tree.leaves import Entry, LeafEntry
 from ..tree.node import TreeNode

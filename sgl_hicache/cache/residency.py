@@ -17,7 +17,7 @@ from ..config import CacheConfig
 from ..hashing import Namespace, int64_tokens
 from ..policy.eviction import eviction_policy, orders_incrementally
 from ..policy.reuse import ReuseModel
-from ..policy.writeback import disk_write_through_due, selective_write_through_due, write_through_on_insert
+from ..policy.writeback_choice import disk_write_through_due, selective_write_through_due, write_through_on_insert
 from ..stats import CacheStats
 from ..tiers.base import DEVICE, DISK, HOST, TIERS, Handle, TierStore
 from ..tiers.build import build_stores

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
-from ..policy.writeback import clean_pages, pick_writeback, shared_candidates, writeback_candidates
+from ..policy.writeback_choice import clean_pages, pick_writeback, shared_candidates, writeback_candidates
 from ..tiers.base import DEVICE, DISK, HOST, KeyedStore
 from ..transfer.ops import TransferOp
 from ..tree.node import TreeNode

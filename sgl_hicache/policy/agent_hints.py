@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .hints import HintError
+from .hint_rules import HintError
 
 KEY = "agent_hints"
 REUSE_HINTS = ("retain", "end", "none")

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..policy.hints import Hint, HintError, hint_tokens
+from ..policy.hint_rules import Hint, HintError, hint_tokens
 from .trace import Request
 
 

@@ -65,8 +65,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..client.model_facts import model_facts, special_token_ids  # re-exported (__all__)
 from ..records import RequestRecord
-from ..sglang.model_facts import model_facts, special_token_ids  # re-exported (__all__)
 from .hint_client import HintApiError, HintCounts, HintSender, hint_api_status, hint_api_url, resolve_hints
 from .in_request import plan_in_request_hints
 from .trace import Request
@@ -110,7 +110,7 @@ class ServerModel:
 
 
 def _get_json(url: str, timeout: float) -> Any:
-    from ..sglang.stats_client import StatsError, http_get
+    from ..client.stats_client import StatsError, http_get
 
     try:
         raw = http_get(url, timeout)
@@ -335,7 +335,7 @@ def _healthy(url: str, timeout: float = 5.0) -> bool:
 
 def _server_stats(url: str) -> dict[str, Any] | None:
     try:
-        from ..sglang.stats_client import StatsError, fetch_stats
+        from ..client.stats_client import StatsError, fetch_stats
     except ImportError:  # pragma: no cover
         return None
     try:

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..policy.hints import Hint
+from ..policy.hint_rules import Hint
 from .trace import Request
 
 PREFETCH_PROMPT = (100, 101, 102, 103)  # shorter than any page: the prefetch call caches nothing of its own

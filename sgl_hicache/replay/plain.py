@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .hints import parse_hints
 from .trace import (
     Request,
     Tokenizer,
@@ -35,6 +34,7 @@ from .trace import (
     read_lines,
     sort_by_arrival,
 )
+from .trace_hints import parse_hints
 
 FIELDS = {"session", "prompt", "input_ids", "output_length", "timestamp", "id", "hints"}
 

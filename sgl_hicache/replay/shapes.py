@@ -46,7 +46,7 @@ from collections.abc import Callable
 from typing import IO
 
 from ..policy.agent_hints import TTL_MARGIN
-from ..policy.hints import Hint
+from ..policy.hint_rules import Hint
 from .trace import Request
 
 SYSTEM_ID = 1  # the shared system prompt's ids start here

@@ -1,10 +1,15 @@
-"""The only part of sgl_hicache that imports sglang.
+"""The only part of sgl_hicache that imports sglang: the radix-cache backend, split by job.
 
-- ``plugin.register``: the ``sglang.srt.plugins`` entry point, run by SGLang in every process.
+- ``plugin.register``: the ``sglang.srt.plugins`` entry point, run by SGLang in every process; it
+  registers the backend and hooks that act only when the backend is in use, and patches nothing.
 - ``backend.TieredRadixCache``: SGLang's tree cache over the core (built by ``factory.factory`` from
   the parts ``assembly`` composes; ``export`` shows its stats).
-- ``cpu_compat``: workarounds that let SGLang (and its own HiCache) run on a CPU-only machine.
-- ``server``: start / wait for / stop a real SGLang server in its own process group.
+- ``parallel/``: rank agreement under TP, DP placement, one copy for a replicated (MLA) group.
+- ``kinds/``: SGLang's pool kinds as pages, the DSA indexer, speculative decoding, ``mamba/``.
+- ``hints/``: hints in the request and the hint listener.
+- ``debug/``: the batch log and the scheduler-thread call timer.
 
-Nothing here is imported by ``sgl_hicache/__init__.py``; importing this package does not import sglang.
+Server launch, the stats client and the settings file live in ``sgl_hicache.client`` (no sglang
+import). Nothing here is imported by ``sgl_hicache/__init__.py``; importing this package does not
+import sglang.
 """

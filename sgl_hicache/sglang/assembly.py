@@ -15,20 +15,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..assemble import build_cache, build_controller
 from ..cache import TieredCache
+from ..client.backend_settings import BackendSettings
 from ..config import CacheConfig, default_disk_dir
-from ..controller import RequestController
+from ..control.composition import build_cache, build_controller
+from ..control.lifecycle import RequestController
 from ..hashing import Namespace
 from ..tiers.base import DISK, HOST
 from ..transfer.engine import TransferEngine
 from ..transfer.executors import ThreadExecutor
-from .data_parallel import DPPlacement
 from .device_pool import SGLangDevicePool
 from .layer_loads import LayerLoads
-from .rank_consensus import RankConsensus, inject_read_faults
-from .replicated import follow, replicated_tiers
-from .settings import BackendSettings
+from .parallel.data_parallel import DPPlacement
+from .parallel.rank_consensus import RankConsensus, inject_read_faults
+from .parallel.replicated_group import follow, replicated_tiers
 
 logger = logging.getLogger(__name__)
 

@@ -77,23 +77,23 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 
 # the core's match (`TieredCache.match`), named apart from SGLang's `MatchResult`, which this module returns
 from ..cache import PrefixMatch
-from ..controller import Admission
+from ..client.backend_settings import BackendSettings, load_settings
+from ..client.debug_settings import DebugSettings
+from ..control.lifecycle import Admission
 from ..policy.admission import PrefillCostFit
 from ..tiers.base import DEVICE, DISK
 from .assembly import assemble
-from .call_timer import CallTimer, IOGuard
 from .coverage import PREFIX as REFUSAL_PREFIX
-from .data_parallel import DPPlacement
-from .debug_settings import DebugSettings
+from .debug.call_timer import CallTimer, IOGuard
 from .device_pool import frees_batched
 from .export import CacheViews, StatsPublisher
-from .hint_server import refuse_hints_at_tp
-from .mamba_calls import MambaCalls, snapshots_for
-from .rank_consensus import RankConsensus
+from .hints.hint_server import refuse_hints_at_tp
+from .hints.request_hints import RequestHints
+from .kinds.mamba.mamba_calls import MambaCalls, snapshots_for
+from .kinds.speculative_decoding import bigram_keys
+from .parallel.data_parallel import DPPlacement
+from .parallel.rank_consensus import RankConsensus
 from .req_states import ReqState, RequestStates
-from .request_hints import RequestHints
-from .settings import BackendSettings, load_settings
-from .speculative import bigram_keys
 from .step_calls import StepCalls
 
 logger = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ import torch
 from ..config import KVLayout
 from ..hashing import PageKey
 from ..tiers.base import DEVICE, Handle, LayeredPages, RepeatCheck, TierStore, page_shape
-from .pool_adapters import DraftPoolsAdapter, PoolAdapter, UnsupportedPool, adapter_for  # noqa: F401 (UnsupportedPool: re-exported)
+from .kinds.pool_adapters import DraftPoolsAdapter, PoolAdapter, UnsupportedPool, adapter_for  # noqa: F401 (UnsupportedPool: re-exported)
 
 
 def layout_of(kvcache, architecture: str = "llama") -> KVLayout:

@@ -19,15 +19,15 @@ import logging
 import os
 from typing import Any
 
+from ..client.backend_settings import given_settings, load_settings, unknown_env
+from ..client.debug_settings import DebugSettings
 from .backend import TieredRadixCache
 from .coverage import PREFIX as _REFUSAL
 from .coverage import refusal
-from .data_parallel import group_consensus, placement
-from .debug_settings import DebugSettings
 from .hicache_flags import apply_hicache_flags
-from .mamba_calls import HybridLayerCounter, hybrid_state_of, unsupported_hybrid
-from .settings import given_settings, load_settings, unknown_env
-from .speculative import DraftLayerCounter, draft_pools_of
+from .kinds.mamba.mamba_calls import HybridLayerCounter, hybrid_state_of, unsupported_hybrid
+from .kinds.speculative_decoding import DraftLayerCounter, draft_pools_of
+from .parallel.data_parallel import group_consensus, placement
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .settings import BackendSettings, SettingsError
+from ..client.backend_settings import BackendSettings, SettingsError
 
 # SGLang 0.5.23's defaults (sglang/srt/arg_groups/fields/memory.py) for the flags that have no meaning here
 _NO_MEANING_DEFAULTS: dict[str, Any] = {

@@ -4,15 +4,18 @@ SGLang's ``sglang.srt.plugins.load_plugins()`` calls :func:`register` once in ev
 (the HTTP server, the scheduler, the detokenizer), before the scheduler builds its tree cache. It must
 be cheap, idempotent and must never raise into SGLang: a broken plugin would take the server down.
 
-It does four things:
-1. CPU-only workarounds for SGLang itself (``cpu_compat``; a no-op when CUDA exists);
-2. registers the ``sgl_hicache`` radix-cache backend (``--radix-cache-backend sgl_hicache``);
-3. hooks SGLang's scheduler internal-state report (what ``GET /server_info`` returns in
+It applies no patch: registering it changes none of SGLang's attributes, classes or environment
+variables (``tests/unit/test_plugin_changes_nothing.py`` checks it). What it adds goes through
+SGLang's own plugin API (the radix-cache registry and ``HookRegistry``), and every hook does nothing
+unless the scheduler's tree cache is this backend. The CPU patches the tests need live in a separate
+package of the test environment (``scripts/cpu/layer``). It does three things:
+1. registers the ``sgl_hicache`` radix-cache backend (``--radix-cache-backend sgl_hicache``);
+2. hooks SGLang's scheduler internal-state report (what ``GET /server_info`` returns in
    ``internal_states``) so that it carries ``sgl_hicache``: our live stats, the pool accounting and the
    tree view, computed in the scheduler thread. ``stats_client.fetch_stats(URL)`` reads it from there.
    With any radix cache it also adds ``sgl_hicache_model`` (vocabulary size, context length, special
    token ids: SGLang's HTTP API publishes none of them), which the HTTP replayer reads;
-4. hooks the scheduler's admission and batch forming (``scheduler_hooks``): a request whose prefetch
+3. hooks the scheduler's admission and batch forming (``scheduler_hooks``): a request whose prefetch
    is in flight no longer ends the admission round, and a batch that queued layer-wise loads carries
    their consumer index. Both are no-ops with any other radix cache.
 """
@@ -54,7 +57,7 @@ def _add_internal_state(result, controller, *args, **kwargs):
         state = getattr(result, "internal_state", None)
         mc = getattr(getattr(controller, "scheduler", None), "model_config", None)
         if isinstance(state, dict) and mc is not None:
-            from sgl_hicache.sglang.model_facts import model_facts
+            from sgl_hicache.client.model_facts import model_facts
 
             hf: Any = getattr(mc, "hf_config", None)
             state["sgl_hicache_model"] = model_facts(
@@ -80,19 +83,12 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    # CPU-only workarounds for SGLang itself (kept apart from product code); no-op when CUDA exists.
-    try:
-        from sgl_hicache.sglang import cpu_compat
-
-        cpu_compat.apply()
-    except Exception:
-        logger.exception("sgl_hicache: CPU workarounds failed")
     try:
         register_backend()
     except Exception:
         logger.exception("sgl_hicache: registering the radix-cache backend failed")
     try:  # the per-step agreement of the TP ranks (a no-op at TP=1 and for other caches)
-        from sgl_hicache.sglang.rank_consensus import install_step_hook
+        from sgl_hicache.sglang.parallel.rank_consensus import install_step_hook
 
         install_step_hook()
     except Exception:
@@ -110,7 +106,7 @@ def register() -> None:
     except Exception:
         logger.exception("sgl_hicache: hooking the scheduler's admission failed")
     try:  # a diagnostic, off unless SGLH_BATCH_LOG_DIR is set
-        from sgl_hicache.sglang.batch_log import register_if_enabled
+        from sgl_hicache.sglang.debug.batch_log import register_if_enabled
 
         register_if_enabled()
     except Exception:

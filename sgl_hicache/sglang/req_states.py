@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..cache import PrefixMatch
-from ..controller import RequestController, Ticket
-from .rank_consensus import RankConsensus
+from ..control.lifecycle import RequestController, Ticket
+from .parallel.rank_consensus import RankConsensus
 
 MAX_REQ_STATES = 65536
 

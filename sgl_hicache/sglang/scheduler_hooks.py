@@ -269,10 +269,10 @@ def register_hooks() -> None:
     HookRegistry.register(PROCESS_BATCH_RESULT, time_prefill, HookType.AFTER)
     HookRegistry.register(SCHEDULER_INIT, disown_hicache_storage, HookType.AFTER)
     HookRegistry.register(PREFETCH_KVCACHE, match_on_arrival, HookType.AFTER)
-    from .speculative import register_hooks as register_speculative_hooks  # the draft model's KV pools
+    from .kinds.speculative_decoding import register_hooks as register_speculative_hooks  # the draft model's KV pools
 
     register_speculative_hooks()
-    from .request_hints import on_add_request  # hints in the request (`request_hints.py`)
+    from .hints.request_hints import on_add_request  # hints in the request (`request_hints.py`)
 
     HookRegistry.register(ADD_REQUEST, on_add_request, HookType.BEFORE)
 

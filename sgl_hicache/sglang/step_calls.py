@@ -14,24 +14,24 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..policy.admission import PrefillCost, PrefillCostFit
-from ..policy.hints import HintError
+from ..policy.hint_rules import HintError
 from ..tiers.base import HOST
 from .device_pool import frees_batched
-from .rank_consensus import GatedExecutor, tree_digest
+from .parallel.rank_consensus import GatedExecutor, tree_digest
 
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from ..cache import TieredCache
-    from ..controller import RequestController
+    from ..client.backend_settings import BackendSettings
+    from ..client.debug_settings import DebugSettings
+    from ..control.lifecycle import RequestController
     from .backend import BackendCounters
-    from .debug_settings import DebugSettings
-    from .hint_server import HintListener
+    from .hints.hint_server import HintListener
+    from .kinds.mamba.mamba_snapshots import SnapshotTiers
     from .layer_loads import LayerLoads
-    from .mamba_snapshots import SnapshotTiers
-    from .rank_consensus import RankConsensus
+    from .parallel.rank_consensus import RankConsensus
     from .req_states import RequestStates
-    from .settings import BackendSettings
 
 
 class StepCalls:
@@ -119,7 +119,7 @@ class StepCalls:
     def start_hint_api(self) -> None:
         """Serve the hint API when `hint_port` is set (idempotent)."""
         if self.hint_listener is None and self.settings.hint_port is not None and not self.disable:
-            from .hint_server import HintListener
+            from .hints.hint_server import HintListener
 
             cache = self.cache
             host = cache.stores[HOST].capacity_pages * cache.page_size if cache.has_tier(HOST) else None

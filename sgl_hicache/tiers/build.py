@@ -32,7 +32,7 @@ def build_stores(
             config.layout, config.page_size, config.disk_pages, config.disk_dir, namespace, fsync=config.disk_fsync
         )
     if lower is None and config.store_url:
-        from .store import open_store  # (a remote client only where a store is configured)
+        from .shared_store import open_store  # (a remote client only where a store is configured)
 
         lower = open_store(config, namespace)
     if lower is not None:

@@ -8,7 +8,7 @@ directory agree on. The on-disk format, the rules and the errors: `docs/disk-for
 from __future__ import annotations
 
 from ..codec import FORMAT_VERSION, HEADER_SIZE, MAGIC, PAGE_SUFFIX, check_key, tensor_bytes
-from .store import COUNTER_NAMES, DiskPageStore
+from .page_store import COUNTER_NAMES, DiskPageStore
 
 __all__ = [
     "COUNTER_NAMES",

@@ -1,0 +1,1 @@
+"""Client hints on the server: hints that travel with the request and the standalone hint listener."""
