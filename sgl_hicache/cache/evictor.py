@@ -1,9 +1,9 @@
 """Eviction: frees pages of one tier, leaf-first, in the eviction policy's order.
 
 Where a victim is dirty and its policy keeps it (`policy/writeback.py`, `policy/reuse.py`), the
-evictor makes room one tier down first and copies it there synchronously (`Copies.copy_now`);
-otherwise a dirty victim is dropped and counted. It never re-enters itself through a transfer step:
-a copy it starts never evicts (room was made before it was prepared).
+evictor makes room one tier down first and copies it there synchronously (its `Demoter`: the cache's
+`Copies.copy_now`); otherwise a dirty victim is dropped and counted. It never re-enters itself
+through a transfer step: a copy it starts never evicts (room was made before it was prepared).
 """
 
 from __future__ import annotations
@@ -11,16 +11,14 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from heapq import heappop, heapreplace
-from typing import TYPE_CHECKING
 
 from ..policy.eviction import lru
 from ..policy.writeback_choice import below, eviction_demotes, host_eviction_rank, is_clean
 from ..tiers.base import DEVICE, DISK, HOST, Handle
 from ..tree.leaves import Entry, LeafEntry
 from ..tree.node import TreeNode
-
-if TYPE_CHECKING:
-    from .residency import TieredCache
+from .lower import LowerTier
+from .protocols import Demoter, OrderState
 
 
 # `lru`'s order as a leaf entry: the node's recency, then its id, exactly `lru`'s `(last_access, id)`
@@ -34,18 +32,22 @@ class Evictor:
 
     Contract: `evict(tier, n)` frees at least `n` pages of `tier` if possible and returns the pages
     freed; it never takes a locked or pinned node (a copy in flight pins it); it keeps every tier
-    prefix-closed; evicting 0 pages is always safe and frees nothing.
+    prefix-closed; evicting 0 pages is always safe and frees nothing. The owner sets `demoter`
+    before the first eviction (the copies it demotes through make room through this evictor).
     """
 
-    def __init__(self, cache: TieredCache) -> None:
-        self.cache = cache
+    demoter: Demoter
+
+    def __init__(self, state: OrderState, lower: LowerTier) -> None:
+        self.state = state
+        self.lower = lower
 
     def evict(self, tier: str, num_pages: int, spare_device_copies: bool = False) -> int:
         """`spare_device_copies`: never take a host page the device also holds (room for a
         write-through copy must not push out another one: it would only be copied again)."""
-        c = self.cache
+        c = self.state
         spare = spare_device_copies and tier == HOST
-        freed = c.lower.evict_orphans(num_pages) if tier == DISK else 0
+        freed = self.lower.evict_orphans(num_pages) if tier == DISK else 0
         if c.tree.leaves is not None:
             freed += self._evict_ordered(tier, num_pages - freed, spare)
         else:
@@ -53,7 +55,7 @@ class Evictor:
         if tier == DISK and freed < num_pages and c.stores[DISK].peers_wrote:
             # a shared directory full of other processes' pages this one cannot free through its
             # tree: the oldest of those go, so no process is locked out of the one capacity
-            freed += c.lower.store.evict_unindexed(num_pages - freed)
+            freed += self.lower.store.evict_unindexed(num_pages - freed)
         return freed
 
     def make_room(
@@ -61,10 +63,10 @@ class Evictor:
     ) -> None:
         """Evict from `tier` until `num_pages` pages are free (or nothing more can go), never one of
         `keep` (pinned meanwhile)."""
-        store = self.cache.stores[tier]
+        store = self.state.stores[tier]
         if store.free_pages >= num_pages:
             return
-        tree = self.cache.tree
+        tree = self.state.tree
         for n in keep:
             tree.pin(n)
         try:
@@ -75,42 +77,42 @@ class Evictor:
 
     def _ranked(self, tier: str) -> bool:
         """The leaf order of `tier` puts host copies of device pages last (`leaf_key`)."""
-        return tier == HOST and not eviction_demotes(self.cache.config, tier)
+        return tier == HOST and not eviction_demotes(self.state.config, tier)
 
     def leaf_key(self, node: TreeNode, tier: str) -> tuple:
         """Eviction order in `tier`: the policy's priority; without demotion, clean leaves (held one
         tier down: a free drop) before dirty ones, and on host the copies of device pages last."""
-        if eviction_demotes(self.cache.config, tier):
-            return self.cache.priority(node)
+        if eviction_demotes(self.state.config, tier):
+            return self.state.priority(node)
         if tier == HOST:
-            return (host_eviction_rank(node), self.cache.priority(node))
-        return (not is_clean(node, tier), self.cache.priority(node))
+            return (host_eviction_rank(node), self.state.priority(node))
+        return (not is_clean(node, tier), self.state.priority(node))
 
     def leaf_entry_for(self, tier: str) -> LeafEntry:
         """The leaf queue's entry of a node in `tier` (`tree/leaves.py`): `leaf_key(node, tier)`'s parts
         side by side, then the node's id, with the config's choice made once (the queue
-        calls it on every push). It reads `cache.priority` at each call, except for the default `lru`,
+        calls it on every push). It reads `state.priority` at each call, except for the default `lru`,
         whose `(last_access, id)` is read off the node. The priority decides alone under demotion, and
         on the device tier of a cache with no host tier (no device page can be clean: the first part
         of `leaf_key` is constant)."""
-        cache = self.cache
-        plain_lru = cache.priority is lru
-        if eviction_demotes(cache.config, tier) or (tier == DEVICE and HOST not in cache.stores):
+        state = self.state
+        plain_lru = state.priority is lru
+        if eviction_demotes(state.config, tier) or (tier == DEVICE and HOST not in state.stores):
             if plain_lru:
                 return _recency
-            return lambda node: (cache.priority(node), node.id)
+            return lambda node: (state.priority(node), node.id)
         if tier == HOST:
             if plain_lru:
                 return lambda node: (host_eviction_rank(node), node.last_access, node.id)
-            return lambda node: (host_eviction_rank(node), cache.priority(node), node.id)
+            return lambda node: (host_eviction_rank(node), state.priority(node), node.id)
         if plain_lru:
             return lambda node: (not is_clean(node, tier), node.last_access, node.id)
-        return lambda node: (not is_clean(node, tier), cache.priority(node), node.id)
+        return lambda node: (not is_clean(node, tier), state.priority(node), node.id)
 
     def _evict_ordered(self, tier: str, num_pages: int, spare: bool = False) -> int:
         """`evict` over the tree's incrementally kept leaf queue (`tree/leaves.py`): O(log n) per
         page freed or stale entry skipped, plus the locked or pinned leaves it must step over."""
-        c = self.cache
+        c = self.state
         tree = c.tree
         queue = tree.leaf_queue(tier)
         entry_of = queue.entry
@@ -188,7 +190,7 @@ class Evictor:
         tier's evictable leaves on each call."""
         freed = 0
         key = lambda n: self.leaf_key(n, tier)  # noqa: E731
-        heap = [(key(n), n.id, n) for n in self.cache.tree.tier_leaves(tier) if n.evictable]
+        heap = [(key(n), n.id, n) for n in self.state.tree.tier_leaves(tier) if n.evictable]
         heapq.heapify(heap)
         while freed < num_pages and heap:
             _, _, node = heapq.heappop(heap)
@@ -207,7 +209,7 @@ class Evictor:
         """Take `node` out of `tier` (demoting it first where the policy keeps it); returns its pages.
         With `runs`, its handles in `tier` are appended there for the caller to free (one store call
         per eviction, not per node; nothing here allocates in `tier`), else freed now."""
-        c = self.cache
+        c = self.state
         tokens = node.num_pages * c.page_size
         if tier == DEVICE and node.keep_until:
             now = c.clock()
@@ -223,14 +225,14 @@ class Evictor:
         if keep and eviction_demotes(c.config, tier):
             c.tree.pin(node)  # keep it out of the evictions that make room for it below
             try:
-                c.copies.copy_now(node, dst, kind="demote", evict=True)  # type: ignore[arg-type]
+                self.demoter.copy_now(node, dst, kind="demote", evict=True)  # type: ignore[arg-type]
             finally:
                 c.tree.unpin(node)
         elif dirty:  # never copy here: the page is lost to the tiers below
             c.stats.add("dropped_dirty_tokens", tokens, tier)
         handles = c.tree.clear_resident(node, tier)
         if tier == DISK:
-            c.lower.free_disk(handles)
+            self.lower.free_disk(handles)
         elif runs is not None:
             runs.append(handles)
         else:

@@ -9,15 +9,14 @@ applied; what landed before stays cached.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import cast
 
 from ..tiers.base import DEVICE, HOST
 from ..transfer.ops import NodeStage, PromotionJob, TransferOp
 from ..tree.node import TreeNode
+from .copies import Copies
+from .protocols import CopyState
 from .results import PrefixMatch
-
-if TYPE_CHECKING:
-    from .residency import TieredCache
 
 WAIT_S = 60.0  # how long a cancel waits for a copy a worker is still running
 
@@ -29,20 +28,22 @@ def wait_executed(op: TransferOp) -> None:
 
 
 class PromotionJobs:
-    """Plans, advances, cancels and releases the promotion jobs of one `TieredCache`.
+    """Plans, advances, cancels and releases the promotion jobs of one `TieredCache`, whose stages
+    are reserved through `copies`.
 
     Contract: `plan` returns a job whose path is locked (the caller must `release` it) or None;
     `advance` never waits and returns True once the job is finished; `cancel` waits only for copies
     already running; `reap_orphans` never waits. The caller holds the cache's lock.
     """
 
-    def __init__(self, cache: TieredCache) -> None:
-        self.cache = cache
+    def __init__(self, state: CopyState, copies: Copies) -> None:
+        self.state = state
+        self.copies = copies
         # cancelled copies of failed promotions still running on a worker (`_fail`, `reap_orphans`)
         self.orphans: list[TransferOp] = []
 
     def plan(self, match: PrefixMatch | Sequence[TreeNode], kind: str, target: str, evict: bool) -> PromotionJob | None:
-        c = self.cache
+        c = self.state
         path = list(match.path if isinstance(match, PrefixMatch) else match)
         todo = [
             n for n in path if not n.in_tier(target) and n.parent is not None and (target == DEVICE or n.device is None)
@@ -56,24 +57,24 @@ class PromotionJobs:
         for node in todo:
             pending = node.incoming.get(target)
             if pending is not None:
-                stages.append(NodeStage(node, [], waits_for=pending))
+                stages.append(NodeStage(node, [], waits_for=cast(TransferOp, pending)))
                 staged_host.add(node)
                 continue
             ops: list[TransferOp] = []
             if node.host is None:
                 parent = node.parent
                 if not (parent.is_root or parent.host is not None or parent in staged_host):  # type: ignore[union-attr]
-                    if not c.copies.copy_now(parent, HOST, kind, evict):  # type: ignore[arg-type]
+                    if not self.copies.copy_now(parent, HOST, kind, evict):  # type: ignore[arg-type]
                         break
-                up = c.copies.reserve(node, HOST, kind, evict)
+                up = self.copies.reserve(node, HOST, kind, evict)
                 if up is None:
                     break
                 ops.append(up)
             if target == DEVICE:
                 if ops:
-                    down = c.copies.reserve(node, DEVICE, kind, evict, src=HOST, src_handles=ops[0].dst_handles)
+                    down = self.copies.reserve(node, DEVICE, kind, evict, src=HOST, src_handles=ops[0].dst_handles)
                 else:
-                    down = c.copies.reserve(node, DEVICE, kind, evict)
+                    down = self.copies.reserve(node, DEVICE, kind, evict)
                 if down is None:
                     for op in ops:
                         op.cancelled = True
@@ -90,7 +91,7 @@ class PromotionJobs:
         return PromotionJob(kind, anchor, stages, c.page_size, target)
 
     def advance(self, job: PromotionJob) -> bool:
-        c = self.cache
+        c = self.state
         self.reap_orphans()
         while not job.failed and job.applied < len(job.stages):
             st = job.stages[job.applied]
@@ -139,7 +140,7 @@ class PromotionJobs:
                     self.orphans.append(op)
                     continue
                 wait_executed(op)
-                self.cache.complete(op)
+                self.state.complete(op)
 
     def reap_orphans(self) -> None:
         if self.orphans:
@@ -149,7 +150,7 @@ class PromotionJobs:
                 (ended if op.stopped else running).append(op)
             self.orphans = running
             for op in ended:
-                self.cache.complete(op)
+                self.state.complete(op)
 
     def release(self, job: PromotionJob) -> None:
         if job.released:
@@ -157,5 +158,5 @@ class PromotionJobs:
         if not job.finished:
             self.cancel(job)
         job.released = True
-        self.cache.tree.unlock(job.anchor)
-        self.cache.prune(job.anchor)
+        self.state.tree.unlock(job.anchor)
+        self.state.prune(job.anchor)

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 from ..hashing import chain_keys, page_key
 from ..tiers.base import DISK, Handle, KeyedStore
+from ..transfer.ops import TransferOp
 from ..tree.node import TreeNode, edge_key_of
-
-if TYPE_CHECKING:
-    from ..transfer.ops import TransferOp
-    from .residency import TieredCache
+from .protocols import CacheState
 
 
 class LowerTier:
@@ -26,21 +24,21 @@ class LowerTier:
     whose page is unreadable, and the nodes held nowhere else.
     """
 
-    def __init__(self, cache: TieredCache) -> None:
-        self.cache = cache
+    def __init__(self, state: CacheState) -> None:
+        self.state = state
         # copies into the disk tier not applied yet: their pages may be stored before the tree
         # claims them, and must not be taken for orphaned files (`evict_orphans`)
         self.writes_in_flight: set[TransferOp] = set()
 
     @property
     def store(self) -> KeyedStore:
-        return cast(KeyedStore, self.cache.stores[DISK])  # the lower slot holds a content-addressed store
+        return cast(KeyedStore, self.state.stores[DISK])  # the lower slot holds a content-addressed store
 
     def adopt(self, path: list[TreeNode], tokens: Sequence[int], matched: int) -> list[TreeNode]:
         """Pages of `tokens` past the tree's match that the disk store holds but the tree does not
         know (written by an earlier process, or by another process sharing the directory while it
         runs): adopt them as a disk-only node."""
-        tree = self.cache.tree
+        tree = self.state.tree
         disk = self.store
         shared = disk.shared  # a shared store: other servers add pages any time
         peers = disk.peers_wrote  # a shared directory another process has written to
@@ -81,7 +79,7 @@ class LowerTier:
         """Free disk pages no tree node refers to (left by an earlier process and not matched since
         the restart): by LRU they are the coldest pages there are."""
         store = self.store
-        tree = self.cache.tree
+        tree = self.state.tree
         if store.stored_pages <= tree.pages[DISK]:
             return 0
         referenced = {k for n in tree.resident[DISK] for k in n.keys}
@@ -105,8 +103,8 @@ class LowerTier:
             stack.extend(n.children.values())
         for n in reversed(order):  # leaves first
             if n.disk is not None:
-                self.free_disk(self.cache.tree.clear_resident(n, DISK))
-            self.cache.prune(n)
+                self.free_disk(self.state.tree.clear_resident(n, DISK))
+            self.state.prune(n)
 
     def free_disk(self, keys: Sequence[Handle]) -> None:
         store = self.store

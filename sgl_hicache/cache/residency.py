@@ -3,7 +3,8 @@
 `TieredCache` answers matches, takes inserts, locks paths, hands out device pages and checks its
 books; the jobs it delegates live beside it, one module each: transfers (`transaction.py`), the
 copies it makes itself (`copies.py`), promotion jobs (`jobs.py`), eviction (`evictor.py`),
-write-back planning (`writeback.py`) and the lower tier's own cases (`lower.py`).
+write-back planning (`writeback.py`) and the lower tier's own cases (`lower.py`), each seeing the
+cache through the narrow protocols of `protocols.py`.
 """
 
 from __future__ import annotations
@@ -31,11 +32,10 @@ from .copies import Copies
 from .evictor import Evictor
 from .jobs import PromotionJobs
 from .lower import LowerTier
+from .protocols import Priority
 from .results import InsertOutcome, PrefixMatch
 from .transaction import Transactions
 from .writeback import WritebackPlanner
-
-Priority = Callable[[TreeNode], tuple]
 
 
 class TieredCache:
@@ -110,12 +110,14 @@ class TieredCache:
         # write-through round when either moved)
         self.committed_pages = 0
         self.landed_copies = 0
-        self.tx = Transactions(self)
-        self.copies = Copies(self)
-        self.jobs = PromotionJobs(self)
-        self.evictor = Evictor(self)
+        # the helpers, each given the narrow state it reads (`protocols.py`) and the helpers it calls
         self.lower = LowerTier(self)
-        self.writeback = WritebackPlanner(self)
+        self.tx = Transactions(self, self.lower, self.meter)
+        self.evictor = Evictor(self, self.lower)
+        self.copies = Copies(self, self.tx, self.lower, self.evictor)
+        self.evictor.demoter = self.copies  # the one two-way link: copies make room by evicting
+        self.jobs = PromotionJobs(self, self.copies)
+        self.writeback = WritebackPlanner(self, self.copies)
         self._order_leaves()
         if DISK in self.stores and self.stores[DISK].overfull_pages:
             # restarted with a smaller disk capacity than the files found: trim to capacity

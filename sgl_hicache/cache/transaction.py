@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from ..tiers.base import DEVICE, DISK, HOST, Handle, PageCorruptError, PageGoneError, PeerTierError
+from ..transfer.bandwidth import BandwidthMeter
 from ..transfer.ops import Cancelled, TransferOp
 from ..tree.node import TreeNode
-
-if TYPE_CHECKING:
-    from .residency import TieredCache
+from .lower import LowerTier
+from .protocols import CacheState
 
 log = logging.getLogger("sgl_hicache.cache")
 
@@ -27,7 +26,8 @@ SOURCES: dict[str, tuple[str, ...]] = {DEVICE: (HOST,), HOST: (DEVICE, DISK), DI
 
 
 class Transactions:
-    """Prepare and complete transfers for one `TieredCache` (the caller holds the cache's lock).
+    """Prepare and complete transfers for one `TieredCache` (the caller holds the cache's lock):
+    copies into the disk tier are announced to `lower`, and landed copies timed in `meter`.
 
     Contract: `prepare` never evicts and never copies: it returns None when `dst` has no room, no
     tier holds a source, or a transfer into `dst` is pending; `complete` applies an op exactly once
@@ -36,8 +36,10 @@ class Transactions:
     `tier` in flight (allocated, in no node yet: a pool's accounting counts them as held).
     """
 
-    def __init__(self, cache: TieredCache) -> None:
-        self.cache = cache
+    def __init__(self, state: CacheState, lower: LowerTier, meter: BandwidthMeter) -> None:
+        self.state = state
+        self.lower = lower
+        self.meter = meter
         self.incoming_pages: dict[str, int] = dict.fromkeys(SOURCES, 0)
         # (error name, reason) pairs already logged at WARNING: the rest go to DEBUG (one line per reason)
         self._logged_errors: set[tuple[str, str]] = set()
@@ -54,7 +56,7 @@ class Transactions:
         """Pages an earlier process left in the disk tier under `node`'s keys are rewritten: free them
         (before room is counted, so that an eviction does not free what they give back)."""
         if dst == DISK:
-            store = self.cache.lower.store
+            store = self.lower.store
             stale = [k for k in node.keys if store.contains(k)]
             if stale:
                 store.free(stale)
@@ -62,7 +64,7 @@ class Transactions:
     def prepare(
         self, node: TreeNode, dst: str, kind: str, src: str | None = None, src_handles: Sequence[Handle] | None = None
     ) -> TransferOp | None:
-        c = self.cache
+        c = self.state
         if node.parent is None or node.in_tier(dst) or dst in node.incoming:
             return None
         if src is None:
@@ -86,7 +88,7 @@ class Transactions:
         node.own_dict("incoming")[dst] = op
         self.incoming_pages[dst] += len(handles)
         if dst == DISK:
-            c.lower.writes_in_flight.add(op)
+            self.lower.writes_in_flight.add(op)
         return op
 
     @staticmethod
@@ -105,7 +107,7 @@ class Transactions:
         return parts
 
     def complete(self, op: TransferOp) -> bool:
-        c = self.cache
+        c = self.state
         if op.applied:  # completed already (a background copy an eviction used early)
             return op.error is None
         parts = self.parts(op)
@@ -115,7 +117,7 @@ class Transactions:
                 del part.incoming[op.dst]
         if op.locks_path:
             c.tree.unlock(op.node)
-        c.lower.writes_in_flight.discard(op)
+        self.lower.writes_in_flight.discard(op)
         self.incoming_pages[op.dst] -= len(op.dst_handles)
         op.applied = True
         if op.cancelled and (op.error is None or op.gated):
@@ -134,7 +136,7 @@ class Transactions:
         tokens = len(op.dst_handles) * c.page_size
         c.stats.add("bytes_moved", op.nbytes, op.link)
         c.stats.add("transfer_seconds", op.seconds, op.link)
-        c.meter.record(op.link, op.nbytes, op.seconds)
+        self.meter.record(op.link, op.nbytes, op.seconds)
         if op.kind == "demote":
             c.stats.add("demoted_tokens", tokens, op.src)
         elif op.kind != "backup":
@@ -148,11 +150,11 @@ class Transactions:
     def _on_error(self, op: TransferOp, top: TreeNode) -> None:
         """`top`: the highest node `op`'s pages span (dropping its subtree drops them all)."""
         assert op.error is not None  # (called for failed copies only)
-        c = self.cache
+        c = self.state
         if isinstance(op.error, PageGoneError):  # another process sharing the directory evicted it: a miss
             c.stats.errors["vanished_pages"] += 1
             log.debug("tier transfer %s of %d pages missed: %s", op.link, op.node.num_pages, op.error)
-            c.lower.drop_subtree(top)
+            self.lower.drop_subtree(top)
             return
         if isinstance(op.error, PeerTierError):
             name = "peer_rank_errors"
@@ -170,4 +172,4 @@ class Transactions:
             "tier transfer %s of %d pages failed: %s", op.link, op.node.num_pages, op.error
         )
         if op.src == DISK and op.source_lost:
-            c.lower.drop_subtree(top)
+            self.lower.drop_subtree(top)

@@ -4,27 +4,28 @@ prepared copies one tier down, each locking its node's path until it completes."
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 from ..policy.writeback_choice import clean_pages, pick_writeback, shared_candidates, writeback_candidates
 from ..tiers.base import DEVICE, DISK, HOST, KeyedStore
 from ..transfer.ops import TransferOp
 from ..tree.node import TreeNode
-
-if TYPE_CHECKING:
-    from .residency import TieredCache
+from .copies import Copies
+from .protocols import OrderState
 
 
 class WritebackPlanner:
-    """Plans background copies device -> host and host -> disk for one `TieredCache`.
+    """Plans background copies device -> host and host -> disk for one `TieredCache`, reserved
+    through `copies`.
 
     Contract: `plan(src, dst, target, max_pages)` returns prepared ops (possibly none) and changes
     nothing else; the caller executes them anywhere and passes each to `complete`. The caller
     holds the cache's lock.
     """
 
-    def __init__(self, cache: TieredCache) -> None:
-        self.cache = cache
+    def __init__(self, state: OrderState, copies: Copies) -> None:
+        self.state = state
+        self.copies = copies
         # per (src, dst) link, the state in which planning last found nothing to do
         self._idle: dict[tuple[str, str], tuple] = {}
 
@@ -43,7 +44,7 @@ class WritebackPlanner:
         in a later round). `only` narrows the candidates (selective write-through)."""
         if (src, dst) not in ((DEVICE, HOST), (HOST, DISK)):
             raise ValueError(f"write-back goes one tier down (device -> host, host -> disk), not {src} -> {dst}")
-        c = self.cache
+        c = self.state
         if src not in c.stores or dst not in c.stores:
             return []
         if clean_pages(c.tree, src) >= clean_target_pages:
@@ -65,7 +66,7 @@ class WritebackPlanner:
         than `max_pages` goes alone (else it would never be copied). Stops at the first node whose
         parent is not in `dst` (prefix closure: its copy follows in a later round). O(path): it runs
         on every commit, where a scan of the whole tier would not do."""
-        c = self.cache
+        c = self.state
         if src not in c.stores or dst not in c.stores or c.stores[dst].shared:
             return []
         ops: list[TransferOp] = []
@@ -88,7 +89,7 @@ class WritebackPlanner:
     def _plan(
         self, src: str, dst: str, clean_target_pages: int, max_pages: int, only: Callable[[TreeNode], bool] | None
     ) -> list[TransferOp]:
-        c = self.cache
+        c = self.state
         clean = clean_pages(c.tree, src)
         store = c.stores[dst]
         # a shared store takes the pages worth sharing (hit at least `min_hits` times), paced by
@@ -118,8 +119,8 @@ class WritebackPlanner:
     def _backup(self, node: TreeNode, dst: str) -> TransferOp | None:
         """A background copy of `node` into `dst`, its path locked until the copy completes (so the
         ancestors it keeps from being leaves are not counted as evictable either)."""
-        op = self.cache.copies.reserve(node, dst, "backup", evict=True)
+        op = self.copies.reserve(node, dst, "backup", evict=True)
         if op is not None:
-            self.cache.tree.lock(node)
+            self.state.tree.lock(node)
             op.locks_path = True
         return op

@@ -16,6 +16,7 @@ import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import cast
 
 from ..cache import PrefixMatch, TieredCache
 from ..config import DEFAULT_POLICY
@@ -34,6 +35,12 @@ from ..transfer.ops import PromotionJob, TransferOp
 from ..tree.node import TreeNode
 from .hint_desk import HintDesk
 from .speculative_prefetch import Speculation
+
+
+def _host_copies_in_flight(m: PrefixMatch) -> list[TransferOp]:
+    """The copies on their way to host of `m`'s nodes held in no upper tier, in path order."""
+    nodes = [n for n in m.path if n.device is None and n.host is None and HOST in n.incoming]
+    return [cast(TransferOp, n.incoming[HOST]) for n in nodes]  # the tree files the cache's ops
 
 
 class Admission(enum.Enum):
@@ -300,7 +307,7 @@ class RequestController:
         they land when their copies do (`Executor.ops_eta`)."""
         if not m.disk_tokens:
             return m
-        inflight = [n.incoming[HOST] for n in m.path if n.device is None and n.host is None and HOST in n.incoming]
+        inflight = _host_copies_in_flight(m)
         rest = m.disk_tokens - sum(op.node.num_pages for op in inflight) * self.cache.page_size
         eta = max(self.executor.ops_eta(inflight), self.executor.read_eta(rest) if rest > 0 else 0.0)
         if eta <= recompute_s:
@@ -320,7 +327,7 @@ class RequestController:
         cost = LoadTime()
         # nodes another job is still bringing to host would stop the demand load there (the rest
         # recomputed): demand preempts prefetch, so those copies go first when that is cheaper
-        inflight = [n.incoming[HOST] for n in m.path if n.device is None and n.host is None and HOST in n.incoming]
+        inflight = _host_copies_in_flight(m)
         if inflight:
             cost = LoadTime(self.executor.expedite(inflight, recompute_s))
             for op in inflight:  # path order, and only under a parent already on host (prefix closure)

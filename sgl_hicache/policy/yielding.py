@@ -4,16 +4,27 @@ that a request being scheduled fits on the device. A pure decision over the jobs
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from ..tree.node import TreeNode
 
-if TYPE_CHECKING:
-    from ..transfer.ops import PromotionJob
+
+class PathJob(Protocol):
+    """What the plan reads of a prefetch job (`transfer.ops.PromotionJob`): the node its locked path
+    ends at, and whether it was released (its path unlocked)."""
+
+    @property
+    def anchor(self) -> TreeNode: ...
+
+    @property
+    def released(self) -> bool: ...
 
 
 class HasJob(Protocol):
-    job: PromotionJob | None
+    """A queued request's ticket: its prefetch job, or None when it has none."""
+
+    @property
+    def job(self) -> PathJob | None: ...
 
 
 T = TypeVar("T", bound=HasJob)

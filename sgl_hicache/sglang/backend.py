@@ -56,7 +56,6 @@ import logging
 import math
 import time
 from array import array
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -86,7 +85,7 @@ from .assembly import assemble
 from .coverage import PREFIX as REFUSAL_PREFIX
 from .debug.call_timer import CallTimer, IOGuard
 from .device_pool import frees_batched
-from .export import CacheViews, StatsPublisher
+from .export import BackendCounters, CacheViews, StatsPublisher
 from .hints.hint_server import refuse_hints_at_tp
 from .hints.request_hints import RequestHints
 from .kinds.mamba.mamba_calls import MambaCalls, snapshots_for
@@ -99,31 +98,6 @@ from .step_calls import StepCalls
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "sgl_hicache"
-
-
-@dataclass
-class BackendCounters:
-    """Figures of the SGLang path that `CacheStats` does not keep."""
-
-    matches: int = 0
-    prefetch_jobs: int = 0
-    prefetch_tokens: int = 0
-    load_backs: int = 0
-    load_back_tokens: int = 0
-    load_back_declined: int = 0  # promised tokens could not all be brought up: recomputed
-    load_back_retries: int = 0  # init_load_back answered "not yet" (prefetch in flight)
-    load_back_timeouts: int = 0
-    load_back_seconds: float = 0.0
-    checkpoints: int = 0
-    duplicate_pages_freed: int = 0
-    evict_calls: int = 0
-    evicted_tokens: int = 0
-    uncacheable_requests: int = 0  # extra_key / cache_salt / bigram: served without the cache
-    admission_skips: int = 0  # a waiting request skipped while the requests behind it were admitted
-    admission_holds: int = 0  # a new request held a round (`admission_hold`)
-    prefetch_yields: int = 0  # waiting requests' prefetch jobs ended so a request short of device room fits
-    evict_short: int = 0  # evictions that freed fewer pages than asked (never waited for a copy in flight)
-    extra: dict = field(default_factory=dict)
 
 
 class TieredRadixCache(MambaCalls, StepCalls, CacheViews, BasePrefixCache):

@@ -5,6 +5,7 @@ Prometheus export and the thread that publishes them.
   backend's counters, config, TP figures, call timings; with `exact` the pool accounting and tree view).
 - `pool_accounting(cache)`: the pools' free counts against the tree's (scheduler thread only).
 - `tree_text(tree, page_size)`: the tree, one node a line.
+- `BackendCounters`: the SGLang path's figures that `CacheStats` does not keep (the stats show them).
 - `StatsPublisher`: a daemon thread writing the stats file (and `<file>.prom`) and feeding
   `PromExport`, our figures in SGLang's Prometheus registry.
 - `write_atomic(path, text)`: write a file so a reader never sees half of it.
@@ -20,6 +21,8 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,9 +31,47 @@ from ..tiers.base import DEVICE, DISK, HOST, TIERS
 from ..tree.radix import RadixTree
 
 if TYPE_CHECKING:
-    from .backend import TieredRadixCache
+    from ..cache import TieredCache
+    from ..client.backend_settings import BackendSettings
+    from ..config import CacheConfig
+    from ..control.lifecycle import RequestController
+    from ..policy.admission import PrefillCost, PrefillCostFit
+    from .debug.call_timer import CallTimer, IOGuard
+    from .device_pool import SGLangDevicePool
+    from .hints.hint_server import HintListener
+    from .hints.request_hints import RequestHints
+    from .kinds.mamba.mamba_snapshots import SnapshotTiers
+    from .layer_loads import LayerLoads
+    from .parallel.data_parallel import DPPlacement
+    from .parallel.rank_consensus import RankConsensus
+    from .req_states import RequestStates
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class BackendCounters:
+    """Figures of the SGLang path that `CacheStats` does not keep."""
+
+    matches: int = 0
+    prefetch_jobs: int = 0
+    prefetch_tokens: int = 0
+    load_backs: int = 0
+    load_back_tokens: int = 0
+    load_back_declined: int = 0  # promised tokens could not all be brought up: recomputed
+    load_back_retries: int = 0  # init_load_back answered "not yet" (prefetch in flight)
+    load_back_timeouts: int = 0
+    load_back_seconds: float = 0.0
+    checkpoints: int = 0
+    duplicate_pages_freed: int = 0
+    evict_calls: int = 0
+    evicted_tokens: int = 0
+    uncacheable_requests: int = 0  # extra_key / cache_salt / bigram: served without the cache
+    admission_skips: int = 0  # a waiting request skipped while the requests behind it were admitted
+    admission_holds: int = 0  # a new request held a round (`admission_hold`)
+    prefetch_yields: int = 0  # waiting requests' prefetch jobs ended so a request short of device room fits
+    evict_short: int = 0  # evictions that freed fewer pages than asked (never waited for a copy in flight)
+    extra: dict = field(default_factory=dict)
 
 
 def tree_text(tree: RadixTree, page_size: int, max_nodes: int = 200) -> str:
@@ -53,7 +94,7 @@ def tree_text(tree: RadixTree, page_size: int, max_nodes: int = 200) -> str:
     return "\n".join(lines)
 
 
-def pool_accounting(rc: TieredRadixCache) -> dict[str, Any]:
+def pool_accounting(rc: CacheViews) -> dict[str, Any]:
     """The pools' free counts against the tree's (in the scheduler thread, for exact figures).
 
     `request_held_tokens` are the device tokens neither free nor the cache's: the KV of running
@@ -98,7 +139,7 @@ def pool_accounting(rc: TieredRadixCache) -> dict[str, Any]:
     return out
 
 
-def stats_snapshot(rc: TieredRadixCache, exact: bool = False) -> dict[str, Any]:
+def stats_snapshot(rc: CacheViews, exact: bool = False) -> dict[str, Any]:
     """Everything `sgl-hicache stats` shows: the cache snapshot, backend counters, config,
     and (with `exact`, only from the scheduler thread) the pool accounting and the tree view."""
     cache, config = rc.cache, rc.config
@@ -170,10 +211,32 @@ def stats_snapshot(rc: TieredRadixCache, exact: bool = False) -> dict[str, Any]:
 
 class CacheViews:
     """Mixin of `TieredRadixCache`: the read-only views of the cache that the stats, the Prometheus
-    text and SGLang's `pretty_print` show (the functions above do the work)."""
+    text and SGLang's `pretty_print` show (the functions above do the work). The annotations name
+    what those read of the backend (none is set here)."""
 
-    cache: Any
+    cache: TieredCache
+    config: CacheConfig
     page_size: int
+    settings: BackendSettings
+    controller: RequestController
+    counters: BackendCounters
+    device_pool: SGLangDevicePool
+    token_to_kv_pool_allocator: Any  # SGLang's
+    layer_loads: LayerLoads | None
+    consensus: RankConsensus | None
+    placement: DPPlacement
+    req_states: RequestStates
+    request_hints: RequestHints
+    hint_listener: HintListener | None
+    snapshots: SnapshotTiers | None
+    prefill_cost_fit: PrefillCostFit
+    call_timer: CallTimer | None
+    io_guard: IOGuard | None
+    evictable_size: Callable[[], int]
+    protected_size: Callable[[], int]
+    transfers_in_flight: Callable[[], bool]
+    prefill_cost: Callable[[], PrefillCost | None]
+    hint_status: Callable[[], dict]
 
     def pretty_print(self) -> None:
         print(self.tree_text())
@@ -184,12 +247,12 @@ class CacheViews:
 
     def pool_accounting(self) -> dict[str, Any]:
         """The pools' free counts against the tree's (`export.pool_accounting`; scheduler thread)."""
-        return pool_accounting(self)  # type: ignore[arg-type]  # (self is a TieredRadixCache)
+        return pool_accounting(self)
 
     def stats(self, exact: bool = False) -> dict[str, Any]:
         """Everything `sgl-hicache stats` shows (`export.stats_snapshot`; `exact` only from the
         scheduler thread: it adds the pool accounting and the tree view)."""
-        return stats_snapshot(self, exact)  # type: ignore[arg-type]  # (self is a TieredRadixCache)
+        return stats_snapshot(self, exact)
 
     def prometheus(self) -> str:
         """The cache's figures as Prometheus text."""
@@ -222,7 +285,7 @@ class StatsPublisher:
 
     def __init__(
         self,
-        cache: TieredRadixCache,
+        cache: CacheViews,
         path: str | None,
         interval: float,
         prometheus: bool,

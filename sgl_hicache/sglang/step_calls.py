@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from ..client.backend_settings import BackendSettings
     from ..client.debug_settings import DebugSettings
     from ..control.lifecycle import RequestController
-    from .backend import BackendCounters
+    from .export import BackendCounters
     from .hints.hint_server import HintListener
     from .kinds.mamba.mamba_snapshots import SnapshotTiers
     from .layer_loads import LayerLoads

@@ -4,23 +4,64 @@ sets, write-back gaps) never drifts from the nodes it summarises."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import Protocol
 
-from ..hashing import chain_keys
+from ..hashing import PageKey, chain_keys
 from ..tiers.base import TIERS
-
-if TYPE_CHECKING:
-    from .node import TreeNode
-    from .radix import RadixTree
+from .gaps import TierGaps
+from .node import TreeNode
 
 _ALL = frozenset(TIERS)
+
+
+class CheckedTree(Protocol):
+    """What `check_tree` reads of a `RadixTree`: its nodes, and the books it keeps of them
+    incrementally (see `RadixTree` for each one's meaning).
+
+    Contract: read only; `nodes()` yields every node but the root.
+    """
+
+    @property
+    def page_size(self) -> int: ...
+
+    @property
+    def node_count(self) -> int: ...
+
+    @property
+    def by_id(self) -> dict[int, TreeNode]: ...
+
+    @property
+    def resident(self) -> dict[str, set[TreeNode]]: ...
+
+    @property
+    def leaf_sets(self) -> dict[str, set[TreeNode]]: ...
+
+    @property
+    def pages(self) -> dict[str, int]: ...
+
+    @property
+    def protected(self) -> dict[str, int]: ...
+
+    @property
+    def shared(self) -> dict[frozenset[str], int]: ...
+
+    @property
+    def protected_shared(self) -> dict[frozenset[str], int]: ...
+
+    @property
+    def gaps(self) -> TierGaps: ...
+
+    def key_of(self, node: TreeNode) -> PageKey: ...
+
+    def nodes(self) -> Iterator[TreeNode]: ...
 
 
 class InvariantError(AssertionError):
     """`RadixTree.check()` found the tree in a state it must never be in."""
 
 
-def check_tree(tree: RadixTree) -> None:
+def check_tree(tree: CheckedTree) -> None:
     """`RadixTree.check`: every invariant of the tree's docstring, recomputed from the nodes; raises
     InvariantError naming the first broken one."""
     pages: dict[str, int] = dict.fromkeys(TIERS, 0)

@@ -7,7 +7,7 @@ from array import array
 from collections.abc import Iterable, Sequence
 from itertools import compress
 from operator import ne
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -15,10 +15,24 @@ from ..hashing import PageKey, chain_keys, tokens_bytes
 from ..tiers.base import DEVICE, DISK, HOST, Handle
 from .edge_counts import EdgeCounts
 
-if TYPE_CHECKING:
-    from ..transfer.ops import TransferOp
-
 _ids = itertools.count()
+
+
+class IncomingCopy(Protocol):
+    """A copy into one tier of a node, prepared and not completed yet: a `transfer.ops.TransferOp`,
+    which the tree (a layer below the transfers) files in `TreeNode.incoming` and never reads.
+
+    Contract: `settled` is True once the copy's outcome may be recorded, and stays True.
+    """
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def dst(self) -> str: ...
+
+    @property
+    def settled(self) -> bool: ...
 
 
 class _Unwritten(dict):
@@ -144,7 +158,7 @@ class TreeNode:
         # the trigger of the prediction that brought it (`speculation.trigger_of`), for the guard
         self.prefetch_trigger: str | None = None
         # transfers prepared into a tier and not yet completed, by destination tier
-        self.incoming: dict[str, TransferOp] = UNWRITTEN
+        self.incoming: dict[str, IncomingCopy] = UNWRITTEN
         # children resident in each tier, kept by the tree on every residency change: "is a leaf of
         # this tier" in O(1), even for a node with thousands of children
         self.children_in: dict[str, int] = UNWRITTEN
