@@ -15,11 +15,9 @@ import json
 import sys
 from pathlib import Path
 
-from conftest import NEEDS_SGLANG, mooncake_trace
+from conftest import mooncake_trace
 
-pytestmark = NEEDS_SGLANG
-
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_embedded_engine_and_server_agree_per_tier(tmp_path: Path) -> None:

@@ -25,7 +25,6 @@ import urllib.error
 import urllib.request
 
 import pytest
-from conftest import NEEDS_SGLANG
 from servers import CHECKED, BackendServers
 from test_sglang_e2e import (
     HIT,
@@ -37,8 +36,6 @@ from test_sglang_e2e import (
     _settled_pool,
     make_model,
 )
-
-pytestmark = NEEDS_SGLANG
 
 DEVICE_TOKENS = 1024
 HOST_TOKENS = 2048  # retention keeps at most 50 % here (1024 tokens) and 10 % of the device (102)

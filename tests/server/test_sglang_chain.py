@@ -19,11 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from conftest import NEEDS_SGLANG
-
-pytestmark = NEEDS_SGLANG
-
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_predict_serves_the_continuation_from_promotions_made_during_the_lead(tmp_path: Path) -> None:

@@ -30,12 +30,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import NEEDS_SGLANG, mooncake_trace
+from conftest import mooncake_trace
 from documented import documented_commands
 
-pytestmark = NEEDS_SGLANG  # marked `sglang`, skipped where SGLang is not installed
-
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 VOCAB = 1024  # scripts/cpu/tiny-llama/config.json
 
 

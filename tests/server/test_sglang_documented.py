@@ -1,11 +1,11 @@
 """Every documented command that needs SGLang works (the core side is
-tests/test_documented_commands.py):
+tests/unit/test_documented_commands.py):
 
 - each command of README.md / docs/ that launches or benchmarks the server is checked in parse-only
   mode in the SGLang environment (tests/documented.py): `sgl-hicache serve`'s flags, SGLang's own
   `launch_server` flags (`--radix-cache-backend sgl_hicache`), the benchmarks' flags, the paths named;
 - examples/serve_and_replay.sh runs for real: serve, replay with the CLI, stats, stop.
-The README's first-run sequence runs for real in tests/test_sglang_cli.py.
+The README's first-run sequence runs for real in tests/server/test_sglang_cli.py.
 """
 
 from __future__ import annotations
@@ -16,10 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import NEEDS_SGLANG, mooncake_trace
+from conftest import mooncake_trace
 from documented import REPO, DocCommand, check_documented, documented_commands
-
-pytestmark = NEEDS_SGLANG
 
 BIN = Path(sys.executable).parent
 SGLANG_CMDS = [c for c in documented_commands() if c.needs_sglang]

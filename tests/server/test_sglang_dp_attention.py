@@ -1,5 +1,5 @@
 """End to end with DP attention: the real SGLang 0.5.23 CPU server, the tiny DeepSeek-V2 config (MLA,
-`scripts/cpu/tiny-deepseek`, the weights of tests/test_sglang_e2e_mla.py), `--tp 2 --dp 2
+`scripts/cpu/tiny-deepseek`, the weights of tests/server/test_sglang_e2e_mla.py), `--tp 2 --dp 2
 --enable-dp-attention --radix-cache-backend sgl_hicache`.
 
 Each attention-DP rank runs its own scheduler and its own tree; its attention-TP group (the group
@@ -8,7 +8,7 @@ directory through the shared-directory protocol (`sglang/data_parallel.py`). Req
 DP rank with SGLang's `routed_dp_rank`.
 
 On one server: a prompt served by DP rank 0 from host and disk hits gives the greedy outputs and
-logprobs of its device hit (the reference under MLA with `torch_native`: tests/test_sglang_e2e_mla.py
+logprobs of its device hit (the reference under MLA with `torch_native`: tests/server/test_sglang_e2e_mla.py
 explains why not the scratch run); the same prompt sent to DP rank 1 is a disk hit on the pages DP rank
 0 wrote, with the same outputs; a token changed in the last cached page moves the logprobs; both DP
 ranks served requests, each publishes its own stats and Prometheus series (`dp_rank` label), and
@@ -25,12 +25,9 @@ import json
 import shutil
 
 import pytest
-from conftest import NEEDS_SGLANG
 from servers import CHECKED, BackendServers
 from test_sglang_e2e import LOGPROB_TOL, _logprob_diff, _prompt, _wait_for
 from test_sglang_e2e_mla import HIT, PAGE, VOCAB, make_mla_model
-
-pytestmark = NEEDS_SGLANG
 
 DP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
 TOP_K = 5
@@ -111,7 +108,7 @@ def _settled(srv) -> dict[int, dict]:
 def test_dp_attention_outputs_equal_from_every_tier_on_each_dp_rank_and_after_a_restart(start_server, workdir):
     disk = workdir / "disk"
     srv = start_server("dp", disk)
-    P = _prompt(1, HIT + 4)  # 19 whole pages and 4 tokens (tests/test_sglang_e2e_mla.py explains)
+    P = _prompt(1, HIT + 4)  # 19 whole pages and 4 tokens (tests/server/test_sglang_e2e_mla.py explains)
     _, d0, _ = _gen(srv, P, 0, start=0)
     assert sum(d0.values()) == 0, d0
     out_dev, d1, lp_dev = _gen(srv, P, 0, start=HIT)  # the reference: DP rank 0's own device-pool reuse

@@ -36,15 +36,13 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import NEEDS_SGLANG, mooncake_trace
+from conftest import mooncake_trace
 from servers import BackendServers
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "cpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "cpu"))
 from realistic_weights import make_model  # re-exported: the other SGLang tests import it from here
 
-pytestmark = NEEDS_SGLANG  # marked `sglang`, skipped where SGLang is not installed
-
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 PAGE = 16
 HIT = 304  # the cached part of the 320-token prompt P: whole pages, its last token excluded

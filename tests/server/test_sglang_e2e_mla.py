@@ -30,7 +30,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import NEEDS_SGLANG
 from servers import BackendServers
 from test_sglang_e2e import TP_ENV, _flood, _gen_lp, _logprob_diff, _prompt, _scheduler_pid, _settled_pool
 from tier_walk import (
@@ -41,9 +40,7 @@ from tier_walk import (
     walk_tiers,
 )
 
-pytestmark = NEEDS_SGLANG
-
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TINY_MLA = REPO / "scripts" / "cpu" / "tiny-deepseek"
 PAGE, HIT, VOCAB = 16, 304, 1024
 

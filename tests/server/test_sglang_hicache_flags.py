@@ -8,11 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import NEEDS_SGLANG
 
-pytestmark = NEEDS_SGLANG
-
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "scripts" / "cpu" / "tiny-llama"
 POOL, PAGE = 1024, 16
 

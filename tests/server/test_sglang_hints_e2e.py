@@ -29,13 +29,10 @@ from array import array
 from pathlib import Path
 
 import pytest
-from conftest import NEEDS_SGLANG
 from servers import CHECKED, BackendServers, flush_cache
 from test_sglang_e2e import HIT, PAGE, VOCAB, _flood, _gen, _prompt, _settled_pool, _wait_for, make_model
 
-pytestmark = NEEDS_SGLANG
-
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEVICE_TOKENS = 1024
 HOST_TOKENS = 2048  # pins may hold 50 %: 1024 tokens
 FLOOD = 14  # x 300 tokens: more than device + host, so the oldest prompts end on disk only

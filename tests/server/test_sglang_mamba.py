@@ -1,6 +1,6 @@
 """A hybrid linear-attention model served by `--radix-cache-backend sgl_hicache` on the real SGLang
 0.5.23 CPU server: the tiny Qwen3-Next (one gated-delta-net layer, one attention layer; see
-tests/test_sglang_qwen3_next_cpu.py for the CPU test layer it needs and SGLang's flags).
+tests/server/test_sglang_qwen3_next_cpu.py for the CPU test layer it needs and SGLang's flags).
 
 A prefix hit needs the recurrent state at the hit point: the backend keeps a state snapshot where a
 finished request ended (its own mamba slot, taken at its commit), tiers it device -> host -> disk
@@ -32,15 +32,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import NEEDS_SGLANG
 from servers import CHECKED, BackendServers
 from test_sglang_e2e import LOGPROB_TOL, _gen_lp, _logprob_diff, _prompt
 from test_sglang_qwen3_next_cpu import MAMBA_ARGS
 
-pytestmark = NEEDS_SGLANG
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "cpu"))
-from realistic_weights_qwen3_next import make_model  # noqa: E402  (from scripts/cpu, put on sys.path above)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "cpu"))
+from realistic_weights_qwen3_next import make_model  # from scripts/cpu, put on sys.path above
 
 HIT = 40  # the first request's prompt: its state snapshot is the hit point of P
 TAIL = 12

@@ -8,7 +8,7 @@ The prefill server computes each prompt's KV (SGLang caps its requests at one ne
 to the decode server, and keeps the prompt's pages in its tree cache: the next request with that
 prefix is a device, host or disk hit on the prefill side. The tiny Llama (MHA) with random weights of
 realistic scale: its extend over a cached prefix reproduces the scratch prefill bit for bit
-(tests/test_sglang_e2e.py), so the reference is the scratch run. Greedy outputs decoded on the decode
+(tests/server/test_sglang_e2e.py), so the reference is the scratch run. Greedy outputs decoded on the decode
 server, and the prompt-tail logprobs computed on the prefill server, equal the scratch run's from
 prefill-side device, host and disk hits and after a restart of the prefill server; a token changed
 in the last cached page moves them; the prefill server's scheduler thread made no copy, write, sleep
@@ -26,10 +26,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import NEEDS_SGLANG
 from test_sglang_e2e import HIT, LOGPROB_TOL, PAGE, VOCAB, _logprob_diff, _prompt, _wait_for, make_model
-
-pytestmark = NEEDS_SGLANG
 
 TOP_K = 5
 PD_ENV = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}  # else the transfer engine listens on the external address

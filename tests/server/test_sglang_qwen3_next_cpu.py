@@ -12,7 +12,7 @@ What it proves: a second turn that SGLang's own Mamba radix cache serves from th
 snapshot (prompt + reply, `cached_tokens` > 0) gives the outputs and logprobs of the same prompt from
 scratch (after /flush_cache) bit for bit; a token changed early in the prompt moves them, so the
 equality is not vacuous. This is the reference the tiered backend meets from every tier
-(tests/test_sglang_mamba.py).
+(tests/server/test_sglang_mamba.py).
 """
 
 from __future__ import annotations
@@ -23,11 +23,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import NEEDS_SGLANG
 
-pytestmark = NEEDS_SGLANG
-
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts" / "cpu"))
 from realistic_weights_qwen3_next import make_model  # noqa: E402  (from scripts/cpu, put on sys.path above)
 

@@ -10,7 +10,7 @@ One test, two server launches at once (kept lean for CI: a launch is most of its
    replaying: B loses no request.
 Throughout: 0 corrupt pages and 0 failed disk writes on the survivor, the directory within its
 capacity. (A restart beside a live peer, and the cleanup of the dead one's temp files, are proven
-with real processes in `tests/test_disk_shared.py`.)
+with real processes in `tests/unit/tiers/test_disk_shared.py`.)
 """
 
 from __future__ import annotations
@@ -20,10 +20,7 @@ import signal
 import threading
 from pathlib import Path
 
-from conftest import NEEDS_SGLANG
 from test_sglang_e2e import HIT, PAGE, _gen, _pool, _prompt, _trace_slice, _wait_for, model_dir, start_server, workdir  # noqa: F401 (fixtures)
-
-pytestmark = NEEDS_SGLANG
 
 DISK_TOKENS = 16384  # the directory's capacity, shared by both servers
 

@@ -24,12 +24,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import NEEDS_SGLANG
 from servers import BackendServers
 
-pytestmark = NEEDS_SGLANG
-
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PAGE, POOL_TOKENS, LAYERS, DRAFT_LAYERS = 4, 64, 2, 1
 
 

@@ -21,10 +21,7 @@ import shutil
 import time
 
 import pytest
-from conftest import NEEDS_SGLANG
 from test_sglang_e2e import VOCAB, _prompt, _wait_for, make_model
-
-pytestmark = NEEDS_SGLANG
 
 PAGE = 16
 CONVERSATIONS = 3

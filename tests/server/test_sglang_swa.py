@@ -26,12 +26,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import NEEDS_SGLANG
 from servers import BackendServers
 
-pytestmark = NEEDS_SGLANG
-
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TINY_SWA = REPO / "scripts" / "cpu" / "tiny-granite-swa"
 PAGE, HIT, VOCAB = 16, 304, 1024
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_disk_bandwidth_smoke(tmp_path: Path) -> None:
@@ -207,6 +207,7 @@ def test_first_run_drops_rewrites_a_text_trace_as_shared_blocks(tmp_path: Path) 
 
 
 @pytest.mark.sglang
+@pytest.mark.server
 @pytest.mark.skipif(
     not _sglang_importable(),
     reason="sglang is not installed (scripts/install_sglang_cpu.sh installs it into .venv-sglang)",
@@ -241,6 +242,7 @@ def test_first_run_drops_smoke(tmp_path: Path) -> None:
 
 
 @pytest.mark.sglang
+@pytest.mark.server
 @pytest.mark.skipif(
     not _sglang_importable(),
     reason="sglang is not installed (scripts/install_sglang_cpu.sh installs it into .venv-sglang)",
@@ -304,6 +306,7 @@ def test_server_compare_as_blocks_refuses_a_trace_without_prompts(tmp_path: Path
 
 
 @pytest.mark.sglang
+@pytest.mark.server
 @pytest.mark.skipif(
     not _sglang_importable(),
     reason="sglang is not installed (scripts/install_sglang_cpu.sh installs it into .venv-sglang)",

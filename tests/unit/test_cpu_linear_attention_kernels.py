@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-SHIM = Path(__file__).resolve().parents[1] / "scripts" / "cpu" / "shim" / "sgl_kernel" / "mamba.py"
+SHIM = Path(__file__).resolve().parents[2] / "scripts" / "cpu" / "shim" / "sgl_kernel" / "mamba.py"
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ that run without SGLang, and the examples/ scripts that do not start a server.
   tokens must equal the table the docs print: documented figures are reproducible (hits are exact).
 - The example trace files of docs/trace-formats.md replay through the embedded engine.
 - The example scripts run for real on an excerpt of the shipped trace.
-The SGLang-side commands are in tests/test_sglang_documented.py and tests/test_sglang_cli.py.
+The SGLang-side commands are in tests/server/test_sglang_documented.py and tests/server/test_sglang_cli.py.
 """
 
 from __future__ import annotations

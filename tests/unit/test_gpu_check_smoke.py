@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _env() -> dict[str, str]:

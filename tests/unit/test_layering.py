@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "sgl_hicache"
 # lines as `ruff format` lays them out (it wraps what fit in 120 columns before, about 1.2x as many lines)
 MAX_MODULE_LINES = 800

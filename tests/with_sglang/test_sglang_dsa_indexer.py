@@ -5,16 +5,8 @@ coverage": SGLang's DSA attention needs GPU kernels, so no CPU server can prove 
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 from test_sglang_hybrid_pools import _host_disk_round_trip
-
-_missing = importlib.util.find_spec("sglang") is None
-pytestmark = [
-    pytest.mark.sglang,
-    pytest.mark.skipif(_missing, reason="sglang is not installed (scripts/install_sglang_cpu.sh)"),
-]
 
 PAGE = 64  # SGLang's DSA pool asserts 64-token pages on every platform but HIP / XPU
 TOKENS = 4 * PAGE

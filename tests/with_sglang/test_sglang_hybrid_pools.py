@@ -3,30 +3,23 @@
 (`HybridLinearKVPool` + `MambaPool`: Qwen3-Next, Nemotron-H).
 
 - SWA: pages (every layer; the full-attention layers' bytes checked here, all layers in
-  tests/test_sglang_swa.py) round-trip through the real backend (device -> host -> disk -> device,
+  tests/server/test_sglang_swa.py) round-trip through the real backend (device -> host -> disk -> device,
   and from disk after a restart) bit for bit, and the window layers' rows, addressed through
   SGLang's full -> window slot mapping, round-trip through the host and disk stores.
 - Mamba: the attention layers' pages round-trip through the real backend the same way, and each
   request slot's recurrent state round-trips as one snapshot (`MambaStateAdapter`) device -> host ->
   disk -> device (and from disk after a restart) into other slots, equal to SGLang's own
   `get_cpu_copy` of the original slots; the snapshot's size is SGLang's own `mamba_cache_per_req`.
-SWA is served (tests/test_sglang_swa.py); Mamba stays refused (docs/sglang-backend.md, "Model
+SWA is served (tests/server/test_sglang_swa.py); Mamba stays refused (docs/sglang-backend.md, "Model
 coverage": why).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import pytest
 from test_sglang_pool_kinds import _load_back
-
-_missing = importlib.util.find_spec("sglang") is None
-pytestmark = [
-    pytest.mark.sglang,
-    pytest.mark.skipif(_missing, reason="sglang is not installed (scripts/install_sglang_cpu.sh)"),
-]
 
 TOKENS = 64  # pool size (tokens; page size 1: SGLang's SWA allocator allocates single tokens on CPU)
 

@@ -16,10 +16,6 @@ import os
 import subprocess
 import sys
 
-from conftest import NEEDS_SGLANG
-
-pytestmark = NEEDS_SGLANG
-
 # What the CPU test layer patches, as (module, class or None, attribute); the snapshot records the
 # identity of each value (or its absence), every SGLANG_* / SGLHICACHE_* environment variable, and
 # the import hooks in sys.meta_path.

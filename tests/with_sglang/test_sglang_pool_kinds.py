@@ -10,19 +10,12 @@ kind and what to run instead.
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from array import array
 from types import SimpleNamespace
 
 import pytest
 from queued_request import queued_request
-
-_missing = importlib.util.find_spec("sglang") is None
-pytestmark = [
-    pytest.mark.sglang,
-    pytest.mark.skipif(_missing, reason="sglang is not installed (scripts/install_sglang_cpu.sh)"),
-]
 
 PAGE, POOL_TOKENS, LAYERS = 4, 64, 3
 KINDS = ["mha-fp8_e4m3", "mha-fp8_e5m2", "mla-bf16", "mla-fp8_e4m3"]
@@ -249,7 +242,7 @@ def test_mla_at_tp2_is_one_copy_for_the_group_with_rank_free_keys(tmp_path):
     """MLA's latent is the same on every TP rank: at --tp 2 the page keys carry no rank and no TP size
     (the namespace equals TP=1's), the ranks share one directory, and the host budget is the group's
     (not multiplied by the TP size). An MHA shard keeps its rank's directory and the tp salt. The two
-    ranks serving: tests/test_sglang_e2e_mla.py::test_mla_tp2_one_rank_writes_both_read."""
+    ranks serving: tests/server/test_sglang_e2e_mla.py::test_mla_tp2_one_rank_writes_both_read."""
     from sgl_hicache.client.backend_settings import BackendSettings
     from sgl_hicache.hashing import Namespace
     from sgl_hicache.sglang.assembly import cache_config

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 from array import array
 from types import SimpleNamespace
 
 import pytest
 from conftest import SYNCHRONOUS
 from queued_request import queued_request
-
-_missing = importlib.util.find_spec("sglang") is None
-pytestmark = [
-    pytest.mark.sglang,
-    pytest.mark.skipif(_missing, reason="sglang is not installed (scripts/install_sglang_cpu.sh)"),
-]
 
 
 def _pools(page_size: int, size: int = 256):

@@ -9,7 +9,7 @@ of its own that agrees only with its attention-TP group, the group SGLang passes
   which runs a different number of steps meanwhile (its DP rank schedules other requests), never
   waits on group 0 (a collective over all four ranks would hang the test);
 - `--tp 2 --dp 2 --enable-dp-attention`: each group has one rank, so no agreement is built.
-The real server at `--tp 2 --dp 2 --enable-dp-attention` is tests/test_sglang_dp_attention.py.
+The real server at `--tp 2 --dp 2 --enable-dp-attention` is tests/server/test_sglang_dp_attention.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The server's hint API listener (`sglang/hint_server.py`) without SGLang: what a client POSTs is
 validated on the listener's thread (a malformed batch queues nothing and the answer names the hint
 and the field), and the scheduler thread drains the rest in order. The backend wiring is tested
-with SGLang's real pool in tests/test_sglang_units.py."""
+with SGLang's real pool in tests/with_sglang/test_sglang_units.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """`sglang/rank_consensus.py` with two real ranks (two processes, torch.distributed on gloo, as SGLang's
 TP cache group on CPU): transfer outcomes, give-ups and the clock agreed alike on both ranks; a digest
 or count difference raises on BOTH ranks (never one rank waiting in a collective the other skipped).
-The SGLang server at --tp 2 is covered by tests/test_sglang_e2e.py."""
+The SGLang server at --tp 2 is covered by tests/server/test_sglang_e2e.py."""
 
 from __future__ import annotations
 

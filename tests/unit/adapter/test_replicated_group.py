@@ -4,7 +4,7 @@ disk directory; a background copy device -> host and host -> disk is made by ran
 the per-step all-reduce, and rank 1 then reads rank 0's bytes from the shared host slot; the trees,
 host slots included, stay equal (digest checked; here each rank's device holds other bytes, to show
 whose a rank reads); at a restart rank 1 indexes rank 0's disk pages.
-The SGLang server at --tp 2: tests/test_sglang_e2e_mla.py::test_mla_tp2_one_rank_writes_both_read."""
+The SGLang server at --tp 2: tests/server/test_sglang_e2e_mla.py::test_mla_tp2_one_rank_writes_both_read."""
 
 from __future__ import annotations
 

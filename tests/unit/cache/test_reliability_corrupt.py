@@ -1,6 +1,6 @@
 """Corrupt data *through the cache*: every kind of bad page file is a miss, counted,
 removed (or ignored where it is not ours), logged once per reason, and never an exception out of
-match / promote / insert. The store-level twins of these tests are in tests/test_disk_store.py.
+match / promote / insert. The store-level twins of these tests are in tests/unit/tiers/test_disk_store.py.
 
 Two moments are tried for each corruption: before a restarted cache opens the directory (its scan
 judges the header) and after the cache adopted the pages (the read at promotion judges everything,

@@ -7,7 +7,7 @@ computed for its tokens (a corrupt page is a miss, never wrong KV); after draini
 (tree invariants and every allocator's used pages equal to what the tree holds), nothing is locked,
 pinned, in flight, reserved or outstanding, and every prompt still in the tree comes back exact.
 
-The existing tests/test_transfer_engine.py::test_concurrent_promotions_serving_and_eviction runs a
+The existing tests/unit/transfer/test_transfer_engine.py::test_concurrent_promotions_serving_and_eviction runs a
 fixed count of operations on a healthy medium; this one is bounded by time and adds explicit
 evictions, check() under load, corruption and disk faults.
 """

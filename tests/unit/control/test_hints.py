@@ -106,7 +106,7 @@ def test_prefetch_hint_brings_the_prefix_to_host(tmp_path):
     ex.finish_all([op for job in ctl.predicted for op in job.ops()])
     ctl.advance_predictions()
     assert node.host is not None and cache.stats.triggers["hint"]["promoted_tokens"] == 3 * PS
-    while ctl.predicted:  # and on to the device, which has room (tests/test_hbm_promotion.py)
+    while ctl.predicted:  # and on to the device, which has room (tests/unit/control/test_hbm_promotion.py)
         ex.finish_all([op for job in ctl.predicted for op in job.ops()])
         ctl.advance_predictions()
     cache.check()

@@ -2,7 +2,7 @@
 (`sglang/hint_server.HintListener`, no SGLang): a trace's hints are resolved as the embedded engine
 resolves them, posted at their due time in due order, a refusal is counted with its reason, and a
 hint API that does not answer fails the replay before anything is sent. The replay against a running
-server is tests/test_sglang_hints_e2e.py."""
+server is tests/server/test_sglang_hints_e2e.py."""
 
 from __future__ import annotations
 

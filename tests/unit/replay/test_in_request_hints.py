@@ -1,7 +1,7 @@
 """A trace's hints sent in the requests, as an agent framework sends them (`replay/in_request.py`),
 and the HTTP replayer that sends them (`replay_http(hints_in_request=True)`), against a fake
 `/generate` that records what it was sent (no SGLang). The same `agent` trace drives the embedded
-engine (tests/test_agent_shape.py); the real server's side is tests/test_sglang_agent_hints.py."""
+engine (tests/unit/replay/test_agent_shape.py); the real server's side is tests/server/test_sglang_agent_hints.py."""
 
 from __future__ import annotations
 

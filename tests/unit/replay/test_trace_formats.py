@@ -20,7 +20,7 @@ from sgl_hicache.replay import (
     read_sharegpt,
 )
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 SHAREGPT = DATA / "sharegpt_v3_excerpt.json"
 LMBENCH = DATA / "lmbench_trace_excerpt.jsonl"
 VLLM = DATA / "vllm_multiturn_excerpt.json"

@@ -95,7 +95,7 @@ class CrashHelper:
 
     def __init__(self, directory: Path) -> None:
         tests_dir = str(Path(__file__).resolve().parent)
-        repo = str(Path(__file__).resolve().parents[1])
+        repo = str(Path(__file__).resolve().parents[3])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _HELPER, str(directory), tests_dir],

@@ -1,7 +1,7 @@
 """One copy of the KV for a TP group whose ranks hold the same KV (MLA at --tp > 1), without SGLang:
 the shared host buffer, lowest-first slots, the follower's disk index and its byte movers
 (`tiers/replicated.py`, `transfer/handlers.follower_handlers`). The real two-rank server runs in
-`tests/test_sglang_e2e_mla.py::test_mla_tp2_one_rank_writes_both_read`."""
+`tests/server/test_sglang_e2e_mla.py::test_mla_tp2_one_rank_writes_both_read`."""
 
 from __future__ import annotations
 
