@@ -5,7 +5,8 @@
 #
 # 1. the core suite in a venv with NO SGLang installed (.venv): proves the core needs only torch and
 #    xxhash; tests marked `sglang` are deselected there;
-# 2. the SGLang suite (tests marked `sglang`: the real SGLang 0.5.23 server on CPU with sgl_hicache as
+# 2. the SGLang suite (tests marked `sglang`, set by tests/with_sglang/ and tests/server/: SGLang 0.5.23
+#    on CPU, its real pool classes and the real server with sgl_hicache as
 #    its radix cache) in .venv-sglang, installed by scripts/install_sglang_cpu.sh. It runs with
 #    SGLHICACHE_REQUIRE_SGLANG=1: if sglang cannot be imported there the run is an error (exit 4), not
 #    a pass made of skips (tests/conftest.py).

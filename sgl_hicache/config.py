@@ -113,7 +113,7 @@ class TieringPolicy:
 
     The SGLang backend (`sglang/settings.py: BackendSettings`) and the embedded engine
     (`engine/simulator.py: EngineConfig`) take their defaults from here, so a replay measures the
-    configuration the server runs; `tests/test_defaults.py` asserts they agree. Why each default:
+    configuration the server runs; `tests/unit/test_defaults.py` asserts they agree. Why each default:
     - `write_policy="write_through"`: every committed device page gets a host copy in the
       background at commit (the pump's first job), so a page is clean by the time it is evictable
       and eviction never copies nor drops (SGLang HiCache's default too);

@@ -26,8 +26,26 @@ def _sglang_missing() -> str | None:
 
 
 SGLANG_MISSING = _sglang_missing()
-# `pytestmark = NEEDS_SGLANG` in a module that runs the real SGLang server
+# What a test that needs SGLang carries: the `sglang` mark, and a skip where SGLang is not installed.
 NEEDS_SGLANG = [pytest.mark.sglang, pytest.mark.skipif(SGLANG_MISSING is not None, reason=SGLANG_MISSING or "")]
+
+# The tests are in folders by what they need, and the folder sets the marks (`_mark_by_folder`):
+#   unit/         no SGLang: the core suite (mirrors the package: unit/cache/ tests sgl_hicache/cache/, ...;
+#                 unit/adapter/ tests the SGLang adapter's parts that import no sglang)
+#   with_sglang/  imports sglang, starts no server: marked `sglang`
+#   server/       starts a real SGLang server: marked `sglang` and `server`
+# (not `tests/sglang/`: tests/ is on sys.path, and a folder named sglang there would be an importable
+# namespace package `sglang` in the core venv.) A test outside those two folders that needs SGLang carries
+# the marks itself.
+TESTS = Path(__file__).resolve().parent
+FOLDER_MARKS = {"with_sglang": NEEDS_SGLANG, "server": [*NEEDS_SGLANG, pytest.mark.server]}
+
+# Test modules import from one another by basename (`from test_sglang_e2e import make_model`), across
+# folders too: every folder holding tests is on sys.path, as the one tests/ folder was. Basenames are
+# unique over all the folders (pytest's default import mode refuses two of one name).
+for _d in sorted({p.parent for p in TESTS.rglob("test_*.py")}):
+    if str(_d) not in sys.path:
+        sys.path.append(str(_d))
 
 SMALL_LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16")
 
@@ -188,6 +206,16 @@ def _sglang_import_error() -> str | None:
     except Exception as exc:  # noqa: BLE001 - any failure to import is "not available"
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+def pytest_itemcollected(item):
+    """Marks set by folder (`FOLDER_MARKS`), added as each test is collected, so `-m` sees them."""
+    try:
+        folder = item.path.relative_to(TESTS).parts[0]
+    except ValueError:  # a test outside tests/
+        return
+    for mark in FOLDER_MARKS.get(folder, ()):
+        item.add_marker(mark)
 
 
 @pytest.hookimpl(trylast=True)  # after `-m` has deselected

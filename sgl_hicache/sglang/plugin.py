@@ -5,7 +5,7 @@ SGLang's ``sglang.srt.plugins.load_plugins()`` calls :func:`register` once in ev
 be cheap, idempotent and must never raise into SGLang: a broken plugin would take the server down.
 
 It applies no patch: registering it changes none of SGLang's attributes, classes or environment
-variables (``tests/unit/test_plugin_changes_nothing.py`` checks it). What it adds goes through
+variables (``tests/with_sglang/test_sglang_plugin_isolation.py`` checks it). What it adds goes through
 SGLang's own plugin API (the radix-cache registry and ``HookRegistry``), and every hook does nothing
 unless the scheduler's tree cache is this backend. The CPU patches the tests need live in a separate
 package of the test environment (``scripts/cpu/layer``). It does three things:

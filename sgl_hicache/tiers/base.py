@@ -71,7 +71,7 @@ def page_shape(layout: KVLayout, page_size: int) -> tuple[int, int, int, int, in
 class TierStore(ABC):
     """A bounded store of KV pages in one medium.
 
-    Contract (checked for every store by `tests/test_tier_contract.py`):
+    Contract (checked for every store by `tests/unit/tiers/test_tier_contract.py`):
     - `allocate(keys)` reserves one page per key and returns one handle per key (a slot store: an
       int64 `array` of slots; a keyed store: a list of the keys), or None (and reserves nothing)
       when fewer than `len(keys)` pages are free. All or nothing.

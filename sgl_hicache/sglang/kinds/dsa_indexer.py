@@ -7,7 +7,7 @@ scales). Its pages are numbered as the allocator's (`index_kpool` 1: page p hold
 `p * page_size ...`), so the indexer page of a tree page is the page itself and it can be tiered with
 the latent page it belongs to. Serving DSA stays refused (`coverage.REFUSED["dsa"]`: SGLang's DSA
 attention runs only on GPU kernels); this adapter is what tiering it needs, proven against the real
-pool by tests/test_sglang_dsa_indexer.py.
+pool by tests/with_sglang/test_sglang_dsa_indexer.py.
 """
 
 from __future__ import annotations
