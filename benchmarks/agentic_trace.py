@@ -1,7 +1,7 @@
 """A second trace family: agentic tool-use sessions from BFCL's multi-turn data (a PyPI package).
 
     pip download --no-deps bfcl-eval==2026.3.23 -d /tmp/bfcl       # the wheel ships the data
-    python benchmarks/agentic_trace.py --wheel /tmp/bfcl/bfcl_eval-2026.3.23-py3-none-any.whl --out agentic.jsonl
+    python -m benchmarks.agentic_trace --wheel /tmp/bfcl/bfcl_eval-2026.3.23-py3-none-any.whl --out agentic.jsonl
 
 Source: `bfcl_eval/data/BFCL_v4_multi_turn_base.json` (200 sessions: user turns, the tool classes they
 involve, the session's initial state) with `possible_answer/` (the ground-truth tool calls of each turn)

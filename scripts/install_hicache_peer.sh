@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The HiCache peer's venv for benchmarks/store_compare.py: SGLang's own HiCache with
+# The HiCache peer's venv for benchmarks/server/store.py: SGLang's own HiCache with
 # `--hicache-storage-backend mooncake` on CPU needs the reference's hicache-peer-plugin
 # (pure-torch page_first_direct copies, loaded through the `sglang.srt.plugins` entry point).
 # Installed into that plugin's own small venv, never into .venv-sglang, where it would load into

@@ -26,6 +26,8 @@ DOC_FILES = [
 ]
 # Path-like words a command names that must exist (relative to the repo root).
 _PATH_PREFIXES = ("scripts/", "benchmarks/", "examples/", "tests/", "docs/", "traces/", "../shared/")
+# Packages of the repo (not installed) whose modules a command runs with `python -m`.
+_REPO_MODULES = ("benchmarks.",)
 # Commands that need SGLang (the .venv-sglang environment); the rest run in the core environment.
 _SGLANG_MARKERS = (
     ".venv-sglang",
@@ -48,9 +50,13 @@ class DocCommand:
         return any(m in self.text for m in _SGLANG_MARKERS)
 
     def paths(self) -> list[str]:
-        """Repo-relative paths the command names (words with a known prefix, no placeholders)."""
+        """Repo-relative paths the command names (words with a known prefix, no placeholders), and
+        the file of each repo module it runs with `python -m` (`-m benchmarks.io.disk` ->
+        `benchmarks/io/disk.py`)."""
         words = shlex.split(self.text.replace("\\\n", " "), comments=True)
-        return [w for w in words if w.startswith(_PATH_PREFIXES) and not re.search(r"[\[\]$*]", w)]
+        paths = [w for w in words if w.startswith(_PATH_PREFIXES) and not re.search(r"[\[\]$*]", w)]
+        modules = [m for flag, m in zip(words, words[1:]) if flag == "-m" and m.startswith(_REPO_MODULES)]
+        return paths + [m.replace(".", "/") + ".py" for m in modules]
 
 
 def _logical_commands(block: str, first_line: int, path: str) -> list[DocCommand]:

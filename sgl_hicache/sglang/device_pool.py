@@ -224,7 +224,7 @@ class SGLangDevicePool(TierStore, LayeredPages):
     # canonical `(pages, layers, planes, ...)` tensor's strided slice as its source or target. No
     # index of token slots, and no permuted copy of the whole tensor (a gather into a `(layers, planes,
     # tokens)` buffer and its permute cost 2-4x as much at 16- and 64-token pages: a host hit's load
-    # copies on the scheduler's thread on CPU; benchmarks/tree_hicache_peer.py).
+    # copies on the scheduler's thread on CPU; benchmarks/tree/hicache_peer.py).
     def read(self, handles: Sequence[Handle]) -> torch.Tensor:
         n = len(handles)
         out = torch.empty((n, *self.page_shape), dtype=self._dtype, device=self.device)

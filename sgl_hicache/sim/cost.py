@@ -28,7 +28,7 @@ Transfers: ``seconds = latency + nbytes / bandwidth``; link bandwidths come from
 What the model leaves out, on purpose: kernel launch and scheduling overheads, tensor-parallel
 communication, MFU falling off for short sequences (a floor is the weight read), and overlap between
 compute and transfer (the engine decides what overlaps). Calibration against published figures:
-docs/calibration.md (``benchmarks/calibration.py``).
+docs/calibration.md (``benchmarks/engine/calibration.py``).
 """
 
 from __future__ import annotations

@@ -143,7 +143,7 @@ class HostKVBuffer(_SlotStore, PageViews):
     def read(self, handles: Sequence[Handle]) -> torch.Tensor:
         # one `index_select` gather over the page axis, its index built through an int64 array: as
         # fast as a copy per page for MB pages, 5-25x faster for a few dozen small ones (advanced
-        # indexing, `buffer[idx]`, took ~50x longer: benchmarks/replay_scale.py, real-bytes mode)
+        # indexing, `buffer[idx]`, took ~50x longer: benchmarks/engine/replay_scale.py, real-bytes mode)
         if not handles:
             return self.buffer[:0].clone()
         return self.buffer.index_select(0, _slot_index(handles))

@@ -104,7 +104,7 @@ def layered_device_host(stores: dict[str, TierStore], src: str, dst: str) -> Han
     no single view spans a page's layers: per layer and K/V one gather of the op's pages and one
     scatter into their slots on the other side. Temporaries hold one layer of the op's pages, not the
     whole op. Below `_LAYERED_MIN_BYTES` a range goes through `copy_via_tensor` instead: its fewer,
-    larger calls win there (`benchmarks/host_bandwidth.py`, `sglang_layout_*` rows: layered 4.4x the
+    larger calls win there (`benchmarks/io/host.py`, `sglang_layout_*` rows: layered 4.4x the
     generic path at 64 MiB, 0.75x at 1 MiB, even near 3 MiB on this CPU)."""
     device, host = stores[DEVICE], stores[HOST]
     generic = copy_via_tensor(stores)

@@ -1,7 +1,7 @@
 """Layer-by-layer moves between the device pool and the host buffer, so that a model's layer i can run
 as soon as layer i's KV has arrived while layer i+1's is still on the link.
 
-Contract (checked on CPU by `tests/unit/transfer/test_layerwise.py`, on CUDA by `benchmarks/gpu_check.py`):
+Contract (checked on CPU by `tests/unit/transfer/test_layerwise.py`, on CUDA by `benchmarks/io/gpu_check.py`):
 
 - `LayerwiseLoader(device, host, device_handles, host_handles, to_device=True)` plans the move of
   page `host_handles[j]` of a `HostKVBuffer` to page `device_handles[j]` of a device pool with

@@ -1,7 +1,7 @@
 """Same controller, same results: one trace slice through the embedded engine and through the real SGLang
 server (CPU, `--radix-cache-backend sgl_hicache`) gives per-tier hit tokens within 2 %.
 
-One server launch (`benchmarks/engine_server_parity.py`, the benchmark's own code path): the first 150
+One server launch (`benchmarks/server/parity.py`, the benchmark's own code path): the first 150
 requests of the shipped Mooncake trace, blocks scaled 512 -> 4 tokens, page 4, one output token,
 sequential (concurrency 1: the comparison where the two controllers must agree; see the benchmark's
 docstring for why concurrent replays differ by thread timing), device pool at its floor (the longest
@@ -12,7 +12,6 @@ admission, eviction or hit attribution between the two engines shows.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 from conftest import mooncake_trace
@@ -21,8 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_embedded_engine_and_server_agree_per_tier(tmp_path: Path) -> None:
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import engine_server_parity
+    from benchmarks.server import parity as engine_server_parity
 
     out_path = tmp_path / "parity.json"
     rc = engine_server_parity.main(

@@ -1,6 +1,6 @@
 """The real CPU server serves a chain replay's continuations from the predictor's promotions.
 
-`benchmarks/chain_server.py` (its own code path, one repeat, small): the `chain` shape (7 sessions of 3
+`benchmarks/server/chain.py` (its own code path, one repeat, small): the `chain` shape (7 sessions of 3
 turns, 640-token histories, interleaved so that the 1,024-token device pool and 2,048-token host tier
 spill the early ones to disk; after a pause each session's probe arrives 2 s before its continuation)
 replayed on its trace clock against three fresh servers, one after the other: `prefetch` (predictor
@@ -16,15 +16,13 @@ prefix cache does (bf16 near-ties), on the same requests with and without the pr
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_predict_serves_the_continuation_from_promotions_made_during_the_lead(tmp_path: Path) -> None:
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import chain_server
+    from benchmarks.server import chain as chain_server
 
     out_path = tmp_path / "chain.json"
     rc = chain_server.main(

@@ -16,7 +16,8 @@ def test_disk_bandwidth_smoke(tmp_path: Path) -> None:
     out = tmp_path / "bw.json"
     cmd = [
         sys.executable,
-        str(REPO / "benchmarks" / "disk_bandwidth.py"),
+        "-m",
+        "benchmarks.io.disk",
         "--pages",
         "3",
         "--threads",
@@ -60,7 +61,8 @@ def test_disk_page_cpu_smoke(tmp_path: Path) -> None:
     out = tmp_path / "cpu.json"
     cmd = [
         sys.executable,
-        str(REPO / "benchmarks" / "disk_page_cpu.py"),
+        "-m",
+        "benchmarks.io.disk_page_cpu",
         "--pages",
         "40",
         "--batch",
@@ -89,16 +91,16 @@ def _sglang_importable() -> bool:
         return False
 
 
-def _run(script: str, out: Path, *extra: str) -> dict:
-    cmd = [sys.executable, str(REPO / "benchmarks" / script), "--quick", "--json", str(out), *extra]
+def _run(module: str, out: Path, *extra: str) -> dict:
+    cmd = [sys.executable, "-m", module, "--quick", "--json", str(out), *extra]
     run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, f"{script} exited {run.returncode}:\n{run.stderr[-3000:]}"
+    assert run.returncode == 0, f"{module} exited {run.returncode}:\n{run.stderr[-3000:]}"
     return json.loads(out.read_text())
 
 
 def test_tree_ops_smoke(tmp_path: Path) -> None:
     # without SGLang in this interpreter the benchmark measures ours only and says so
-    result = _run("tree_ops.py", tmp_path / "tree.json")
+    result = _run("benchmarks.tree.ops", tmp_path / "tree.json")
     assert result["benchmark"] == "tree_ops"
     assert result["config"]["quick"] and result["config"]["page_sizes"] == [1, 16, 64]
     assert result["sglang"]["used"] == _sglang_importable()
@@ -121,13 +123,13 @@ def test_tree_ops_smoke(tmp_path: Path) -> None:
 
 
 def test_tree_ops_smoke_without_sglang(tmp_path: Path) -> None:
-    result = _run("tree_ops.py", tmp_path / "tree.json", "--no-sglang", "--page-sizes", "16")
+    result = _run("benchmarks.tree.ops", tmp_path / "tree.json", "--no-sglang", "--page-sizes", "16")
     assert not result["sglang"]["used"] and "ours only" in result["note"]
     assert list(result["results"]) == ["16"]
 
 
 def test_tree_scale_smoke(tmp_path: Path) -> None:
-    result = _run("tree_scale.py", tmp_path / "scale.json", "--page-sizes", "16")
+    result = _run("benchmarks.tree.scale", tmp_path / "scale.json", "--page-sizes", "16")
     assert result["benchmark"] == "tree_scale" and result["config"]["quick"]
     sides = result["results"]["16"]
     assert {"ours", "ours_tiered"} <= set(sides) and ("radix" in sides) == _sglang_importable()
@@ -141,7 +143,7 @@ def test_tree_scale_smoke(tmp_path: Path) -> None:
 
 
 def test_host_bandwidth_smoke(tmp_path: Path) -> None:
-    result = _run("host_bandwidth.py", tmp_path / "host.json")
+    result = _run("benchmarks.io.host", tmp_path / "host.json")
     assert result["benchmark"] == "host_bandwidth"
     assert isinstance(result["cuda"], bool) and result["note"]
     pairs = (
@@ -160,7 +162,7 @@ def test_host_bandwidth_smoke(tmp_path: Path) -> None:
 
 
 def test_disk_shared_match_smoke(tmp_path: Path) -> None:
-    result = _run("disk_shared_match.py", tmp_path / "shared.json", "--dir", str(tmp_path))
+    result = _run("benchmarks.io.disk_shared_match", tmp_path / "shared.json", "--dir", str(tmp_path))
     assert result["benchmark"] == "disk_shared_match"
     looked = result["files_looked_for_per_round"]
     assert looked["no_disk"] == 0 and looked["lone"] == 0  # a lone server looks at no file
@@ -171,7 +173,7 @@ def test_disk_shared_match_smoke(tmp_path: Path) -> None:
 
 
 def test_overhead_smoke(tmp_path: Path) -> None:
-    result = _run("overhead.py", tmp_path / "overhead.json")
+    result = _run("benchmarks.tree.overhead", tmp_path / "overhead.json")
     assert result["benchmark"] == "overhead"
     ours = result["us_per_request"]["sgl_hicache"]
     assert ours["cpu_us"] > 0 and ours["alloc_us"] >= 0
@@ -186,8 +188,7 @@ def test_overhead_smoke(tmp_path: Path) -> None:
 
 
 def test_first_run_drops_rewrites_a_text_trace_as_shared_blocks(tmp_path: Path) -> None:
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from first_run_drops import as_block_trace
+    from benchmarks.lib.traces import as_block_trace
 
     system = "s" * 5000  # a shared tool prompt of ~3 blocks, then each session's own turns
     rows = [
@@ -218,7 +219,8 @@ def test_first_run_drops_smoke(tmp_path: Path) -> None:
     proc = subprocess.run(
         [
             sys.executable,
-            str(REPO / "benchmarks" / "first_run_drops.py"),
+            "-m",
+            "benchmarks.server.first_run_drops",
             "--traces",
             "mooncake",
             "--limit",
@@ -252,7 +254,8 @@ def test_server_compare_smoke(tmp_path: Path) -> None:
     out = tmp_path / "server.json"
     cmd = [
         sys.executable,
-        str(REPO / "benchmarks" / "server_compare.py"),
+        "-m",
+        "benchmarks.server.compare",
         "--quick",
         "--json",
         str(out),
@@ -282,7 +285,7 @@ def test_server_compare_smoke(tmp_path: Path) -> None:
 def test_server_compare_refuses_a_bad_time_scale() -> None:
     # the open-loop flag is checked before any server starts
     r = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "server_compare.py"), "--time-scale", "0"],
+        [sys.executable, "-m", "benchmarks.server.compare", "--time-scale", "0"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -296,7 +299,7 @@ def test_server_compare_as_blocks_refuses_a_trace_without_prompts(tmp_path: Path
     bad = tmp_path / "blocks.jsonl"
     bad.write_text('{"timestamp": 0, "input_length": 512, "output_length": 8, "hash_ids": [1]}\n')
     r = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "server_compare.py"), "--trace", str(bad), "--as-blocks"],
+        [sys.executable, "-m", "benchmarks.server.compare", "--trace", str(bad), "--as-blocks"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -314,7 +317,7 @@ def test_server_compare_as_blocks_refuses_a_trace_without_prompts(tmp_path: Path
 def test_scheduler_thread_smoke(tmp_path: Path) -> None:
     # one real server (sgl_hicache, the defaults), 20 requests: ~1.5 min here
     out = tmp_path / "sched.json"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "scheduler_thread.py"), "--quick", "--json", str(out)]
+    cmd = [sys.executable, "-m", "benchmarks.server.scheduler_thread", "--quick", "--json", str(out)]
     subprocess.run(cmd, check=True, cwd=REPO, capture_output=True, timeout=900)
     result = json.loads(out.read_text())
     assert result["benchmark"] == "scheduler_thread" and result["regime"]["requests"] == 20
@@ -332,7 +335,7 @@ def test_scheduler_thread_smoke(tmp_path: Path) -> None:
 )
 def test_tree_hicache_peer_smoke(tmp_path: Path) -> None:
     # ~25 s here, most of it SGLang's import: three trees (six sides) under device pressure, a host tier behind two
-    result = _run("tree_hicache_peer.py", tmp_path / "peer.json")
+    result = _run("benchmarks.tree.hicache_peer", tmp_path / "peer.json")
     assert result["sglang"]["used"]
     res = result["results"]
     ours = {"sgl_hicache", "sgl_hicache_settled", "sgl_hicache_nocopy"}
@@ -349,8 +352,8 @@ def test_tree_hicache_peer_smoke(tmp_path: Path) -> None:
 
 
 def test_tree_hicache_peer_on_tree_scale_sessions_times_the_requests_past_the_pool(tmp_path: Path) -> None:
-    # ours alone (the core suite has no SGLang): the synthetic sessions of tree_scale.py, a 20k-token pool
-    result = _run("tree_hicache_peer.py", tmp_path / "peer.json", "--workload", "tree_scale", "--no-sglang")
+    # ours alone (the core suite has no SGLang): the synthetic sessions of benchmarks.tree.scale, a 20k-token pool
+    result = _run("benchmarks.tree.hicache_peer", tmp_path / "peer.json", "--workload", "tree_scale", "--no-sglang")
     config = result["config"]
     assert config["workload"] == "tree_scale" and config["device_pool_tokens"] == config["pool_tokens"] == 20_000
     assert config["measured_requests"] == 200 and config["prompt_tokens"] > config["pool_tokens"]
@@ -360,7 +363,7 @@ def test_tree_hicache_peer_on_tree_scale_sessions_times_the_requests_past_the_po
 
 
 def test_production_compare_smoke(tmp_path: Path) -> None:
-    result = _run("production_compare.py", tmp_path / "prod.json")
+    result = _run("benchmarks.engine.production", tmp_path / "prod.json")
     assert result["benchmark"] == "production_compare" and result["requests"] == 60
     case = result["cases"]["llama3-8b@h200"]
     assert set(case["policies"]) == {"recompute", "demote", "prefetch", "predict", "oracle"}
@@ -370,7 +373,7 @@ def test_production_compare_smoke(tmp_path: Path) -> None:
 
 
 def test_regime_map_smoke(tmp_path: Path) -> None:
-    result = _run("regime_map.py", tmp_path / "map.json")
+    result = _run("benchmarks.engine.regime_map", tmp_path / "map.json")
     assert len(result["cells"]) == 1
     cell = result["cells"][0]
     assert set(cell["policies"]) == {"lru", "reuse", "predict", "oracle"}
@@ -379,8 +382,7 @@ def test_regime_map_smoke(tmp_path: Path) -> None:
 
 
 def test_agentic_trace_builds_sessions_that_extend_their_prompt() -> None:
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import agentic_trace
+    from benchmarks import agentic_trace
 
     sess = [
         {
@@ -399,7 +401,7 @@ def test_agentic_trace_builds_sessions_that_extend_their_prompt() -> None:
 
 
 def test_tp_consensus_smoke(tmp_path: Path) -> None:
-    result = _run("tp_consensus.py", tmp_path / "tp.json")
+    result = _run("benchmarks.tree.tp_consensus", tmp_path / "tp.json")
     assert result["benchmark"] == "tp_consensus" and result["config"]["quick"]
     for name in ("off", "check", "allreduce"):
         assert result["us_per_step_median"][name] > 0
@@ -407,7 +409,7 @@ def test_tp_consensus_smoke(tmp_path: Path) -> None:
 
 
 def test_replay_scale_smoke(tmp_path: Path) -> None:
-    result = _run("replay_scale.py", tmp_path / "scale.json")
+    result = _run("benchmarks.engine.replay_scale", tmp_path / "scale.json")
     points = {p["bytes"]: p for p in result["points"]}
     assert set(points) == {"metadata", "real"} and all(p["requests"] == 60 for p in points.values())
     assert any(p.get("modes_agree") for p in result["points"])
@@ -422,7 +424,7 @@ def test_replay_scale_smoke(tmp_path: Path) -> None:
 
 
 def test_fleet_whatif_smoke(tmp_path: Path) -> None:
-    result = _run("fleet_whatif.py", tmp_path / "fleet.json")
+    result = _run("benchmarks.engine.fleet", tmp_path / "fleet.json")
     assert result["benchmark"] == "fleet_whatif" and result["servers"] == 2 and result["requests"] == 200
     rows = {r["route"]: r for r in result["rows"]}
     assert set(rows) == {"round_robin"}
@@ -433,7 +435,7 @@ def test_fleet_whatif_smoke(tmp_path: Path) -> None:
 
 
 def test_evict_calls_smoke(tmp_path: Path) -> None:
-    result = _run("evict_calls.py", tmp_path / "evict.json")
+    result = _run("benchmarks.tree.evict_calls", tmp_path / "evict.json")
     assert result["benchmark"] == "evict_calls" and result["config"]["quick"]
     for mode in ("incremental", "rebuilt"):
         m = result["median"][mode]
@@ -443,7 +445,7 @@ def test_evict_calls_smoke(tmp_path: Path) -> None:
 def test_no_tax_smoke(tmp_path: Path) -> None:
     """On a slice that fits the device tier the tiered policies cost nothing in the embedded engine's
     virtual time (deterministic: the cost model, not a wall clock)."""
-    result = _run("no_tax.py", tmp_path / "no_tax.json")
+    result = _run("benchmarks.engine.no_tax", tmp_path / "no_tax.json")
     assert result["benchmark"] == "no_tax" and result["regime"]["requests"] == 200
     assert result["regime"]["fits_device"]
     for policy, ratio in result["ratio_vs_recompute"].items():
@@ -455,8 +457,7 @@ def test_store_compare_summary_and_bad_input(tmp_path: Path) -> None:
     """The side-by-side store benchmark's arithmetic (its runs need two venvs and four servers: run by
     hand, `docs/benchmarks.md`): medians, ratios sgl_hicache / HiCache, the HiCache log parser, and a
     missing peer venv as a clear error."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import store_compare as sc
+    from benchmarks.server import store as sc
 
     def phase(ttft: float, tput: float, storage: int) -> dict:
         return {
@@ -511,7 +512,8 @@ def test_store_compare_summary_and_bad_input(tmp_path: Path) -> None:
     r = subprocess.run(
         [
             sys.executable,
-            str(REPO / "benchmarks" / "store_compare.py"),
+            "-m",
+            "benchmarks.server.store",
             "--quick",
             "--peer-python",
             str(tmp_path / "none"),
@@ -525,7 +527,7 @@ def test_store_compare_summary_and_bad_input(tmp_path: Path) -> None:
 
 
 def test_retention_smoke(tmp_path: Path) -> None:
-    result = _run("retention.py", tmp_path / "retention.json")
+    result = _run("benchmarks.engine.retention", tmp_path / "retention.json")
     assert result["benchmark"] == "retention" and len(result["families"]) == 1
     cell = result["families"][0]["cells"][0]
     assert set(cell["policies"]) == {"lru", "belady", "oracle"}
@@ -534,7 +536,7 @@ def test_retention_smoke(tmp_path: Path) -> None:
 
 
 def test_profile_summary_attributes_samples_to_phases_and_cache_calls(tmp_path: Path) -> None:
-    """py-spy's collapsed stacks (as `server_compare.py --profile` writes them) summed per scheduler
+    """py-spy's collapsed stacks (as `benchmarks.server.compare --profile` writes them) summed per scheduler
     phase and per outermost sgl_hicache frame."""
     prof = tmp_path / "p.txt"
     prof.write_text(
@@ -546,7 +548,7 @@ def test_profile_summary_attributes_samples_to_phases_and_cache_calls(tmp_path: 
     )
     out = tmp_path / "s.json"
     subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "profile_summary.py"), str(prof), "--json", str(out)],
+        [sys.executable, "-m", "benchmarks.server.profile_summary", str(prof), "--json", str(out)],
         check=True,
         cwd=REPO,
         capture_output=True,
@@ -559,7 +561,7 @@ def test_profile_summary_attributes_samples_to_phases_and_cache_calls(tmp_path: 
     assert s["sgl_hicache_calls"] == {"match_prefix (sglang/backend.py:5)": 0.3}
     assert s["top_self"]["forward_extend (model_runner.py:3)"] == 0.6
     bad = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "profile_summary.py"), str(tmp_path / "none.txt")],
+        [sys.executable, "-m", "benchmarks.server.profile_summary", str(tmp_path / "none.txt")],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -569,7 +571,7 @@ def test_profile_summary_attributes_samples_to_phases_and_cache_calls(tmp_path: 
 
 
 def test_prediction_pays_smoke(tmp_path: Path) -> None:
-    result = _run("prediction_pays.py", tmp_path / "pays.json")
+    result = _run("benchmarks.engine.prediction", tmp_path / "pays.json")
     assert result["benchmark"] == "prediction_pays" and set(result) >= {"chain", "branch"}
     for shape in ("chain", "branch"):
         figures = result[shape]
@@ -588,7 +590,7 @@ def test_prediction_pays_smoke(tmp_path: Path) -> None:
 
 def test_prediction_pays_silence_reports_each_cells_noise_floor(tmp_path: Path) -> None:
     result = _run(
-        "prediction_pays.py",
+        "benchmarks.engine.prediction",
         tmp_path / "silence.json",
         "--workloads",
         "silence",
@@ -601,7 +603,7 @@ def test_prediction_pays_silence_reports_each_cells_noise_floor(tmp_path: Path) 
     assert set(cell["noise"]) == {"host+1 pages", "host-1 pages"}
     assert all(v["ttft_ratio"] > 0 and v["bytes_ratio"] > 0 for v in cell["noise"].values())
     bad = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "prediction_pays.py"), "--workloads", "silence", "--noise", "one"],
+        [sys.executable, "-m", "benchmarks.engine.prediction", "--workloads", "silence", "--noise", "one"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -611,7 +613,7 @@ def test_prediction_pays_silence_reports_each_cells_noise_floor(tmp_path: Path) 
 
 
 def test_agent_hints_smoke(tmp_path: Path) -> None:
-    result = _run("agent_hints.py", tmp_path / "agent_hints.json")
+    result = _run("benchmarks.engine.agent_hints", tmp_path / "agent_hints.json")
     (cell,) = result["cells"]
     assert {"no_hints", "hints", "oracle", "summary"} <= set(cell)
     assert cell["hints"]["hints"]["applied"]["pin"] > 0 and cell["no_hints"]["hints"]["applied"]["pin"] == 0
@@ -619,12 +621,10 @@ def test_agent_hints_smoke(tmp_path: Path) -> None:
 
 
 def test_agent_server_figures_without_a_server() -> None:
-    """`benchmarks/agent_server.py`'s figures from a replay report (its server runs take minutes: no
+    """`benchmarks/server/agents.py`'s figures from a replay report (its server runs take minutes: no
     smoke run here): the turns after a long tool, job completion times, per-tier hits, and the
     summary's ratios against HiCache."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import agent_server as bench
-
+    from benchmarks.server import agents as bench
     from sgl_hicache.replay.shapes import agent
 
     shape = {**bench.QUICK, "sessions": 3, "steps": 4, "long_share": 0.5}
@@ -674,8 +674,7 @@ def test_agent_server_figures_without_a_server() -> None:
 
 
 def test_agent_server_refuses_bad_options() -> None:
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import agent_server as bench
+    from benchmarks.server import agents as bench
 
     for args in (["--configs", "nope"], ["--device-tokens", "64"], ["--host-ratio", "1"]):
         with pytest.raises(SystemExit) as e:

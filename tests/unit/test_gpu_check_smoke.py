@@ -1,4 +1,4 @@
-"""The prepared GPU check (scripts/gpu_check.sh -> benchmarks/gpu_check.py) runs end to end on CPU
+"""The prepared GPU check (scripts/gpu_check.sh -> benchmarks/io/gpu_check.py) runs end to end on CPU
 (`--cpu-smoke`: tiny sizes, no streams), so it cannot rot between the sessions that have a GPU."""
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ def test_without_cuda_it_fails_clearly_and_imports_only_the_core(tmp_path: Path)
     # The GPU machines have torch, xxhash and pytest only: no SGLang, nor our SGLang adapter.
     env = _env()
     env["OUT"] = str(tmp_path)  # $OUT names the report's folder
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])  # the benchmarks package
     # with a GPU present the full check would take minutes: run the smoke there, for the imports only
     argv = ["gpu_check.py", "--cpu-smoke"] if torch.cuda.is_available() else ["gpu_check.py"]
     code = (
@@ -90,7 +91,7 @@ def test_without_cuda_it_fails_clearly_and_imports_only_the_core(tmp_path: Path)
         f"sys.argv = {argv!r}\n"
         "status = 0\n"
         "try:\n"
-        f"    runpy.run_path({str(REPO / 'benchmarks' / 'gpu_check.py')!r}, run_name='__main__')\n"
+        "    runpy.run_module('benchmarks.io.gpu_check', run_name='__main__', alter_sys=True)\n"
         "except SystemExit as exc:\n"
         "    status = exc.code\n"
         "bad = [m for m in sys.modules if m.split('.')[0] == 'sglang' or m.startswith('sgl_hicache.sglang')]\n"

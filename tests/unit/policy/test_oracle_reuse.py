@@ -1,5 +1,5 @@
 """The oracle (Belady + perfect prefetch), the reuse model's retention, and the guard
-against harmful promotion. Behaviour, not figures: the figures are in benchmarks/regime_map.py."""
+against harmful promotion. Behaviour, not figures: the figures are in benchmarks/engine/regime_map.py."""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""Benchmarks that start real SGLang servers (`.venv-sglang`; on CPU with the CPU test layer)."""
