@@ -6,7 +6,7 @@ JSON (`--out`): "serves" or the error that stopped it and where (file:line).
     .venv-sglang/bin/python scripts/cpu/probe_kinds.py --out /tmp/probe_kinds.json [--only qwen3-next]
 
 Run one server at a time (each takes ~30-60 s to fail or serve on 2 cores). Findings:
-docs/sglang-backend.md, "Model coverage".
+docs/coverage.md.
 """
 
 from __future__ import annotations

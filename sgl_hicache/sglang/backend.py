@@ -1,7 +1,7 @@
 """`TieredRadixCache`: SGLang 0.5.23's tree cache, backed by `sgl_hicache.cache.TieredCache`.
 
 Selected with `--radix-cache-backend sgl_hicache` (registered by `plugin.register`). One tree core: every
-method here translates SGLang's calls (docs/sglang-integration.md) into `TieredCache` calls; the tree,
+method here translates SGLang's calls (docs/internals.md) into `TieredCache` calls; the tree,
 the tier residency, eviction and promotion all live in `TieredCache`.
 
 Tiers: device = SGLang's own KV pool and allocator (`device_pool.SGLangDevicePool`), host = our DRAM
@@ -103,7 +103,7 @@ BACKEND_NAME = "sgl_hicache"
 class TieredRadixCache(MambaCalls, StepCalls, CacheViews, BasePrefixCache):
     """SGLang `BasePrefixCache` over one `TieredCache` (see the module docstring).
 
-    Contract with SGLang's scheduler (docs/sglang-integration.md): `match_prefix` returns the device
+    Contract with SGLang's scheduler (docs/internals.md): `match_prefix` returns the device
     prefix and the host + disk length it may promise; `init_load_back` loads all promised tokens or
     none, or answers None ("retry next round"); `checkpoint` hands the request's whole pages to the
     tree; `evict` frees device tokens without waiting for a copy; the size figures are O(1). SGLang
@@ -273,7 +273,7 @@ class TieredRadixCache(MambaCalls, StepCalls, CacheViews, BasePrefixCache):
             self.controller.poll(st.ticket)
             m = self.cache.match(tokens[:aligned], touch=False)
         if m.disk_tokens and (st is None or st.ticket is None or st.ticket.job is None):
-            # no prefetch brings the disk part up (docs/sglang-backend.md, "Match"): promise the rest
+            # no prefetch brings the disk part up (docs/internals.md, "Match"): promise the rest
             m = m.head(m.device_tokens + m.host_tokens)
         if st is not None:
             st.last_match = m

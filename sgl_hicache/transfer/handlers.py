@@ -178,7 +178,7 @@ def follower_handlers(handlers: Handlers, stores: dict[str, TierStore], skipped:
     - An inline copy (on the scheduler thread, not agreed) device -> host is made here too: the same
       bytes into the same slot, so that this rank never reads a slot before it is written.
     - An inline disk -> host copy cannot be made here (the follower has no files) and fails with a
-      TierIOError; the server's request path makes none (docs/sglang-backend.md, "Model coverage").
+      TierIOError; the server's request path makes none (docs/coverage.md, "MLA").
     Host -> device (and device -> host inline) keep `handlers`' movers."""
     out = dict(handlers)
     lower = stores.get(DISK)

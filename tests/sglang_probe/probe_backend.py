@@ -1,6 +1,6 @@
 """Probe (not product code): a radix-cache backend that counts what SGLang's scheduler calls.
 
-Used once to check docs/sglang-integration.md's key assumption: a factory registered with
+Used once to check a key assumption of docs/internals.md ("SGLang 0.5.23's side"): a factory registered with
 ``register_radix_cache_backend`` and selected by ``--radix-cache-backend sgl_hicache_probe`` gets
 every scheduler call, and a plain ``BasePrefixCache`` subclass shaped like ``RadixCache`` (not the
 unified tree) is enough for the scheduler. ``SGLHICACHE_PROBE_BASE=radix|unified`` picks the base.
