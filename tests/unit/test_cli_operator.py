@@ -18,7 +18,7 @@ import pytest
 from sgl_hicache.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
-TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+TRACE = REPO / "traces" / "mooncake_conversation_trace.jsonl"
 CLI = [sys.executable, "-m", "sgl_hicache.cli"]
 VOCAB = 1024
 
