@@ -18,8 +18,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .argtypes import int_at_least as _int_at_least
+from .argtypes import non_negative_float as _non_negative_float
+from .argtypes import positive_float as _positive_float
 from .config import DEFAULT_POLICY, EVICTION_POLICIES, PREDICTORS, WRITE_POLICIES, ConfigError
 from .progress import Progress
+from .replay.agent_cli import add_agent_flags, agent_options, format_preceding
 from .replay.trace import TraceError
 
 DEFAULT_TRACE_HINT = "traces/mooncake_conversation_trace.jsonl"
@@ -33,43 +37,8 @@ class ReplayFailed(Exception):
     """The replay ran but requests failed; printed as `error: ...`, exit status 1."""
 
 
-def _int_at_least(minimum: int):
-    """An argparse type: an integer >= `minimum` (1e6-style values accepted)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(float(text)) if text.lower().endswith(("e3", "e6", "e9")) else int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
-        return value
-
-    return parse
-
-
 _positive_int = _int_at_least(1)
 _non_negative_int = _int_at_least(0)
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
-    return value
 
 
 # ---- replay ----------------------------------------------------------------------------------
@@ -86,7 +55,8 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "trace",
         help="trace file: Mooncake/LMBench JSONL, ShareGPT or vLLM multi-turn JSON, plain JSONL, "
-        "Azure CSV, SGLang bench output (docs/trace-formats.md)",
+        "Azure CSV, SGLang bench output; or recorded agent sessions (kv-cache-tester JSON): a file or "
+        "a folder of them (docs/trace-formats.md)",
     )
     p.add_argument("--format", default="auto", choices=["auto", *FORMATS])
     p.add_argument("--limit", type=_positive_int, help="replay only the first N requests")
@@ -94,6 +64,7 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--scale", type=_positive_int, help="Mooncake: synthesise each block as this many tokens (shrinks the trace)"
     )
+    add_agent_flags(p)
     p.add_argument("--tokenizer", help="ShareGPT/plain text: a folder with tokenizer.json (default: byte-level)")
     p.add_argument(
         "--vocab-size",
@@ -228,16 +199,18 @@ def _load_requests(args: argparse.Namespace, vocab_size: int | None = None, stre
             f"trace file {str(path)!r} does not exist"
             + (f" (the shipped trace is {DEFAULT_TRACE_HINT})" if "mooncake" in str(path) else "")
         )
-    if path.is_dir():
+    fmt = args.format if args.format != "auto" else detect_format(path)
+    if path.is_dir() and fmt != "agent-sessions":
         raise UserError(f"trace {str(path)!r} is a directory, not a file")
+    agent = agent_options(args, fmt)
     if args.scale is not None and args.scale > args.block_size:  # it would synthesise prompts larger than the trace's
         raise UserError(
             f"--scale {args.scale} must be <= --block-size {args.block_size} (it shrinks each block to that many tokens)"
         )
-    fmt = args.format if args.format != "auto" else detect_format(path)
-    opts: dict[str, Any] = {"limit": args.limit}
-    if fmt == "mooncake":
-        opts.update(block_size=args.block_size, scale=args.scale)
+    opts: dict[str, Any] = {"limit": args.limit, **agent}
+    if fmt in ("mooncake", "agent-sessions"):
+        if fmt == "mooncake":
+            opts.update(block_size=args.block_size, scale=args.scale)
         if vocab_size is not None:
             opts["vocab_size"] = vocab_size
     else:
@@ -246,6 +219,12 @@ def _load_requests(args: argparse.Namespace, vocab_size: int | None = None, stre
         if fmt == "plain" and vocab_size is not None:
             opts["vocab_size"] = vocab_size
     requests = open_mooncake(path, **opts) if stream and fmt == "mooncake" else load_trace(path, fmt=fmt, **opts)
+    if agent:  # sessions replay at their recorded times; a server gets the hints in the requests
+        args.trace_clock = True
+        args.hints_in_request = not args.no_hints
+        print(
+            "sgl-hicache replay: note: agent sessions replay at their recorded times (--trace-clock)", file=sys.stderr
+        )
     for note in requests.notes:  # each lenient choice of the reader, once
         print(f"sgl-hicache replay: note: {note}", file=sys.stderr)
     return requests
@@ -344,6 +323,7 @@ def _replay_server(args: argparse.Namespace, progress: Progress) -> dict[str, An
             server=server,
             progress=progress.callback("server"),
             hint_url=args.hint_url,
+            hints_in_request=getattr(args, "hints_in_request", False),
         )
     except ServerError as exc:  # e.g. the trace carries hints and no hint API answers: nothing was sent
         raise UserError(str(exc)) from None
@@ -512,6 +492,8 @@ def format_report(result: dict[str, Any]) -> str:
             )
         if rep.get("hints"):
             lines.append(format_hints(name, rep["hints"]))
+        if rep.get("ttft_by_preceding"):
+            lines.append(format_preceding(name, rep["ttft_by_preceding"]))
     return "\n".join(lines)
 
 

@@ -1,7 +1,7 @@
 """Per-request records kept as columns: what a replay remembers of each finished request.
 
 A million-request replay must not keep a million objects: `RecordColumns` holds the numbers of
-`RequestRecord` (times and token counts, no prompt, no id) in typed arrays, 64 bytes a request, and
+`RequestRecord` (times and token counts, no prompt, no id) in typed arrays, 65 bytes a request, and
 the report reads them as columns (sums in C). Indexing or iterating gives `RequestRecord`s, so code
 that reads records one by one keeps working.
 """
@@ -13,11 +13,14 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+PRECEDED_BY = ("none", "person", "tool")  # what came before a call in its session (`Request.preceded_by`)
+
 
 @dataclass
 class RequestRecord:
     """What a report keeps of each request: times in seconds (virtual for the embedded engine,
-    wall clock for the HTTP replayer) and the prompt tokens served from each tier."""
+    wall clock for the HTTP replayer), the prompt tokens served from each tier, and what preceded
+    the call in its session (`PRECEDED_BY`, None when the trace does not tell)."""
 
     request_id: str
     arrival_s: float
@@ -28,6 +31,7 @@ class RequestRecord:
     hit_device: int = 0
     hit_host: int = 0
     hit_disk: int = 0
+    preceded_by: str | None = None
 
 
 _FLOATS = ("arrival_s", "ttft_s", "finish_s")
@@ -39,13 +43,15 @@ class RecordColumns:
 
     Contract: `append(record)` takes anything with `RequestRecord`'s attributes; `len`, `[i]` and
     iteration give `RequestRecord`s (ids are the position, as strings: ids are not kept); every
-    column is an `array` (`arrival_s`, `ttft_s`, `finish_s` as 'd', the token counts as 'q')."""
+    column is an `array` (`arrival_s`, `ttft_s`, `finish_s` as 'd', the token counts as 'q',
+    `preceded` as 'b': the index in `PRECEDED_BY`, -1 for None)."""
 
     def __init__(self) -> None:
         for name in _FLOATS:
             setattr(self, name, array("d"))
         for name in _INTS:
             setattr(self, name, array("q"))
+        self.preceded = array("b")
 
     arrival_s: array
     ttft_s: array
@@ -55,6 +61,7 @@ class RecordColumns:
     hit_device: array
     hit_host: array
     hit_disk: array
+    preceded: array
 
     @classmethod
     def of(cls, records: Iterable[Any]) -> RecordColumns:
@@ -76,6 +83,7 @@ class RecordColumns:
         hit_device: int,
         hit_host: int,
         hit_disk: int,
+        preceded_by: str | None = None,
     ) -> None:
         self.arrival_s.append(arrival_s)
         self.ttft_s.append(ttft_s)
@@ -85,10 +93,19 @@ class RecordColumns:
         self.hit_device.append(hit_device)
         self.hit_host.append(hit_host)
         self.hit_disk.append(hit_disk)
+        self.preceded.append(-1 if preceded_by is None else PRECEDED_BY.index(preceded_by))
 
     def append(self, r: Any) -> None:
         self.add(
-            r.arrival_s, r.ttft_s, r.finish_s, r.prompt_tokens, r.output_tokens, r.hit_device, r.hit_host, r.hit_disk
+            r.arrival_s,
+            r.ttft_s,
+            r.finish_s,
+            r.prompt_tokens,
+            r.output_tokens,
+            r.hit_device,
+            r.hit_host,
+            r.hit_disk,
+            getattr(r, "preceded_by", None),
         )
 
     def __len__(self) -> int:
@@ -110,6 +127,7 @@ class RecordColumns:
             self.hit_device[i],
             self.hit_host[i],
             self.hit_disk[i],
+            None if self.preceded[i] < 0 else PRECEDED_BY[self.preceded[i]],
         )
 
     def __iter__(self) -> Iterator[RequestRecord]:
@@ -117,7 +135,7 @@ class RecordColumns:
 
     @property
     def nbytes(self) -> int:
-        return sum(getattr(self, n).itemsize * len(self) for n in (*_FLOATS, *_INTS))
+        return sum(getattr(self, n).itemsize * len(self) for n in (*_FLOATS, *_INTS, "preceded"))
 
 
-__all__ = ["RecordColumns"]
+__all__ = ["PRECEDED_BY", "RecordColumns", "RequestRecord"]

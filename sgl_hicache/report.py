@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from .records import RecordColumns
+from .records import PRECEDED_BY, RecordColumns
 from .tiers.base import DEVICE, DISK, HOST
 
 REPORT_VERSION = 1
@@ -88,7 +88,21 @@ def policy_report(
         "settings": settings,
         "timeline": timeline(cols, timeline_points),
         "ttft_samples_s": [round(t, 6) for t in cols.ttft_s],
+        **ttft_by_preceding(cols),
     }
+
+
+def ttft_by_preceding(records: Any) -> dict[str, Any]:
+    """``{"ttft_by_preceding": {kind: {"requests": n, **latency_summary}}}`` for every kind of
+    `PRECEDED_BY` (what came before a call in its session), or ``{}`` when no record tells."""
+    cols = RecordColumns.of(records)
+    if not any(code >= 0 for code in cols.preceded):
+        return {}
+    split: dict[str, Any] = {}
+    for code, kind in enumerate(PRECEDED_BY):
+        values = [t for t, c in zip(cols.ttft_s, cols.preceded) if c == code]
+        split[kind] = {"requests": len(values), **latency_summary(values)}
+    return {"ttft_by_preceding": split}
 
 
 def timeline(records: Any, points: int) -> list[dict[str, float]]:

@@ -40,10 +40,12 @@ class Hint:
     how long to retain it (required for ``pin``, optional for ``retain``, refused elsewhere);
     `after_s`: seconds after its request's arrival at which a replayed hint runs (0: at arrival), or
     with `at_finish`, after its request finishes (a tool call starts when the model's answer is
-    complete: a request's own ``agent_hints`` retention runs then, on the server as in a replay)."""
+    complete: a request's own ``agent_hints`` retention runs then, on the server as in a replay).
+    `input_ids` is any sequence of ids, kept as given: a hint on a request's own prompt shares the
+    request's `array` instead of copying it."""
 
     action: str
-    input_ids: tuple[int, ...] | None = None
+    input_ids: Sequence[int] | None = None
     session: str | None = None
     ttl_s: float | None = None
     after_s: float = 0.0

@@ -1,5 +1,6 @@
 """Trace readers: Mooncake-style JSONL, ShareGPT-style conversations (and vLLM's OpenAI-style
-ones), plain JSONL of requests, Azure LLM inference CSV, SGLang benchmark outputs.
+ones), plain JSONL of requests, Azure LLM inference CSV, SGLang benchmark outputs, recorded agent
+sessions (kv-cache-tester JSON: a file or a folder of them).
 
 `load_trace(path)` picks the reader (see `detect_format`) and returns a `Trace`: the `Request`s
 sorted by arrival, with the read's `notes` (each lenient choice once). Formats and validation rules:
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .agent_sessions import looks_like_session, read_agent_sessions
 from .lengths import read_azure, read_sglang_bench
 from .mooncake import read_mooncake
 from .plain import read_plain
@@ -25,6 +27,7 @@ READERS: dict[str, Callable[..., Trace]] = {
     "plain": read_plain,
     "azure": read_azure,
     "sglang-bench": read_sglang_bench,
+    "agent-sessions": read_agent_sessions,
 }
 BENCH_KEYS = ("input_lens", "details", "user_data", "summary")  # what SGLang's benchmarks write
 FORMATS = tuple(READERS)
@@ -33,6 +36,9 @@ FORMATS = tuple(READERS)
 def detect_format(path: str | Path) -> str:
     """Guess a trace's format from its content (then its name).
 
+    A folder, or a file that opens as a JSON object holding ``"requests"`` and ``"block_size"`` or
+    ``"hash_id_scope"`` in its first 4 KiB, is agent sessions (kv-cache-tester); a folder with no
+    ``.json`` file in it is a TraceError.
     A file whose first non-blank character is ``[`` is ShareGPT (a JSON array of conversations,
     ShareGPT's or the OpenAI/vLLM form). A first line holding ``ContextTokens`` is an Azure CSV header.
     Otherwise the first non-blank line is parsed: an object with ``hash_ids`` is Mooncake, one with
@@ -44,8 +50,8 @@ def detect_format(path: str | Path) -> str:
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"trace file {str(p)!r} does not exist")
-    if p.is_dir():
-        raise TraceError(p, 1, "is a directory, not a trace file")
+    if p.is_dir() or looks_like_session(p):
+        return "agent-sessions"
     first = b""
     with p.open("rb") as f:
         for raw in f:
@@ -109,6 +115,7 @@ __all__ = [
     "detect_format",
     "load_tokenizer",
     "load_trace",
+    "read_agent_sessions",
     "read_azure",
     "read_mooncake",
     "read_plain",

@@ -485,12 +485,20 @@ def replay_http(
                 d,
                 h,
                 k,
+                req.preceded_by,
                 r["output_ids"] if keep_outputs else [],
             )
         except Exception as e:  # counted, never raised: one bad request must not end the replay
             now = time.perf_counter() - start
             rec = HttpRecord(
-                req.request_id, sent, 0.0, now, len(req.input_ids), 0, error=f"{type(e).__name__}: {e}"[:500]
+                req.request_id,
+                sent,
+                0.0,
+                now,
+                len(req.input_ids),
+                0,
+                preceded_by=req.preceded_by,
+                error=f"{type(e).__name__}: {e}"[:500],
             )
         if sender is not None:  # the hints that run from the request's end (a tool call starts then)
             for hint in hinted.get(id(req), ()):

@@ -47,9 +47,9 @@ from .trace import (
     TokenSynth,
     Trace,
     TraceError,
-    _short,
     check_positive_int,
     check_synth_options,
+    get_hash_ids,
     get_int,
     get_timestamp,
     parse_json_object,
@@ -186,14 +186,7 @@ def parse_row(
     ts = get_timestamp(path, line, obj, "timestamp", notes)
     input_length = get_int(path, line, obj, "input_length", minimum=1)
     output_length = get_int(path, line, obj, "output_length", minimum=0)
-    if "hash_ids" not in obj:
-        raise TraceError(path, line, "missing field 'hash_ids'")
-    hash_ids = obj["hash_ids"]
-    if not isinstance(hash_ids, list):
-        raise TraceError(path, line, f"field 'hash_ids' must be an array of integers, got {type(hash_ids).__name__}")
-    for i, h in enumerate(hash_ids):
-        if isinstance(h, bool) or not isinstance(h, int) or h < 0:
-            raise TraceError(path, line, f"field 'hash_ids'[{i}] must be a non-negative integer, got {_short(h)}")
+    hash_ids = get_hash_ids(path, line, obj)
     expected = -(-input_length // block_size)
     fits = len(hash_ids) == expected
     if not fits and (block_coverage == "fixed" or not hash_ids):

@@ -50,6 +50,7 @@ from .trace import (
     get_id,
     load_tokenizer,
     parse_json,
+    read_text,
     sort_by_arrival,
     unique_id,
 )
@@ -144,14 +145,7 @@ def read_sharegpt(
     if limit is not None:
         check_positive_int("limit", limit, minimum=0)
     check_positive_int("missing_output_length", missing_output_length, minimum=0)
-    try:
-        data = p.read_bytes()
-    except IsADirectoryError as e:
-        raise TraceError(p, 1, "is a directory, not a trace file") from e
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise TraceError(p, data.count(b"\n", 0, e.start) + 1, f"not valid UTF-8 ({e.reason})") from e
+    text = read_text(p)
 
     out: list[Request] = []
     notes = ReadNotes()

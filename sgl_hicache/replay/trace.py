@@ -110,6 +110,9 @@ class Request:
     - `line`: 1-based line of the source file where the request (or its conversation) is written.
     - `hints`: what the client said about the cache with it (`replay.hints.Hint`: prefetch, pin,
       retain, demote of a prefix), applied by the engine from the request's arrival on.
+    - `preceded_by`: what came before this call in its session, when the trace tells
+      (`records.PRECEDED_BY`: ``"none"`` a session's first call, ``"person"`` a person's message,
+      ``"tool"`` a tool's result); None when it does not. Reports split TTFT by it.
     """
 
     request_id: str
@@ -119,6 +122,7 @@ class Request:
     output_length: int
     line: int
     hints: tuple = ()  # `replay.hints.Hint`s the client sent with the request (plain JSONL's ``hints``)
+    preceded_by: str | None = None
 
     @property
     def input_length(self) -> int:
@@ -230,6 +234,32 @@ def read_lines(path: str | Path) -> Iterator[tuple[int, str]]:
             yield number, text
     if not seen:
         raise TraceError(p, 1, "empty trace: no requests in the file")
+
+
+def read_text(path: str | Path) -> str:
+    """A whole file as text: a directory or bad UTF-8 is a TraceError (naming the line of the bad byte)."""
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except IsADirectoryError as e:
+        raise TraceError(p, 1, "is a directory, not a trace file") from e
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TraceError(p, data.count(b"\n", 0, e.start) + 1, f"not valid UTF-8 ({e.reason})") from e
+
+
+def get_hash_ids(path: str | Path, line: int, obj: dict) -> list[int]:
+    """The ``hash_ids`` field: an array of non-negative integers (block ids)."""
+    if "hash_ids" not in obj:
+        raise TraceError(path, line, "missing field 'hash_ids'")
+    hash_ids = obj["hash_ids"]
+    if not isinstance(hash_ids, list):
+        raise TraceError(path, line, f"field 'hash_ids' must be an array of integers, got {type(hash_ids).__name__}")
+    for i, h in enumerate(hash_ids):
+        if isinstance(h, bool) or not isinstance(h, int) or h < 0:
+            raise TraceError(path, line, f"field 'hash_ids'[{i}] must be a non-negative integer, got {_short(h)}")
+    return hash_ids
 
 
 def parse_json(path: str | Path, line: int, text: str) -> Any:

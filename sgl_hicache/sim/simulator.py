@@ -462,6 +462,7 @@ class EmbeddedEngine:
             hd,
             hh,
             hk,
+            flight.req.preceded_by,
         )
         self._prompt_tokens += prompt
         self._hit_tokens += hd + hh + hk

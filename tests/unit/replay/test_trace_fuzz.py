@@ -13,6 +13,7 @@ from sgl_hicache.replay import (
     Request,
     TraceError,
     load_trace,
+    read_agent_sessions,
     read_azure,
     read_mooncake,
     read_plain,
@@ -44,6 +45,11 @@ GOOD_PLAIN = [
 GOOD_SHAREGPT = [
     '[{"id": "x", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},',
     ' {"id": "y", "conversations": [{"from": "system", "value": "s"}, {"from": "user", "value": "q"}]}]',
+]
+GOOD_AGENT = [
+    '{"id": "s", "block_size": 4, "hash_id_scope": "local", "requests": [{"t": 0, "type": "n", "in": 9, "out": 2, '
+    '"hash_ids": [1, 2], "input_types": ["text"], "stop": "tool_use", "api_time": 1.5}, {"t": 3, "type": "s", '
+    '"in": 13, "out": 1, "hash_ids": [1, 2, 3, 4], "stop": "end_turn"}, {"t": 4, "type": "subagent"}]}',
 ]
 
 json_scalars = st.one_of(
@@ -80,6 +86,13 @@ field_names = st.sampled_from(
         "details",
         "user_data",
         "summary",
+        "requests",
+        "block_size",
+        "hash_id_scope",
+        "type",
+        "stop",
+        "in",
+        "t",
     ]
 )
 # objects with the right keys and random values: reach the validation code, not just the JSON parser
@@ -129,6 +142,8 @@ def run_all(data: bytes) -> None:
             lambda: read_sharegpt(path),
             lambda: read_azure(path),
             lambda: read_sglang_bench(path),
+            lambda: read_agent_sessions(path),
+            lambda: read_agent_sessions(path, block_scale=2, gap_cap_s=1.0, hint_estimate_error=0.5),
             lambda: load_trace(path),
         ):
             try:
@@ -155,6 +170,7 @@ fuzz = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
         mutated(GOOD_SHAREGPT),
         mutated(GOOD_AZURE),
         mutated(GOOD_BENCH),
+        mutated(GOOD_AGENT),
     )
 )
 def test_mutated_good_files(data):
