@@ -620,6 +620,19 @@ def test_agent_hints_smoke(tmp_path: Path) -> None:
     assert cell["summary"]["mean_ratio"] <= 1.05 and cell["summary"]["p99_ratio"] <= 1.05  # the hints never harm
 
 
+def test_agent_sessions_smoke(tmp_path: Path) -> None:
+    excerpt = REPO / "tests" / "data" / "agent_sessions_excerpt"
+    result = _run("benchmarks.engine.agent_sessions", tmp_path / "agent_sessions.json", str(excerpt))
+    (cell,) = result["cells"]
+    assert {"no_hints", "hints", "oracle", "summary"} <= set(cell) and list(cell["hints"]) == ["0"]
+    hinted, plain = cell["hints"]["0"], cell["no_hints"]
+    assert hinted["hints"]["applied"]["pin"] > 0 and plain["hints"]["applied"]["pin"] == 0
+    assert hinted["hints"]["applied"]["demote"] >= 1  # the end hint of a session's last call
+    # every call counted once, by what preceded it
+    assert sum(plain[k]["requests"] for k in ("tool", "person", "none")) == plain["all"]["requests"]
+    assert plain["none"]["requests"] == 2  # one first call per session
+
+
 def test_agent_server_figures_without_a_server() -> None:
     """`benchmarks/server/agents.py`'s figures from a replay report (its server runs take minutes: no
     smoke run here): the turns after a long tool, job completion times, per-tier hits, and the
