@@ -95,7 +95,7 @@ def test_a_request_retains_its_conversation_ends_it_and_prefetches_it_by_handle(
     rh.on_arrival(req)
     rh.on_finish(req)
     assert ctl.hints.counts["retain"] == 1 and ctl.hints.pins == 1 and ctl.hints.pinned_tokens == 2 * PS
-    assert set(rh.handles) == {"r1", "wf/a"}
+    assert set(rh.handles) == {(("", ""), "r1"), (("", ""), "wf/a")}  # in the empty namespace
     clock.t = 16.0  # 4 s x 1.25: over
     ctl.pump_writeback(start_new=False)
     assert ctl.hints.pins == 0
