@@ -13,6 +13,7 @@ through ``/generate`` and the OpenAI API's ``/v1/completions``, its effect read 
 from __future__ import annotations
 
 import shutil
+import urllib.error
 
 import pytest
 from test_sglang_agent_hints import TP_ENV, _hints, _refusal, _servers
@@ -46,9 +47,15 @@ def _generate(srv, ids, kv: dict, n: int = 4, **extra) -> dict:
     return srv.post("/generate", {"input_ids": list(ids), "sampling_params": params, **extra})
 
 
-def _complete(srv, ids, kv: dict, n: int = 4) -> dict:
+def _complete(srv, ids, kv: dict, n: int = 4) -> None:
+    """`/v1/completions` with the envelope. The test server has no tokenizer (`--skip-tokenizer-init`),
+    so the OpenAI layer cannot render the reply's text and answers 500 after the scheduler ran the
+    request (and its hints): the effect is read from the stats, never from this reply."""
     body = {"model": "default", "prompt": list(ids), "max_tokens": n, "temperature": 0.0}
-    return srv.post("/v1/completions", {**body, "custom_params": {"kv_hints": kv}})
+    try:
+        srv.post("/v1/completions", {**body, "custom_params": {"kv_hints": kv}})
+    except urllib.error.HTTPError as e:
+        assert e.code == 500, e.code
 
 
 def test_the_envelopes_actions_apply_on_both_ranks_within_the_senders_namespace(server):
@@ -66,8 +73,7 @@ def test_the_envelopes_actions_apply_on_both_ranks_within_the_senders_namespace(
     assert st["refused"].get("unknown", 0) == before["refused"].get("unknown", 0) + 1, st
     assert st["applied"]["prefetch"] == before["applied"]["prefetch"], st
     # its own namespace, through the OpenAI API: applied
-    out = _complete(server, _prompt(82, 32), _env(("Prefetch", {"handle": "wf/kv"})), n=1)
-    assert out["choices"][0]["finish_reason"] != "abort", out
+    _complete(server, _prompt(82, 32), _env(("Prefetch", {"handle": "wf/kv"})), n=1)
     assert _hints(server)["applied"]["prefetch"] == before["applied"]["prefetch"] + 1
     _complete(server, conv, _env(("Demote", {"session_id": "wf/kv"})))
     st = _settled_pool(server)

@@ -5,11 +5,8 @@ namespace's handle is refused as unknown and moves nothing."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
-from conftest import serve
-from test_agent_hints import _Req
+from test_agent_hints import _req, _served
 from test_hints import _controller
 from test_oracle_reuse import PS, Clock, seq
 
@@ -100,26 +97,8 @@ def test_every_malformed_field_is_refused_by_name(env, field):
     assert err.value.reason == "malformed"
 
 
-def _req(rid, prompt, output=(), salt=None, extra_key=None, kv=None, **agent_hints):
-    params = {"kv_hints": kv} if kv else ({"agent_hints": agent_hints} if agent_hints else None)
-    return _Req(
-        rid=rid,
-        origin_input_ids=list(prompt),
-        output_ids=list(output),
-        done=True,
-        aborted=None,
-        cache_salt=salt,
-        extra_key=extra_key,
-        sampling_params=SimpleNamespace(custom_params=params),
-    )
-
-
 def test_a_handle_lives_in_its_senders_namespace(tmp_path):
-    clock = Clock(10.0)
-    cache, ex, ctl = _controller(tmp_path, clock)
-    rh = RequestHints(cache, ctl.hints)
-    prompt, answer = seq(0, 1), seq(50, 1)
-    serve(cache, prompt + answer)
+    _, cache, ex, ctl, rh, prompt, answer = _served(tmp_path)
     req = _req("r1", prompt, answer, kv=_env(_act("Retain", ttl_ms=4000, session_id="wf/a")))
     rh.on_arrival(req)
     rh.on_finish(req)
