@@ -55,7 +55,10 @@ _FIELDS = {
 class AgentHints:
     """One request's hints (module docstring). `retain_s`: seconds to retain its conversation when
     it ends (None: not asked); `end`: demote it when it ends; `prefetch`: a handle to bring up now;
-    `session`: ``<workflow_id>/<agent_id>`` when both are given (a handle for later prefetches)."""
+    `session`: ``<workflow_id>/<agent_id>`` when both are given (a handle for later prefetches).
+    From a ``kv_hints`` envelope (`policy/kv_hints.py`): `envelope` is set, `message_id` is its id,
+    `shares` counts its Share actions (accepted, nothing done); `session` is a Retain / Pin /
+    Demote's ``session_id``."""
 
     retain_s: float | None = None
     end: bool = False
@@ -63,6 +66,9 @@ class AgentHints:
     session: str | None = None
     tool_name: str | None = None
     step_id: str | None = None
+    message_id: str | None = None
+    shares: int = 0
+    envelope: bool = False
 
 
 def _ident(obj: dict, key: str, ints: bool = False) -> str | None:
@@ -77,13 +83,15 @@ def _ident(obj: dict, key: str, ints: bool = False) -> str | None:
     return v
 
 
-def _millis(obj: dict, key: str, positive: bool) -> float | None:
+def millis(obj: dict, key: str, positive: bool, where: str = KEY) -> float | None:
+    """Seconds from the milliseconds at `obj[key]` (None when absent); raises `HintError` naming
+    ``<where>.<key>`` unless a finite number >= 0 (> 0 where `positive`)."""
     v = obj.get(key)
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (positive and v == 0):
         bound = "> 0" if positive else ">= 0"
-        raise HintError(f"agent_hints.{key} must be a finite number of milliseconds {bound}, got {str(v)[:40]!r}")
+        raise HintError(f"{where}.{key} must be a finite number of milliseconds {bound}, got {str(v)[:40]!r}")
     return float(v) / 1000.0
 
 
@@ -109,8 +117,8 @@ def parse_agent_hints(custom_params: Any) -> AgentHints | None:
     ):
         raise HintError("agent_hints.child_step_ids must be a list of at most 64 strings or integers")
     tool = _ident(obj, "tool_name")
-    duration = _millis(obj, "expected_tool_duration_ms", positive=False)
-    ttl = _millis(obj, "cache_ttl_ms", positive=True)
+    duration = millis(obj, "expected_tool_duration_ms", positive=False)
+    ttl = millis(obj, "cache_ttl_ms", positive=True)
     reuse = obj.get("reuse_hint", "retain")
     if reuse not in REUSE_HINTS:
         raise HintError(f"agent_hints.reuse_hint must be one of {', '.join(REUSE_HINTS)}, got {str(reuse)[:40]!r}")

@@ -11,7 +11,16 @@ TP rank at the same step, so every rank applies it at the same point of its (agr
   recorded under its handles: its request id and, with ``workflow_id`` and ``agent_id``, the session
   key ``<workflow_id>/<agent_id>``.
 
-Handles are kept in a bounded book (`MAX_HANDLES`, oldest first out); an unknown handle is refused
+The same holds for the versioned ``kv_hints`` envelope (`policy/kv_hints.py`): its actions become
+the same `AgentHints`, applied here by the same code.
+
+Handles are kept in a bounded book (`MAX_HANDLES`, oldest first out), each within its sender's
+namespace (`namespace`: the request's ``cache_salt`` and ``extra_key``, a LoRA adapter's id
+included): a handle is recorded and looked up only there, so a prefetch naming another namespace's
+handle is refused as unknown and moves none of its pages. Requests with a salt or an extra key are
+served without the cache (`SGLangTieredBackend`: never matched, never stored), so they record no
+handle and their retention or end acts on nothing: the tree holds only the empty namespace's
+conversations, and another namespace's hint must not touch them. An unknown handle is refused
 (counted under ``unknown``, the reason kept as the last error) and the request runs as it would
 without the hint.
 """
@@ -24,14 +33,21 @@ from typing import Any
 
 from ...cache import TieredCache
 from ...control.hint_desk import HintDesk
-from ...policy.agent_hints import AgentHints, parse_agent_hints
+from ...policy.agent_hints import AgentHints
 from ...policy.hint_rules import Hint, HintError
+from ...policy.kv_hints import parse_hints
 from ...tree.node import TreeNode
 
 logger = logging.getLogger(__name__)
 
 MAX_HANDLES = 65536
 _ATTR = "_sgl_hicache_agent_hints"
+Namespace = tuple[str, str]  # (cache_salt, extra_key); ("", "") for a request with neither
+
+
+def namespace(req: Any) -> Namespace:
+    """The namespace `req`'s handles live in: its ``cache_salt`` and ``extra_key`` (empty when absent)."""
+    return (str(getattr(req, "cache_salt", None) or ""), str(getattr(req, "extra_key", None) or ""))
 
 
 class RequestHints:
@@ -45,8 +61,11 @@ class RequestHints:
     def __init__(self, cache: TieredCache, desk: HintDesk) -> None:
         self.cache = cache
         self.desk = desk
-        self.handles: OrderedDict[str, TreeNode] = OrderedDict()
+        self.handles: OrderedDict[tuple[Namespace, str], TreeNode] = OrderedDict()
         self.requests_with_hints = 0
+        self.with_kv_hints = 0
+        self.shares = 0  # kv_hints Share actions: accepted, nothing done
+        self.uncached = 0  # hinted requests outside the empty namespace: their retention acts on nothing
         self.aborted = 0
         self.last_error: str | None = None
 
@@ -57,7 +76,7 @@ class RequestHints:
     def on_arrival(self, req: Any) -> None:
         params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
         try:
-            hints = parse_agent_hints(params)
+            hints = parse_hints(params)
         except HintError as e:
             self._refuse(e)
             self.aborted += 1
@@ -66,17 +85,23 @@ class RequestHints:
         if hints is None:
             return
         self.requests_with_hints += 1
+        if hints.envelope:
+            self.with_kv_hints += 1
+            self.shares += hints.shares
         setattr(req, _ATTR, hints)
         if hints.prefetch is not None:
-            self._prefetch(hints.prefetch)
+            self._prefetch(
+                (namespace(req), hints.prefetch), "kv_hints Prefetch" if hints.envelope else "agent_hints.prefetch"
+            )
 
-    def _prefetch(self, handle: str) -> None:
-        node = self.handles.get(handle)
-        if node is None or node.parent is None:  # never given out, or its conversation left the tree
-            self.handles.pop(handle, None)
-            self._refuse(HintError(f"agent_hints.prefetch: unknown handle {handle[:80]!r}", reason="unknown"))
+    def _prefetch(self, key: tuple[Namespace, str], field: str) -> None:
+        node = self.handles.get(key)
+        if node is None or node.parent is None:  # never given out here, or its conversation left the tree
+            self.handles.pop(key, None)
+            error = HintError(f"{field}: unknown handle {key[1][:80]!r}", reason="unknown")
+            self._refuse(error)
             return
-        self.handles.move_to_end(handle)
+        self.handles.move_to_end(key)
         tokens = [t for n in node.path_from_root() for t in n.tokens]
         self._apply(Hint("prefetch", input_ids=tuple(tokens)), tokens)
 
@@ -90,6 +115,10 @@ class RequestHints:
         hints: AgentHints | None = getattr(req, _ATTR, None)
         if hints is None or not getattr(req, "finished", lambda: True)():
             return
+        space = namespace(req)
+        if space != ("", ""):  # served without the cache: nothing of its own in the tree
+            self.uncached += 1
+            return
         tokens = list(req.origin_input_ids) + list(getattr(req, "output_ids", None) or ())
         aligned = self.cache.tree.page_aligned(tokens)
         if aligned == 0:
@@ -100,8 +129,8 @@ class RequestHints:
         node = m.path[-1]
         for handle in (str(req.rid), hints.session):
             if handle is not None:
-                self.handles[handle] = node
-                self.handles.move_to_end(handle)
+                self.handles[(space, handle)] = node
+                self.handles.move_to_end((space, handle))
         while len(self.handles) > MAX_HANDLES:
             self.handles.popitem(last=False)
         held = tokens[: m.tokens]
@@ -114,6 +143,9 @@ class RequestHints:
         """The counters the stats show (`hints.requests`)."""
         return {
             "with_hints": self.requests_with_hints,
+            "with_kv_hints": self.with_kv_hints,
+            "shares_ignored": self.shares,
+            "uncached_namespace": self.uncached,
             "aborted_malformed": self.aborted,
             "handles": len(self.handles),
             "last_error": self.last_error,

@@ -74,28 +74,39 @@ class _Req(SimpleNamespace):
         self.aborted = message
 
 
-def _req(rid, prompt, output=(), **agent_hints):
+def _req(rid, prompt, output=(), salt=None, extra_key=None, kv=None, **agent_hints):
+    """A finished request carrying `agent_hints` (or the ``kv_hints`` envelope `kv`), with SGLang's
+    ``cache_salt`` / ``extra_key``."""
+    params = {"kv_hints": kv} if kv else ({"agent_hints": agent_hints} if agent_hints else None)
     return _Req(
         rid=rid,
         origin_input_ids=list(prompt),
         output_ids=list(output),
         done=True,
         aborted=None,
-        sampling_params=SimpleNamespace(custom_params={"agent_hints": agent_hints} if agent_hints else None),
+        cache_salt=salt,
+        extra_key=extra_key,
+        sampling_params=SimpleNamespace(custom_params=params),
     )
 
 
-def test_a_request_retains_its_conversation_ends_it_and_prefetches_it_by_handle(tmp_path):
+def _served(tmp_path):
+    """A controller's cache holding one conversation (a page of prompt, a page of answer), and the
+    `RequestHints` on its desk: (clock, cache, executor, controller, hints, prompt, answer)."""
     clock = Clock(10.0)
     cache, ex, ctl = _controller(tmp_path, clock)
-    rh = RequestHints(cache, ctl.hints)
     prompt, answer = seq(0, 1), seq(50, 1)
     serve(cache, prompt + answer)
+    return clock, cache, ex, ctl, RequestHints(cache, ctl.hints), prompt, answer
+
+
+def test_a_request_retains_its_conversation_ends_it_and_prefetches_it_by_handle(tmp_path):
+    clock, cache, ex, ctl, rh, prompt, answer = _served(tmp_path)
     req = _req("r1", prompt, answer, workflow_id="wf", agent_id="a", expected_tool_duration_ms=4000)
     rh.on_arrival(req)
     rh.on_finish(req)
     assert ctl.hints.counts["retain"] == 1 and ctl.hints.pins == 1 and ctl.hints.pinned_tokens == 2 * PS
-    assert set(rh.handles) == {"r1", "wf/a"}
+    assert set(rh.handles) == {(("", ""), "r1"), (("", ""), "wf/a")}  # in the empty namespace
     clock.t = 16.0  # 4 s x 1.25: over
     ctl.pump_writeback(start_new=False)
     assert ctl.hints.pins == 0
