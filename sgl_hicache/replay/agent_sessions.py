@@ -14,8 +14,10 @@ What the reader does, each choice recorded once as a `Note` of the returned `Tra
   drawn as the Mooncake reader draws them (`TokenSynth`): equal ids, equal tokens. With
   ``hash_id_scope: "local"`` an id names a block within its session only, so ids are namespaced per
   session (the same id in two sessions gives different tokens); ``"global"`` shares them. A prompt
-  is ``ceil(in * block_scale / block_size)`` tokens: its blocks, then a tail of its own (the partial
-  block no id covers). Output lengths are kept as recorded.
+  is ``ceil(in * block_scale / block_size)`` tokens: its blocks, then the partial block no id
+  covers, drawn from the next call's block at that position when the next call continues the
+  prompt (so a prompt is a prefix of its continuation, tail included), else a tail of its own.
+  Output lengths are kept as recorded.
 - Time. The gap between a call's end (``t + api_time``) and the next call is cut to `gap_cap_s`
   when longer; a call without ``api_time`` counts as ending when it starts. A session starts at its
   first call; the i-th of N sessions (in file-name order) starts at ``i * session_spread_s / N``.
@@ -338,7 +340,7 @@ def _requests(sessions: list[_Session], options: _Options, synth: TokenSynth, ta
             length = -(-call.tokens_in * scale // s.block_size)
             keys = ids.map(space, call.hash_ids)
             if len(keys) * scale < length:
-                keys.append(ids.fresh())  # the partial last block: this call's own
+                keys.append(_tail_key(call, s.calls[k + 1] if k + 1 < len(s.calls) else None, ids, space))
             prompt = fixed.tokens(keys, length)
             after, read_types = _preceded_by(s.calls[k - 1] if k else None, call)
             tally.inferred += read_types
@@ -349,6 +351,18 @@ def _requests(sessions: list[_Session], options: _Options, synth: TokenSynth, ta
                 )
             )
     return out
+
+
+def _tail_key(call: _Call, nxt: _Call | None, ids: _Ids, space: str) -> int:
+    """The id of a call's partial last block (no hash id covers it). When the session's next call
+    continues this prompt (its hash ids start with all of this call's), those tokens are the start
+    of the next call's block at that position, so the tail is drawn from that block's id: the whole
+    prompt, tail included, is a prefix of the next one, as the real conversation's was. Otherwise
+    (the last call, or a context that was rewritten) the tail is the call's own."""
+    n = len(call.hash_ids)
+    if nxt is not None and len(nxt.hash_ids) > n and nxt.hash_ids[:n] == call.hash_ids:
+        return ids.map(space, [nxt.hash_ids[n]])[0]
+    return ids.fresh()
 
 
 def _hints(

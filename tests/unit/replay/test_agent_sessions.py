@@ -51,8 +51,20 @@ def test_hash_ids_are_namespaced_per_session():
     a0, a1, b0 = reqs["trace_0403#0"], reqs["trace_0403#1"], reqs["trace_0455#0"]
     # both sessions open with hash ids 1, 2, 3, ...: different blocks, since the scope is local
     assert a0.input_ids[:64] != b0.input_ids[:64]
-    # within a session, the shared prefix (226 ids) gives the same tokens; the partial tail is the call's own
-    assert a1.input_ids[: 226 * 64] == a0.input_ids[: 226 * 64]
+    # within a session, a call that continues the previous one (its 232 ids start with the first's
+    # 226) holds the first's whole prompt, its partial last block included, as a prefix
+    assert a1.input_ids[:14487] == a0.input_ids
+
+
+def test_a_prompt_not_continued_keeps_a_partial_block_of_its_own(tmp_path):
+    def rewrite(o):  # the second call's context was rewritten from block 100 on
+        ids = o["requests"][1]["hash_ids"]
+        o["requests"][1]["hash_ids"] = ids[:100] + [10_000 + i for i in range(len(ids) - 100)]
+
+    session_copy(tmp_path, A, rewrite)
+    reqs = by_id(load_trace(tmp_path))
+    a0, a1 = reqs["trace_0403#0"], reqs["trace_0403#1"]
+    assert a1.input_ids[: 100 * 64] == a0.input_ids[: 100 * 64]
     assert a1.input_ids[226 * 64 : 14487] != a0.input_ids[226 * 64 :]
 
 
