@@ -28,8 +28,10 @@ What the reader does, each choice recorded once as a `Note` of the returned `Tra
   after a call with no stop reason, ``tool`` when the call's ``input_types`` hold ``tool_result``,
   else ``person``.
 - Hints (`hints`, default on): what an agent framework sends, from `tool_hints.call_hints`: a
-  tool-call retention on each call that stops on ``tool_use`` (its estimate the replay's gap with
-  a relative error of up to `hint_estimate_error`, seeded by `hint_seed`), an end on each session's
+  tool-call retention on each call that stops on ``tool_use`` (its estimate the time from the
+  call's start to the next call's, the recorded answer time included since a replayed answer may end
+  sooner while the next call keeps its time, with a relative error of up to `hint_estimate_error`,
+  seeded by `hint_seed`), an end on each session's
   last call.
 
 Request ids are ``"<session id>#<k>"`` (k: the call's index among the session's calls), sessions
@@ -344,7 +346,8 @@ def _requests(sessions: list[_Session], options: _Options, synth: TokenSynth, ta
             prompt = fixed.tokens(keys, length)
             after, read_types = _preceded_by(s.calls[k - 1] if k else None, call)
             tally.inferred += read_types
-            hinted = _hints(prompt, call, gaps[k], options, s.name, k, tally) if options.hints else ()
+            until_next = None if gaps[k] is None else (call.api_s or 0.0) + gaps[k]
+            hinted = _hints(prompt, call, until_next, options, s.name, k, tally) if options.hints else ()
             out.append(
                 Request(
                     f"{s.name}#{k}", s.name, round(arrival, 6), prompt, call.tokens_out, call.entry + 1, hinted, after
@@ -437,7 +440,7 @@ def _note_choices(notes: ReadNotes, where: Path, sessions: list[_Session], optio
             where,
             1,
             f"hints derived as an agent framework sends them: {tally.pins} tool-call retentions (the calls that "
-            f"stop on tool_use and have a next call; estimate: the replay's gap x (1 + u), |u| <= {options.error:g}, "
+            f"stop on tool_use and have a next call; estimate: the time from the call's start to the next call's x (1 + u), |u| <= {options.error:g}, "
             f"seed {options.hint_seed}) and {tally.ends} session ends (each session's last call)",
         )
     if tally.capped_ttl:
