@@ -346,7 +346,8 @@ def _requests(sessions: list[_Session], options: _Options, synth: TokenSynth, ta
             prompt = fixed.tokens(keys, length)
             after, read_types = _preceded_by(s.calls[k - 1] if k else None, call)
             tally.inferred += read_types
-            until_next = None if gaps[k] is None else (call.api_s or 0.0) + gaps[k]
+            gap = gaps[k]
+            until_next = None if gap is None else (call.api_s or 0.0) + gap
             hinted = _hints(prompt, call, until_next, options, s.name, k, tally) if options.hints else ()
             out.append(
                 Request(
