@@ -32,32 +32,16 @@ from pathlib import Path
 from statistics import mean
 from typing import Any
 
+from benchmarks.lib.engine_runs import agent_engine, percentile
 from sgl_hicache.replay.shapes import agent
-from sgl_hicache.sim.presets import get_hardware, get_model
-from sgl_hicache.sim.simulator import EmbeddedEngine, EngineConfig
 
 TIERS = ((30_000, 300_000), (40_000, 80_000), (80_000, 160_000))  # (device, host) tokens
 PAUSES = {"short": (5.0, 20.0), "long": (30.0, 120.0)}  # the long tools' duration range, s
 
 
-def percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
 def run(requests: list, policy: str, device: int, host: int) -> dict[str, Any]:
     """One policy on one trace: the figures of the module docstring."""
-    cfg = EngineConfig(
-        policy=policy,
-        model=get_model("llama3-8b"),
-        hardware=get_hardware("h200"),
-        device_tokens=device,
-        host_tokens=host,
-        disk_tokens=4_000_000,
-        concurrency=None,
-        byte_mode="metadata",
-    )
-    engine = EmbeddedEngine(cfg)
+    engine = agent_engine(policy, device, host, disk=4_000_000)
     started = time.process_time()
     try:
         engine.run(requests)

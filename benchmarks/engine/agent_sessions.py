@@ -30,18 +30,12 @@ from pathlib import Path
 from statistics import mean, median
 from typing import Any
 
+from benchmarks.lib.engine_runs import agent_engine, percentile
 from sgl_hicache.records import PRECEDED_BY
 from sgl_hicache.replay.agent_sessions import read_agent_sessions
-from sgl_hicache.sim.presets import get_hardware, get_model
-from sgl_hicache.sim.simulator import EmbeddedEngine, EngineConfig
 
 CELLS = ((100_000, 200_000), (120_000, 1_200_000), (200_000, 400_000))  # (device, host) tokens
 GAP_CAPS = (600.0, 120.0)
-
-
-def percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def figures(ttft: list[float]) -> dict[str, float]:
@@ -50,17 +44,7 @@ def figures(ttft: list[float]) -> dict[str, float]:
 
 def run(requests: list, policy: str, device: int, host: int) -> dict[str, Any]:
     """One policy over the calls: TTFT overall and by what preceded each call."""
-    cfg = EngineConfig(
-        policy=policy,
-        model=get_model("llama3-8b"),
-        hardware=get_hardware("h200"),
-        device_tokens=device,
-        host_tokens=host,
-        disk_tokens=16_000_000,
-        concurrency=None,
-        byte_mode="metadata",
-    )
-    engine = EmbeddedEngine(cfg)
+    engine = agent_engine(policy, device, host, disk=16_000_000)
     started = time.process_time()
     try:
         engine.run(requests)
