@@ -128,6 +128,9 @@ class TieringPolicy:
       silent where nothing can be gained: 0 tokens promoted on every multi-turn trace family at
       0.1-0.3x its working set (docs/results.md, "Prediction"), through the guard, the
       shadow bets, the prefetch room and the stay test (`speculation.py`); `none` turns it off.
+    - `learn_returns=True`: a conversation whose past pauses were short is retained for its next
+      pause, as a client's tool-call hint would ask, ranked against what the other pages are worth
+      (`control/hint_desk.py`, `policy/return_gaps.py`): the tool pause seen without a hint.
     """
 
     eviction_policy: str = "lru"
@@ -142,6 +145,7 @@ class TieringPolicy:
     writeback_clean_fraction: float = 0.25
     writeback_batch_pages: int = 1024
     admission_min_probability: float = 0.0
+    learn_returns: bool = False
 
     def __post_init__(self) -> None:
         _check_policy_knobs(self)

@@ -17,7 +17,9 @@ by `--block-scale` tokens per 64-token block; sessions start `--session-spread` 
 Per cell: mean and p99 TTFT of every call and of the calls after a tool, after a person and
 first calls; hints against no hints (`mean_ratio`, `p99_ratio`: median and range over the seeds);
 the oracle's gain over no hints and the share of it the hints take (`share_of_oracle_gain`, only
-where the oracle gains at least 10 %).
+where the oracle gains at least 10 %); and `learned`: no hints, with the server's own retentions
+from each conversation's past pauses (`learn_returns`), against no hints (`learned_mean_ratio`,
+`learned_p99_ratio`).
 """
 
 from __future__ import annotations
@@ -42,9 +44,9 @@ def figures(ttft: list[float]) -> dict[str, float]:
     return {"mean_s": mean(ttft), "p99_s": percentile(ttft, 0.99), "requests": len(ttft)}
 
 
-def run(requests: list, policy: str, device: int, host: int) -> dict[str, Any]:
+def run(requests: list, policy: str, device: int, host: int, learn_returns: bool = False) -> dict[str, Any]:
     """One policy over the calls: TTFT overall and by what preceded each call."""
-    engine = agent_engine(policy, device, host, disk=16_000_000)
+    engine = agent_engine(policy, device, host, disk=16_000_000, learn_returns=learn_returns)
     started = time.process_time()
     try:
         engine.run(requests)
@@ -68,7 +70,7 @@ def spread(xs: list[float]) -> dict[str, float]:
 
 
 def cell(path: Path, device: int, host: int, gap_cap: float, args: argparse.Namespace) -> dict[str, Any]:
-    """One grid cell: no hints and the oracle once, hints once per seed; the ratios."""
+    """One grid cell: no hints, the oracle and the learned run once, hints once per seed; the ratios."""
 
     def read(hints: bool, seed: int = 0) -> list:
         return read_agent_sessions(
@@ -86,6 +88,7 @@ def cell(path: Path, device: int, host: int, gap_cap: float, args: argparse.Name
     out["no_hints"] = run(plain, "predict", device, host)
     out["oracle"] = run(plain, "oracle", device, host)
     out["hints"] = {str(s): run(read(True, s), "predict", device, host) for s in args.seeds}
+    out["learned"] = run(plain, "predict", device, host, learn_returns=True)
     base, orc = out["no_hints"]["all"], out["oracle"]["all"]
     gain = (base["mean_s"] - orc["mean_s"]) / base["mean_s"]
     means = [h["all"]["mean_s"] / base["mean_s"] for h in out["hints"].values()]
@@ -96,13 +99,17 @@ def cell(path: Path, device: int, host: int, gap_cap: float, args: argparse.Name
         "p99_ratio": spread(p99s),
         "oracle_gain": gain,
         "share_of_oracle_gain": spread(shares) if shares else None,
+        "learned_mean_ratio": out["learned"]["all"]["mean_s"] / base["mean_s"],
+        "learned_p99_ratio": out["learned"]["all"]["p99_s"] / base["p99_s"],
     }
     s = out["summary"]
     print(
         f"device {device:>8,} host {host:>9,} cap {gap_cap:>5.0f} s: mean {base['mean_s']:.4f} s, hints x"
         f"{s['mean_ratio']['median']:.3f} ({s['mean_ratio']['min']:.3f}-{s['mean_ratio']['max']:.3f}), "
         f"p99 x{s['p99_ratio']['median']:.3f} ({s['p99_ratio']['min']:.3f}-{s['p99_ratio']['max']:.3f}), "
-        f"oracle gain {gain:.1%}" + (f", share {s['share_of_oracle_gain']['median']:.2f}" if shares else ""),
+        f"oracle gain {gain:.1%}"
+        + (f", share {s['share_of_oracle_gain']['median']:.2f}" if shares else "")
+        + f"; learned (no hints) x{s['learned_mean_ratio']:.3f}, p99 x{s['learned_p99_ratio']:.3f}",
         flush=True,
     )
     return out

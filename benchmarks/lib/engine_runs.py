@@ -3,12 +3,15 @@ replay's own clock (open loop), pages accounted without their bytes."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from sgl_hicache.sim.presets import get_hardware, get_model
 from sgl_hicache.sim.simulator import EmbeddedEngine, EngineConfig
 
 
-def agent_engine(policy: str, device: int, host: int, disk: int) -> EmbeddedEngine:
-    """A fresh engine for one policy at these tier sizes (tokens); the caller closes it."""
+def agent_engine(policy: str, device: int, host: int, disk: int, **overrides: Any) -> EmbeddedEngine:
+    """A fresh engine for one policy at these tier sizes (tokens), with `overrides` of
+    `EngineConfig`'s fields; the caller closes it."""
     return EmbeddedEngine(
         EngineConfig(
             policy=policy,
@@ -19,6 +22,7 @@ def agent_engine(policy: str, device: int, host: int, disk: int) -> EmbeddedEngi
             disk_tokens=disk,
             concurrency=None,
             byte_mode="metadata",
+            **overrides,
         )
     )
 

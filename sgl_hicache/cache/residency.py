@@ -83,27 +83,23 @@ class TieredCache:
         self.tree = RadixTree(config.page_size, self.namespace)
         self.stores: dict[str, TierStore] = build_stores(config, self.namespace, device, host, disk)
         self.tree.gaps.track_only(self.stores)  # write-back links between the tiers it has only
-        # the reuse model learns from served requests; it orders eviction under `reuse` and feeds
-        # the `continuation` predictor
+        # the reuse model learns from served requests; it orders eviction under `reuse`, feeds the
+        # `continuation` predictor, and ranks client hints (`learn_reuse`)
+        self._mutex = threading.RLock()
         self.reuse: ReuseModel | None = None
-        if (
-            config.eviction_policy == "reuse"
-            or config.predictor == "continuation"
-            or config.admission_min_probability > 0
-        ):
-            self.reuse = ReuseModel(lambda: self.clock(), admit_min_probability=config.admission_min_probability)
+        if config.eviction_policy == "reuse" or config.predictor == "continuation" or config.admission_min_probability:
+            self.learn_reuse()
         # a given priority (the oracle's Belady key) falls as the future comes closer: never incremental
         self._incremental_order = orders_incrementally(config.eviction_policy, custom_priority=priority is not None)
         if priority is None:
             if config.eviction_policy == "reuse":
-                priority = self.reuse.priority  # type: ignore[union-attr]
+                priority = self.learn_reuse().priority
             else:
                 priority = eviction_policy(config.eviction_policy)
         self.priority: Priority = priority
         self.handlers = default_handlers(self.stores)
         self.meter = BandwidthMeter()
         self.stats = CacheStats()
-        self._mutex = threading.RLock()
         # device pages handed out by allocate_device and not yet inserted or freed
         self.outstanding_device_pages = 0
         # pages inserted as new nodes, and copies completed, so far (the controller's pump starts a
@@ -398,6 +394,16 @@ class TieredCache:
     def plan_disk_writeback(self, clean_target_pages: int, max_pages: int) -> list[TransferOp]:
         """`plan_writeback(HOST, DISK, ...)`: background host -> disk write-back."""
         return self.plan_writeback(HOST, DISK, clean_target_pages, max_pages)
+
+    def learn_reuse(self) -> ReuseModel:
+        """The reuse model, made on the first call: it learns from the requests served from then on."""
+        with self._mutex:
+            if self.reuse is None:
+                self.reuse = ReuseModel(self._now, admit_min_probability=self.config.admission_min_probability)
+            return self.reuse
+
+    def _now(self) -> float:
+        return self.clock()
 
     def prune(self, node: TreeNode) -> None:
         """Remove `node` and its ancestors while they are resident nowhere, childless and unused

@@ -63,6 +63,7 @@ class BackendSettings:
     )  # tree_walk (promotes likely descendants disk -> host) | continuation | none
     predictor_budget_tokens: int = DEFAULT_POLICY.predictor_budget_tokens
     prefetch: bool = DEFAULT_POLICY.prefetch  # start disk -> host promotion when a request is matched (while it waits)
+    learn_returns: bool = DEFAULT_POLICY.learn_returns  # retain a conversation for the pause its history predicts
     transfer_workers: int = 2
     writeback_clean_fraction: float = (
         DEFAULT_POLICY.writeback_clean_fraction
@@ -156,6 +157,7 @@ class BackendSettings:
             device_writeback_clean_fraction=self.device_writeback_clean_fraction,
             writeback_clean_fraction=self.writeback_clean_fraction,
             writeback_batch_pages=self.writeback_batch_pages,
+            learn_returns=self.learn_returns,
         )
 
     def host_tokens_for(self, device_tokens: int, bytes_per_token: int) -> int:

@@ -26,6 +26,7 @@ def controller_settings(policy: TieringPolicy) -> ControllerSettings:
         device_writeback_clean_fraction=policy.device_writeback_clean_fraction,
         writeback_clean_fraction=policy.writeback_clean_fraction,
         writeback_batch_pages=policy.writeback_batch_pages,
+        learn_returns=policy.learn_returns,
     )
 
 

@@ -15,13 +15,18 @@ API, the hints a request carries, and the embedded engine's replay of trace hint
   and its retention ends; a part of it that other prefixes share (a common system prompt) keeps
   its recency (`own_tail`).
 
-Retention is advice, never a lock: a retained prefix's recency is refreshed as time passes
-(`refresh`), so eviction takes it after the unhinted pages, and a request that needs the room still
-takes it. Each tier holds at most its share of retained tokens (`HintLimits`; the retentions that
-end soonest first, each ranked as more recent than those ending later, and the overdue ones, held
-longer than most retentions took to come back, last), and each retention lasts in a tier only as
-long as the cost test allows (`retention_s`): where the device is contended (it evicts fast) a
-prefix ages out of it and stays on host; where hinted prefixes do not come back, retention shrinks.
+Retention is advice, never a lock, and it is charged against what it displaces: as time passes a
+retained prefix's recency is raised to that of the unhinted page worth as much (`refresh`): the
+client's measured precision over the seconds until it wants the prefix back, against what the cache
+has learned of its other pages (`ReuseModel.return_curve`: the share of pages that come back, over
+the median wait for them, by idle time). Where the other pages are conversations that come back
+within seconds, a prefix wanted in a minute ranks behind them; where they never come back, it
+ranks ahead of every unhinted page. A request that needs the room still takes it. Each tier
+holds at most its share of retained tokens (`HintLimits`; the retentions that end soonest first,
+each ranked as more recent than those ending later, and the overdue ones, held longer than most
+retentions took to come back, last), and each retention lasts in a tier only as long as the cost
+test allows (`retention_s`): where the device is contended (it evicts fast) a prefix ages out of it
+and stays on host; where hinted prefixes do not come back, retention shrinks.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..cache import TieredCache
+from ..policy.agent_hints import TTL_MARGIN
 from ..policy.hint_rules import (
     Hint,
     HintError,
@@ -41,6 +47,8 @@ from ..policy.hint_rules import (
     check_prefix,
     retention_s,
 )
+from ..policy.return_gaps import ReturnGaps
+from ..policy.reuse import ReuseModel, equal_value_idle
 from ..policy.writeback_choice import EvictionRate
 from ..tiers.base import DEVICE, DISK, HOST, TIERS, Tier
 from ..tree.node import TreeNode
@@ -52,6 +60,8 @@ WATCHED = 1024  # prefetched prefixes watched for their return at once (the olde
 RETURNS_KEPT = 256  # the latest return delays kept (prefetch -> use, retention start -> return)
 MIN_RETURNS = 8  # returns seen before the prefetch hold and the overdue age follow them
 RANK_STEP_S = 1e-6  # recency step between retentions' refreshes (1,024 of them span 1 ms)
+MIN_GAPS = 32  # gaps between uses seen before retentions rank against the unhinted pages' value
+LEARNED_LEAD_S = 2.0  # the server's own retentions come back up this long before they are due
 RETURN_QUANTILE = 0.9  # held until this share of the measured returns came (prefetch hold, overdue age)
 
 
@@ -68,6 +78,8 @@ class Retention:
     start: float = field(compare=False)
     hits: int = field(compare=False)
     parent: TreeNode | None = field(compare=False, default=None)
+    learned: bool = field(compare=False, default=False)  # the server's own (`committed`), not a client's
+    prefetch_at: float = field(compare=False, default=float("inf"))  # when it is brought back up, if it left
 
 
 def late_return(delays: deque[float]) -> float | None:
@@ -123,6 +135,7 @@ class HintDesk:
         clock: Callable[[], float],
         eviction_rates: dict[Tier, EvictionRate] | None = None,
         limits: HintLimits | None = None,
+        learn_returns: bool = False,
     ) -> None:
         self.cache = cache
         self.speculation = speculation
@@ -152,6 +165,10 @@ class HintDesk:
         self.retention_returns: deque[float] = deque(maxlen=RETURNS_KEPT)
         self.overdue = 0
         self._late = float("inf")
+        self._reuse: ReuseModel | None = None  # learns the unhinted pages' returns from the first hint on
+        # the server's own retentions, from each conversation's past pauses (`committed`)
+        self.pauses = ReturnGaps() if learn_returns else None
+        self.learned = {"retained": 0, "used": 0, "wasted": 0, "skipped": 0, "prefetched": 0, "carried": 0}
 
     def apply(self, hint: Hint, tokens: Sequence[int]) -> int:
         try:
@@ -173,6 +190,8 @@ class HintDesk:
         if not self._gate.take(now):
             raise HintError(f"more than {self.limits.max_hints_per_s:g} hints per second: refused", reason="flood")
         check_prefix(len(tokens), cache.page_size)
+        if self._reuse is None:
+            self._reuse = cache.learn_reuse()
         aligned = cache.tree.page_aligned(tokens)
         self.expire()
         ttl = hint.ttl_s if hint.action in ("pin", "retain") else None
@@ -204,27 +223,31 @@ class HintDesk:
         return m.tokens
 
     # ---- retention ----------------------------------------------------------------------------
-    def _retain(self, node: TreeNode, tokens: int, ttl_s: float, now: float) -> None:
+    def _retain(self, node: TreeNode, tokens: int, ttl_s: float, now: float, learned: bool = False) -> Retention | None:
         cache = self.cache
         if not cache.has_tier(HOST) and not cache.has_tier(DEVICE):
-            return
-        if len(self._retained) >= self.limits.max_retained:
+            return None
+        if len(self._retained) >= self.limits.max_retained // (2 if learned else 1):
             raise HintError(f"{self.limits.max_retained} prefixes are retained already: refused", reason="flood")
         if cache.has_tier(HOST):
             self.limits.check_share(tokens, 0, cache.stores[HOST].capacity_pages * cache.page_size)
-        heapq.heappush(
-            self._retained, Retention(now + ttl_s, next(self._seq), node, tokens, now, node.hit_count, node.parent)
-        )
+        r = Retention(now + ttl_s, next(self._seq), node, tokens, now, node.hit_count, node.parent, learned)
+        heapq.heappush(self._retained, r)
         self.pinned_tokens += tokens
         for n in node.path_from_root():  # the hint counts as a use now; the shares apply from the next refresh
             n.last_access = max(n.last_access, now)
         cache.tree.touched()
+        return r
 
-    def precision(self) -> float:
-        """The share of retentions whose prefix came back in time, over those ended and those
-        `overdue` (1.0 until 4 count: a prior that trusts a new client, quickly corrected)."""
-        done = self.retained_used + self.retained_wasted + self.overdue
-        return (self.retained_used + 3) / (done + 3) if done < 4 else self.retained_used / done
+    def precision(self, learned: bool = False) -> float:
+        """The share of the clients' retentions (`learned`: the server's own) whose prefix came back
+        in time, over those ended and those `overdue` (1.0 until 4 count: a prior that trusts a new
+        client, quickly corrected)."""
+        if learned:
+            used, done = self.learned["used"], self.learned["used"] + self.learned["wasted"]
+        else:
+            used, done = self.retained_used, self.retained_used + self.retained_wasted + self.overdue
+        return (used + 3) / (done + 3) if done < 4 else used / done
 
     def _overdue(self, r: Retention, now: float) -> bool:
         return now - r.start > self._late
@@ -234,7 +257,7 @@ class HintDesk:
         that came back took (once `MIN_RETURNS` came back)."""
         late = late_return(self.retention_returns)
         self._late = float("inf") if late is None else late
-        self.overdue = sum(1 for r in self._retained if self._overdue(r, now))
+        self.overdue = sum(1 for r in self._retained if not r.learned and self._overdue(r, now))
 
     def _lasts(self, tier: Tier) -> float:
         """How long after its start a retention holds in `tier` (`retention_s`, with the tier's
@@ -270,12 +293,22 @@ class HintDesk:
         used = dict.fromkeys(caps, 0)
         seen: set[int] = set()
         touched = False
-        order = sorted(self._retained, key=lambda r: (self._overdue(r, now), r.until, r.seq))
+        # the clients' retentions first: the server's own take only the shares they leave
+        order = sorted(self._retained, key=lambda r: (r.learned, self._overdue(r, now), r.until, r.seq))
+        curve = self._return_curve()
+        precision = {False: self.precision(), True: self.precision(learned=True)}
         for rank, r in enumerate(order):
             age = now - r.start
-            # the soonest to end ranks as the most recent: when retained pages must go, they go in
-            # the order their prefixes are expected back (latest first), not in an arbitrary one
-            stamp = now - rank * RANK_STEP_S
+            # ranked like the unhinted page worth as much: a prefix the client wants back in `wait`
+            # seconds, with the client's measured precision, is kept ahead of the pages worth less
+            # per second held, behind those worth more. Among retentions, the soonest to end ranks
+            # as the most recent: when retained pages must go, the latest expected go first
+            lag = (
+                0.0 if curve is None else equal_value_idle(curve, precision[r.learned] / max(r.until - now, REFRESH_S))
+            )
+            if lag == float("inf"):
+                continue  # every unhinted page is worth more: the hint changes nothing
+            stamp = now - max(lag, rank * RANK_STEP_S)
             for n in r.node.path_from_root():
                 if n.id in seen:
                     continue
@@ -289,7 +322,8 @@ class HintDesk:
                 seen.add(n.id)
                 used[tier] += size
                 if n.device is not None and tier == HOST:  # ages out of the device, kept once on host
-                    n.keep_until = max(n.keep_until, min(r.until, r.start + lasts[HOST]))
+                    if lag <= REFRESH_S:
+                        n.keep_until = max(n.keep_until, min(r.until, r.start + lasts[HOST]))
                     continue
                 if n.last_access < stamp:
                     n.last_access = stamp
@@ -298,6 +332,12 @@ class HintDesk:
             cache.tree.touched()
         self.refreshed_tokens = {t: used.get(t, 0) for t in (DEVICE, HOST)}
 
+    def _return_curve(self) -> list[tuple[float, float]] | None:
+        """The unhinted pages' value by idle time (`ReuseModel.return_curve`), once `MIN_GAPS` gaps
+        were seen (None before: the retentions rank as just used)."""
+        model = self._reuse
+        return model.return_curve() if model is not None and model.gaps >= MIN_GAPS else None
+
     @staticmethod
     def _fits(tier: Tier, caps: dict, lasts: dict, used: dict, age: float, size: int) -> bool:
         """Whether `size` more retained tokens of a retention `age` seconds old stay in `tier`."""
@@ -305,6 +345,9 @@ class HintDesk:
 
     def _end(self, r: Retention) -> None:
         self.pinned_tokens -= r.tokens
+        if r.learned:
+            self.learned["used" if came_back(r.node, r.hits, r.parent) else "wasted"] += 1
+            return
         if came_back(r.node, r.hits, r.parent):
             self.retained_used += 1
             self.retention_returns.append(self.clock() - r.start)
@@ -365,6 +408,51 @@ class HintDesk:
                     if n.in_tier(tier):
                         tree.leaf_queue(tier).push(n)
 
+    # ---- the server's own retentions ------------------------------------------------------------
+    def arrived(self, path: Sequence[TreeNode]) -> None:
+        """A request matched `path` (root first): its conversation's pause ends (`ReturnGaps`)."""
+        if self.pauses is not None and path:
+            self.pauses.arrived([n.keys[0] for n in path], self.clock())
+
+    def committed(self, path: Sequence[TreeNode]) -> None:
+        """A request's prompt was committed along `path` (root first): where its conversation's past
+        pauses predict the next, retain it for that pause with the clients' margin, as a hint would,
+        ranked by the same value test (`refresh`) with the server's own measured precision, within
+        the share the clients' retentions leave and at most half of `max_retained` at once."""
+        if self.pauses is None or not path:
+            return
+        if self._reuse is None:
+            self._reuse = self.cache.learn_reuse()
+        now = self.clock()
+        pause = self.pauses.committed([n.keys[0] for n in path], now)
+        if pause is None:
+            return
+        ttl = min(self.limits.max_ttl_s, max(1.0, pause * TTL_MARGIN))
+        tokens = sum(n.num_pages for n in path) * self.cache.page_size
+        try:
+            r = self._retain(path[-1], tokens, ttl, now, learned=True)
+        except HintError:
+            self.learned["skipped"] += 1
+            return
+        if r is not None:
+            r.prefetch_at = now + pause - LEARNED_LEAD_S
+            self.learned["retained"] += 1
+
+    def _bring_back(self, now: float) -> None:
+        """The server's retentions due back within `LEARNED_LEAD_S`: what of them left the device
+        comes back up (disk -> host as a guarded speculative job, host -> device into free pages)."""
+        for r in self._retained:
+            if r.prefetch_at > now:
+                continue
+            r.prefetch_at = float("inf")
+            path = r.node.path_from_root()
+            if any(n.host is None and n.device is None for n in path):
+                self._prefetch(r.node, now)
+                self.learned["prefetched"] += 1
+            elif any(n.device is None for n in path):
+                self.speculation.carry(r.node)
+                self.learned["carried"] += 1
+
     # ---- time ---------------------------------------------------------------------------------
     def expire(self) -> int:
         """End the retentions whose time is up, whose prefix left the tree, or whose conversation
@@ -388,6 +476,7 @@ class HintDesk:
             self._refreshed_at = now
             self._count_overdue(now)
             self.refresh(now)
+            self._bring_back(now)
         if self._watched and now - self._watched_at >= REFRESH_S:
             self._watched_at = now
             self._watch_returns(now)
@@ -437,4 +526,5 @@ class HintDesk:
             "precision": self.precision(),
             "kept_tokens": {str(getattr(t, "value", t)): n for t, n in self.refreshed_tokens.items()},
             "prefetch_hold_s": self.prefetch_hold_s(),
+            "learned": {**self.learned, "precision": self.precision(learned=True)},
         }

@@ -95,6 +95,8 @@ class ControllerSettings:
     # speculative promotions (predictions, hint prefetches) that land on host are carried on to the
     # device into free pages, leaving this share of the device tier free (1.0: never carried)
     device_headroom: float = 0.1
+    # the server's own retentions, learned from each conversation's past pauses (`HintDesk.committed`)
+    learn_returns: bool = DEFAULT_POLICY.learn_returns
 
 
 class RequestController:
@@ -142,7 +144,7 @@ class RequestController:
             self.eviction_rates[HOST],
             self.free_drop_trend,
         )
-        self.hints = HintDesk(cache, self.speculation, clock, self.eviction_rates)
+        self.hints = HintDesk(cache, self.speculation, clock, self.eviction_rates, learn_returns=settings.learn_returns)
         self.prefetch_skipped = 0  # queue prefetches the guard refused (no room to spare on host)
         self.preempted_prefetches = 0  # queued requests' prefetch jobs ended for a demand (yield_to_demand)
         self.disk_reads_recomputed = 0  # disk-only tokens recomputed: reading them would land later (read_or_recompute)
@@ -151,6 +153,7 @@ class RequestController:
     def arrive(self, tokens: Sequence[int]) -> tuple[Ticket, PrefixMatch]:
         """First sight of a request: match (counting its traffic, once), remember its disk range, predict."""
         m = self.cache.match(tokens, count=True)
+        self.hints.arrived(m.path)
         ticket = Ticket(tokens, disk_start=m.device_tokens + m.host_tokens, disk_end=m.tokens, arrived_s=self.clock())
         if self.speculation.predictor.name != "none":
             self.predict(m)
@@ -445,8 +448,10 @@ class RequestController:
         """Write-through at commit (`write_policy=write_through`): a request's newly committed device
         pages (`path`, root first) get their host copies started now, on the transfer threads, so that
         they are clean by the time they are evictable. Only plans and enqueues (O(path)); the copies
-        land in a later `pump_writeback`. Returns the pages planned."""
+        land in a later `pump_writeback`. Returns the pages planned. Where `learn_returns`, the
+        request's conversation is also retained for the pause its history predicts (`HintDesk.committed`)."""
         cache = self.cache
+        self.hints.committed(path)
         if cache.config.write_policy != "write_through" or not cache.has_tier(HOST) or not cache.has_tier(DEVICE):
             return 0
         ops = cache.plan_write_through(DEVICE, HOST, list(path), self.settings.writeback_batch_pages)

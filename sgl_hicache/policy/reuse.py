@@ -27,6 +27,8 @@ from .predictor import Prediction, Predictor
 
 # idle-time bins (s) for the gap distribution: log-spaced, 0.5 s .. ~9 h
 _BINS = [0.5 * 1.5**i for i in range(25)]
+# a gap's value within its bin (bisect_left: bin i holds (_BINS[i-1], _BINS[i]]; the last is open)
+_BIN_VALUES = [0.25] + [(lo * hi) ** 0.5 for lo, hi in zip(_BINS, _BINS[1:])] + [_BINS[-1] * 1.5]
 
 
 class ReuseModel:
@@ -128,6 +130,39 @@ class ReuseModel:
         below = sum(self.gap_counts[: bisect.bisect_left(_BINS, idle) + 1])
         return max(0.0, 1.0 - below / self.gaps) or 0.5 / self.gaps
 
+    def population_q(self) -> float:
+        """P(a node is used again after its insert), over every depth, smoothed towards `prior_q`."""
+        inserted = sum(v for (_, h), v in self.reached.items() if h == 0)
+        again = sum(v for (_, h), v in self.reached.items() if h == 1)
+        return min(1.0, (again + 2 * self.prior_q) / (inserted + 2))
+
+    def median_residual(self, idle: float) -> float:
+        """The median of (gap - idle) over the observed gaps longer than `idle`: how much longer a node
+        idle for `idle` seconds more likely than not waits for its next use, if it comes (inf where no
+        observed gap is that long). The median, not the mean: on heavy-tailed pauses (an agent's
+        seconds-long tool calls beside a person's minutes) the mean is the tail's, and would rank a
+        conversation just used as if it came back in minutes."""
+        longer = [(gap, count) for count, gap in zip(self.gap_counts, _BIN_VALUES) if count and gap > idle]
+        half = sum(count for _, count in longer) / 2.0
+        seen = 0
+        for gap, count in longer:
+            seen += count
+            if seen >= half:
+                return gap - idle
+        return float("inf")
+
+    def return_curve(self) -> list[tuple[float, float]]:
+        """(idle seconds, value density) of a typical node at each idle-bin edge: P(used again |
+        idle) / the median wait for it, in uses per second of holding. Falls with idle time where
+        the gaps are heavy-tailed; near zero throughout where most nodes never return."""
+        q = self.population_q()
+        curve = []
+        for idle in (0.0, *_BINS):
+            s = q * self.survival(idle)
+            p = s / (1.0 - q + s) if s > 0 else 0.0
+            curve.append((idle, p / max(self.median_residual(idle), 1e-3)))
+        return curve
+
     def p_reuse(self, node: TreeNode) -> float:
         q = self.q(node)
         idle = self.clock() - self.last_used.get(self._key(node), node.last_access)
@@ -160,6 +195,15 @@ class ReuseModel:
         alive = [n for n in self.tips.values() if n.parent is not None]
         alive.sort(key=self.value, reverse=True)
         return alive[:limit]
+
+
+def equal_value_idle(curve: list[tuple[float, float]], value: float) -> float:
+    """The shortest idle time on `curve` (`ReuseModel.return_curve`) at which a typical node is
+    worth at most `value` per second held (inf: every idle time is worth more)."""
+    for idle, v in curve:
+        if v <= value:
+            return idle
+    return float("inf")
 
 
 class ContinuationPredictor(Predictor):

@@ -91,6 +91,7 @@ class EngineConfig:
     predictor_budget_tokens: int = DEFAULT_POLICY.predictor_budget_tokens
     predictor: str = DEFAULT_POLICY.predictor  # what `predict` runs (config.PREDICTORS); the other policies run none
     admission_min_probability: float = DEFAULT_POLICY.admission_min_probability
+    learn_returns: bool = DEFAULT_POLICY.learn_returns  # the server's own retentions (`TieringPolicy`)
     device_writeback_clean_fraction: float = DEFAULT_POLICY.device_writeback_clean_fraction
     writeback_clean_fraction: float = DEFAULT_POLICY.writeback_clean_fraction
     writeback_batch_pages: int = DEFAULT_POLICY.writeback_batch_pages
@@ -137,6 +138,7 @@ class EngineConfig:
             writeback_clean_fraction=self.writeback_clean_fraction,
             writeback_batch_pages=self.writeback_batch_pages,
             admission_min_probability=self.admission_min_probability,
+            learn_returns=self.learn_returns,
         )
 
     def cache_config(self, disk_dir: Path | None) -> CacheConfig:

@@ -400,3 +400,94 @@ def test_the_engine_runs_an_at_finish_hint_when_its_request_ends():
     assert [a for a, _ in applied] == ["retain", "pin"], applied
     assert applied[0][1] <= eng.records.arrival_s[0] + eng.records.ttft_s[0]  # by its first step
     assert applied[1][1] >= finish > eng.records.ttft_s[0]  # once its 200 tokens were decoded
+
+
+@pytest.mark.parametrize("others_return", [True, False])
+def test_a_retention_ranks_against_what_the_unhinted_pages_are_worth(tmp_path, others_return):
+    # Where the other conversations come back within ~2 s, a prefix the client wants back in 100 s
+    # is worth less per second held than a page used a second ago: it ranks behind it. Where the
+    # other prompts never come back, it ranks ahead of every unhinted page, as just used.
+    clock = Clock(0.0)
+    cache, _ex, ctl = _controller(tmp_path, clock)
+    ctl.hints.limits = HintLimits(device_share=1.0, max_pin_share=1.0)
+    cache.learn_reuse()  # the hint desk's model (made at its first hint), learning from the start
+    for i in range(40):
+        first = seq(1000 * (i + 1), 1)
+        serve(cache, first)
+        clock.t += 2.0
+        if others_return:
+            serve(cache, first + seq(1000 * (i + 1) + 500, 1))
+    retained, unhinted = seq(0, 2), seq(100, 2)
+    serve(cache, retained)
+    ctl.hints.apply(Hint("retain", tuple(retained), ttl_s=100.0), retained)
+    clock.t += 1.0
+    serve(cache, unhinted)
+    clock.t += 1.0
+    ctl.pump_writeback(start_new=False)
+    n_retained = cache.match(retained, touch=False).last_node
+    n_unhinted = cache.match(unhinted, touch=False).last_node
+    if others_return:
+        assert n_retained.last_access < n_unhinted.last_access
+    else:
+        assert n_retained.last_access == clock.t > n_unhinted.last_access
+    cache.check()
+
+
+def _turns_with_pauses(tmp_path, clock, learn: bool, pauses: tuple[float, ...]):
+    """A controller (`learn_returns=learn`) that served one conversation whose turns came `pauses`
+    apart (each turn's prompt one page longer); returns (cache, executor, controller, last prompt)."""
+    cache, ex, _ = _controller(tmp_path, clock)
+    ctl = RequestController(cache, ex, Predictor(), ControllerSettings(learn_returns=learn), clock)
+    prompt = seq(0, 1)
+    for turn, pause in enumerate((*pauses, 0.0)):
+        ctl.arrive(prompt)
+        prompt = prompt + seq(100 * (turn + 1), 1)
+        serve(cache, prompt)
+        ctl.commit(cache.match(prompt, touch=False).path)
+        clock.t += pause
+    return cache, ex, ctl, prompt
+
+
+@pytest.mark.parametrize("learn", [True, False])
+def test_the_server_retains_a_conversation_for_the_pause_its_history_predicts(tmp_path, learn):
+    # no client hint: a conversation that came back 2 s and 4 s after its last two turns is retained
+    # at its next commit for the median pause with the clients' margin; with learning off, nothing is
+    clock = Clock(0.0)
+    cache, _ex, ctl, prompt = _turns_with_pauses(tmp_path, clock, learn, (2.0, 4.0))
+    assert ctl.hints.counts == dict.fromkeys(("prefetch", "pin", "retain", "demote"), 0)  # no client hint
+    if not learn:
+        assert ctl.hints.pins == 0 and ctl.hints.summary()["learned"]["retained"] == 0
+        return
+    assert ctl.hints.pins == 1 and ctl.hints.summary()["learned"]["retained"] == 1
+    (r,) = ctl.hints._retained
+    assert r.learned and r.until == pytest.approx(clock.t + 3.0 * 1.25)
+    clock.t += 1.0
+    ctl.arrive(prompt + seq(900, 1))  # it came back: the retention ends at the next expiry, used
+    serve(cache, prompt + seq(900, 1))
+    clock.t += 0.5
+    ctl.hints.expire()
+    assert ctl.hints.pins == 0 and ctl.hints.summary()["learned"]["used"] == 1
+    assert ctl.hints.retained_used == 0  # the clients' precision counts only the clients' retentions
+
+
+def test_the_servers_retention_brings_a_conversation_back_up_before_it_is_due(tmp_path):
+    # its pages left for disk during the pause: 2 s before the predicted return they come back up
+    # to host, as a guarded speculative job (the one a client's prefetch would start)
+    clock = Clock(0.0)
+    cache, ex, ctl, prompt = _turns_with_pauses(tmp_path, clock, True, (5.0, 5.0))
+    (r,) = ctl.hints._retained
+    assert r.prefetch_at == pytest.approx(clock.t + 5.0 - 2.0)
+    cache.evict(DEVICE, cache.stores[DEVICE].capacity_pages)
+    cache.evict(HOST, cache.stores[HOST].capacity_pages)
+    assert cache.match(prompt, touch=False).disk_tokens == len(prompt)
+    clock.t = r.prefetch_at - 0.5
+    ctl.hints.expire()
+    assert not ctl.predicted and ctl.hints.learned["prefetched"] == 0  # not yet due
+    clock.t = r.prefetch_at + 0.5
+    ctl.hints.expire()
+    assert ctl.predicted and ctl.hints.learned["prefetched"] == 1
+    while ctl.predicted:  # up to host, and on to the device, which has room
+        ex.finish_all([op for job in ctl.predicted for op in job.ops()])
+        ctl.advance_predictions()
+    assert cache.match(prompt, touch=False).disk_tokens == 0
+    cache.check()

@@ -14,7 +14,7 @@ from sgl_hicache.policy.guard import PromotionGuard
 from sgl_hicache.policy.oracle import Oracle
 from sgl_hicache.policy.predictor import Prediction, Predictor
 from sgl_hicache.policy.predictor_factory import make_predictor
-from sgl_hicache.policy.reuse import ContinuationPredictor, ReuseModel
+from sgl_hicache.policy.reuse import ContinuationPredictor, ReuseModel, equal_value_idle
 from sgl_hicache.replay.trace import Request
 from sgl_hicache.sim.presets import get_hardware, get_model
 from sgl_hicache.sim.run import run_policy
@@ -223,3 +223,44 @@ def test_admission_drops_pages_not_worth_a_copy_below(tmp_path):
     assert cache.stats.bytes_moved["device->host"] == 0  # nothing was worth keeping below
     assert cache.snapshot()["stored_tokens"][DISK] == 0
     cache.check()
+
+
+def _conversations(cache, clock, count: int, gap_s: float, returns: bool) -> None:
+    """`count` two-turn conversations `gap_s` apart (the second turn only where `returns`), then
+    `count` one-turn prompts that never come back where not."""
+    for i in range(count):
+        first = seq(10_000 * (i + 1), 1)
+        serve(cache, first)
+        clock.t += gap_s
+        if returns:
+            serve(cache, first + seq(10_000 * (i + 1) + 500, 1))
+
+
+def test_the_return_curve_values_nodes_that_come_back_soon_and_not_those_that_never_do():
+    clock = Clock()
+    back = make_cache(None, device=256, host=0)
+    back.clock = clock
+    model = back.learn_reuse()
+    assert back.learn_reuse() is model  # one model per cache, created on the first call
+    _conversations(back, clock, 40, 2.0, returns=True)
+    curve = model.return_curve()
+    # each conversation inserted two nodes, and the first came back: one in two
+    assert model.gaps >= 32 and 0.4 < model.population_q() < 0.6
+    # a node idle for less than the gaps seen is worth more per second held than one idle for longer
+    assert dict(curve)[0.0] > dict(curve)[0.5 * 1.5**8] >= 0.0
+
+    clock2 = Clock()
+    never = make_cache(None, device=256, host=0)
+    never.clock = clock2
+    lone = never.learn_reuse()
+    _conversations(never, clock2, 40, 2.0, returns=False)
+    assert lone.population_q() < 0.1
+    assert max(v for _, v in lone.return_curve()) < min(v for _, v in curve[:4])
+
+
+def test_equal_value_idle_finds_the_first_idle_time_worth_no_more():
+    curve = [(0.0, 1.0), (1.0, 0.5), (2.0, 0.25)]
+    assert equal_value_idle(curve, 2.0) == 0.0
+    assert equal_value_idle(curve, 0.5) == 1.0
+    assert equal_value_idle(curve, 0.3) == 2.0
+    assert equal_value_idle(curve, 0.1) == float("inf")
