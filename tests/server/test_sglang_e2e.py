@@ -109,9 +109,10 @@ TOP_K = 5
 LOGPROB_TOL = 1e-5
 
 
-def _gen_lp(srv, ids, start: int, n: int = 8) -> tuple[list[int], dict, dict]:
+def _gen_lp(srv, ids, start: int, n: int = 8, meta_out: dict | None = None) -> tuple[list[int], dict, dict]:
     """Greedy generation with logprobs from prompt position `start` on: (output ids, cached tokens by
-    source, {"input": {pos: (token, logprob, top-k)}, "output": [(token, logprob, top-k)]})."""
+    source, {"input": {pos: (token, logprob, top-k)}, "output": [(token, logprob, top-k)]}). With
+    `meta_out`, the response's whole `meta_info` is copied into it (speculative decoding's counts)."""
     r = srv.post(
         "/generate",
         {
@@ -123,6 +124,8 @@ def _gen_lp(srv, ids, start: int, n: int = 8) -> tuple[list[int], dict, dict]:
         },
     )
     meta = r["meta_info"]
+    if meta_out is not None:
+        meta_out.update(meta)
     details = meta.get("cached_tokens_details") or {}
     inp, inp_top = meta["input_token_logprobs"], meta["input_top_logprobs"]
     first = len(ids) - len(inp)  # positions start..len-1 (SGLang may widen `start` to the cached length)
