@@ -18,35 +18,46 @@ TIERS = ("device", "host", "disk")
 @dataclass
 class TierWalk:
     """What one prompt gave from scratch and from each tier: `outputs[name]` the greedy ids,
-    `logprobs[name]` as `_gen_lp` returns them, `hits[name]` the cached tokens by source."""
+    `logprobs[name]` as `_gen_lp` returns them, `hits[name]` the cached tokens by source, `metas[name]`
+    the response's whole `meta_info`. Every request asks for `n` output tokens."""
 
     prompt: list[int]
     hit: int
     start: int
+    n: int = 8
     outputs: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, dict] = field(default_factory=dict)
     hits: dict[str, dict] = field(default_factory=dict)
+    metas: dict[str, dict] = field(default_factory=dict)
 
-    def record(self, name: str, got: tuple[list[int], dict, dict]) -> dict:
-        self.outputs[name], self.hits[name], self.logprobs[name] = got
+    def serve(self, srv, name: str, start: int) -> dict:
+        """Serve the prompt with logprobs from `start` on, recorded as `name`; returns its hits by source."""
+        meta: dict = {}
+        self.outputs[name], self.hits[name], self.logprobs[name] = _gen_lp(srv, self.prompt, start, self.n, meta)
+        self.metas[name] = meta
         return self.hits[name]
 
 
-def walk_tiers(srv, prompt: list[int], hit: int, start: int | None = None, disk_flood: int = 20) -> TierWalk:
+def walk_tiers(
+    srv, prompt: list[int], hit: int, start: int | None = None, disk_flood: int = 20, n: int = 8
+) -> TierWalk:
     """Serve `prompt` from scratch, then with its first `hit` tokens from the device, the host and the
     disk tier (floods of 300-token prompts push it down one tier at a time), asserting each hit came
-    from that tier. Logprobs are asked from `start` (default `hit`) on."""
-    walk = TierWalk(prompt, hit, hit if start is None else start)
-    d = walk.record("scratch", _gen_lp(srv, prompt, 0))
+    from that tier; at the disk step the whole hit, nothing of it from device or host. Logprobs are
+    asked from `start` (default `hit`) on; every request generates `n` tokens."""
+    walk = TierWalk(prompt, hit, hit if start is None else start, n)
+    d = walk.serve(srv, "scratch", 0)
     assert sum(d.values()) == 0, d
-    d = walk.record("device", _gen_lp(srv, prompt, walk.start))
+    d = walk.serve(srv, "device", walk.start)
     assert d["device"] == hit, d
     _flood(srv, 2, 4)  # the prompt leaves the device, stays on host
-    d = walk.record("host", _gen_lp(srv, prompt, walk.start))
+    d = walk.serve(srv, "host", walk.start)
     assert d["host"] > 0 and d["host"] + d["storage"] == hit, d
     _flood(srv, 3, disk_flood)  # it leaves device and host, stays on disk
-    d = walk.record("disk", _gen_lp(srv, prompt, walk.start))
-    assert d["storage"] > 0 and d["device"] + d["host"] + d["storage"] == hit, d
+    d = walk.serve(srv, "disk", walk.start)
+    # the flood left none of it above the disk: a page served from device or host here is a page the
+    # tiers above kept (or a hit reported from the wrong tier), not a disk read
+    assert d["storage"] == hit and d["device"] == d["host"] == 0, d
     return walk
 
 
@@ -67,7 +78,7 @@ def assert_a_changed_cached_page_moves(srv, walk: TierWalk, reference: str = "sc
     changed = list(walk.prompt)
     pos = walk.hit - 3
     changed[pos] = (walk.prompt[pos] - 16 + 1) % (VOCAB - 16) + 16
-    lp = _gen_lp(srv, changed, walk.start)[2]
+    lp = _gen_lp(srv, changed, walk.start, walk.n)[2]
     ref = walk.logprobs[reference]
     if where == "output":
         late = max(abs(a[1] - b[1]) for a, b in zip(lp["output"], ref["output"]))
@@ -92,12 +103,14 @@ def assert_settled_and_clean(srv, io: bool = True) -> dict:
     return st
 
 
-def assert_restart_serves_from_disk(again, walk: TierWalk, reference: str = "scratch") -> None:
-    """A restarted server (same disk directory) serves the prompt's hit from disk with the same
-    greedy ids and logprobs as the reference run."""
-    out, d, lp = _gen_lp(again, walk.prompt, walk.start)
-    assert d["storage"] > 0 and d["device"] == 0, d
+def assert_restart_serves_from_disk(again, walk: TierWalk, reference: str = "scratch") -> dict:
+    """A restarted server (same disk directory) serves the prompt's whole hit from disk with the same
+    greedy ids and logprobs as the reference run. Returns that response's `meta_info`."""
+    meta: dict = {}
+    out, d, lp = _gen_lp(again, walk.prompt, walk.start, walk.n, meta)
+    assert d["storage"] == walk.hit and d["device"] == d["host"] == 0, d
     assert out == walk.outputs[reference], (out, walk.outputs[reference])
     diff = _logprob_diff(walk.logprobs[reference], lp)
     print(f"logprob |diff| after the restart: {diff}")
     assert diff <= LOGPROB_TOL, diff
+    return meta

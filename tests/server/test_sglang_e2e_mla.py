@@ -112,7 +112,9 @@ def start_server(workdir):
     servers.close()
 
 
-def test_mla_server_outputs_equal_from_scratch_and_from_every_tier_and_after_a_restart(start_server, workdir, shared):
+def test_mla_server_host_and_disk_hits_and_a_restart_equal_the_device_hit(start_server, workdir, shared):
+    """The walked prompt's host and disk hits, and its disk hit after a restart, give the greedy outputs
+    and logprobs of its device hit (not of its scratch run: the module docstring says why)."""
     disk = workdir / "disk"
     srv = start_server("first", disk)
     st = _settled_pool(srv)
@@ -139,7 +141,8 @@ def _shared_host_mapping(pid: int) -> str:
 def test_mla_tp2_one_rank_writes_both_read(start_server, workdir, shared):
     """MLA at --tp 2: one copy of the latent for both ranks. Rank 0 alone writes the host buffer (one
     shared-memory buffer both ranks map) and the page files (one directory, no rank in it); rank 1
-    reads them. Greedy outputs from device, host and disk hits, and after a restart, equal TP=1's."""
+    reads them. Greedy outputs from device, host and disk hits, and after a restart, equal TP=1's device
+    hit (the reference under MLA here: the module docstring)."""
     import json as _json
 
     P = _prompt(1, HIT + 4)
