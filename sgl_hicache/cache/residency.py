@@ -18,6 +18,7 @@ from ..config import CacheConfig
 from ..hashing import Namespace, int64_tokens
 from ..policy.eviction import eviction_policy, orders_incrementally
 from ..policy.reuse import ReuseModel
+from ..policy.rewarm_choice import rewarm_paths
 from ..policy.writeback_choice import disk_write_through_due, selective_write_through_due, write_through_on_insert
 from ..stats import CacheStats
 from ..tiers.base import DEVICE, DISK, HOST, TIERS, Handle, TierStore
@@ -476,6 +477,12 @@ class TieredCache:
                         self.stores[tier].free(self.tree.clear_resident(node, tier))
             self.tree = RadixTree(self.page_size, self.namespace)
             self._order_leaves()
+
+    def hottest_paths(self, budget_pages: int) -> list[array]:
+        """The prefixes used most recently and most often, within `budget_pages` (what a re-warm
+        record keeps: `policy/rewarm_choice.py`)."""
+        with self._mutex:
+            return rewarm_paths(self.tree, budget_pages)
 
     def nodes_in(self, tier: str) -> Iterable[TreeNode]:
         return iter(self.tree.resident[tier])
