@@ -127,7 +127,10 @@ class TieringPolicy:
     - `predictor="tree_walk"`: descendant prediction is on, beside the queue prefetch. It stays
       silent where nothing can be gained: 0 tokens promoted on every multi-turn trace family at
       0.1-0.3x its working set (docs/results.md, "Prediction"), through the guard, the
-      shadow bets, the prefetch room and the stay test (`speculation.py`); `none` turns it off.
+      shadow bets, the prefetch room and the stay test (`speculation.py`); `none` turns it off;
+    - `rewarm=True`: a cache restarted on a disk directory brings back to host, in the background and
+      into free host pages only, the prefixes the stopped one used most (`control/rewarm.py`): its
+      first requests hit host instead of disk, and nothing is evicted for it.
     """
 
     eviction_policy: str = "lru"
@@ -142,6 +145,7 @@ class TieringPolicy:
     writeback_clean_fraction: float = 0.25
     writeback_batch_pages: int = 1024
     admission_min_probability: float = 0.0
+    rewarm: bool = True
 
     def __post_init__(self) -> None:
         _check_policy_knobs(self)

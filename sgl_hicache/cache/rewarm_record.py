@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import threading
 from array import array
 from pathlib import Path
 
@@ -83,4 +84,52 @@ def load_record(path: Path) -> list[array]:
         return []
 
 
-__all__ = ["MAGIC", "VERSION", "load_record", "record_path", "save_record"]
+class RecordWriter:
+    """Writes re-warm records on a thread of its own, so the thread that chose the paths (SGLang's
+    scheduler) never touches the disk.
+
+    Contract:
+    - `submit(path, paths)` never blocks and does no I/O: it leaves the record in a one-slot mailbox
+      (a newer record replaces one not yet written) and wakes the writer thread, which writes it
+      with `save_record`.
+    - `written` counts the records written, `failed` those `save_record` could not write.
+    - `close(timeout_s)` writes what is pending, then stops the thread; `submit` after it is ignored.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._pending: tuple[Path, list[array]] | None = None
+        self._closed = False
+        self.written = 0
+        self.failed = 0
+        self._thread = threading.Thread(target=self._run, name="sgl_hicache-rewarm-record", daemon=True)
+        self._thread.start()
+
+    def submit(self, path: Path, paths: list[array]) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._pending = (path, paths)
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closed:
+                    self._cond.wait()
+                job, self._pending = self._pending, None
+                if job is None:  # closed, nothing left
+                    return
+            if save_record(*job):
+                self.written += 1
+            else:
+                self.failed += 1
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout_s)
+
+
+__all__ = ["MAGIC", "VERSION", "RecordWriter", "load_record", "record_path", "save_record"]

@@ -121,22 +121,44 @@ def save_rewarm(cache: TieredCache) -> bool:
 
 
 class RewarmRecorder:
-    """Saves the record every `every_s` seconds of `clock` (so a crash loses at most that much), from
-    `tick()`, which the engine calls every step."""
+    """Saves the record every `every_s` seconds of `clock` (so a stop without `save_rewarm`, a crash
+    or a killed process, loses at most that much), from `tick()`, which the engine calls every step.
 
-    def __init__(self, cache: TieredCache, every_s: float, clock: Callable[[], float]) -> None:
+    Contract: `tick()` reads the clock and, at most once per `every_s`, chooses the paths
+    (`TieredCache.hottest_paths`, on the caller's thread: the tree is the caller's) and hands them to
+    `write(path, paths)` (default: `save_record`, inline; the SGLang backend passes
+    `RecordWriter.submit`, which writes on a thread of its own), unless they equal the last ones
+    handed over. `saved` counts the records handed over."""
+
+    def __init__(
+        self,
+        cache: TieredCache,
+        every_s: float,
+        clock: Callable[[], float],
+        write: Callable[[Path, list[array]], object] = save_record,
+    ) -> None:
         if every_s <= 0:
             raise ValueError(f"re-warm: the record interval must be > 0 s, got {every_s}")
         self.cache = cache
         self.every_s = every_s
         self.clock = clock
+        self.write = write
         self.next_at = clock() + every_s
+        self.path = rewarm_record_path(cache)
+        self.saved = 0
+        self._last: list[array] | None = None
 
     def tick(self) -> None:
         now = self.clock()
-        if now >= self.next_at:
-            self.next_at = now + self.every_s
-            save_rewarm(self.cache)
+        if now < self.next_at or self.path is None:
+            return
+        self.next_at = now + self.every_s
+        paths = self.cache.hottest_paths(self.cache.stores[HOST].capacity_pages)
+        if paths == self._last:
+            return  # nothing changed since the last record
+        self._last = paths
+        self.write(self.path, paths)
+        self.saved += 1
 
 
 __all__ = ["REWARM", "Rewarm", "RewarmRecorder", "rewarm_record_path", "save_rewarm", "start_rewarm"]

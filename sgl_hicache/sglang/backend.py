@@ -93,6 +93,7 @@ from .kinds.speculative_decoding import bigram_keys
 from .parallel.data_parallel import DPPlacement
 from .parallel.rank_consensus import RankConsensus
 from .req_states import ReqState, RequestStates
+from .rewarm_calls import ServerRewarm
 from .step_calls import StepCalls
 
 logger = logging.getLogger(__name__)
@@ -177,6 +178,10 @@ class TieredRadixCache(MambaCalls, StepCalls, CacheViews, BasePrefixCache):
         self.io_guard = IOGuard().install(self.cache) if debug.check_scheduler_io else None
         self._vocab_size = vocab_size
         self.hint_listener = None  # the hint API, started by `start` when hint_port is set (StepCalls)
+        # re-warm at start and its record (rewarm_calls.py); stepped in `before_batch_formed`
+        self.rewarm = ServerRewarm(
+            self.cache, self.controller, s, ranks_agree=consensus is not None, cache_disabled=self.disable
+        )
 
     @property
     def root_node(self):
@@ -200,12 +205,14 @@ class TieredRadixCache(MambaCalls, StepCalls, CacheViews, BasePrefixCache):
         return self
 
     def shutdown(self) -> None:
-        """Stop the publisher, the hint API and the transfer engine; in-flight promotions are cancelled."""
+        """Stop the publisher, the hint API and the transfer engine; in-flight promotions are cancelled;
+        the re-warm record is saved for the next server on the disk directory."""
         self.stop_hint_api()
         if self._publisher is not None:
             self._publisher.stop()
             self._publisher = None
         self._drop_all_jobs()
+        self.rewarm.stop()
         self.engine.stop()
         if self.layer_loads is not None:
             self.layer_loads.finish_all()

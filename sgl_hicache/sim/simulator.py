@@ -107,7 +107,7 @@ class EngineConfig:
     store_latency_s: float = 0.0  # per transfer
     # re-warm at start (`control/rewarm.py`): a replay on a `disk_dir` that holds a re-warm record
     # brings its prefixes to host in the background; the record is saved at `end()`
-    rewarm: bool = True
+    rewarm: bool = DEFAULT_POLICY.rewarm
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -141,6 +141,7 @@ class EngineConfig:
             writeback_clean_fraction=self.writeback_clean_fraction,
             writeback_batch_pages=self.writeback_batch_pages,
             admission_min_probability=self.admission_min_probability,
+            rewarm=self.rewarm,
         )
 
     def cache_config(self, disk_dir: Path | None) -> CacheConfig:
