@@ -93,7 +93,6 @@ from .kinds.speculative_decoding import bigram_keys
 from .parallel.data_parallel import DPPlacement
 from .parallel.rank_consensus import RankConsensus
 from .req_states import ReqState, RequestStates
-from .rewarm_calls import ServerRewarm
 from .step_calls import StepCalls
 
 logger = logging.getLogger(__name__)
@@ -178,10 +177,7 @@ class TieredRadixCache(MambaCalls, StepCalls, CacheViews, BasePrefixCache):
         self.io_guard = IOGuard().install(self.cache) if debug.check_scheduler_io else None
         self._vocab_size = vocab_size
         self.hint_listener = None  # the hint API, started by `start` when hint_port is set (StepCalls)
-        # re-warm at start and its record (rewarm_calls.py); stepped in `before_batch_formed`
-        self.rewarm = ServerRewarm(
-            self.cache, self.controller, s, ranks_agree=consensus is not None, cache_disabled=self.disable
-        )
+        self.rewarm = parts.rewarm  # re-warm at start and its record (rewarm_calls.py)
 
     @property
     def root_node(self):
@@ -194,19 +190,13 @@ class TieredRadixCache(MambaCalls, StepCalls, CacheViews, BasePrefixCache):
             path = self.settings.stats_file
             if path:  # TP / DP: TP rank 0 of DP rank 0 writes the file, every other process its own beside it
                 path += self.placement.file_suffix()
-            self._publisher = StatsPublisher(
-                self,
-                path,
-                self.settings.stats_interval_s,
-                prometheus=self._metrics_enabled,
-                labels=self.placement.labels(),
-            )
+            interval, labels = self.settings.stats_interval_s, self.placement.labels()
+            self._publisher = StatsPublisher(self, path, interval, prometheus=self._metrics_enabled, labels=labels)
             self._publisher.start()
         return self
 
     def shutdown(self) -> None:
-        """Stop the publisher, the hint API and the transfer engine; in-flight promotions are cancelled;
-        the re-warm record is saved for the next server on the disk directory."""
+        """Stop the publisher, the hint API, the transfer engine (cancelling copies); save the re-warm record."""
         self.stop_hint_api()
         if self._publisher is not None:
             self._publisher.stop()
