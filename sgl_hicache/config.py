@@ -127,10 +127,14 @@ class TieringPolicy:
     - `predictor="tree_walk"`: descendant prediction is on, beside the queue prefetch. It stays
       silent where nothing can be gained: 0 tokens promoted on every multi-turn trace family at
       0.1-0.3x its working set (docs/results.md, "Prediction"), through the guard, the
-      shadow bets, the prefetch room and the stay test (`speculation.py`); `none` turns it off.
-    - `learn_returns=True`: a conversation whose past pauses were short is retained for its next
-      pause, as a client's tool-call hint would ask, ranked against what the other pages are worth
-      (`control/hint_desk.py`, `policy/return_gaps.py`): the tool pause seen without a hint.
+      shadow bets, the prefetch room and the stay test (`speculation.py`); `none` turns it off;
+    - `learn_returns=False`: with it on, a conversation is retained for the pause its own past pauses
+      predict, as a client's tool-call hint would ask, ranked against what the other pages are worth
+      (`control/hint_desk.py`, `policy/return_gaps.py`). Off: on recorded agent sessions it cost
+      1.00-1.03x mean TTFT (`docs/agent-hints.md`, "The server's own retentions");
+    - `rewarm=True`: a cache restarted on a disk directory brings back to host, in the background and
+      into free host pages only, the prefixes the stopped one used most (`control/rewarm.py`): its
+      first requests hit host instead of disk, and nothing is evicted for it.
     """
 
     eviction_policy: str = "lru"
@@ -146,6 +150,7 @@ class TieringPolicy:
     writeback_batch_pages: int = 1024
     admission_min_probability: float = 0.0
     learn_returns: bool = False
+    rewarm: bool = True
 
     def __post_init__(self) -> None:
         _check_policy_knobs(self)

@@ -14,7 +14,7 @@ from typing import Any
 from .tiers.base import DEVICE, DISK, HOST, TIERS
 
 LINKS = ("device->host", "host->device", "host->disk", "disk->host")
-PREFETCH_KINDS = ("prefetch", "predict")
+PREFETCH_KINDS = ("prefetch", "predict", "rewarm")
 
 
 class CacheStats:
@@ -27,7 +27,8 @@ class CacheStats:
       `dropped_dirty_tokens[tier]` (evicted from that tier with no copy one tier down: lost to it).
     - `bytes_moved[link]`, `transfer_seconds[link]` (measured wall time of the copies).
     - `prefetch[kind]`: promoted_tokens, used_tokens (used by a request before being evicted),
-      wasted_tokens, covered_tokens / needed_tokens for coverage; kinds are "prefetch" and "predict".
+      wasted_tokens, covered_tokens / needed_tokens for coverage; kinds are "prefetch", "predict" and
+      "rewarm" (brought disk -> host at start from the re-warm record, `control/rewarm.py`).
     - `errors[name]`: corrupt pages, failed reads and writes, ...
     """
 

@@ -7,6 +7,9 @@ from pathlib import Path
 # The debug checks every server test runs with: the tree's invariants after each call, and the
 # scheduler thread's I/O (no copy, disk write, sleep or wait), reported in /server_info.
 CHECKED = {"SGLHICACHE_CHECK_INVARIANTS": "1", "SGLHICACHE_CHECK_SCHEDULER_IO": "1"}
+# Re-warm at start is off unless a test turns it on: a server that lived past its record interval would
+# otherwise bring the prefixes a restart test expects from disk back to host first.
+NO_REWARM = {"SGLHICACHE_REWARM": "0"}
 
 
 class BackendServers:
@@ -14,7 +17,8 @@ class BackendServers:
     with its own disk directory and log (`<workdir>/<name>.log`); `close()` stops every one started
     (its whole process group), pass or fail.
 
-    `env` is added to every server's environment (`CHECKED` by default), `args` to its command line;
+    `env` is added to every server's environment (`CHECKED` by default; re-warm off, `NO_REWARM`, unless
+    `env` or the start's `env_extra` sets `SGLHICACHE_REWARM`), `args` to its command line;
     `stats=True` makes each write its stats file to `<workdir>/<name>-stats.json` every 0.5 s."""
 
     def __init__(
@@ -43,6 +47,7 @@ class BackendServers:
             "SGLHICACHE_HOST_TOKENS": str(self.host_tokens),
             "SGLHICACHE_DISK_DIR": str(disk_dir),
             "SGLHICACHE_DISK_TOKENS": str(64 * 1024),
+            **NO_REWARM,
             **self.env,
             **(
                 {

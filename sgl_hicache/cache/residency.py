@@ -18,6 +18,7 @@ from ..config import CacheConfig
 from ..hashing import Namespace, int64_tokens
 from ..policy.eviction import eviction_policy, orders_incrementally
 from ..policy.reuse import ReuseModel
+from ..policy.rewarm_choice import rewarm_paths
 from ..policy.writeback_choice import disk_write_through_due, selective_write_through_due, write_through_on_insert
 from ..stats import CacheStats
 from ..tiers.base import DEVICE, DISK, HOST, TIERS, Handle, TierStore
@@ -83,8 +84,7 @@ class TieredCache:
         self.tree = RadixTree(config.page_size, self.namespace)
         self.stores: dict[str, TierStore] = build_stores(config, self.namespace, device, host, disk)
         self.tree.gaps.track_only(self.stores)  # write-back links between the tiers it has only
-        # the reuse model learns from served requests; it orders eviction under `reuse`, feeds the
-        # `continuation` predictor, and ranks client hints (`learn_reuse`)
+        # learns from served requests: `reuse` eviction, `continuation`, hint ranking (`learn_reuse`)
         self._mutex = threading.RLock()
         self.reuse: ReuseModel | None = None
         if config.eviction_policy == "reuse" or config.predictor == "continuation" or config.admission_min_probability:
@@ -399,11 +399,9 @@ class TieredCache:
         """The reuse model, made on the first call: it learns from the requests served from then on."""
         with self._mutex:
             if self.reuse is None:
-                self.reuse = ReuseModel(self._now, admit_min_probability=self.config.admission_min_probability)
+                floor = self.config.admission_min_probability
+                self.reuse = ReuseModel(lambda: self.clock(), admit_min_probability=floor)
             return self.reuse
-
-    def _now(self) -> float:
-        return self.clock()
 
     def prune(self, node: TreeNode) -> None:
         """Remove `node` and its ancestors while they are resident nowhere, childless and unused
@@ -482,6 +480,12 @@ class TieredCache:
                         self.stores[tier].free(self.tree.clear_resident(node, tier))
             self.tree = RadixTree(self.page_size, self.namespace)
             self._order_leaves()
+
+    def hottest_paths(self, budget_pages: int) -> list[array]:
+        """The prefixes used most recently and most often, within `budget_pages` (what a re-warm
+        record keeps: `policy/rewarm_choice.py`)."""
+        with self._mutex:
+            return rewarm_paths(self.tree, budget_pages)
 
     def nodes_in(self, tier: str) -> Iterable[TreeNode]:
         return iter(self.tree.resident[tier])

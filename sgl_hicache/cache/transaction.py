@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from ..stats import PREFETCH_KINDS
 from ..tiers.base import DEVICE, DISK, HOST, Handle, PageCorruptError, PageGoneError, PeerTierError
 from ..transfer.bandwidth import BandwidthMeter
 from ..transfer.ops import Cancelled, TransferOp
@@ -142,7 +143,7 @@ class Transactions:
         elif op.kind != "backup":
             c.stats.add("promoted_tokens", tokens, op.dst)
             # a speculative copy counts once per node, until a request uses it
-            if op.kind in ("prefetch", "predict") and not node.prefetched:
+            if op.kind in PREFETCH_KINDS and not node.prefetched:
                 node.prefetched = op.kind
                 c.stats.add_prefetch(op.kind, "promoted_tokens", tokens, node.prefetch_trigger)
         return True

@@ -91,6 +91,11 @@ class BackendSettings:
     time_calls: bool = True  # time every cache call the scheduler makes (p50/p99/max in the stats)
     hint_port: int | None = None  # the hint API's port (sglang/hint_server.py); None: off; 0: any free port
     hint_host: str = "127.0.0.1"  # the hint API's bind address
+    # re-warm at start (`control/rewarm.py`): a server started on a disk directory brings the prefixes
+    # the stopped one used most back to host in the background (TP = 1; off at TP >= 2); the record
+    # of them is saved every rewarm_interval_s, written off the scheduler thread
+    rewarm: bool = DEFAULT_POLICY.rewarm
+    rewarm_interval_s: float = 30.0
     mamba_state_share: float = (
         0.25  # hybrid Mamba models: the share of the host and disk budgets that holds state snapshots
     )
@@ -129,6 +134,7 @@ class BackendSettings:
             self.hint_port is None or (isinstance(self.hint_port, int) and 0 <= self.hint_port <= 65535),
             f"hint_port must be a port number (0-65535) or null, got {self.hint_port!r}",
         )
+        need(self.rewarm_interval_s > 0, f"rewarm_interval_s must be > 0, got {self.rewarm_interval_s!r}")
         need(self.stats_interval_s > 0, f"stats_interval_s must be > 0, got {self.stats_interval_s!r}")
         need(self.host_gb is None or self.host_gb >= 0, f"host_gb must be >= 0 or null, got {self.host_gb!r}")
         need(
@@ -158,6 +164,7 @@ class BackendSettings:
             writeback_clean_fraction=self.writeback_clean_fraction,
             writeback_batch_pages=self.writeback_batch_pages,
             learn_returns=self.learn_returns,
+            rewarm=self.rewarm,
         )
 
     def host_tokens_for(self, device_tokens: int, bytes_per_token: int) -> int:

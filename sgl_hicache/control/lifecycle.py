@@ -34,6 +34,7 @@ from ..transfer.executors import Executor, LoadTime
 from ..transfer.ops import PromotionJob, TransferOp
 from ..tree.node import TreeNode
 from .hint_desk import HintDesk
+from .rewarm import Rewarm
 from .speculative_prefetch import Speculation
 
 
@@ -148,6 +149,8 @@ class RequestController:
         self.prefetch_skipped = 0  # queue prefetches the guard refused (no room to spare on host)
         self.preempted_prefetches = 0  # queued requests' prefetch jobs ended for a demand (yield_to_demand)
         self.disk_reads_recomputed = 0  # disk-only tokens recomputed: reading them would land later (read_or_recompute)
+        # re-warm at start (`rewarm.py`): set by the engine when the disk tier has a record
+        self.rewarm: Rewarm | None = None
 
     # ---- arrival and prefetch ----------------------------------------------------------------
     def arrive(self, tokens: Sequence[int]) -> tuple[Ticket, PrefixMatch]:
@@ -383,6 +386,8 @@ class RequestController:
 
     def advance_predictions(self) -> None:
         self.speculation.advance()
+        if self.rewarm is not None:
+            self.rewarm.step()
 
     @property
     def predicted(self) -> list[PromotionJob]:
@@ -512,12 +517,17 @@ class RequestController:
         self.pump_writeback(start_new=False)
 
     def inflight(self) -> bool:
-        return bool(self.predicted) or bool(self.writeback) or bool(self.dropped) or bool(self.cache.orphans)
+        rewarming = self.rewarm is not None and bool(self.rewarm.jobs)
+        return (
+            bool(self.predicted) or bool(self.writeback) or bool(self.dropped) or bool(self.cache.orphans) or rewarming
+        )
 
     def shutdown(self) -> None:
         """Cancel and release everything in flight (tickets are dropped by their owner); end every pin."""
         self.hints.shutdown()
         self.speculation.shutdown()
+        if self.rewarm is not None:
+            self.rewarm.shutdown()
         self._reap_dropped(wait=True)
         self.executor.cancel(self.writeback)
         for op in self.writeback + self.cache.orphans:

@@ -2,8 +2,8 @@
 
 `cache_config(...)` turns `BackendSettings` and SGLang's device pool into the core's `CacheConfig`
 (capacities per tier, the disk directory and namespace salt, policies); `assemble(...)` builds the
-device pool adapter, `TieredCache`, `TransferEngine`, the layer-wise loads, the executor and the
-`RequestController`, in the order TP ranks must share (the consensus start is a collective).
+device pool adapter, `TieredCache`, `TransferEngine`, the layer-wise loads, the executor, the
+`RequestController` and the re-warm at start (`ServerRewarm`), in the order TP ranks must share (the consensus start is a collective).
 No decision of the request path is made here.
 """
 
@@ -29,6 +29,7 @@ from .layer_loads import LayerLoads
 from .parallel.data_parallel import DPPlacement
 from .parallel.rank_consensus import RankConsensus, inject_read_faults
 from .parallel.replicated_group import follow, replicated_tiers
+from .rewarm_calls import ServerRewarm
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class Assembly:
     engine: TransferEngine
     layer_loads: LayerLoads | None
     controller: RequestController
+    rewarm: ServerRewarm  # re-warm at start and its record (rewarm_calls.py)
     snapshot_budgets: tuple[int, int] = (0, 0)  # hybrid Mamba: the state snapshots' (host, disk) bytes
 
 
@@ -182,7 +184,8 @@ def assemble(
         snapshot_tokens(s, device_pool, host_total) * bpt,
         snapshot_tokens(s, device_pool, s.disk_tokens_for(bpt)) * bpt if config.disk_dir is not None else 0,
     )
-    return Assembly(device_pool, config, cache, engine, layer_loads, controller, budgets)
+    rewarm = ServerRewarm(cache, controller, s, ranks_agree=consensus is not None, cache_disabled=bool(params.disable))
+    return Assembly(device_pool, config, cache, engine, layer_loads, controller, rewarm, budgets)
 
 
 __all__ = ["Assembly", "assemble", "cache_config"]

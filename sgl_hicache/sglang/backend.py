@@ -177,6 +177,7 @@ class TieredRadixCache(MambaCalls, StepCalls, CacheViews, BasePrefixCache):
         self.io_guard = IOGuard().install(self.cache) if debug.check_scheduler_io else None
         self._vocab_size = vocab_size
         self.hint_listener = None  # the hint API, started by `start` when hint_port is set (StepCalls)
+        self.rewarm = parts.rewarm  # re-warm at start and its record (rewarm_calls.py)
 
     @property
     def root_node(self):
@@ -189,23 +190,19 @@ class TieredRadixCache(MambaCalls, StepCalls, CacheViews, BasePrefixCache):
             path = self.settings.stats_file
             if path:  # TP / DP: TP rank 0 of DP rank 0 writes the file, every other process its own beside it
                 path += self.placement.file_suffix()
-            self._publisher = StatsPublisher(
-                self,
-                path,
-                self.settings.stats_interval_s,
-                prometheus=self._metrics_enabled,
-                labels=self.placement.labels(),
-            )
+            interval, labels = self.settings.stats_interval_s, self.placement.labels()
+            self._publisher = StatsPublisher(self, path, interval, prometheus=self._metrics_enabled, labels=labels)
             self._publisher.start()
         return self
 
     def shutdown(self) -> None:
-        """Stop the publisher, the hint API and the transfer engine; in-flight promotions are cancelled."""
+        """Stop the publisher, the hint API, the transfer engine (cancelling copies); save the re-warm record."""
         self.stop_hint_api()
         if self._publisher is not None:
             self._publisher.stop()
             self._publisher = None
         self._drop_all_jobs()
+        self.rewarm.stop()
         self.engine.stop()
         if self.layer_loads is not None:
             self.layer_loads.finish_all()

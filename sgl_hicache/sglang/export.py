@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from .parallel.data_parallel import DPPlacement
     from .parallel.rank_consensus import RankConsensus
     from .req_states import RequestStates
+    from .rewarm_calls import ServerRewarm
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +162,7 @@ def stats_snapshot(rc: CacheViews, exact: bool = False) -> dict[str, Any]:
     }
     snap["backend"] = backend
     snap["speculation"] = rc.controller.speculation.counters()
+    snap["rewarm"] = rc.rewarm.counters()  # re-warm at start: its progress and records (rewarm_calls.py)
     snap["agent_hints"] = {**rc.controller.hints.summary(), "requests": rc.request_hints.status()}
     snap["config"] = {
         "page_size": rc.page_size,
@@ -176,6 +178,7 @@ def stats_snapshot(rc: CacheViews, exact: bool = False) -> dict[str, Any]:
         "layerwise_loads": rc.layer_loads is not None,
         "skip_waiting_admission": rc.settings.skip_waiting_admission,
         "admission_hold": rc.settings.admission_hold,
+        "rewarm": rc.settings.rewarm,
         "namespace": cache.namespace.description,
         "pool_kind": rc.device_pool.adapter.kind,  # the device-pool adapter serving SGLang's pool (mha, mla)
         "store": config.store_url,
@@ -229,6 +232,7 @@ class CacheViews:
     request_hints: RequestHints
     hint_listener: HintListener | None
     snapshots: SnapshotTiers | None
+    rewarm: ServerRewarm
     prefill_cost_fit: PrefillCostFit
     call_timer: CallTimer | None
     io_guard: IOGuard | None

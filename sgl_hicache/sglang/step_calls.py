@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from .layer_loads import LayerLoads
     from .parallel.rank_consensus import RankConsensus
     from .req_states import RequestStates
+    from .rewarm_calls import ServerRewarm
 
 
 class StepCalls:
@@ -49,6 +50,7 @@ class StepCalls:
     req_states: RequestStates
     counters: BackendCounters
     hint_listener: HintListener | None
+    rewarm: ServerRewarm
     snapshots: SnapshotTiers | None
     _vocab_size: int | None
     prefill_cost_fit: PrefillCostFit
@@ -87,7 +89,8 @@ class StepCalls:
         (`scheduler_hooks.record_landed_copies`): apply the queued client hints; record the
         speculative promotions (predictions, hint prefetches) and background copies that landed (their
         pages are host hits, or clean and evictable, for this admission, not only once the next
-        request arrives); start none. Nothing at TP >= 2 (there the ranks agree on the outcomes
+        request arrives); start none, except the re-warm's next copy (`ServerRewarm.step`, which also
+        keeps its record). Nothing at TP >= 2 (there the ranks agree on the outcomes
         first, `sgl_hicache_on_step`)."""
         if self.disable:
             return
@@ -97,6 +100,7 @@ class StepCalls:
             return
         if self.hint_listener is not None:
             self.apply_hints(self.hint_listener.drain())
+        self.rewarm.step()  # the re-warm's next copy, and its record every rewarm_interval_s
         if self.controller.predicted:
             self.controller.advance_predictions()
         if self.controller.writeback:

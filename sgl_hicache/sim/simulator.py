@@ -43,6 +43,7 @@ from pathlib import Path
 from ..config import DEFAULT_POLICY, CacheConfig, KVLayout, TieringPolicy
 from ..control.composition import build_cache, build_controller
 from ..control.lifecycle import Admission, Ticket
+from ..control.rewarm import save_rewarm, start_rewarm
 from ..policy.hint_rules import Hint, HintError, hint_tokens
 from ..policy.oracle import Oracle
 from ..records import RecordColumns
@@ -105,6 +106,9 @@ class EngineConfig:
     # a shared store in the disk tier's place (`engine/fleet.py`): each server's link to it
     store_bandwidth: float = 0.0  # bytes/s; 0: no store
     store_latency_s: float = 0.0  # per transfer
+    # re-warm at start (`control/rewarm.py`): a replay on a `disk_dir` that holds a re-warm record
+    # brings its prefixes to host in the background; the record is saved at `end()`
+    rewarm: bool = DEFAULT_POLICY.rewarm
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -139,6 +143,7 @@ class EngineConfig:
             writeback_batch_pages=self.writeback_batch_pages,
             admission_min_probability=self.admission_min_probability,
             learn_returns=self.learn_returns,
+            rewarm=self.rewarm,
         )
 
     def cache_config(self, disk_dir: Path | None) -> CacheConfig:
@@ -500,6 +505,8 @@ class EmbeddedEngine:
         self._waiting: deque[_Flight] = deque()
         self._prefilling: list[_Flight] = []  # admitted, prompt not fully computed yet (chunked prefill)
         self._running: list[_Flight] = []  # decoding
+        if self.config.rewarm and self.config.disk_dir is not None and self.config.byte_mode == "real":
+            self.controller.rewarm = start_rewarm(self.cache, self.executor)
 
     @property
     def busy(self) -> bool:
@@ -507,6 +514,8 @@ class EmbeddedEngine:
 
     def end(self) -> RecordColumns:
         self.controller.shutdown()
+        if self.config.rewarm and self.config.disk_dir is not None and self.config.byte_mode == "real":
+            save_rewarm(self.cache)  # a clean stop: what the next engine on this directory re-warms
         return self.records
 
     def step(self) -> bool:

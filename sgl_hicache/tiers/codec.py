@@ -21,6 +21,7 @@ FORMAT_VERSION = 1
 HEADER_SIZE = 128
 PAGE_SUFFIX = ".page"
 DTYPE_MISMATCH = "dtype mismatch"  # parse_header's reason for a page of another element type
+OTHER_VERSION = "format version"  # how parse_header's reason for a page of another format version starts
 _STABLE_PREFIX = struct.Struct("<8sHH16s")  # magic, version, header size, namespace: never changes
 _HEADER_BODY = struct.Struct("<8sHH16s16sQ16sI8IQ")  # ... payload checksum (112 bytes)
 _HEADER_SUM = struct.Struct("<Q")
@@ -53,6 +54,11 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_ubyte * nbytes).from_address(t.data_ptr())).cast("B")
 
 
+def is_other_version(reason: str) -> bool:
+    """Whether a `parse_header` / `decode` reason says "written in another format version"."""
+    return reason.startswith(OTHER_VERSION)
+
+
 class PageCodec:
     """Encode and check page headers of one namespace and page layout.
 
@@ -60,7 +66,9 @@ class PageCodec:
     codec wrote for `key` with a value of `size` bytes in total, else `(None, reason)`; reason
     "foreign" means our magic under another namespace (another model or tenant: not corrupt, not ours);
     `DTYPE_MISMATCH` a page of our namespace and key whose header names another element type (e.g.
-    written as float8_e5m2, read as float8_e4m3fn): never served, the stores count it apart.
+    written as float8_e5m2, read as float8_e4m3fn): never served, the stores count it apart; a reason
+    starting with `OTHER_VERSION` a page of another format version (named with the version read):
+    never served, never taken for corrupt (`is_other_version`).
     """
 
     def __init__(
@@ -113,7 +121,7 @@ class PageCodec:
         if ns != self.namespace.root:
             return None, "foreign"
         if version != FORMAT_VERSION:
-            return None, f"format version {version}"
+            return None, f"{OTHER_VERSION} {version} (this build reads {FORMAT_VERSION})"
         if header_size != HEADER_SIZE or len(header) < HEADER_SIZE:
             return None, "truncated header"
         body = header[: _HEADER_BODY.size]
@@ -151,8 +159,10 @@ __all__ = [
     "FORMAT_VERSION",
     "HEADER_SIZE",
     "MAGIC",
+    "OTHER_VERSION",
     "PAGE_SUFFIX",
     "PageCodec",
     "check_key",
+    "is_other_version",
     "tensor_bytes",
 ]

@@ -42,7 +42,7 @@ import torch
 from ..config import CacheConfig, KVLayout
 from ..hashing import KEY_BYTES, Namespace, PageKey
 from .base import Handle, KeyedStore, PageCorruptError, ReadsInto, TierIOError
-from .codec import DTYPE_MISMATCH, PageCodec, check_key, tensor_bytes
+from .codec import DTYPE_MISMATCH, PageCodec, check_key, is_other_version, tensor_bytes
 from .store_protocol import StoreBackend, StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,7 @@ COUNTER_NAMES = (
     "corrupt_values",  # a value failed the codec (truncated, bad checksum, other layout)
     "foreign_values",  # a value of another namespace under one of our keys
     "dtype_mismatch",  # of corrupt_values: a value whose header named another KV dtype (never served)
+    "version_skipped",  # a value of another format version (another build wrote it): never served
     "puts_failed",
     "puts_skipped",  # not attempted: the store was unavailable
     "errors",  # transitions to unavailable
@@ -353,9 +354,14 @@ class SharedStoreTier(KeyedStore, ReadsInto):
             if reason == DTYPE_MISMATCH:
                 with self._lock:
                     self.counters["dtype_mismatch"] += 1
-            self._miss(
-                key, reason, f"bad value: {reason}", "foreign_values" if reason == "foreign" else "corrupt_values"
+            counter = (
+                "foreign_values"
+                if reason == "foreign"
+                else "version_skipped"
+                if is_other_version(reason)
+                else "corrupt_values"
             )
+            self._miss(key, reason, f"bad value: {reason}", counter)
         tensor_bytes(out)[:] = payload
         with self._lock:
             self.counters["pages_read"] += 1

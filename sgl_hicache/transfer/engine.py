@@ -32,6 +32,7 @@ PRIORITY = {
     "prefetch": PREFETCH,
     "predict": PREDICT,
     "promote": PREDICT,
+    "rewarm": PREDICT,  # re-warm at start: speculative, only while no demand is queued
     "backup": BACKUP,
     "demote": BACKUP,
 }

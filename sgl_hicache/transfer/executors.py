@@ -241,11 +241,12 @@ class VirtualExecutor(Executor):
 
     def submit_job(self, job: PromotionJob, speculative: bool = False) -> None:
         """Queue a job's copies. A queue prefetch (`job.kind == "prefetch"`) has low priority: demand
-        loads and write-back go ahead of it (as in `TransferEngine`), so it never delays them. A
+        loads and write-back go ahead of it (as in `TransferEngine`), so it never delays them; a re-warm
+        at start (`job.kind == "rewarm"`) likewise. A
         speculative copy (a prediction) pays its link time like any other, behind the demand loads
         queued and ahead of queued write-back (`VirtualPipes.schedule_speculative`)."""
         now = self.clock()
-        low = job.kind == "prefetch" and not speculative
+        low = job.kind in ("prefetch", "rewarm") and not speculative
         for st in job.stages:
             t = now
             for op in st.ops:  # a stage's ops run in order (disk -> host before host -> device)

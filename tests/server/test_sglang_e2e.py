@@ -16,7 +16,9 @@ A device pool far smaller than the workload (1,024 tokens, page 16), host 4,096 
   demotion copies there), host hits were loaded layer by layer (`layerwise_loads`, the default: the KV
   checks above ran with it), and every call was timed;
 - Prometheus: SGLang's `sglang:cached_tokens_total{cache_source="storage"}` and our `sgl_hicache_*`;
-- restart on the same disk directory: the same prompts get `storage` hits and the same outputs;
+- restart on the same disk directory with re-warm on: the prefixes the first server used last come
+  back to host before they are asked for (P is a host hit with the same outputs and logprobs), the
+  older sessions get `storage` hits;
 - the same at `--tp 2` (test_e2e_tp2_matches_tp1): outputs and per-tier hits equal to TP=1's, rank skew
   recomputed on both ranks, a killed rank stops the server.
 
@@ -218,7 +220,8 @@ def test_e2e_replay_hits_and_kv_correctness(start_server, workdir, shared):
     disk = workdir / "disk"
     # the default settings: write-through at commit device -> host and host -> disk, and
     # eviction that never copies; the drops are bounded after the replay below
-    srv = start_server("first", disk)
+    # the re-warm record is saved every second (default 30 s), so the restart test's record holds P
+    srv = start_server("first", disk, SGLHICACHE_REWARM="1", SGLHICACHE_REWARM_INTERVAL_S="1")
     shared["disk"] = disk
     shared["start_s"] = time.monotonic() - t0
 
@@ -344,29 +347,52 @@ def test_e2e_replay_hits_and_kv_correctness(start_server, workdir, shared):
         lines[:40]
     )
     shared["stats_first"] = st
+    # 5. the re-warm record: one saved after the KV checks above (a new request changes the tree, so
+    # the next record differs from the last and is written), for the restart test
+    written = _pool(srv)["rewarm"]["records_written"]
+    _gen(srv, _prompt(4, 32), 1)
+    _wait_for(lambda: _pool(srv)["rewarm"]["records_written"] > written, "a re-warm record written after the checks")
     shared["wall_s"] = time.monotonic() - t0
 
 
 def test_e2e_restart_serves_disk_hits(start_server, workdir, shared):
+    """Restart on the same disk directory: the re-warm brings the prefixes the first server used last
+    (P among them) back to host before they are asked for, P's hit comes from host with the same
+    outputs and logprobs; the older trace sessions, beyond the record's host-sized budget, are disk hits."""
     if "P" not in shared:
         pytest.skip("the first e2e test did not get far enough")
     from sgl_hicache.replay.http import replay_http
 
     t0 = time.monotonic()
-    srv = start_server("restart", shared["disk"])
+    srv = start_server("restart", shared["disk"], SGLHICACHE_REWARM="1")
     P, out_scratch, lp_scratch = shared["P"]
+
+    def rewarm_settled():
+        rw = _pool(srv)["rewarm"]
+        return rw if rw["stopped"] and rw["jobs_in_flight"] == 0 else None
+
+    rw = _wait_for(rewarm_settled, "the re-warm to settle")
+    assert rw["enabled"] and rw["recorded_paths"] > 0 and rw["stopped"] in ("record done", "host full"), rw
     out, d, lp = _gen_lp(srv, P, HIT)
-    assert d["storage"] == HIT and d["device"] == d["host"] == 0, d  # the whole hit from disk
+    assert d == {"device": 0, "host": HIT, "storage": 0}, d  # re-warmed: from host, nothing read from disk
     assert out == out_scratch, (out, out_scratch)
-    diff = _logprob_diff(lp_scratch, lp)  # the first server's scratch run vs. this one's disk hit
+    diff = _logprob_diff(lp_scratch, lp)  # the first server's scratch run vs. this one's re-warmed hit
     print(f"\nlogprob |diff| after the restart: {diff}")
     assert diff <= LOGPROB_TOL, diff
+    brought = _pool(srv)["prefetch"]["rewarm"]
+    print(f"re-warm: {rw}, {brought}")
+    assert brought["promoted_tokens"] >= brought["used_tokens"] >= HIT, brought
     # the replayed sessions find their pages on disk again
     report = replay_http(_trace_slice()[:30], srv.url, concurrency=4, max_new_tokens=4)
     assert report["requests_failed"] == 0, report["errors"]
     assert report["hit_tokens"]["disk"] > 0, report["hit_tokens"]
-    pool = _settled_pool(srv)["pool"]
+    st = _settled_pool(srv)
+    pool = st["pool"]
     assert pool["request_held_tokens"] == 0 and pool["check"] == "ok", pool
+    # the re-warm's copies and its records ran off the scheduler thread too
+    io = st["scheduler_io"]
+    offenders = io.pop("first_offender")
+    assert io["copy"] == io["disk_write"] == io["sleep"] == io["event_wait"] == 0, (io, offenders)
     shared["restart_report"] = report
     shared["restart_wall_s"] = time.monotonic() - t0
     out_path = workdir.parent / "sglang_e2e_figures.json"

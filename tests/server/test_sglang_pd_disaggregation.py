@@ -71,6 +71,7 @@ def servers(workdir):
                     "SGLHICACHE_DISK_TOKENS": str(64 * 1024),
                     "SGLHICACHE_CHECK_INVARIANTS": "1",
                     "SGLHICACHE_CHECK_SCHEDULER_IO": "1",
+                    "SGLHICACHE_REWARM": "0",  # the restart below is a disk hit (tests/servers.py, NO_REWARM)
                 }
             )
             extra += ["--radix-cache-backend", "sgl_hicache"]

@@ -24,9 +24,10 @@ import xxhash
 from ...config import KVLayout
 from ...hashing import KEY_BYTES, Namespace, PageKey
 from ..base import DISK, Handle, KeyedStore, PageCorruptError, PageGoneError, ReadsInto, TierIOError, WritesFrom
-from ..codec import DTYPE_MISMATCH, HEADER_SIZE, PageCodec, check_key, tensor_bytes
+from ..codec import DTYPE_MISMATCH, HEADER_SIZE, PageCodec, check_key, is_other_version, tensor_bytes
 from .files import READ_FLAGS, RESERVED, STORED, log
 from .ledger import DirectoryLedger, LocalLedger
+from .manifest import check_manifest, record_manifest
 from .recovery import DirectoryScan
 
 COUNTER_NAMES = (
@@ -37,6 +38,7 @@ COUNTER_NAMES = (
     "corrupt_removed",
     "dtype_mismatch",  # of corrupt_removed: a page whose header named another KV dtype (never served)
     "foreign_ignored",
+    "version_skipped",  # a page file of another format version: left in place, never served
     "partial_removed",
     "write_errors",
     "pages_restored",
@@ -62,6 +64,9 @@ class DiskPageStore(DirectoryScan, KeyedStore, ReadsInto, WritesFrom):
       another process wrote.
     - A page file is either absent or complete; a restart indexes every valid page file of this
       namespace and deletes the bad ones.
+    - A directory whose format manifest names a version this build does not read is refused
+      (DiskFormatError, naming both versions) before anything in it is read or deleted; a page file
+      of another format version is never served, never deleted (`version_skipped`).
     - Reads and writes of distinct keys may run concurrently from many threads. The constructor
       starts no thread. Call `close()` when done.
     """
@@ -121,6 +126,7 @@ class DiskPageStore(DirectoryScan, KeyedStore, ReadsInto, WritesFrom):
             raise TierIOError(f"disk: cannot create the disk tier directory {str(self.directory)!r}: {exc}") from exc
         if not self.directory.is_dir():
             raise TierIOError(f"disk: {str(self.directory)!r} is not a directory")
+        check_manifest(self.directory)  # before anything reads, indexes or deletes a page
         self._ledger: DirectoryLedger | LocalLedger
         try:
             self._ledger = DirectoryLedger(self.directory, namespace.root)
@@ -130,6 +136,11 @@ class DiskPageStore(DirectoryScan, KeyedStore, ReadsInto, WritesFrom):
             )
             self._ledger = LocalLedger()
         self.owner = self._ledger.owner
+        try:
+            record_manifest(self.directory, self.directory / f".probe.{self.owner}.{next(self._tmp_seq)}.tmp")
+        except ValueError:
+            self._ledger.close()
+            raise
         with self._ledger.locked():
             alone = not self._ledger.others_alive()
             if alone:  # nobody writes meanwhile: the scan's count is exact, so it resets the ledger
@@ -332,8 +343,10 @@ class DiskPageStore(DirectoryScan, KeyedStore, ReadsInto, WritesFrom):
 
     # ------------------------------------------------------------------ a page that cannot be served
     def _corrupt(self, key: PageKey, path: str | Path, reason: str, detail: str, delete: bool = True) -> NoReturn:
-        """Discard a page that failed verification and raise PageCorruptError."""
-        if delete:
+        """Discard a page that failed verification and raise PageCorruptError. A page of another
+        format version is dropped from the index only: its file is not ours to delete."""
+        other_version = is_other_version(reason)
+        if delete and not other_version:
             with self._ledger.locked():
                 if self._unlink(path, quiet=True):
                     self._ledger.file_removed()  # it was indexed, so it was counted
@@ -341,7 +354,9 @@ class DiskPageStore(DirectoryScan, KeyedStore, ReadsInto, WritesFrom):
             state = self._index.pop(key, None)
             if state == RESERVED:
                 self._n_reserved -= 1
-            self.counters["corrupt_removed"] += 1
+            self.counters["version_skipped" if other_version else "corrupt_removed"] += 1
+            if other_version or not delete:  # an indexed (counted) file outlives its index entry
+                self._kept_files = True
             if reason == DTYPE_MISMATCH:
                 self.counters["dtype_mismatch"] += 1
             first = reason not in self._logged_reasons

@@ -18,9 +18,10 @@ import torch
 
 from ...hashing import KEY_BYTES, PageKey
 from ..base import PageCorruptError, PageGoneError, TierIOError
-from ..codec import DTYPE_MISMATCH, HEADER_SIZE, check_key
+from ..codec import DTYPE_MISMATCH, HEADER_SIZE, check_key, is_other_version
 from .files import FANOUT_NAME, PAGE_NAME, PROBE_NAME, READ_FLAGS, STORED, TEMP_NAME, PageFiles, log
 from .ledger import is_shared_entry
+from .manifest import MANIFEST_NAME
 
 # header checks that prove the file carried our namespace (and was counted in our ledger)
 _UNPROVEN_REASONS = frozenset(
@@ -74,7 +75,10 @@ class DirectoryScan(PageFiles):
                 self._index[key] = STORED
                 self.counters["pages_discovered"] += 1
             return True
-        if reason not in ("foreign", "unreadable", "absent", "not a file"):  # a bad file under our key: as at start
+        if is_other_version(reason):
+            with self._lock:
+                self.counters["version_skipped"] += 1
+        elif reason not in ("foreign", "unreadable", "absent", "not a file"):  # a bad file under our key: as at start
             self._remove_bad_file(Path(path), reason)
             with self._lock:
                 self.counters["corrupt_removed"] += 1
@@ -167,6 +171,7 @@ class DirectoryScan(PageFiles):
         except OSError as exc:
             raise TierIOError(f"disk: cannot list {str(self.directory)!r}: {exc}") from exc
         reasons: dict[str, int] = {}
+        skipped: dict[str, int] = {}
         alive: dict[str, bool] = {}
 
         def owner_dead(m: re.Match) -> bool:  # a legacy name (no owner) counts as dead
@@ -178,7 +183,7 @@ class DirectoryScan(PageFiles):
             return not alive[owner]
 
         for sub in top:
-            if is_shared_entry(sub.name):
+            if is_shared_entry(sub.name) or sub.name == MANIFEST_NAME:
                 continue
             m = PROBE_NAME.match(sub.name)
             if m and sub.is_file(follow_symlinks=False):
@@ -215,6 +220,9 @@ class DirectoryScan(PageFiles):
                     c["pages_restored"] += 1
                 elif reason == "foreign":
                     c["foreign_ignored"] += 1
+                elif is_other_version(reason):  # written by another build: not corrupt, not ours to read
+                    c["version_skipped"] += 1
+                    skipped[reason] = skipped.get(reason, 0) + 1
                 # absent: deleted by another process meanwhile
                 elif reason not in ("unreadable", "absent", "not a file"):
                     self._remove_bad_file(Path(entry.path), reason)
@@ -228,6 +236,14 @@ class DirectoryScan(PageFiles):
                 sum(reasons.values()),
                 self.directory,
                 reasons,
+            )
+        if skipped:
+            log.warning(
+                "disk tier: %d page files in %s are of another format version, left in place and never "
+                "served: %s (delete them to reclaim the space)",
+                sum(skipped.values()),
+                self.directory,
+                skipped,
             )
         if c["partial_removed"]:
             log.info(

@@ -6,7 +6,6 @@ import errno
 import logging
 import os
 import stat
-import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,7 +16,7 @@ import torch
 from sgl_hicache.config import KVLayout
 from sgl_hicache.hashing import Namespace, page_key
 from sgl_hicache.tiers.base import PageCorruptError, PageGoneError, TierIOError
-from sgl_hicache.tiers.disk import COUNTER_NAMES, FORMAT_VERSION, HEADER_SIZE, DiskPageStore
+from sgl_hicache.tiers.disk import COUNTER_NAMES, HEADER_SIZE, DiskPageStore
 from sgl_hicache.tiers.memory import HostKVBuffer
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16")
@@ -142,19 +141,12 @@ def _trailing(p: Path) -> None:
     p.write_bytes(p.read_bytes() + b"x")
 
 
-def _other_version(p: Path) -> None:
-    b = bytearray(p.read_bytes())
-    struct.pack_into("<H", b, 8, FORMAT_VERSION + 1)
-    p.write_bytes(bytes(b))
-
-
 MUTATIONS = {
     "truncate": _truncate,
     "truncate_header": _truncate_header,
     "zero_length": _zero,
     "garbage": _garbage,
     "trailing_bytes": _trailing,
-    "other_version": _other_version,
     "header_bitflip": _flip_header_key,
 }
 

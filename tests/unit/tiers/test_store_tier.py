@@ -8,11 +8,13 @@ degrades to a counted miss while both keep serving.
 from __future__ import annotations
 
 import contextlib
+import struct
 import time
 from collections.abc import Iterator
 
 import pytest
 import torch
+import xxhash
 from conftest import SMALL_LAYOUT, SYNCHRONOUS, assert_device_kv, kv_for
 
 from sgl_hicache.cache import TieredCache
@@ -21,7 +23,7 @@ from sgl_hicache.control.lifecycle import Admission, ControllerSettings, Request
 from sgl_hicache.hashing import Namespace
 from sgl_hicache.policy.predictor_factory import make_predictor
 from sgl_hicache.tiers.base import DISK
-from sgl_hicache.tiers.codec import PageCodec
+from sgl_hicache.tiers.codec import FORMAT_VERSION, PageCodec
 from sgl_hicache.tiers.disk import tensor_bytes
 from sgl_hicache.tiers.shared_store import SharedStoreTier
 from sgl_hicache.tiers.store_local import start_mooncake, start_redis
@@ -164,7 +166,7 @@ def test_write_back_only_pages_worth_sharing(mooncake_service) -> None:
         a.close()
 
 
-@pytest.mark.parametrize("damage", ["foreign", "corrupt", "truncated"])
+@pytest.mark.parametrize("damage", ["foreign", "corrupt", "truncated", "other_version"])
 def test_bad_value_under_a_valid_key_is_a_counted_miss(shared, damage: str) -> None:
     a, b, _ = shared
     p = _prompt(5, 4)
@@ -186,13 +188,17 @@ def test_bad_value_under_a_valid_key_is_a_counted_miss(shared, damage: str) -> N
         value = bytearray(a.store.codec.encode(key, tensor_bytes(good)))
         if damage == "corrupt":
             value[-1] ^= 0xFF
+        elif damage == "other_version":  # as a build of the next format version writes it
+            struct.pack_into("<H", value, 8, FORMAT_VERSION + 1)
+            struct.pack_into("<Q", value, 112, xxhash.xxh3_64_intdigest(bytes(value[:112])))
         else:
             value = value[:-7]
     assert a.store.backend.put([a.store.store_key(key)], [bytes(value)]) == [True]
     _dev, _host, store = b.request(p)
     assert store == 0  # the node holding the bad page (one transfer) and its suffix are recomputed
     c = b.store.counters
-    assert (c["foreign_values"], c["corrupt_values"]) == ((1, 0) if damage == "foreign" else (0, 1))
+    expected = {"foreign": (1, 0, 0), "other_version": (0, 0, 1)}.get(damage, (0, 1, 0))
+    assert (c["foreign_values"], c["corrupt_values"], c["version_skipped"]) == expected
     assert b.cache.stats.errors["corrupt_pages"] == 1
 
 
