@@ -1,11 +1,12 @@
-"""End to end with DP attention: the real SGLang 0.5.23 CPU server, the tiny DeepSeek-V2 config (MLA,
-`scripts/cpu/tiny-deepseek`, the weights of tests/server/test_sglang_e2e_mla.py), `--tp 2 --dp 2
---enable-dp-attention --radix-cache-backend sgl_hicache`.
+"""End to end with data parallelism inside one server: the real SGLang 0.5.23 CPU server, the tiny
+DeepSeek-V2 config (MLA, `scripts/cpu/tiny-deepseek`, the weights of tests/server/test_sglang_e2e_mla.py),
+`--radix-cache-backend sgl_hicache`, in the two deployments SGLang has: DP attention (`--tp 2 --dp 2
+--enable-dp-attention`) and data-parallel replicas (`--dp-size 2`, each replica TP 1).
 
-Each attention-DP rank runs its own scheduler and its own tree; its attention-TP group (the group
-SGLang passes the cache) has one rank, so no agreement is built, and the two DP ranks share one disk
-directory through the shared-directory protocol (`sglang/data_parallel.py`). Requests are pinned to a
-DP rank with SGLang's `routed_dp_rank`.
+Each DP rank (attention-DP rank or replica) runs its own scheduler and its own tree; its cache group
+(the attention-TP group, or the replica's TP group) has one rank, so no agreement is built, and the
+two DP ranks share one disk directory through the shared-directory protocol
+(`sglang/parallel/data_parallel.py`). Requests are pinned to a DP rank with SGLang's `routed_dp_rank`.
 
 On one server: a prompt served by DP rank 0 from host and disk hits gives the greedy outputs and
 logprobs of its device hit (the reference under MLA with `torch_native`: tests/server/test_sglang_e2e_mla.py
@@ -16,7 +17,7 @@ neither scheduler thread copied, wrote, slept or waited inside a cache call (the
 restart on the same directory the prompt is a disk hit on either DP rank with the same outputs.
 
 SGLang's CPU path needs two patches for DP attention (the idle DP rank's padded batch), applied by
-`scripts/cpu/layer/sglang_cpu_layer/patches.py` on CPU only.
+`scripts/cpu/layer/sglang_cpu_layer/patches.py` on CPU only; replicas need none.
 """
 
 from __future__ import annotations
@@ -40,9 +41,21 @@ def workdir(tmp_path_factory):
     shutil.rmtree(d, ignore_errors=True)
 
 
+# the deployment: its server arguments, and whether its DP ranks are attention-DP ranks
+DEPLOYMENTS = {
+    "attention": (("--tp", "2", "--dp", "2", "--enable-dp-attention"), True),
+    "replicas": (("--dp-size", "2"), False),
+}
+
+
+@pytest.fixture(params=sorted(DEPLOYMENTS))
+def deployment(request) -> str:
+    return request.param
+
+
 @pytest.fixture
-def start_server(workdir):
-    args = ("--tp", "2", "--dp", "2", "--enable-dp-attention", "--enable-metrics")
+def start_server(workdir, deployment):
+    args = (*DEPLOYMENTS[deployment][0], "--enable-metrics")
     servers = BackendServers(
         make_mla_model(workdir / "model"),
         workdir,
@@ -105,12 +118,13 @@ def _settled(srv) -> dict[int, dict]:
     return _wait_for(settled, "both DP ranks' transfers to settle")
 
 
-def test_dp_attention_host_disk_and_peer_hits_and_a_restart_equal_the_device_hit(start_server, workdir):
+def test_dp_ranks_host_disk_and_peer_hits_and_a_restart_equal_the_device_hit(start_server, workdir, deployment):
     """On DP rank 0 the prompt's host and disk hits, on DP rank 1 its disk hit on rank 0's pages, and
     after a restart its disk hit on either DP rank, give the greedy outputs and logprobs of DP rank 0's
     device hit (not of its scratch run: tests/server/test_sglang_e2e_mla.py says why)."""
-    disk = workdir / "disk"
-    srv = start_server("dp", disk)
+    attention_dp = DEPLOYMENTS[deployment][1]
+    disk = workdir / f"disk-{deployment}"
+    srv = start_server(f"dp-{deployment}", disk)
     P = _prompt(1, HIT + 4)  # 19 whole pages and 4 tokens (tests/server/test_sglang_e2e_mla.py explains)
     _, d0, _ = _gen(srv, P, 0, start=0)
     assert sum(d0.values()) == 0, d0
@@ -129,7 +143,7 @@ def test_dp_attention_host_disk_and_peer_hits_and_a_restart_equal_the_device_hit
     assert d3["storage"] == HIT and d3["device"] == d3["host"] == 0, d3
     assert out_dev == out_host == out_disk == out_peer, (out_dev, out_host, out_disk, out_peer)
     diffs = {n: _logprob_diff(lp_dev, lp) for n, lp in (("host", lp_host), ("disk", lp_disk), ("dp1_disk", lp_peer))}
-    print(f"\nDP attention logprob |diff| vs DP rank 0's device hit: {diffs}")
+    print(f"\nDP ({deployment}) logprob |diff| vs DP rank 0's device hit: {diffs}")
     assert all(v <= LOGPROB_TOL for v in diffs.values()), diffs
     # not vacuous: one token changed in the last cached page moves the output logprobs
     P3 = list(P)
@@ -145,10 +159,10 @@ def test_dp_attention_host_disk_and_peer_hits_and_a_restart_equal_the_device_hit
         assert dp == {
             "rank": rank,
             "size": 2,
-            "attention_dp": True,
+            "attention_dp": attention_dp,
             "group_rank": 0,
             "group_size": 1,
-            "tp_rank": rank,
+            "tp_rank": rank if attention_dp else 0,  # each replica is TP 1
         }, dp
         assert "tp" not in st["backend"], st["backend"]  # one rank per attention-TP group: nothing to agree
         assert st["requests"] > 0 and st["config"]["disk_dir"] == str(disk), (rank, st["requests"], st["config"])
@@ -159,15 +173,17 @@ def test_dp_attention_host_disk_and_peer_hits_and_a_restart_equal_the_device_hit
         assert io["disk_write"] == io["sleep"] == io["event_wait"] == 0, (rank, io, offenders)
     assert states[0]["hit_tokens"]["host"] > 0 and states[0]["hit_tokens"]["disk"] > 0, states[0]["hit_tokens"]
     assert states[1]["hit_tokens"]["disk"] >= HIT, states[1]["hit_tokens"]
-    # each DP rank's figures apart: the stats file of TP rank 1 beside rank 0's, Prometheus by dp_rank
-    stats1 = _wait_for(lambda: (workdir / "dp-stats.json.rank1").exists(), "DP rank 1's stats file")
-    assert stats1 and json.loads((workdir / "dp-stats.json.rank1").read_text())["backend"]["dp"]["rank"] == 1
+    # each DP rank's figures apart: DP rank 1's stats file beside rank 0's (named by its TP rank, or
+    # for a replica, which repeats TP rank 0, by its DP rank), Prometheus by dp_rank
+    stats1 = workdir / (f"dp-{deployment}-stats.json" + (".rank1" if attention_dp else ".dp1"))
+    assert _wait_for(stats1.exists, "DP rank 1's stats file")
+    assert json.loads(stats1.read_text())["backend"]["dp"]["rank"] == 1
     metrics = srv.get("/metrics").splitlines()
     hits = [ln for ln in metrics if ln.startswith("sgl_hicache_hit_tokens")]
     assert any('dp_rank="0"' in ln for ln in hits) and any('dp_rank="1"' in ln for ln in hits), hits
     srv.stop()
 
-    again = start_server("dp-restart", disk)
+    again = start_server(f"dp-{deployment}-restart", disk)
     for rank in (1, 0):
         out, d, lp = _gen(again, P, rank, start=HIT)
         assert d["storage"] == HIT, (rank, d)  # the shared directory's pages, found by both DP ranks
