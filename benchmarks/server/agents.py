@@ -2,6 +2,8 @@
 
     .venv-sglang/bin/python -m benchmarks.server.agents --json benchmarks/results/agent_server.json
     .venv-sglang/bin/python -m benchmarks.server.agents --quick --json /tmp/agent_server_quick.json   # 1 repeat, tiny
+    .venv-sglang/bin/python -m benchmarks.server.agents --agent-sessions ../shared/traces/agent-sessions \
+        --configs hicache_pt16,sgl_hicache,sgl_hicache_hints --json benchmarks/results/agent_server_sessions.json
 
 Workload: the `agent` shape (`sgl_hicache/replay/shapes.py`) scaled to this CPU: agents of a few
 steps over a shared tool spec and a private task, each step's answer a tool call, the next step
@@ -28,6 +30,21 @@ flags, pool sizes and file / disk stores of `benchmarks/server/compare.py`):
   `--hicache-storage-backend-extra-config '{"prefetch_threshold": 16}'`: this trace's sessions are a
   few hundred tokens, so at the default HiCache recomputes what its file store holds.
 
+`--agent-sessions PATH` replaces the shape with a slice of recorded coding-agent sessions
+(kv-cache-tester files, `replay/agent_sessions.py`; `benchmarks.lib.traces.agent_session_slice`):
+the sessions `--pick` names, each cut to its first `--calls-per-session` calls, one token per
+recorded 64-token block (`--block-scale`: contexts of a few hundred tokens to ~1k), a gap between a
+call's end and the next cut to `--gap-cap` s, the sessions' starts spread over `--session-spread`
+s, time x `--time-scale` (default 0.18: the slice's ~630 s of trace in ~2 min), every call
+decoding `--output-tokens` (the next call's prompt holds the recorded answer). The hints are the
+reader's: a retention on each call that stops on a tool call (1.25x the time to the next call, off
+by up to `--estimate-error`) and an end on a session's last call, which a cut session does not
+reach; no prefetch calls. Post-pause
+are the calls after a tool (``preceded_by == "tool"``), ``after_person`` those after a person's
+message; every session is a job. Device pool 1,024 tokens by default: the four sessions' contexts
+(~2.5k tokens at their last kept call) do not fit it, so a paused conversation leaves the device
+while the others run, and the host (2x) holds most of them.
+
 Open loop at the trace's times x `--time-scale` (`replay_http`, `trace_clock`; at most
 `--concurrency` in flight). Per run: TTFT of the turns that follow a long tool (``post-pause``:
 mean, p50, and their hit tokens per tier), all requests' TTFT mean / p50 / p99, job completion time
@@ -42,6 +59,7 @@ without hints <= 1.0x.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import json
 import os
@@ -56,9 +74,10 @@ from typing import Any
 
 from benchmarks.lib.report import git_rev
 from benchmarks.lib.server_runs import DEFAULT_MODEL, run_one
-from benchmarks.lib.traces import fold_into_vocab
+from benchmarks.lib.traces import agent_session_slice, fold_into_vocab
 from sgl_hicache.client.backend_settings import BackendSettings
 from sgl_hicache.client.server import SGLangServer
+from sgl_hicache.records import PRECEDED_BY
 from sgl_hicache.replay.http import generate_stream, replay_http
 from sgl_hicache.replay.shapes import agent
 
@@ -111,6 +130,19 @@ QUICK: dict[str, Any] = {
     "other_gap_s": 2.0,
 }
 SIGMA = 0.5  # the framework's estimate of a tool's duration: the true one x lognormal(0, SIGMA)
+
+# `--agent-sessions`: a slice of the recorded sessions on this CPU (module docstring). Four sessions
+# whose contexts stay under ~1k tokens at one token a 64-token block, 24 calls each (~96 calls).
+SESSIONS: dict[str, Any] = {
+    "pick": ("trace_0403", "trace_0455", "trace_0462", "trace_0472"),
+    "calls": 24,
+    "block_scale": 1,
+    "gap_cap_s": 30.0,
+    "session_spread_s": 20.0,
+    "estimate_error": 0.5,
+    "time_scale": 0.18,
+    "device_tokens": 1024,
+}
 
 
 # ------------------------------------------------------------------------------------------ workload
@@ -169,14 +201,74 @@ def regime(reqs: list, shape: dict[str, Any], pool: int, host: int) -> dict[str,
     }
 
 
+def session_workload(a: argparse.Namespace, vocab: int, workdir: Path) -> tuple[list, list, set[str], set[str]]:
+    """`--agent-sessions`: (the calls without hints, with hints, those after a tool, those after a
+    person), each call decoding `a.output_tokens` tokens (the next call's prompt holds the recorded answer)."""
+    plain, hinted = agent_session_slice(
+        a.agent_sessions,
+        a.pick,
+        a.calls_per_session,
+        workdir,
+        block_scale=a.block_scale,
+        gap_cap_s=a.gap_cap,
+        session_spread_s=a.session_spread,
+        hint_estimate_error=a.estimate_error,
+        hint_seed=a.seed,
+        vocab_size=vocab,
+    )
+    plain = [dataclasses.replace(r, output_length=a.output_tokens) for r in plain]
+    hinted = [dataclasses.replace(r, output_length=a.output_tokens) for r in hinted]
+    tool = {r.request_id for r in plain if r.preceded_by == "tool"}
+    person = {r.request_id for r in plain if r.preceded_by == "person"}
+    return plain, hinted, tool, person
+
+
+def session_regime(reqs: list, pool: int, host: int, time_scale: float) -> dict[str, Any]:
+    """What a slice of recorded sessions asks of the tiers (as `regime`, in wall seconds at `time_scale`)."""
+    span = (max(r.arrival_s for r in reqs) - min(r.arrival_s for r in reqs)) * time_scale
+    seen: dict[str, int] = {}
+    new = 0
+    for r in sorted(reqs, key=lambda r: r.arrival_s):
+        new += max(0, len(r.input_ids) - seen.get(r.session, 0))
+        seen[r.session] = len(r.input_ids)
+    rate = new / span if span else 0.0
+    last = {r.session: len(r.input_ids) for r in sorted(reqs, key=lambda r: r.arrival_s)}
+    return {
+        "requests": len(reqs),
+        "sessions": len(last),
+        "preceded_by": {k: sum(1 for r in reqs if r.preceded_by == k) for k in PRECEDED_BY},
+        "hints": sum(len(r.hints) for r in reqs),
+        "trace_s": span,
+        "prompt_tokens": sum(len(r.input_ids) for r in reqs),
+        "new_tokens": new,
+        "new_tokens_per_s": rate,
+        "longest_prompt": max(len(r.input_ids) for r in reqs),
+        "last_call_tokens_mean": statistics.mean(last.values()),
+        "last_call_tokens_sum": sum(last.values()),
+        "device_tokens": pool,
+        "host_tokens": host,
+        "host_turnover_s": host / rate if rate else None,
+        "device_turnover_s": pool / rate if rate else None,
+    }
+
+
 # ------------------------------------------------------------------------------------------ one run
 def _pct(xs: list[float], q: float) -> float | None:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
 
 
-def figures(rep: dict[str, Any], reqs: list, post: set[str]) -> dict[str, Any]:
-    """One run's figures (module docstring) from `replay_http`'s report with `keep_outputs`."""
+def is_agent(session: str | None) -> bool:
+    """Whether a request of the `agent` shape belongs to an agent (not another user's one-shot prompt)."""
+    return bool(session) and session.startswith("agent")
+
+
+def figures(
+    rep: dict[str, Any], reqs: list, post: set[str], person: set[str] | None = None, job=is_agent
+) -> dict[str, Any]:
+    """One run's figures (module docstring) from `replay_http`'s report with `keep_outputs`: `post`
+    the post-pause requests, `person` (when given) those after a person's message, `job(session)`
+    whether a session counts as a job."""
     recs = [r for r in rep["records"] if r["error"] is None]
     ttft = [r["ttft_s"] for r in recs]
     pp = [r for r in recs if r["request_id"] in post]
@@ -184,9 +276,9 @@ def figures(rep: dict[str, Any], reqs: list, post: set[str]) -> dict[str, Any]:
     jobs: dict[str, list[dict]] = {}
     for r in recs:
         s = session.get(r["request_id"], "")
-        if s.startswith("agent"):
+        if job(s):
             jobs.setdefault(s, []).append(r)
-    turns = {r.session: sum(1 for q in reqs if q.session == r.session) for r in reqs if r.session.startswith("agent")}
+    turns = {r.session: sum(1 for q in reqs if q.session == r.session) for r in reqs if job(r.session)}
     jct = [
         max(x["arrival_s"] + x["ttft_s"] for x in rs) - min(x["arrival_s"] for x in rs)
         for s, rs in jobs.items()
@@ -196,6 +288,7 @@ def figures(rep: dict[str, Any], reqs: list, post: set[str]) -> dict[str, Any]:
     def hits(rs: list[dict]) -> dict[str, int]:
         return {t: sum(r[f"hit_{t}"] for r in rs) for t in TIERS}
 
+    ap = [r for r in recs if r["request_id"] in (person or ())]
     out: dict[str, Any] = {
         "requests": len(recs),
         "requests_failed": rep["requests_failed"],
@@ -208,6 +301,9 @@ def figures(rep: dict[str, Any], reqs: list, post: set[str]) -> dict[str, Any]:
         "post_pause_ttft_p50_s": _pct([r["ttft_s"] for r in pp], 0.5),
         "post_pause_prompt_tokens": sum(r["prompt_tokens"] for r in pp),
         "post_pause_hit_tokens": hits(pp),
+        "after_person_turns": len(ap),
+        "after_person_ttft_mean_s": statistics.mean(r["ttft_s"] for r in ap) if ap else None,
+        "after_person_ttft_p50_s": _pct([r["ttft_s"] for r in ap], 0.5),
         "jct_mean_s": statistics.mean(jct) if jct else None,
         "jobs_complete": len(jct),
         "hit_tokens": hits(recs),
@@ -240,7 +336,15 @@ def warm_up(url: str, vocab: int, output_tokens: int) -> None:
         generate_stream(url, [vocab - 1 - ((i * 7 + j) % (vocab // 2)) for j in range(n)], output_tokens)
 
 
-def replayer(reqs: list, post: set[str], a: argparse.Namespace, hints: bool, vocab: int):
+def replayer(
+    reqs: list,
+    post: set[str],
+    a: argparse.Namespace,
+    hints: bool,
+    vocab: int,
+    person: set[str] | None = None,
+    job=is_agent,
+):
     def replay(srv: SGLangServer) -> dict[str, Any]:
         warm_up(srv.url, vocab, a.output_tokens)
         rep = replay_http(
@@ -254,7 +358,7 @@ def replayer(reqs: list, post: set[str], a: argparse.Namespace, hints: bool, voc
             keep_outputs=True,
             hints_in_request=hints,
         )
-        return figures(rep, reqs, post)
+        return figures(rep, reqs, post, person, job)
 
     return replay
 
@@ -273,6 +377,8 @@ def _rng(xs: list) -> list | None:
 METRICS = (
     "post_pause_ttft_mean_s",
     "post_pause_ttft_p50_s",
+    "after_person_ttft_mean_s",
+    "after_person_ttft_p50_s",
     "ttft_mean_s",
     "ttft_p50_s",
     "ttft_p99_s",
@@ -291,6 +397,7 @@ def summarize(samples: list[dict[str, Any]], configs: list[str]) -> dict[str, An
             **{m: {"median": _med([s[m] for s in ok]), "range": _rng([s[m] for s in ok])} for m in METRICS},
             "hit_tokens": {t: _med([s["hit_tokens"][t] for s in ok]) for t in TIERS},
             "post_pause_hit_tokens": {t: _med([s["post_pause_hit_tokens"][t] for s in ok]) for t in TIERS},
+            "hit_tokens_range": {t: _rng([s["hit_tokens"][t] for s in ok]) for t in TIERS},
         }
         if any("agent_hints" in s for s in ok):
             ah = [s.get("agent_hints") or {} for s in ok]
@@ -327,20 +434,20 @@ def _f(x: Any, fmt: str) -> str:
 
 def render(summary: dict[str, Any]) -> str:
     lines = [
-        f"{'config':<34} {'post-pause TTFT mean':>22} {'p50':>7} {'TTFT mean':>10} {'p99':>7} {'JCT mean':>9}"
-        f" {'hits dev/host/disk (post-pause)':>34}"
+        f"{'config':<34} {'post-pause TTFT mean':>22} {'p50':>7} {'after person':>12} {'TTFT mean':>10} {'p99':>7}"
+        f" {'JCT mean':>9} {'hits dev/host/disk (post-pause)':>34}"
     ]
     for c, r in summary["configs"].items():
         pp = r["post_pause_hit_tokens"]
         lines.append(
             f"{LABELS[c]:<34} {_f(r['post_pause_ttft_mean_s']['median'], '22.3f')} {_f(r['post_pause_ttft_p50_s']['median'], '7.3f')}"
-            f" {_f(r['ttft_mean_s']['median'], '10.3f')} {_f(r['ttft_p99_s']['median'], '7.3f')} {_f(r['jct_mean_s']['median'], '9.2f')}"
+            f" {_f(r['after_person_ttft_mean_s']['median'], '12.3f')} {_f(r['ttft_mean_s']['median'], '10.3f')} {_f(r['ttft_p99_s']['median'], '7.3f')} {_f(r['jct_mean_s']['median'], '9.2f')}"
             f" {_f(pp['device'], ',.0f'):>12}/{_f(pp['host'], ',.0f')}/{_f(pp['disk'], ',.0f')}"
         )
     for k, rr in summary["ratios"].items():
         lines.append(
             f"{k:<34} {_f(rr['post_pause_ttft_mean_s']['of_medians'], '22.2f')} {_f(rr['post_pause_ttft_p50_s']['of_medians'], '7.2f')}"
-            f" {_f(rr['ttft_mean_s']['of_medians'], '10.2f')} {_f(rr['ttft_p99_s']['of_medians'], '7.2f')} {_f(rr['jct_mean_s']['of_medians'], '9.2f')}"
+            f" {_f(rr['after_person_ttft_mean_s']['of_medians'], '12.2f')} {_f(rr['ttft_mean_s']['of_medians'], '10.2f')} {_f(rr['ttft_p99_s']['of_medians'], '7.2f')} {_f(rr['jct_mean_s']['of_medians'], '9.2f')}"
         )
     return "\n".join(lines)
 
@@ -373,7 +480,27 @@ def main(argv: list[str] | None = None) -> int:
         help="tokens each request decodes (default 4; the trace's answers are a page of ids in the next prompt)",
     )
     p.add_argument("--concurrency", type=int, default=32, help="requests in flight at most (default 32)")
-    p.add_argument("--time-scale", type=float, default=1.0, help="send at trace time x S (default 1)")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=None,
+        help=f"send at trace time x S (default 1; --agent-sessions {SESSIONS['time_scale']})",
+    )
+    g = p.add_argument_group("recorded sessions (instead of the synthetic agent shape)")
+    g.add_argument("--agent-sessions", type=Path, default=None, metavar="PATH", help="kv-cache-tester session files")
+    g.add_argument(
+        "--pick",
+        default=",".join(SESSIONS["pick"]),
+        help="the sessions replayed, file names without .json, or 'all' (default %(default)s)",
+    )
+    for flag, typ, key, text in (
+        ("--calls-per-session", int, "calls", "first N calls of each session (0: all)"),
+        ("--block-scale", int, "block_scale", "tokens a recorded 64-token block becomes"),
+        ("--gap-cap", float, "gap_cap_s", "a longer gap between calls is cut to S s"),
+        ("--session-spread", float, "session_spread_s", "the sessions start over S s"),
+        ("--estimate-error", float, "estimate_error", "the framework's tool-time estimate is off by up to this share"),
+    ):
+        g.add_argument(flag, type=typ, default=SESSIONS[key], help=f"{text} (default %(default)s)")
     p.add_argument(
         "--sgl-hicache-set",
         action="append",
@@ -398,11 +525,17 @@ def main(argv: list[str] | None = None) -> int:
     if a.quick:
         a.repeats = 1
     if a.device_tokens is None:
-        a.device_tokens = 384 if a.quick else 512
+        a.device_tokens = SESSIONS["device_tokens"] if a.agent_sessions else 384 if a.quick else 512
+    if a.time_scale is None:
+        a.time_scale = SESSIONS["time_scale"] if a.agent_sessions else 1.0
+    a.pick = None if a.pick == "all" else [x.strip() for x in a.pick.split(",") if x.strip()]
+    a.calls_per_session = a.calls_per_session or None
     configs = [c.strip() for c in a.configs.split(",") if c.strip()]
     bad = [c for c in configs if c not in CONFIGS]
     if bad or not configs:
         p.error(f"--configs: unknown {bad}; choose from {','.join(CONFIGS)}")
+    if a.agent_sessions and (a.block_scale < 1 or a.gap_cap <= 0 or a.session_spread < 0 or a.estimate_error < 0):
+        p.error("--block-scale >= 1, --gap-cap > 0, --session-spread >= 0, --estimate-error >= 0")
     if a.repeats < 1 or a.time_scale <= 0 or a.device_tokens < 128 or a.host_ratio <= 1 or a.output_tokens < 1:
         p.error("--repeats >= 1, --time-scale > 0, --device-tokens >= 128, --host-ratio > 1, --output-tokens >= 1")
     # the fields run_one reads
@@ -423,23 +556,52 @@ def main(argv: list[str] | None = None) -> int:
         del os.environ[k]  # no caller's setting leaks into a run
 
     vocab = json.loads((a.model / "config.json").read_text())["vocab_size"]
-    plain, hinted = workload(shape, a.seed, vocab)
-    post = post_pause_ids(plain, shape)
-    if a.disk_tokens is None:
-        a.disk_tokens = 2 * sum(len(r.input_ids) for r in plain)
-    host = int(a.device_tokens * a.host_ratio) // a.page_size * a.page_size
-    reg = regime(plain, shape, a.device_tokens, host)
-    if reg["longest_prompt"] + a.output_tokens > a.device_tokens:
-        p.error(f"--device-tokens {a.device_tokens} is below the longest prompt + output ({reg['longest_prompt']})")
-    print(
-        f"agent trace: {reg['requests']} requests ({reg['agent_turns']} agent turns, {reg['post_pause_turns']} after a "
-        f"long tool), {reg['trace_s']:.0f} s, {reg['new_tokens_per_s']:.0f} new tokens/s, longest {reg['longest_prompt']}; "
-        f"device {a.device_tokens} (turned over in {reg['device_turnover_s']:.1f} s), host {host} "
-        f"({reg['host_turnover_s']:.1f} s); long tools {shape['long_s']} s",
-        flush=True,
-    )
     workdir = Path(a.workdir or tempfile.gettempdir())
     workdir.mkdir(parents=True, exist_ok=True)
+    host = int(a.device_tokens * a.host_ratio) // a.page_size * a.page_size
+    person: set[str] | None = None
+    job = is_agent
+    if a.agent_sessions:
+        try:
+            plain, hinted, post, person = session_workload(a, vocab, workdir)
+        except (OSError, ValueError) as e:  # TraceError is a ValueError
+            p.error(f"--agent-sessions: {e}")
+        job = bool
+        reg = session_regime(plain, a.device_tokens, host, a.time_scale)
+        workload_desc: dict[str, Any] = {
+            "agent_sessions": str(a.agent_sessions),
+            "pick": a.pick,
+            "calls_per_session": a.calls_per_session,
+            "block_scale": a.block_scale,
+            "gap_cap_s": a.gap_cap,
+            "session_spread_s": a.session_spread,
+            "hint_estimate_error": a.estimate_error,
+            "hint_seed": a.seed,
+        }
+        print(
+            f"recorded sessions: {reg['requests']} calls of {reg['sessions']} sessions (after a tool "
+            f"{reg['preceded_by']['tool']}, after a person {reg['preceded_by']['person']}), {reg['trace_s']:.0f} s at "
+            f"x{a.time_scale:g}, {reg['new_tokens_per_s']:.0f} new tokens/s, longest {reg['longest_prompt']}, last calls "
+            f"{reg['last_call_tokens_sum']} tokens in all; device {a.device_tokens} (turned over in "
+            f"{reg['device_turnover_s']:.1f} s), host {host} ({reg['host_turnover_s']:.1f} s)",
+            flush=True,
+        )
+    else:
+        plain, hinted = workload(shape, a.seed, vocab)
+        post = post_pause_ids(plain, shape)
+        reg = regime(plain, shape, a.device_tokens, host)
+        workload_desc = {"shape": {**shape, "seed": a.seed, "estimate_sigma": SIGMA}}
+        print(
+            f"agent trace: {reg['requests']} requests ({reg['agent_turns']} agent turns, {reg['post_pause_turns']} after a "
+            f"long tool), {reg['trace_s']:.0f} s, {reg['new_tokens_per_s']:.0f} new tokens/s, longest {reg['longest_prompt']}; "
+            f"device {a.device_tokens} (turned over in {reg['device_turnover_s']:.1f} s), host {host} "
+            f"({reg['host_turnover_s']:.1f} s); long tools {shape['long_s']} s",
+            flush=True,
+        )
+    if a.disk_tokens is None:
+        a.disk_tokens = 2 * sum(len(r.input_ids) for r in plain)
+    if reg["longest_prompt"] + a.output_tokens > a.device_tokens:
+        p.error(f"--device-tokens {a.device_tokens} is below the longest prompt + output ({reg['longest_prompt']})")
 
     def _terminate(signum, _frame):  # SIGTERM -> unwind, so every `finally` stops its server
         raise KeyboardInterrupt(f"signal {signum}")
@@ -448,8 +610,8 @@ def main(argv: list[str] | None = None) -> int:
     samples: list[dict[str, Any]] = []
     t_start = time.monotonic()
     base = {
-        "benchmark": "agent_server",
-        "shape": {**shape, "seed": a.seed, "estimate_sigma": SIGMA},
+        "benchmark": "agent_server_sessions" if a.agent_sessions else "agent_server",
+        **workload_desc,
         "regime": reg,
     }
     for r in range(a.repeats):
@@ -464,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
                 a,
                 workdir,
                 tag,
-                replay=replayer(reqs, post, a, hints=c == "sgl_hicache_hints", vocab=vocab),
+                replay=replayer(reqs, post, a, hints=c == "sgl_hicache_hints", vocab=vocab, person=person, job=job),
                 extra_args=EXTRA_ARGS.get(c, ()),
             )
             s.update(config=c, repeat=r, order_pos=pos)

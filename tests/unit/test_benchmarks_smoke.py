@@ -686,6 +686,57 @@ def test_agent_server_figures_without_a_server() -> None:
     assert "post-pause" in bench.render(summary)
 
 
+def test_agent_server_recorded_sessions_without_a_server(tmp_path: Path) -> None:
+    """`--agent-sessions`: the slice of recorded sessions (picked, cut, hints on the same calls) and
+    its figures split by what preceded each call, every session a job."""
+    import argparse
+
+    from benchmarks.server import agents as bench
+
+    a = argparse.Namespace(
+        agent_sessions=REPO / "tests" / "data" / "agent_sessions_excerpt",
+        pick=["trace_0455"],
+        calls_per_session=4,
+        block_scale=1,
+        gap_cap=30.0,
+        session_spread=0.0,
+        estimate_error=0.5,
+        seed=1,
+        output_tokens=4,
+    )
+    plain, hinted, tool, person = bench.session_workload(a, 1024, tmp_path)
+    assert [r.request_id for r in plain] == [f"trace_0455#{k}" for k in range(4)]
+    assert all(r.output_length == 4 and not r.hints for r in plain)
+    assert all(16 <= t < 1024 for r in plain for t in r.input_ids)
+    assert any(r.hints for r in hinted) and [len(r.input_ids) for r in hinted] == [len(r.input_ids) for r in plain]
+    assert tool | person == {r.request_id for r in plain[1:]} and not tool & person
+    assert not list(tmp_path.iterdir())  # the linked folder is gone
+    records = [
+        {
+            "request_id": r.request_id,
+            "arrival_s": r.arrival_s,
+            "ttft_s": 1.0 if r.request_id in person else 0.5,
+            "hit_device": 0,
+            "hit_host": 16,
+            "hit_disk": 0,
+            "prompt_tokens": len(r.input_ids),
+            "error": None,
+        }
+        for r in plain
+    ]
+    rep = {"records": records, "requests_failed": 0, "errors": {}, "duration_s": 1.0}
+    fig = bench.figures(rep, plain, tool, person, bool)
+    assert fig["post_pause_turns"] == len(tool) and fig["after_person_turns"] == len(person)
+    if person:
+        assert fig["after_person_ttft_mean_s"] == 1.0
+    assert fig["jobs_complete"] == 1
+    assert fig["jct_mean_s"] == pytest.approx(plain[-1].arrival_s + records[-1]["ttft_s"] - plain[0].arrival_s)
+    reg = bench.session_regime(plain, 1024, 2048, 0.5)
+    assert reg["requests"] == 4 and reg["sessions"] == 1 and sum(reg["preceded_by"].values()) == 4
+    with pytest.raises(ValueError, match="no session file"):
+        bench.session_workload(argparse.Namespace(**{**vars(a), "pick": ["nope"]}), 1024, tmp_path)
+
+
 def test_agent_server_refuses_bad_options() -> None:
     from benchmarks.server import agents as bench
 
