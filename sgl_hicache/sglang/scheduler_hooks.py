@@ -9,7 +9,8 @@ Both do nothing unless the scheduler's tree cache is ours.
    requests behind it are still admitted this round. Nothing was committed for it: `add_one_req`
    returns before committing when `init_load_back` returns None.
    Demand preempts prefetch (as in the embedded engine): when the request is refused for want of
-   device room (`AddReqResult.NO_TOKEN`), `TieredRadixCache.yield_to_demand` ends the waiting
+   device room (`AddReqResult.NO_TOKEN` before its commit: the same answer after a commit is the
+   budget's verdict on the next candidate), `TieredRadixCache.yield_to_demand` ends the waiting
    requests' prefetch jobs that hold the device pages it lacks (`demand_shortfall_tokens`; the
    controller decides which) and, if any ended, the request is tried once more.
    Before any of that, a request offered for the first time to a batch that already has requests
@@ -114,8 +115,15 @@ def keep_admitting(original, adder, req, *args, **kwargs):
         return AddReqResult.CONTINUE
     cache.deferred_rid = None
     result = original(adder, req, *args, **kwargs)
-    # NO_TOKEN returns before anything is committed for the request: trying it again is safe
-    if result == AddReqResult.NO_TOKEN and cache.yield_to_demand(req, demand_shortfall_tokens(adder, req)):
+    # NO_TOKEN is also the verdict for the next candidate once `req` is committed (admitted, its tree
+    # lock taken: `PrefillAdder.budget_state`): only a request refused before its commit is retried.
+    # A second commit of one request would take a second tree lock that nothing releases: its pages
+    # stay protected and, on a small pool, no later request fits (admission stalls)
+    if (
+        result == AddReqResult.NO_TOKEN
+        and req not in adder.can_run_list
+        and cache.yield_to_demand(req, demand_shortfall_tokens(adder, req))
+    ):
         cache.deferred_rid = None
         result = original(adder, req, *args, **kwargs)
     if not cache.settings.skip_waiting_admission:

@@ -408,6 +408,47 @@ def test_admission_hook_yields_prefetch_locks_to_a_request_short_of_room_and_ret
     assert keep_admitting(no_room_then_fits, adder, req, False, None) == AddReqResult.NO_TOKEN and len(calls) == 1
 
 
+def test_admission_hook_never_retries_a_request_already_committed():
+    # add_one_req answers NO_TOKEN after committing a request when the budget left is too small for
+    # the next candidate: the request holds a tree lock now. A retry would commit it again and take
+    # a second lock that nothing releases (its pages protected for good: on a small device pool no
+    # later request fits, and admission stalls)
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    from sgl_hicache.client.backend_settings import BackendSettings
+    from sgl_hicache.sglang.backend import BackendCounters, TieredRadixCache
+    from sgl_hicache.sglang.scheduler_hooks import keep_admitting
+
+    cache = object.__new__(TieredRadixCache)
+    cache.settings, cache.counters, cache.deferred_rid, cache.held_rids = (
+        BackendSettings(),
+        BackendCounters(),
+        None,
+        set(),
+    )
+    asked = []
+    cache.yield_to_demand = lambda req, short: asked.append(short) or 1
+    adder = SimpleNamespace(
+        tree_cache=cache, can_run_list=[], rem_total_tokens=0, per_req_token_overhead=0, page_size=1
+    )
+    req = SimpleNamespace(
+        rid="r1",
+        full_untruncated_fill_ids=list(range(300)),
+        prefix_len=0,
+        output_ids=[],
+        sampling_params=SimpleNamespace(max_new_tokens=10),
+    )
+    locks = []
+
+    def commit_then_budget_full(adder, req, *a, **k):
+        locks.append(req.rid)  # `_commit_prefill_admission`: req.lock = tree_cache.lock(req.last_node)
+        adder.can_run_list.append(req)
+        return AddReqResult.NO_TOKEN
+
+    assert keep_admitting(commit_then_budget_full, adder, req, False, None) == AddReqResult.NO_TOKEN
+    assert locks == ["r1"] and adder.can_run_list == [req] and asked == []  # one commit, one lock
+
+
 @pytest.mark.parametrize(
     "change, words",
     [
