@@ -336,12 +336,10 @@ def test_layer_loads_through_sglangs_own_kv_pool_read_path():
     assert not loads.inflight
 
 
-def test_admission_hook_skips_only_a_request_told_to_retry():
-    from sglang.srt.managers.schedule_policy import AddReqResult
-
+def _admission_cache():
+    """A backend with only what the admission hook reads: settings, counters, the deferred and held rids."""
     from sgl_hicache.client.backend_settings import BackendSettings
     from sgl_hicache.sglang.backend import BackendCounters, TieredRadixCache
-    from sgl_hicache.sglang.scheduler_hooks import keep_admitting
 
     cache = object.__new__(TieredRadixCache)
     cache.settings, cache.counters, cache.deferred_rid, cache.held_rids = (
@@ -350,6 +348,27 @@ def test_admission_hook_skips_only_a_request_told_to_retry():
         None,
         set(),
     )
+    return cache
+
+
+def _waiting_request(prompt_tokens: int, max_new_tokens: int):
+    """A waiting request as `add_one_req` sizes it: nothing cached, nothing decoded."""
+    return SimpleNamespace(
+        rid="r1",
+        full_untruncated_fill_ids=list(range(prompt_tokens)),
+        prefix_len=0,
+        output_ids=[],
+        sampling_params=SimpleNamespace(max_new_tokens=max_new_tokens),
+    )
+
+
+def test_admission_hook_skips_only_a_request_told_to_retry():
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    from sgl_hicache.client.backend_settings import BackendSettings
+    from sgl_hicache.sglang.scheduler_hooks import keep_admitting
+
+    cache = _admission_cache()
     adder = SimpleNamespace(tree_cache=cache, can_run_list=[])
     req = SimpleNamespace(rid="r1")
 
@@ -372,29 +391,15 @@ def test_admission_hook_skips_only_a_request_told_to_retry():
 def test_admission_hook_yields_prefetch_locks_to_a_request_short_of_room_and_retries_it():
     from sglang.srt.managers.schedule_policy import AddReqResult
 
-    from sgl_hicache.client.backend_settings import BackendSettings
-    from sgl_hicache.sglang.backend import BackendCounters, TieredRadixCache
     from sgl_hicache.sglang.scheduler_hooks import keep_admitting
 
-    cache = object.__new__(TieredRadixCache)
-    cache.settings, cache.counters, cache.deferred_rid, cache.held_rids = (
-        BackendSettings(),
-        BackendCounters(),
-        None,
-        set(),
-    )
+    cache = _admission_cache()
     asked = []
     cache.yield_to_demand = lambda req, short: asked.append(short) or (1 if short > 0 else 0)
     adder = SimpleNamespace(
         tree_cache=cache, can_run_list=[], rem_total_tokens=100, per_req_token_overhead=0, page_size=1
     )
-    req = SimpleNamespace(
-        rid="r1",
-        full_untruncated_fill_ids=list(range(300)),
-        prefix_len=0,
-        output_ids=[],
-        sampling_params=SimpleNamespace(max_new_tokens=10),
-    )
+    req = _waiting_request(300, max_new_tokens=10)
     calls = []
 
     def no_room_then_fits(adder, req, *a, **k):
@@ -415,29 +420,15 @@ def test_admission_hook_never_retries_a_request_already_committed():
     # later request fits, and admission stalls)
     from sglang.srt.managers.schedule_policy import AddReqResult
 
-    from sgl_hicache.client.backend_settings import BackendSettings
-    from sgl_hicache.sglang.backend import BackendCounters, TieredRadixCache
     from sgl_hicache.sglang.scheduler_hooks import keep_admitting
 
-    cache = object.__new__(TieredRadixCache)
-    cache.settings, cache.counters, cache.deferred_rid, cache.held_rids = (
-        BackendSettings(),
-        BackendCounters(),
-        None,
-        set(),
-    )
+    cache = _admission_cache()
     asked = []
     cache.yield_to_demand = lambda req, short: asked.append(short) or 1
     adder = SimpleNamespace(
         tree_cache=cache, can_run_list=[], rem_total_tokens=0, per_req_token_overhead=0, page_size=1
     )
-    req = SimpleNamespace(
-        rid="r1",
-        full_untruncated_fill_ids=list(range(300)),
-        prefix_len=0,
-        output_ids=[],
-        sampling_params=SimpleNamespace(max_new_tokens=10),
-    )
+    req = _waiting_request(300, max_new_tokens=10)
     locks = []
 
     def commit_then_budget_full(adder, req, *a, **k):
