@@ -76,6 +76,36 @@ class KVLayout:
         return self.kv_planes * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
 
+@dataclass(frozen=True)
+class HeadShard:
+    """The KV heads `[lo, hi)` of a model's `total` that one cache holds (a tensor-parallel rank's
+    shard of an MHA / GQA model; `whole` at TP 1).
+
+    Page keys are named by the whole model (`CacheConfig.key_layout`), so every TP size names a page
+    alike; what differs is which heads its bytes hold, and the disk tier keeps each shard's pages in a
+    directory of its own (`tiers/disk/head_shards.py`), from which a cache of another TP size
+    assembles the heads it needs.
+    """
+
+    lo: int
+    hi: int
+    total: int
+
+    def __post_init__(self) -> None:
+        _require(
+            all(isinstance(v, int) for v in (self.lo, self.hi, self.total)) and 0 <= self.lo < self.hi <= self.total,
+            f"HeadShard needs 0 <= lo < hi <= total, got lo={self.lo!r} hi={self.hi!r} total={self.total!r}",
+        )
+
+    @property
+    def whole(self) -> bool:
+        return self.lo == 0 and self.hi == self.total
+
+    @property
+    def heads(self) -> int:
+        return self.hi - self.lo
+
+
 EVICTION_DEMOTES = ("all", "host", "none")
 
 
@@ -206,6 +236,8 @@ class CacheConfig:
     store_url: str | None = None  # a shared store (mooncake://, redis://) in the disk tier's place
     store_tokens: int = 1 << 24  # how many of the store's tokens this cache's tree may track
     store_min_hits: int = 0  # write back to the store only pages hit at least this often
+    # the heads of the model this cache holds (None: all of them, and page keys name this layout)
+    head_shard: HeadShard | None = None
 
     def __post_init__(self) -> None:
         _require(
@@ -232,6 +264,12 @@ class CacheConfig:
             )
         if self.disk_tokens > 0:
             _require(self.disk_dir is not None, "disk_tokens > 0 needs a disk_dir")
+        if self.head_shard is not None:
+            _require(
+                self.head_shard.heads == self.layout.num_kv_heads,
+                f"head_shard {self.head_shard} holds {self.head_shard.heads} KV heads, the layout "
+                f"{self.layout.num_kv_heads}",
+            )
         if self.store_url:
             _require(
                 self.disk_pages == 0,
@@ -249,6 +287,14 @@ class CacheConfig:
                 isinstance(self.store_min_hits, int) and self.store_min_hits >= 0,
                 f"store_min_hits must be an integer >= 0, got {self.store_min_hits!r}",
             )
+
+    @property
+    def key_layout(self) -> KVLayout:
+        """The layout page keys are named by: the whole model's when this cache holds a shard of its
+        KV heads, so that caches of every TP size name a page alike."""
+        if self.head_shard is None:
+            return self.layout
+        return dataclasses.replace(self.layout, num_kv_heads=self.head_shard.total)
 
     @property
     def device_pages(self) -> int:

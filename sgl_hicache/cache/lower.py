@@ -88,7 +88,7 @@ class LowerTier:
         referenced.update(k for op in self.writes_in_flight for k in op.dst_handles)
         # in key order, not the store's index order (a directory scan's), so that every rank of a
         # tensor-parallel cache frees the same pages; O(n log num_pages)
-        victims = heapq.nsmallest(num_pages, (k for k in store.keys() if k not in referenced))
+        victims = heapq.nsmallest(num_pages, (k for k in store.own_keys() if k not in referenced))
         self.free_disk(victims)
         return len(victims)
 

@@ -80,7 +80,7 @@ class TieredCache:
         self.page_size = config.page_size
         self.clock = clock
         self.inline_writes = inline_writes
-        self.namespace = Namespace.for_model(config.layout, config.page_size, config.tenant_salt)
+        self.namespace = Namespace.for_model(config.key_layout, config.page_size, config.tenant_salt)
         self.tree = RadixTree(config.page_size, self.namespace)
         self.stores: dict[str, TierStore] = build_stores(config, self.namespace, device, host, disk)
         self.tree.gaps.track_only(self.stores)  # write-back links between the tiers it has only

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..cache import TieredCache
 from ..client.backend_settings import BackendSettings
-from ..config import CacheConfig, default_disk_dir
+from ..config import CacheConfig, HeadShard, default_disk_dir
 from ..control.composition import build_cache, build_controller
 from ..control.lifecycle import RequestController
 from ..hashing import Namespace
@@ -27,6 +27,7 @@ from ..transfer.executors import ThreadExecutor
 from .device_pool import SGLangDevicePool
 from .layer_loads import LayerLoads
 from .parallel.data_parallel import DPPlacement
+from .parallel.head_shard import head_shard
 from .parallel.rank_consensus import RankConsensus, inject_read_faults
 from .parallel.replicated_group import follow, replicated_tiers
 from .rewarm_calls import ServerRewarm
@@ -63,6 +64,7 @@ def cache_config(
     model_salt: str = "",
     consensus: RankConsensus | None = None,
     placement: DPPlacement | None = None,
+    head_shard: HeadShard | None = None,
 ) -> CacheConfig:
     """The core's configuration: host capacity from the device pool's, disk only with a host tier
     and no shared store, the disk directory under the namespace (one per DP rank whose cache group
@@ -74,7 +76,7 @@ def cache_config(
     device_tokens = device_pool.pool_pages * page_size
     host_tokens = s.host_tokens_for(device_tokens, layout.bytes_per_token)
     salt = ";".join(x for x in (model_salt, s.tenant_salt, consensus.salt if consensus is not None else "") if x)
-    namespace = Namespace.for_model(layout, page_size, salt)
+    namespace = Namespace.for_model(layout, page_size, salt)  # (names the default directory only)
     host_tokens -= snapshot_tokens(s, device_pool, host_tokens)
     has_host = host_tokens >= page_size
     disk_tokens = s.disk_tokens_for(layout.bytes_per_token) if has_host and not s.store else 0
@@ -106,6 +108,7 @@ def cache_config(
         eviction_demotes=policy.eviction_demotes,
         store_url=s.store if has_host else None,
         store_min_hits=s.store_min_hits,
+        head_shard=head_shard,
     )
 
 
@@ -120,9 +123,11 @@ def assemble(
     clock: Callable[[], float],
     fault_disk_read_file: str | None = None,
     draft_pools: tuple[Any, ...] = (),
+    total_kv_heads: int | None = None,
 ) -> Assembly:
     """Build one backend's parts over SGLang's KV pool (`params`: SGLang's `CacheInitParams`; `draft_pools`:
-    a speculative draft model's KV pools at the same slots, tiered with it). `fault_disk_read_file` is a
+    a speculative draft model's KV pools at the same slots, tiered with it; `total_kv_heads`: the model's,
+    before TP splits them, which names this rank's shard of the heads). `fault_disk_read_file` is a
     test switch (`debug_settings`): while it names this rank, disk reads fail."""
     s = settings
     page_size = int(params.page_size)
@@ -131,6 +136,10 @@ def assemble(
     )
     if device_pool.adapter.replicated_across_tp and consensus is not None:
         consensus.replicate()  # every rank holds the same KV (MLA): one copy, the leader writes it
+    rank, size = (consensus.rank, consensus.size) if consensus is not None else (0, 1)
+    shard = head_shard(device_pool.adapter, device_pool.layout.num_kv_heads, rank, size, total_kv_heads)
+    if shard is not None and consensus is not None:
+        consensus.shard_heads()  # keys without the TP size; this rank's heads' directory
     config = cache_config(
         s,
         device_pool,
@@ -139,6 +148,7 @@ def assemble(
         model_salt=model_salt,
         consensus=consensus,
         placement=placement,
+        head_shard=shard,
     )
     host = lower = None
     if consensus is not None and consensus.replicated:

@@ -91,6 +91,7 @@ from .hints.request_hints import RequestHints
 from .kinds.mamba.mamba_calls import MambaCalls, snapshots_for
 from .kinds.speculative_decoding import bigram_keys
 from .parallel.data_parallel import DPPlacement
+from .parallel.head_shard import total_kv_heads
 from .parallel.rank_consensus import RankConsensus
 from .req_states import ReqState, RequestStates
 from .step_calls import StepCalls
@@ -147,6 +148,7 @@ class TieredRadixCache(MambaCalls, StepCalls, CacheViews, BasePrefixCache):
             fault_disk_read_file=debug.fault_disk_read_file,
             clock=consensus.clock if consensus is not None else time.monotonic,
             draft_pools=draft_pools,
+            total_kv_heads=total_kv_heads(model_config),
         )
         self.device_pool = parts.device_pool
         self.device = self.device_pool.device

@@ -182,6 +182,11 @@ class KeyedStore(TierStore):
     @abstractmethod
     def keys(self) -> Iterator[PageKey]: ...
 
+    def own_keys(self) -> Iterator[PageKey]:
+        """The stored pages whose freeing gives this store room back: all of `keys` unless some are
+        read from elsewhere (`HeadShardDiskStore`'s borrowed pages)."""
+        return self.keys()
+
     def discover(self, key: PageKey) -> bool:
         return self.contains(key)
 

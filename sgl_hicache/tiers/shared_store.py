@@ -8,8 +8,11 @@ wait-or-recompute, background host -> disk write-back, dropping a subtree whose 
 the store's too, unchanged; a store below disk would need a fourth tree tier and a second copy of
 that machinery.
 
-Keys: `sglh/<namespace root hex>/<page key hex>`. The page key is chained from the namespace (model
-fingerprint + tenant salt), so servers of one model share pages and other models never collide.
+Keys: `sglh/<namespace root hex>/<page key hex>`, or `sglh/<namespace root hex>/heads<lo>-<hi>/<page
+key hex>` for a cache holding a shard of the KV heads (a TP rank of an MHA model): each shard's bytes
+under keys of their own. The page key is chained from the namespace (model fingerprint + tenant
+salt), so servers of one model share pages and other models never collide; servers of different TP
+sizes share nothing through a store (the disk tier reads across them: `disk/head_shards.py`).
 Values: the disk page codec (`tiers/codec.py`), header + payload; a missing, truncated, foreign or
 corrupt value is a counted miss (`PageCorruptError`), never served.
 
@@ -39,7 +42,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from ..config import CacheConfig, KVLayout
+from ..config import CacheConfig, HeadShard, KVLayout
 from ..hashing import KEY_BYTES, Namespace, PageKey
 from .base import Handle, KeyedStore, PageCorruptError, ReadsInto, TierIOError
 from .codec import DTYPE_MISMATCH, PageCodec, check_key, is_other_version, tensor_bytes
@@ -87,6 +90,7 @@ class SharedStoreTier(KeyedStore, ReadsInto):
         namespace: Namespace,
         *,
         min_hits: int = 0,
+        shard: HeadShard | None = None,
         exists_timeout_s: float = 0.5,
         backoff_s: float = 1.0,
         max_backoff_s: float = 30.0,
@@ -111,6 +115,8 @@ class SharedStoreTier(KeyedStore, ReadsInto):
         self.dtype = layout.torch_dtype
         self.codec = PageCodec(namespace, self.page_shape, layout.dtype, self.page_bytes, "store")
         self._prefix = f"sglh/{namespace.root.hex()}/"
+        if shard is not None and not shard.whole:
+            self._prefix += f"heads{shard.lo}-{shard.hi}/"
         self.exists_timeout_s = float(exists_timeout_s)
         self.backoff_s = float(backoff_s)
         self.max_backoff_s = float(max_backoff_s)
@@ -397,7 +403,13 @@ def open_store(config: CacheConfig, namespace: Namespace) -> SharedStoreTier:
 
     backend = open_backend(config.store_url or "")
     return SharedStoreTier(
-        config.layout, config.page_size, config.store_pages, backend, namespace, min_hits=config.store_min_hits
+        config.layout,
+        config.page_size,
+        config.store_pages,
+        backend,
+        namespace,
+        min_hits=config.store_min_hits,
+        shard=config.head_shard,
     )
 
 

@@ -111,20 +111,26 @@ TOP_K = 5
 LOGPROB_TOL = 1e-5
 
 
-def _gen_lp(srv, ids, start: int, n: int = 8, meta_out: dict | None = None) -> tuple[list[int], dict, dict]:
+def _lp_body(ids, start: int, n: int, **extra) -> dict:
+    """A greedy `/generate` body asking logprobs (and the top `TOP_K`) from prompt position `start` on."""
+    return {
+        "input_ids": list(ids),
+        "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
+        "return_logprob": True,
+        "logprob_start_len": start,
+        "top_logprobs_num": TOP_K,
+        **extra,
+    }
+
+
+def _gen_lp(
+    srv, ids, start: int, n: int = 8, meta_out: dict | None = None, salt: str | None = None
+) -> tuple[list[int], dict, dict]:
     """Greedy generation with logprobs from prompt position `start` on: (output ids, cached tokens by
     source, {"input": {pos: (token, logprob, top-k)}, "output": [(token, logprob, top-k)]}). With
-    `meta_out`, the response's whole `meta_info` is copied into it (speculative decoding's counts)."""
-    r = srv.post(
-        "/generate",
-        {
-            "input_ids": list(ids),
-            "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
-            "return_logprob": True,
-            "logprob_start_len": start,
-            "top_logprobs_num": TOP_K,
-        },
-    )
+    `meta_out`, the response's whole `meta_info` is copied into it (speculative decoding's counts).
+    With `salt` (a `cache_salt`) the request is computed from scratch and never stored."""
+    r = srv.post("/generate", _lp_body(ids, start, n, **({"cache_salt": salt} if salt else {})))
     meta = r["meta_info"]
     if meta_out is not None:
         meta_out.update(meta)
@@ -527,8 +533,8 @@ def test_e2e_tp2_matches_tp1(start_server, workdir, shared):
     # 4. restart on the same directory, one page file of rank 1 deleted: the ranks agree at startup
     from sgl_hicache.tiers.disk import PAGE_SUFFIX
 
-    rank1 = disk / "tp2-rank1"
-    assert (disk / "tp2-rank0").is_dir() and rank1.is_dir()
+    rank1 = disk / "heads1-2"  # each rank's heads in their own directory, keyed without the TP size
+    assert (disk / "heads0-1").is_dir() and rank1.is_dir()
     sorted(rank1.rglob("*" + PAGE_SUFFIX))[0].unlink()
     srv = start_server("tp2-restart", disk, tp=2, **TP_ENV)
     out, d, lp = _gen_lp(srv, P, HIT)

@@ -26,9 +26,18 @@ import threading
 from pathlib import Path
 
 import pytest
-from test_sglang_e2e import HIT, LOGPROB_TOL, PAGE, VOCAB, _logprob_diff, _prompt, _wait_for, make_model
+from test_sglang_e2e import (
+    HIT,
+    LOGPROB_TOL,
+    PAGE,
+    VOCAB,
+    _logprob_diff,
+    _lp_body,
+    _prompt,
+    _wait_for,
+    make_model,
+)
 
-TOP_K = 5
 PD_ENV = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}  # else the transfer engine listens on the external address
 
 
@@ -92,16 +101,14 @@ def _pd_generate(prefill, decode, bootstrap_port: int, ids, start: int, n: int =
     """One request through the pair: the same body to both servers, as SGLang's load balancer sends it.
     Returns (the decode server's output ids, the prefill server's cached tokens by source, logprobs:
     the prompt tail's from the prefill server, the outputs' from the decode server)."""
-    body = {
-        "input_ids": list(ids),
-        "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
-        "return_logprob": True,
-        "logprob_start_len": start,
-        "top_logprobs_num": TOP_K,
-        "bootstrap_host": "127.0.0.1",
-        "bootstrap_port": bootstrap_port,
-        "bootstrap_room": random.randrange(1 << 62),
-    }
+    body = _lp_body(
+        ids,
+        start,
+        n,
+        bootstrap_host="127.0.0.1",
+        bootstrap_port=bootstrap_port,
+        bootstrap_room=random.randrange(1 << 62),
+    )
     replies: dict = {}
 
     def send(name, srv):

@@ -27,6 +27,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from page_files import page_shape, rewrite_payloads
 from servers import BackendServers
 
 REPO = Path(__file__).resolve().parents[2]
@@ -286,28 +287,14 @@ def start_server(workdir, models):
 
 def _corrupt_draft_rows(directory: Path, target_layers: int) -> int:
     """Negate the draft model's K and V rows (a page's layers from `target_layers` on) in every page
-    file under `directory`, and rewrite the payload and header checksums (`docs/disk-format.md`), so
-    the pages still load as valid: the target's rows are untouched, only the draft reads wrong KV.
-    Returns the number of files changed. Only for a stopped server's directory."""
-    import struct
-
-    import torch
-    import xxhash
-
-    from sgl_hicache.tiers.codec import HEADER_SIZE, PAGE_SUFFIX
+    file under `directory`, as valid pages (`page_files.rewrite_payloads`): the target's rows are
+    untouched, only the draft reads wrong KV. Returns the number of files changed. Only for a stopped
+    server's directory."""
+    from sgl_hicache.tiers.codec import PAGE_SUFFIX
 
     files = sorted(directory.rglob("*" + PAGE_SUFFIX))
-    for f in files:
-        raw = bytearray(f.read_bytes())
-        dtype = bytes(raw[52:68]).rstrip(b"\0").decode()
-        (ndim,) = struct.unpack_from("<I", raw, 68)
-        shape = struct.unpack_from(f"<{ndim}I", raw, 72)
-        assert dtype == "bfloat16" and shape[0] > target_layers, (f, dtype, shape)
-        torch.frombuffer(raw, dtype=torch.bfloat16, offset=HEADER_SIZE).view(shape)[target_layers:].neg_()
-        struct.pack_into("<Q", raw, 104, xxhash.xxh3_64_intdigest(bytes(raw[HEADER_SIZE:])))
-        struct.pack_into("<Q", raw, 112, xxhash.xxh3_64_intdigest(bytes(raw[:112])))
-        f.write_bytes(raw)
-    return len(files)
+    assert all(page_shape(f)[0] > target_layers for f in files), files
+    return rewrite_payloads(files, lambda page: page[target_layers:].neg_())
 
 
 def _accepted(walk, name: str) -> int:

@@ -1,10 +1,14 @@
 """Rank agreement for `sgl_hicache` under tensor parallelism (`--tp N`).
 
-Every TP rank runs the same `TieredRadixCache` on its own shard of the KV heads: its own host buffer,
-its own disk directory (`<disk_dir>/tp<N>-rank<r>`) and `tp=<N>` in the key namespace (a TP=4 cache
-is never read by TP=8). Where every rank holds the same KV (MLA: `replicate`), the group keeps one
-copy instead: no tp salt, one directory `<disk_dir>/tp<N>-shared`, one shared host buffer, written
-by rank 0 alone (`sglang/replicated.py`); at start a follower indexes the leader's disk pages. SGLang's schedulers on the ranks are lock-stepped: they see the same requests
+Every TP rank runs the same `TieredRadixCache` on its own shard of the KV heads: its own host buffer
+and its own disk directory. Where the ranks split the heads evenly (MHA / GQA: `shard_heads`), page
+keys are named by the whole model, with no TP size, and a rank's directory is its heads'
+(`<disk_dir>/heads<lo>-<hi>`), so a server of another TP size reads the pages too
+(`tiers/disk/head_shards.py`). Otherwise each rank keeps `<disk_dir>/tp<N>-rank<r>` with `tp=<N>` in
+the key namespace (a TP=4 cache is never read by TP=8). Where every rank holds the same KV (MLA:
+`replicate`), the group keeps one copy instead: no tp salt, one directory `<disk_dir>/tp<N>-shared`,
+one shared host buffer, written by rank 0 alone (`sglang/replicated.py`); at start a follower indexes
+the leader's disk pages. SGLang's schedulers on the ranks are lock-stepped: they see the same requests
 and call the cache in the same order, so the caches stay equal as long as every decision is taken
 from the same facts. Decisions made from the tree and an agreed clock are equal by construction. The
 facts that are local to a rank are agreed here, at fixed points outside the tree methods:
@@ -172,6 +176,7 @@ class RankConsensus:
         self.counts = StepCounts()
         self._gave_up: set[int] = set()  # id() of tickets every rank agreed to give up on
         self.replicated = False  # every rank holds the same KV (MLA): see `replicate`
+        self.sharded = False  # the ranks split the KV heads evenly: see `shard_heads`
         self.disk_read_tokens_per_s = 0  # agreed at each step (MIN over the ranks; 0: unknown)
         self.prefill_cost: PrefillCost | None = None  # agreed at each step (step's docstring; None: unknown)
 
@@ -183,6 +188,12 @@ class RankConsensus:
         self.replicated = True
         self.counts.role = "leader" if self.leader else "follower"
 
+    def shard_heads(self) -> None:
+        """The ranks split the model's KV heads evenly (`parallel/head_shard.py`): page keys carry no
+        TP size, and each rank's disk store keeps its heads' directory under the one directory this
+        returns from `rank_dir` (`HeadShardDiskStore`). Call before the cache is configured."""
+        self.sharded = True
+
     @property
     def leader(self) -> bool:
         return self.rank == 0
@@ -190,11 +201,15 @@ class RankConsensus:
     @property
     def salt(self) -> str:
         """Namespace salt: the TP size changes every page's bytes (the shard); none for replicated KV,
-        whose pages are the same at every TP size."""
-        return "" if self.replicated else f"tp={self.size}"
+        whose pages are the same at every TP size, nor for head shards, whose directories and page
+        headers say which heads a page holds."""
+        return "" if self.replicated or self.sharded else f"tp={self.size}"
 
     def rank_dir(self, disk_dir: Path) -> Path:
-        """This rank's disk directory: its shard's, or the group's one directory for replicated KV."""
+        """This rank's disk directory: the group's one directory for replicated KV, the base of every
+        shard's directory for head shards (the store adds its heads'), else this rank's own."""
+        if self.sharded:
+            return Path(disk_dir)
         return Path(disk_dir) / (f"tp{self.size}-shared" if self.replicated else f"tp{self.size}-rank{self.rank}")
 
     def gate(self, executor: Executor) -> GatedExecutor:

@@ -48,6 +48,8 @@ COUNTER_NAMES = (
     "pages_discovered",
     "peer_temp_kept",
     "peer_pages_evicted",
+    "borrowed_pages",  # pages another shard's directories hold, readable here (`head_shards.py`)
+    "borrowed_reads",  # of pages_read: borrowed pages, assembled from other shards' files
 )
 
 
