@@ -14,6 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 PRECEDED_BY = ("none", "person", "tool")  # what came before a call in its session (`Request.preceded_by`)
+ENDS_IN = (
+    "tool",
+    "person",
+)  # what a call ended in: a tool call, or an answer that waits for a person (`Request.ends_in`)
 
 
 @dataclass

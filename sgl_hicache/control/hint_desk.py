@@ -414,9 +414,10 @@ class HintDesk:
         if self.pauses is not None and path:
             self.pauses.arrived([n.keys[0] for n in path], self.clock())
 
-    def committed(self, path: Sequence[TreeNode]) -> None:
-        """A request's prompt was committed along `path` (root first): where its conversation's past
-        pauses predict the next, retain it for that pause with the clients' margin, as a hint would,
+    def committed(self, path: Sequence[TreeNode], ending: str | None = None) -> None:
+        """A request ended along `path` (root first), in `ending` (`records.ENDS_IN`; None: unknown):
+        where its conversation's past pauses predict the next, retain it for that pause with the
+        clients' margin, as a hint would,
         ranked by the same value test (`refresh`) with the server's own measured precision, within
         the share the clients' retentions leave and at most half of `max_retained` at once."""
         if self.pauses is None or not path:
@@ -424,7 +425,7 @@ class HintDesk:
         if self._reuse is None:
             self._reuse = self.cache.learn_reuse()
         now = self.clock()
-        pause = self.pauses.committed([n.keys[0] for n in path], now)
+        pause = self.pauses.committed([n.keys[0] for n in path], now, ending)
         if pause is None:
             return
         ttl = min(self.limits.max_ttl_s, max(1.0, pause * TTL_MARGIN))

@@ -449,14 +449,18 @@ class RequestController:
         self.writeback += ops
         self.executor.submit_ops(ops, kind="backup")
 
+    def finished(self, path: Sequence[TreeNode], ending: str | None = None) -> None:
+        """A request ended along `path` (root first), its output ending in `ending` (`records.ENDS_IN`,
+        None: unknown). Where `learn_returns`, its conversation is retained for the pause its history
+        after that ending predicts (`HintDesk.committed`)."""
+        self.hints.committed(path, ending)
+
     def commit(self, path: Sequence[TreeNode]) -> int:
         """Write-through at commit (`write_policy=write_through`): a request's newly committed device
         pages (`path`, root first) get their host copies started now, on the transfer threads, so that
         they are clean by the time they are evictable. Only plans and enqueues (O(path)); the copies
-        land in a later `pump_writeback`. Returns the pages planned. Where `learn_returns`, the
-        request's conversation is also retained for the pause its history predicts (`HintDesk.committed`)."""
+        land in a later `pump_writeback`. Returns the pages planned."""
         cache = self.cache
-        self.hints.committed(path)
         if cache.config.write_policy != "write_through" or not cache.has_tier(HOST) or not cache.has_tier(DEVICE):
             return 0
         ops = cache.plan_write_through(DEVICE, HOST, list(path), self.settings.writeback_batch_pages)

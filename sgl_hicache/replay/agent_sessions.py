@@ -27,6 +27,8 @@ What the reader does, each choice recorded once as a `Note` of the returned `Tra
   after a call that stopped on ``tool_use``, ``person`` after one that stopped on ``end_turn``;
   after a call with no stop reason, ``tool`` when the call's ``input_types`` hold ``tool_result``,
   else ``person``.
+- What each call ended in (`Request.ends_in`): ``tool`` for ``tool_use``, ``person`` for
+  ``end_turn``, None for another or no stop reason.
 - Hints (`hints`, default on): what an agent framework sends, from `tool_hints.call_hints`: a
   tool-call retention on each call that stops on ``tool_use`` (its estimate the time from the
   call's start to the next call's, the recorded answer time included since a replayed answer may end
@@ -69,6 +71,7 @@ from .trace import (
 
 CALL_TYPES = ("n", "s")  # kv-cache-tester's model calls (sent whole, streamed)
 SUBAGENT = "subagent"
+ENDS = {"tool_use": "tool", "end_turn": "person"}  # a call's stop reason as `Request.ends_in`
 SCOPES = ("local", "global")
 DEFAULT_BLOCK_SIZE = 64
 MAX_BLOCK_SIZE = 1024  # tokens a hash id may cover: a few ids must not stand for millions of tokens
@@ -351,7 +354,15 @@ def _requests(sessions: list[_Session], options: _Options, synth: TokenSynth, ta
             hinted = _hints(prompt, call, until_next, options, s.name, k, tally) if options.hints else ()
             out.append(
                 Request(
-                    f"{s.name}#{k}", s.name, round(arrival, 6), prompt, call.tokens_out, call.entry + 1, hinted, after
+                    f"{s.name}#{k}",
+                    s.name,
+                    round(arrival, 6),
+                    prompt,
+                    call.tokens_out,
+                    call.entry + 1,
+                    hinted,
+                    after,
+                    ENDS.get(call.stop),
                 )
             )
     return out

@@ -113,6 +113,9 @@ class Request:
     - `preceded_by`: what came before this call in its session, when the trace tells
       (`records.PRECEDED_BY`: ``"none"`` a session's first call, ``"person"`` a person's message,
       ``"tool"`` a tool's result); None when it does not. Reports split TTFT by it.
+    - `ends_in`: what the call's own output ended in, when the trace tells (`records.ENDS_IN`:
+      ``"tool"`` a tool call, ``"person"`` an answer that waits for a person); None when it does not.
+      A server sees it in its own output at the request's end (`policy/return_gaps.py`).
     """
 
     request_id: str
@@ -123,6 +126,7 @@ class Request:
     line: int
     hints: tuple = ()  # `replay.hints.Hint`s the client sent with the request (plain JSONL's ``hints``)
     preceded_by: str | None = None
+    ends_in: str | None = None
 
     @property
     def input_length(self) -> int:

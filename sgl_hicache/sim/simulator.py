@@ -456,6 +456,8 @@ class EmbeddedEngine:
     def _finish(self, flight: _Flight) -> None:
         self.cache.free_device(flight.output_pages)
         self.cache.unlock(flight.anchor)  # type: ignore[arg-type]
+        # what the call ended in (a tool call, an answer) is what the server sees in its output
+        self.controller.finished(flight.anchor.path_from_root(), flight.req.ends_in)  # type: ignore[union-attr]
         for hint, tokens in flight.finish_hints:  # run from the next loop turn, as the server's at its release
             self._queue_hint(hint, tokens, self.now)
         hd, hh, hk = flight.hits

@@ -443,7 +443,9 @@ def _turns_with_pauses(tmp_path, clock, learn: bool, pauses: tuple[float, ...]):
         ctl.arrive(prompt)
         prompt = prompt + seq(100 * (turn + 1), 1)
         serve(cache, prompt)
-        ctl.commit(cache.match(prompt, touch=False).path)
+        path = cache.match(prompt, touch=False).path
+        ctl.commit(path)
+        ctl.finished(path)  # what it ended in unknown: the pauses' median
         clock.t += pause
     return cache, ex, ctl, prompt
 
@@ -451,7 +453,7 @@ def _turns_with_pauses(tmp_path, clock, learn: bool, pauses: tuple[float, ...]):
 @pytest.mark.parametrize("learn", [True, False])
 def test_the_server_retains_a_conversation_for_the_pause_its_history_predicts(tmp_path, learn):
     # no client hint: a conversation that came back 2 s and 4 s after its last two turns is retained
-    # at its next commit for the median pause with the clients' margin; with learning off, nothing is
+    # at its next end for the median pause with the clients' margin; with learning off, nothing is
     clock = Clock(0.0)
     cache, _ex, ctl, prompt = _turns_with_pauses(tmp_path, clock, learn, (2.0, 4.0))
     assert ctl.hints.counts == dict.fromkeys(("prefetch", "pin", "retain", "demote"), 0)  # no client hint
