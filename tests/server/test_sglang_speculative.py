@@ -209,32 +209,13 @@ def test_a_draft_of_another_page_layout_is_refused_naming_both():
 # ---- 2. the real server -----------------------------------------------------------------------------
 sys.path.insert(0, str(REPO / "scripts" / "cpu"))
 from realistic_weights import TINY, make_model  # noqa: E402
-from test_sglang_e2e import _prompt, _settled_pool  # noqa: E402
-from tier_walk import (  # noqa: E402
-    TIERS,
-    assert_a_changed_cached_page_moves,
-    assert_restart_serves_from_disk,
-    assert_settled_and_clean,
-    assert_tiers_equal,
-    walk_tiers,
-)
+from spec_walk import SPEC_CHAIN_ARGS, walk_speculative_tiers  # noqa: E402
+from test_sglang_e2e import _prompt  # noqa: E402
 
 SERVER_PAGE, HIT, VOCAB = 16, 304, 1024
 TARGET_LAYERS = json.loads((TINY / "config.json").read_text())["num_hidden_layers"]  # then the draft's layer
 SPEC_TOKENS = 16
-# SGLang caps a request's prefix match at its `logprob_start_len` in raw tokens; under bigram keys N raw
-# tokens make N - 1 positions, so a request that may reuse HIT cached positions asks from HIT + 1 on
-START = HIT + 1
-SPEC_ARGS = [
-    "--speculative-algorithm",
-    "EAGLE",
-    "--speculative-num-steps",
-    "1",
-    "--speculative-eagle-topk",
-    "1",
-    "--speculative-num-draft-tokens",
-    "2",
-]
+SPEC_ARGS = ("--speculative-algorithm", "EAGLE", *SPEC_CHAIN_ARGS)
 
 
 def make_eagle_draft(target: Path, dst: Path) -> Path:
@@ -284,62 +265,18 @@ def start_server(workdir, models):
     servers.close()
 
 
-def _corrupt_draft_rows(directory: Path, target_layers: int) -> int:
-    """Negate the draft model's K and V rows (a page's layers from `target_layers` on) in every page
-    file under `directory`, and rewrite the payload and header checksums (`docs/disk-format.md`), so
-    the pages still load as valid: the target's rows are untouched, only the draft reads wrong KV.
-    Returns the number of files changed. Only for a stopped server's directory."""
-    import struct
-
-    import torch
-    import xxhash
-
-    from sgl_hicache.tiers.codec import HEADER_SIZE, PAGE_SUFFIX
-
-    files = sorted(directory.rglob("*" + PAGE_SUFFIX))
-    for f in files:
-        raw = bytearray(f.read_bytes())
-        dtype = bytes(raw[52:68]).rstrip(b"\0").decode()
-        (ndim,) = struct.unpack_from("<I", raw, 68)
-        shape = struct.unpack_from(f"<{ndim}I", raw, 72)
-        assert dtype == "bfloat16" and shape[0] > target_layers, (f, dtype, shape)
-        torch.frombuffer(raw, dtype=torch.bfloat16, offset=HEADER_SIZE).view(shape)[target_layers:].neg_()
-        struct.pack_into("<Q", raw, 104, xxhash.xxh3_64_intdigest(bytes(raw[HEADER_SIZE:])))
-        struct.pack_into("<Q", raw, 112, xxhash.xxh3_64_intdigest(bytes(raw[:112])))
-        f.write_bytes(raw)
-    return len(files)
-
-
-def _accepted(walk, name: str) -> int:
-    """How many of the draft model's proposals the target accepted in the walk's request `name`."""
-    return int(walk.metas[name]["spec_num_correct_drafts"])
-
-
 def test_eagle_server_outputs_equal_from_scratch_and_from_every_tier_and_after_a_restart(start_server, workdir):
-    disk = workdir / "disk"
-    srv = start_server("first", disk)
-    assert _settled_pool(srv)["config"]["pool_kind"] == "draft"
     # 320 bigram positions: HIT cached (whole pages), the last page's tail computed; SPEC_TOKENS output
-    # tokens, so the draft proposes often enough for its acceptance to show what KV it read
-    walk = walk_tiers(srv, _prompt(1, HIT + 17), HIT, start=START, n=SPEC_TOKENS)
-    assert_tiers_equal(walk, "scratch", "EAGLE")
-    # the draft model proposed from its own KV of the cached positions, which came back with the
-    # target's from each tier (the walk asserted each request's tier: none; device; host, any rest
-    # from disk; the whole hit from disk): its proposals were accepted as often as when it computed
-    # that KV itself
-    accepted = {name: _accepted(walk, name) for name in ("scratch", *TIERS)}
-    print(f"\nEAGLE accepted drafts of {SPEC_TOKENS} tokens by tier: {accepted}")
-    assert len(set(accepted.values())) == 1 and accepted["scratch"] > 0, accepted
-    assert_a_changed_cached_page_moves(srv, walk, "scratch", where="input")
-    assert_settled_and_clean(srv)
-    srv.stop()
-    # not vacuous: the draft rows of every page on disk negated (checksums rewritten: valid pages).
-    # After the restart the whole hit comes from disk; the target's rows are intact, so its greedy
-    # outputs and logprobs are the scratch run's, but the draft proposes from wrong KV and the
-    # acceptance moves
-    changed = _corrupt_draft_rows(disk, TARGET_LAYERS)
-    assert changed >= HIT // SERVER_PAGE, changed
-    meta = assert_restart_serves_from_disk(start_server("restart", disk), walk, "scratch")
-    corrupted = int(meta["spec_num_correct_drafts"])
-    print(f"EAGLE accepted drafts after a restart on {changed} pages with negated draft rows: {corrupted}")
-    assert corrupted != accepted["scratch"], (corrupted, accepted)
+    # tokens, so the draft proposes often enough for its acceptance to show what KV it read; the
+    # reference is the scratch run (the walk: tests/spec_walk.py)
+    walk_speculative_tiers(
+        start_server,
+        workdir / "disk",
+        _prompt(1, HIT + 17),
+        HIT,
+        n=SPEC_TOKENS,
+        page=SERVER_PAGE,
+        target_layers=TARGET_LAYERS,
+        where="input",
+        label="EAGLE",
+    )
