@@ -15,7 +15,10 @@ Runs on CPU with the CPU test layer's EAGLE patches plus one for DeepSeek's draf
 
 The reference is the device hit, not the scratch run: `torch_native` reads the MLA pool as MHA K / V,
 so a prefill from scratch and an extend over a cached prefix differ, with SGLang's own radix cache as
-with this backend (`test_sglang_e2e_mla.py`'s docstring). The walk (`tests/spec_walk.py`): greedy
+with this backend (`test_sglang_e2e_mla.py`'s docstring). For the same reason the prompt (HIT + 3
+tokens, N output tokens) never completes a page past its hit: measured with HIT + 17 tokens and 16
+output tokens, the device hit's outputs parted from the host and disk hits' (equal to each other) from
+the 7th token on. The walk (`tests/spec_walk.py`): greedy
 outputs and logprobs from host and disk hits and after a restart equal the device hit's; the NextN
 draft's acceptance is the same from each tier's hit and moves after a restart on page files whose draft
 rows were negated; a token changed in the last cached page moves the output logprobs.
