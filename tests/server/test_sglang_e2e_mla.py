@@ -45,12 +45,17 @@ TINY_MLA = REPO / "scripts" / "cpu" / "tiny-deepseek"
 PAGE, HIT, VOCAB = 16, 304, 1024
 
 
-def make_mla_model(dst: Path, seed: int = 0) -> Path:
-    """The tiny DeepSeek-V2 config with N(0, ~1/sqrt(fan_in)) weights in bf16 safetensors."""
+def make_mla_model(dst: Path, seed: int = 0, config: Path = TINY_MLA) -> Path:
+    """A tiny DeepSeek config (`config`'s folder: V2 by default) with N(0, ~1/sqrt(fan_in)) weights in
+    bf16 safetensors. Layers from `first_k_dense_replace` on are MoE (gate, routed and shared experts;
+    V3's `e_score_correction_bias` under `noaux_tc`); with `num_nextn_predict_layers: 1` the checkpoint
+    also holds the NextN (MTP) layer at index `num_hidden_layers`, as DeepSeek V3's does: a decoder
+    layer (a copy of the first) plus `enorm`, `hnorm`, `eh_proj` and `shared_head.norm` (SGLang's
+    `DeepseekV3ForCausalLMNextN` takes the embedding and LM head from the target)."""
     import torch
     from safetensors.torch import save_file
 
-    cfg = json.loads((TINY_MLA / "config.json").read_text())
+    cfg = json.loads((config / "config.json").read_text())
     dst.mkdir(parents=True, exist_ok=True)
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     g = torch.Generator().manual_seed(seed)
@@ -69,6 +74,11 @@ def make_mla_model(dst: Path, seed: int = 0) -> Path:
     def ones(n):
         return torch.ones(n, dtype=torch.bfloat16)
 
+    def mlp(p, width):
+        t[p + "gate_proj.weight"] = w(width, h)
+        t[p + "up_proj.weight"] = w(width, h)
+        t[p + "down_proj.weight"] = w(h, width)
+
     t = {
         "model.embed_tokens.weight": torch.randn(V, h, generator=g).to(torch.bfloat16),
         "model.norm.weight": ones(h),
@@ -81,11 +91,30 @@ def make_mla_model(dst: Path, seed: int = 0) -> Path:
         t[p + "self_attn.kv_a_layernorm.weight"] = ones(r)
         t[p + "self_attn.kv_b_proj.weight"] = w(nh * (nope + vd), r, 2.0)
         t[p + "self_attn.o_proj.weight"] = w(h, nh * vd)
-        t[p + "mlp.gate_proj.weight"] = w(inter, h)
-        t[p + "mlp.up_proj.weight"] = w(inter, h)
-        t[p + "mlp.down_proj.weight"] = w(h, inter)
+        if i >= cfg["first_k_dense_replace"]:  # MoE
+            experts, width = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+            t[p + "mlp.gate.weight"] = w(experts, h)
+            if cfg["topk_method"] == "noaux_tc":
+                t[p + "mlp.gate.e_score_correction_bias"] = torch.zeros(experts, dtype=torch.float32)
+            for e in range(experts):
+                mlp(p + f"mlp.experts.{e}.", width)
+            mlp(p + "mlp.shared_experts.", width * cfg["n_shared_experts"])
+        else:
+            mlp(p + "mlp.", inter)
         t[p + "input_layernorm.weight"] = ones(h)
         t[p + "post_attention_layernorm.weight"] = ones(h)
+    if cfg.get("num_nextn_predict_layers", 0):
+        # the NextN layer: the target's first layer (MoE: SGLang's NextN layer always is), fed the next
+        # token's normed embedding alone (`eh_proj` = [I, 0] ignores the target's hidden state): it
+        # proposes what the target's first layer predicts, so some proposals are accepted
+        p = f"model.layers.{L}."
+        for name, value in list(t.items()):
+            if name.startswith("model.layers.0."):
+                t[p + name[len("model.layers.0.") :]] = value.clone()
+        t[p + "enorm.weight"] = ones(h)
+        t[p + "hnorm.weight"] = ones(h)
+        t[p + "eh_proj.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], 1).to(torch.bfloat16)
+        t[p + "shared_head.norm.weight"] = ones(h)
     save_file(t, str(dst / "model.safetensors"))
     return dst
 

@@ -1,19 +1,23 @@
-"""Speculative decoding (EAGLE) with `--radix-cache-backend sgl_hicache`.
+"""Speculative decoding (EAGLE, EAGLE3) with `--radix-cache-backend sgl_hicache`. (DeepSeek MTP / NextN on
+the server: tests/server/test_sglang_mtp.py.)
 
 1. On SGLang's REAL pool classes (CPU, no server): a target `MHATokenToKVPool` and an EAGLE draft pool
    beside it at the same token slots (as `Scheduler.init_memory_pools` builds them: one allocator). The
    backend keys the tree by bigrams, as SGLang's RadixCache does under `is_eagle`; both pools' rows
    round-trip device -> host -> disk -> other device slots bit for bit, and again after a restart;
    a layer-wise load makes the draft pool's reads wait for the draft's layers too.
-2. The real SGLang 0.5.23 CPU server with `--speculative-algorithm EAGLE` (a one-layer EAGLE draft of
-   the tiny Llama, random weights of realistic scale; `--speculative-num-steps 1 --speculative-eagle-topk 1
-   --speculative-num-draft-tokens 2`, what SGLang's CPU path runs on `torch_native` with the CPU test
-   layer's patches, `scripts/cpu/layer/sglang_cpu_layer/speculative_patches.py`): greedy outputs and logprobs of a prompt served from
-   device, host and disk hits and after a restart equal those computed from scratch; a token changed in
-   the last cached page moves the logprobs; the scheduler thread made no copy, wait, sleep or file write.
+2. The real SGLang 0.5.23 CPU server with `--speculative-algorithm EAGLE` and `EAGLE3` (a one-layer
+   draft of the tiny Llama, `make_draft`, random weights of realistic scale; `--speculative-num-steps 1
+   --speculative-eagle-topk 1 --speculative-num-draft-tokens 2`, what SGLang's CPU path runs on
+   `torch_native` with the CPU test layer's patches,
+   `scripts/cpu/layer/sglang_cpu_layer/speculative_patches.py`; EAGLE3's target captures its auxiliary
+   hidden states on CPU as shipped): greedy outputs and logprobs of a prompt served from device, host
+   and disk hits and after a restart equal those computed from scratch; a token changed in the last
+   cached page moves the logprobs; the scheduler thread made no copy, wait, sleep or file write.
    The draft's KV shows only in how many of its proposals the target accepts (SGLang's
    `spec_num_correct_drafts`; the target's outputs never depend on it): equal from each tier's hit as
-   from scratch, and moved after a restart whose page files had their draft rows negated.
+   from scratch, and moved after a restart whose page files had their draft rows negated
+   (`tests/spec_walk.py`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from page_files import page_shape, rewrite_payloads
 from servers import BackendServers
 
 REPO = Path(__file__).resolve().parents[2]
@@ -210,55 +213,59 @@ def test_a_draft_of_another_page_layout_is_refused_naming_both():
 # ---- 2. the real server -----------------------------------------------------------------------------
 sys.path.insert(0, str(REPO / "scripts" / "cpu"))
 from realistic_weights import TINY, make_model  # noqa: E402
-from test_sglang_e2e import _prompt, _settled_pool  # noqa: E402
-from tier_walk import (  # noqa: E402
-    TIERS,
-    assert_a_changed_cached_page_moves,
-    assert_restart_serves_from_disk,
-    assert_settled_and_clean,
-    assert_tiers_equal,
-    walk_tiers,
-)
+from spec_walk import SPEC_CHAIN_ARGS, walk_speculative_tiers  # noqa: E402
+from test_sglang_e2e import _prompt  # noqa: E402
 
 SERVER_PAGE, HIT, VOCAB = 16, 304, 1024
 TARGET_LAYERS = json.loads((TINY / "config.json").read_text())["num_hidden_layers"]  # then the draft's layer
 SPEC_TOKENS = 16
-# SGLang caps a request's prefix match at its `logprob_start_len` in raw tokens; under bigram keys N raw
-# tokens make N - 1 positions, so a request that may reuse HIT cached positions asks from HIT + 1 on
-START = HIT + 1
-SPEC_ARGS = [
-    "--speculative-algorithm",
-    "EAGLE",
-    "--speculative-num-steps",
-    "1",
-    "--speculative-eagle-topk",
-    "1",
-    "--speculative-num-draft-tokens",
-    "2",
-]
+# EAGLE3's draft reads the target's hidden states captured at these layers' outputs (-1: the embedding);
+# SGLang captures the input of layer id + 1, and the tiny Llama has two layers
+EAGLE3_AUX_LAYERS = [-1, 0]
 
 
-def make_eagle_draft(target: Path, dst: Path) -> Path:
-    """A one-layer EAGLE draft (`LlamaForCausalLMEagle`) of the tiny Llama: its layer is the target's
-    first layer and its `fc` passes the next token's embedding through (the target's hidden state is
-    ignored), so it proposes roughly what the target's first layer predicts and some proposals are
-    accepted; it shares the target's embedding and LM head (SGLang's EAGLE worker sets them)."""
+def make_draft(target: Path, dst: Path, algorithm: str) -> Path:
+    """A one-layer draft of the tiny Llama whose layer is the target's first layer, fed the next token's
+    embedding alone (the target's hidden states are ignored), so it proposes roughly what the target's
+    first layer predicts and some proposals are accepted.
+    `EAGLE` (`LlamaForCausalLMEagle`): its `fc` passes the embedding through; the target's embedding and
+    LM head are shared (SGLang's EAGLE worker sets them). `EAGLE3` (`LlamaForCausalLMEagle3`): its
+    attention reads [normed embedding, normed hidden] (the hidden half's projections zero) and its `fc`
+    maps the captured hidden states (`EAGLE3_AUX_LAYERS`) to zero; its LM head is a copy of the
+    target's (`draft_vocab_size`: the whole vocabulary, no token map)."""
     import torch
     from safetensors.torch import load_file, save_file
 
     cfg = json.loads((TINY / "config.json").read_text())
-    cfg.update(architectures=["LlamaForCausalLMEagle"], num_hidden_layers=1)
+    h = cfg["hidden_size"]
+    w = load_file(str(target / "model.safetensors"))
+    layer0 = {name[len("model.") :]: v.clone() for name, v in w.items() if name.startswith("model.layers.0.")}
+    if algorithm == "EAGLE":
+        cfg.update(architectures=["LlamaForCausalLMEagle"], num_hidden_layers=1)
+        t = {
+            "fc.weight": torch.cat([torch.eye(h), torch.zeros(h, h)], 1).to(torch.bfloat16),
+            "fc.bias": torch.zeros(h, dtype=torch.bfloat16),
+        }
+        # without its input norm (EAGLE's first layer has none)
+        t.update((n, v) for n, v in layer0.items() if "input_layernorm" not in n)
+    else:
+        cfg.update(
+            architectures=["LlamaForCausalLMEagle3"],
+            num_hidden_layers=1,
+            draft_vocab_size=cfg["vocab_size"],
+            eagle_config={"eagle_aux_hidden_state_layer_ids": EAGLE3_AUX_LAYERS},
+        )
+        t = {
+            "fc.weight": torch.zeros(h, len(EAGLE3_AUX_LAYERS) * h, dtype=torch.bfloat16),
+            "layers.0.hidden_norm.weight": torch.ones(h, dtype=torch.bfloat16),
+            "norm.weight": w["model.norm.weight"].clone(),
+            "lm_head.weight": w["lm_head.weight"].clone(),
+        }
+        for n, v in layer0.items():
+            projects_input = any(f"self_attn.{x}_proj" in n for x in "qkv")
+            t[n] = torch.cat([v, torch.zeros_like(v)], 1) if projects_input else v
     dst.mkdir(parents=True, exist_ok=True)
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
-    w = load_file(str(target / "model.safetensors"))
-    h = cfg["hidden_size"]
-    t = {
-        "fc.weight": torch.cat([torch.eye(h), torch.zeros(h, h)], 1).to(torch.bfloat16),
-        "fc.bias": torch.zeros(h, dtype=torch.bfloat16),
-    }
-    for name, value in w.items():  # layer 0 without its input norm (EAGLE's first layer has none)
-        if name.startswith("model.layers.0.") and "input_layernorm" not in name:
-            t[name[len("model.") :]] = value
     save_file(t, str(dst / "model.safetensors"))
     return dst
 
@@ -271,62 +278,38 @@ def workdir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def models(workdir):
-    target = make_model(workdir / "target")
-    return target, make_eagle_draft(target, workdir / "draft")
+def target(workdir):
+    return make_model(workdir / "target")
+
+
+@pytest.fixture(params=["EAGLE", "EAGLE3"])
+def algorithm(request):
+    return request.param
 
 
 @pytest.fixture
-def start_server(workdir, models):
-    target, draft = models
-    args = ("--speculative-draft-model-path", str(draft), *SPEC_ARGS)
-    servers = BackendServers(target, workdir, page=SERVER_PAGE, host_tokens=4096, args=args)
+def start_server(workdir, target, algorithm):
+    draft = make_draft(target, workdir / f"draft-{algorithm}", algorithm)
+    args = ("--speculative-algorithm", algorithm, "--speculative-draft-model-path", str(draft), *SPEC_CHAIN_ARGS)
+    servers = BackendServers(target, workdir / algorithm, page=SERVER_PAGE, host_tokens=4096, args=args)
     yield servers.start
     servers.close()
 
 
-def _corrupt_draft_rows(directory: Path, target_layers: int) -> int:
-    """Negate the draft model's K and V rows (a page's layers from `target_layers` on) in every page
-    file under `directory`, as valid pages (`page_files.rewrite_payloads`): the target's rows are
-    untouched, only the draft reads wrong KV. Returns the number of files changed. Only for a stopped
-    server's directory."""
-    from sgl_hicache.tiers.codec import PAGE_SUFFIX
-
-    files = sorted(directory.rglob("*" + PAGE_SUFFIX))
-    assert all(page_shape(f)[0] > target_layers for f in files), files
-    return rewrite_payloads(files, lambda page: page[target_layers:].neg_())
-
-
-def _accepted(walk, name: str) -> int:
-    """How many of the draft model's proposals the target accepted in the walk's request `name`."""
-    return int(walk.metas[name]["spec_num_correct_drafts"])
-
-
-def test_eagle_server_outputs_equal_from_scratch_and_from_every_tier_and_after_a_restart(start_server, workdir):
-    disk = workdir / "disk"
-    srv = start_server("first", disk)
-    assert _settled_pool(srv)["config"]["pool_kind"] == "draft"
+def test_eagle_server_outputs_equal_from_scratch_and_from_every_tier_and_after_a_restart(
+    start_server, workdir, algorithm
+):
     # 320 bigram positions: HIT cached (whole pages), the last page's tail computed; SPEC_TOKENS output
-    # tokens, so the draft proposes often enough for its acceptance to show what KV it read
-    walk = walk_tiers(srv, _prompt(1, HIT + 17), HIT, start=START, n=SPEC_TOKENS)
-    assert_tiers_equal(walk, "scratch", "EAGLE")
-    # the draft model proposed from its own KV of the cached positions, which came back with the
-    # target's from each tier (the walk asserted each request's tier: none; device; host, any rest
-    # from disk; the whole hit from disk): its proposals were accepted as often as when it computed
-    # that KV itself
-    accepted = {name: _accepted(walk, name) for name in ("scratch", *TIERS)}
-    print(f"\nEAGLE accepted drafts of {SPEC_TOKENS} tokens by tier: {accepted}")
-    assert len(set(accepted.values())) == 1 and accepted["scratch"] > 0, accepted
-    assert_a_changed_cached_page_moves(srv, walk, "scratch", where="input")
-    assert_settled_and_clean(srv)
-    srv.stop()
-    # not vacuous: the draft rows of every page on disk negated (checksums rewritten: valid pages).
-    # After the restart the whole hit comes from disk; the target's rows are intact, so its greedy
-    # outputs and logprobs are the scratch run's, but the draft proposes from wrong KV and the
-    # acceptance moves
-    changed = _corrupt_draft_rows(disk, TARGET_LAYERS)
-    assert changed >= HIT // SERVER_PAGE, changed
-    meta = assert_restart_serves_from_disk(start_server("restart", disk), walk, "scratch")
-    corrupted = int(meta["spec_num_correct_drafts"])
-    print(f"EAGLE accepted drafts after a restart on {changed} pages with negated draft rows: {corrupted}")
-    assert corrupted != accepted["scratch"], (corrupted, accepted)
+    # tokens, so the draft proposes often enough for its acceptance to show what KV it read; the
+    # reference is the scratch run (the walk: tests/spec_walk.py)
+    walk_speculative_tiers(
+        start_server,
+        workdir / algorithm / "disk",
+        _prompt(1, HIT + 17),
+        HIT,
+        n=SPEC_TOKENS,
+        page=SERVER_PAGE,
+        target_layers=TARGET_LAYERS,
+        where="input",
+        label=algorithm,
+    )

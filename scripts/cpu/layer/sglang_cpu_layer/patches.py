@@ -17,7 +17,8 @@ references of the ``sgl_kernel`` linear-attention ops (scripts/cpu/shim/sgl_kern
 CPU without AMX, :func:`hybrid_linear_attention_without_amx`, which routes two layers SGLang would
 otherwise run as Triton kernels (no CPU driver) to CPU ops.
 
-EAGLE speculative decoding on ``torch_native`` attention: ``speculative_patches`` (applied from here).
+EAGLE speculative decoding (EAGLE3, DeepSeek MTP) on ``torch_native`` attention: ``speculative_patches``
+(applied from here).
 
 It also gives SGLang's ``torch_native`` attention what hybrid sliding-window models with attention
 sinks (gpt-oss, Granite SWA) need on CPU: the ``sinks`` argument and window-layer reads of an
@@ -264,7 +265,7 @@ def apply() -> bool:
         logger.info("sglang_cpu_layer: HiCache host memory reserve set to %s bytes", reserve)
     if not hasattr(torch.cpu.Stream, "synchronize"):
         torch.cpu.Stream.synchronize = lambda self: None  # type: ignore[attr-defined]  # (the patch adds it)
-    from sglang_cpu_layer import speculative_patches  # EAGLE on torch_native
+    from sglang_cpu_layer import speculative_patches  # EAGLE / MTP on torch_native
 
     speculative_patches.apply()
     _applied = True

@@ -14,6 +14,9 @@ The patch gives the draft the same `TorchNativeAttnBackend` class the target use
 speculative extends (TARGET_VERIFY, DRAFT_EXTEND_V2) as a reference: each request's cached prefix K / V
 from the pool through `req_to_token`, its new tokens' K / V as passed, causal among the new tokens
 (a chain: `--speculative-eagle-topk 1`; a token tree is refused with a clear error). Correct, not fast.
+
+DeepSeek's MTP (`--speculative-algorithm NEXTN`, SGLang's alias of EAGLE with the NextN layer of the
+target's checkpoint as the draft, `models/deepseek_nextn.py`) needs one more: `patch_deepseek_mtp`.
 """
 
 from __future__ import annotations
@@ -56,6 +59,23 @@ def spec_extend_attention(
         out[start:end] = o.squeeze(0).movedim(0, 1)[:n]
         start = end
     return out
+
+
+def patch_deepseek_mtp() -> None:
+    """`srt/models/deepseek_v2.py:3447` (`DeepseekV2ForCausalLM.set_embed_and_head`, which the NextN
+    draft inherits and the EAGLE worker calls to share the target's embedding and LM head,
+    `speculative/eagle_worker_v2.py:378`) ends with `torch.cuda.empty_cache()` and
+    `torch.cuda.synchronize()`: "Torch not compiled with CUDA enabled" on CPU torch. The same
+    assignment without them."""
+    from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM
+
+    def set_embed_and_head(self, embed, head):
+        del self.model.embed_tokens.weight
+        del self.lm_head.weight
+        self.model.embed_tokens.weight = embed
+        self.lm_head.weight = head
+
+    DeepseekV2ForCausalLM.set_embed_and_head = set_embed_and_head
 
 
 def apply() -> bool:
@@ -126,6 +146,7 @@ def apply() -> bool:
         return original_create(self, backend_name, backend_map, error_template, stamps_children)
 
     DraftBackendFactory._create_backend = create_backend
+    patch_deepseek_mtp()
     _applied = True
     logger.info("sglang_cpu_layer: EAGLE on torch_native patched for CPU")
     return True
