@@ -143,7 +143,7 @@ def _delta_rule(q, k, v, g, beta, state, l2norm: bool, scale: float, chunk_start
     s = state
     for t in range(v.shape[0]):
         if chunk_starts is not None and t % CHUNK == 0:
-            chunk_starts.append(s)
+            chunk_starts.append(s.clone())  # (at t = 0, s may alias the pool row written at the end)
         # every reduction on one token's tensors: the same shapes (so the same rounding) whether the
         # token comes in a long prefill, a short one or a decode step
         q_t = q[t].float().repeat_interleave(rep, dim=0)

@@ -12,10 +12,10 @@ cache strategies, and how its slot passes to the tree (`MambaCalls._mamba_commit
   other slot's. A finished request offers the latest tracked state that its committed tokens cover,
   else the previous one (SGLang's `unified_cache/components/mamba.py:582`
   `_select_finished_checkpoint`); the tree takes that slot out of the buffer (`-1` there, so
-  `free_mamba_cache` leaves it). A running request (a chunked prefill's checkpoint) offers its latest
-  tracked state; the tree takes it by donation (`donate_mamba_ping_pong_slot`: a fresh slot replaces
-  it in the buffer, and the request's track length is cleared, as SGLang's own tree does,
-  `mamba.py:665` / `:726`).
+  `free_mamba_cache` leaves it). A running request (SGLang checkpoints one after its prefill and
+  after each chunk, `batch_result_processor.py:394`) offers its latest tracked state; the tree takes
+  it by donation (`donate_mamba_ping_pong_slot`: a fresh slot replaces it in the buffer, and the
+  request's track length is cleared, as SGLang's own tree does, `mamba.py:665` / `:726`).
 
 Contract: every call runs on SGLang's scheduler thread; an `Offer` is valid until the request's next
 forward; `hand_over` returns the slot the tree now owns (the request no longer names it), or None.
