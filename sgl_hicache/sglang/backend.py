@@ -38,7 +38,7 @@ buffer and disk directory; the ranks agree on every local fact once per schedule
 (`data_parallel.py`).
 
 Built by `factory.factory` (which refuses what is not supported: PP, SGLang's own HiCache, DSA, hybrid
-Mamba variants other than `no_buffer`) from the parts `assembly.assemble` composes; the stats it shows are put together in `export`.
+Mamba variants other than `no_buffer` and `extra_buffer`) from the parts `assembly.assemble` composes; the stats it shows are put together in `export`.
 Pool kinds without an adapter are refused by `pool_adapters`. Requests with a LoRA `extra_key` or a
 `cache_salt` are served without the cache (a miss, never stored). Hybrid Mamba / linear-attention
 models: hits only where a recurrent-state snapshot is kept, restored into the request's own slot
@@ -408,8 +408,7 @@ class TieredRadixCache(MambaCalls, StepCalls, CacheViews, BasePrefixCache):
         # write-through at commit: the host copies of these pages start now, on the transfer threads,
         # not at the next step's pump, which runs after the next admission has evicted them dirty
         self.controller.commit(m.path)
-        if self.snapshots is not None and d == aligned == len(token_ids):  # the slot's state is at up_to
-            self._mamba_commit(req, m.path, aligned)
+        self._mamba_commit(req, m.path, d, len(token_ids))  # hybrid Mamba: a state snapshot
         self._maybe_check()
 
     def insert(self, params: InsertParams) -> InsertResult:

@@ -50,12 +50,13 @@ REFUSED: dict[str, Refusal] = {
         f"or {_SGLANG_HICACHE}",
     ),
     "mamba": Refusal(
-        "a hybrid Mamba / linear-attention model whose recurrent state is not one MambaPool slot per request "
-        "(--mamba-radix-cache-strategy extra_buffer, ReplaySSM, int8 mamba checkpoints, the unified hybrid pool)",
-        "the backend keeps one state snapshot per tree point, taken from a finished request's own slot "
-        "(SGLang's no_buffer strategy) and tiered device -> host -> disk; these variants keep the state in "
-        "ping-pong slots, rings or another pool",
-        f"--mamba-radix-cache-strategy no_buffer (served), or {_SGLANG_HICACHE}",
+        "a hybrid Mamba / linear-attention model whose recurrent state is not in MambaPool slots the "
+        "request holds from its start (--mamba-radix-cache-strategy extra_buffer_lazy, ReplaySSM, int8 mamba "
+        "checkpoints, the unified hybrid pool)",
+        "the backend keeps one state snapshot per tree point, taken from a slot the request holds (its own "
+        "under no_buffer, a ping-pong track slot under extra_buffer) and tiered device -> host -> disk; these "
+        "variants allocate track slots on demand, keep the state in rings or in another pool",
+        f"--mamba-radix-cache-strategy extra_buffer or no_buffer (both served), or {_SGLANG_HICACHE}",
     ),
     "dsa": Refusal(
         "DSA sparse-attention models (DSATokenToKVPool: DeepSeek V3.2, GLM-5)",

@@ -52,25 +52,30 @@ def workdir(tmp_path_factory):
     shutil.rmtree(d, ignore_errors=True)
 
 
-@pytest.fixture
-def start_server(workdir):
+def mamba_servers(workdir: Path, page: int, slots: int, args: list[str], host_tokens: int = 1536) -> BackendServers:
+    """The servers of a phase: the tiny Qwen3-Next on the backend with `slots` mamba slots, 2 running
+    requests, `DEVICE_TOKENS` of KV and a host of `host_tokens`, a third of it for snapshots (1,536:
+    1,014 tokens of KV and 7 snapshots); the tree checks and the scheduler-I/O guard on."""
     from sgl_hicache.client.server import has_cuda
 
     if has_cuda():
         pytest.skip("proves the CPU test layer's kernels; on a GPU SGLang runs its own")
-    # host: 1,014 tokens of KV and 7 snapshots of the tiny model
-    env = {**CHECKED, "SGLHICACHE_MAMBA_STATE_SHARE": "0.34"}  # the tree checks and the scheduler-I/O guard
-    args = ("--max-mamba-cache-size", str(MAMBA_SLOTS), "--max-running-requests", "2", *MAMBA_ARGS)
-    servers = BackendServers(
+    env = {**CHECKED, "SGLHICACHE_MAMBA_STATE_SHARE": "0.34"}
+    return BackendServers(
         make_model(workdir / "model"),
         workdir,
-        page=1,
-        host_tokens=1536,
+        page=page,
+        host_tokens=host_tokens,
         device_tokens=DEVICE_TOKENS,
         env=env,
-        args=args,
+        args=("--max-mamba-cache-size", str(slots), "--max-running-requests", "2", *args),
         timeout_s=600,
     )
+
+
+@pytest.fixture
+def start_server(workdir):
+    servers = mamba_servers(workdir, 1, MAMBA_SLOTS, MAMBA_ARGS)
     yield servers.start
     servers.close()
 
@@ -301,6 +306,16 @@ def test_a_copy_in_flight_serves_hits_and_a_failed_copy_loses_nothing(tmp_path):
 
 
 def test_hybrid_outputs_equal_scratch_from_every_tier_and_after_a_restart(start_server, workdir):
+    every_tier(start_server, workdir, {"P": HIT, "R": HIT + 1, "S": HIT + 2}, MAMBA_SLOTS)
+
+
+def every_tier(start_server, workdir: Path, hits: dict[str, int], slots: int, flood_tokens: int = 120) -> None:
+    """The phases of the module docstring on one model's servers (`start_server(name, disk)`): P, R
+    and S are prompts of `hits[name] + TAIL` tokens whose state snapshot at depth `hits[name]` is left
+    by their scratch run (or by a finished request of their first `hits[name]` tokens). The depths
+    are distinct and no flood request leaves a snapshot at one: they name the snapshot files apart
+    (the file header's depth). `slots`: the server's mamba slots; `flood_tokens`: the flood prompts'
+    length (their snapshots must rank above P's, or the first flood leaves P's on the device)."""
     from sgl_hicache.sglang.kinds.mamba.mamba_snapshots import SUFFIX, decode_header, encode_file
 
     disk = workdir / "disk"
@@ -308,10 +323,9 @@ def test_hybrid_outputs_equal_scratch_from_every_tier_and_after_a_restart(start_
     st = _states(srv)
     assert st["config"]["pool_kind"] == "mamba", st["config"]
     size = st["mamba_states"]["snapshot_bytes"]
-    # P is served from every tier; R's and S's snapshots are altered on disk before the restart. Their
-    # hit points (depths HIT, HIT + 1, HIT + 2) name their snapshot files apart (the file header's depth)
-    prompts = {name: _prompt(seed, HIT + k + TAIL) for k, (name, seed) in enumerate((("P", 1), ("R", 2), ("S", 3)))}
-    hits = {name: HIT + k for k, name in enumerate(prompts)}
+    # P is served from every tier; R's and S's snapshots are altered on disk before the restart
+    prompts = {name: _prompt(seed, hits[name] + TAIL) for name, seed in (("P", 1), ("R", 2), ("S", 3))}
+    hit = hits["P"]
     ref = {}
 
     def scratch(name: str) -> None:
@@ -323,26 +337,26 @@ def test_hybrid_outputs_equal_scratch_from_every_tier_and_after_a_restart(start_
 
     scratch("P")
     P = prompts["P"]
-    out_dev, d1, lp_dev = _gen_lp(srv, P, HIT)
-    assert d1["device"] == HIT, d1
+    out_dev, d1, lp_dev = _gen_lp(srv, P, hit)
+    assert d1["device"] == hit, d1
     assert _restored(srv) == {"device": 1, "host": 0, "disk": 0}
     scratch("R")
     scratch("S")
 
-    _flood(srv, 2, 4)  # the snapshots leave the mamba slots (demoted), P's pages the device
+    _flood(srv, 2, 4, flood_tokens)  # the snapshots leave the mamba slots (demoted), P's pages the device
     m = _states(srv)["mamba_states"]
     print(f"\nafter the first flood: {m}")
-    assert m["demoted_device"] > 0 and m["dropped_device"] == 0 and m["device_snapshots"] <= MAMBA_SLOTS, m
-    out_host, d2, lp_host = _gen_lp(srv, P, HIT)
-    assert d2["device"] == 0 and d2["host"] == HIT and d2["storage"] == 0, d2
+    assert m["demoted_device"] > 0 and m["dropped_device"] == 0 and m["device_snapshots"] <= slots, m
+    out_host, d2, lp_host = _gen_lp(srv, P, hit)
+    assert d2["device"] == 0 and d2["host"] == hit and d2["storage"] == 0, d2
     assert _restored(srv) == {"device": 1, "host": 1, "disk": 0}
 
-    _flood(srv, 3, 14)  # P's pages and the snapshots leave the host for disk
+    _flood(srv, 3, 14, flood_tokens)  # P's pages and the snapshots leave the host for disk
     m = _states(srv)["mamba_states"]
     assert m["demoted_host"] > 0 and m["host_bytes"] <= m["host_budget_bytes"], m
     assert m["disk_bytes"] == (m["disk_writes"] - m["disk_deleted"]) * size <= m["disk_budget_bytes"], m
-    out_disk, d3, lp_disk = _gen_lp(srv, P, HIT)
-    assert d3["storage"] == HIT, d3
+    out_disk, d3, lp_disk = _gen_lp(srv, P, hit)
+    assert d3["storage"] == hit, d3
     assert _restored(srv) == {"device": 1, "host": 1, "disk": 1}
 
     out_ref, lp_ref = ref["P"]
@@ -356,21 +370,21 @@ def test_hybrid_outputs_equal_scratch_from_every_tier_and_after_a_restart(start_
     srv.stop()
 
     files = {decode_header(f.read_bytes())[0]: f for f in disk.rglob(f"*{SUFFIX}")}
-    assert {HIT, HIT + 1, HIT + 2} <= set(files), sorted(files)
+    assert set(hits.values()) <= set(files), sorted(files)
     # R's snapshot rewritten with another valid state (digest included): the forward must read it
-    original = files[HIT + 1].read_bytes()
+    original = files[hits["R"]].read_bytes()
     depth, ancestor, n, _ = decode_header(original)
     payload = bytearray(original[-n:])
     for i in range(0, n, 64):
         payload[i] ^= 0x10
-    files[HIT + 1].write_bytes(encode_file(depth, ancestor, bytes(payload)))
+    files[hits["R"]].write_bytes(encode_file(depth, ancestor, bytes(payload)))
     # S's snapshot with one payload byte flipped (its digest now fails): refused, S recomputed
-    raw = bytearray(files[HIT + 2].read_bytes())
+    raw = bytearray(files[hits["S"]].read_bytes())
     raw[-3] ^= 0xFF
-    files[HIT + 2].write_bytes(bytes(raw))
+    files[hits["S"]].write_bytes(bytes(raw))
 
     again = start_server("restart", disk)
-    out, d, lp = _gen_lp(again, P, HIT)
+    out, d, lp = _gen_lp(again, P, hit)
     assert d["storage"] > 0 and d["device"] == 0, d
     assert _restored(again)["disk"] == 1
     assert out == out_ref, (out, out_ref)
@@ -378,13 +392,13 @@ def test_hybrid_outputs_equal_scratch_from_every_tier_and_after_a_restart(start_
     print(f"Qwen3-Next logprob |diff| after the restart: {diff}")
     assert diff <= LOGPROB_TOL, diff
 
-    _, d_r, lp_r = _gen_lp(again, prompts["R"], HIT + 1)
+    _, d_r, lp_r = _gen_lp(again, prompts["R"], hits["R"])
     assert d_r["storage"] > 0 and _restored(again)["disk"] == 2, d_r
     moved = _logprob_diff(ref["R"][1], lp_r)
     print(f"Qwen3-Next logprob |diff| from an altered snapshot: {moved}")
     assert moved > 1000 * LOGPROB_TOL, moved
 
-    out_s, d_s, lp_s = _gen_lp(again, prompts["S"], HIT + 2)
+    out_s, d_s, lp_s = _gen_lp(again, prompts["S"], hits["S"])
     m = _states(again)["mamba_states"]
     assert m["disk_corrupt"] == 1 and m["restored_disk"] == 2, m
     assert sum(d_s.values()) == 0, d_s

@@ -4,9 +4,9 @@ layer, a 4-expert MoE; random weights of realistic scale, scripts/cpu/realistic_
 
 It runs here only with the CPU test layer: torch references of the `sgl_kernel` linear-attention ops
 (scripts/cpu/shim/sgl_kernel/mamba.py) and `sglang_cpu_layer.patches.hybrid_linear_attention_without_amx` (SGLang's
-CPU path assumes AMX), and with `--mamba-radix-cache-strategy no_buffer --page-size 1
---disable-overlap-schedule` (SGLang on CPU: "extra_buffer requires platform support for Mamba cache
-state snapshots", `arg_groups/mamba_hook.py:120`).
+CPU path assumes AMX), here with `--mamba-radix-cache-strategy no_buffer --page-size 1
+--disable-overlap-schedule` (SGLang's default flags resolve to extra_buffer, which on CPU needs the
+CPU test layer's `mamba_extra_buffer` patches: tests/server/test_sglang_mamba_extra_buffer.py).
 
 What it proves: a second turn that SGLang's own Mamba radix cache serves from the first turn's state
 snapshot (prompt + reply, `cached_tokens` > 0) gives the outputs and logprobs of the same prompt from

@@ -83,6 +83,7 @@ def _gdn_inputs(n, seed=0):
 
 def _prefill_gdn(ops, q, k, v, a, b, A_log, dt_bias, states, slot, lo, hi):
     g, beta = ops.fused_gdn_gating_cpu(A_log, a[lo:hi], b[lo:hi], dt_bias)
+    start = states[slot].float().clone()
     out, pool, h = ops.chunk_gated_delta_rule_cpu(
         q[:, lo:hi],
         k[:, lo:hi],
@@ -95,7 +96,8 @@ def _prefill_gdn(ops, q, k, v, a, b, A_log, dt_bias, states, slot, lo, hi):
         True,
         torch.tensor([slot]),
     )
-    assert pool is states and h is None
+    # h: the state at the start of each 64-token chunk (what extra_buffer's prefill tracking reads)
+    assert pool is states and h.shape[:2] == (1, -(-(hi - lo) // ops.CHUNK)) and torch.equal(h[0, 0], start)
     return out
 
 

@@ -22,7 +22,8 @@ Supported:
 - `HybridLinearKVPool` (hybrid Mamba / linear attention): the attention layers' pages, and beside
   them a `MambaPool`: not pages of tokens but one recurrent state per slot; `MambaStateAdapter` reads and writes a slot's state as one snapshot (every layer's conv and
   temporal state), which the snapshot tiers store (`mamba_snapshots.py`); served with
-  `--mamba-radix-cache-strategy no_buffer` (`mamba_calls.py`), the other strategies refused (coverage "mamba").
+  `--mamba-radix-cache-strategy no_buffer` or `extra_buffer` (`mamba_calls.py`, `state_sources.py`), the
+  other strategies refused (coverage "mamba").
 - Speculative decoding (EAGLE, EAGLE3, NextN MTP): `DraftPoolsAdapter` puts the draft model's pools
   (their rows at the target's token slots) beside the target's, as further layers of one page.
 """

@@ -18,7 +18,8 @@ CPU without AMX, :func:`hybrid_linear_attention_without_amx`, which routes two l
 otherwise run as Triton kernels (no CPU driver) to CPU ops.
 
 EAGLE speculative decoding (EAGLE3, DeepSeek MTP) on ``torch_native`` attention: ``speculative_patches``
-(applied from here).
+(applied from here). SGLang's Mamba ``extra_buffer`` strategy (its default for a hybrid model at
+overlap scheduling or a page size above 1): ``mamba_extra_buffer`` (applied from here).
 
 It also gives SGLang's ``torch_native`` attention what hybrid sliding-window models with attention
 sinks (gpt-oss, Granite SWA) need on CPU: the ``sinks`` argument and window-layer reads of an
@@ -265,9 +266,10 @@ def apply() -> bool:
         logger.info("sglang_cpu_layer: HiCache host memory reserve set to %s bytes", reserve)
     if not hasattr(torch.cpu.Stream, "synchronize"):
         torch.cpu.Stream.synchronize = lambda self: None  # type: ignore[attr-defined]  # (the patch adds it)
-    from sglang_cpu_layer import speculative_patches  # EAGLE / MTP on torch_native
+    from sglang_cpu_layer import mamba_extra_buffer, speculative_patches  # EAGLE / MTP on torch_native
 
     speculative_patches.apply()
+    mamba_extra_buffer.apply(_when_imported)  # the Mamba extra_buffer strategy on CPU
     _applied = True
     logger.info("sglang_cpu_layer: SGLang HiCache host pool patched for CPU")
     return True

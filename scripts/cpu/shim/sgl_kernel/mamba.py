@@ -26,6 +26,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# FLA's chunk length (``kernels/ops/attention/fla/chunk_delta_h.py`` ``CHUNK_SIZE``; SGLang's
+# ``mamba_chunk_size`` default, ``hybrid_linear_attn_backend.py:140``): the grid of ``h``
+CHUNK = 64
+
 
 def _conv_window(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
     """One output column of a depthwise causal conv: ``window`` ``[dim, width]`` (oldest first)."""
@@ -128,15 +132,18 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
 
-def _delta_rule(q, k, v, g, beta, state, l2norm: bool, scale: float):
+def _delta_rule(q, k, v, g, beta, state, l2norm: bool, scale: float, chunk_starts: list | None = None):
     """The gated delta rule over one sequence, token by token, in float32.
     q, k: ``[n, H, K]``; v: ``[n, HV, V]``; g, beta: ``[n, HV]``; state ``[HV, V, K]`` (float32).
-    Returns (``[n, HV, V]`` float32, the final state)."""
+    Returns (``[n, HV, V]`` float32, the final state). With ``chunk_starts`` (a list), the state at the
+    start of every ``CHUNK``-token chunk (before token ``c * CHUNK``) is appended to it."""
     hv = v.shape[1]
     rep = hv // q.shape[1]
     out = torch.empty(v.shape, dtype=torch.float32)
     s = state
     for t in range(v.shape[0]):
+        if chunk_starts is not None and t % CHUNK == 0:
+            chunk_starts.append(s.clone())  # (at t = 0, s may alias the pool row written at the end)
         # every reduction on one token's tensors: the same shapes (so the same rounding) whether the
         # token comes in a long prefill, a short one or a decode step
         q_t = q[t].float().repeat_interleave(rep, dim=0)
@@ -169,16 +176,24 @@ def chunk_gated_delta_rule_cpu(
     """Prefill: ``q``, ``k`` ``[1, tokens, H, K]``, ``v`` ``[1, tokens, HV, V]``, ``g``, ``beta``
     ``[1, tokens, HV]``; sequences packed by ``cu_seqlens``, sequence i starting from (and writing
     back) ``initial_state[initial_state_indices[i]]``. Returns (``[1, tokens, HV, V]`` in q's dtype,
-    the state pool, None) as ``sgl_kernel.mamba.chunk_gated_delta_rule_cpu`` does."""
+    the state pool, the per-chunk states ``h``). ``h`` ``[1, chunks, HV, V, K]`` (float32) is what FLA's
+    chunk kernel returns beside the final state: for each sequence in order, the state at the start of
+    each of its ``CHUNK``-token chunks. SGLang's extra_buffer strategy reads it for a prefix-cache
+    snapshot at a chunk boundary inside the extend (``hybrid_linear_attn_backend.py:1047``
+    ``_track_mamba_state_extend``, rows from ``mamba/prefill_track_metadata.py:52``); the CPU build
+    returns None there, which is why SGLang refuses extra_buffer on CPU."""
     if head_first:
         raise NotImplementedError("sgl_kernel CPU reference: head_first layouts are not implemented")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out = torch.zeros((1, q.shape[1], v.shape[2], v.shape[3]), dtype=q.dtype)
     bounds = cu_seqlens.tolist()
+    h: list = []
     for i in range(len(bounds) - 1):
         lo, hi = bounds[i], bounds[i + 1]
         slot = i if initial_state_indices is None else int(initial_state_indices[i])
+        starts: list = []
         if slot < 0 or hi <= lo:
+            h += [torch.zeros(initial_state.shape[1:], dtype=torch.float32)] * (-(-(hi - lo) // CHUNK))
             continue
         o, s = _delta_rule(
             q[0, lo:hi],
@@ -189,10 +204,13 @@ def chunk_gated_delta_rule_cpu(
             initial_state[slot].float(),
             use_qk_l2norm_in_kernel,
             scale,
+            starts,
         )
+        h += starts
         out[0, lo:hi] = o.to(q.dtype)
         initial_state[slot] = s.to(initial_state.dtype)
-    return out, initial_state, None
+    chunks = torch.stack(h).unsqueeze(0) if h else None
+    return out, initial_state, chunks
 
 
 def fused_sigmoid_gating_delta_rule_update_cpu(

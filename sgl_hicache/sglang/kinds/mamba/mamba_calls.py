@@ -10,22 +10,25 @@ page key at their depth. This mixin:
   its pages' prefetch;
 - `_mamba_restore`: copies that snapshot into the request's own mamba slot (allocating one, evicting
   snapshots under slot pressure), SGLang's copy-on-write (`cow_mamba`);
-- `_mamba_commit`: at a finished request's commit, takes its slot (the state after its committed
-  tokens, SGLang's `no_buffer` strategy) as the snapshot of that depth, or frees it;
-- `_mamba_release`: frees the slot a request still holds when it is released;
+- `_mamba_commit`: at a request's commit, takes the slot its strategy offers (state_sources.py: a
+  finished request's own slot at its end under `no_buffer`; under `extra_buffer` the ping-pong slot
+  its forward tracked at a chunk-aligned point, finished or running) as the snapshot of that depth;
+- `_mamba_release`: frees the slots a request still holds when it is released;
 - `mamba_evictable_size` / `all_mamba_values_flatten` / `evict(mamba_num=...)`: the tree's device
   slots, as SGLang's pool accounting and its slot-shortage eviction (`allocation.ensure_mamba_capacity`)
   read them (a slot a background copy still reads is protected, not evictable); eviction frees the
   slots whose state already landed in host / disk first, and never copies.
 
-`build_snapshots` refuses the hybrid variants whose state lives elsewhere (extra_buffer ping-pong
-slots, ReplaySSM rings, int8 checkpoint pools, the unified hybrid pool's virtual slots).
+`build_snapshots` refuses the hybrid variants whose state lives elsewhere (extra_buffer_lazy's
+on-demand track slots, ReplaySSM rings, int8 checkpoint pools, the unified hybrid pool's virtual
+slots).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +42,7 @@ from ....tree.node import TreeNode
 from ...coverage import PREFIX, refusal
 from ...layer_loads import MappedLayerCounter
 from .mamba_snapshots import READY, SnapshotTiers
+from .state_sources import NoBuffer, state_source
 
 
 def hybrid_state_of(req_to_token_pool: Any) -> Any | None:
@@ -52,8 +56,8 @@ def unsupported_hybrid(req_to_token_pool: Any) -> str | None:
     """Why this hybrid pool is not served (its state is not all in one `MambaPool` slot per request),
     or None."""
     pool = req_to_token_pool.mamba_pool
-    if getattr(req_to_token_pool, "enable_mamba_extra_buffer", False):
-        return "--mamba-radix-cache-strategy extra_buffer"
+    if getattr(req_to_token_pool, "enable_mamba_extra_buffer_lazy", False):
+        return "--mamba-radix-cache-strategy extra_buffer_lazy"
     if getattr(pool, "replayssm_write_pos", None) is not None:
         return "ReplaySSM linear attention"
     if getattr(req_to_token_pool, "mamba_ckpt_pool", None) is not None:
@@ -194,15 +198,25 @@ class MambaCalls:
                 return depth, key
         return 0, None
 
+    @cached_property
+    def _state_source(self) -> NoBuffer:
+        """Where a request's state at a cacheable point is, under this pool's strategy."""
+        return state_source(self.req_to_token_pool)
+
+    def _alloc_slot(self) -> torch.Tensor | None:
+        """A fresh mamba slot (shape [1]), evicting tree snapshots if short; None if none is free."""
+        assert self.snapshots is not None
+        alloc = self.req_to_token_pool.mamba_allocator
+        got = alloc.alloc(1)
+        if got is None:
+            self.snapshots.evict_device(1)
+            got = alloc.alloc(1)
+        return got
+
     def _mamba_slot(self, req: Any) -> int | None:
         """The request's own mamba slot, allocated (evicting tree snapshots if short) when it has none."""
-        assert self.snapshots is not None
         if req.kv.mamba_pool_idx is None:
-            alloc = self.req_to_token_pool.mamba_allocator
-            got = alloc.alloc(1)
-            if got is None:
-                self.snapshots.evict_device(1)
-                got = alloc.alloc(1)
+            got = self._alloc_slot()
             if got is None:
                 return None
             req.kv.mamba_pool_idx = got[0]
@@ -240,18 +254,27 @@ class MambaCalls:
         req.kv.mamba_needs_clear = tier is None  # a failed restore: the request starts from the zero state
         return tier
 
-    def _mamba_commit(self, req: Any, path: list[TreeNode], depth: int) -> None:
-        """A finished request's commit: its slot holds the state after `depth` committed tokens, whose
-        tree path is `path` (ending at `depth`): keep it as that point's snapshot (the request's slot
-        becomes the tree's), or leave it to `_mamba_release`."""
-        if self.snapshots is None or req.kv.mamba_pool_idx is None or not req.finished() or not path:
+    def _mamba_commit(self, req: Any, path: list[TreeNode], covered: int, committed: int) -> None:
+        """A request's commit of its first `committed` tokens, whose tree path is `path` (its first
+        `covered` tokens on device): the state its strategy offers (`state_sources`) at a page end
+        of that device path becomes that point's snapshot (the slot passes to the tree), unless one
+        is kept there already; else the slot stays the request's, for `_mamba_release`."""
+        if self.snapshots is None or not path:
+            return
+        offer = self._state_source.offer(req, committed)
+        if offer is None or offer.depth > covered:
             return
         ends = _page_ends(path, self.page_size)
-        if ends[0][0] != depth:
+        at = next((i for i, (d, _) in enumerate(ends) if d == offer.depth), None)
+        if at is None:
             return
-        ancestor = next((d for d, k in ends[1:] if k in self.snapshots), 0)
-        if self.snapshots.take(ends[0][1], depth, ancestor, int(req.kv.mamba_pool_idx)):
-            req.kv.mamba_pool_idx = None
+        key = ends[at][1]
+        ancestor = next((d for d, k in ends[at + 1 :] if k in self.snapshots), 0)
+        if not self.snapshots.accepts(key, offer.depth, ancestor):
+            return
+        slot = self._state_source.hand_over(req, offer, self._alloc_slot)
+        if slot is not None:
+            self.snapshots.take(key, offer.depth, ancestor, slot)
 
     def _hybrid_match(self, params: MatchPrefixParams, m: PrefixMatch, depth: int, key: bytes) -> MatchResult:
         """A hybrid Mamba model's match, cut to `depth` (a point with a state snapshot). All on device
@@ -284,13 +307,9 @@ class MambaCalls:
         )
 
     def _mamba_release(self, req: Any) -> None:
-        """The request is released: the slot it still holds goes back to SGLang's allocator."""
-        if self.snapshots is None or getattr(req.kv, "mamba_pool_idx", None) is None:
-            return
-        self.req_to_token_pool.mamba_allocator.free(req.kv.mamba_pool_idx.unsqueeze(-1))
-        req.kv.mamba_pool_idx = None
-        req.kv.mamba_cow_src_index = None
-        req.kv.mamba_needs_clear = False
+        """The request is released: the slots it still holds go back to SGLang's allocator."""
+        if self.snapshots is not None:
+            self._state_source.release(req)
 
 
 __all__ = [

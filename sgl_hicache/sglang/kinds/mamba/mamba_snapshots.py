@@ -6,8 +6,9 @@ that ends there (`TreeNode.keys`): the key the disk tier names that page by, so 
 finds the snapshot files of the pages it finds.
 
 Tiers of one snapshot (any subset; an entry held nowhere is forgotten):
-- device: a slot of SGLang's `MambaPool`, taken from the mamba allocator (a finished request's own
-  slot, handed over at its commit);
+- device: a slot of SGLang's `MambaPool`, taken from the mamba allocator (the slot a request's
+  strategy offers at its commit: a finished request's own slot under `no_buffer`, a ping-pong track
+  slot under `extra_buffer`; `state_sources.py`);
 - host: the state's bytes in DRAM (`MambaStateAdapter.read`), charged `snapshot_bytes` against the
   snapshots' share of the host budget;
 - disk: one file per snapshot under the disk tier's directory (`<dir>/mamba_states/<key hex>.state`,
@@ -143,7 +144,7 @@ class SnapshotTiers:
         self.submit = submit
         self._clock = itertools.count(1)
         self.counters: dict[str, int] = {
-            "taken": 0,  # finished requests' slots kept as snapshots
+            "taken": 0,  # requests' slots kept as snapshots
             "declined": 0,  # a snapshot of that key existed, or the gap to its ancestor was too short
             "restored_device": 0,
             "restored_host": 0,
@@ -202,12 +203,18 @@ class SnapshotTiers:
         }
 
     # ---- the request path ----------------------------------------------------------------------
-    def take(self, key: bytes, depth: int, ancestor_depth: int, slot: int) -> bool:
-        """Keep a finished request's `slot` (its state after `depth` tokens) as the snapshot of `key`,
-        and start its host copy. False: not kept (one exists, or too close to its ancestor); the
-        caller still owns the slot."""
+    def accepts(self, key: bytes, depth: int, ancestor_depth: int) -> bool:
+        """Whether `take` would keep a snapshot of `key` at `depth` (False, counted `declined`: one
+        exists, or it is too close to its ancestor)."""
         if key in self.entries or depth - ancestor_depth < self.min_gap_tokens:
             self.counters["declined"] += 1
+            return False
+        return True
+
+    def take(self, key: bytes, depth: int, ancestor_depth: int, slot: int) -> bool:
+        """Keep a request's `slot` (its state after `depth` tokens) as the snapshot of `key`, and start
+        its host copy. False: not kept (`accepts`); the caller still owns the slot."""
+        if not self.accepts(key, depth, ancestor_depth):
             return False
         e = Snapshot(key, depth, ancestor_depth, last_use=next(self._clock))
         self.entries[key] = e
