@@ -525,11 +525,8 @@ class TieredRadixCache(MambaCalls, StepCalls, CacheViews, BasePrefixCache):
     def on_release(self, req, *, checkpointed: bool) -> None:
         self._mamba_release(req)  # the slot a hybrid request still holds (the tree took it or not)
         self.request_hints.on_finish(req)
-        node = getattr(req, "last_node", None) if checkpointed else None
-        if node is not None and node.parent is not None:
-            # the request ended where its last checkpoint left it; what it ended in (a tool call or
-            # an answer) is not read from its output here: unknown (`policy/return_gaps.py`)
-            self.controller.finished(node.path_from_root())
+        if checkpointed and (node := getattr(req, "last_node", None)) is not None and node.parent is not None:
+            self.controller.finished(node.path_from_root())  # its ending is not read from the output: unknown
         st = self.req_states.forget(req.rid)
         if getattr(req, "_sgl_hicache_recorded", False) or not getattr(req, "_cache_breakdown_computed", False):
             return
