@@ -160,8 +160,9 @@ class TieringPolicy:
       shadow bets, the prefetch room and the stay test (`speculation.py`); `none` turns it off;
     - `learn_returns=False`: with it on, a conversation is retained for the pause its own past pauses
       predict, as a client's tool-call hint would ask, ranked against what the other pages are worth
-      (`control/hint_desk.py`, `policy/return_gaps.py`). Off: on recorded agent sessions it cost
-      1.00-1.03x mean TTFT (`docs/agent-hints.md`, "The server's own retentions");
+      (`control/hint_desk.py`, `policy/return_gaps.py`). Off: on recorded agent sessions it gained
+      only where the device was tight (0.97x mean) and cost elsewhere (up to 1.065x p99, 1.015x mean),
+      and the server does not read a call's ending yet (`docs/agent-hints.md`, "The server's own retentions");
     - `rewarm=True`: a cache restarted on a disk directory brings back to host, in the background and
       into free host pages only, the prefixes the stopped one used most (`control/rewarm.py`): its
       first requests hit host instead of disk, and nothing is evicted for it.
