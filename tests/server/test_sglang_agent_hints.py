@@ -186,7 +186,7 @@ def _check_hint_kinds_through_both_apis(srv) -> None:
     grew(retain=1, prefetch=1)
     _chat(srv, second, {"kv_hints": _env(("Retain", {"ttl_ms": 30_000, "session_id": "wf-api/kv"}))})
     grew(retain=2, prefetch=1)
-    _generate(srv, _prompt(103, 32), {"agent_hints": {"prefetch": "wf-api/kv"}}, n=1)
+    _chat(srv, _prompt(103, 32), {"agent_hints": {"prefetch": "wf-api/kv"}}, n=1)
     grew(retain=2, prefetch=2)
     _chat(srv, second, {"kv_hints": _env(("Demote", {"session_id": "wf-api/kv"}))})
     grew(retain=2, prefetch=2, demote=1)
