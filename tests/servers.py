@@ -19,7 +19,9 @@ class BackendServers:
 
     `env` is added to every server's environment (`CHECKED` by default; re-warm off, `NO_REWARM`, unless
     `env` or the start's `env_extra` sets `SGLHICACHE_REWARM`), `args` to its command line;
-    `stats=True` makes each write its stats file to `<workdir>/<name>-stats.json` every 0.5 s."""
+    `stats=True` makes each write its stats file to `<workdir>/<name>-stats.json` every 0.5 s.
+    `tokenizer=True` starts them without `--skip-tokenizer-init`, for a model folder that has a
+    tokenizer (`make_model(..., tokenizer=True)`): text prompts and `/v1/chat/completions` work."""
 
     def __init__(
         self,
@@ -32,12 +34,13 @@ class BackendServers:
         env: dict[str, str] | None = None,
         args: tuple[str, ...] = (),
         stats: bool = False,
+        tokenizer: bool = False,
         timeout_s: float = 400,
     ) -> None:
         self.model, self.workdir, self.page = model, workdir, page
         self.host_tokens, self.device_tokens = host_tokens, device_tokens
         self.env = dict(CHECKED if env is None else env)
-        self.args, self.stats, self.timeout_s = args, stats, timeout_s
+        self.args, self.stats, self.tokenizer, self.timeout_s = args, stats, tokenizer, timeout_s
         self.started: list = []
 
     def start(self, name: str, disk_dir: Path, tp: int = 1, **env_extra: str):
@@ -74,6 +77,7 @@ class BackendServers:
         srv = SGLangServer.start(
             self.model,
             load_format=None,
+            skip_tokenizer_init=not self.tokenizer,
             log_path=self.workdir / f"{name}.log",
             env=env,
             timeout_s=self.timeout_s,

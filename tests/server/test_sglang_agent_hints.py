@@ -1,14 +1,21 @@
 """Hints in the request end to end: a real SGLang 0.5.23 server on CPU (`--radix-cache-backend
-sgl_hicache`), `custom_params["agent_hints"]` sent with `/generate` and the OpenAI API's
-`/v1/completions`, their effect read from the server's stats and per-tier hits.
+sgl_hicache`), `custom_params["agent_hints"]` sent with `/generate` and, through the `openai` client,
+the OpenAI API's `/v1/completions` and `/v1/chat/completions`, their effect read from the server's
+stats and per-tier hits.
 
 One server (device pool 1,024 tokens, page 16, host 2,048, disk on, predictor off), the tiny Llama
-with realistic random weights:
+with realistic random weights and its word-level tokenizer and chat template (`make_model(...,
+tokenizer=True)`: the chat text `"t40 t977"` is the ids [40, 977]):
 - a request whose tool call starts (``expected_tool_duration_ms``) has its conversation retained
   through a flood that sends an unhinted conversation to disk: the next turn is served whole from the
   tiers and its greedy output equals the first one's; a prefetch naming an earlier
   conversation by its session key is applied; the stats count each;
-- every malformed field finishes its request with a 400 naming the field, from both APIs;
+- both hint kinds, `agent_hints` and the `kv_hints` envelope, sent through the OpenAI client's chat
+  completions and `/generate` in one conversation (`_check_hint_kinds_through_both_apis`, run here
+  at TP 1 and by `test_sglang_kv_hints.py` at TP 2): each retention, prefetch and end is applied and
+  counted, and a malformed field of each kind is refused with a 400 naming it;
+- every malformed field finishes its request with a 400 naming the field, from `/generate`, and from
+  the OpenAI client's completions and chat completions;
 - a flood of hinted requests (each asking to be kept for the longest time allowed, and some for
   longer) completes; the retained tokens kept stay within their shares, nothing is locked, the
   over-long ones are refused and counted, and an unhinted request after it still hits its cache;
@@ -24,6 +31,7 @@ import shutil
 import urllib.error
 import urllib.request
 
+import openai
 import pytest
 from servers import CHECKED, BackendServers
 from test_sglang_e2e import (
@@ -35,6 +43,7 @@ from test_sglang_e2e import (
     _prompt,
     _settled_pool,
     make_model,
+    tiny_text,
 )
 
 DEVICE_TOKENS = 1024
@@ -45,7 +54,9 @@ TP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "SGLHICACHE_CONSENSUS_CHECK": "1
 
 def _servers(work, model) -> BackendServers:
     env = {**CHECKED, "SGLHICACHE_PREDICTOR": "none"}
-    return BackendServers(model, work, page=PAGE, host_tokens=HOST_TOKENS, device_tokens=DEVICE_TOKENS, env=env)
+    return BackendServers(
+        model, work, page=PAGE, host_tokens=HOST_TOKENS, device_tokens=DEVICE_TOKENS, env=env, tokenizer=True
+    )
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +68,7 @@ def work(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(work):
-    return make_model(work / "model")
+    return make_model(work / "model", tokenizer=True)
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +106,103 @@ def _refusal(srv, path: str, body: dict) -> str:
     return text
 
 
+def _client(srv) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def _chat(srv, ids, custom: dict, n: int = 4) -> str:
+    """A greedy chat completion through the OpenAI client whose one user message is the text of `ids`,
+    `custom` in its `custom_params`; the reply's text."""
+    reply = _client(srv).chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": tiny_text(ids)}],
+        max_tokens=n,
+        temperature=0.0,
+        extra_body={"ignore_eos": True, "custom_params": custom},
+    )
+    assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == n, reply
+    return reply.choices[0].message.content
+
+
+def _refusals(srv, custom: dict) -> list[str]:
+    """The error texts a request with the malformed `custom_params` gets back from `/generate` and,
+    through the OpenAI client, from completions and chat completions (each a 400)."""
+    ids = _prompt(50, 40)
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2, "custom_params": custom}}
+    texts = [_refusal(srv, "/generate", body)]
+    client, extra = _client(srv), {"custom_params": custom}
+    for call in (
+        lambda: client.completions.create(model="default", prompt=ids, max_tokens=2, extra_body=extra),
+        lambda: client.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": tiny_text(ids)}], max_tokens=2, extra_body=extra
+        ),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            call()
+        assert e.value.status_code == 400
+        texts.append(str(e.value))
+    return texts
+
+
 def _hints(srv) -> dict:
     return _pool(srv)["agent_hints"]
+
+
+def _env(*actions: tuple[str, dict]) -> dict:
+    """A `kv_hints` envelope of these (action_type, payload) actions."""
+    return {
+        "protocol_version": "0.1",
+        "message_id": "m",
+        "actions": [
+            {"action_id": f"a{i}", "action_type": kind, "action_version": "0.1", "payload": payload}
+            for i, (kind, payload) in enumerate(actions)
+        ],
+    }
+
+
+def _generate(srv, ids, custom: dict, n: int = 4, **extra) -> dict:
+    """Greedy `/generate` with `custom` as its `custom_params`: SGLang's reply."""
+    params = {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True, "custom_params": custom}
+    r = srv.post("/generate", {"input_ids": list(ids), "sampling_params": params, **extra})
+    assert r["meta_info"]["finish_reason"]["type"] != "abort", r["meta_info"]
+    return r
+
+
+def _check_hint_kinds_through_both_apis(srv) -> None:
+    """One conversation's hints, `agent_hints` and `kv_hints` in turn, sent through the OpenAI client's
+    chat completions and `/generate`, each applied and counted; a malformed field of each kind refused
+    through both, naming it. The server's other tests use other session keys."""
+    first, second = _prompt(100, 64), _prompt(101, 64)
+    before = _hints(srv)
+
+    def grew(**want: int) -> None:
+        st = _hints(srv)
+        got = {k: st["applied"][k] - before["applied"][k] for k in want}
+        assert got == want, st
+
+    _chat(srv, first, {"agent_hints": {"workflow_id": "wf-api", "agent_id": "a", "expected_tool_duration_ms": 30_000}})
+    grew(retain=1)
+    _generate(srv, _prompt(102, 32), {"kv_hints": _env(("Prefetch", {"handle": "wf-api/a"}))}, n=1)
+    grew(retain=1, prefetch=1)
+    _chat(srv, second, {"kv_hints": _env(("Retain", {"ttl_ms": 30_000, "session_id": "wf-api/kv"}))})
+    grew(retain=2, prefetch=1)
+    _chat(srv, _prompt(103, 32), {"agent_hints": {"prefetch": "wf-api/kv"}}, n=1)
+    grew(retain=2, prefetch=2)
+    _chat(srv, second, {"kv_hints": _env(("Demote", {"session_id": "wf-api/kv"}))})
+    grew(retain=2, prefetch=2, demote=1)
+    _generate(srv, first, {"agent_hints": {"workflow_id": "wf-api", "agent_id": "a", "reuse_hint": "end"}})
+    grew(retain=2, prefetch=2, demote=2)
+    st = _hints(srv)["requests"]
+    assert st["with_hints"] - before["requests"]["with_hints"] == 6, st  # either kind
+    assert st["with_kv_hints"] - before["requests"]["with_kv_hints"] == 3, st
+    for custom, field in (
+        ({"agent_hints": {"expected_tool_duration_ms": "soon"}}, "agent_hints.expected_tool_duration_ms"),
+        ({"kv_hints": _env(("Prefetch", {}))}, "kv_hints.actions[0].payload.handle"),
+    ):
+        assert all(field in text for text in _refusals(srv, custom)), (field, _refusals(srv, custom))
+    st = _hints(srv)["requests"]
+    assert st["aborted_malformed"] - before["requests"]["aborted_malformed"] == 6, st
+    assert srv.alive()
 
 
 def test_a_tool_calls_conversation_is_retained_through_a_flood(server):
@@ -146,19 +252,12 @@ def test_a_tool_calls_conversation_is_retained_through_a_flood(server):
     ],
 )
 def test_a_malformed_hint_is_refused_with_the_field_named(server, bad, field):
-    ids = _prompt(50, 40)
-    text = _refusal(
-        server,
-        "/generate",
-        {"input_ids": ids, "sampling_params": {"max_new_tokens": 2, "custom_params": {"agent_hints": bad}}},
-    )
-    assert field in text, text
-    text = _refusal(
-        server,
-        "/v1/completions",
-        {"model": "default", "prompt": ids, "max_tokens": 2, "custom_params": {"agent_hints": bad}},
-    )
-    assert field in text, text
+    for text in _refusals(server, {"agent_hints": bad}):
+        assert field in text, text
+
+
+def test_both_hint_kinds_apply_through_the_openai_client_and_generate(server):
+    _check_hint_kinds_through_both_apis(server)
 
 
 def test_a_hint_flood_is_bounded_and_others_still_complete(server):

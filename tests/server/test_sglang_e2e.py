@@ -42,7 +42,10 @@ from conftest import mooncake_trace
 from servers import BackendServers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "cpu"))
-from realistic_weights import make_model  # re-exported: the other SGLang tests import it from here
+from realistic_weights import (
+    make_model,  # re-exported: the other SGLang tests import it from here
+    tiny_text,  # noqa: F401 (re-exported, for the tests with a tokenizer)
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
