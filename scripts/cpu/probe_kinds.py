@@ -32,6 +32,8 @@ _COMMON = {
     "head_dim": 32,
 }
 
+_V3 = json.loads((Path(__file__).parent / "tiny-deepseek-v3" / "config.json").read_text())
+
 KINDS: dict[str, tuple[dict, list[str]]] = {
     # hybrid sliding window, attention sinks, MoE
     "gpt-oss": (
@@ -105,6 +107,19 @@ KINDS: dict[str, tuple[dict, list[str]]] = {
             "attention_bias": False,
         },
         ["--mamba-radix-cache-strategy", "no_buffer", "--page-size", "1", "--disable-overlap-schedule"],
+    ),
+    # DSA (DeepSeek V3.2): scripts/cpu/tiny-deepseek-v3's MLA + MoE with the indexer's fields (index_topk
+    # makes SGLang take the DSA pool and attention); 64-token pages, as SGLang's DSA pool asserts
+    "deepseek-v32": (
+        {
+            **{k: v for k, v in _V3.items() if k not in ("num_nextn_predict_layers", "num_key_value_heads")},
+            "architectures": ["DeepseekV32ForCausalLM"],
+            "num_key_value_heads": 4,
+            "index_topk": 64,
+            "index_n_heads": 4,
+            "index_head_dim": 128,
+        },
+        ["--page-size", "64"],
     ),
 }
 

@@ -164,8 +164,11 @@ def assemble(
     engine = TransferEngine(cache, workers=s.transfer_workers)  # started on first use
     # host -> device loads queued layer by layer, waited for by SGLang's KV pool (the factory registers
     # it). TP >= 2: a load's nodes unlock only once every rank reported it done (sgl_hicache_on_step)
+    # (a page with tail layers, DSA's indexer, loads whole: its tail has no layer of the pool to wait for)
     layer_loads = (
-        LayerLoads(cache, agreed=consensus is not None) if s.layerwise_loads and HOST in cache.stores else None
+        LayerLoads(cache, agreed=consensus is not None)
+        if s.layerwise_loads and HOST in cache.stores and device_pool.views_every_layer
+        else None
     )
     executor = ThreadExecutor(cache, engine, layers=layer_loads, bytes_per_token=device_pool.layout.bytes_per_token)
     controller = build_controller(

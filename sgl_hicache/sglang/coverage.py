@@ -62,8 +62,8 @@ REFUSED: dict[str, Refusal] = {
         "DSA sparse-attention models (DSATokenToKVPool: DeepSeek V3.2, GLM-5)",
         "SGLang runs DSA attention only on GPU kernels (on a CPU its server arguments already fail: "
         "arg_groups/overrides.py:512 calls torch.cuda.get_device_capability()), so no CPU server test can prove "
-        "a DSA model's outputs from every tier; the indexer key pages beside the MLA latent round-trip bit for "
-        "bit (DSAIndexerAdapter), but they are not tiered with the latent pages yet",
+        "a DSA model's outputs from every tier; its pages are built (DSAPoolAdapter: the MLA latent and the "
+        "indexer key pages as one page, bit for bit through host, disk and a restart on SGLang's real pool)",
         _SGLANG_HICACHE,
     ),
     "scaled_quant_kv": Refusal(

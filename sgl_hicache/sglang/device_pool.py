@@ -16,8 +16,11 @@ used ones (allocated by SGLang's scheduler, not through this store). So:
 The pool's kind is addressed through its adapter (`pool_adapters.PoolAdapter`: MHA, fp8 MHA, MLA,
 hybrid sliding window); nothing here depends on the kind. A hybrid sliding-window pool's window
 layers keep their rows in a sub-pool of their own: `layer_space(layer)` is 1 for them and
-`space_pages(1, pages)` their pages there (SGLang's full -> window mapping). An unsupported pool raises `UnsupportedPool` at start, naming
-what was found and what to run instead.
+`space_pages(1, pages)` their pages there (SGLang's full -> window mapping). A page whose last layers
+are no buffer of the pool (DSA's indexer pages, the adapter's tail layers) has layer views for its
+first `adapter.view_layers` only (`views_every_layer` False): those pages move whole, through `read`
+and `write`. An unsupported pool raises `UnsupportedPool` at start, naming what was found and what to
+run instead.
 """
 
 from __future__ import annotations
@@ -77,7 +80,8 @@ class SGLangDevicePool(TierStore, LayeredPages):
         self._deferred: array | None = None  # pages freed inside `deferred_frees`, not yet given back
         self._frees_page_ids = type(allocator).__name__ in _FREES_PAGE_IDS
         # hybrid sliding window: the window layers' rows are reached through SGLang's slot mapping
-        self._space = [1 if self.adapter.is_window(layer) else 0 for layer in range(self.layout.num_layers)]
+        self._space = [1 if self.adapter.is_window(layer) else 0 for layer in range(self.adapter.view_layers)]
+        self.views_every_layer = self.adapter.view_layers == self.layout.num_layers
         self._page_views: dict[int, torch.Tensor] = {}  # `layer_pages`, per layer * planes + plane
         self._has_repeats = RepeatCheck(self.pool_pages + 1)  # SGLang's page ids run 1..pool_pages
 
@@ -215,7 +219,7 @@ class SGLangDevicePool(TierStore, LayeredPages):
         return view
 
     def _space_indices(self, handles: Sequence[Handle]) -> list[torch.Tensor]:
-        """Per layer, the page index of `handles` in that layer's space (one tensor per space)."""
+        """Per layer with a view (`adapter.view_layers`), the page index of `handles` in that layer's space (one tensor per space)."""
         pages = self._page_ids(handles)
         by_space = {space: self.space_pages(space, pages) for space in set(self._space)}
         return [by_space[space] for space in self._space]
@@ -232,6 +236,8 @@ class SGLangDevicePool(TierStore, LayeredPages):
             for layer, idx in enumerate(self._space_indices(handles)):
                 for p in range(self.planes):
                     torch.index_select(self.layer_pages(layer, p), 0, idx, out=out[:, layer, p])
+            if not self.views_every_layer:
+                out[:, self.adapter.view_layers :] = self.adapter.read_tail(self._page_ids(handles))
         return out
 
     def write(self, handles: Sequence[Handle], data: torch.Tensor) -> None:
@@ -244,6 +250,8 @@ class SGLangDevicePool(TierStore, LayeredPages):
         for layer, idx in enumerate(self._space_indices(handles)):
             for p in range(self.planes):
                 self.layer_pages(layer, p).index_copy_(0, idx, src[:, layer, p])
+        if not self.views_every_layer:
+            self.adapter.write_tail(self._page_ids(handles), src[:, self.adapter.view_layers :])
 
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])

@@ -237,9 +237,13 @@ class LayeredPages(ABC):
     `layer_space(layer)` names the index space of that layer's buffer: 0, the tier's own page
     handles, for every layer of a plain pool; another space (a hybrid sliding-window pool's window
     layers, kept in a sub-pool of their own) is reached by `space_pages(space, pages)`, the pages of
-    that space holding the tier's pages `pages` (a tensor of handles, on `device`; no host sync)."""
+    that space holding the tier's pages `pages` (a tensor of handles, on `device`; no host sync).
+
+    `views_every_layer` False: only some first layers have `layer_pages` views (the rest of a page,
+    DSA's indexer tail, is no buffer of the pool); such pages move whole, through `read` / `write`."""
 
     device: torch.device
+    views_every_layer: bool = True
 
     @abstractmethod
     def layer_pages(self, layer: int, kv: int) -> torch.Tensor: ...

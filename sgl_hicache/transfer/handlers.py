@@ -108,7 +108,7 @@ def layered_device_host(stores: dict[str, TierStore], src: str, dst: str) -> Han
     generic path at 64 MiB, 0.75x at 1 MiB, even near 3 MiB on this CPU)."""
     device, host = stores[DEVICE], stores[HOST]
     generic = copy_via_tensor(stores)
-    if not isinstance(device, LayeredPages) or not isinstance(host, HostKVBuffer):
+    if not isinstance(device, LayeredPages) or not device.views_every_layer or not isinstance(host, HostKVBuffer):
         return generic
     layers, planes = device.layout.num_layers, device.layout.kv_planes
     min_pages = max(1, -(-_LAYERED_MIN_BYTES // device.page_bytes))

@@ -26,6 +26,8 @@ Supported:
   other strategies refused (coverage "mamba").
 - Speculative decoding (EAGLE, EAGLE3, NextN MTP): `DraftPoolsAdapter` puts the draft model's pools
   (their rows at the target's token slots) beside the target's, as further layers of one page.
+- `DSATokenToKVPool` (DSA: DeepSeek V3.2, GLM-5): the MLA latent rows, and the indexer key pages as the
+  page's tail layers (`DSAPoolAdapter`); built, not served (the factory refuses DSA, coverage "dsa").
 """
 
 from __future__ import annotations
@@ -37,13 +39,10 @@ import torch
 
 from ...config import _DTYPES, KVLayout
 from ..coverage import refusal
+from .dsa_indexer import DSAIndexerAdapter
+from .unsupported import UnsupportedPool
 
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
-
-
-class UnsupportedPool(ValueError):
-    """SGLang's KV pool is of a kind this device tier cannot address (the message says which and what
-    to run instead)."""
 
 
 class PoolAdapter(ABC):
@@ -54,6 +53,12 @@ class PoolAdapter(ABC):
     plane, `[rows, layout.num_kv_heads, layout.head_dim]` in `layout.torch_dtype`, a view (writes
     through it land where SGLang's attention reads); `device` is where the buffers live;
     `replicated_across_tp` is True when every TP rank holds the same bytes for a token.
+
+    Page layers `0..view_layers-1` are such buffers; an adapter whose page carries more than the
+    pool's per-token rows (DSA's indexer pages) has tail layers `view_layers..layout.num_layers-1`,
+    which are no buffer of the pool: `read_tail(pages)` returns them for allocator pages `pages` (an
+    int64 tensor) as `(n, tail layers, planes, page_size, heads, head_dim)` on `device`, and
+    `write_tail(pages, data)` puts such data back bit for bit.
     """
 
     kind: str = ""
@@ -75,6 +80,17 @@ class PoolAdapter(ABC):
 
     @abstractmethod
     def _buffer(self, layer: int, p: int) -> torch.Tensor: ...
+
+    @property
+    def view_layers(self) -> int:
+        """How many of the page's layers are buffers of the pool (`plane`); the rest are the tail."""
+        return self.layout.num_layers
+
+    def read_tail(self, pages: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} has no tail layers")
+
+    def write_tail(self, pages: torch.Tensor, data: torch.Tensor) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no tail layers")
 
     def plane(self, layer: int, p: int) -> torch.Tensor:
         buf = self._buffer(layer, p)
@@ -166,11 +182,14 @@ class MLAPoolAdapter(PoolAdapter):
         return hasattr(kvcache, "kv_buffer") and hasattr(kvcache, "kv_lora_rank")
 
     def _layout(self, architecture: str) -> KVLayout:
+        if getattr(self.kvcache, "use_dsa", False):
+            raise UnsupportedPool(refusal("dsa", type(self.kvcache).__name__))
+        return self._latent_layout(architecture)
+
+    def _latent_layout(self, architecture: str) -> KVLayout:
         kv = self.kvcache
         kind = type(kv).__name__
         bufs = kv.kv_buffer
-        if getattr(kv, "use_dsa", False):
-            raise UnsupportedPool(refusal("dsa", kind))
         if getattr(kv, "kv_scale_buffer", None) is not None:
             raise UnsupportedPool(refusal("scaled_quant_kv", f"{kind} has scale buffers"))
         if not isinstance(bufs, (list, tuple)) or not bufs:
@@ -195,6 +214,62 @@ class MLAPoolAdapter(PoolAdapter):
         if p != 0:
             raise IndexError(f"MLA pool has one plane, asked for plane {p}")
         return self.kvcache.kv_buffer[layer]
+
+
+class DSAPoolAdapter(MLAPoolAdapter):
+    """SGLang's `DSATokenToKVPool` (DeepSeek V3.2, GLM-5): the MLA latent rows and, in the same page,
+    the indexer key pages of the same allocator page (`DSAIndexerAdapter`), so one key, one host slot
+    and one page file carry both.
+
+    Contract: layers `0..L-1` of a page are the latent's, as `MLAPoolAdapter`'s (`view_layers` = L);
+    the tail layers after them hold the page's indexer bytes (every indexer layer's page, layer after
+    layer, zero-padded to whole layers), carried in the latent's dtype and shape, never computed on:
+    `tail_layers = ceil(indexer page bytes / latent bytes per layer and page)` (DeepSeek V3.2 at
+    page 64: 61 latent layers + 7 tail layers, 8,052 of the tail's 8,064 bytes per token used). The
+    architecture is salted with the indexer's shape (`:dsa_indexer=<layers>x<bytes>`), so an MLA page
+    of the same model never reads as a DSA page. Packed index layouts are refused (`UnsupportedPool`).
+    """
+
+    kind = "dsa"
+    pool_classes = ("DSATokenToKVPool",)
+
+    @staticmethod
+    def matches(kvcache: Any) -> bool:
+        return MLAPoolAdapter.matches(kvcache) and hasattr(kvcache, "index_k_with_scale_buffer")
+
+    def _layout(self, architecture: str) -> KVLayout:
+        latent = self._latent_layout(architecture)
+        self.indexer = DSAIndexerAdapter(self.kvcache)
+        self.page_size = int(self.kvcache.page_size)
+        layer_bytes = self.page_size * latent.bytes_per_token // latent.num_layers
+        self.tail_layers = -(-self.indexer.page_bytes // layer_bytes)
+        self._latent_layers = latent.num_layers
+        self._tail_bytes = self.tail_layers * layer_bytes
+        return KVLayout(
+            num_layers=latent.num_layers + self.tail_layers,
+            num_kv_heads=1,
+            head_dim=latent.head_dim,
+            dtype=latent.dtype,
+            architecture=f"{architecture}:dsa_indexer={len(self.indexer.buffers)}x{self.indexer.layer_page_bytes}",
+            kv_planes=1,
+        )
+
+    @property
+    def view_layers(self) -> int:
+        return self._latent_layers
+
+    def read_tail(self, pages: torch.Tensor) -> torch.Tensor:
+        raw = self.indexer.read_bytes(pages)
+        out = torch.zeros((len(pages), self._tail_bytes), dtype=torch.uint8, device=raw.device)
+        out[:, : raw.shape[1]] = raw
+        t = self.layout
+        return out.view(t.torch_dtype).view(len(pages), self.tail_layers, 1, self.page_size, 1, t.head_dim)
+
+    def write_tail(self, pages: torch.Tensor, data: torch.Tensor) -> None:
+        raw = data.contiguous().view(len(pages), -1).view(torch.uint8)
+        if raw.shape[1] != self._tail_bytes:
+            raise ValueError(f"DSA tail of {raw.shape[1]} bytes a page, this pool's is {self._tail_bytes}")
+        self.indexer.write_bytes(pages, raw[:, : self.indexer.page_bytes])
 
 
 class _SubPoolAdapter(PoolAdapter):
@@ -333,6 +408,9 @@ class DraftPoolsAdapter(PoolAdapter):
         self.target, self.drafts = target, list(drafts)
         self.kvcache = target.kvcache
         t = target.layout
+        for a in (target, *self.drafts):
+            if a.view_layers != a.layout.num_layers:
+                raise UnsupportedPool(f"speculative decoding over a {a.kind} pool (page tail layers): not built")
         for d in self.drafts:
             dl = d.layout
             if (dl.kv_planes, dl.num_kv_heads, dl.head_dim, dl.dtype) != (
@@ -382,7 +460,13 @@ class DraftPoolsAdapter(PoolAdapter):
         return adapter.plane(i, p)
 
 
-ADAPTERS: tuple[type[PoolAdapter], ...] = (MHAPoolAdapter, MLAPoolAdapter, SWAPoolAdapter, HybridLinearPoolAdapter)
+ADAPTERS: tuple[type[PoolAdapter], ...] = (
+    MHAPoolAdapter,
+    DSAPoolAdapter,  # before MLA: a DSA pool has MLA's buffers too
+    MLAPoolAdapter,
+    SWAPoolAdapter,
+    HybridLinearPoolAdapter,
+)
 
 # SGLang pool classes refused, by (a base of) their class name: the `coverage.REFUSED` kind
 _REFUSED_POOLS = {
@@ -390,7 +474,6 @@ _REFUSED_POOLS = {
     "MHATokenToKVPoolMXFP8": "scaled_quant_kv",
     "MLATokenToKVPoolFP4": "scaled_quant_kv",
     "PageMajorMHATokenToKVPool": "kv_layout",
-    "DSATokenToKVPool": "dsa",
     # (SWAKVPool and HybridLinearKVPool themselves have adapters; subclasses of other layouts are refused)
     "BaseSWAKVPool": "swa",
     "HybridLinearKVPool": "mamba",
@@ -424,6 +507,7 @@ def adapter_for(kvcache: Any, architecture: str = "llama") -> PoolAdapter:
 
 __all__ = [
     "ADAPTERS",
+    "DSAPoolAdapter",
     "DraftPoolsAdapter",
     "HybridLinearPoolAdapter",
     "MHAPoolAdapter",
