@@ -31,7 +31,6 @@ import shutil
 import urllib.error
 import urllib.request
 
-import openai
 import pytest
 from servers import CHECKED, BackendServers
 from test_sglang_e2e import (
@@ -106,7 +105,9 @@ def _refusal(srv, path: str, body: dict) -> str:
     return text
 
 
-def _client(srv) -> openai.OpenAI:
+def _client(srv):
+    import openai  # SGLang's environment has it; the core suite, which only collects this module, has not
+
     return openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=120)
 
 
@@ -127,6 +128,8 @@ def _chat(srv, ids, custom: dict, n: int = 4) -> str:
 def _refusals(srv, custom: dict) -> list[str]:
     """The error texts a request with the malformed `custom_params` gets back from `/generate` and,
     through the OpenAI client, from completions and chat completions (each a 400)."""
+    import openai
+
     ids = _prompt(50, 40)
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2, "custom_params": custom}}
     texts = [_refusal(srv, "/generate", body)]
