@@ -5,6 +5,7 @@
 - the configurations compared (`CONFIGS`, `LABELS`) and each one's flags and environment
   (`server_args`, `server_env`);
 - a trace slice sized for a CPU server (`load_slice`, `working_set_tokens`, `pool_tokens`);
+- `warm_up`: untimed requests that take a fresh server's first-batch costs;
 - `run_one`: one replay on a fresh server, stopped and cleaned in every path, with its figures
   (TTFT, throughput, hits per tier, prefill batches) and optionally a py-spy profile
   (`start_profiler`; read it with `python -m benchmarks.server.profile_summary`).
@@ -33,7 +34,7 @@ from benchmarks.lib.paths import CPU_MODELS
 from sgl_hicache.client.backend_settings import BackendSettings, settings_env
 from sgl_hicache.client.server import ServerStartError, SGLangServer
 from sgl_hicache.replay import load_trace
-from sgl_hicache.replay.http import replay_http
+from sgl_hicache.replay.http import generate_stream, replay_http
 
 DEFAULT_MODEL = CPU_MODELS / "bench-llama"
 TINY_MODEL = CPU_MODELS / "tiny-llama"
@@ -78,6 +79,16 @@ TIERS = ("device", "host", "disk")
 def start_server(model: str | Path, *, env: Mapping[str, str] | None = None, **kwargs: Any) -> SGLangServer:
     """`SGLangServer.start(model, env=..., **kwargs)` with `CPU_LAYER_ENV` under the caller's `env`."""
     return SGLangServer.start(model, env={**CPU_LAYER_ENV, **(env or {})}, **kwargs)
+
+
+WARMUP = (48, 160, 320)  # untimed prompts first: a fresh server's first batches of a shape are slow
+
+
+def warm_up(url: str, vocab: int, output_tokens: int) -> None:
+    """A few untimed requests of unrelated ids (top of the vocabulary, descending: no trace prefix),
+    so that no measured request pays the fresh server's first-batch costs."""
+    for i, n in enumerate(WARMUP):
+        generate_stream(url, [vocab - 1 - ((i * 7 + j) % (vocab // 2)) for j in range(n)], output_tokens)
 
 
 def server_env_for_cli(extra: Mapping[str, str] | None = None) -> dict[str, str]:

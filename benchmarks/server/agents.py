@@ -73,12 +73,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.lib.report import git_rev
-from benchmarks.lib.server_runs import DEFAULT_MODEL, run_one
+from benchmarks.lib.server_runs import DEFAULT_MODEL, run_one, warm_up
 from benchmarks.lib.traces import agent_session_slice, fold_into_vocab
 from sgl_hicache.client.backend_settings import BackendSettings
 from sgl_hicache.client.server import SGLangServer
 from sgl_hicache.records import PRECEDED_BY
-from sgl_hicache.replay.http import generate_stream, replay_http
+from sgl_hicache.replay.http import replay_http
 from sgl_hicache.replay.shapes import agent
 
 CONFIGS = ("hicache", "sgl_hicache", "sgl_hicache_hints", "hicache_pt16")
@@ -324,16 +324,6 @@ def figures(
     if "in_request_hints" in rep:
         out["in_request_hints"] = {k: v for k, v in rep["in_request_hints"].items() if k != "server"}
     return out
-
-
-WARMUP = (48, 160, 320)  # untimed prompts first: a fresh server's first batches of a shape are slow
-
-
-def warm_up(url: str, vocab: int, output_tokens: int) -> None:
-    """A few untimed requests of unrelated ids (top of the vocabulary, descending: no trace prefix),
-    so that no trace request pays the fresh server's first-batch costs."""
-    for i, n in enumerate(WARMUP):
-        generate_stream(url, [vocab - 1 - ((i * 7 + j) % (vocab // 2)) for j in range(n)], output_tokens)
 
 
 def replayer(

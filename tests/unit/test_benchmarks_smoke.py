@@ -282,6 +282,30 @@ def test_server_compare_smoke(tmp_path: Path) -> None:
     assert not any((tmp_path / "runs").iterdir())  # every run's temp dir (HiCache files, our disk tier) removed
 
 
+@pytest.mark.sglang
+@pytest.mark.server
+@pytest.mark.skipif(
+    not _sglang_importable(),
+    reason="sglang is not installed (scripts/install_sglang_cpu.sh installs it into .venv-sglang)",
+)
+def test_server_rewarm_smoke(tmp_path: Path) -> None:
+    # three real servers one after the other: before the stop, then restarts with re-warm on and off
+    out = tmp_path / "rewarm.json"
+    cmd = [sys.executable, "-m", "benchmarks.server.rewarm", "--quick", "--json", str(out)]
+    subprocess.run(cmd, check=True, cwd=REPO, capture_output=True, timeout=1500)
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "rewarm_server" and result["summary"]["runs"] == 1
+    s = result["samples"][0]
+    assert "error" not in s, s.get("error")
+    assert s["order"] == ["rewarm", "cold"] and not s["before_stop"]["record"]["timed_out"]
+    for arm in ("rewarm", "cold"):
+        assert s[arm]["requests_failed"] == 0 and len(s[arm]["ttft_s"]) == 3
+    # the restart without re-warm reads every cached token from disk; with it, from host
+    assert s["cold"]["hit_tokens"]["host"] == 0 and s["cold"]["hit_tokens"]["disk"] > 0
+    assert s["rewarm"]["hit_tokens"]["host"] > 0 and s["rewarm"]["rewarm_tokens"]["used_tokens"] > 0
+    assert result["summary"]["outputs_equal"] and s["mean_ratio"] > 0 and s["worst_ratio"] > 0
+
+
 def test_server_compare_refuses_a_bad_time_scale() -> None:
     # the open-loop flag is checked before any server starts
     r = subprocess.run(
