@@ -69,5 +69,5 @@ wait "$INSTALL_PID" || install_rc=$?
 cat "$INSTALL_LOG"; rm -f "$INSTALL_LOG"
 [ "$install_rc" = 0 ] || { echo "[test.sh] error: installing the SGLang environment failed (exit $install_rc)" >&2; exit "$install_rc"; }
 # -p no:cacheprovider: no .pytest_cache writes racing the core run's
-SGLHICACHE_REQUIRE_SGLANG=1 limited 3600 "$SGL/bin/python" -m pytest -q -m sglang -p no:cacheprovider -rs --durations=30 "$@"
+SGLHICACHE_REQUIRE_SGLANG=1 limited 4200 "$SGL/bin/python" -m pytest -q -m sglang -p no:cacheprovider -rs --durations=30 "$@"
 echo "[test.sh] all done after $(( $(date +%s) - t0 )) s"
