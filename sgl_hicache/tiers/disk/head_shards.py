@@ -181,7 +181,8 @@ class HeadShardDiskStore(DiskPageStore):
         return super().keys()
 
     def discover(self, key: PageKey) -> bool:
-        if super().discover(key) or key in self._borrowed:
+        # borrowed first: a peer's own-directory copy is not indexed beside it (own and borrowed disjoint)
+        if key in self._borrowed or super().discover(key):
             return True
         have = [other for other, src in self._sources.items() if src.discover(key)]
         if cover(self.shard, have) is None:
